@@ -1,0 +1,322 @@
+"""Typed, validated configuration: model architecture (read from Hugging Face
+`config.json`), EAGLE-3 drafter, and engine settings.
+
+Everything that reads a checkpoint's config goes through here, so `specserve
+check` validates exactly what the engine will later use, without loading a
+single weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
+
+
+class ConfigError(ValueError):
+    """A checkpoint or setting that specserve cannot use; the message says what to do."""
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path} not found: expected a Hugging Face model directory with config.json") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must hold a JSON object, found {type(data).__name__}")
+    return data
+
+
+def _rope_from_hf(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any] | None]:
+    """Return (theta, scaling) from either the transformers 4.x keys
+    (`rope_theta`, `rope_scaling`) or the 5.x `rope_parameters` dict."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, dict) and params:
+        # 5.x may nest per layer type ({"full_attention": {...}}); we only have full attention.
+        if "rope_type" not in params and "rope_theta" not in params and len(params) == 1:
+            params = next(iter(params.values()))
+        theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+        scaling = {k: v for k, v in params.items() if k != "rope_theta"}
+    else:
+        theta = float(cfg.get("rope_theta", 10000.0))
+        scaling = dict(cfg["rope_scaling"]) if cfg.get("rope_scaling") else {}
+    rope_type = scaling.pop("rope_type", None) or scaling.pop("type", None) or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ConfigError(
+            f"{path}: rope type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if rope_type == "default":
+        return theta, None
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The target transformer's shape, normalized across Llama, Qwen2 and Qwen3."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    dtype: str
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    path: str = ""
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        path = Path(model_dir) / "config.json"
+        return cls.from_hf_dict(read_json(path), path)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], path: Path | str = "config.json") -> "ModelConfig":
+        path = Path(path)
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"{path}: architecture {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("use_sliding_window"):
+            raise ConfigError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
+
+        def need(key: str) -> Any:
+            if key not in cfg:
+                raise ConfigError(f"{path}: required key {key!r} is missing")
+            return cfg[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv_heads = int(cfg.get("num_key_value_heads") or heads)
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        if heads % kv_heads:
+            raise ConfigError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        theta, scaling = _rope_from_hf(cfg, path)
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
+        is_qwen2 = arch == "Qwen2ForCausalLM"
+        return cls(
+            architecture=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=kv_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            # Qwen2 always has q/k/v biases; Llama and Qwen3 say so with attention_bias.
+            qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
+            o_bias=(not is_qwen2) and bool(cfg.get("attention_bias", False)),
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+            eos_token_ids=eos_ids,
+            bos_token_id=cfg.get("bos_token_id"),
+            path=str(path.parent),
+        )
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """An EAGLE-3 drafter: one Llama decoder layer fed [embed(token), fc(aux hidden)]."""
+
+    layout: str  # "specforge" | "sglang" | "eagle"
+    hidden_size: int
+    target_hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    vocab_size: int
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...] | None  # as written in the checkpoint (layer *outputs*, SGLang convention)
+    fc_bias: bool
+    dtype: str
+    path: str = ""
+
+    @classmethod
+    def from_dir(cls, draft_dir: str | Path) -> "DraftConfig":
+        path = Path(draft_dir) / "config.json"
+        return cls.from_hf_dict(read_json(path), path)
+
+    @classmethod
+    def from_hf_dict(cls, cfg: dict[str, Any], path: Path | str = "config.json") -> "DraftConfig":
+        path = Path(path)
+        archs = cfg.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch not in DRAFT_ARCHITECTURES:
+            raise ConfigError(
+                f"{path}: {arch!r} is not an EAGLE-3 drafter; expected architectures "
+                f"['LlamaForCausalLMEagle3'] (SpecForge/SGLang) or a one-layer ['LlamaForCausalLM'] (EAGLE reference)"
+            )
+        if arch == "LlamaForCausalLM" and int(cfg.get("num_hidden_layers", 0)) != 1:
+            raise ConfigError(
+                f"{path}: a LlamaForCausalLM drafter must have num_hidden_layers 1 (EAGLE-3 reference layout), "
+                f"found {cfg.get('num_hidden_layers')}; is this a target model rather than a drafter?"
+            )
+        for key in ("hidden_size", "num_attention_heads", "intermediate_size", "vocab_size"):
+            if key not in cfg:
+                raise ConfigError(f"{path}: required key {key!r} is missing")
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        eagle = cfg.get("eagle_config") or {}
+        aux = eagle.get("eagle_aux_hidden_state_layer_ids")
+        layout = "eagle" if arch == "LlamaForCausalLM" else ("sglang" if eagle else "specforge")
+        theta, scaling = _rope_from_hf(cfg, path)
+        return cls(
+            layout=layout,
+            hidden_size=hidden,
+            target_hidden_size=int(cfg.get("target_hidden_size") or hidden),
+            intermediate_size=int(cfg["intermediate_size"]),
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            vocab_size=int(cfg["vocab_size"]),
+            draft_vocab_size=int(cfg.get("draft_vocab_size") or cfg["vocab_size"]),
+            aux_layer_ids=tuple(int(i) for i in aux) if aux else None,
+            fc_bias=bool(cfg.get("bias", False)),
+            dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
+            path=str(path.parent),
+        )
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, ...]:
+    """EAGLE-3's default taps: the hidden states *entering* layers 2, L//2 and L-3."""
+    return (min(2, num_layers - 1), num_layers // 2, max(num_layers - 3, 0))
+
+
+def resolve_aux_layers(draft: DraftConfig, num_layers: int, convention: str = "sglang") -> tuple[int, ...]:
+    """Return the target layer indices whose *input* hidden state is captured.
+
+    Checkpoints written by SpecForge/SGLang list layer ids whose *output* is
+    wanted, so the hidden state entering layer id+1 is captured ("sglang", the
+    default). vLLM reads the same list as the layers whose input is captured
+    ("vllm"). Without a list, EAGLE-3's default taps apply.
+    """
+    if convention not in ("sglang", "vllm"):
+        raise ConfigError(f"aux layer convention must be 'sglang' or 'vllm', got {convention!r}")
+    if draft.aux_layer_ids is None:
+        return default_aux_layers(num_layers)
+    shift = 1 if convention == "sglang" else 0
+    ids = tuple(i + shift for i in draft.aux_layer_ids)
+    bad = [i for i in ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ConfigError(
+            f"{draft.path}: eagle_aux_hidden_state_layer_ids {list(draft.aux_layer_ids)} ({convention} convention) "
+            f"point outside the target's {num_layers} layers (captured inputs {list(ids)} must lie in 0..{num_layers})"
+        )
+    return ids
+
+
+@dataclass
+class EngineConfig:
+    """Settings of one engine instance (CLI flags and the Python API map onto these)."""
+
+    model: str = str(DEMO_DIR)
+    draft: str | None = None
+    device: str = "auto"
+    dtype: str = "auto"
+    spec_steps: int = 0  # K draft tokens per cycle; 0 = plain decoding
+    max_spec_steps: int | None = None  # largest K the adaptive policy may use (default: spec_steps)
+    adaptive: bool = False
+    max_model_len: int | None = None
+    max_num_seqs: int = 64
+    prefill_chunk: int = 512
+    cuda_graphs: bool = True
+    graph_batch_sizes: tuple[int, ...] | None = None
+    aux_layer_convention: str = "sglang"
+    allow_draft_position_extension: bool = False
+    allow_pickle: bool = False
+    profile: bool = False
+    seed: int = 0
+    tp: int = 1
+    env: dict[str, str] = field(default_factory=dict)
+    nccl_profile: str = "default"
+    graph_capture_timeout: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.spec_steps < 0 or self.spec_steps > 16:
+            raise ConfigError(f"--spec-steps must be in 0..16, got {self.spec_steps}")
+        if self.spec_steps and not self.draft:
+            raise ConfigError("--spec-steps > 0 needs a drafter: pass --draft DIR")
+        if self.max_spec_steps is None:
+            self.max_spec_steps = self.spec_steps
+        if self.max_spec_steps < self.spec_steps:
+            raise ConfigError("--max-spec-steps must be at least --spec-steps")
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")
+        if self.prefill_chunk < 1:
+            raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if self.tp < 1:
+            raise ConfigError(f"--tp must be at least 1, got {self.tp}")
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}")
+        return cls(**kwargs)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None):
+    """Inverse frequencies for rotary embeddings, with Llama-3 / linear scaling."""
+    import torch
+
+    inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
+    if not scaling:
+        return inv
+    kind = scaling["rope_type"]
+    factor = float(scaling.get("factor", 1.0))
+    if kind == "linear":
+        return inv / factor
+    # llama3: low frequencies are divided by `factor`, high ones kept, a smooth blend between.
+    low = float(scaling.get("low_freq_factor", 1.0))
+    high = float(scaling.get("high_freq_factor", 4.0))
+    old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(medium, blended, scaled)

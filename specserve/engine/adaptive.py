@@ -1,0 +1,74 @@
+"""Adaptive speculation: choose the number of draft steps K (0 = plain
+decoding) for each step from measured step costs and observed acceptance.
+
+Expected tokens per cycle with K drafts: 1 + sum_{i<=K} prod_{j<=i} a_j, where
+a_j is the conditional acceptance rate at draft position j. The policy picks
+the K with the highest expected tokens per second at the current batch size,
+K = 0 included, so speculation is used only where it pays. Costs are moving
+averages per (batch bucket, K); unmeasured pairs are tried once each
+(exploration) before the model trusts its numbers.
+"""
+
+from __future__ import annotations
+
+from specserve.config import EngineConfig
+
+_EMA = 0.2
+
+
+def _bucket(B: int) -> int:
+    b = 1
+    while b < B:
+        b *= 2
+    return b
+
+
+class SpecPolicy:
+    def __init__(self, cfg: EngineConfig, k_max: int):
+        self.fixed = None if cfg.adaptive else cfg.spec_steps
+        self.k_max = k_max
+        self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds per step
+        self.tries: dict[tuple[int, int], int] = {}
+        # Conditional acceptance per position, from a weak optimistic prior (Beta(2, 1)).
+        self.acc_hits = [2.0] * k_max
+        self.acc_seen = [3.0] * k_max
+        self.choices: dict[int, int] = {}  # how often each K was chosen
+
+    def acceptance(self) -> list[float]:
+        return [h / n for h, n in zip(self.acc_hits, self.acc_seen)]
+
+    def expected_tokens(self, K: int) -> float:
+        total, run = 1.0, 1.0
+        for a in self.acceptance()[:K]:
+            run *= a
+            total += run
+        return total
+
+    def choose(self, B: int) -> int:
+        if self.fixed is not None:
+            K = self.fixed
+        else:
+            bucket = _bucket(B)
+            untried = [k for k in range(self.k_max + 1) if self.tries.get((bucket, k), 0) < 2]
+            if untried:
+                K = untried[0]
+            else:
+                K = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.cost[(bucket, k)])
+        self.choices[K] = self.choices.get(K, 0) + 1
+        return K
+
+    def observe_cost(self, B: int, K: int, seconds: float) -> None:
+        key = (_bucket(B), K)
+        n = self.tries.get(key, 0)
+        self.tries[key] = n + 1
+        if n == 0:
+            return  # the first run of a shape pays warm-up costs; don't learn from it
+        old = self.cost.get(key)
+        self.cost[key] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+
+    def observe_acceptance(self, K: int, accepted: list[int]) -> None:
+        for a in accepted:
+            for j in range(min(K, a + 1)):
+                self.acc_seen[j] += 1
+                if j < a:
+                    self.acc_hits[j] += 1

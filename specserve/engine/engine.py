@@ -1,0 +1,478 @@
+"""The engine loop: admission, chunked prefill, plain or speculative decode
+steps over a continuously changing batch, and statistics.
+
+One `step()` runs at most one prefill chunk (so new prompts never stall
+running streams for long) and one decode or speculative cycle for every
+running sequence. `generate`, `bench` and the server all drive this loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from specserve.config import ConfigError, EngineConfig
+from specserve.engine.adaptive import SpecPolicy
+from specserve.engine.runner import ModelRunner
+from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens
+from specserve.engine.speculative import accept_drafts
+
+log = logging.getLogger("specserve.engine")
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    cycles: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, K: int, accepted: int) -> None:
+        self.cycles += 1
+        self.drafted += K
+        self.accepted += accepted
+        while len(self.drafted_per_pos) < K:
+            self.drafted_per_pos.append(0)
+            self.accepted_per_pos.append(0)
+        for i in range(K):
+            self.drafted_per_pos[i] += 1
+            if i < accepted:
+                self.accepted_per_pos[i] += 1
+
+    def merge(self, other: "SpecStats") -> None:
+        self.cycles += other.cycles
+        self.drafted += other.drafted
+        self.accepted += other.accepted
+        for i in range(len(other.drafted_per_pos)):
+            if i >= len(self.drafted_per_pos):
+                self.drafted_per_pos.append(0)
+                self.accepted_per_pos.append(0)
+            self.drafted_per_pos[i] += other.drafted_per_pos[i]
+            self.accepted_per_pos[i] += other.accepted_per_pos[i]
+
+    @property
+    def accept_length(self) -> float | None:
+        """Mean tokens per speculative cycle: accepted drafts + the one target token."""
+        return 1 + self.accepted / self.cycles if self.cycles else None
+
+    @property
+    def accept_per_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
+
+    def as_dict(self) -> dict:
+        return {"cycles": self.cycles, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
+                "accept_length_mean": self.accept_length, "accept_per_position": self.accept_per_position}
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    row: int = -1
+    prefilled: int = 0  # prompt tokens already through the target
+    num_cached: int = 0  # tokens with target KV
+    pending: int = 0  # drafter inputs waiting (see runner)
+    finish_reason: str | None = None
+    spec: SpecStats = field(default_factory=SpecStats)
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    new_tokens: list[int] = field(default_factory=list)  # produced by the last step
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+
+class Engine:
+    def __init__(self, cfg: EngineConfig, eos_token_ids: set[int] | None = None, stop_checker=None,
+                 on_graph_progress=None):
+        self.cfg = cfg
+        self.runner = ModelRunner(cfg)
+        self.device = self.runner.device
+        self.max_model_len = self.runner.max_model_len
+        self.eos_token_ids = set(eos_token_ids or ()) | set(self.runner.model_cfg.eos_token_ids)
+        self.stop_checker = stop_checker  # (seq) -> truncated length or None; set by the LLM (needs the tokenizer)
+        self.rows: list[Sequence | None] = [None] * self.runner.rows
+        self.n_running = 0
+        self.n_prefill = 0
+        self.waiting: deque[Sequence] = deque()
+        self.by_id: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self.totals = SpecStats()
+        self.tokens_generated = 0
+        self.profile: list[dict] = []
+        spec_values = []
+        if self.runner.drafter is not None:
+            spec_values = list(range(1, self.runner.k_max + 1)) if cfg.adaptive else [cfg.spec_steps]
+        self.graph_seconds = self.runner.capture_graphs(spec_values, on_graph_progress)
+        self.policy = SpecPolicy(cfg, self.runner.k_max) if self.runner.drafter is not None else None
+        self.last_k = cfg.spec_steps if self.runner.drafter is not None else 0
+
+    # ------------------------------------------------------------- requests
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> Sequence:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty: give at least one token")
+        vocab = self.runner.model_cfg.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise ValueError(f"prompt token ids must lie in 0..{vocab - 1}")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
+                f"(room is needed for at least one new token)"
+            )
+        seq_id = seq_id or f"seq-{next(self._ids)}"
+        if seq_id in self.by_id:
+            raise ValueError(f"request id {seq_id!r} is already in use")
+        seed = params.seed if params.seed is not None else random.getrandbits(31)
+        seq = Sequence(seq_id, list(prompt_ids), params, seed)
+        self.by_id[seq_id] = seq
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq_id: str) -> None:
+        """Drop a request now (client gone): its row and KV are freed at once."""
+        seq = self.by_id.get(seq_id)
+        if seq is None or seq.status == Status.FINISHED:
+            return
+        if seq.status == Status.WAITING:
+            self.waiting.remove(seq)
+            self._finish(seq, "abort")
+            del self.by_id[seq_id]
+            return
+        self._finish(seq, "abort")
+        self._release_finished()
+        del self.by_id[seq_id]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.n_running or self.n_prefill)
+
+    @property
+    def free_rows(self) -> int:
+        return self.runner.rows - self.n_running - self.n_prefill
+
+    # ---------------------------------------------------------------- step
+    @torch.inference_mode()
+    def step(self) -> list[Sequence]:
+        """Advance every active sequence; returns those that produced tokens or finished."""
+        for seq in self.by_id.values():
+            seq.new_tokens = []
+        touched: dict[str, Sequence] = {}
+        self._admit()
+        if self.n_prefill:
+            for s in self._prefill_chunk():
+                touched[s.seq_id] = s
+        if self.n_running:
+            for s in self._decode():
+                touched[s.seq_id] = s
+        self._release_finished()
+        out = list(touched.values())
+        for s in out:
+            if s.status == Status.FINISHED:
+                self.by_id.pop(s.seq_id, None)
+        return out
+
+    def _admit(self) -> None:
+        while self.waiting and self.free_rows > 0:
+            seq = self.waiting.popleft()
+            seq.row = self.n_running + self.n_prefill
+            seq.status = Status.PREFILL
+            self.rows[seq.row] = seq
+            self.n_prefill += 1
+
+    def _prefill_chunk(self) -> list[Sequence]:
+        budget = self.cfg.prefill_chunk
+        chunks, starts, seqs = [], [], []
+        for row in range(self.n_running, self.n_running + self.n_prefill):
+            seq = self.rows[row]
+            take = min(len(seq.prompt_ids) - seq.prefilled, budget)
+            if take <= 0:
+                break
+            chunks.append(seq.prompt_ids[seq.prefilled: seq.prefilled + take])
+            starts.append(seq.prefilled)
+            seqs.append(seq)
+            budget -= take
+        logits, feats = self.runner.prefill(self.n_running, chunks, starts)
+        done = [i for i, s in enumerate(seqs) if s.prefilled + len(chunks[i]) == len(s.prompt_ids)]
+        first = None
+        if done:
+            params = [seqs[i].params for i in done]
+            sampling = BatchSampling.build(params, [seqs[i].seed for i in done], self.device)
+            pos = torch.tensor([len(seqs[i].prompt_ids) for i in done], device=self.device)
+            first = sample_tokens(logits[done], sampling, pos).tolist()
+        for i, seq in enumerate(seqs):
+            seq.prefilled += len(chunks[i])
+            seq.num_cached = seq.prefilled
+        if self.runner.drafter is not None:
+            self._prefill_drafter(seqs, chunks, starts, feats, done, first)
+        finished_prefill = []
+        for j, i in enumerate(done):
+            seq = seqs[i]
+            seq.status = Status.RUNNING
+            seq.first_token_time = time.perf_counter()
+            seq.pending = 1 if self.runner.drafter is not None else 0
+            self._append(seq, [first[j]])
+            finished_prefill.append(seq)
+        # Completed prompts are the first rows of the prefill block: they join the running prefix.
+        self.n_running += len(done)
+        self.n_prefill -= len(done)
+        return finished_prefill
+
+    def _prefill_drafter(self, seqs, chunks, starts, feats, done, first) -> None:
+        """Write the drafter's KV for the chunk's (feature_t, token_t+1) entries;
+        a completed prompt also leaves its last entry pending for the first cycle."""
+        r = self.runner
+        m, T = len(seqs), max(len(c) for c in chunks)
+        tok = torch.zeros(m, T, dtype=torch.long)
+        pos = torch.full((m, T), r.scratch, dtype=torch.long)
+        first_of = dict(zip(done, first or []))
+        for i, seq in enumerate(seqs):
+            n = len(chunks[i])
+            nxt = [seq.token_at(t + 1) if t + 1 < len(seq.prompt_ids) else first_of[i] for t in range(starts[i], starts[i] + n)]
+            tok[i, :n] = torch.tensor(nxt)
+            pos[i, :n] = torch.arange(starts[i], starts[i] + n)
+        tok, pos = tok.to(self.device), pos.to(self.device)
+        limit = r.drafter_max_pos
+        if limit is not None:
+            pos = torch.where(pos >= limit, torch.full_like(pos, r.scratch), pos)
+        r.drafter_extend(self.n_running, tok, feats, pos)
+        for j, i in enumerate(done):
+            row = seqs[i].row
+            n = len(chunks[i])
+            r.pending_tok[row, 0] = tok[i, n - 1]
+            r.pending_feat[row, 0] = feats[i, n - 1]
+
+    # -------------------------------------------------------------- decode
+    def _decode(self) -> list[Sequence]:
+        seqs = self.rows[: self.n_running]
+        K = self.policy.choose(len(seqs)) if self.policy else 0
+        self.last_k = K
+        if K == 0:
+            return self._plain_step(seqs)
+        return self._spec_step(seqs, K)
+
+    def _sampling(self, seqs: list[Sequence]) -> BatchSampling:
+        return BatchSampling.build([s.params for s in seqs], [s.seed for s in seqs], self.device)
+
+    def _plain_step(self, seqs: list[Sequence]) -> list[Sequence]:
+        r = self.runner
+        t0 = time.perf_counter()
+        B = len(seqs)
+        ids = torch.tensor([s.last_token for s in seqs], device=self.device)
+        pos = torch.tensor([s.num_cached for s in seqs], device=self.device)
+        logits, feats = r.decode(ids, pos)
+        tokens = sample_tokens(logits, self._sampling(seqs), pos + 1)
+        if r.drafter is not None:
+            counts = torch.tensor([s.pending for s in seqs], device=self.device)
+            rows = torch.arange(B, device=self.device)
+            r.pending_tok[rows, counts] = tokens
+            r.pending_feat[rows, counts] = feats[:, 0]
+        new = tokens.tolist()
+        for seq, tok in zip(seqs, new):
+            seq.num_cached += 1
+            if r.drafter is not None:
+                seq.pending += 1
+            self._append(seq, [tok])
+        if r.drafter is not None and max(s.pending for s in seqs) >= r.pending_width:
+            self._flush_pending(seqs, keep=1)
+        if self.policy:
+            self.policy.observe_cost(B, 0, time.perf_counter() - t0)
+        return list(seqs)
+
+    def _flush_pending(self, seqs: list[Sequence], keep: int) -> None:
+        """Feed the drafter all but the last `keep` pending entries of each row."""
+        r = self.runner
+        B, W = len(seqs), r.pending_width
+        pos = torch.full((B, W), r.scratch, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            n = s.pending - keep
+            if n > 0:
+                start = s.num_cached - s.pending
+                pos[b, :n] = torch.arange(start, start + n)
+        pos = pos.to(self.device)
+        if r.drafter_max_pos is not None:
+            pos = torch.where(pos >= r.drafter_max_pos, torch.full_like(pos, r.scratch), pos)
+        r.drafter_extend(0, r.pending_tok[:B], r.pending_feat[:B], pos)
+        for b, s in enumerate(seqs):
+            n = s.pending - keep
+            if n > 0:
+                r.pending_tok[b, :keep] = r.pending_tok[b, n: s.pending].clone()
+                r.pending_feat[b, :keep] = r.pending_feat[b, n: s.pending].clone()
+                s.pending = keep
+
+    def _spec_step(self, seqs: list[Sequence], K: int) -> list[Sequence]:
+        r = self.runner
+        B = len(seqs)
+        if max(s.pending for s in seqs) > K + 1:
+            self._flush_pending(seqs, keep=1)
+        prof = self.cfg.profile
+        marks = [_Mark(self.device) for _ in range(4)] if prof else None
+        t0 = time.perf_counter()
+        if prof:
+            marks[0].record()
+        # Drafting is skipped (acceptance forced to 0) where the drafter would pass its trained positions.
+        limit = r.drafter_max_pos
+        spec_ok = [limit is None or s.num_cached + K <= limit for s in seqs]
+        entry_pos = torch.full((B, K + 1), r.scratch, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            if spec_ok[b]:
+                start = s.num_cached - s.pending
+                entry_pos[b, : s.pending] = torch.arange(start, start + s.pending)
+        last_idx = torch.tensor([s.pending - 1 for s in seqs])
+        sampling = self._sampling(seqs)
+        draft = r.draft(K, entry_pos.to(self.device), last_idx.to(self.device), sampling)
+        if prof:
+            marks[1].record()
+        last = torch.tensor([s.last_token for s in seqs], device=self.device)
+        pos0 = torch.tensor([s.num_cached for s in seqs], device=self.device)
+        logits, feats = r.verify(torch.cat([last.unsqueeze(1), draft.tokens], 1), pos0)
+        if prof:
+            marks[2].record()
+        enabled = torch.tensor(spec_ok, device=self.device)
+        n_acc, next_tok = accept_drafts(logits, draft, sampling, pos0, enabled)
+        # Next cycle's drafter inputs: (feature_j, token_j+1) for j = 0..a, token_a+1 being the new one.
+        grid = torch.cat([draft.tokens, draft.tokens[:, :1]], 1).scatter(1, n_acc.unsqueeze(1), next_tok.unsqueeze(1))
+        r.pending_tok[:B, : K + 1] = grid
+        r.pending_feat[:B, : K + 1] = feats
+        acc_list, grid_list = n_acc.tolist(), grid.tolist()  # the one host sync of the cycle
+        if prof:
+            marks[3].record()
+        for b, seq in enumerate(seqs):
+            a = acc_list[b]
+            if spec_ok[b]:
+                seq.spec.record(K, a)
+                self.totals.record(K, a)
+            seq.num_cached += a + 1
+            seq.pending = a + 1
+            self._append(seq, grid_list[b][: a + 1])
+        elapsed = time.perf_counter() - t0
+        if self.policy:
+            self.policy.observe_cost(B, K, elapsed)
+            self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if spec_ok[b]])
+        if prof:
+            self.profile.append({"batch": B, "K": K, **_Mark.spans(marks, ("draft", "verify", "accept"))})
+        return list(seqs)
+
+    # ------------------------------------------------------------ finishing
+    def _append(self, seq: Sequence, tokens: list[int]) -> None:
+        """Append accepted tokens, stopping at EOS, stop ids/strings, max_tokens or max_model_len."""
+        p = seq.params
+        for tok in tokens:
+            seq.output_ids.append(tok)
+            seq.new_tokens.append(tok)
+            self.tokens_generated += 1
+            if not p.ignore_eos and tok in self.eos_token_ids:
+                self._finish(seq, "stop")
+                return
+            if tok in p.stop_token_ids:
+                self._finish(seq, "stop")
+                return
+            if len(seq.output_ids) >= p.max_tokens:
+                self._finish(seq, "length")
+                return
+            if seq.total_len >= self.max_model_len:
+                self._finish(seq, "length")
+                return
+        if p.stop and self.stop_checker is not None and self.stop_checker(seq):
+            self._finish(seq, "stop")
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.finish_reason is not None:
+            return
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        if seq.row < 0:  # never held a row; otherwise _release_finished frees it
+            seq.status = Status.FINISHED
+
+    def _release_finished(self) -> None:
+        """Free the rows of finished sequences, keeping running rows a prefix
+        and the prefill block right behind it (their KV moves with them)."""
+        r = self.runner
+        for row in range(self.n_running + self.n_prefill - 1, -1, -1):
+            seq = self.rows[row]
+            if seq is None or seq.finish_reason is None:
+                continue
+            seq.status = Status.FINISHED
+            seq.row = -1
+            if row < self.n_running:
+                last = self.n_running - 1
+                self._move(last, row)
+                # Pull the prefill block down by one to close the gap it leaves.
+                for src in range(self.n_running, self.n_running + self.n_prefill):
+                    self._move(src, src - 1)
+                self.n_running -= 1
+            else:
+                for src in range(row + 1, self.n_running + self.n_prefill):
+                    self._move(src, src - 1)
+                self.n_prefill -= 1
+            self.rows[self.n_running + self.n_prefill] = None
+
+    def _move(self, src: int, dst: int) -> None:
+        if src == dst:
+            return
+        seq = self.rows[src]
+        self.runner.move_row(src, dst, seq.num_cached, seq.pending)
+        self.rows[dst] = seq
+        self.rows[src] = None
+        seq.row = dst
+
+    # ---------------------------------------------------------------- stats
+    def kv_usage(self) -> dict:
+        used = self.n_running + self.n_prefill
+        return {"rows_total": self.runner.rows, "rows_used": used, "usage": used / self.runner.rows,
+                "tokens_cached": sum(s.num_cached for s in self.rows[:used] if s)}
+
+    def check_idle_integrity(self) -> None:
+        """When idle every row must be free; raises if a row leaked."""
+        leaked = [i for i, s in enumerate(self.rows) if s is not None]
+        if leaked or self.n_running or self.n_prefill:
+            raise AssertionError(f"KV rows still held while idle: {leaked}")
+
+
+class _Mark:
+    """A timestamp: a CUDA event on GPU, a host clock on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.ev = torch.cuda.Event(enable_timing=True) if self.cuda else None
+        self.t = 0.0
+
+    def record(self) -> None:
+        if self.cuda:
+            self.ev.record()
+        else:
+            self.t = time.perf_counter()
+
+    @staticmethod
+    def spans(marks: list["_Mark"], names: tuple[str, ...]) -> dict:
+        if marks[0].cuda:
+            marks[-1].ev.synchronize()
+            return {n: marks[i].ev.elapsed_time(marks[i + 1].ev) for i, n in enumerate(names)}
+        return {n: (marks[i + 1].t - marks[i].t) * 1000 for i, n in enumerate(names)}

@@ -1,0 +1,110 @@
+"""`specserve generate`: offline generation from the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from specserve.config import ConfigError
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """Flags shared by generate, bench and serve."""
+    p.add_argument("--model", help="target model directory (default: the bundled demo target)")
+    p.add_argument("--draft", help="EAGLE-3 drafter directory (default with the demo target: the demo drafter)")
+    p.add_argument("--spec-steps", type=int, default=None,
+                   help="draft tokens per cycle K (default: 4 with a drafter, else 0 = plain decoding)")
+    p.add_argument("--adaptive", action="store_true",
+                   help="choose K (0..--spec-steps) each step from measured costs and acceptance")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + output) in tokens")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="KV slots = most sequences in flight")
+    p.add_argument("--disable-cuda-graph", action="store_true", help="run every forward eagerly")
+    p.add_argument("--aux-layer-convention", default="sglang", choices=["sglang", "vllm"],
+                   help="how the drafter's eagle_aux_hidden_state_layer_ids are read: 'sglang' = layer outputs "
+                        "(capture entering id+1, as SpecForge/SGLang write them), 'vllm' = captured as listed")
+    p.add_argument("--allow-draft-position-extension", action="store_true",
+                   help="keep drafting past the drafter's max_position_embeddings (else those sequences decode plainly)")
+    p.add_argument("--allow-pickle", action="store_true", help="allow loading pickle (*.bin) checkpoints (trusted only)")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+
+
+def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> dict:
+    """Map CLI flags to LLM/EngineConfig keyword arguments (demo defaults applied)."""
+    from specserve.engine.llm import demo_paths
+
+    model, draft = args.model, args.draft
+    if model is None:
+        model, demo_draft = demo_paths()
+        draft = draft or demo_draft
+    K = args.spec_steps if args.spec_steps is not None else (4 if draft else 0)
+    if K == 0 and not args.adaptive:
+        draft = None
+    kw = dict(model=model, draft=draft, spec_steps=0 if args.adaptive else K, max_spec_steps=K,
+              adaptive=bool(args.adaptive and draft), device=args.device, dtype=args.dtype,
+              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs or default_max_num_seqs,
+              cuda_graphs=not args.disable_cuda_graph, aux_layer_convention=args.aux_layer_convention,
+              allow_draft_position_extension=args.allow_draft_position_extension,
+              allow_pickle=args.allow_pickle, tp=args.tp)
+    if args.adaptive and not draft:
+        kw["adaptive"] = False
+    return kw
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--profile", action="store_true", help="time draft/verify/accept per cycle")
+    p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.engine.llm import LLM, SamplingParams
+
+    try:
+        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                                top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
+        kw = engine_kwargs(args, default_max_num_seqs=max(len(args.prompt), 1))
+        if args.tp > 1:
+            from specserve.distributed.tp_llm import TPLLM as LLMClass  # workers, one per GPU/rank
+        else:
+            LLMClass = LLM
+        llm = LLMClass(profile=args.profile, **kw)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    t0 = time.perf_counter()
+    outs = llm.generate(args.prompt, params)
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    for o in outs:
+        if args.json:
+            stats = {"tokens": len(o.token_ids), "seconds": round(seconds, 6),
+                     "tok_s": round(len(o.token_ids) / seconds, 3) if seconds else None,
+                     "finish_reason": o.finish_reason, **o.spec}
+            if args.profile:
+                stats["profile"] = llm.profile_summary()
+            print(json.dumps({"text": o.text, "token_ids": o.token_ids, "prompt_token_ids": o.prompt_token_ids,
+                              "stats": stats}))
+        else:
+            print(o.text)
+    if not args.json:
+        line = f"[{tokens} tokens in {seconds:.2f} s, {tokens / seconds:.1f} tok/s"
+        spec = outs[0].spec if outs else {}
+        if spec.get("accept_length_mean"):
+            line += f", acceptance length {spec['accept_length_mean']:.2f}"
+        print(line + "]", file=sys.stderr)
+        if args.profile:
+            for part, v in llm.profile_summary().items():
+                print(f"  {part:7s} mean {v['mean_ms']:.3f} ms  p50 {v['p50_ms']:.3f}  p90 {v['p90_ms']:.3f}", file=sys.stderr)
+    return 0

@@ -1,0 +1,122 @@
+"""The Python API.
+
+    from specserve import LLM, SamplingParams
+    llm = LLM()                                   # the bundled demo pair
+    outs = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].text, outs[0].spec["accept_length_mean"])
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specserve.config import DEMO_DIR, ConfigError, EngineConfig
+from specserve.engine.engine import Engine, Sequence
+from specserve.engine.sampling import SamplingParams
+from specserve.engine.tokenizer import Tokenizer
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "demo_paths"]
+
+
+def demo_paths() -> tuple[str, str | None]:
+    draft = DEMO_DIR / "draft"
+    return str(DEMO_DIR), (str(draft) if (draft / "config.json").exists() else None)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    spec: dict = field(default_factory=dict)
+    ttft_s: float | None = None
+    latency_s: float | None = None
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    hits = [text.find(s) for s in stops if s and s in text]
+    if not hits:
+        return text, False
+    return text[: min(hits)], True
+
+
+class LLM:
+    def __init__(self, model: str | None = None, draft: str | None = None, **engine_kwargs):
+        if model is None:
+            model, demo_draft = demo_paths()
+            if draft is None and engine_kwargs.get("spec_steps", 0):
+                draft = demo_draft
+        if not Path(model).is_dir():
+            raise ConfigError(f"model directory {model!r} does not exist (specserve loads local Hugging Face directories only)")
+        self.config = EngineConfig.from_kwargs(model=str(model), draft=draft, **engine_kwargs)
+        self.tokenizer = Tokenizer(self.config.model)
+        self.engine = Engine(self.config, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit)
+
+    def _stop_hit(self, seq: Sequence) -> bool:
+        # Only the tail can contain a new match: decode a window long enough for any stop string.
+        width = max(len(s) for s in seq.params.stop) + 16
+        tail = self.tokenizer.decode(seq.output_ids[-width:])
+        return cut_at_stop(tail, seq.params.stop)[1]
+
+    def encode_prompts(self, prompts) -> list[list[int]]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 progress: bool = False) -> list[RequestOutput]:
+        """Generate for one prompt or many (text or token ids), batched together."""
+        ids = self.encode_prompts(prompts)
+        params = sampling_params or SamplingParams()
+        params = params if isinstance(params, list) else [params] * len(ids)
+        if len(params) != len(ids):
+            raise ValueError(f"{len(ids)} prompts but {len(params)} sampling params")
+        seqs = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(seqs), desc="generate", unit="req")
+        while any(s.finish_reason is None for s in seqs):
+            done = [s for s in self.engine.step() if s.finish_reason is not None]
+            if bar:
+                bar.update(len(done))
+        if bar:
+            bar.close()
+        return [self._output(s) for s in seqs]
+
+    def _output(self, s: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(s.output_ids)
+        if s.params.stop:
+            text = cut_at_stop(text, s.params.stop)[0]
+        return RequestOutput(
+            request_id=s.seq_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
+            finish_reason=s.finish_reason, spec=s.spec.as_dict() if self.engine.runner.drafter is not None else {},
+            ttft_s=(s.first_token_time - s.arrival) if s.first_token_time else None,
+            latency_s=(s.finish_time - s.arrival) if s.finish_time else None,
+        )
+
+    def profile_summary(self) -> dict:
+        """mean/p50/p90 milliseconds of draft, verify and accept per cycle (needs profile=True)."""
+        out = {}
+        for part in ("draft", "verify", "accept"):
+            xs = sorted(p[part] for p in self.engine.profile)
+            if xs:
+                out[part] = {"mean_ms": statistics.fmean(xs), "p50_ms": _pct(xs, 50), "p90_ms": _pct(xs, 90), "cycles": len(xs)}
+        return out
+
+
+def _pct(xs: list[float], q: float) -> float:
+    i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
+    return xs[i]
+
+
+def timed_generate(llm: LLM, prompts, params) -> tuple[list[RequestOutput], float]:
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    return outs, time.perf_counter() - t0

@@ -1,0 +1,344 @@
+"""The model runner: owns the weights, the KV caches, the drafter's pending
+inputs and the CUDA graphs, and runs the four kinds of forward pass:
+
+- prefill   (eager)  a chunk of prompt tokens for newly admitted sequences;
+- decode    (graph)  one token per running sequence;
+- draft     (graph)  the drafter's extend over pending target features plus
+                     K-1 single-token steps, choosing K draft tokens;
+- verify    (graph)  the target over [last token, K drafts] per sequence.
+
+KV layout: one slot ("row") per sequence, [rows, kv_heads, cache_len, head_dim]
+per layer, with running sequences kept in rows 0..B-1 so every graph reads a
+plain view of the cache (no gather). Fixed slots rather than paged blocks:
+without paged-attention kernels (no flash-attn/flashinfer on our GPUs) SDPA
+needs contiguous keys, static shapes suit CUDA graphs, and rewinding rejected
+drafts is just not advancing the length. The cost is memory reserved for
+max_model_len per slot, which `plan_kv` accounts for up front.
+
+cache_len = max_model_len + K_max + 1 (rounded up): draft and verify tokens of a
+sequence near its end may sit past max_model_len, and the last index is a
+scratch slot that padding tokens write to and no real query ever reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specserve.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, resolve_aux_layers
+from specserve.engine.sampling import (
+    STREAM_DRAFT,
+    BatchSampling,
+    processed_probs,
+    sample_from,
+    uniform,
+)
+from specserve.model.layers import ForwardContext
+from specserve.model.loader import load_drafter, load_target, resolve_device, resolve_dtype
+
+log = logging.getLogger("specserve.runner")
+
+PENDING_WIDTH = 16  # drafter inputs buffered per sequence while speculation is paused
+
+
+def default_graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
+    sizes = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < max_num_seqs]
+    return tuple(sizes + [max_num_seqs])
+
+
+@dataclass
+class DraftResult:
+    tokens: torch.Tensor  # [B, K] target ids
+    draft_ids: torch.Tensor | None  # [B, K] draft-vocab ids (sampling only)
+    probs: torch.Tensor | None  # [B, K, Vd] draft distributions (sampling only)
+    vocab_map: torch.Tensor | None = None  # [Vd] target id of each draft id
+
+
+class _Graph:
+    def __init__(self, graph, outputs):
+        self.graph, self.outputs = graph, outputs
+
+
+class ModelRunner:
+    def __init__(self, cfg: EngineConfig):
+        self.cfg = cfg
+        self.device = resolve_device(cfg.device)
+        self.model_cfg = ModelConfig.from_dir(cfg.model)
+        self.draft_cfg = DraftConfig.from_dir(cfg.draft) if cfg.draft else None
+        self.dtype = resolve_dtype(cfg.dtype, self.model_cfg.dtype, self.device)
+        self.max_model_len = cfg.max_model_len or min(self.model_cfg.max_position_embeddings,
+                                                      4096 if self.device.type == "cuda" else 1024)
+        if self.max_model_len > self.model_cfg.max_position_embeddings:
+            raise ConfigError(
+                f"--max-model-len {self.max_model_len} exceeds the target's max_position_embeddings "
+                f"{self.model_cfg.max_position_embeddings}"
+            )
+        self.k_max = cfg.max_spec_steps if self.draft_cfg else 0
+        self.pending_width = max(PENDING_WIDTH, self.k_max + 1)
+        self.cache_len = -(-(self.max_model_len + self.k_max + 1) // 16) * 16
+        self.scratch = self.cache_len - 1
+        self.rows = cfg.max_num_seqs
+        self.drafter_max_pos = None
+        if self.draft_cfg is not None:
+            self.drafter_max_pos = None if cfg.allow_draft_position_extension else self.draft_cfg.max_position_embeddings
+
+        t0 = time.perf_counter()
+        self.target = load_target(cfg.model, self.device, self.dtype, self.cache_len, cfg.allow_pickle)
+        self.drafter = None
+        if self.draft_cfg is not None:
+            self.target.aux_layers = resolve_aux_layers(self.draft_cfg, self.model_cfg.num_layers, cfg.aux_layer_convention)
+            self.drafter = load_drafter(cfg.draft, self.target, self.device, self.dtype, self.cache_len, cfg.allow_pickle)
+            if self.draft_cfg.target_hidden_size != self.model_cfg.hidden_size:
+                raise ConfigError(
+                    f"drafter expects target hidden size {self.draft_cfg.target_hidden_size} (fc input "
+                    f"{3 * self.draft_cfg.target_hidden_size}), target has {self.model_cfg.hidden_size}"
+                )
+            if self.draft_cfg.vocab_size != self.model_cfg.vocab_size:
+                raise ConfigError(
+                    f"drafter vocab_size {self.draft_cfg.vocab_size} differs from the target's {self.model_cfg.vocab_size}"
+                )
+        self.load_seconds = time.perf_counter() - t0
+        self._allocate()
+        self.graphs: dict[tuple, _Graph] = {}
+        self.graph_batch_sizes: tuple[int, ...] = ()
+        self.graph_pool = None
+
+    # ------------------------------------------------------------------ memory
+    def kv_bytes(self) -> int:
+        return sum(a.k_cache.numel() * 2 * a.k_cache.element_size() for a in self._attn_modules())
+
+    def _attn_modules(self):
+        mods = list(self.target.attention_modules())
+        if self.drafter is not None:
+            mods += self.drafter.attention_modules()
+        return mods
+
+    def _allocate(self) -> None:
+        needed = 0
+        for a in self._attn_modules():
+            needed += 2 * self.rows * a.num_kv_heads * self.cache_len * a.head_dim * torch.finfo(self.dtype).bits // 8
+        if self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = int(free * 0.9)
+        else:
+            import psutil
+
+            budget = int(psutil.virtual_memory().available * 0.5)
+        if needed > budget:
+            raise ConfigError(
+                f"KV cache for {self.rows} sequences x {self.max_model_len} tokens needs {needed / 2**30:.2f} GiB, "
+                f"only {budget / 2**30:.2f} GiB is available; lower --max-num-seqs or --max-model-len"
+            )
+        for a in self._attn_modules():
+            shape = (self.rows, a.num_kv_heads, self.cache_len, a.head_dim)
+            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if self.drafter is not None:
+            H3 = 3 * self.model_cfg.hidden_size
+            self.pending_tok = torch.zeros(self.rows, self.pending_width, dtype=torch.long, device=self.device)
+            self.pending_feat = torch.zeros(self.rows, self.pending_width, H3, dtype=self.dtype, device=self.device)
+        # Static inputs shared by all graphs (largest shapes; graphs read prefixes).
+        W = max(self.k_max + 1, 1)
+        self.s_ids = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
+        self.s_pos = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
+        self.s_last = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.s_temp = torch.zeros(self.rows, dtype=torch.float32, device=self.device)
+        self.s_top_p = torch.ones(self.rows, dtype=torch.float32, device=self.device)
+        self.s_top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.s_seed = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+
+    def move_row(self, src: int, dst: int, length: int, pending: int) -> None:
+        """Copy a sequence's KV (first `length` positions) and pending drafter inputs to another row."""
+        if src == dst:
+            return
+        n = min(length + self.k_max + 1, self.cache_len)
+        for a in self._attn_modules():
+            a.k_cache[dst, :, :n] = a.k_cache[src, :, :n]
+            a.v_cache[dst, :, :n] = a.v_cache[src, :, :n]
+        if self.drafter is not None and pending:
+            self.pending_tok[dst, :pending] = self.pending_tok[src, :pending]
+            self.pending_feat[dst, :pending] = self.pending_feat[src, :pending]
+
+    # ----------------------------------------------------------------- prefill
+    @torch.inference_mode()
+    def prefill(self, row_start: int, chunks: list[list[int]], starts: list[int]):
+        """Run the target over one chunk per row (rows row_start..). Returns the
+        logits at each row's last chunk token [m, V] and the features [m, T, 3H]
+        (None without a drafter)."""
+        m, T = len(chunks), max(len(c) for c in chunks)
+        ids = torch.zeros(m, T, dtype=torch.long)
+        pos = torch.full((m, T), self.scratch, dtype=torch.long)
+        last = torch.zeros(m, dtype=torch.long)
+        for i, (c, s) in enumerate(zip(chunks, starts)):
+            ids[i, : len(c)] = torch.tensor(c)
+            pos[i, : len(c)] = torch.arange(s, s + len(c))
+            last[i] = max(len(c) - 1, 0)
+        ids, pos, last = ids.to(self.device), pos.to(self.device), last.to(self.device)
+        kv_len = max(s + len(c) for c, s in zip(chunks, starts))
+        ctx = ForwardContext(row_start, self._rope_pos(pos), pos, kv_len)
+        hidden, feats = self.target(ids, ctx)
+        h_last = hidden[torch.arange(m, device=self.device), last]
+        return self.target.logits(h_last), feats
+
+    def _rope_pos(self, pos: torch.Tensor) -> torch.Tensor:
+        return pos  # chain drafting: rope position == cache index (a tree would differ)
+
+    @torch.inference_mode()
+    def drafter_extend(self, row_start: int, tok: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor) -> None:
+        """Eagerly write the drafter's KV for (feature, next token) entries; padding at scratch positions."""
+        kv_len = int(pos[pos != self.scratch].max().item()) + 1 if (pos != self.scratch).any() else 1
+        ctx = ForwardContext(row_start, pos, pos, kv_len)
+        self.drafter(tok, feat, ctx)
+
+    # ------------------------------------------------------------- graph parts
+    def _bucket(self, B: int) -> int:
+        for b in self.graph_batch_sizes:
+            if b >= B:
+                return b
+        return B
+
+    def _set_sampling(self, B: int, s: BatchSampling | None) -> None:
+        if s is None:
+            return
+        self.s_temp[:B].copy_(s.temperature)
+        self.s_top_p[:B].copy_(s.top_p)
+        self.s_top_k[:B].copy_(s.top_k)
+        self.s_seed[:B].copy_(s.seed)
+
+    def _decode_body(self, B: int):
+        ids, pos = self.s_ids[:B, :1], self.s_pos[:B, :1]
+        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self.cache_len))
+        return self.target.logits(hidden[:, 0]), feats
+
+    def _verify_body(self, B: int, K: int):
+        ids, pos = self.s_ids[:B, : K + 1], self.s_pos[:B, : K + 1]
+        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self.cache_len))
+        return self.target.logits(hidden), feats
+
+    def _pick_draft(self, logits: torch.Tensor, positions: torch.Tensor, sampling: bool, filtered: bool):
+        if not sampling:
+            return logits.argmax(-1), None
+        probs = processed_probs(logits, self.s_temp[: logits.shape[0]], self.s_top_p[: logits.shape[0]],
+                                self.s_top_k[: logits.shape[0]], filtered)
+        u = uniform(self.s_seed[: logits.shape[0]], positions, STREAM_DRAFT, logits.shape[-1])
+        return sample_from(probs, u), probs
+
+    def _draft_body(self, B: int, K: int, sampling: bool, filtered: bool):
+        """Extend over the pending entries (width K+1, padded), then K-1 steps.
+        s_pos[:, :K+1] holds the entries' positions, s_last the index of each
+        row's last real entry."""
+        d = self.drafter
+        pos = self.s_pos[:B, : K + 1]
+        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], ForwardContext(0, pos, pos, self.cache_len))
+        rows = torch.arange(B, device=self.device)
+        last = self.s_last[:B]
+        g = out[rows, last].unsqueeze(1)  # [B, 1, H]
+        p = pos[rows, last]  # position of the last real entry
+        tokens, draft_ids, probs = [], [], []
+        for i in range(K):
+            # The draft chosen now is the token at sequence position p + 2 (entry p predicts p + 2).
+            did, q = self._pick_draft(d.logits(g[:, 0]), p + 2, sampling, filtered)
+            tid = d.to_target_ids(did)
+            tokens.append(tid)
+            draft_ids.append(did)
+            probs.append(q)
+            if i + 1 < K:
+                p = (p + 1).clamp(max=self.scratch)  # padding rows sit at the scratch index
+                step_pos = p.unsqueeze(1)
+                g = d(tid.unsqueeze(1), g, ForwardContext(0, step_pos, step_pos, self.cache_len))
+        toks = torch.stack(tokens, 1)
+        if not sampling:
+            return (toks,)
+        return toks, torch.stack(draft_ids, 1), torch.stack(probs, 1)
+
+    def _run(self, key: tuple, B: int, body):
+        """Replay the captured graph for this key's batch bucket, or run eagerly."""
+        g = self.graphs.get((*key, self._bucket(B)))
+        if g is None:
+            return body(B)
+        g.graph.replay()
+        return tuple(o[:B] if o is not None else None for o in g.outputs)
+
+    def _fill_padding(self, B: int, width: int) -> None:
+        Bb = self._bucket(B)
+        if Bb > B:
+            self.s_ids[B:Bb, :width] = 0
+            self.s_pos[B:Bb, :width] = self.scratch
+            self.s_last[B:Bb] = 0
+
+    # --------------------------------------------------------------- the steps
+    @torch.inference_mode()
+    def decode(self, ids: torch.Tensor, pos: torch.Tensor):
+        B = ids.shape[0]
+        self.s_ids[:B, 0].copy_(ids)
+        self.s_pos[:B, 0].copy_(pos)
+        self._fill_padding(B, 1)
+        return self._run(("decode",), B, self._decode_body)
+
+    @torch.inference_mode()
+    def draft(self, K: int, entry_pos: torch.Tensor, last_idx: torch.Tensor, s: BatchSampling) -> DraftResult:
+        B = entry_pos.shape[0]
+        self.s_pos[:B, : K + 1].copy_(entry_pos)
+        self.s_last[:B].copy_(last_idx)
+        self._fill_padding(B, K + 1)
+        sampling = not s.all_greedy
+        self._set_sampling(B, s)
+        key = ("draft", K, sampling, s.filtered and sampling)
+        out = self._run(key, B, lambda b: self._draft_body(b, K, sampling, s.filtered))
+        if not sampling:
+            return DraftResult(out[0], None, None)
+        vocab_map = torch.arange(self.drafter.d2t.shape[0], device=self.device) + self.drafter.d2t
+        return DraftResult(out[0], out[1], out[2], vocab_map)
+
+    @torch.inference_mode()
+    def verify(self, ids: torch.Tensor, pos0: torch.Tensor):
+        B, W = ids.shape
+        self.s_ids[:B, :W].copy_(ids)
+        self.s_pos[:B, :W].copy_(pos0.unsqueeze(1) + torch.arange(W, device=self.device))
+        self._fill_padding(B, W)
+        return self._run(("verify", W - 1), B, lambda b: self._verify_body(b, W - 1))
+
+    # ------------------------------------------------------------ CUDA graphs
+    @torch.inference_mode()
+    def capture_graphs(self, spec_steps: list[int], on_progress=None) -> float:
+        """Capture decode, draft and verify graphs for every batch bucket,
+        largest first so smaller graphs reuse its memory pool."""
+        if self.device.type != "cuda" or not self.cfg.cuda_graphs:
+            return 0.0
+        t0 = time.perf_counter()
+        sizes = self.cfg.graph_batch_sizes or default_graph_batch_sizes(self.rows)
+        sizes = tuple(sorted({min(b, self.rows) for b in sizes}))
+        self.graph_batch_sizes = sizes
+        jobs = []
+        for B in sorted(sizes, reverse=True):
+            jobs.append((("decode",), B, self._decode_body))
+            for K in spec_steps:
+                if K <= 0:
+                    continue
+                jobs.append((("verify", K), B, lambda b, K=K: self._verify_body(b, K)))
+                jobs.append((("draft", K, False, False), B, lambda b, K=K: self._draft_body(b, K, False, False)))
+                jobs.append((("draft", K, True, True), B, lambda b, K=K: self._draft_body(b, K, True, True)))
+        # Padding state for capture: every row writes to the scratch slot.
+        self.s_pos.fill_(self.scratch)
+        self.s_ids.zero_()
+        self.s_last.zero_()
+        self.s_temp.fill_(1.0)
+        stream = torch.cuda.Stream(self.device)
+        for n, (key, B, body) in enumerate(jobs):
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                body(B)  # warm-up outside the graph (allocator, lazy init)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
+                outputs = body(B)
+            if self.graph_pool is None:
+                self.graph_pool = graph.pool()
+            self.graphs[(*key, B)] = _Graph(graph, outputs)
+            if on_progress:
+                on_progress(n + 1, len(jobs), key, B)
+        torch.cuda.synchronize(self.device)
+        return time.perf_counter() - t0

@@ -1,0 +1,129 @@
+"""Sampling parameters, logit processing and sync-free sampling.
+
+Random numbers come from a counter-based hash of (seed, token position,
+stream, vocabulary index) instead of a stateful generator: a seeded request
+then produces the same tokens whatever else shares its batch, every draw is a
+plain tensor op (no host sync, CUDA-graph safe), and speculative and plain
+decoding draw independent numbers for drafting, acceptance and resampling.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+STREAM_TARGET = 1  # plain sampling, residual and bonus tokens
+STREAM_DRAFT = 2  # the drafter's proposals
+STREAM_ACCEPT = 3  # the uniform of the acceptance test
+
+_M32 = 0xFFFFFFFF
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens for one request. temperature 0 means greedy."""
+
+    max_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (xor-shift-multiply). Values stay below 2**63 in int64."""
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    x = (((x >> 16) ^ x) * 0x45D9F3B) & _M32
+    return (x >> 16) ^ x
+
+
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, width: int) -> torch.Tensor:
+    """Uniform floats in (0, 1), shape [*seeds.shape, width], a pure function of
+    (seed, position, stream, column)."""
+    key = _mix32((positions.long() * 2654435761 + stream * 0x9E3779B1) & _M32)
+    key = _mix32((seeds.long() & _M32) ^ key)
+    cols = _mix32(torch.arange(width, device=seeds.device, dtype=torch.long) * 0x27D4EB2D & _M32)
+    h = _mix32((key.unsqueeze(-1) + cols) & _M32)
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                    filtered: bool = True) -> torch.Tensor:
+    """The distribution a request samples from: softmax(logits / T) restricted
+    to its top-k and top-p set. logits [..., V]; params broadcast over [...].
+    Greedy rows (T == 0) get a one-hot at the argmax, which makes greedy a
+    special case of speculative rejection sampling."""
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(-1)
+    if filtered:
+        sorted_logits, order = scaled.sort(dim=-1, descending=True)
+        V = logits.shape[-1]
+        rank = torch.arange(V, device=logits.device)
+        k = torch.where(top_k > 0, top_k, torch.full_like(top_k, V)).unsqueeze(-1)
+        sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+        sorted_probs = sorted_logits.softmax(-1)
+        before = sorted_probs.cumsum(-1) - sorted_probs  # mass strictly above each token
+        sorted_logits = sorted_logits.masked_fill(before >= top_p.unsqueeze(-1), float("-inf"))
+        scaled = torch.full_like(scaled, float("-inf")).scatter(-1, order, sorted_logits)
+    probs = scaled.softmax(-1)
+    onehot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(greedy.unsqueeze(-1), onehot, probs)
+
+
+def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Exponential race: argmax(p / E) with E = -log(u) draws index i with probability p_i."""
+    return (probs / (-torch.log(u))).argmax(-1)
+
+
+@dataclass
+class BatchSampling:
+    """Per-row sampling parameters as device tensors for one step."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    top_k: torch.Tensor
+    seed: torch.Tensor
+    all_greedy: bool
+    filtered: bool
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device) -> "BatchSampling":
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
+            seed=torch.tensor(seeds, dtype=torch.long, device=device),
+            all_greedy=all(p.greedy for p in params),
+            filtered=any(p.top_p < 1 or p.top_k > 0 for p in params),
+        )
+
+
+def sample_tokens(logits: torch.Tensor, s: BatchSampling, positions: torch.Tensor) -> torch.Tensor:
+    """Pick one token per row of logits [B, V]; `positions` [B] are the
+    sequence positions the new tokens will occupy (the noise key)."""
+    if s.all_greedy:
+        return logits.argmax(-1)
+    probs = processed_probs(logits, s.temperature, s.top_p, s.top_k, s.filtered)
+    return sample_from(probs, uniform(s.seed, positions, STREAM_TARGET, logits.shape[-1]))

@@ -1,0 +1,59 @@
+"""Verification: which drafted tokens the target accepts, and the token that follows.
+
+Standard speculative rejection sampling (Leviathan et al. / Chen et al.): draft
+token d with draft probability q(d) is accepted with probability
+min(1, p(d) / q(d)); at the first rejection the next token is drawn from
+normalize(max(0, p - q)); if all K are accepted a bonus token is drawn from p.
+The output distribution is exactly the target's. Greedy requests use one-hot
+p and q, which reduces the rule to "accept while argmax matches".
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.engine.runner import DraftResult
+from specserve.engine.sampling import (
+    STREAM_ACCEPT,
+    STREAM_TARGET,
+    BatchSampling,
+    processed_probs,
+    sample_from,
+    uniform,
+)
+
+
+def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, pos0: torch.Tensor,
+                  enabled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [B, K+1, V] from the verify forward over [last, d1..dK] at
+    positions pos0..pos0+K. Returns (accepted count [B], next token [B]).
+    Rows with `enabled` False accept nothing: their next token comes from p."""
+    B, W, V = logits.shape
+    K = W - 1
+    d = draft.tokens  # [B, K] target ids
+    if s.all_greedy:
+        pred = logits.argmax(-1)  # [B, K+1]
+        ok = (pred[:, :K] == d) & enabled.unsqueeze(1)
+        n_acc = ok.long().cumprod(1).sum(1)
+        return n_acc, pred.gather(1, n_acc.unsqueeze(1)).squeeze(1)
+
+    expand = lambda t: t.unsqueeze(1).expand(B, W)  # noqa: E731
+    p = processed_probs(logits, expand(s.temperature), expand(s.top_p), expand(s.top_k), s.filtered)  # [B, K+1, V]
+    q_d = draft.probs.gather(-1, draft.draft_ids.unsqueeze(-1)).squeeze(-1)  # [B, K]
+    p_d = p[:, :K].gather(-1, d.unsqueeze(-1)).squeeze(-1)
+    positions = pos0.unsqueeze(1) + torch.arange(1, K + 1, device=pos0.device)  # where each d_i would sit
+    u = uniform(s.seed.unsqueeze(1).expand(B, K), positions, STREAM_ACCEPT, 1).squeeze(-1)
+    ok = (u * q_d <= p_d) & enabled.unsqueeze(1)
+    n_acc = ok.long().cumprod(1).sum(1)
+
+    # Residual at the first rejection (or p itself for the bonus / disabled rows).
+    rows = torch.arange(B, device=logits.device)
+    p_at = p[rows, n_acc]  # [B, V]
+    idx = n_acc.clamp(max=K - 1)
+    q_at = torch.zeros_like(p_at).scatter_add_(1, draft.vocab_map.expand(B, -1), draft.probs[rows, idx])
+    rejected = (n_acc < K) & enabled
+    residual = torch.where(rejected.unsqueeze(1), (p_at - q_at).clamp_min(0), p_at)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
+    u_next = uniform(s.seed, pos0 + n_acc + 1, STREAM_TARGET, V)
+    return n_acc, sample_from(residual, u_next)

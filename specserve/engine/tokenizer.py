@@ -1,0 +1,90 @@
+"""Tokenizer from a local Hugging Face directory (tokenizer.json +
+tokenizer_config.json), with EOS ids, the chat template and incremental
+detokenization for streaming."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from specserve.config import ConfigError
+
+
+class Tokenizer:
+    def __init__(self, model_dir: str | Path):
+        from tokenizers import Tokenizer as HFTokenizer
+
+        model_dir = Path(model_dir)
+        path = model_dir / "tokenizer.json"
+        if not path.exists():
+            raise ConfigError(f"{model_dir} has no tokenizer.json (a fast Hugging Face tokenizer is required)")
+        self.tok = HFTokenizer.from_file(str(path))
+        cfg_path = model_dir / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        self.chat_template = self.config.get("chat_template")
+        tmpl = model_dir / "chat_template.jinja"
+        if self.chat_template is None and tmpl.exists():
+            self.chat_template = tmpl.read_text()
+        self.bos_token = self._token_text(self.config.get("bos_token"))
+        self.eos_token = self._token_text(self.config.get("eos_token"))
+        self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token is not None
+        self.eos_token_ids: set[int] = set()
+        if self.eos_token is not None and self.tok.token_to_id(self.eos_token) is not None:
+            self.eos_token_ids.add(self.tok.token_to_id(self.eos_token))
+        for name in ("generation_config.json", "config.json"):
+            p = model_dir / name
+            if p.exists():
+                eos = json.loads(p.read_text()).get("eos_token_id")
+                if eos is not None:
+                    self.eos_token_ids.update(eos if isinstance(eos, list) else [eos])
+        self.vocab_size = self.tok.get_vocab_size()
+
+    @staticmethod
+    def _token_text(tok) -> str | None:
+        if isinstance(tok, dict):
+            return tok.get("content")
+        return tok
+
+    def encode(self, text: str) -> list[int]:
+        ids = self.tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos:
+            ids = [self.tok.token_to_id(self.bos_token), *ids]
+        return ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ConfigError("this model's tokenizer_config.json has no chat_template; use /v1/completions")
+        import jinja2
+
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
+        env.globals["raise_exception"] = _raise
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+        )
+
+
+def _raise(message: str):
+    raise ValueError(message)
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas, holding back bytes
+    of an unfinished UTF-8 character (byte-level BPE splits characters)."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.text = ""
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        full = self.tokenizer.decode(self.ids)
+        if full.endswith("\ufffd"):
+            return ""  # wait for the rest of the character
+        delta = full[len(self.text):]
+        self.text = full
+        return delta

@@ -1,0 +1,129 @@
+"""The EAGLE-3 drafter: one Llama decoder layer whose attention reads the
+concatenation [input_layernorm(embed(token)), hidden_norm(h)] (2H wide).
+
+h is fc(target features) on the first draft step of a position (the target's
+low/mid/high hidden states, 3H) and the drafter's own pre-norm output on later
+steps. Logits cover the draft vocabulary; `d2t` maps a draft id to a target id
+(target = draft + d2t[draft]).
+
+The drafter is replicated on every tensor-parallel rank: it is one layer, so
+sharding it would add two all-reduces per draft step for little memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.config import DraftConfig
+from specserve.model.layers import ForwardContext, KVCacheAttention, RMSNorm, ReplicatedLinear, RotaryEmbedding
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.q_proj = ReplicatedLinear(2 * cfg.hidden_size, q_size)
+        self.k_proj = ReplicatedLinear(2 * cfg.hidden_size, kv_size)
+        self.v_proj = ReplicatedLinear(2 * cfg.hidden_size, kv_size)
+        self.o_proj = ReplicatedLinear(q_size, cfg.hidden_size)
+        self.rope = rope
+        self.attn = KVCacheAttention(self.heads, self.kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
+        q, k = self.rope(q, k, ctx.positions)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class DraftMLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = ReplicatedLinear(hidden, intermediate)
+        self.up_proj = ReplicatedLinear(hidden, intermediate)
+        self.down_proj = ReplicatedLinear(intermediate, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftMidLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
+        h = hidden + self.self_attn(x, ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: DraftConfig, max_positions: int, has_embedding: bool):
+        super().__init__()
+        self.cfg = cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        # Without its own embedding the drafter reads the target's (set by the loader).
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size) if has_embedding else None
+        self.target_embed: nn.Module | None = None
+        self.fc = ReplicatedLinear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=cfg.fc_bias)
+        self.midlayer = DraftMidLayer(cfg, self.rope)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = ReplicatedLinear(cfg.hidden_size, cfg.draft_vocab_size)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
+
+    def attention_modules(self) -> list[KVCacheAttention]:
+        return [self.midlayer.self_attn.attn]
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return (self.embed_tokens or self.target_embed)(ids)
+
+    def forward(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """ids [B, T] (the token after each feature's position), hidden [B, T, 3H]
+        target features or [B, T, H] own outputs. Returns the pre-norm output
+        [B, T, H] that the next draft step feeds back."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fc(hidden)
+        return self.midlayer(self.embed(ids).to(hidden.dtype), hidden, ctx)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (float32)."""
+        return self.lm_head(self.norm(out)).float()
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def hf_weight_map(self, prefix: str = "") -> dict[str, tuple[nn.Parameter | torch.Tensor, int | None]]:
+        m = self.midlayer
+        names = {
+            "fc.weight": self.fc.weight,
+            "midlayer.input_layernorm.weight": m.input_layernorm.weight,
+            "midlayer.hidden_norm.weight": m.hidden_norm.weight,
+            "midlayer.post_attention_layernorm.weight": m.post_attention_layernorm.weight,
+            "midlayer.self_attn.q_proj.weight": m.self_attn.q_proj.weight,
+            "midlayer.self_attn.k_proj.weight": m.self_attn.k_proj.weight,
+            "midlayer.self_attn.v_proj.weight": m.self_attn.v_proj.weight,
+            "midlayer.self_attn.o_proj.weight": m.self_attn.o_proj.weight,
+            "midlayer.mlp.gate_proj.weight": m.mlp.gate_proj.weight,
+            "midlayer.mlp.up_proj.weight": m.mlp.up_proj.weight,
+            "midlayer.mlp.down_proj.weight": m.mlp.down_proj.weight,
+            "norm.weight": self.norm.weight,
+            "lm_head.weight": self.lm_head.weight,
+            "d2t": self.d2t,
+            "t2d": self.t2d,
+        }
+        if self.fc.bias is not None:
+            names["fc.bias"] = self.fc.bias
+        if self.embed_tokens is not None:
+            names["embed_tokens.weight"] = self.embed_tokens.weight
+        return {prefix + k: (v, None) for k, v in names.items()}

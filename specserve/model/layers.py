@@ -1,0 +1,237 @@
+"""Building blocks shared by the target and the drafter.
+
+Linear layers know how to load (and shard, under tensor parallelism) their
+Hugging Face weights: each parameter carries a `weight_loader(param, tensor,
+shard_id)`. With TP size 1 they are plain linears.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+
+
+def _divide(n: int, parts: int, what: str) -> int:
+    if n % parts:
+        raise ValueError(f"{what} ({n}) is not divisible by the tensor-parallel size {parts}")
+    return n // parts
+
+
+def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+    if param.shape != loaded.shape:
+        raise ValueError(f"{name}: expected shape {tuple(param.shape)}, checkpoint has {tuple(loaded.shape)}")
+    param.data.copy_(loaded)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class ReplicatedLinear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__(in_features, out_features, bias=bias)
+        for p in self.parameters():
+            p.weight_loader = lambda param, t, shard=None, _n="replicated": _copy_checked(param, t, _n)
+
+
+class ColumnParallelLinear(nn.Module):
+    """Output features split across ranks; several HF tensors may be stacked
+    into one weight (`shard_sizes`, e.g. q/k/v or gate/up) to save launches."""
+
+    def __init__(self, in_features: int, shard_sizes: list[int], bias: bool = False, gather_output: bool = False):
+        super().__init__()
+        self.tp = tp_size()
+        self.local_sizes = [_divide(s, self.tp, "output features") for s in shard_sizes]
+        self.offsets = [sum(self.local_sizes[:i]) for i in range(len(shard_sizes))]
+        out = sum(self.local_sizes)
+        self.gather_output = gather_output
+        self.weight = nn.Parameter(torch.empty(out, in_features))
+        self.weight.weight_loader = self._load
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out))
+            self.bias.weight_loader = self._load
+        else:
+            self.register_parameter("bias", None)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
+        shard = shard or 0
+        size = self.local_sizes[shard]
+        piece = loaded.narrow(0, tp_rank() * size, size) if self.tp > 1 else loaded
+        target = param.data.narrow(0, self.offsets[shard], size)
+        if target.shape != piece.shape:
+            raise ValueError(f"expected shape {tuple(target.shape)} for shard {shard}, checkpoint gives {tuple(piece.shape)}")
+        target.copy_(piece)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return all_gather_last_dim(y) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """Input features split across ranks; partial sums are all-reduced."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+        super().__init__()
+        self.tp = tp_size()
+        self.local_in = _divide(in_features, self.tp, "input features")
+        self.weight = nn.Parameter(torch.empty(out_features, self.local_in))
+        self.weight.weight_loader = self._load
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features))
+            self.bias.weight_loader = lambda p, t, s=None: _copy_checked(p, t, "bias")
+        else:
+            self.register_parameter("bias", None)
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
+        piece = loaded.narrow(1, tp_rank() * self.local_in, self.local_in) if self.tp > 1 else loaded
+        _copy_checked(param, piece, "row-parallel weight")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = all_reduce(F.linear(x, self.weight))
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding rows split across ranks; a rank contributes zeros for ids it
+    does not own and the all-reduce assembles the result."""
+
+    def __init__(self, vocab: int, dim: int):
+        super().__init__()
+        self.tp = tp_size()
+        self.vocab = vocab
+        self.local = _divide(vocab, self.tp, "vocab_size")
+        self.start = tp_rank() * self.local
+        self.weight = nn.Parameter(torch.empty(self.local, dim))
+        self.weight.weight_loader = self._load
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
+        piece = loaded.narrow(0, self.start, self.local) if self.tp > 1 else loaded
+        _copy_checked(param, piece, "embedding")
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        inside = (local >= 0) & (local < self.local)
+        out = F.embedding(local.clamp(0, self.local - 1), self.weight) * inside.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(out)
+
+
+class VocabParallelHead(ColumnParallelLinear):
+    """The LM head: vocab split across ranks, logits gathered."""
+
+    def __init__(self, dim: int, vocab: int):
+        super().__init__(dim, [vocab], bias=False, gather_output=True)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables (float32) for every position up to `max_positions`, gathered per token."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
+        super().__init__()
+        from specserve.config import rope_inv_freq
+
+        inv_freq = rope_inv_freq(head_dim, theta, scaling).to(torch.float32)
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
+        # q: [B, T, H, D], positions: [B, T]
+        cos = self.cos[positions].unsqueeze(2).to(q.dtype)
+        sin = self.sin[positions].unsqueeze(2).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+@dataclass
+class ForwardContext:
+    """Per-forward attention metadata, shared by every layer of one model.
+
+    Sequences occupy KV-cache rows `row_start .. row_start+B-1` (the running
+    batch is kept as a contiguous prefix of rows, so attention reads a view of
+    the cache, never a gathered copy). Token t of row b is written at cache
+    index `write_idx[b, t]` and sees every key at an index <= its own: that
+    positional rule makes rejecting draft tokens free (rewind the length) and
+    lets padding tokens write to a scratch region past `max_model_len`.
+    A tree of drafts (top-k > 1) would add an ancestor mask for the block here.
+    """
+
+    row_start: int
+    positions: torch.Tensor  # [B, T] rope positions
+    write_idx: torch.Tensor  # [B, T] cache index
+    kv_len: int  # keys [0, kv_len) are read
+    _bias: dict = field(default_factory=dict)
+
+    def attn_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+        key = (group, dtype)
+        if key not in self._bias:
+            B, T = self.write_idx.shape
+            keys = torch.arange(self.kv_len, device=self.write_idx.device)
+            visible = keys.view(1, 1, -1) <= self.write_idx.unsqueeze(-1)  # [B, T, L]
+            bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+            bias.masked_fill_(~visible, float("-inf"))
+            # Queries are laid out [kv_head, group, token] -> repeat the mask per group.
+            self._bias[key] = bias.unsqueeze(1).expand(B, group, T, self.kv_len).reshape(B, 1, group * T, self.kv_len)
+        return self._bias[key]
+
+
+class KVCacheAttention(nn.Module):
+    """Scaled dot-product attention over a slot-per-sequence KV cache with GQA."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim**-0.5
+        self.k_cache: torch.Tensor | None = None  # [rows, kv_heads, length, head_dim], set by the runner
+        self.v_cache: torch.Tensor | None = None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, T = q.shape[:2]
+        rows = slice(ctx.row_start, ctx.row_start + B)
+        kc, vc = self.k_cache[rows], self.v_cache[rows]
+        b_idx = torch.arange(B, device=q.device).unsqueeze(1)
+        kc[b_idx, :, ctx.write_idx] = k.to(kc.dtype)
+        vc[b_idx, :, ctx.write_idx] = v.to(vc.dtype)
+        keys, values = kc[:, :, : ctx.kv_len], vc[:, :, : ctx.kv_len]
+        # [B, T, H, D] -> [B, Hkv, G*T, D] so each KV head is read once for its whole group.
+        qg = q.view(B, T, self.num_kv_heads, self.group, self.head_dim).permute(0, 2, 3, 1, 4)
+        qg = qg.reshape(B, self.num_kv_heads, self.group * T, self.head_dim)
+        out = F.scaled_dot_product_attention(
+            qg, keys, values, attn_mask=ctx.attn_bias(self.group, q.dtype), scale=self.scale
+        )
+        out = out.view(B, self.num_kv_heads, self.group, T, self.head_dim).permute(0, 3, 1, 2, 4)
+        return out.reshape(B, T, self.num_heads * self.head_dim)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+        super().__init__()
+        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

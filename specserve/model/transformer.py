@@ -1,0 +1,136 @@
+"""The target model: Llama, Qwen2 and Qwen3 decoders in one implementation.
+
+The three differ only in q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3)
+and their configs' spelling, which `ModelConfig` normalizes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.distributed.parallel_state import tp_size
+from specserve.model.layers import (
+    ColumnParallelLinear,
+    ForwardContext,
+    KVCacheAttention,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    SwiGLU,
+    VocabParallelEmbedding,
+    VocabParallelHead,
+    _divide,
+)
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        tp = tp_size()
+        self.heads = _divide(cfg.num_heads, tp, "num_attention_heads")
+        self.kv_heads = _divide(cfg.num_kv_heads, tp, "num_key_value_heads")
+        self.head_dim = cfg.head_dim
+        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rope = rope
+        self.attn = KVCacheAttention(self.heads, self.kv_heads, self.head_dim)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        q_len, kv_len = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        q, k, v = self.qkv_proj(x).split([q_len, kv_len, kv_len], dim=-1)
+        q = q.view(B, T, self.heads, self.head_dim)
+        k = k.view(B, T, self.kv_heads, self.head_dim)
+        v = v.view(B, T, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q, k, ctx.positions)
+        return self.o_proj(self.attn(q, k, v, ctx))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, rope)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), ctx)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class CausalLM(nn.Module):
+    """Decoder-only transformer. `forward` returns the final normed hidden
+    states and, when `aux_layers` is set, the EAGLE-3 features: the residual
+    stream entering each listed layer, concatenated to [B, T, 3H]."""
+
+    def __init__(self, cfg: ModelConfig, max_positions: int):
+        super().__init__()
+        self.cfg = cfg
+        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelHead(cfg.hidden_size, cfg.vocab_size)
+        self.aux_layers: tuple[int, ...] = ()
+
+    def attention_modules(self) -> list[KVCacheAttention]:
+        return [layer.self_attn.attn for layer in self.layers]
+
+    def forward(self, ids: torch.Tensor, ctx: ForwardContext):
+        h = self.embed_tokens(ids)
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.aux_layers:
+                taps[i] = h
+            h = layer(h, ctx)
+        taps[len(self.layers)] = h
+        features = torch.cat([taps[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
+        return self.norm(h), features
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:  # tied: reuse the (vocab-parallel) embedding matrix
+            from specserve.distributed.parallel_state import all_gather_last_dim
+
+            return all_gather_last_dim(torch.nn.functional.linear(hidden, self.embed_tokens.weight)).float()
+        return self.lm_head(hidden).float()
+
+    def hf_weight_map(self) -> dict[str, tuple[nn.Parameter, int | None]]:
+        """Hugging Face tensor name -> (our parameter, shard id within a stacked weight)."""
+        out: dict[str, tuple[nn.Parameter, int | None]] = {"model.embed_tokens.weight": (self.embed_tokens.weight, None)}
+        out["model.norm.weight"] = (self.norm.weight, None)
+        if self.lm_head is not None:
+            out["lm_head.weight"] = (self.lm_head.weight, None)
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            a = layer.self_attn
+            for shard, name in enumerate(("q_proj", "k_proj", "v_proj")):
+                out[p + f"self_attn.{name}.weight"] = (a.qkv_proj.weight, shard)
+                if a.qkv_proj.bias is not None:
+                    out[p + f"self_attn.{name}.bias"] = (a.qkv_proj.bias, shard)
+            out[p + "self_attn.o_proj.weight"] = (a.o_proj.weight, None)
+            if a.o_proj.bias is not None:
+                out[p + "self_attn.o_proj.bias"] = (a.o_proj.bias, None)
+            if a.q_norm is not None:
+                out[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, None)
+                out[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, None)
+            for shard, name in enumerate(("gate_proj", "up_proj")):
+                out[p + f"mlp.{name}.weight"] = (layer.mlp.gate_up_proj.weight, shard)
+                if layer.mlp.gate_up_proj.bias is not None:
+                    out[p + f"mlp.{name}.bias"] = (layer.mlp.gate_up_proj.bias, shard)
+            out[p + "mlp.down_proj.weight"] = (layer.mlp.down_proj.weight, None)
+            if layer.mlp.down_proj.bias is not None:
+                out[p + "mlp.down_proj.bias"] = (layer.mlp.down_proj.bias, None)
+            out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, None)
+            out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
+        return out

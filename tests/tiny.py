@@ -1,0 +1,88 @@
+"""Tiny random checkpoints written the way real tools write them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+
+def make_target(out: Path, arch: str = "llama", vocab: int = 96, hidden: int = 64, layers: int = 4,
+                heads: int = 4, kv_heads: int = 2, seed: int = 0, **extra) -> Path:
+    """A random transformers model saved with save_pretrained (safetensors)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+              num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+              eos_token_id=vocab - 1, bos_token_id=None, pad_token_id=None, **extra)
+    if arch == "llama":
+        cfg, cls = transformers.LlamaConfig(**kw), transformers.LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = transformers.Qwen2Config(**kw), transformers.Qwen2ForCausalLM
+    elif arch == "qwen3":
+        kw.setdefault("head_dim", 32)
+        cfg, cls = transformers.Qwen3Config(**kw), transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    model = cls(cfg).eval()
+    # Sharper logits than the default init: more decisive, more realistic greedy paths.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
+def make_drafter(out: Path, target_dir: Path, layout: str = "specforge", draft_vocab: int | None = None,
+                 seed: int = 1, max_pos: int = 512, with_embedding: bool = False,
+                 aux_ids: list[int] | None = None) -> Path:
+    """A random EAGLE-3 drafter in the SpecForge, SGLang or EAGLE-reference layout."""
+    tcfg = json.loads((target_dir / "config.json").read_text())
+    H, V = tcfg["hidden_size"], tcfg["vocab_size"]
+    heads, kv = tcfg["num_attention_heads"], tcfg.get("num_key_value_heads", tcfg["num_attention_heads"])
+    hd = H // heads
+    inter = tcfg["intermediate_size"]
+    Vd = draft_vocab or V
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.2  # noqa: E731
+    t = {
+        "fc.weight": r(H, 3 * H),
+        "midlayer.input_layernorm.weight": torch.ones(H),
+        "midlayer.hidden_norm.weight": torch.ones(H),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H),
+        "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * H),
+        "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * H),
+        "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * H),
+        "midlayer.self_attn.o_proj.weight": r(H, heads * hd),
+        "midlayer.mlp.gate_proj.weight": r(inter, H),
+        "midlayer.mlp.up_proj.weight": r(inter, H),
+        "midlayer.mlp.down_proj.weight": r(H, inter),
+        "norm.weight": torch.ones(H),
+        "lm_head.weight": r(Vd, H) * 5,
+    }
+    # Draft vocabulary: every other target id first, so d2t is a real (non-zero) map.
+    ids = torch.cat([torch.arange(0, V, 2), torch.arange(1, V, 2)])[:Vd].sort().values
+    t["d2t"] = ids - torch.arange(Vd)
+    t2d = torch.zeros(V, dtype=torch.bool)
+    t2d[ids] = True
+    t["t2d"] = t2d
+    if with_embedding:
+        t["embed_tokens.weight"] = r(V, H)
+    cfg = {"hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
+           "rms_norm_eps": 1e-6, "vocab_size": V, "draft_vocab_size": Vd, "max_position_embeddings": max_pos,
+           "rope_theta": tcfg.get("rope_theta", 10000.0), "torch_dtype": "float32", "hidden_act": "silu"}
+    if layout == "eagle":
+        cfg |= {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
+        t = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in t.items()}
+    else:
+        cfg |= {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1}
+        if layout == "sglang":
+            L = tcfg["num_hidden_layers"]
+            cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids or [1, L // 2 - 1, L - 4]}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
+    return out
