@@ -62,7 +62,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, width: int) -> torch.Tensor:
     """Uniform floats in (0, 1), shape [*seeds.shape, width], a pure function of
     (seed, position, stream, column)."""
-    key = _mix32((positions.long() * 2654435761 + stream * 0x9E3779B1) & _M32)
+    # Hash the position before adding the stream so (pos, stream) pairs never alias linearly.
+    key = _mix32((_mix32(positions.long() & _M32) + stream * 0x632BE5AB) & _M32)
     key = _mix32((seeds.long() & _M32) ^ key)
     cols = _mix32(torch.arange(width, device=seeds.device, dtype=torch.long) * 0x27D4EB2D & _M32)
     h = _mix32((key.unsqueeze(-1) + cols) & _M32)
