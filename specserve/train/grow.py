@@ -1,0 +1,521 @@
+"""`specserve grow`: widen a small Llama target and its EAGLE-3 drafter to a
+big model's shape (by default Llama-3-8B's) without changing what they compute.
+
+The point is benchmarking: the grown pair has an 8B model's kernel shapes and
+(nearly) its bytes, so it runs at an 8B model's speed, while its greedy output
+and its drafter's acceptance stay those of the small trained pair.
+
+Construction (every step is exact in real arithmetic):
+
+* Residual stream (hidden H -> H' = r*H): each unit is duplicated r times,
+  x' = [x0 x0 .. x0, x1 x1 .. x1, ...]. RMSNorm is unchanged (the mean of the
+  squares is the same), so norm weights are just repeated. A linear that
+  *writes* the stream (embedding, o_proj, down_proj, drafter fc) duplicates its
+  output rows; a linear that *reads* it (q/k/v, gate/up, lm_head, fc) repeats
+  its input columns with coefficients that sum to 1, so W' x' = W x.
+* Coefficients are powers of two (c copies: e.g. 37 = 27 x 1/32 + 10 x 1/64),
+  so scaling a bf16 weight by them is exact: the grown bf16 checkpoint holds
+  exactly the small one's values, moved around. Only the order of fp32
+  accumulation in the matmuls differs.
+* Heads (Hq -> a*Hq, Hkv -> b*Hkv, head_dim d -> d' = s*d): new query head h
+  copies old head h // a, new KV head k copies old KV head k // b; the GQA
+  mapping then agrees (new q head h reads new KV head h // g', a copy of old KV
+  head h // (a*g)). Inside a head, old dims i and i + d/2 (a rotary pair) go to
+  new dims s*i and s*i + d'/2, which rotate at exactly the same frequency
+  (theta^(-2si/d') = theta^(-2i/d)); the other dims are zero in q, k and v.
+  q is scaled by sqrt(s) to undo the smaller 1/sqrt(d') attention scale (exact
+  for s = 4: 32 -> 128). o_proj reads each copy of a head with a coefficient.
+* MLP (I -> I'): unit u is duplicated c_u times (c_u = I' // I or one more, so
+  any I' >= I works: 384 -> 14336 uses 37 and 38 copies); down_proj reads the
+  copies with power-of-two coefficients summing to 1; SiLU(g)*u is per unit.
+* Layers (L -> L'): the L original layers keep their order; L' - L new layers
+  have random q/k/v/gate/up (real data for the kernels to read) but zero
+  o_proj and down_proj, so they add exactly 0 to the residual stream. Their
+  places are chosen so that EAGLE-3's default taps on the grown model (entering
+  layers 2, L'//2, L'-3) see the same residual stream as the old taps; when
+  that is impossible (or the drafter lists its layers), the grown drafter gets
+  explicit `eagle_aux_hidden_state_layer_ids` (SGLang convention).
+* Embeddings are untied in the grown model (the embedding must duplicate, the
+  LM head must read with coefficients: no longer the same matrix).
+* The drafter is widened the same way: fc reads three duplicated taps and
+  writes the new stream, q/k/v read two duplicated halves, heads and MLP as in
+  the target; d2t/t2d are unchanged.
+
+Limits: the vocabulary stays the small model's (4096 for the demo, against
+128256 for Llama-3-8B), so the grown "8B" has ~7.0B parameters and reads
+~1 GB less per decode step for its LM head (~14.0 GB bf16 against 16.06 GB);
+the drafter's LM head is likewise smaller than a real 32000-token one. Only
+Llama targets without biases are supported. Numerics are not bit-identical:
+matmuls over 4096 instead of 128 inputs round differently, so long greedy runs
+can diverge where two tokens are almost tied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from specserve.config import ConfigError, DraftConfig, ModelConfig, default_aux_layers, read_json, resolve_aux_layers
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+
+
+PRESETS = {
+    # Meta-Llama-3-8B / 3.1-8B (vocabulary aside, see the module docstring).
+    "llama3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336),
+    # A mid-size grow of the demo pair that a CPU can run (checks of the construction on the real demo).
+    "demo-mid": Shape(hidden=512, layers=32, heads=16, kv_heads=4, head_dim=128, intermediate=1792),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+                   "tokenizer.model", "vocab.json", "merges.txt")
+OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+# ------------------------------------------------------------------ index maps
+def split_coefs(c: int) -> torch.Tensor:
+    """c powers of two summing to exactly 1 (2^p - e halves-of-2^-p split in two)."""
+    p = c.bit_length() - 1
+    extra = c - (1 << p)
+    return torch.tensor([2.0**-p] * ((1 << p) - extra) + [2.0 ** -(p + 1)] * (2 * extra), dtype=torch.float64)
+
+
+@dataclass
+class DimMap:
+    """How one dimension grows: new index n copies old index src[n] and, when read, weighs it by coef[n]."""
+
+    src: torch.Tensor
+    coef: torch.Tensor
+
+    @classmethod
+    def from_counts(cls, counts: list[int]) -> "DimMap":
+        src = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+        return cls(src, torch.cat([split_coefs(c) for c in counts]))
+
+    def to(self, device) -> "DimMap":
+        return DimMap(self.src.to(device), self.coef.to(device))
+
+
+def mlp_counts(old: int, new: int) -> list[int]:
+    q, rem = divmod(new, old)
+    return [q + 1] * rem + [q] * (old - rem)
+
+
+def read(w: torch.Tensor, m: DimMap) -> torch.Tensor:
+    """A linear reading a grown input dimension (the last one): W'[:, n] = W[:, src[n]] * coef[n]."""
+    return w[..., m.src] * m.coef.to(w.dtype)
+
+
+def write(w: torch.Tensor, m: DimMap) -> torch.Tensor:
+    """A linear (or embedding) writing a grown dimension (the first one): rows duplicated."""
+    return w[m.src]
+
+
+@dataclass
+class HeadMap:
+    """q/k/v rows and o_proj columns of the grown attention."""
+
+    q_new: torch.Tensor  # new row index of each copied q row
+    q_old: torch.Tensor  # the old row it copies
+    kv_new: torch.Tensor
+    kv_old: torch.Tensor
+    o_coef: torch.Tensor  # coefficient of each copied o_proj column (same order as q_new)
+    q_scale: float
+    q_rows: int
+    kv_rows: int
+
+    def to(self, device) -> "HeadMap":
+        moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in vars(self).items()}
+        return HeadMap(**moved)
+
+
+def head_map(heads: int, kv_heads: int, d: int, new_heads: int, new_kv: int, new_d: int) -> HeadMap:
+    a, b, s = new_heads // heads, new_kv // kv_heads, new_d // d
+    half = torch.arange(d // 2)
+    pos = torch.cat([s * half, s * half + new_d // 2])  # where old dim c lands inside a new head
+
+    def rows(n_new: int, copies: int):
+        h = torch.arange(n_new)
+        new = (h[:, None] * new_d + pos[None, :]).reshape(-1)
+        old = ((h // copies)[:, None] * d + torch.arange(d)[None, :]).reshape(-1)
+        return new, old
+
+    q_new, q_old = rows(new_heads, a)
+    kv_new, kv_old = rows(new_kv, b)
+    o_coef = split_coefs(a).repeat(heads).repeat_interleave(d)
+    return HeadMap(q_new, q_old, kv_new, kv_old, o_coef, math.sqrt(s), new_heads * new_d, new_kv * new_d)
+
+
+def place_rows(w: torch.Tensor, new: torch.Tensor, old: torch.Tensor, n_rows: int, scale: float = 1.0) -> torch.Tensor:
+    out = w.new_zeros(n_rows, w.shape[1])
+    out[new] = w[old] * scale
+    return out
+
+
+# ------------------------------------------------------------------ validation and layer placement
+def check_shape(what: str, heads: int, kv_heads: int, d: int, hidden: int, inter: int, shape: Shape) -> None:
+    problems = []
+    for name, old, new in (("hidden size", hidden, shape.hidden), ("attention heads", heads, shape.heads),
+                           ("KV heads", kv_heads, shape.kv_heads), ("head_dim", d, shape.head_dim)):
+        if new < old or new % old:
+            problems.append(f"{name} {new} is not a multiple of the source's {old}")
+    if inter > shape.intermediate:
+        problems.append(f"intermediate size {shape.intermediate} is smaller than the source's {inter}")
+    if d % 2:
+        problems.append(f"source head_dim {d} is odd (rotary pairs need an even head_dim)")
+    if shape.heads % shape.kv_heads:
+        problems.append(f"{shape.heads} heads are not a multiple of {shape.kv_heads} KV heads")
+    if problems:
+        raise ConfigError(f"cannot grow the {what} to {shape}: " + "; ".join(problems))
+
+
+def place_layers(old_layers: int, new_layers: int, constraints: list[tuple[int, int]]) -> list[int | None]:
+    """Order of the grown layers: old layer index, or None for an identity layer.
+
+    constraints: (new index n, old index e) pairs meaning "the stream entering
+    new layer n must be the stream entering old layer e" (e == old_layers: the
+    final stream). Old layers are spread evenly between the constraints.
+    Raises ValueError when they cannot be met."""
+    if new_layers < old_layers:
+        raise ConfigError(f"cannot shrink {old_layers} layers to {new_layers}")
+    points = sorted(set(constraints) | {(0, 0), (new_layers, old_layers)})
+    order: list[int | None] = []
+    for (n0, e0), (n1, e1) in zip(points, points[1:]):
+        slots, count = n1 - n0, e1 - e0
+        if count < 0 or count > slots or (n0 == n1 and e0 != e1):
+            raise ValueError(f"tap constraints {constraints} cannot be met")
+        chosen = {n0 + (i * slots) // count for i in range(count)}
+        nxt = iter(range(e0, e1))
+        order += [next(nxt) if n0 + j in chosen else None for j in range(slots)]
+    return order
+
+
+def grown_taps(order: list[int | None], old_taps: tuple[int, ...]) -> tuple[int, ...]:
+    """New layer index whose input equals the input of each old tap layer."""
+    where = {old: new for new, old in enumerate(order) if old is not None}
+    return tuple(where.get(e, len(order)) for e in old_taps)
+
+
+# ------------------------------------------------------------------ checkpoints in and out
+def load_state(model_dir: Path) -> dict[str, torch.Tensor]:
+    from specserve.model.loader import checkpoint_files, iter_tensors
+
+    return dict(iter_tensors(checkpoint_files(model_dir, allow_pickle=False)))
+
+
+class ShardWriter:
+    """Collects tensors (cast to `dtype`, on CPU) into safetensors shards of about `shard_bytes`."""
+
+    def __init__(self, out: Path, dtype: torch.dtype, shard_bytes: int):
+        self.out, self.dtype, self.shard_bytes = out, dtype, shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[tuple[Path, list[str]]] = []
+        self.total = 0
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        if t.is_floating_point():
+            t = t.to(self.dtype)
+        t = t.contiguous().cpu()
+        self.pending[name] = t
+        self.pending_bytes += t.numel() * t.element_size()
+        self.total += t.numel() * t.element_size()
+        if self.pending_bytes >= self.shard_bytes:
+            self._flush()
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        path = self.out / f"part-{len(self.files):05d}.tmp"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> list[str]:
+        self._flush()
+        n = len(self.files)
+        if n == 1:
+            self.files[0][0].rename(self.out / "model.safetensors")
+            return ["model.safetensors"]
+        weight_map, names = {}, []
+        for i, (path, keys) in enumerate(self.files):
+            name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            path.rename(self.out / name)
+            names.append(name)
+            weight_map.update({k: name for k in keys})
+        index = {"metadata": {"total_size": self.total}, "weight_map": weight_map}
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+        return names
+
+
+def _set_dtype_key(cfg: dict, dtype: torch.dtype) -> None:
+    name = str(dtype).replace("torch.", "")
+    keys = [k for k in ("dtype", "torch_dtype") if k in cfg] or ["dtype"]
+    for k in keys:
+        cfg[k] = name
+
+
+def _prepare_out(out: Path, force: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not force:
+            raise ConfigError(f"output directory {out} is not empty; pass --force to replace its contents")
+        for p in out.iterdir():
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+# ------------------------------------------------------------------ the target
+@torch.no_grad()
+def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None], dtype: torch.dtype,
+                device: torch.device, seed: int, shard_bytes: int, extra_config: dict) -> dict:
+    cfg_json = read_json(model_dir / "config.json")
+    cfg = ModelConfig.from_hf_dict(cfg_json, model_dir / "config.json")
+    src = load_state(model_dir)
+    f32 = torch.float32
+    get = lambda name: src[name].to(device, f32)  # noqa: E731
+    H = DimMap.from_counts([shape.hidden // cfg.hidden_size] * cfg.hidden_size).to(device)
+    M = DimMap.from_counts(mlp_counts(cfg.intermediate_size, shape.intermediate)).to(device)
+    hm = head_map(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, shape.heads, shape.kv_heads,
+                  shape.head_dim).to(device)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    rand = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=f32) * 0.02  # noqa: E731
+
+    w = ShardWriter(out, dtype, shard_bytes)
+    embed = get("model.embed_tokens.weight")
+    head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
+    w.add("model.embed_tokens.weight", write(embed.T, H).T)
+    ones = lambda: torch.ones(shape.hidden, device=device)  # noqa: E731  (fresh: shards may not alias)
+    for new_i, old_i in enumerate(order):
+        p = f"model.layers.{new_i}."
+        if old_i is None:  # identity layer: real data to read, nothing written to the stream
+            q_size, kv_size = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+            layer = {"self_attn.q_proj.weight": rand(q_size, shape.hidden),
+                     "self_attn.k_proj.weight": rand(kv_size, shape.hidden),
+                     "self_attn.v_proj.weight": rand(kv_size, shape.hidden),
+                     "self_attn.o_proj.weight": torch.zeros(shape.hidden, q_size, device=device),
+                     "mlp.gate_proj.weight": rand(shape.intermediate, shape.hidden),
+                     "mlp.up_proj.weight": rand(shape.intermediate, shape.hidden),
+                     "mlp.down_proj.weight": torch.zeros(shape.hidden, shape.intermediate, device=device),
+                     "input_layernorm.weight": ones(), "post_attention_layernorm.weight": ones()}
+        else:
+            o = f"model.layers.{old_i}."
+            q = place_rows(get(o + "self_attn.q_proj.weight"), hm.q_new, hm.q_old, hm.q_rows, hm.q_scale)
+            k = place_rows(get(o + "self_attn.k_proj.weight"), hm.kv_new, hm.kv_old, hm.kv_rows)
+            v = place_rows(get(o + "self_attn.v_proj.weight"), hm.kv_new, hm.kv_old, hm.kv_rows)
+            o_old = get(o + "self_attn.o_proj.weight")
+            o_new = o_old.new_zeros(cfg.hidden_size, hm.q_rows)
+            o_new[:, hm.q_new] = o_old[:, hm.q_old] * hm.o_coef.to(f32)
+            layer = {"self_attn.q_proj.weight": read(q, H), "self_attn.k_proj.weight": read(k, H),
+                     "self_attn.v_proj.weight": read(v, H), "self_attn.o_proj.weight": write(o_new, H),
+                     "mlp.gate_proj.weight": read(write(get(o + "mlp.gate_proj.weight"), M), H),
+                     "mlp.up_proj.weight": read(write(get(o + "mlp.up_proj.weight"), M), H),
+                     "mlp.down_proj.weight": write(read(get(o + "mlp.down_proj.weight"), M), H),
+                     "input_layernorm.weight": write(get(o + "input_layernorm.weight"), H),
+                     "post_attention_layernorm.weight": write(get(o + "post_attention_layernorm.weight"), H)}
+        for name, t in layer.items():
+            w.add(p + name, t)
+    w.add("model.norm.weight", write(get("model.norm.weight"), H))
+    w.add("lm_head.weight", read(head, H))
+    files = w.finish()
+
+    new_cfg = dict(cfg_json)
+    new_cfg.update(hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                   num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                   intermediate_size=shape.intermediate, tie_word_embeddings=False, **extra_config)
+    _set_dtype_key(new_cfg, dtype)
+    (out / "config.json").write_text(json.dumps(new_cfg, indent=2) + "\n")
+    for name in TOKENIZER_FILES:
+        if (model_dir / name).exists():
+            shutil.copy2(model_dir / name, out / name)
+    return {"files": files, "bytes": w.total, "params": w.total * 8 // torch.finfo(dtype).bits}
+
+
+# ------------------------------------------------------------------ the drafter
+@torch.no_grad()
+def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, aux_ids: list[int] | None,
+                 dtype: torch.dtype, device: torch.device, extra_config: dict) -> dict:
+    from specserve.model.loader import _draft_rename
+
+    cfg_json = read_json(draft_dir / "config.json")
+    dc = DraftConfig.from_hf_dict(cfg_json, draft_dir / "config.json")
+    if dc.hidden_size != target_hidden or dc.target_hidden_size != target_hidden:
+        raise ConfigError(f"{draft_dir}: drafter hidden size {dc.hidden_size} (target_hidden_size "
+                          f"{dc.target_hidden_size}) differs from the target's {target_hidden}")
+    if dc.fc_bias:
+        raise ConfigError(f"{draft_dir}: drafters with an fc bias are not supported by grow")
+    check_shape("drafter", dc.num_heads, dc.num_kv_heads, dc.head_dim, dc.hidden_size, dc.intermediate_size, shape)
+    src = {_draft_rename(k): v for k, v in load_state(draft_dir).items()}
+    f32 = torch.float32
+    get = lambda name: src[name].to(device, f32)  # noqa: E731
+    H = DimMap.from_counts([shape.hidden // dc.hidden_size] * dc.hidden_size).to(device)
+    M = DimMap.from_counts(mlp_counts(dc.intermediate_size, shape.intermediate)).to(device)
+    hm = head_map(dc.num_heads, dc.num_kv_heads, dc.head_dim, shape.heads, shape.kv_heads,
+                  shape.head_dim).to(device)
+
+    def read_cat(wt: torch.Tensor, parts: int) -> torch.Tensor:  # input = `parts` grown streams side by side
+        return torch.cat([read(c, H) for c in wt.chunk(parts, dim=-1)], dim=-1)
+
+    m = "midlayer."
+    q = place_rows(get(m + "self_attn.q_proj.weight"), hm.q_new, hm.q_old, hm.q_rows, hm.q_scale)
+    k = place_rows(get(m + "self_attn.k_proj.weight"), hm.kv_new, hm.kv_old, hm.kv_rows)
+    v = place_rows(get(m + "self_attn.v_proj.weight"), hm.kv_new, hm.kv_old, hm.kv_rows)
+    o_old = get(m + "self_attn.o_proj.weight")
+    o_new = o_old.new_zeros(dc.hidden_size, hm.q_rows)
+    o_new[:, hm.q_new] = o_old[:, hm.q_old] * hm.o_coef.to(f32)
+    t = {"fc.weight": write(read_cat(get("fc.weight"), 3), H),
+         m + "input_layernorm.weight": write(get(m + "input_layernorm.weight"), H),
+         m + "hidden_norm.weight": write(get(m + "hidden_norm.weight"), H),
+         m + "post_attention_layernorm.weight": write(get(m + "post_attention_layernorm.weight"), H),
+         m + "self_attn.q_proj.weight": read_cat(q, 2), m + "self_attn.k_proj.weight": read_cat(k, 2),
+         m + "self_attn.v_proj.weight": read_cat(v, 2), m + "self_attn.o_proj.weight": write(o_new, H),
+         m + "mlp.gate_proj.weight": read(write(get(m + "mlp.gate_proj.weight"), M), H),
+         m + "mlp.up_proj.weight": read(write(get(m + "mlp.up_proj.weight"), M), H),
+         m + "mlp.down_proj.weight": write(read(get(m + "mlp.down_proj.weight"), M), H),
+         "norm.weight": write(get("norm.weight"), H),
+         "lm_head.weight": read(get("lm_head.weight"), H)}
+    if "embed_tokens.weight" in src:
+        t["embed_tokens.weight"] = write(get("embed_tokens.weight").T, H).T
+    for name in ("d2t", "t2d"):
+        if name in src:
+            t[name] = src[name]
+    w = ShardWriter(out, dtype, 1 << 62)
+    for name, tensor in t.items():
+        w.add(name, tensor)
+    w.finish()
+
+    new_cfg = dict(cfg_json)
+    new_cfg.update(architectures=["LlamaForCausalLMEagle3"], hidden_size=shape.hidden,
+                   num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                   intermediate_size=shape.intermediate, **extra_config)
+    if "target_hidden_size" in new_cfg:
+        new_cfg["target_hidden_size"] = shape.hidden
+    if aux_ids is not None:
+        new_cfg.setdefault("eagle_config", {})["eagle_aux_hidden_state_layer_ids"] = aux_ids
+    _set_dtype_key(new_cfg, dtype)
+    (out / "config.json").write_text(json.dumps(new_cfg, indent=2) + "\n")
+    return {"bytes": w.total}
+
+
+# ------------------------------------------------------------------ the whole pair
+def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | Path | None = None,
+         dtype: str = "bfloat16", device: str = "auto", seed: int = 0, shard_gb: float = 5.0,
+         preset: str | None = None, force: bool = False) -> dict:
+    """Grow the target at `model_dir` (and the drafter at `draft_dir`) into
+    `out` (drafter in `out/draft`). Returns a summary dict."""
+    from specserve.model.loader import resolve_device
+
+    t0 = time.perf_counter()
+    model_dir, out = Path(model_dir), Path(out)
+    if dtype not in OUT_DTYPES:
+        raise ConfigError(f"--dtype must be one of {', '.join(OUT_DTYPES)}, got {dtype!r}")
+    dev = resolve_device(device)
+    cfg_json = read_json(model_dir / "config.json")
+    cfg = ModelConfig.from_hf_dict(cfg_json, model_dir / "config.json")
+    if cfg.architecture != "LlamaForCausalLM":
+        raise ConfigError(f"{model_dir}: grow supports Llama targets only, found {cfg.architecture}")
+    if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
+        raise ConfigError(f"{model_dir}: grow does not support attention or MLP biases")
+    check_shape("target", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, shape)
+    if shape.layers < cfg.num_layers:
+        raise ConfigError(f"cannot grow {cfg.num_layers} layers to fewer ({shape.layers})")
+
+    # Layer placement: keep the drafter's taps on the same residual streams.
+    dc = DraftConfig.from_dir(draft_dir) if draft_dir else None
+    old_taps = resolve_aux_layers(dc, cfg.num_layers) if dc else default_aux_layers(cfg.num_layers)
+    new_default = default_aux_layers(shape.layers)
+    aux_ids = None
+    try:
+        order = place_layers(cfg.num_layers, shape.layers, list(zip(new_default, old_taps)))
+        if dc is not None and dc.aux_layer_ids is not None:  # it lists layers: list the grown ones
+            aux_ids = [n - 1 for n in grown_taps(order, old_taps)]
+    except ValueError:
+        order = place_layers(cfg.num_layers, shape.layers, [])
+        aux_ids = [n - 1 for n in grown_taps(order, old_taps)]
+    taps = grown_taps(order, old_taps)
+
+    _prepare_out(out, force)
+    extra = {"grown_from": str(model_dir), "grow_preset": preset or "custom",
+             "grow_layer_map": [-1 if o is None else o for o in order]}
+    summary = {"preset": preset or "custom", "shape": asdict(shape), "out": str(out), "dtype": dtype,
+               "device": str(dev), "layer_map": extra["grow_layer_map"], "aux_taps": list(taps)}
+    summary["target"] = grow_target(model_dir, out, shape, order, OUT_DTYPES[dtype], dev, seed,
+                                    int(shard_gb * 2**30), extra)
+    if dc is not None:
+        draft_out = out / "draft"
+        draft_out.mkdir()
+        dextra = {"grown_from": str(draft_dir), "grow_preset": preset or "custom"}
+        summary["draft"] = grow_drafter(Path(draft_dir), draft_out, shape, cfg.hidden_size, aux_ids,
+                                        OUT_DTYPES[dtype], dev, dextra)
+        summary["draft"]["out"] = str(draft_out)
+        summary["draft"]["aux_layer_ids"] = aux_ids
+    summary["seconds"] = round(time.perf_counter() - t0, 2)
+    return summary
+
+
+# ------------------------------------------------------------------ CLI
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="small Llama target directory (default: the bundled demo target)")
+    p.add_argument("--draft", help="its EAGLE-3 drafter (default with the demo target: the demo drafter, if present)")
+    p.add_argument("--no-draft", action="store_true", help="grow the target only")
+    p.add_argument("--preset", choices=sorted(PRESETS), help="target shape (llama3-8b: 4096 x 32 layers, "
+                   "32 heads of 128, 8 KV heads, MLP 14336); the flags below override its fields")
+    for field in ("hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate"):
+        p.add_argument(f"--{field}", type=int, help=f"grown {field.replace('-', ' ')}")
+    p.add_argument("--out", required=True, help="output directory (the drafter goes to OUT/draft)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(OUT_DTYPES))
+    p.add_argument("--device", default="auto", help="where to build the weights: cpu, cuda, cuda:N or auto")
+    p.add_argument("--seed", type=int, default=0, help="seed of the identity layers' random (unused) weights")
+    p.add_argument("--shard-size-gb", type=float, default=5.0, help="largest safetensors shard")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
+
+
+def shape_from_args(args: argparse.Namespace) -> Shape:
+    base = asdict(PRESETS[args.preset]) if args.preset else {}
+    for field in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate"):
+        value = getattr(args, field)
+        if value is not None:
+            if value < 1:
+                raise ConfigError(f"--{field.replace('_', '-')} must be positive, got {value}")
+            base[field] = value
+    missing = [f for f in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate") if f not in base]
+    if missing:
+        raise ConfigError("give --preset or all of --hidden --layers --heads --kv-heads --head-dim --intermediate "
+                          f"(missing: {', '.join('--' + m.replace('_', '-') for m in missing)})")
+    return Shape(**base)
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.engine.llm import demo_paths
+
+    try:
+        shape = shape_from_args(args)
+        model, draft = args.model, args.draft
+        if model is None:
+            model, demo_draft = demo_paths()
+            draft = draft or demo_draft
+        if args.no_draft:
+            draft = None
+        summary = grow(model, args.out, shape, draft_dir=draft, dtype=args.dtype, device=args.device,
+                       seed=args.seed, shard_gb=args.shard_size_gb, preset=args.preset, force=args.force)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(summary, indent=2))
+    return 0

@@ -1,0 +1,246 @@
+"""`specserve grow`: the grown pair must compute what the small pair computes
+(logits, greedy tokens, speculative acceptance), in specserve and in transformers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import make_drafter, make_target
+
+from specserve.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, default_aux_layers, resolve_aux_layers
+from specserve.engine.engine import Engine
+from specserve.engine.sampling import SamplingParams
+from specserve.model.layers import ForwardContext
+from specserve.model.loader import load_drafter, load_target
+from specserve.train import grow as G
+
+CPU = torch.device("cpu")
+# hidden x3 (non-power-of-two split), heads x2, KV heads x2, head_dim x4 (16 -> 64), layers x2,
+# MLP 128 -> 300 (units copied 2 or 3 times).
+SHAPE = G.Shape(hidden=192, layers=12, heads=8, kv_heads=4, head_dim=64, intermediate=300)
+
+
+def useful_drafter(draft_dir, target_dir) -> None:
+    """Make a random drafter accept some drafts: read the high tap, predict with the target's
+    (tied) head over the draft vocabulary, keep its attention and MLP as small random terms."""
+    t = load_file(str(draft_dir / "model.safetensors"))
+    emb = load_file(str(target_dir / "model.safetensors"))["model.embed_tokens.weight"]
+    H = emb.shape[1]
+    t["fc.weight"] = torch.cat([torch.zeros(H, 2 * H), torch.eye(H)], 1)
+    t["lm_head.weight"] = emb[torch.arange(len(t["d2t"])) + t["d2t"]] * 8
+    for k in ("midlayer.self_attn.o_proj.weight", "midlayer.mlp.down_proj.weight"):
+        t[k] = t[k] * 0.1
+    save_file(t, str(draft_dir / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    d = tmp_path_factory.mktemp("grow")
+    # initializer_range 0.2: layers strong enough that greedy text does not just repeat the last token
+    small = make_target(d / "small", hidden=64, layers=6, heads=4, kv_heads=2, tie_word_embeddings=True,
+                        initializer_range=0.2)
+    make_drafter(d / "small" / "draft", small, draft_vocab=48)
+    useful_drafter(d / "small" / "draft", small)
+    summary = G.grow(small, d / "big", SHAPE, draft_dir=small / "draft", dtype="float32", device="cpu",
+                     shard_gb=0.002)
+    return small, d / "big", summary
+
+
+def run_target(path, ids: list[int], decode: int = 3, aux=()):
+    """Prefill ids[:-decode], then feed the rest one token at a time through the KV cache.
+    Returns logits [len(ids), V] and the aux features."""
+    m = load_target(path, CPU, torch.float32, 64)
+    m.aux_layers = tuple(aux)
+    for a in m.attention_modules():
+        a.k_cache = torch.zeros(1, a.num_kv_heads, 64, a.head_dim)
+        a.v_cache = torch.zeros_like(a.k_cache)
+    n0 = len(ids) - decode
+    logits, feats = [], []
+    for lo, hi in [(0, n0)] + [(i, i + 1) for i in range(n0, len(ids))]:
+        pos = torch.arange(lo, hi)[None]
+        h, f = m(torch.tensor([ids[lo:hi]]), ForwardContext(0, pos, pos, hi))
+        logits.append(m.logits(h)[0])
+        feats.append(f[0] if f is not None else None)
+    return m, torch.cat(logits), (torch.cat(feats) if aux else None)
+
+
+def test_shape_and_config(pair):
+    small, big, summary = pair
+    cfg = ModelConfig.from_dir(big)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == \
+        (192, 12, 8, 4, 64, 300)
+    assert not cfg.tie_word_embeddings
+    raw = json.loads((big / "config.json").read_text())
+    assert raw["grown_from"] == str(small) and raw["grow_preset"] == "custom"
+    assert sorted(o for o in raw["grow_layer_map"] if o >= 0) == list(range(6))
+    index = json.loads((big / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # sharded
+    assert summary["target"]["params"] == sum(t.numel() for f in summary["target"]["files"]
+                                              for t in load_file(str(big / f)).values())
+
+
+def test_target_logits_match_specserve(pair):
+    small, big, _ = pair
+    ids = [5, 17, 3, 88, 41, 9, 60, 22, 71, 14, 2, 33]
+    _, a, _ = run_target(small, ids)
+    _, b, _ = run_target(big, ids)
+    assert a.shape == b.shape
+    torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_target_logits_match_transformers(pair):
+    from transformers import AutoModelForCausalLM
+
+    small, big, _ = pair
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 22, 71, 14]])
+    outs = []
+    for path in (small, big):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            outs.append(model(ids).logits)
+    assert model.config.hidden_size == 192 and model.config.head_dim == 64
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=1e-4)
+
+
+def test_drafter_logits_match(pair):
+    small, big, _ = pair
+    ids = [5, 17, 3, 88, 41, 9, 60, 22, 71, 14]
+    logits = []
+    for path in (small, big):
+        dcfg = DraftConfig.from_dir(path / "draft")
+        taps = resolve_aux_layers(dcfg, ModelConfig.from_dir(path).num_layers)
+        target, _, feats = run_target(path, ids, decode=2, aux=taps)
+        d = load_drafter(path / "draft", target, CPU, torch.float32, 64)
+        a = d.attention_modules()[0]
+        a.k_cache = torch.zeros(1, a.num_kv_heads, 64, a.head_dim)
+        a.v_cache = torch.zeros_like(a.k_cache)
+        n = len(ids) - 1
+        pos = torch.arange(n)[None]
+        out = d(torch.tensor([ids[1:]]), feats[None, :n], ForwardContext(0, pos, pos, n))
+        # one more draft step feeding back the drafter's own output
+        step = torch.tensor([[n]])
+        out2 = d(torch.tensor([[7]]), out[:, -1:], ForwardContext(0, step, step, n + 1))
+        logits.append(torch.cat([d.logits(out)[0], d.logits(out2)[0]]))
+    torch.testing.assert_close(logits[1], logits[0], atol=2e-4, rtol=1e-4)
+
+
+def engine_trace(model, draft, prompts, K: int):
+    """Greedy outputs and, per sequence, the number of tokens each step produced."""
+    eng = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device="cpu", dtype="float32",
+                              spec_steps=K, max_model_len=128, max_num_seqs=len(prompts)))
+    seqs = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in prompts]
+    steps = {s.seq_id: [] for s in seqs}
+    while eng.has_work():
+        for s in eng.step():
+            steps[s.seq_id].append(len(s.new_tokens))
+    return [s.output_ids for s in seqs], [steps[s.seq_id] for s in seqs], [s.spec.as_dict() for s in seqs]
+
+
+PROMPTS = [[5, 17, 3, 88, 40], [9, 60, 22, 71, 14, 2, 33, 8], [1, 2, 3, 4], [50, 51, 52]]
+
+
+def test_speculative_run_identical(pair):
+    small, big, _ = pair
+    tok_s, steps_s, spec_s = engine_trace(small, small / "draft", PROMPTS, K=3)
+    tok_b, steps_b, spec_b = engine_trace(big, big / "draft", PROMPTS, K=3)
+    plain_b, _, _ = engine_trace(big, None, PROMPTS, K=0)
+    assert tok_b == tok_s == plain_b
+    assert steps_b == steps_s  # accepted drafts per cycle, cycle by cycle
+    assert spec_b == spec_s
+    accepted = [s["accepted_tokens"] for s in spec_s]
+    assert sum(accepted) > 0 and min(accepted) < max(accepted)  # real, varied acceptances are compared
+
+
+def test_explicit_aux_ids_when_default_taps_cannot_line_up(tmp_path):
+    # 4 layers: taps enter (2, 2, 1); grown to 8 the defaults (2, 4, 5) cannot see those streams in order,
+    # so the drafter gets explicit layer ids (SGLang convention) instead.
+    small = make_target(tmp_path / "small", hidden=32, layers=4, heads=2, kv_heads=1)
+    make_drafter(tmp_path / "small" / "draft", small)
+    summary = G.grow(small, tmp_path / "big", G.Shape(64, 8, 4, 2, 32, 64), draft_dir=small / "draft",
+                     dtype="float32", device="cpu")
+    ids = summary["draft"]["aux_layer_ids"]
+    assert ids is not None
+    dcfg = DraftConfig.from_dir(tmp_path / "big" / "draft")
+    assert dcfg.aux_layer_ids == tuple(ids)
+    order = summary["layer_map"]
+    assert [sum(o >= 0 for o in order[:n]) for n in resolve_aux_layers(dcfg, 8)] == [2, 2, 1]
+    tok_s, steps_s, _ = engine_trace(small, small / "draft", PROMPTS, K=2)
+    tok_b, steps_b, _ = engine_trace(tmp_path / "big", tmp_path / "big" / "draft", PROMPTS, K=2)
+    assert tok_b == tok_s and steps_b == steps_s
+
+
+def test_llama3_8b_plan():
+    order = G.place_layers(16, 32, list(zip(default_aux_layers(32), default_aux_layers(16))))
+    assert sorted(o for o in order if o is not None) == list(range(16)) and order.count(None) == 16
+    # the grown model's default taps see the streams the small model's taps saw
+    assert [sum(o is not None for o in order[:n]) for n in default_aux_layers(32)] == list(default_aux_layers(16))
+    counts = G.mlp_counts(384, 14336)
+    assert sum(counts) == 14336 and set(counts) == {37, 38}
+    for c in (1, 2, 3, 8, 32, 37, 38):
+        coef = G.split_coefs(c)
+        assert len(coef) == c and coef.sum().item() == 1.0
+        assert all(float(x) == 2.0 ** round(float(torch.log2(x))) for x in coef)  # powers of two
+    hm = G.head_map(4, 2, 32, 32, 8, 128)
+    assert hm.q_scale == 2.0 and hm.q_rows == 4096 and hm.kv_rows == 1024
+    # new q head h reads new KV head h // 4, which copies old KV head h // 16 = old q head (h // 8) // 2
+    old_q_head = hm.q_old.view(32, 32)[:, 0] // 32
+    old_kv_of_new_kv = hm.kv_old.view(8, 32)[:, 0] // 32
+    assert torch.equal(old_kv_of_new_kv[torch.arange(32) // 4], old_q_head // 2)
+
+
+def test_bf16_weights_are_exact(tmp_path):
+    """Power-of-two coefficients: in bf16 the grown weights hold exactly the small model's values."""
+    small = make_target(tmp_path / "small", hidden=32, layers=2, heads=2, kv_heads=1, tie_word_embeddings=True)
+    src = load_file(str(small / "model.safetensors"))
+    src = {k: v.to(torch.bfloat16) for k, v in src.items()}
+    G.grow(small, tmp_path / "big", G.Shape(96, 2, 4, 2, 64, 200), dtype="bfloat16", device="cpu")
+    big = load_file(str(tmp_path / "big" / "model.safetensors"))
+    assert big["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
+    h = G.DimMap.from_counts([3] * 32)
+    m = G.DimMap.from_counts(G.mlp_counts(64, 200))
+    # down_proj: summing the copies of each unit (exact in float64) gives back the bf16 original.
+    down = big["model.layers.0.mlp.down_proj.weight"].double()[::3]  # one row per original output
+    summed = torch.zeros(32, 64, dtype=torch.float64).index_add_(1, m.src, down)
+    assert torch.equal(summed, src["model.layers.0.mlp.down_proj.weight"].double())
+    lm = big["lm_head.weight"].double()
+    assert torch.equal(torch.zeros(lm.shape[0], 32, dtype=torch.float64).index_add_(1, h.src, lm),
+                       src["model.embed_tokens.weight"].double())
+    assert torch.equal(big["model.embed_tokens.weight"][:, ::3], src["model.embed_tokens.weight"])
+
+
+def test_bad_shapes_and_inputs(tmp_path, pair):
+    small, _, _ = pair
+    with pytest.raises(ConfigError, match="hidden size 100 is not a multiple of the source's 64"):
+        G.grow(small, tmp_path / "x", G.Shape(100, 12, 8, 4, 64, 300), dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match="intermediate size 64 is smaller"):
+        G.grow(small, tmp_path / "x", G.Shape(128, 12, 8, 4, 64, 64), dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match="cannot grow 6 layers to fewer"):
+        G.grow(small, tmp_path / "x", G.Shape(128, 4, 8, 4, 64, 300), dtype="float32", device="cpu")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("x")
+    with pytest.raises(ConfigError, match="not empty; pass --force"):
+        G.grow(small, tmp_path / "full", SHAPE, dtype="float32", device="cpu")
+    qwen = make_target(tmp_path / "qwen", arch="qwen2", hidden=32, layers=2, heads=2, kv_heads=1)
+    with pytest.raises(ConfigError, match="Llama targets only"):
+        G.grow(qwen, tmp_path / "y", SHAPE, dtype="float32", device="cpu")
+
+
+def test_cli(tmp_path, pair, capsys):
+    small, _, _ = pair
+    p = argparse.ArgumentParser()
+    G.add_arguments(p)
+    args = p.parse_args(["--model", str(small), "--no-draft", "--hidden", "128", "--out", str(tmp_path / "o")])
+    assert G.run(args) == 1
+    assert "missing: --layers, --heads, --kv-heads, --head-dim, --intermediate" in capsys.readouterr().err
+    args = p.parse_args(["--model", str(small), "--draft", str(small / "draft"), "--out", str(tmp_path / "o"),
+                         "--hidden", "128", "--layers", "8", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
+                         "--intermediate", "128", "--dtype", "float32", "--device", "cpu"])
+    assert G.run(args) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["shape"]["hidden"] == 128 and (tmp_path / "o" / "draft" / "config.json").exists()
+    assert ModelConfig.from_dir(tmp_path / "o").num_layers == 8
