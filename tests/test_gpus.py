@@ -144,3 +144,34 @@ def test_cli_without_gpu(tmp_path):
     r = subprocess.run([PY, "-m", "specserve", "gpus", "--json", "--wait-free", "--timeout", "1"],
                        capture_output=True, text=True, env=env, timeout=30)
     assert r.returncode == 0 and json.loads(r.stdout)["state"] == "no-nvml"
+
+
+@pytest.mark.gpu
+def test_real_gpu_holders_and_wait_free(tmp_path):
+    """Real NVML: the processes of a GPU job are listed, and --wait-free sees them go."""
+    fake_servers = Path(__file__).parent / "fake_servers"
+    pidfile = tmp_path / "pids"
+    job = subprocess.Popen([PY, str(fake_servers / "gpu_hang.py"), "--gib", "3", "--pidfile", str(pidfile)],
+                           stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for line in job.stdout:  # progress lines, then "... hold N GiB each"
+            if "hold" in line:
+                break
+        pids = [int(x) for x in pidfile.read_text().split()]
+        r = subprocess.run([PY, "-m", "specserve", "gpus", "--json"], capture_output=True, text=True, timeout=60)
+        d = json.loads(r.stdout)
+        assert r.returncode == 0 and d["nvml"] is True and d["gpus"]
+        listed = {p["pid"]: p for p in d["gpus"][0]["processes"]}
+        print(r.stdout)
+        # Inside a container NVML may report host PIDs; the /dev/nvidia* scan still finds ours.
+        assert set(pids) <= set(listed)
+        r = subprocess.run([PY, "-m", "specserve", "gpus", "--wait-free", "--timeout", "2", "--devices", "0"],
+                           capture_output=True, text=True, timeout=60)
+        assert r.returncode == gpus.EXIT_TIMEOUT and "still busy" in r.stdout
+    finally:
+        os.killpg(job.pid, 9)
+        job.wait()
+    r = subprocess.run([PY, "-m", "specserve", "gpus", "--wait-free", "--timeout", "60", "--devices", "0"],
+                       capture_output=True, text=True, timeout=120)
+    print(r.stdout)
+    assert r.returncode == 0

@@ -149,7 +149,7 @@ def start(name: str, tmp: Path, launch_args: list[str], cmd: list[str], state: d
     return Scenario(name, proc, out_path, d / "pids", time.monotonic(), timeout)
 
 
-def _scenarios(tmp: Path) -> dict:
+def _scenarios(tmp: Path, bystander: int) -> dict:
     """name -> (launch args, command, fake NVML state)."""
     quick = ["--grace", "1", "--kill-wait", "5", "--gpu-release-timeout", "3"]
     slow_port, freeze_port, never_port = free_port(), free_port(), free_port()
@@ -183,6 +183,12 @@ def _scenarios(tmp: Path) -> dict:
                                 "pidfile": "{pidfile}", "pidfile_mib": 30000},
                                {"name": "Fake H200", "total_mib": 143771, "base_mib": 500,
                                 "holders": [{"pid": 4194000, "mib": 70000, "when_file": "{dir}/flag"}]}]}),
+        # The extra memory belongs to a visible process outside the tree: named, not killed,
+        # and not a cleanup failure.
+        "gpu_other": (["--stall-timeout", str(STALL), *quick],
+                      [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}", "--touch", "{dir}/flag"],
+                      {"gpus": [{"name": "Fake H200", "total_mib": 143771, "base_mib": 500,
+                                 "holders": [{"pid": bystander, "mib": 20000, "when_file": "{dir}/flag"}]}]}),
     }
 
 
@@ -196,6 +202,7 @@ SCENARIO_OF_TEST = {
     "test_restart_with_fallback_args": "fallback",
     "test_restarts_exhausted": "exhausted",
     "test_gpu_memory_not_released": "gpu_leak",
+    "test_gpu_memory_of_another_process": "gpu_other",
 }
 
 
@@ -203,9 +210,16 @@ SCENARIO_OF_TEST = {
 def scenarios(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launch")
     wanted = {SCENARIO_OF_TEST[i.name] for i in request.session.items if i.name in SCENARIO_OF_TEST}
-    started = {name: start(name, tmp, *spec) for name, spec in _scenarios(tmp).items() if name in wanted}
+    bystander = subprocess.Popen([PY, "-c", "import time; time.sleep(120)"])
+    started = {name: start(name, tmp, *spec) for name, spec in _scenarios(tmp, bystander.pid).items()
+               if name in wanted}
+    started["bystander"] = bystander
     yield started
+    bystander.kill()
+    bystander.wait()
     for s in started.values():
+        if not isinstance(s, Scenario):
+            continue
         if s.proc.poll() is None:
             s.proc.kill()
             s.proc.wait()
@@ -235,6 +249,8 @@ def test_silent_hang_detected_and_tree_stopped(scenarios):
     assert "GPU memory check skipped" in s.out  # the fake pynvml without state = no driver
     if shutil.which("py-spy") is None:
         assert "py-spy is not installed" in s.out and "pip install py-spy" in s.out
+    else:  # the hung process's Python stack, in the log
+        assert "py-spy dump of" in s.out and re.search(r"\[stacks\] .*silent_hang\.py:\d+", s.out)
     assert "process tree stopped" in s.out
     assert read_pids(s.pidfile) and survivors(read_pids(s.pidfile)) == []
     log = (s.out_path.parent / "launch.log").read_text()
@@ -318,6 +334,18 @@ def test_gpu_memory_not_released(scenarios):
     assert re.search(r"GPU 1:\s+500 ->\s+70500 MiB\s+NOT RELEASED \(\+70000 MiB\)", s.out)
     assert "GPU 1 held by pid 4194000 (70000 MiB)" in s.out
     assert "not restarting" in s.out and "attempt 2/2" not in s.out
+    assert survivors(read_pids(s.pidfile)) == []
+
+
+def test_gpu_memory_of_another_process(scenarios):
+    s = launched(scenarios, "gpu_other")
+    bystander = scenarios["bystander"]
+    assert s.rc == sup.EXIT_HUNG
+    assert re.search(r"GPU 0:\s+500 ->\s+20500 MiB\s+NOT RELEASED", s.out)
+    assert f"GPU 0 held by pid {bystander.pid} (20000 MiB)" in s.out
+    assert "not of this launch, older: not killed" in s.out
+    assert "belongs to processes outside this launch" in s.out
+    assert bystander.poll() is None  # never signalled
     assert survivors(read_pids(s.pidfile)) == []
 
 
@@ -529,3 +557,22 @@ def _is_sleeper(pid: int) -> bool:
         return p.status() != psutil.STATUS_ZOMBIE and "time.sleep(60)" in " ".join(p.cmdline())
     except psutil.Error:
         return False
+
+
+@pytest.mark.gpu
+def test_gpu_hang_is_killed_and_memory_released(tmp_path):
+    """Real GPU, real NVML: a main process and a SIGTERM-ignoring worker hold 4 GiB each."""
+    pidfile = tmp_path / "pids"
+    r = subprocess.run([PY, "-m", "specserve", "launch", "--stall-timeout", "5", "--grace", "2",
+                        "--gpu-release-timeout", "60", "--", PY, str(FAKE / "gpu_hang.py"), "--gib", "4",
+                        "--pidfile", str(pidfile)], capture_output=True, text=True, timeout=300)
+    print(r.stdout, r.stderr)
+    pids = read_pids(pidfile)
+    try:
+        assert r.returncode == sup.EXIT_HUNG
+        assert "GPU memory check skipped" not in r.stdout
+        assert re.search(r"GPU 0: .* MiB\s+released", r.stdout)
+        assert len(pids) == 2 and survivors(pids) == []
+        assert "needed SIGKILL" in r.stdout  # the worker ignored SIGTERM
+    finally:
+        kill_leftovers(pids)

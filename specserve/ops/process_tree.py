@@ -103,6 +103,7 @@ class ProcessTree:
         self.marker = marker
         if started_at is None:
             started_at = self.root.create_time() if self.root is not None else time.time()
+        self.launched_at = started_at
         # Anything created before this instant is never ours (1 s slack for clock granularity).
         self.started_at = started_at - 1.0
         self.sid: int | None = None
@@ -421,12 +422,16 @@ def process_table(procs: Iterable[psutil.Process]) -> list[str]:
 def device_holders(prefix: str = "/dev/nvidia", pids: Iterable[int] | None = None) -> dict[int, list[str]]:
     """PID -> device files under `prefix` it has open (Linux /proc; {} elsewhere).
 
-    Processes of other users are skipped silently unless we are root.
+    Processes of other users are skipped silently unless we are root. The calling
+    process is left out (NVML itself opens /dev/nvidia*).
     """
     out: dict[int, list[str]] = {}
+    me = os.getpid()
     if not os.path.isdir("/proc/self/fd"):
         return out
     for pid in (pids if pids is not None else psutil.pids()):
+        if pid == me:
+            continue
         base = f"/proc/{pid}/fd"
         try:
             fds = os.listdir(base)

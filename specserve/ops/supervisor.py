@@ -385,7 +385,8 @@ def dump_diagnostics(tree: ProcessTree, log: Log, native: bool = False, per_proc
             out, _ = child.communicate()
             log.launch(f"  py-spy timed out after {min(per_process_timeout, left):.0f} s")
         for line in out.decode("utf-8", "replace").splitlines():
-            log.write("stacks", line)
+            if line.strip():
+                log.write("stacks", line)
         if child.returncode not in (0, None):
             log.launch(f"  py-spy exited with status {child.returncode}")
     if len(py) > max_processes:
@@ -446,6 +447,9 @@ class GpuChecker:
                 self.log.launch(f"  GPU {i}: no process is listed as holding memory (other PID "
                                 "namespace, or the driver is still tearing a context down)")
                 failed = True
+            # Memory of visible processes outside the tree that NVML lists with a size:
+            # the only evidence that the excess is somebody else's.
+            explained = 0.0
             for p in procs.values():
                 if tree.is_ours(p.pid):
                     verdict = "OF THIS LAUNCH, still alive"
@@ -455,12 +459,17 @@ class GpuChecker:
                     failed = True
                 else:
                     try:
-                        newer = psutil.Process(p.pid).create_time() >= tree.started_at
+                        newer = psutil.Process(p.pid).create_time() >= tree.launched_at
                     except psutil.Error:
                         newer = False
                     verdict = ("not of this launch, started during it: not killed" if newer
                                else "not of this launch, older: not killed")
+                    if p.kind != "device-file" and p.used_mib is not None:
+                        explained += p.used_mib
                 self.log.launch(f"  GPU {i} held by {p.describe()}  [{verdict}]")
+            excess = after.get(i, 0.0) - before[i]
+            if explained < excess - self.tolerance:
+                failed = True
         if not failed:
             self.log.launch("  the extra memory belongs to processes outside this launch (see above)")
         return not failed
@@ -648,7 +657,7 @@ class Supervisor:
                 continue
             try:
                 p = psutil.Process(pid)
-                if p.create_time() >= tree.started_at:
+                if p.create_time() >= tree.launched_at:
                     self.log.launch(f"warning: {describe(p)} holds /dev/nvidia* and started during this "
                                     "launch, but is not part of its tree: not killed")
             except psutil.Error:

@@ -95,7 +95,7 @@ def nvmlDeviceGetUUID(h):
 
 
 def nvmlDeviceGetMinorNumber(h):
-    return h
+    return 4000 + h  # /dev/nvidia4000...: no real process holds these device files
 
 
 def nvmlDeviceGetUtilizationRates(h):
