@@ -737,8 +737,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--restarts", type=int, default=0, metavar="N",
                         help="restart up to N times after a hang, crash or ready-timeout (default 0)")
     parser.add_argument("--fallback-args", default="", metavar='"ARGS"',
-                        help="appended to the command on every restart, e.g. "
-                             '"--disable-cuda-graph"')
+                        help="appended (shlex-split) to the command on every restart: for "
+                             "example --disable-cuda-graph for SGLang, --enforce-eager for vLLM")
     parser.add_argument("--restart-delay", type=float, default=2.0, metavar="S",
                         help="pause before a restart (default 2)")
     parser.add_argument("--log", metavar="FILE", help="also append the timestamped log to FILE")
