@@ -1,0 +1,252 @@
+"""`specserve bench`: compare speculative configurations, batch sizes and peers
+in one run (offline), or load any OpenAI-compatible server (`--url`, online).
+
+    specserve bench                                   # the bundled demo pair, default settings
+    specserve bench --configs baseline eagle3:steps=3 eagle3:adaptive,steps=6 --batch-sizes 1 4 16
+    specserve bench --peers hf hf-assisted --json out.json --markdown out.md --plot out.png
+    specserve bench --url http://localhost:8000 --concurrency 8 --json online.json
+
+This module stays free of torch so that the online mode never imports it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.config import ConfigError
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
+DEFAULT_CONFIGS = ["baseline", "eagle3:steps=2", "eagle3:steps=4", "eagle3:steps=6"]
+DEFAULT_BATCH_SIZES = [1, 4]
+DEFAULT_STEPS = 4  # eagle3 without steps= (as `specserve generate`)
+PEERS = ("hf", "hf-assisted")
+
+# Each configuration scheme and its keys: key -> (type, default). Add schemes or keys here.
+SCHEMES: dict[str, dict[str, tuple[type, object]]] = {
+    "baseline": {},
+    "eagle3": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False)},
+}
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One engine configuration: `name:key=value,key=value` (a bare key means key=true)."""
+
+    name: str
+    params: tuple[tuple[str, object], ...]
+
+    @property
+    def label(self) -> str:
+        if not self.params:
+            return self.name
+        # Flags first (eagle3:adaptive,steps=6 reads as "adaptive, up to 6").
+        flags = [k for k, v in self.params if v is True]
+        kvs = [f"{k}={v}" for k, v in self.params if not isinstance(v, bool)]
+        return f"{self.name}:{','.join(flags + kvs)}"
+
+    def get(self, key: str):
+        return dict(self.params).get(key)
+
+    @property
+    def spec_steps(self) -> int:
+        """Fixed K, or the largest K for an adaptive config; 0 for plain decoding."""
+        return int(self.get("steps") or 0)
+
+
+def parse_config(text: str) -> BenchConfig:
+    name, _, rest = text.strip().partition(":")
+    if name not in SCHEMES:
+        hint = " (peers go in --peers)" if name in PEERS else ""
+        raise ConfigError(f"unknown bench config {text!r}{hint}; known: {', '.join(SCHEMES)} "
+                          f"(e.g. baseline, eagle3:steps=3, eagle3:adaptive,steps=6)")
+    keys = SCHEMES[name]
+    values = {k: default for k, (_, default) in keys.items()}
+    for item in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, raw = item.partition("=")
+        if key not in keys:
+            raise ConfigError(f"bench config {text!r}: unknown key {key!r} for {name} "
+                              f"(known: {', '.join(keys) or 'none'})")
+        typ = keys[key][0]
+        if typ is bool:
+            if eq and raw.lower() not in ("true", "false", "1", "0"):
+                raise ConfigError(f"bench config {text!r}: {key} takes true or false, got {raw!r}")
+            values[key] = (not eq) or raw.lower() in ("true", "1")
+        else:
+            try:
+                values[key] = typ(raw)
+            except ValueError:
+                raise ConfigError(f"bench config {text!r}: {key}={raw!r} is not a valid {typ.__name__}") from None
+    steps = values.get("steps")
+    if steps is not None and not 1 <= steps <= 16:
+        raise ConfigError(f"bench config {text!r}: steps must be in 1..16, got {steps}")
+    return BenchConfig(name, tuple(sorted(values.items())))
+
+
+def parse_configs(texts: list[str]) -> list[BenchConfig]:
+    """Parse and de-duplicate; baseline is always measured (speedups and output checks need it)."""
+    configs = [parse_config(t) for t in texts]
+    labels = [c.label for c in configs]
+    dupes = sorted({x for x in labels if labels.count(x) > 1})
+    if dupes:
+        raise ConfigError(f"--configs lists the same configuration twice: {', '.join(dupes)}")
+    if "baseline" not in labels:
+        configs.insert(0, parse_config("baseline"))
+    return configs
+
+
+def load_prompts(path: str | Path | None) -> list[dict]:
+    """Read a jsonl prompt file: {"prompt": str} or {"messages": [...]}, optional "category"."""
+    path = Path(path) if path else DEFAULT_PROMPTS
+    if not path.exists():
+        raise ConfigError(f"--prompts {path}: file not found")
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{n}: each line must be a JSON object")
+        has_prompt = isinstance(row.get("prompt"), str) and row["prompt"]
+        msgs = row.get("messages")
+        has_msgs = isinstance(msgs, list) and msgs and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)
+        if not has_prompt and not has_msgs:
+            raise ConfigError(f"{path}:{n}: needs a non-empty \"prompt\" string or a \"messages\" list of "
+                              f"{{\"role\", \"content\"}} objects")
+        category = row.get("category", "default")
+        if not isinstance(category, str) or not category:
+            raise ConfigError(f"{path}:{n}: \"category\" must be a non-empty string")
+        prompts.append({"prompt": row.get("prompt") if has_prompt else None,
+                        "messages": msgs if has_msgs else None, "category": category})
+    if not prompts:
+        raise ConfigError(f"--prompts {path}: no prompts in the file")
+    return prompts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from specserve.engine.generate_cmd import add_engine_arguments  # torch-free module
+
+    add_engine_arguments(p)
+    g = p.add_argument_group("workload")
+    g.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="CONFIG",
+                   help="configurations to compare: baseline (plain decoding), eagle3:steps=K, "
+                        "eagle3:adaptive,steps=KMAX (default: %(default)s; baseline is always added)")
+    g.add_argument("--batch-sizes", nargs="+", type=int, default=DEFAULT_BATCH_SIZES, metavar="B",
+                   help="prompts submitted together (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)")
+    g.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default: %(default)s)")
+    g.add_argument("--warmup", type=int, default=1, help="untimed warm-up batches per config and batch size")
+    g.add_argument("--prompts", help="jsonl file: {\"prompt\" or \"messages\", \"category\"} per line "
+                                     "(default: the bundled code/prose/chat set)")
+    g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); outputs are then "
+                                                                  "checked against plain decoding")
+    g.add_argument("--seed", type=int, default=0, help="base seed of sampled requests")
+    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="stop at EOS (default: every request generates exactly --max-tokens)")
+    g.add_argument("--peers", nargs="*", default=[], choices=PEERS,
+                   help="also run transformers generate() (hf) and assisted generation (hf-assisted)")
+    g.add_argument("--peer-draft", help="assistant model directory for hf-assisted (a small LM sharing the "
+                                        "tokenizer); default: transformers prompt-lookup decoding")
+    g.add_argument("--threads", type=int, help="torch CPU threads (default on CPU: 1; small models run faster "
+                                               "single-threaded, and other jobs on a shared machine stall "
+                                               "multi-threaded kernels)")
+    g.add_argument("--profile", action="store_true",
+                   help="time draft/verify/accept per cycle and fit the cost model (predicted tok/s per K)")
+    o = p.add_argument_group("output")
+    o.add_argument("--json", metavar="FILE", help="write results (schema: specserve/bench/schema.json)")
+    o.add_argument("--markdown", metavar="FILE", help="write the tables as Markdown")
+    o.add_argument("--plot", metavar="FILE.png", help="plot speedup and acceptance against steps and batch size")
+    o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    s = p.add_argument_group("online mode (--url): load an OpenAI-compatible server; torch is never imported")
+    s.add_argument("--url", help="server base URL, e.g. http://localhost:8000")
+    s.add_argument("--concurrency", type=int, help="requests in flight (default 1 without --request-rate)")
+    s.add_argument("--request-rate", type=float, help="Poisson arrivals per second instead of fixed concurrency")
+    s.add_argument("--num-requests", type=int, help="requests to send (default: one per prompt)")
+    s.add_argument("--served-model-name", help="model name for requests (default: the first of /v1/models)")
+    s.add_argument("--api-key", help="bearer token sent to the server")
+    s.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
+    s.add_argument("--label", help="name of this run in the results (default: the server's model name)")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if args.spec_steps is not None or args.adaptive:
+        raise ConfigError("bench compares configurations: use --configs eagle3:steps=K or eagle3:adaptive,steps=K "
+                          "instead of --spec-steps/--adaptive")
+    for name in ("max_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.warmup < 0:
+        raise ConfigError("--warmup must be 0 or more")
+    if args.threads is not None and args.threads < 1:
+        raise ConfigError("--threads must be at least 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ConfigError("--num-prompts must be at least 1")
+    if not args.temperature >= 0:
+        raise ConfigError(f"--temperature must be >= 0, got {args.temperature}")
+    if any(b < 1 for b in args.batch_sizes):
+        raise ConfigError(f"--batch-sizes must be positive, got {args.batch_sizes}")
+    if len(set(args.batch_sizes)) != len(args.batch_sizes):
+        raise ConfigError(f"--batch-sizes lists a size twice: {args.batch_sizes}")
+    if args.concurrency is not None and args.concurrency < 1:
+        raise ConfigError("--concurrency must be at least 1")
+    if args.request_rate is not None and not args.request_rate > 0:
+        raise ConfigError("--request-rate must be positive")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise ConfigError("--num-requests must be at least 1")
+    if args.url is None and (args.concurrency or args.request_rate or args.num_requests):
+        raise ConfigError("--concurrency/--request-rate/--num-requests apply to the online mode: add --url")
+    if args.url is not None and args.peers:
+        raise ConfigError("--peers runs in the offline mode only (drop --url)")
+    if args.peer_draft and "hf-assisted" not in args.peers:
+        raise ConfigError("--peer-draft is used by the hf-assisted peer: add --peers hf-assisted")
+
+
+def select_prompts(prompts: list[dict], per_category: int | None) -> list[dict]:
+    if per_category is None:
+        return prompts
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        if seen.get(p["category"], 0) < per_category:
+            seen[p["category"]] = seen.get(p["category"], 0) + 1
+            out.append(p)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    from specserve.bench import report
+
+    try:
+        _check_args(args)
+        prompts = select_prompts(load_prompts(args.prompts), args.num_prompts)
+        if args.url:
+            from specserve.bench import online
+
+            result = online.run_online(args, prompts)
+        else:
+            configs = parse_configs(args.configs)
+            from specserve.bench import offline  # imports torch
+
+            result = offline.run_offline(args, configs, prompts)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(report.render_text(result))
+    for path in (args.json, args.markdown, args.plot):
+        if path:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+    if args.json:
+        report.write_json(result, args.json)
+    if args.markdown:
+        Path(args.markdown).write_text(report.render_markdown(result), encoding="utf-8")
+    if args.plot:
+        report.plot(result, args.plot)
+    return 0

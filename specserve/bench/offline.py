@@ -1,0 +1,366 @@
+"""Offline benchmark: every configuration (and peer) on the same prompts, at
+each batch size, in interleaved repeats.
+
+Order of work: for each repeat, batch size and batch of prompts, every unit
+(baseline, eagle3 configs, peers) runs that batch in turn. Drift on a shared
+machine (other jobs, thermal limits) then hits all units alike, and the
+speedup is the median over repeats of the paired ratio to baseline.
+
+A batch is b prompts of one category submitted together (continuous batching
+keeps them in one batch); a category with fewer than b prompts is cycled to
+fill it. tok/s = generated tokens / wall time of the batches.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+
+from specserve.bench import cost_model, report
+from specserve.bench.bench_cmd import BenchConfig
+from specserve.config import ConfigError, ModelConfig
+
+
+@dataclass
+class Batch:
+    index: int
+    category: str
+    slots: list[int]  # prompt indices, len == batch size
+
+
+@dataclass
+class RunOutput:
+    """One unit running one batch once."""
+
+    tokens: list[list[int]]
+    wall: float
+    ttft: list[float]
+    tpot: list[float | None]
+    spec: dict | None = None  # summed counters (engine) or {"cycles", "tokens"} (assisted peer)
+    profile: list[dict] = field(default_factory=list)
+
+
+@dataclass
+class Run:
+    repeat: int
+    batch: Batch
+    out: RunOutput
+
+
+def make_batches(categories: list[str], bs: int) -> list[Batch]:
+    by_cat: dict[str, list[int]] = {}
+    for i, c in enumerate(categories):
+        by_cat.setdefault(c, []).append(i)
+    batches = []
+    for cat, idx in by_cat.items():
+        for start in range(0, len(idx), bs):
+            slots = [idx[(start + j) % len(idx)] for j in range(bs)]
+            batches.append(Batch(len(batches), cat, slots))
+    return batches
+
+
+# ------------------------------------------------------------------ engine units
+class EngineUnit:
+    kind = "engine"
+
+    def __init__(self, cfg: BenchConfig, base_kw: dict, profile: bool):
+        from specserve.engine.llm import LLM
+
+        kw = dict(base_kw)
+        if cfg.name == "baseline":
+            kw.update(draft=None, spec_steps=0, max_spec_steps=0, adaptive=False)
+        else:
+            adaptive = bool(cfg.get("adaptive"))
+            kw.update(spec_steps=0 if adaptive else cfg.spec_steps, max_spec_steps=cfg.spec_steps, adaptive=adaptive)
+        self.cfg = cfg
+        t0 = time.perf_counter()
+        self.llm = LLM(profile=profile and cfg.name != "baseline", **kw)
+        self.load_s = time.perf_counter() - t0
+        self.details: dict = {"load_s": round(self.load_s, 3)}
+
+    def unavailable(self, bs: int) -> str | None:
+        return None
+
+    def run(self, ids: list[list[int]], params: list) -> RunOutput:
+        eng = getattr(self.llm, "engine", None)
+        before = _totals(eng)
+        policy = getattr(eng, "policy", None)
+        chosen = dict(policy.choices) if policy is not None else {}
+        n_prof = len(getattr(eng, "profile", []) or [])
+        t0 = time.perf_counter()
+        outs = self.llm.generate(ids, params)
+        wall = time.perf_counter() - t0
+        after = _totals(eng)
+        spec = None
+        if after is not None and self.cfg.name != "baseline":
+            spec = {k: _sub(after[k], before[k]) for k in after}
+            if policy is not None and self.cfg.get("adaptive"):
+                spec["steps_chosen"] = {k: n - chosen.get(k, 0) for k, n in policy.choices.items() if n > chosen.get(k, 0)}
+        ttft = [o.ttft_s or 0.0 for o in outs]
+        tpot = [(o.latency_s - o.ttft_s) / (len(o.token_ids) - 1) if o.latency_s and len(o.token_ids) > 1 else None
+                for o in outs]
+        prof = list(eng.profile[n_prof:]) if eng is not None and getattr(eng, "profile", None) else []
+        return RunOutput([list(o.token_ids) for o in outs], wall, ttft, tpot, spec, prof)
+
+    def finish(self) -> None:
+        pass
+
+
+def _totals(eng) -> dict | None:
+    t = getattr(eng, "totals", None)
+    if t is None:
+        return None
+    return {"cycles": t.cycles, "drafted": t.drafted, "accepted": t.accepted,
+            "accepted_per_pos": list(t.accepted_per_pos), "drafted_per_pos": list(t.drafted_per_pos)}
+
+
+def _sub(a, b):
+    if isinstance(a, list):
+        b = b + [0] * (len(a) - len(b))
+        return [x - y for x, y in zip(a, b)]
+    return a - b
+
+
+# ------------------------------------------------------------------ the run
+def run_offline(args, configs: list[BenchConfig], prompts: list[dict]) -> dict:
+    import torch
+
+    from specserve.engine.generate_cmd import engine_kwargs
+    from specserve.model.loader import resolve_device
+
+    base_kw = engine_kwargs(args, default_max_num_seqs=max(args.batch_sizes))
+    threads = args.threads or (1 if resolve_device(base_kw["device"]).type == "cpu" else None)
+    saved = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        return _run(args, configs, prompts, base_kw)
+    finally:
+        torch.set_num_threads(saved)  # a library call leaves the process as it found it
+
+
+def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -> dict:
+    import torch
+
+    from specserve.engine.llm import SamplingParams, demo_paths
+    from specserve.engine.tokenizer import Tokenizer
+
+    model_dir = base_kw["model"]
+    draft_dir = args.draft or (demo_paths()[1] if args.model is None else None)
+    base_kw["draft"] = draft_dir
+    if any(c.name == "eagle3" for c in configs) and not draft_dir:
+        where = ("the demo drafter (specserve/assets/demo/draft) is not built yet" if args.model is None
+                 else "no drafter given")
+        raise ConfigError(f"eagle3 configs need an EAGLE-3 drafter: {where}; pass --draft DIR or --configs baseline")
+    base_kw["max_num_seqs"] = max(args.max_num_seqs or 0, max(args.batch_sizes))
+    base_kw["graph_batch_sizes"] = tuple(sorted(args.batch_sizes))  # capture only the sizes measured
+
+    tok = Tokenizer(model_dir)
+    prompt_ids = [_encode(tok, p) for p in prompts]
+    categories = [p["category"] for p in prompts]
+    if args.max_model_len is None:
+        # Room for the longest prompt and its output (+ the longest draft), no more: attention
+        # costs grow with the reserved cache length on CPU, the same for every configuration.
+        limit = ModelConfig.from_dir(model_dir).max_position_embeddings
+        need = max(len(p) for p in prompt_ids) + args.max_tokens + 1
+        base_kw["max_model_len"] = min(limit, -(-need // 64) * 64)
+    eos_ids = set(tok.eos_token_ids)
+    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i,
+                             ignore_eos=args.ignore_eos) for i in range(len(prompts))]
+
+    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    units: dict[str, object] = {}
+    for cfg in configs:
+        log(f"[bench] loading {cfg.label} ...")
+        units[cfg.label] = EngineUnit(cfg, base_kw, args.profile)
+    first = units[configs[0].label].llm
+    device, dtype = str(first.engine.device), first.engine.runner.dtype
+    peer_status: dict[str, str] = {}
+    if args.peers:
+        from specserve.bench.peers import HFPeer
+
+        for name in args.peers:
+            log(f"[bench] loading peer {name} ...")
+            try:
+                units[name] = HFPeer(name, model_dir, device, dtype, args.max_tokens, args.temperature,
+                                     args.ignore_eos, eos_ids, args.peer_draft)
+            except Exception as e:  # noqa: BLE001 -- a peer that cannot load is reported, not fatal
+                peer_status[name] = f"could not load: {type(e).__name__}: {e}"
+
+    batches = {bs: make_batches(categories, bs) for bs in args.batch_sizes}
+    runs: dict[tuple[str, int], list[Run]] = {(u, bs): [] for u in units for bs in args.batch_sizes}
+    live = {bs: [u for u in units if units[u].unavailable(bs) is None] for bs in args.batch_sizes}
+    total = sum(len(live[bs]) * (args.warmup + args.repeats * len(batches[bs])) for bs in args.batch_sizes)
+    bar = _progress(total, args.progress)
+    load_avg_start = report.load_average()
+    t_start = time.perf_counter()
+
+    def one(label: str, batch: Batch) -> RunOutput:
+        bar.set_postfix_str(f"{label} b={len(batch.slots)}", refresh=False)
+        out = units[label].run([prompt_ids[i] for i in batch.slots], [params[i] for i in batch.slots])
+        bar.update(1)
+        return out
+
+    for w in range(args.warmup):
+        for bs in args.batch_sizes:
+            for label in live[bs]:
+                one(label, batches[bs][w % len(batches[bs])])
+    for r in range(args.repeats):
+        for bs in args.batch_sizes:
+            for batch in batches[bs]:
+                for label in live[bs]:
+                    runs[(label, bs)].append(Run(r, batch, one(label, batch)))
+    bar.close()
+    for u in units.values():
+        u.finish()
+
+    cats = list(dict.fromkeys(categories))
+    results, by_category = [], []
+    for bs in args.batch_sizes:
+        for label, unit in units.items():
+            reason = unit.unavailable(bs)
+            for cat in [None, *cats]:
+                row = summarize(label, unit, bs, cat, runs, reason, args.temperature)
+                (results if cat is None else by_category).append(row)
+    for name, why in peer_status.items():
+        for bs in args.batch_sizes:
+            results.append(_na_row(name, bs, why))
+
+    cost = None
+    if args.profile:
+        cost = [cost_model.from_runs(bs, configs, runs, results) for bs in args.batch_sizes]
+        cost = [c for c in cost if c is not None] or None
+
+    return {
+        "schema_version": report.SCHEMA_VERSION,
+        "mode": "offline",
+        "created": report.now_iso(),
+        "command": report.command_line(),
+        "machine": report.machine_info(device),
+        "versions": report.versions(),
+        "model": report.model_identity(model_dir, dtype=str(dtype).replace("torch.", "")),
+        "draft": report.draft_identity(draft_dir) if any(c.name == "eagle3" for c in configs) else None,
+        "settings": {
+            "configs": [c.label for c in configs], "peers": list(args.peers),
+            "batch_sizes": list(args.batch_sizes), "max_tokens": args.max_tokens, "repeats": args.repeats,
+            "warmup": args.warmup, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+            "seed": args.seed, "max_model_len": base_kw["max_model_len"], "device": device,
+            "profile": bool(args.profile), "torch_threads": torch.get_num_threads(),
+            "prompts": {"path": str(args.prompts or "bundled"), "count": len(prompts),
+                        "categories": {c: categories.count(c) for c in cats},
+                        "mean_prompt_tokens": round(statistics.fmean(len(p) for p in prompt_ids), 1)},
+        },
+        "wall_s": round(time.perf_counter() - t_start, 2),
+        "load_average": {"start": load_avg_start, "end": report.load_average()},
+        "results": results,
+        "by_category": by_category,
+        "cost_model": cost,
+    }
+
+
+def _encode(tok, p: dict) -> list[int]:
+    if p["prompt"] is not None:
+        ids = tok.encode(p["prompt"])
+    elif tok.chat_template:
+        ids = tok.encode(tok.apply_chat_template(p["messages"]))
+    else:  # no template: a plain transcript
+        ids = tok.encode("".join(f"{m['role']}: {m['content']}\n" for m in p["messages"]) + "assistant:")
+    if not ids:
+        raise ConfigError("a prompt encodes to zero tokens")
+    return ids
+
+
+class _NoBar:
+    def update(self, n=1): pass
+    def set_postfix_str(self, s, refresh=True): pass
+    def close(self): pass
+
+
+def _progress(total: int, enabled: bool):
+    try:
+        from tqdm import tqdm
+    except ImportError:  # the bar is a nicety
+        return _NoBar()
+    return tqdm(total=total, desc="bench", unit="batch", disable=not enabled, file=sys.stderr, dynamic_ncols=True,
+                mininterval=0.5)
+
+
+# ------------------------------------------------------------------ statistics
+def _stats(xs: list[float]) -> dict | None:
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "values": xs}
+
+
+def _na_row(label: str, bs: int, reason: str, category: str | None = None) -> dict:
+    return {"config": label, "kind": "peer" if label in ("hf", "hf-assisted") else "engine", "batch_size": bs,
+            "category": category or "all", "available": False, "reason": reason, "tok_s": None, "tpot_ms": None,
+            "ttft_ms": None, "tokens_per_repeat": None, "accept_length": None, "accept_per_position": None,
+            "speedup": None, "speedup_values": None, "matches_baseline": None, "match_rate": None, "details": {}}
+
+
+def summarize(label: str, unit, bs: int, category: str | None, runs, reason: str | None, temperature: float) -> dict:
+    if reason is not None:
+        return _na_row(label, bs, reason, category)
+    mine = [r for r in runs[(label, bs)] if category is None or r.batch.category == category]
+    base = [r for r in runs[("baseline", bs)] if category is None or r.batch.category == category]
+    repeats = sorted({r.repeat for r in mine})
+
+    def per_repeat(rs, rep):
+        sel = [r for r in rs if r.repeat == rep]
+        return sum(len(t) for r in sel for t in r.out.tokens), sum(r.out.wall for r in sel), sel
+
+    tok_s, ratios, tpot, ttft, ntok = [], [], [], [], []
+    for rep in repeats:
+        n, wall, sel = per_repeat(mine, rep)
+        bn, bwall, _ = per_repeat(base, rep)
+        tok_s.append(n / wall)
+        if bn and bwall:
+            ratios.append((n / wall) / (bn / bwall))
+        ntok.append(n)
+        tp = [x for r in sel for x in r.out.tpot if x is not None]
+        if tp:
+            tpot.append(1000 * statistics.fmean(tp))
+        ttft.append(1000 * statistics.fmean(x for r in sel for x in r.out.ttft))
+
+    matches = match_rate = None
+    if temperature == 0:
+        ref = {r.batch.index: r.out.tokens for r in base if r.repeat == 0}
+        same = [a == b for r in mine for a, b in zip(r.out.tokens, ref.get(r.batch.index, []))]
+        match_rate = sum(same) / len(same) if same else None
+        matches = all(same) if same else None
+
+    accept_len = per_pos = None
+    details = dict(getattr(unit, "details", {}))
+    specs = [r.out.spec for r in mine if r.out.spec]
+    if specs and "drafted_per_pos" in specs[0]:
+        cycles = sum(s["cycles"] for s in specs)
+        accepted = sum(s["accepted"] for s in specs)
+        width = max(len(s["drafted_per_pos"]) for s in specs)
+        acc = [sum(s["accepted_per_pos"][i] for s in specs if i < len(s["accepted_per_pos"])) for i in range(width)]
+        dra = [sum(s["drafted_per_pos"][i] for s in specs if i < len(s["drafted_per_pos"])) for i in range(width)]
+        accept_len = 1 + accepted / cycles if cycles else None
+        per_pos = [a / d if d else None for a, d in zip(acc, dra)]
+        details.update(cycles=cycles, drafted_tokens=sum(s["drafted"] for s in specs), accepted_tokens=accepted)
+        chosen: dict[str, int] = {}
+        for s in specs:
+            for k, n in (s.get("steps_chosen") or {}).items():
+                chosen[str(k)] = chosen.get(str(k), 0) + n
+        if chosen:
+            details["steps_chosen"] = dict(sorted(chosen.items(), key=lambda kv: int(kv[0])))
+    elif specs:  # assisted peer: tokens per target forward
+        cycles = sum(s["cycles"] for s in specs)
+        accept_len = sum(s["tokens"] for s in specs) / cycles if cycles else None
+        details["accept_length_note"] = "tokens per assisted-generation cycle (from transformers' step count)"
+
+    return {
+        "config": label, "kind": unit.kind, "batch_size": bs, "category": category or "all",
+        "available": True, "reason": None,
+        "tok_s": _stats(tok_s), "tpot_ms": _stats(tpot), "ttft_ms": _stats(ttft),
+        "tokens_per_repeat": statistics.fmean(ntok) if ntok else None,
+        "accept_length": accept_len, "accept_per_position": per_pos,
+        "speedup": statistics.median(ratios) if ratios else None, "speedup_values": ratios or None,
+        "matches_baseline": matches, "match_rate": match_rate, "details": details,
+    }

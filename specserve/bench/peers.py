@@ -1,0 +1,131 @@
+"""Peers measured in the same run: transformers `generate()` ("hf", static
+cache where it works) and transformers assisted generation ("hf-assisted":
+an assistant LM given by --peer-draft, else prompt-lookup decoding).
+
+They get the same token ids, device, dtype, max_tokens and greedy/sampling
+settings as the engine, and are timed the same way (wall time of a batch).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from specserve.bench.offline import RunOutput
+
+PROMPT_LOOKUP_TOKENS = 10  # candidate tokens per prompt-lookup step (the transformers docs' example value)
+
+
+class _Clock:
+    """A stopping criterion that never stops: it timestamps each generation step
+    (called once per new token, or once per assisted cycle)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.times.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+class HFPeer:
+    kind = "peer"
+
+    def __init__(self, name: str, model_dir: str, device: str, dtype, max_tokens: int, temperature: float,
+                 ignore_eos: bool, eos_ids: set[int], peer_draft: str | None = None):
+        import transformers
+        from transformers import AutoModelForCausalLM
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+        self.name, self.device = name, torch.device(device)
+        self.max_tokens, self.temperature, self.ignore_eos = max_tokens, temperature, ignore_eos
+        self.eos_ids = sorted(eos_ids)
+        t0 = time.perf_counter()
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.assistant = None
+        self.details: dict = {"transformers": transformers.__version__}
+        if name == "hf-assisted":
+            if peer_draft:
+                self.assistant = AutoModelForCausalLM.from_pretrained(peer_draft, dtype=dtype).to(self.device).eval()
+                self.details["method"] = f"assistant_model={peer_draft}"
+            else:
+                self.details["method"] = f"prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}"
+            self.cache = "dynamic"
+        else:
+            self.cache = "static"
+        self.details["load_s"] = round(time.perf_counter() - t0, 3)
+        self.details["cache"] = self.cache
+
+    def unavailable(self, bs: int) -> str | None:
+        if self.name == "hf-assisted" and bs > 1:
+            return "transformers assisted generation supports batch size 1 only"
+        return None
+
+    def _config(self):
+        from transformers import GenerationConfig
+
+        sample = self.temperature > 0
+        kw = dict(max_new_tokens=self.max_tokens, do_sample=sample,
+                  # None would fall back to the model's defaults (top_k 50): switch the filters off explicitly.
+                  temperature=self.temperature if sample else 1.0, top_k=0, top_p=1.0,
+                  eos_token_id=None if self.ignore_eos or not self.eos_ids else self.eos_ids,
+                  pad_token_id=self.eos_ids[0] if self.eos_ids else 0)
+        if self.name == "hf":
+            kw["cache_implementation"] = "static" if self.cache == "static" else None
+        elif self.assistant is None:
+            kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
+        return GenerationConfig(**kw)
+
+    @torch.inference_mode()
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, clock: _Clock):
+        from transformers import StoppingCriteriaList
+
+        extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
+        return self.model.generate(ids, attention_mask=mask, generation_config=self._config(),
+                                   stopping_criteria=StoppingCriteriaList([clock]), **extra)
+
+    def run(self, prompts: list[list[int]], params: list) -> RunOutput:
+        # Left padding: every row's new tokens start at the same column.
+        L = max(len(p) for p in prompts)
+        pad = self.eos_ids[0] if self.eos_ids else 0
+        ids = torch.tensor([[pad] * (L - len(p)) + p for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (L - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        if self.temperature > 0:
+            torch.manual_seed(params[0].seed or 0)
+        while True:
+            clock = _Clock()
+            t0 = time.perf_counter()
+            try:
+                out = self._generate(ids, mask, clock)
+                rows = out[:, L:].tolist()  # host copy: the GPU work is done when this returns
+                wall = time.perf_counter() - t0
+                break
+            except Exception as e:
+                if self.cache != "static":
+                    raise
+                # Static cache does not work for every model/version: fall back once, and say so.
+                self.cache = "dynamic"
+                self.details["cache"] = "dynamic"
+                self.details["static_cache_error"] = f"{type(e).__name__}: {e}"[:300]
+        tokens = [self._cut(r) for r in rows]
+        first = clock.times[0] - t0 if clock.times else wall
+        ttft = [first] * len(tokens)
+        tpot = [(wall - first) / (len(t) - 1) if len(t) > 1 else None for t in tokens]
+        spec = None
+        if self.name == "hf-assisted":
+            spec = {"cycles": len(clock.times), "tokens": sum(len(t) for t in tokens)}
+        return RunOutput(tokens, wall, ttft, tpot, spec)
+
+    def _cut(self, row: list[int]) -> list[int]:
+        """Drop the padding after EOS (the engine keeps the EOS token itself, so do we)."""
+        if self.ignore_eos:
+            return row
+        for i, t in enumerate(row):
+            if t in self.eos_ids:
+                return row[: i + 1]
+        return row
+
+    def finish(self) -> None:
+        pass

@@ -1,0 +1,302 @@
+"""Bench results: machine/version/model identity, text and Markdown tables,
+plots and the JSON file (schema: specserve/bench/schema.json). Torch-free:
+the online mode uses this module too."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+from importlib import metadata
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+SCHEMA_PATH = Path(__file__).resolve().parent / "schema.json"
+
+
+# ------------------------------------------------------------------ identity
+def now_iso() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def command_line() -> str:
+    return " ".join(shlex.quote(a) for a in ["specserve", *sys.argv[1:]])
+
+
+def load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_info(device: str | None = None) -> dict:
+    """The machine that ran the engine (offline) or the client (online)."""
+    cores = os.cpu_count() or 0
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
+    info = {"device": "cpu", "name": cpu_model(), "count": usable,
+            "cpu": {"model": cpu_model(), "cores": cores, "usable_cores": usable},
+            "gpu": None, "platform": platform.platform()}
+    if device and device.startswith("cuda"):
+        import torch
+
+        name = torch.cuda.get_device_name(torch.device(device))
+        count = torch.cuda.device_count()
+        info.update(device="cuda", name=name, count=count, gpu={"name": name, "count": count})
+    return info
+
+
+def versions() -> dict:
+    from specserve import __version__
+
+    out = {"specserve": __version__, "python": platform.python_version()}
+    for pkg in ("torch", "transformers"):
+        try:
+            out[pkg] = metadata.version(pkg)  # without importing it
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    return out
+
+
+def _preset(path: Path, cfg: dict, demo_sub: str = "") -> str | None:
+    from specserve.config import DEMO_DIR
+
+    if path.resolve() == (DEMO_DIR / demo_sub).resolve():
+        return "demo"
+    if cfg.get("grow_preset"):  # written by `specserve grow`
+        return f"grown:{cfg['grow_preset']}"
+    meta = cfg.get("specserve")
+    return meta.get("preset") if isinstance(meta, dict) else None
+
+
+def _read_cfg(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def model_identity(model_dir: str, dtype: str | None = None) -> dict:
+    p = Path(model_dir)
+    cfg = _read_cfg(p)
+    return {"path": str(p.resolve()), "name": p.resolve().name, "preset": _preset(p, cfg),
+            "grown_from": cfg.get("grown_from"), "architecture": (cfg.get("architectures") or [None])[0],
+            "num_layers": cfg.get("num_hidden_layers"), "hidden_size": cfg.get("hidden_size"),
+            "vocab_size": cfg.get("vocab_size"), "dtype": dtype}
+
+
+def draft_identity(draft_dir: str | None) -> dict | None:
+    if not draft_dir:
+        return None
+    p = Path(draft_dir)
+    cfg = _read_cfg(p)
+    return {"path": str(p.resolve()), "name": p.resolve().name, "preset": _preset(p, cfg, "draft"),
+            "architecture": (cfg.get("architectures") or [None])[0], "hidden_size": cfg.get("hidden_size"),
+            "draft_vocab_size": cfg.get("draft_vocab_size") or cfg.get("vocab_size")}
+
+
+def write_json(result: dict, path: str) -> None:
+    Path(path).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+
+
+# ------------------------------------------------------------------ formatting
+def _f(x, fmt: str = ".1f", none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _yes(x) -> str:
+    return {True: "yes", False: "NO", None: "-"}[x]
+
+
+def _header(r: dict) -> list[str]:
+    m, s = r["machine"], r["settings"]
+    lines = [f"specserve bench ({r['mode']}) {r['created']}",
+             f"machine: {m['name']} x{m['count']} ({m['device']}); load average {r.get('load_average')}",
+             "versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items())]
+    if r["mode"] == "offline":
+        md, dr = r["model"], r.get("draft")
+        lines.append(f"model: {md['path']}" + (f" [{md['preset']}]" if md.get("preset") else "") + f", {md['dtype']}")
+        if dr:
+            lines.append(f"draft: {dr['path']}" + (f" [{dr['preset']}]" if dr.get("preset") else ""))
+        p = s["prompts"]
+        cats = ", ".join(f"{k} {v}" for k, v in p["categories"].items())
+        lines.append(f"workload: {p['count']} prompts ({cats}; {p['mean_prompt_tokens']} tokens mean), "
+                     f"{s['max_tokens']} new tokens, temperature {s['temperature']}, {s['repeats']} repeats, "
+                     f"{s['warmup']} warm-up; wall {r['wall_s']} s")
+    return lines
+
+
+def main_table(r: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["config", "batch", "tok/s median [min-max]", "TPOT ms", "accept len", "accept/pos", "speedup", "=greedy"]
+    rows = []
+    for x in r["results"]:
+        if not x["available"]:
+            rows.append([x["config"], str(x["batch_size"]), "n/a (see notes)", "-", "-", "-", "-", "-"])
+            continue
+        t = x["tok_s"]
+        pos = " ".join(_f(a, ".2f") for a in x["accept_per_position"] or [])
+        rows.append([x["config"], str(x["batch_size"]), f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]",
+                     _f(x["tpot_ms"] and x["tpot_ms"]["median"], ".2f"), _f(x["accept_length"], ".2f"),
+                     pos or "-", _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
+                     _yes(x["matches_baseline"])])
+    return head, rows
+
+
+def category_table(r: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["config", "batch", "category", "tok/s median", "accept len", "speedup", "=greedy"]
+    rows = [[x["config"], str(x["batch_size"]), x["category"], _f(x["tok_s"]["median"]), _f(x["accept_length"], ".2f"),
+             _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""), _yes(x["matches_baseline"])]
+            for x in r["by_category"] if x["available"]]
+    return head, rows
+
+
+def cost_table(r: dict) -> tuple[list[str], list[list[str]]]:
+    head = ["batch", "steps K", "E[tokens/cycle]", "cycle ms", "predicted tok/s", "measured tok/s", ""]
+    rows = []
+    for c in r.get("cost_model") or []:
+        for p in c["predictions"]:
+            rows.append([str(c["batch_size"]), str(p["steps"]), _f(p["expected_tokens_per_cycle"], ".2f"),
+                         _f(p["cycle_ms"], ".2f"), _f(p["predicted_tok_s"]), _f(p["measured_tok_s"]),
+                         "<- recommended" if p["steps"] == c["recommended_steps"] else ""])
+    return head, rows
+
+
+def online_table(r: dict) -> tuple[list[str], list[list[str]]]:
+    o = r["online"]
+    head = ["metric", "mean", "p50", "p90", "p99"]
+    rows = []
+    for key, name in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "inter-chunk ms"),
+                      ("e2e_ms", "end-to-end ms")):
+        s = o[key]
+        rows.append([name] + [_f(s and s.get(k), ".2f") for k in ("mean", "p50", "p90", "p99")])
+    return head, rows
+
+
+def _text_table(head, rows) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)] if rows else [len(h) for h in head]
+    fmt = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
+    return "\n".join([fmt(head), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows])
+
+
+def _md_table(head, rows) -> str:
+    esc = lambda c: str(c).replace("|", "\\|")
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    return "\n".join(lines + ["| " + " | ".join(esc(c) for c in row) + " |" for row in rows])
+
+
+def _online_summary(r: dict) -> list[str]:
+    o = r["online"]
+    acc = o.get("acceptance") or {}
+    lines = [f"server: {o['url']} model {o['model']}; load: {o['load']}",
+             (f"requests: {o['completed']} ok, {o['failed']} failed in {o['duration_s']:.2f} s; "
+              f"output {o['output_tok_s']:.1f} tok/s, {o['request_s']:.2f} req/s; "
+              f"{o['output_tokens']} output tokens ({o['tokens_counted_by']})")]
+    if acc.get("source"):
+        pos = " ".join(_f(a, ".2f") for a in acc.get("accept_per_position") or [])
+        lines.append(f"acceptance ({acc['source']}): length {_f(acc.get('accept_length'), '.2f')}, "
+                     f"rate {_f(acc.get('accept_rate'), '.2f')}" + (f", per position {pos}" if pos else ""))
+    else:
+        lines.append("acceptance: no speculative-decoding counters found in /metrics")
+    if o.get("errors"):
+        lines.append("first errors: " + "; ".join(o["errors"][:3]))
+    return lines
+
+
+def _notes(r: dict) -> list[str]:
+    notes = []
+    for x in r.get("results", []):
+        d = x.get("details") or {}
+        if not x["available"]:
+            notes.append(f"{x['config']} (batch {x['batch_size']}): n/a, {x['reason']}")
+        if x["kind"] == "peer" and x["available"] and x["category"] == "all":
+            extra = ", ".join(f"{k}={v}" for k, v in d.items() if k in ("cache", "method", "static_cache_error"))
+            notes.append(f"{x['config']} (batch {x['batch_size']}): {extra}")
+        if "steps_chosen" in d:
+            notes.append(f"{x['config']} (batch {x['batch_size']}): steps chosen {d['steps_chosen']}")
+    return notes
+
+
+def render_text(r: dict) -> str:
+    out = _header(r)
+    if r["mode"] == "online":
+        out += [""] + _online_summary(r) + ["", _text_table(*online_table(r))]
+        return "\n".join(out)
+    out += ["", _text_table(*main_table(r)), "", "per category:", _text_table(*category_table(r))]
+    if r.get("cost_model"):
+        out += ["", "cost model (from --profile):", _text_table(*cost_table(r))]
+    notes = _notes(r)
+    if notes:
+        out += [""] + notes
+    return "\n".join(out)
+
+
+def render_markdown(r: dict) -> str:
+    out = ["# specserve bench", "", "```", *_header(r), "```", ""]
+    if r["mode"] == "online":
+        out += _online_summary(r) + ["", _md_table(*online_table(r)), ""]
+        return "\n".join(out)
+    out += ["## Results", "", _md_table(*main_table(r)), "",
+            ("tok/s: generated tokens / wall time per repeat (median, min, max). TPOT: time per output token "
+             "after the first, per request. speedup: median over repeats of the paired ratio to baseline at "
+             "the same batch size. =greedy: every output token-identical to plain greedy decoding."), "",
+            "## Per category", "", _md_table(*category_table(r)), ""]
+    if r.get("cost_model"):
+        out += ["## Cost model", "", _md_table(*cost_table(r)), ""]
+    notes = _notes(r)
+    if notes:
+        out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
+    out += ["Command:", "", "```", r["command"], "```", ""]
+    return "\n".join(out)
+
+
+def plot(r: dict, path: str) -> None:
+    """Speedup and acceptance length against draft steps (one line per batch size),
+    and speedup against batch size (one line per config)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if r["mode"] != "offline":
+        raise ValueError("--plot applies to the offline mode")
+    rows = [x for x in r["results"] if x["available"]]
+    fixed = [x for x in rows if x["config"] == "baseline" or
+             (x["config"].startswith("eagle3:") and "adaptive" not in x["config"])]
+    steps = lambda x: 0 if x["config"] == "baseline" else int(x["config"].split("steps=")[1])
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    for bs in r["settings"]["batch_sizes"]:
+        pts = sorted((steps(x), x["speedup"], x["accept_length"] or 1.0) for x in fixed if x["batch_size"] == bs)
+        ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {bs}")
+        ax[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=f"batch {bs}")
+    for c in r["settings"]["configs"] + r["settings"]["peers"]:
+        pts = sorted((x["batch_size"], x["speedup"]) for x in rows if x["config"] == c and x["speedup"] is not None)
+        if pts:
+            ax[2].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=c)
+    ax[0].set(xlabel="draft steps K (0 = plain)", ylabel="speedup vs plain", title="speedup vs steps")
+    ax[1].set(xlabel="draft steps K", ylabel="acceptance length", title="acceptance length vs steps")
+    ax[2].set(xlabel="batch size", ylabel="speedup vs plain", title="speedup vs batch size")
+    ax[2].set_xscale("log", base=2)
+    ax[2].set_xticks(r["settings"]["batch_sizes"], [str(b) for b in r["settings"]["batch_sizes"]])
+    for a in ax[:2]:
+        a.xaxis.get_major_locator().set_params(integer=True)
+    for a in ax:
+        a.grid(alpha=0.3)
+        a.legend(fontsize=8)
+        a.axhline(1.0, color="grey", lw=0.8, ls="--") if a is not ax[1] else None
+    fig.suptitle(f"{r['model']['name']} on {r['machine']['name']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,430 @@
+"""`specserve bench`: config parsing, a shortened offline bench end to end on a
+tiny random pair (JSON checked against the schema, Markdown and plot written,
+greedy outputs equal to plain decoding), the cost model, and the online mode
+against a fake OpenAI-compatible SSE server (without importing torch)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import string
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import ClassVar
+
+import pytest
+
+from specserve.bench import bench_cmd, cost_model, online
+from specserve.config import ConfigError
+
+jsonschema = pytest.importorskip("jsonschema")
+SCHEMA = json.loads((Path(bench_cmd.__file__).parent / "schema.json").read_text())
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def validate(doc: dict) -> None:
+    jsonschema.Draft202012Validator(SCHEMA).validate(doc)
+
+
+# ---------------------------------------------------------------- fixtures
+def write_char_tokenizer(d: Path, vocab: int) -> None:
+    """A character-level tokenizer for a tiny target (ids 0 = unk, vocab-1 = eos)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    chars = ([" ", "\n"] + list(string.ascii_letters) + list(string.digits) + list(string.punctuation))[: vocab - 2]
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}, "<eos>": vocab - 1},
+                                     unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["<eos>"])
+    tok.save(str(d / "tokenizer.json"))
+    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": template}))
+
+
+PROMPTS = [
+    {"prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):", "category": "code"},
+    {"prompt": "for i in range(10):\n    print(i)", "category": "code"},
+    {"prompt": "The river rose higher than anyone could remember.", "category": "prose"},
+    {"messages": [{"role": "user", "content": "How do I reverse a list?"}], "category": "chat"},
+]
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    sys.path.insert(0, str(Path(__file__).parent))
+    from tiny import make_drafter, make_target
+
+    root = tmp_path_factory.mktemp("bench")
+    target = make_target(root / "target", vocab=96, hidden=64, layers=4)
+    write_char_tokenizer(target, 96)
+    draft = make_drafter(root / "draft", target)
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    return target, draft, prompts
+
+
+def run_cli(monkeypatch, argv: list[str]) -> int:
+    from specserve.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["specserve"])  # main() rewrites sys.argv; restore it afterwards
+    return main(argv)
+
+
+# ---------------------------------------------------------------- parsing
+def test_parse_config_labels_and_errors():
+    p = bench_cmd.parse_config
+    assert p("baseline").label == "baseline"
+    assert p("eagle3:steps=3").label == "eagle3:steps=3" and p("eagle3:steps=3").spec_steps == 3
+    a = p("eagle3:adaptive")
+    assert a.get("adaptive") is True and a.spec_steps == bench_cmd.DEFAULT_STEPS
+    assert p("eagle3:steps=6,adaptive").label == "eagle3:adaptive,steps=6"
+    assert p("eagle3:adaptive=false,steps=2").label == "eagle3:steps=2"
+    with pytest.raises(ConfigError, match="unknown bench config"):
+        p("medusa:steps=2")
+    with pytest.raises(ConfigError, match="--peers"):
+        p("hf")
+    with pytest.raises(ConfigError, match="unknown key 'depth'"):
+        p("eagle3:depth=2")
+    with pytest.raises(ConfigError, match="1..16"):
+        p("eagle3:steps=0")
+    with pytest.raises(ConfigError, match="not a valid int"):
+        p("eagle3:steps=two")
+    with pytest.raises(ConfigError, match="twice"):
+        bench_cmd.parse_configs(["eagle3:steps=2", "eagle3:steps=2"])
+    # baseline is always measured: speedups and output checks are relative to it
+    assert [c.label for c in bench_cmd.parse_configs(["eagle3:steps=2"])] == ["baseline", "eagle3:steps=2"]
+
+
+def test_bundled_prompts_have_categories():
+    prompts = bench_cmd.load_prompts(None)
+    cats = {p["category"] for p in prompts}
+    assert {"code", "prose", "chat"} <= cats and len(prompts) >= 20
+    assert len(bench_cmd.select_prompts(prompts, 2)) == 2 * len(cats)
+
+
+def test_bad_prompt_files(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"category": "x"}\n')
+    with pytest.raises(ConfigError, match=r":1: needs a non-empty \"prompt\""):
+        bench_cmd.load_prompts(f)
+    f.write_text("not json\n")
+    with pytest.raises(ConfigError, match=":1: not valid JSON"):
+        bench_cmd.load_prompts(f)
+    with pytest.raises(ConfigError, match="not found"):
+        bench_cmd.load_prompts(tmp_path / "missing.jsonl")
+
+
+def test_cli_rejects_bad_options(monkeypatch, capsys, pair, tmp_path):
+    target, _, prompts = pair
+    assert run_cli(monkeypatch, ["bench", "--model", str(target), "--spec-steps", "3"]) == 1
+    assert "--configs" in capsys.readouterr().err
+    assert run_cli(monkeypatch, ["bench", "--model", str(target), "--prompts", str(prompts),
+                                 "--configs", "eagle3:steps=2"]) == 1
+    assert "need an EAGLE-3 drafter" in capsys.readouterr().err
+    assert run_cli(monkeypatch, ["bench", "--concurrency", "4"]) == 1
+    assert "--url" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- offline end to end
+def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
+    target, draft, prompts = pair
+    out = tmp_path / "r.json"
+    t0 = time.perf_counter()
+    rc = run_cli(monkeypatch, [
+        "bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+        "--configs", "eagle3:steps=1", "eagle3:steps=3", "eagle3:adaptive,steps=2",
+        "--batch-sizes", "1", "2", "--max-tokens", "10", "--repeats", "2", "--warmup", "1",
+        "--peers", "hf", "hf-assisted", "--profile", "--no-progress",
+        "--json", str(out), "--markdown", str(tmp_path / "r.md"), "--plot", str(tmp_path / "r.png")])
+    assert rc == 0
+    assert time.perf_counter() - t0 < 120
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["mode"] == "offline" and doc["machine"]["device"] == "cpu" and doc["machine"]["count"] >= 1
+    assert doc["model"]["path"] == str(target.resolve()) and doc["draft"]["path"] == str(draft.resolve())
+    assert doc["versions"]["torch"] and doc["versions"]["transformers"]
+
+    rows = {(r["config"], r["batch_size"]): r for r in doc["results"]}
+    labels = ["baseline", "eagle3:steps=1", "eagle3:steps=3", "eagle3:adaptive,steps=2", "hf", "hf-assisted"]
+    assert set(rows) == {(c, b) for c in labels for b in (1, 2)}
+    na = rows[("hf-assisted", 2)]
+    assert na["available"] is False and "batch size 1" in na["reason"] and na["tok_s"] is None
+    for (config, bs), r in rows.items():
+        if not r["available"]:
+            continue
+        # Greedy: every config and peer reproduces plain decoding token for token.
+        assert r["matches_baseline"] is True and r["match_rate"] == 1.0, (config, bs)
+        assert 0 < r["tok_s"]["min"] <= r["tok_s"]["median"] <= r["tok_s"]["max"]
+        assert len(r["tok_s"]["values"]) == 2 and len(r["speedup_values"]) == 2
+        # ignore_eos: 4 prompts in batches of bs (filled per category) x 10 tokens each
+        n_rows = {1: 4, 2: 6}[bs]  # code 2 -> one batch of 2; prose 1 and chat 1 cycle to fill a batch of 2
+        assert r["tokens_per_repeat"] == n_rows * 10
+    for bs in (1, 2):
+        assert rows[("baseline", bs)]["speedup"] == 1.0
+        for K in (1, 3):
+            r = rows[(f"eagle3:steps={K}", bs)]
+            assert 1.0 <= r["accept_length"] <= K + 1 and len(r["accept_per_position"]) == K
+            assert r["details"]["cycles"] > 0
+        assert rows[("hf-assisted", 1)]["accept_length"] >= 1.0
+    assert rows[("hf", 1)]["details"]["cache"] in ("static", "dynamic")
+    assert sum(rows[("eagle3:adaptive,steps=2", 1)]["details"]["steps_chosen"].values()) > 0
+
+    cats = {(r["config"], r["batch_size"], r["category"]) for r in doc["by_category"]}
+    assert ("eagle3:steps=3", 2, "chat") in cats and ("baseline", 1, "prose") in cats
+
+    cost = {c["batch_size"]: c for c in doc["cost_model"]}
+    assert set(cost) == {1, 2}
+    preds = cost[1]["predictions"]
+    assert [p["steps"] for p in preds] == list(range(4))
+    assert preds[1]["measured_tok_s"] == rows[("eagle3:steps=1", 1)]["tok_s"]["median"]
+    assert preds[2]["measured_tok_s"] is None  # K=2 was not measured as a fixed config
+    assert cost[1]["recommended_steps"] == max(preds, key=lambda p: p["predicted_tok_s"])["steps"]
+
+    md = (tmp_path / "r.md").read_text()
+    assert "| config | batch |" in md and "eagle3:adaptive,steps=2" in md and "## Cost model" in md
+    assert "hf-assisted (batch 2): n/a" in md
+    assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_short_bench_on_the_demo_pair(monkeypatch, tmp_path):
+    """The no-argument path (demo target and drafter found by default), shortened."""
+    from specserve.engine.llm import demo_paths
+
+    if demo_paths()[1] is None or not (Path(demo_paths()[0]) / "config.json").exists():
+        pytest.skip("the demo pair is not built")
+    out = tmp_path / "demo.json"
+    rc = run_cli(monkeypatch, ["bench", "--configs", "baseline", "eagle3:steps=3", "--batch-sizes", "1",
+                               "--num-prompts", "1", "--max-tokens", "16", "--repeats", "1", "--warmup", "0",
+                               "--no-progress", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["model"]["preset"] == "demo" and doc["draft"]["preset"] == "demo"
+    eagle = next(r for r in doc["results"] if r["config"] == "eagle3:steps=3")
+    assert eagle["matches_baseline"] is True and eagle["accept_length"] > 1.0  # a trained drafter accepts some
+
+
+def test_schema_rejects_malformed_results(pair):
+    doc = {"schema_version": 1, "mode": "offline", "created": "x", "command": "x",
+           "machine": {"device": "cpu", "name": "x", "count": 2, "cpu": {"model": "x", "cores": 2}},
+           "versions": {"specserve": "0", "python": "3", "torch": None, "transformers": None},
+           "model": {"path": "/m", "name": "m", "preset": None}, "draft": None,
+           "settings": {"max_tokens": 1, "temperature": 0, "prompts": {}, "configs": [], "peers": [],
+                        "batch_sizes": [1], "repeats": 1, "warmup": 0},
+           "results": [], "by_category": []}
+    with pytest.raises(jsonschema.ValidationError):
+        validate(doc)  # offline results must not be empty
+    row = {"config": "baseline", "kind": "engine", "batch_size": 1, "category": "all", "available": True,
+           "reason": None, "tok_s": {"median": 1.0, "min": 1.0, "max": 1.0}, "tpot_ms": None,
+           "accept_length": None, "accept_per_position": None, "speedup": 1.0, "matches_baseline": True}
+    validate({**doc, "results": [row]})
+    with pytest.raises(jsonschema.ValidationError):
+        validate({**doc, "results": [{**row, "tok_s": {"median": 1.0}}]})
+    with pytest.raises(jsonschema.ValidationError):
+        validate({**doc, "mode": "online", "results": [row]})  # online needs the online block
+
+
+# ---------------------------------------------------------------- cost model
+def test_cost_model_prediction_and_recommendation():
+    assert cost_model.linear_fit([1, 2, 3], [3, 5, 7]) == pytest.approx((1.0, 2.0))
+    assert cost_model.linear_fit([2, 2], [4, 6]) == pytest.approx((0.0, 2.5))
+    p = [0.9, 0.8, 0.5, 0.1]
+    assert cost_model.expected_tokens(p, 2) == pytest.approx(2.7)
+    b, N = 1, 65
+    preds = cost_model.predict(b, N, plain_step_s=0.010, prefill_plain_s=0.02, prefill_spec_s=0.03,
+                               draft_fit=(0.0, 0.001), verify_fit=(0.009, 0.0005), accept_s=0.0002, p=p, k_max=4)
+    assert preds[0]["predicted_tok_s"] == pytest.approx(N / (0.02 + 64 * 0.010))
+    # K=2: cycle = 2 ms draft + 10 ms verify + 0.2 ms accept + 1 ms overhead; 2.7 tokens per cycle
+    assert preds[2]["cycle_ms"] == pytest.approx(13.2)
+    assert preds[2]["predicted_tok_s"] == pytest.approx(N / (0.03 + 64 / 2.7 * 0.0132))
+    best = max(preds, key=lambda r: r["predicted_tok_s"])["steps"]
+    assert best == 3  # the 4th draft (p=0.1) costs more than it brings
+
+
+# ---------------------------------------------------------------- online mode
+class FakeOpenAI(BaseHTTPRequestHandler):
+    """Streams `max_tokens` tokens as chunks of two, 4 ms apart, and exports
+    speculative counters that grow per served request."""
+
+    served = 0
+    in_flight = 0
+    max_in_flight = 0
+    bodies: ClassVar[list[dict]] = []
+    lock = threading.Lock()
+
+    def log_message(self, *a):
+        pass
+
+    def _send(self, code: int, body: bytes, ctype: str) -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_GET(self):
+        if self.path == "/v1/models":
+            self._send(200, json.dumps({"object": "list", "data": [{"id": "fake-model"}]}).encode(), "application/json")
+        elif self.path == "/metrics":
+            n = type(self).served
+            lines = ["# TYPE specserve:spec_decode_num_drafts counter",
+                     f'specserve:spec_decode_num_drafts_total{{model_name="m"}} {10 * n + 5}',
+                     f'specserve:spec_decode_num_draft_tokens_total{{model_name="m"}} {30 * n + 15}',
+                     f'specserve:spec_decode_num_accepted_tokens_total{{model_name="m"}} {20 * n + 7}']
+            lines += [f'specserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} '
+                      f'{k * n + 1}' for i, k in enumerate((9, 7, 4))]
+            # position 2 drafted in half the cycles (as under adaptive K): its rate divides by 5, not 10
+            lines += [f'specserve:spec_decode_num_draft_tokens_per_pos_total{{model_name="m",position="{i}"}} '
+                      f'{k * n + 2}' for i, k in enumerate((10, 10, 5))]
+            lines += [f'specserve:spec_decode_steps_chosen_total{{k="{k}"}} {c * n}' for k, c in ((0, 1), (3, 2))]
+            self._send(200, ("\n".join(lines) + "\n").encode(), "text/plain")
+        else:
+            self._send(404, b"{}", "application/json")
+
+    def do_POST(self):
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        cls = type(self)
+        chat = self.path == "/v1/chat/completions"
+        if self.path not in ("/v1/completions", "/v1/chat/completions") or not body.get("stream") or \
+                ("messages" in body) != chat:
+            self._send(400, b'{"error": "bad request"}', "application/json")
+            return
+        with cls.lock:
+            cls.bodies.append(body)
+            cls.in_flight += 1
+            cls.max_in_flight = max(cls.max_in_flight, cls.in_flight)
+        try:
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()  # HTTP/1.0: the stream ends when the connection closes
+            n = body["max_tokens"]
+            for i in range(0, n, 2):
+                time.sleep(0.004)
+                piece = {"delta": {"content": "ab"}} if chat else {"text": "ab"}
+                self.wfile.write(f"data: {json.dumps({'choices': [{'index': 0, **piece}]})}\n\n".encode())
+                self.wfile.flush()
+            usage = {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": n + 5}
+            self.wfile.write(f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode())
+        finally:
+            with cls.lock:
+                cls.in_flight -= 1
+                cls.served += 1
+
+
+@pytest.fixture
+def fake_server():
+    FakeOpenAI.served = FakeOpenAI.in_flight = FakeOpenAI.max_in_flight = 0
+    FakeOpenAI.bodies = []
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeOpenAI)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{srv.server_address[1]}"
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_online_bench_against_fake_server_without_torch(fake_server, tmp_path, pair):
+    _, _, prompts = pair
+    out = tmp_path / "online.json"
+    argv = ["bench", "--url", fake_server, "--prompts", str(prompts), "--concurrency", "3", "--num-requests", "9",
+            "--max-tokens", "8", "--no-progress", "--json", str(out), "--markdown", str(tmp_path / "o.md")]
+    code = (f"import sys; from specserve.cli import main; rc = main({argv!r}); "
+            "assert 'torch' not in sys.modules, 'the online bench imported torch'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(out.read_text())
+    validate(doc)
+    o = doc["online"]
+    assert o["completed"] == 9 and o["failed"] == 0 and o["model"] == "fake-model"
+    assert o["output_tokens"] == 72 and o["tokens_counted_by"] == "usage"
+    assert FakeOpenAI.max_in_flight == 3  # fixed concurrency, reached and never exceeded
+    assert all(b["max_tokens"] == 8 and b["ignore_eos"] is True for b in FakeOpenAI.bodies)
+    assert sum("messages" in b for b in FakeOpenAI.bodies) == 2  # prompts cycle: the chat prompt is #4 and #8
+    assert o["ttft_ms"]["p50"] >= 3.0 and o["e2e_ms"]["p50"] >= o["ttft_ms"]["p50"]
+    assert o["itl_ms"]["count"] == 9 * 3 and o["itl_ms"]["p50"] >= 3.0  # 4 chunks -> 3 gaps per request
+    assert o["tpot_ms"]["p50"] > 0
+    acc = o["acceptance"]  # deltas: the counters' starting offsets must not leak in
+    assert acc["source"] == "specserve"
+    assert acc["accept_length"] == pytest.approx(3.0) and acc["accept_rate"] == pytest.approx(20 / 30)
+    assert acc["accept_per_position"] == pytest.approx([0.9, 0.7, 0.8])
+    assert acc["steps_chosen"] == {"0": 9, "3": 18}
+    assert doc["results"][0]["batch_size"] == 3 and doc["results"][0]["accept_length"] == pytest.approx(3.0)
+    assert "TTFT ms" in proc.stdout and "acceptance (specserve): length 3.00" in proc.stdout
+    assert "| TTFT ms |" in (tmp_path / "o.md").read_text()
+
+
+def test_online_poisson_rate(fake_server, monkeypatch, tmp_path, pair):
+    _, _, prompts = pair
+    out = tmp_path / "p.json"
+    rc = run_cli(monkeypatch, ["bench", "--url", fake_server, "--prompts", str(prompts), "--request-rate", "200",
+                               "--num-requests", "6", "--max-tokens", "4", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["online"]["load"]["mode"] == "poisson" and doc["online"]["completed"] == 6
+    assert doc["results"][0]["batch_size"] is None
+
+
+def test_online_unreachable_server_is_a_clear_error(monkeypatch, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed once the block ends: nothing listens there
+    rc = run_cli(monkeypatch, ["bench", "--url", f"http://127.0.0.1:{port}", "--no-progress"])
+    assert rc == 1 and "is the server up?" in capsys.readouterr().err
+
+
+def test_metrics_parsing_vllm_and_sglang():
+    vllm_before = online.parse_metrics(
+        'vllm:spec_decode_num_drafts_total{model_name="x"} 100\n'
+        'vllm:spec_decode_num_draft_tokens_total{model_name="x"} 300\n'
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="x"} 150\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="0"} 80\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="1"} 70\n'
+        'vllm:spec_decode_num_drafts_created{model_name="x"} 1.7e9\n')
+    vllm_after = online.parse_metrics(
+        '# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.\n'
+        'vllm:spec_decode_num_drafts_total{model_name="x"} 200\n'
+        'vllm:spec_decode_num_draft_tokens_total{model_name="x"} 600\n'
+        'vllm:spec_decode_num_accepted_tokens_total{model_name="x"} 250\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="0"} 150\n'
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="1"} 100\n')
+    acc = online.acceptance_delta(vllm_before, vllm_after, completed=4)
+    assert acc["source"] == "vllm" and acc["accept_length"] == pytest.approx(2.0)
+    assert acc["accept_rate"] == pytest.approx(100 / 300) and acc["accept_per_position"] == pytest.approx([0.7, 0.3])
+
+    sg = lambda v, g, r: online.parse_metrics(
+        f'sglang:spec_verify_calls_total{{model_name="m"}} {v}\nsglang:generation_tokens_total{{model_name="m"}} {g}\n'
+        f'sglang:num_requests_total{{model_name="m"}} {r}\nsglang:spec_accept_length{{model_name="m"}} 2.9\n')
+    acc = online.acceptance_delta(sg(10, 40, 1), sg(60, 194, 5), completed=4)
+    # 154 tokens, 4 of them from prefill, over 50 verify steps
+    assert acc["source"] == "sglang" and acc["accept_length"] == pytest.approx(150 / 50)
+    assert acc["gauges_after"]["spec_accept_length"] == 2.9
+    assert online.acceptance_delta(online.parse_metrics("up 1\n"), online.parse_metrics("up 1\n"), 3) is None
+    assert online.percentiles([1, 2, 3, 4])["p50"] == pytest.approx(2.5)
+
+
+# ---------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_offline_bench_on_gpu_with_cuda_graphs(monkeypatch, pair, tmp_path):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target, draft, prompts = pair
+    out = tmp_path / "g.json"
+    rc = run_cli(monkeypatch, [
+        "bench", "--device", "cuda", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+        "--configs", "baseline", "eagle3:steps=2", "eagle3:adaptive,steps=3", "--batch-sizes", "1", "4",
+        "--max-tokens", "16", "--repeats", "2", "--peers", "hf", "--profile", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["machine"]["device"] == "cuda" and doc["machine"]["gpu"]["count"] >= 1
+    for r in doc["results"]:
+        assert r["available"], r
+        if r["kind"] == "engine":
+            assert r["matches_baseline"] is True, r["config"]
