@@ -286,8 +286,12 @@ class ModelRunner:
         self._fill_padding(B, K + 1)
         sampling = not s.all_greedy
         self._set_sampling(B, s)
-        key = ("draft", K, sampling, s.filtered and sampling)
-        out = self._run(key, B, lambda b: self._draft_body(b, K, sampling, s.filtered))
+        # Sampling batches always take the filtering path: top-k 0 / top-p 1 rows pass through unchanged.
+        key = ("draft", K, sampling, sampling)
+        out = self._run(key, B, lambda b: self._draft_body(b, K, sampling, sampling))
+        # All graphs share one memory pool, so the verify replay that follows may reuse
+        # this graph's output memory: take the (small) draft outputs out first.
+        out = tuple(o.clone() for o in out)
         if not sampling:
             return DraftResult(out[0], None, None)
         vocab_map = torch.arange(self.drafter.d2t.shape[0], device=self.device) + self.drafter.d2t

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
+from specserve.model.kernels import linear
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -47,6 +48,9 @@ class ReplicatedLinear(nn.Linear):
         for p in self.parameters():
             p.weight_loader = lambda param, t, shard=None, _n="replicated": _copy_checked(param, t, _n)
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
 
 class ColumnParallelLinear(nn.Module):
     """Output features split across ranks; several HF tensors may be stacked
@@ -77,7 +81,7 @@ class ColumnParallelLinear(nn.Module):
         target.copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -101,7 +105,7 @@ class RowParallelLinear(nn.Module):
         _copy_checked(param, piece, "row-parallel weight")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = all_reduce(F.linear(x, self.weight))
+        y = all_reduce(linear(x, self.weight))
         return y + self.bias if self.bias is not None else y
 
 

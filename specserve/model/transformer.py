@@ -101,8 +101,9 @@ class CausalLM(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: reuse the (vocab-parallel) embedding matrix
             from specserve.distributed.parallel_state import all_gather_last_dim
+            from specserve.model.kernels import linear
 
-            return all_gather_last_dim(torch.nn.functional.linear(hidden, self.embed_tokens.weight)).float()
+            return all_gather_last_dim(linear(hidden, self.embed_tokens.weight)).float()
         return self.lm_head(hidden).float()
 
     def hf_weight_map(self) -> dict[str, tuple[nn.Parameter, int | None]]:

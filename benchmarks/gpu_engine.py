@@ -1,0 +1,228 @@
+"""GPU benchmark of the engine core and speculative step costs (issues 2 and 3).
+
+    python benchmarks/gpu_engine.py [--out DIR] [--skip-hf]
+
+On one GPU: builds a Llama-3.1-8B-shaped bf16 model with random weights and a
+random EAGLE-3 drafter, then measures in one process
+  - device copy bandwidth and the decode roofline (weight bytes / bandwidth);
+  - specserve plain decoding, batch 1, 128-token prompt, 256 new tokens, CUDA graphs;
+  - the pure GPU time of one decode step, one verify of K+1 tokens and one
+    K-step draft (graph replays), K = 1..6: the verify/decode cost ratio;
+  - greedy speculative output == plain output (random drafter: acceptance ~0,
+    so this checks the machinery, not the speed-up);
+  - plain decode tok/s at batch 1, 4, 16, 64;
+  - transformers generate() with a static cache on the same model and prompt.
+Writes engine.json under --out (default $OUT) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.random_models import LLAMA3_8B, write_eagle3_drafter, write_llama  # noqa: E402
+from specserve.config import EngineConfig  # noqa: E402
+from specserve.engine.engine import Engine  # noqa: E402
+from specserve.engine.sampling import BatchSampling, SamplingParams  # noqa: E402
+
+
+def copy_bandwidth() -> float:
+    n = 2 << 30
+    a = torch.empty(n, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    for _ in range(3):
+        b.copy_(a)
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        b.copy_(a)
+    e.record()
+    e.synchronize()
+    return 2 * n * 10 / (s.elapsed_time(e) / 1000)
+
+
+def gpu_ms(fn, iters=50) -> float:
+    for _ in range(5):
+        fn()
+    times = []
+    for _ in range(iters):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def kernel_check() -> dict:
+    """The skinny-matmul kernel against cuBLAS: relative error and time per shape."""
+    from specserve.model.kernels import _time_ms, skinny_matmul
+
+    out = {}
+    for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+        for M in (1, 7, 16):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            ref = x.float() @ w.float().t()
+            err = ((skinny_matmul(x, w).float() - ref).norm() / ref.norm()).item()
+            t_k, t_c = _time_ms(lambda: skinny_matmul(x, w)), _time_ms(lambda: torch.nn.functional.linear(x, w))
+            out[f"{N}x{K} M={M}"] = {"rel_err": err, "triton_ms": t_k, "cublas_ms": t_c,
+                                     "triton_GBs": N * K * 2 / t_k / 1e6, "cublas_GBs": N * K * 2 / t_c / 1e6}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--work", default="/tmp/specserve-models")
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    out, work = Path(args.out), Path(args.work)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": "llama3-8b (random)"}
+    t0 = time.perf_counter()
+    bw = copy_bandwidth()
+    res["kernel"] = kernel_check()
+    for k, v in res["kernel"].items():
+        print(f"{k:24s} err {v['rel_err']:.1e} triton {v['triton_GBs']:.0f} GB/s cublas {v['cublas_GBs']:.0f} GB/s", flush=True)
+    target, draft = work / "llama8b", work / "llama8b-eagle3"
+    if not (target / "config.json").exists():
+        write_llama(target)
+        write_eagle3_drafter(draft)
+    res["write_s"] = time.perf_counter() - t0
+    weight_bytes = sum(f.stat().st_size for f in target.glob("*.safetensors"))
+    res["copy_bw_GBs"] = bw / 1e9
+    res["roofline_tok_s"] = bw / weight_bytes
+
+    t0 = time.perf_counter()
+    eng = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, spec_steps=0, max_spec_steps=6,
+                              max_num_seqs=64, max_model_len=512, device="cuda", profile=True))
+    runner = eng.runner
+    res["load_s"], res["graph_capture_s"] = runner.load_seconds, eng.graph_seconds
+    res["startup_s"] = time.perf_counter() - t0
+    print(f"startup {res['startup_s']:.1f}s (load {runner.load_seconds:.1f}s, graphs {eng.graph_seconds:.1f}s)", flush=True)
+
+    g = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, 128000, (128,), generator=g).tolist()
+    greedy = SamplingParams(temperature=0, max_tokens=256, ignore_eos=True)
+
+    def timed(prompts, K):
+        """Generate with a fixed K (0 = plain); returns sequences and wall seconds."""
+        eng.policy.fixed = K
+        eng.profile.clear()
+        t = time.perf_counter()
+        seqs = [eng.add_request(p, greedy) for p in prompts]
+        while eng.has_work():
+            eng.step()
+        return seqs, time.perf_counter() - t
+
+    def profile_ms():
+        return {part: statistics.median(p[part] for p in eng.profile) for part in ("draft", "verify", "accept")}
+
+    timed([prompt], 0)  # warm-up
+    outs, sec = timed([prompt], 0)
+    plain_ids = outs[0].output_ids
+    res["plain_b1_tok_s"] = 256 / sec
+
+    # Pure GPU step costs (graph replays at batch 1).
+    ids1, pos1 = torch.tensor([5], device="cuda"), torch.tensor([200], device="cuda")
+    res["decode_step_ms"] = gpu_ms(lambda: runner.decode(ids1, pos1))
+    s = BatchSampling.build([greedy], [0], torch.device("cuda"))
+    res["spec"] = {}
+    for K in range(1, 7):
+        ids = torch.randint(0, 1000, (1, K + 1), device="cuda")
+        verify = gpu_ms(lambda: runner.verify(ids, pos1))
+        entry = torch.full((1, K + 1), runner.scratch, device="cuda")
+        entry[0, 0] = 199
+        last = torch.zeros(1, dtype=torch.long, device="cuda")
+        draft_ms = gpu_ms(lambda: runner.draft(K, entry, last, s))
+        outs, sec = timed([prompt], K)
+        res["spec"][K] = {"verify_ms": verify, "verify_over_decode": verify / res["decode_step_ms"],
+                          "draft_ms": draft_ms, "draft_per_step_ms": draft_ms / K,
+                          "greedy_equal_plain": outs[0].output_ids == plain_ids, "tok_s": 256 / sec,
+                          "greedy_common_prefix": _common_prefix(outs[0].output_ids, plain_ids),
+                          "accept_length": outs[0].spec.accept_length, "profile_median_ms": profile_ms()}
+        print(f"K={K} verify {verify:.3f} ms ({verify / res['decode_step_ms']:.3f}x decode) draft {draft_ms:.3f} ms "
+              f"equal={outs[0].output_ids == plain_ids}", flush=True)
+
+    # Where a step's wall time goes: host work vs GPU (profiler, 8 steps at batch 4).
+    from torch.profiler import ProfilerActivity, profile
+
+    prompts4 = [torch.randint(0, 128000, (128,), generator=g).tolist() for _ in range(4)]
+    eng.policy.fixed = 0
+    seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in prompts4]
+    for _ in range(20):
+        eng.step()
+    step_ms = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            t = time.perf_counter()
+            eng.step()
+            step_ms.append((time.perf_counter() - t) * 1000)
+    while eng.has_work():
+        eng.step()
+    res["b4_step_wall_ms"] = step_ms
+    print("batch-4 step wall ms:", [round(x, 2) for x in step_ms])
+    print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=14, max_name_column_width=50))
+
+    res["plain_batch_tok_s"] = {}
+    for B in (1, 4, 16, 64):
+        prompts = [torch.randint(0, 128000, (128,), generator=g).tolist() for _ in range(B)]
+        timed(prompts[:1], 0)
+        outs, sec = timed(prompts, 0)
+        res["plain_batch_tok_s"][B] = sum(len(o.output_ids) for o in outs) / sec
+        ids_b = torch.full((B,), 5, device="cuda")
+        pos_b = torch.full((B,), 200, device="cuda")
+        res.setdefault("decode_step_ms_by_batch", {})[B] = gpu_ms(lambda: runner.decode(ids_b, pos_b), 20)
+
+    del eng, runner
+    torch.cuda.empty_cache()
+    if not args.skip_hf:
+        try:
+            import transformers
+
+            hf = transformers.AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.bfloat16, device_map="cuda")
+            x = torch.tensor([prompt], device="cuda")
+            kw = dict(max_new_tokens=256, min_new_tokens=256, do_sample=False, cache_implementation="static")
+            hf.generate(x, **kw)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            y = hf.generate(x, **kw)
+            torch.cuda.synchronize()
+            res["hf_static_tok_s"] = 256 / (time.perf_counter() - t)
+            res["hf_greedy_equal"] = y[0, 128:].tolist() == plain_ids
+        except Exception as e:  # report, don't lose the rest
+            res["hf_error"] = repr(e)[:500]
+
+    (out / "engine.json").write_text(json.dumps(res, indent=1))
+    print("\n| metric | value |\n|---|---|")
+    print(f"| copy bandwidth | {res['copy_bw_GBs']:.0f} GB/s |")
+    print(f"| roofline (batch 1) | {res['roofline_tok_s']:.0f} tok/s |")
+    print(f"| specserve plain b1 | {res['plain_b1_tok_s']:.1f} tok/s ({res['plain_b1_tok_s'] / res['roofline_tok_s']:.0%}) |")
+    print(f"| decode step (graph) | {res['decode_step_ms']:.3f} ms |")
+    for K, v in res["spec"].items():
+        print(f"| K={K} verify/decode | {v['verify_over_decode']:.3f} (draft {v['draft_ms']:.2f} ms, same first "
+              f"{v['greedy_common_prefix']}/256 tokens, {v['tok_s']:.0f} tok/s) |")
+    for B, v in res["plain_batch_tok_s"].items():
+        print(f"| plain batch {B} | {v:.0f} tok/s |")
+    print(f"| transformers static | {res.get('hf_static_tok_s', res.get('hf_error'))} |")
+
+
+if __name__ == "__main__":
+    main()
