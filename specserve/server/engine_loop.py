@@ -1,0 +1,287 @@
+"""The engine thread: the one place that touches the (not thread-safe) engine.
+
+HTTP handlers `submit` jobs and `abort` them through a locked inbox; the
+thread drains it, runs `engine.step()` while there is work and sleeps on a
+condition when idle. Text deltas and finish events go back to each request
+through a `sink` callable (the server wraps `loop.call_soon_threadsafe`).
+After every step it publishes a snapshot (gauges, speculative counters, KV
+usage) that /metrics and /server_info read without touching the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import traceback
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from specserve.engine.llm import cut_at_stop
+from specserve.engine.sampling import SamplingParams
+from specserve.engine.tokenizer import IncrementalDecoder
+from specserve.server.metrics import Metrics
+
+log = logging.getLogger("specserve.server")
+
+
+class QueueFull(Exception):
+    """More sequences in flight than running rows + queue allow."""
+
+
+@dataclass
+class Event:
+    index: int  # choice index within the request
+    kind: str  # "delta" | "finish" | "error"
+    text: str = ""
+    finish_reason: str | None = None
+    completion_tokens: int = 0
+    message: str = ""
+    status: int = 500  # HTTP status for an error event
+
+
+@dataclass
+class Job:
+    """One sequence to generate (a request with n > 1 or several prompts submits several)."""
+
+    seq_id: str
+    index: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[Event], None]
+    received: float = field(default_factory=time.perf_counter)
+
+
+class _Track:
+    """Per-sequence streaming state, owned by the engine thread."""
+
+    def __init__(self, job: Job, tokenizer):
+        self.job = job
+        self.decoder = IncrementalDecoder(tokenizer)
+        self.sent = ""
+        # Text that could be the start of a stop string is held back until it cannot be.
+        self.holdback = max((len(s) for s in job.params.stop), default=1) - 1
+        self.first_seen = False
+
+
+class EngineLoop:
+    def __init__(self, build: Callable[[], Any], metrics: Metrics, capacity: int,
+                 on_error: Callable[[str], None] | None = None):
+        """`build()` runs in the engine thread and returns an object with
+        `.engine` and `.tokenizer` (an LLM). `capacity` bounds sequences in
+        flight (running rows + queue). `on_error(message)` is called when
+        loading fails or the engine is left broken (serve then exits)."""
+        self.build = build
+        self.on_error = on_error
+        self.metrics = metrics
+        self.capacity = capacity
+        self.llm = None
+        self.ready = threading.Event()
+        self.error: str | None = None  # set when loading failed or the engine broke
+        self.load_seconds: float | None = None
+        self.started = time.time()
+        self._cv = threading.Condition()
+        self._inbox: deque[tuple[str, Any]] = deque()
+        self._in_flight = 0
+        self._stop = False
+        self._tracks: dict[str, _Track] = {}
+        self._snap_lock = threading.Lock()
+        self._snap = _empty_snapshot()
+        self.thread = threading.Thread(target=self._main, name="engine-loop", daemon=True)
+
+    # ------------------------------------------------------ HTTP-side API
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        with self._cv:
+            self._stop = True
+            self._cv.notify()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    @property
+    def in_flight(self) -> int:
+        return self._in_flight
+
+    def submit(self, jobs: list[Job]) -> None:
+        """Queue all jobs of one request, or none (raises QueueFull)."""
+        with self._cv:
+            if self._in_flight + len(jobs) > self.capacity:
+                raise QueueFull(f"{self._in_flight} sequences in flight, limit {self.capacity}")
+            self._in_flight += len(jobs)
+            self._inbox.extend(("add", j) for j in jobs)
+            self._cv.notify()
+
+    def abort(self, seq_ids: list[str]) -> None:
+        with self._cv:
+            self._inbox.extend(("abort", s) for s in seq_ids)
+            self._cv.notify()
+
+    def snapshot(self) -> dict:
+        with self._snap_lock:
+            return self._snap
+
+    # -------------------------------------------------------- engine thread
+    def _main(self) -> None:
+        t0 = time.perf_counter()
+        try:
+            self.llm = self.build()
+        except BaseException as e:  # report instead of dying silently: /health shows it
+            self.error = f"loading failed: {type(e).__name__}: {e}"
+            log.error("%s\n%s", self.error, traceback.format_exc())
+            if self.on_error:
+                self.on_error(self.error)
+            return
+        self.load_seconds = time.perf_counter() - t0
+        self._publish()
+        self.ready.set()
+        engine = self.llm.engine
+        while True:
+            with self._cv:
+                while not self._inbox and not engine.has_work() and not self._stop:
+                    self._cv.wait()
+                if self._stop:
+                    break
+                cmds = list(self._inbox)
+                self._inbox.clear()
+            for kind, arg in cmds:
+                if kind == "add":
+                    self._add(arg)
+                else:
+                    self._abort(arg)
+            if engine.has_work():
+                try:
+                    touched = engine.step()
+                except Exception as e:
+                    self._engine_failed(e)
+                    continue
+                for seq in touched:
+                    self._emit(seq)
+            self._publish()
+        self._fail_all("the server is shutting down", status=503)
+        close = getattr(self.llm, "close", None)  # TP: stop the worker processes
+        if close is not None:
+            close()
+
+    def _add(self, job: Job) -> None:
+        try:
+            self.llm.engine.add_request(job.prompt_ids, job.params, seq_id=job.seq_id)
+        except ValueError as e:
+            self._done(job.seq_id)
+            job.sink(Event(job.index, "error", message=str(e), status=400))
+            return
+        self._tracks[job.seq_id] = _Track(job, self.llm.tokenizer)
+        with self.metrics.lock:
+            self.metrics.prompt_tokens += len(job.prompt_ids)
+
+    def _abort(self, seq_id: str) -> None:
+        if self._tracks.pop(seq_id, None) is None:
+            return  # already finished
+        self.llm.engine.abort(seq_id)
+        self._done(seq_id)
+        with self.metrics.lock:
+            self.metrics.aborted += 1
+
+    def _done(self, seq_id: str) -> None:
+        with self._cv:
+            self._in_flight -= 1
+
+    def _emit(self, seq) -> None:
+        tr = self._tracks.get(seq.seq_id)
+        if tr is None:
+            return
+        job, now = tr.job, time.perf_counter()
+        if not tr.first_seen and seq.first_token_time is not None:
+            tr.first_seen = True
+            with self.metrics.lock:
+                self.metrics.ttft.observe(seq.first_token_time - job.received)
+        if seq.new_tokens:
+            tr.decoder.push(seq.new_tokens)
+        if seq.finish_reason is None:
+            text = tr.decoder.text
+            safe = len(text) - tr.holdback if job.params.stop else len(text)
+            if safe > len(tr.sent) and text.startswith(tr.sent):
+                delta = text[len(tr.sent):safe]
+                tr.sent += delta
+                job.sink(Event(job.index, "delta", text=delta, completion_tokens=len(seq.output_ids)))
+            return
+        # Finished: the full text, cut at a stop string, exactly as LLM.generate returns it.
+        text = self.llm.tokenizer.decode(seq.output_ids)
+        if job.params.stop:
+            text = cut_at_stop(text, job.params.stop)[0]
+        delta = text[len(tr.sent):] if text.startswith(tr.sent) else ""
+        del self._tracks[seq.seq_id]
+        self._done(seq.seq_id)
+        n = len(seq.output_ids)
+        with self.metrics.lock:
+            m = self.metrics
+            m.success[seq.finish_reason] = m.success.get(seq.finish_reason, 0) + 1
+            m.generation_tokens += n
+            m.e2e.observe(now - job.received)
+            if n > 1 and seq.first_token_time is not None:
+                m.tpot.observe((seq.finish_time - seq.first_token_time) / (n - 1))
+        job.sink(Event(job.index, "finish", text=delta, finish_reason=seq.finish_reason, completion_tokens=n))
+
+    def _engine_failed(self, e: Exception) -> None:
+        """A step raised: fail every request, free their rows, and stay up only
+        if the engine is verifiably clean afterwards."""
+        log.error("engine step failed: %s\n%s", e, traceback.format_exc())
+        self._fail_all(f"engine error: {type(e).__name__}: {e}")
+        try:
+            self.llm.engine.check_idle_integrity()
+        except Exception as e2:
+            self.error = f"engine broken after a failed step: {e2}"
+            log.error(self.error)
+            if self.on_error:
+                self.on_error(self.error)
+        self._publish()
+
+    def _fail_all(self, message: str, status: int = 500) -> None:
+        for seq_id, tr in list(self._tracks.items()):
+            try:
+                self.llm.engine.abort(seq_id)
+            except Exception:
+                pass
+            del self._tracks[seq_id]
+            self._done(seq_id)
+            tr.job.sink(Event(tr.job.index, "error", message=message, status=status))
+
+    def _publish(self) -> None:
+        engine = self.llm.engine
+        kv = engine.kv_usage()
+        running = kv["rows_used"]
+        snap = {
+            "running": running,
+            "waiting": max(self._in_flight - running, 0),
+            "kv": kv,
+            "spec": {"cycles": engine.totals.cycles, "drafted": engine.totals.drafted,
+                     "accepted": engine.totals.accepted, "accepted_per_pos": list(engine.totals.accepted_per_pos),
+                     "drafted_per_pos": list(engine.totals.drafted_per_pos),
+                     "accept_length_mean": engine.totals.accept_length,
+                     "accept_per_position": engine.totals.accept_per_position},
+            "last_k": engine.last_k,
+            "k_choices": dict(engine.policy.choices) if engine.policy else {},
+            "acceptance_estimate": engine.policy.acceptance() if engine.policy else [],
+            "tokens_generated": engine.tokens_generated,
+            "idle": not engine.has_work(),
+            "idle_integrity": None,
+        }
+        if snap["idle"] and not self._tracks:
+            try:
+                engine.check_idle_integrity()
+                snap["idle_integrity"] = "ok"
+            except AssertionError as e:
+                snap["idle_integrity"] = str(e)
+        with self._snap_lock:
+            self._snap = snap
+
+
+def _empty_snapshot() -> dict:
+    return {"running": 0, "waiting": 0, "kv": {"rows_total": 0, "rows_used": 0, "usage": 0.0, "tokens_cached": 0},
+            "spec": {"cycles": 0, "drafted": 0, "accepted": 0, "accepted_per_pos": [], "drafted_per_pos": [],
+                     "accept_length_mean": None, "accept_per_position": []},
+            "last_k": 0, "k_choices": {}, "acceptance_estimate": [], "tokens_generated": 0, "idle": True,
+            "idle_integrity": None}
+

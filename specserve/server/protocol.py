@@ -1,0 +1,227 @@
+"""OpenAI request validation and response shapes.
+
+Validation is explicit (no pydantic models) so that every refusal is a 4xx in
+OpenAI's error shape naming the offending parameter, never a 422 or a 500.
+Unknown fields are ignored, as clients send many optional ones; fields we
+cannot honour (logprobs, echo, penalties, tools, ...) are refused rather than
+silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from specserve.engine.sampling import SamplingParams
+
+MAX_STOP = 4  # as OpenAI
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, _ERROR_TYPES.get(self.status, "invalid_request_error"), self.param, self.code)
+
+
+_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_exceeded",
+                500: "server_error", 503: "server_error"}
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(400, message, param, code)
+
+
+# ------------------------------------------------------------------ fields
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _refuse_unsupported(body: dict, chat: bool) -> None:
+    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
+        raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
+    if body.get("echo"):
+        raise bad("echo is not supported by this server", "echo", "unsupported_parameter")
+    if body.get("suffix"):
+        raise bad("suffix is not supported by this server", "suffix", "unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if v is not None and (not _is_num(v) or v != 0):
+            raise bad(f"{name} is not supported (only 0)", name, "unsupported_parameter")
+    if body.get("logit_bias"):
+        raise bad("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+    for name in ("tools", "functions", "tool_choice", "function_call"):
+        if body.get(name) not in (None, "none", []):
+            raise bad(f"{name} is not supported: this server generates plain text", name, "unsupported_parameter")
+    fmt = body.get("response_format")
+    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
+        raise bad("response_format other than {'type': 'text'} is not supported", "response_format",
+                  "unsupported_parameter")
+
+
+@dataclass
+class Sampling:
+    """The validated generation options of one request."""
+
+    n: int
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None  # None = as much as the context allows (chat) / 16 (completions)
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    stop_token_ids: list[int]
+    ignore_eos: bool
+
+    def params_for(self, choice: int, max_tokens: int) -> SamplingParams:
+        # Distinct seeds make n > 1 choices differ when sampling; greedy ignores them.
+        seed = None if self.seed is None else self.seed + choice
+        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, seed=seed, stop=list(self.stop),
+                              stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos)
+
+
+def parse_sampling(body: dict, chat: bool, max_n: int) -> Sampling:
+    _refuse_unsupported(body, chat)
+
+    def get(name: str, default: Any) -> Any:
+        v = body.get(name)
+        return default if v is None else v
+
+    n = get("n", 1)
+    if not _is_int(n) or not 1 <= n <= max_n:
+        raise bad(f"n must be an integer in 1..{max_n}, got {n!r}", "n")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise bad("best_of is not supported (it must equal n)", "best_of", "unsupported_parameter")
+    stream = get("stream", False)
+    if not isinstance(stream, bool):
+        raise bad(f"stream must be a boolean, got {stream!r}", "stream")
+    opts = get("stream_options", {})
+    if not isinstance(opts, dict):
+        raise bad("stream_options must be an object", "stream_options")
+    include_usage = opts.get("include_usage", False)
+    if not isinstance(include_usage, bool):
+        raise bad("stream_options.include_usage must be a boolean", "stream_options")
+    if opts and not stream:
+        raise bad("stream_options is only allowed with stream: true", "stream_options")
+    name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = body.get(name)
+    if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
+        raise bad(f"{name} must be a positive integer, got {max_tokens!r}", name)
+    temperature = get("temperature", 1.0)
+    if not _is_num(temperature) or temperature < 0:
+        raise bad(f"temperature must be a number >= 0, got {temperature!r}", "temperature")
+    top_p = get("top_p", 1.0)
+    if not _is_num(top_p) or not 0 < top_p <= 1:
+        raise bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+    top_k = get("top_k", 0)  # extension; -1 (vLLM) and 0 both mean off
+    if not _is_int(top_k) or top_k < -1:
+        raise bad(f"top_k must be an integer >= 0 (0 or -1 = off), got {top_k!r}", "top_k")
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**62):
+        raise bad(f"seed must be a non-negative integer, got {seed!r}", "seed")
+    stop = get("stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
+        raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
+    stop_ids = get("stop_token_ids", [])  # extension
+    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
+        raise bad("stop_token_ids must be a list of integers", "stop_token_ids")
+    ignore_eos = get("ignore_eos", False)  # extension
+    if not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos must be a boolean", "ignore_eos")
+    return Sampling(n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+                    temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
+                    stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+
+
+def parse_prompts(body: dict) -> list[str | list[int]]:
+    """/v1/completions `prompt`: a string, a list of strings, a list of token
+    ids, or a list of token-id lists."""
+    p = body.get("prompt")
+    if isinstance(p, str):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(_is_int(t) for t in p):
+        prompts = [p]
+    elif isinstance(p, list) and p and all(isinstance(x, str) for x in p):
+        prompts = list(p)
+    elif isinstance(p, list) and p and all(isinstance(x, list) and all(_is_int(t) for t in x) for x in p):
+        prompts = list(p)
+    else:
+        raise bad("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
+                  "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    return prompts
+
+
+def parse_messages(body: dict) -> list[dict]:
+    """/v1/chat/completions `messages`, with content parts flattened to text."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise bad(f"messages[{i}].content: only text parts are supported", "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+# --------------------------------------------------------------- responses
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+
+
+def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            "finish_reason": finish_reason}
+
+
+def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}

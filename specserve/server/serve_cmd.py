@@ -1,0 +1,162 @@
+"""`specserve serve`: the OpenAI-compatible HTTP server.
+
+    specserve serve [--model DIR] [--draft DIR] [--spec-steps K] [--no-adaptive]
+                    [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--served-model-name NAME]
+                    [--max-num-seqs N] [--max-model-len N] [--max-queue N] [--max-n N] [--max-body-bytes N]
+
+With no --model it serves the bundled demo pair. Start-up order: validate the
+flags and run the preflight checks of `specserve check` (no weights read),
+bind the socket, start answering HTTP (/health says 503 "loading"), then load
+weights and capture CUDA graphs in the engine thread; /health turns 200 only
+when the engine can serve. If loading fails the process exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+from specserve.config import ConfigError, EngineConfig
+from specserve.engine.generate_cmd import add_engine_arguments, engine_kwargs
+
+log = logging.getLogger("specserve.server")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--no-adaptive", action="store_true",
+                   help="always draft --spec-steps tokens (default with a drafter: adaptive K in 0..--spec-steps)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; the log says which)")
+    p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $SPECSERVE_API_KEY)")
+    p.add_argument("--served-model-name", help="model id clients must use (default: the model directory's name)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="sequences that may wait for a KV row beyond --max-num-seqs; more get 429 (default 4x)")
+    p.add_argument("--max-n", type=int, default=8, help="largest n (choices per prompt) accepted (default 8)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
+    p.add_argument("--skip-check", action="store_true", help="skip the preflight checks of `specserve check`")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def serve_engine_kwargs(args: argparse.Namespace) -> dict:
+    """Engine kwargs for serving: adaptive speculation (max K = --spec-steps)
+    unless --no-adaptive or K = 0."""
+    args.adaptive = not args.no_adaptive and args.spec_steps != 0
+    return engine_kwargs(args, default_max_num_seqs=64)
+
+
+def preflight(kw: dict) -> bool:
+    """Run `specserve check`'s checks if that module is present; False on errors."""
+    try:
+        from specserve.ops.check import check_engine_kwargs, format_report, has_errors
+    except ImportError:
+        log.warning("preflight checks skipped: specserve.ops.check is not available")
+        return True
+    findings = check_engine_kwargs(kw)
+    report = format_report(findings, show_ok=False)
+    (log.error if has_errors(findings) else log.info)("preflight:\n%s", report)
+    return not has_errors(findings)
+
+
+def llm_class(tp: int):
+    if tp <= 1:
+        from specserve.engine.llm import LLM
+
+        return LLM
+    try:  # tensor-parallel workers (specserve/distributed) expose the same interface as LLM
+        from specserve.distributed.tp_llm import TPLLM
+    except ImportError:
+        raise ConfigError("--tp > 1 is not yet supported by serve (specserve.distributed.tp_llm is missing)") from None
+    return TPLLM
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """Bind before loading anything, so a busy port fails at once with a clear message."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(family, kind, proto)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)  # connections queue from now on, even while uvicorn is still starting
+    except OSError as e:
+        raise ConfigError(f"cannot listen on {host}:{port}: {e}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from specserve.server.app import ServerConfig, create_app
+    from specserve.server.engine_loop import EngineLoop
+    from specserve.server.metrics import Metrics
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    try:
+        kw = serve_engine_kwargs(args)
+        if not Path(kw["model"]).is_dir():
+            raise ConfigError(f"model directory {kw['model']!r} does not exist")
+        engine_cfg = EngineConfig.from_kwargs(**kw)  # validate flags before binding or loading
+        cls = llm_class(args.tp)
+        for name, v in (("--max-queue", args.max_queue), ("--max-n", args.max_n), ("--max-body-bytes", args.max_body_bytes)):
+            if v is not None and v < (0 if name == "--max-queue" else 1):
+                raise ConfigError(f"{name} must be positive, got {v}")
+        if not args.skip_check and not preflight(kw):
+            print("error: preflight checks failed (see above; --skip-check to override)", file=sys.stderr)
+            return 1
+        sock = bind(args.host, args.port)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    host, port = sock.getsockname()[:2]
+    max_queue = args.max_queue if args.max_queue is not None else 4 * engine_cfg.max_num_seqs
+    cfg = ServerConfig(served_model_name=args.served_model_name or Path(kw["model"]).resolve().name,
+                       api_key=args.api_key, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
+    server: uvicorn.Server | None = None
+
+    def build():
+        t0 = time.perf_counter()
+        log.info("loading %s%s (health: 503 until ready)", kw["model"], f" + drafter {kw['draft']}" if kw["draft"] else "")
+        extra = {}
+        if "on_graph_progress" in inspect.signature(cls.__init__).parameters:
+            extra["on_graph_progress"] = lambda n, total, key, B: log.info("captured graph %d/%d %s batch %d",
+                                                                         n, total, key, B)
+        llm = cls(**kw, **extra)
+        log.info("ready in %.1f s (graph capture %.1f s); serving %r", time.perf_counter() - t0,
+                 llm.engine.graph_seconds, cfg.served_model_name)
+        return llm
+
+    def fatal(message: str) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    metrics = Metrics()
+    loop = EngineLoop(build, metrics, capacity=engine_cfg.max_num_seqs + max_queue, on_error=fatal)
+    info = {"engine": {k: v for k, v in vars(engine_cfg).items()}, "tp": args.tp}
+    app = create_app(loop, metrics, cfg, info)
+    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=30))
+    shown = f"[{host}]" if ":" in host else host
+    print(f"specserve: listening on http://{shown}:{port} (model id {cfg.served_model_name!r}"
+          f"{', API key required' if cfg.api_key else ''})", flush=True)
+    if host not in ("127.0.0.1", "::1", "localhost") and not cfg.api_key:
+        log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
+    loop.start()
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
+        pass
+    finally:
+        loop.stop()
+    if loop.error:
+        print(f"error: {loop.error}", file=sys.stderr)
+        return 1
+    return 0
