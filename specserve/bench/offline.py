@@ -66,7 +66,12 @@ class EngineUnit:
     kind = "engine"
 
     def __init__(self, cfg: BenchConfig, base_kw: dict, profile: bool):
-        from specserve.engine.llm import LLM
+        if base_kw.get("tp", 1) > 1:
+            from specserve.distributed.tp_llm import (
+                TPLLM as LLM,  # one worker per GPU/rank
+            )
+        else:
+            from specserve.engine.llm import LLM
 
         kw = dict(base_kw)
         if cfg.name == "baseline":
@@ -98,6 +103,8 @@ class EngineUnit:
             spec = {k: _sub(after[k], before[k]) for k in after}
             if policy is not None and self.cfg.get("adaptive"):
                 spec["steps_chosen"] = {k: n - chosen.get(k, 0) for k, n in policy.choices.items() if n > chosen.get(k, 0)}
+        elif self.cfg.name != "baseline":
+            spec = _spec_from_outputs(outs)
         ttft = [o.ttft_s or 0.0 for o in outs]
         tpot = [(o.latency_s - o.ttft_s) / (len(o.token_ids) - 1) if o.latency_s and len(o.token_ids) > 1 else None
                 for o in outs]
@@ -105,7 +112,27 @@ class EngineUnit:
         return RunOutput([list(o.token_ids) for o in outs], wall, ttft, tpot, spec, prof)
 
     def finish(self) -> None:
-        pass
+        if hasattr(self.llm, "close"):  # TP workers
+            self.llm.close()
+
+
+def _spec_from_outputs(outs) -> dict:
+    """Counters rebuilt from per-request stats where the engine's totals are not reachable
+    (exact for a fixed K, where every cycle drafts every position)."""
+    spec = {"cycles": 0, "drafted": 0, "accepted": 0, "accepted_per_pos": [], "drafted_per_pos": []}
+    for o in outs:
+        s = o.spec or {}
+        n = s.get("cycles", 0)
+        spec["cycles"] += n
+        spec["drafted"] += s.get("drafted_tokens", 0)
+        spec["accepted"] += s.get("accepted_tokens", 0)
+        for i, rate in enumerate(s.get("accept_per_position") or []):
+            if i == len(spec["drafted_per_pos"]):
+                spec["accepted_per_pos"].append(0)
+                spec["drafted_per_pos"].append(0)
+            spec["accepted_per_pos"][i] += round(rate * n)
+            spec["drafted_per_pos"][i] += n
+    return spec
 
 
 def _totals(eng) -> dict | None:
@@ -131,7 +158,8 @@ def run_offline(args, configs: list[BenchConfig], prompts: list[dict]) -> dict:
     from specserve.model.loader import resolve_device
 
     base_kw = engine_kwargs(args, default_max_num_seqs=max(args.batch_sizes))
-    threads = args.threads or (1 if resolve_device(base_kw["device"]).type == "cpu" else None)
+    base_kw["device"] = str(resolve_device(base_kw["device"]))
+    threads = args.threads or (1 if base_kw["device"] == "cpu" else None)
     saved = torch.get_num_threads()
     if threads:
         torch.set_num_threads(threads)
@@ -165,18 +193,24 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
         # costs grow with the reserved cache length on CPU, the same for every configuration.
         limit = ModelConfig.from_dir(model_dir).max_position_embeddings
         need = max(len(p) for p in prompt_ids) + args.max_tokens + 1
+        if need > limit:
+            raise ConfigError(f"the longest prompt ({need - args.max_tokens - 1} tokens) plus --max-tokens "
+                              f"{args.max_tokens} exceeds the model's {limit} positions")
         base_kw["max_model_len"] = min(limit, -(-need // 64) * 64)
     eos_ids = set(tok.eos_token_ids)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i,
                              ignore_eos=args.ignore_eos) for i in range(len(prompts))]
 
     log = (lambda m: print(m, file=sys.stderr, flush=True))
+    t_load = time.perf_counter()
     units: dict[str, object] = {}
     for cfg in configs:
         log(f"[bench] loading {cfg.label} ...")
         units[cfg.label] = EngineUnit(cfg, base_kw, args.profile)
-    first = units[configs[0].label].llm
-    device, dtype = str(first.engine.device), first.engine.runner.dtype
+    from specserve.model.loader import resolve_dtype
+
+    device = base_kw["device"]
+    dtype = resolve_dtype(base_kw["dtype"], ModelConfig.from_dir(model_dir).dtype, torch.device(device))
     peer_status: dict[str, str] = {}
     if args.peers:
         from specserve.bench.peers import HFPeer
@@ -185,10 +219,11 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
             log(f"[bench] loading peer {name} ...")
             try:
                 units[name] = HFPeer(name, model_dir, device, dtype, args.max_tokens, args.temperature,
-                                     args.ignore_eos, eos_ids, args.peer_draft)
+                                     args.ignore_eos, eos_ids, args.peer_draft, base_kw["max_model_len"])
             except Exception as e:  # noqa: BLE001 -- a peer that cannot load is reported, not fatal
                 peer_status[name] = f"could not load: {type(e).__name__}: {e}"
 
+    load_s = time.perf_counter() - t_load
     batches = {bs: make_batches(categories, bs) for bs in args.batch_sizes}
     runs: dict[tuple[str, int], list[Run]] = {(u, bs): [] for u in units for bs in args.batch_sizes}
     live = {bs: [u for u in units if units[u].unavailable(bs) is None] for bs in args.batch_sizes}
@@ -252,6 +287,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
                         "categories": {c: categories.count(c) for c in cats},
                         "mean_prompt_tokens": round(statistics.fmean(len(p) for p in prompt_ids), 1)},
         },
+        "load_s": round(load_s, 2),
         "wall_s": round(time.perf_counter() - t_start, 2),
         "load_average": {"start": load_avg_start, "end": report.load_average()},
         "results": results,

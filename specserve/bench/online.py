@@ -217,6 +217,7 @@ async def _run(args, prompts: list[dict]) -> dict:
         if not model:
             raise ConfigError(f"{base}/v1/models lists no model; pass --served-model-name")
         server_info = await _json_get(client, f"{base}/server_info")
+        load_avg_start = report.load_average()
         before = await _scrape(client, base)
 
         bar = None
@@ -296,7 +297,7 @@ async def _run(args, prompts: list[dict]) -> dict:
         "model": {"path": None, "name": model, "preset": None}, "draft": None,
         "settings": {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
                      "prompts": {"path": str(args.prompts or "bundled"), "count": len(prompts)}},
-        "wall_s": round(duration, 3), "load_average": {"start": None, "end": report.load_average()},
+        "wall_s": round(duration, 3), "load_average": {"start": load_avg_start, "end": report.load_average()},
         "results": [row], "by_category": [], "cost_model": None, "online": online,
     }
 

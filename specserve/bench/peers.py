@@ -9,6 +9,7 @@ settings as the engine, and are timed the same way (wall time of a batch).
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -33,7 +34,7 @@ class HFPeer:
     kind = "peer"
 
     def __init__(self, name: str, model_dir: str, device: str, dtype, max_tokens: int, temperature: float,
-                 ignore_eos: bool, eos_ids: set[int], peer_draft: str | None = None):
+                 ignore_eos: bool, eos_ids: set[int], peer_draft: str | None = None, max_cache_len: int = 2048):
         import transformers
         from transformers import AutoModelForCausalLM
 
@@ -42,6 +43,10 @@ class HFPeer:
         self.name, self.device = name, torch.device(device)
         self.max_tokens, self.temperature, self.ignore_eos = max_tokens, temperature, ignore_eos
         self.eos_ids = sorted(eos_ids)
+        # One static cache per batch size, of one length for all prompts: fixed shapes, so a compiled
+        # forward (transformers compiles static-cache decoding on GPU) is built once, not per prompt.
+        self.max_cache_len = max_cache_len
+        self._static: dict[int, object] = {}
         t0 = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         self.assistant = None
@@ -72,9 +77,7 @@ class HFPeer:
                   temperature=self.temperature if sample else 1.0, top_k=0, top_p=1.0,
                   eos_token_id=None if self.ignore_eos or not self.eos_ids else self.eos_ids,
                   pad_token_id=self.eos_ids[0] if self.eos_ids else 0)
-        if self.name == "hf":
-            kw["cache_implementation"] = "static" if self.cache == "static" else None
-        elif self.assistant is None:
+        if self.name == "hf-assisted" and self.assistant is None:
             kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
         return GenerationConfig(**kw)
 
@@ -83,8 +86,19 @@ class HFPeer:
         from transformers import StoppingCriteriaList
 
         extra = {"assistant_model": self.assistant} if self.assistant is not None else {}
-        return self.model.generate(ids, attention_mask=mask, generation_config=self._config(),
-                                   stopping_criteria=StoppingCriteriaList([clock]), **extra)
+        if self.cache == "static":
+            from transformers import StaticCache
+
+            B = ids.shape[0]
+            if B not in self._static:
+                self._static[B] = StaticCache(config=self.model.config, max_cache_len=self.max_cache_len)
+            self._static[B].reset()
+            extra["past_key_values"] = self._static[B]
+        with warnings.catch_warnings():
+            # Newer transformers name it `cache`; `past_key_values` works on every 5.x (deprecated for 6.0).
+            warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
+            return self.model.generate(ids, attention_mask=mask, generation_config=self._config(),
+                                       stopping_criteria=StoppingCriteriaList([clock]), **extra)
 
     def run(self, prompts: list[list[int]], params: list) -> RunOutput:
         # Left padding: every row's new tokens start at the same column.

@@ -135,7 +135,8 @@ def _header(r: dict) -> list[str]:
         cats = ", ".join(f"{k} {v}" for k, v in p["categories"].items())
         lines.append(f"workload: {p['count']} prompts ({cats}; {p['mean_prompt_tokens']} tokens mean), "
                      f"{s['max_tokens']} new tokens, temperature {s['temperature']}, {s['repeats']} repeats, "
-                     f"{s['warmup']} warm-up; wall {r['wall_s']} s")
+                     f"{s['warmup']} warm-up, {s.get('torch_threads')} torch threads; load {r.get('load_s')} s, "
+                     f"run {r['wall_s']} s")
     return lines
 
 
@@ -207,7 +208,8 @@ def _online_summary(r: dict) -> list[str]:
     if acc.get("source"):
         pos = " ".join(_f(a, ".2f") for a in acc.get("accept_per_position") or [])
         lines.append(f"acceptance ({acc['source']}): length {_f(acc.get('accept_length'), '.2f')}, "
-                     f"rate {_f(acc.get('accept_rate'), '.2f')}" + (f", per position {pos}" if pos else ""))
+                     f"rate {_f(acc.get('accept_rate'), '.2f')}" + (f", per position {pos}" if pos else "")
+                     + (f", steps chosen {acc['steps_chosen']}" if acc.get("steps_chosen") else ""))
     else:
         lines.append("acceptance: no speculative-decoding counters found in /metrics")
     if o.get("errors"):
