@@ -66,10 +66,8 @@ class EngineUnit:
     kind = "engine"
 
     def __init__(self, cfg: BenchConfig, base_kw: dict, profile: bool):
-        if base_kw.get("tp", 1) > 1:
-            from specserve.distributed.tp_llm import (
-                TPLLM as LLM,  # one worker per GPU/rank
-            )
+        if base_kw.get("tp", 1) > 1:  # one worker process per GPU/rank
+            from specserve.distributed.tp_llm import TPLLM as LLM
         else:
             from specserve.engine.llm import LLM
 
