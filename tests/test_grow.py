@@ -156,6 +156,30 @@ def test_speculative_run_identical(pair):
     assert sum(accepted) > 0 and min(accepted) < max(accepted)  # real, varied acceptances are compared
 
 
+def test_padded_vocabulary_is_never_chosen(tmp_path, pair):
+    small, _, _ = pair
+    big = tmp_path / "big"
+    G.grow(small, big, SHAPE, draft_dir=small / "draft", dtype="float32", device="cpu", pad_vocab=300)
+    cfg = ModelConfig.from_dir(big)
+    assert cfg.vocab_size == 300 and DraftConfig.from_dir(big / "draft").vocab_size == 300
+    ids = [5, 17, 3, 88, 41, 9, 60, 22, 71, 14, 2, 33]
+    _, a, _ = run_target(small, ids)
+    _, b, _ = run_target(big, ids)
+    assert b.shape == (len(ids), 300)
+    assert b[:, 96:].max() < -1000  # padded tokens: hopeless
+    # real logits: the small model's, times one positive factor per position close to 1 (1/(2H') here)
+    ratio = b[:, :96] / a
+    factor = ratio.median(-1, keepdim=True).values
+    assert ((factor > 0.99) & (factor < 1.0)).all()
+    torch.testing.assert_close(b[:, :96], a * factor, atol=1e-3, rtol=1e-4)
+    assert torch.equal(a.argmax(-1), b.argmax(-1))
+    tok_s, steps_s, _ = engine_trace(small, small / "draft", PROMPTS, K=3)
+    tok_b, steps_b, _ = engine_trace(big, big / "draft", PROMPTS, K=3)
+    assert tok_b == tok_s and steps_b == steps_s
+    with pytest.raises(ConfigError, match="smaller than the source vocabulary"):
+        G.grow(small, tmp_path / "x", SHAPE, dtype="float32", device="cpu", pad_vocab=50)
+
+
 def test_explicit_aux_ids_when_default_taps_cannot_line_up(tmp_path):
     # 4 layers: taps enter (2, 2, 1); grown to 8 the defaults (2, 4, 5) cannot see those streams in order,
     # so the drafter gets explicit layer ids (SGLang convention) instead.
@@ -244,3 +268,22 @@ def test_cli(tmp_path, pair, capsys):
     summary = json.loads(capsys.readouterr().out)
     assert summary["shape"]["hidden"] == 128 and (tmp_path / "o" / "draft" / "config.json").exists()
     assert ModelConfig.from_dir(tmp_path / "o").num_layers == 8
+
+
+@pytest.mark.gpu
+def test_grow_on_cuda_matches_cpu(tmp_path, pair):
+    """Building on the GPU (how llama3-8b is grown) writes the same checkpoint as on the CPU."""
+    small, _, _ = pair
+    shape = G.Shape(128, 12, 8, 4, 64, 300)
+    G.grow(small, tmp_path / "cpu", shape, draft_dir=small / "draft", dtype="bfloat16", device="cpu")
+    G.grow(small, tmp_path / "gpu", shape, draft_dir=small / "draft", dtype="bfloat16", device="cuda")
+    layer_map = json.loads((tmp_path / "cpu" / "config.json").read_text())["grow_layer_map"]
+    # identity layers' q/k/v/gate/up are random data from a device-specific generator
+    random = {f"model.layers.{i}.{n}.weight" for i, o in enumerate(layer_map) if o < 0
+              for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    for sub in ("", "draft"):
+        a = load_file(str(tmp_path / "cpu" / sub / "model.safetensors"))
+        b = load_file(str(tmp_path / "gpu" / sub / "model.safetensors"))
+        assert a.keys() == b.keys()
+        for k in a.keys() - random:
+            assert torch.equal(a[k], b[k]), k

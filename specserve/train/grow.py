@@ -41,13 +41,22 @@ Construction (every step is exact in real arithmetic):
   writes the new stream, q/k/v read two duplicated halves, heads and MLP as in
   the target; d2t/t2d are unchanged.
 
-Limits: the vocabulary stays the small model's (4096 for the demo, against
-128256 for Llama-3-8B), so the grown "8B" has ~7.0B parameters and reads
-~1 GB less per decode step for its LM head (~14.0 GB bf16 against 16.06 GB);
-the drafter's LM head is likewise smaller than a real 32000-token one. Only
-Llama targets without biases are supported. Numerics are not bit-identical:
-matmuls over 4096 instead of 128 inputs round differently, so long greedy runs
-can diverge where two tokens are almost tied.
+Vocabulary: by default it stays the small model's (4096 for the demo, against
+128256 for Llama-3-8B), so the grown "8B" has ~7.0B parameters and reads ~1 GB
+less per decode step for its LM head (~14.0 GB bf16 against 16.06 GB).
+`--pad-vocab 128256` adds never-chosen tokens so the embedding and LM head have
+the real sizes (8.03B parameters); see `PadPlan` for how their logits are kept
+at about -1e4 without biases. Its cost: real logits are scaled by one positive
+factor per position (~1 - 1/(2H'), 1 - 1.2e-4 at 4096: argmax unchanged,
+sampling temperature changed by that much) and 64 of the last layer's MLP units
+serve the padding. The drafter's draft vocabulary keeps its size (a real
+Llama-3 EAGLE-3 drafter has 32000), so its LM head stays smaller.
+
+Other limits: only Llama targets without biases; numerics are not bit-identical
+(matmuls over 4096 instead of 128 inputs round differently, bf16 activations
+round at other points), so long greedy runs can diverge where two tokens are
+almost tied; positions beyond the small model's max_position_embeddings are not
+supported (the config keeps it).
 """
 
 from __future__ import annotations
@@ -282,37 +291,108 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 
 # ------------------------------------------------------------------ the target
+SIGN_UNITS = 64  # MLP units of the last layer that drive padded logits negative (see _pad_plan)
+PAD_LOGIT = 1e4  # typical magnitude of a padded token's (negative) logit
+
+
+@dataclass
+class PadPlan:
+    """Vocabulary padding: padded tokens must never be chosen, yet their LM-head rows must be
+    read like real ones. Without biases no logit is constant, so the last layer gets SIGN_UNITS
+    extra MLP units with gate = up (silu(z)*z = z^2*sigmoid(z) > 0): their positive sum s is
+    written, times beta, along u = (e_a - e_b)/sqrt(2) for two equal-weight copies a, b of one
+    unit. Every real reader weighs a and b alike, so it cannot see u; the final RMSNorm's scale
+    grows by sqrt(1 + (beta*s)^2 / (H' rms^2)), a positive factor common to all real logits
+    (argmax unchanged; ~1/(2H') at the calibrated size, 1.2e-4 for H' = 4096). Padded LM-head
+    rows are -m*u, giving logit -m*gamma*beta*s/rms, about -PAD_LOGIT."""
+
+    a: int
+    b: int
+    rho: float  # scale of the sign units' gate/up rows (their inputs ~ N(0, 1))
+    beta: float  # scale of their down_proj column
+    m: float  # scale of the padded LM-head rows
+
+
+@torch.no_grad()
+def _pad_plan(model_dir: Path, cfg: ModelConfig, r: int, last_is_old: bool, device: torch.device,
+              seed: int) -> PadPlan:
+    """Size the sign units from the small model's activations on random tokens."""
+    from specserve.model.layers import ForwardContext
+    from specserve.model.loader import load_target
+
+    if r < 2:
+        raise ConfigError("padding the vocabulary needs a grown hidden size (at least 2x): it uses the copies")
+    n = min(64, cfg.max_position_embeddings)
+    m = load_target(model_dir, device, torch.float32, n)
+    for att in m.attention_modules():
+        att.k_cache = torch.zeros(4, att.num_kv_heads, n, att.head_dim, device=device)
+        att.v_cache = torch.zeros_like(att.k_cache)
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(cfg.vocab_size, (4, n), generator=gen).to(device)
+    pos = torch.arange(n, device=device).expand(4, n)
+    ctx = ForwardContext(0, pos, pos, n)
+    h = m.embed_tokens(ids)
+    for layer in m.layers[:-1]:
+        h = layer(h, ctx)
+    last = m.layers[-1]
+    h = h + last.self_attn(last.input_layernorm(h), ctx)
+    post = last.post_attention_layernorm(h)
+    h = h + last.mlp(post)
+    rms = h.pow(2).mean(-1).sqrt().median().item()
+    # |input of the sign units|: the old last layer's normed input, duplicated r times; else a
+    # fresh identity layer's RMSNorm with unit weights (mean square 1 over H' = r*H dims).
+    in_norm = post.norm(dim=-1).median().item() * math.sqrt(r) if last_is_old else math.sqrt(r * cfg.hidden_size)
+    gamma = m.norm.weight.float()
+    j = int(gamma.abs().argmax())
+    beta = rms / (SIGN_UNITS / 2)  # E[z^2 sigmoid(z)] = 1/2 for z ~ N(0,1): beta*s ~ rms
+    return PadPlan(a=j * r + r - 2, b=j * r + r - 1, rho=1 / in_norm, beta=beta,
+                   m=PAD_LOGIT / float(gamma[j]))
+
+
 @torch.no_grad()
 def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None], dtype: torch.dtype,
-                device: torch.device, seed: int, shard_bytes: int, extra_config: dict) -> dict:
+                device: torch.device, seed: int, shard_bytes: int, extra_config: dict,
+                pad_vocab: int | None = None) -> dict:
     cfg_json = read_json(model_dir / "config.json")
     cfg = ModelConfig.from_hf_dict(cfg_json, model_dir / "config.json")
     src = load_state(model_dir)
     f32 = torch.float32
     get = lambda name: src[name].to(device, f32)  # noqa: E731
-    H = DimMap.from_counts([shape.hidden // cfg.hidden_size] * cfg.hidden_size).to(device)
-    M = DimMap.from_counts(mlp_counts(cfg.intermediate_size, shape.intermediate)).to(device)
+    r = shape.hidden // cfg.hidden_size
+    H = DimMap.from_counts([r] * cfg.hidden_size).to(device)
     hm = head_map(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, shape.heads, shape.kv_heads,
                   shape.head_dim).to(device)
     gen = torch.Generator(device=device).manual_seed(seed)
-    rand = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=f32) * 0.02  # noqa: E731
+    rand = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=f32)  # noqa: E731
+    V = cfg.vocab_size
+    pad = (pad_vocab or V) - V
+    plan = _pad_plan(model_dir, cfg, r, order[-1] is not None, device, seed) if pad else None
+    if plan and shape.intermediate - SIGN_UNITS < cfg.intermediate_size:
+        raise ConfigError(f"padding the vocabulary needs {SIGN_UNITS} spare MLP units in the last layer: "
+                          f"intermediate {shape.intermediate} - {SIGN_UNITS} < {cfg.intermediate_size}")
 
     w = ShardWriter(out, dtype, shard_bytes)
     embed = get("model.embed_tokens.weight")
     head = embed if cfg.tie_word_embeddings else get("lm_head.weight")
-    w.add("model.embed_tokens.weight", write(embed.T, H).T)
+    w.add("model.embed_tokens.weight", torch.cat([write(embed.T, H).T, rand(pad, shape.hidden) * 0.02]))
     ones = lambda: torch.ones(shape.hidden, device=device)  # noqa: E731  (fresh: shards may not alias)
+    mlp_maps: dict[int, DimMap] = {}
     for new_i, old_i in enumerate(order):
         p = f"model.layers.{new_i}."
+        signs = SIGN_UNITS if plan and new_i == len(order) - 1 else 0
+        inter = shape.intermediate - signs
+        if inter not in mlp_maps:
+            mlp_maps[inter] = DimMap.from_counts(mlp_counts(cfg.intermediate_size, inter)).to(device)
+        M = mlp_maps[inter]
         if old_i is None:  # identity layer: real data to read, nothing written to the stream
             q_size, kv_size = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-            layer = {"self_attn.q_proj.weight": rand(q_size, shape.hidden),
-                     "self_attn.k_proj.weight": rand(kv_size, shape.hidden),
-                     "self_attn.v_proj.weight": rand(kv_size, shape.hidden),
+            layer = {"self_attn.q_proj.weight": rand(q_size, shape.hidden) * 0.02,
+                     "self_attn.k_proj.weight": rand(kv_size, shape.hidden) * 0.02,
+                     "self_attn.v_proj.weight": rand(kv_size, shape.hidden) * 0.02,
                      "self_attn.o_proj.weight": torch.zeros(shape.hidden, q_size, device=device),
-                     "mlp.gate_proj.weight": rand(shape.intermediate, shape.hidden),
-                     "mlp.up_proj.weight": rand(shape.intermediate, shape.hidden),
-                     "mlp.down_proj.weight": torch.zeros(shape.hidden, shape.intermediate, device=device),
+                     "mlp.gate_proj.weight": rand(inter, shape.hidden) * 0.02,
+                     "mlp.up_proj.weight": rand(inter, shape.hidden) * 0.02,
+                     "mlp.down_proj.weight": torch.zeros(shape.hidden, inter, device=device),
                      "input_layernorm.weight": ones(), "post_attention_layernorm.weight": ones()}
         else:
             o = f"model.layers.{old_i}."
@@ -329,16 +409,28 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
                      "mlp.down_proj.weight": write(read(get(o + "mlp.down_proj.weight"), M), H),
                      "input_layernorm.weight": write(get(o + "input_layernorm.weight"), H),
                      "post_attention_layernorm.weight": write(get(o + "post_attention_layernorm.weight"), H)}
+        if signs:  # gate = up rows, down column along u (see PadPlan)
+            rows = rand(signs, shape.hidden) * plan.rho
+            cols = torch.zeros(shape.hidden, signs, device=device)
+            cols[plan.a], cols[plan.b] = plan.beta / math.sqrt(2), -plan.beta / math.sqrt(2)
+            for name, extra in (("mlp.gate_proj.weight", rows), ("mlp.up_proj.weight", rows.clone())):
+                layer[name] = torch.cat([layer[name], extra])
+            layer["mlp.down_proj.weight"] = torch.cat([layer["mlp.down_proj.weight"], cols], dim=1)
         for name, t in layer.items():
             w.add(p + name, t)
     w.add("model.norm.weight", write(get("model.norm.weight"), H))
-    w.add("lm_head.weight", read(head, H))
+    pad_rows = torch.zeros(pad, shape.hidden, device=device)
+    if plan:
+        pad_rows[:, plan.a], pad_rows[:, plan.b] = -plan.m / math.sqrt(2), plan.m / math.sqrt(2)
+    w.add("lm_head.weight", torch.cat([read(head, H), pad_rows]))
     files = w.finish()
 
     new_cfg = dict(cfg_json)
     new_cfg.update(hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                   num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
+                   num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=V + pad,
                    intermediate_size=shape.intermediate, tie_word_embeddings=False, **extra_config)
+    if plan:
+        new_cfg["grow_padded_vocab"] = {"real_vocab_size": V, **asdict(plan)}
     _set_dtype_key(new_cfg, dtype)
     (out / "config.json").write_text(json.dumps(new_cfg, indent=2) + "\n")
     for name in TOKENIZER_FILES:
@@ -350,7 +442,7 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
 # ------------------------------------------------------------------ the drafter
 @torch.no_grad()
 def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, aux_ids: list[int] | None,
-                 dtype: torch.dtype, device: torch.device, extra_config: dict) -> dict:
+                 dtype: torch.dtype, device: torch.device, extra_config: dict, vocab: int | None = None) -> dict:
     from specserve.model.loader import _draft_rename
 
     cfg_json = read_json(draft_dir / "config.json")
@@ -390,11 +482,16 @@ def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, a
          m + "mlp.down_proj.weight": write(read(get(m + "mlp.down_proj.weight"), M), H),
          "norm.weight": write(get("norm.weight"), H),
          "lm_head.weight": read(get("lm_head.weight"), H)}
+    pad = (vocab or dc.vocab_size) - dc.vocab_size
     if "embed_tokens.weight" in src:
-        t["embed_tokens.weight"] = write(get("embed_tokens.weight").T, H).T
-    for name in ("d2t", "t2d"):
-        if name in src:
-            t[name] = src[name]
+        emb = write(get("embed_tokens.weight").T, H).T
+        t["embed_tokens.weight"] = torch.cat([emb, emb.new_zeros(pad, shape.hidden)])
+    if pad:  # padded target ids are not in the draft vocabulary (which keeps its size)
+        t["d2t"] = src.get("d2t", torch.zeros(dc.draft_vocab_size, dtype=torch.long))
+        t2d = src.get("t2d", torch.ones(dc.vocab_size, dtype=torch.bool))
+        t["t2d"] = torch.cat([t2d, torch.zeros(pad, dtype=torch.bool)])
+    else:
+        t.update({name: src[name] for name in ("d2t", "t2d") if name in src})
     w = ShardWriter(out, dtype, 1 << 62)
     for name, tensor in t.items():
         w.add(name, tensor)
@@ -403,7 +500,7 @@ def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, a
     new_cfg = dict(cfg_json)
     new_cfg.update(architectures=["LlamaForCausalLMEagle3"], hidden_size=shape.hidden,
                    num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                   intermediate_size=shape.intermediate, **extra_config)
+                   intermediate_size=shape.intermediate, vocab_size=dc.vocab_size + pad, **extra_config)
     if "target_hidden_size" in new_cfg:
         new_cfg["target_hidden_size"] = shape.hidden
     if aux_ids is not None:
@@ -416,7 +513,7 @@ def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, a
 # ------------------------------------------------------------------ the whole pair
 def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | Path | None = None,
          dtype: str = "bfloat16", device: str = "auto", seed: int = 0, shard_gb: float = 5.0,
-         preset: str | None = None, force: bool = False) -> dict:
+         preset: str | None = None, force: bool = False, pad_vocab: int | None = None) -> dict:
     """Grow the target at `model_dir` (and the drafter at `draft_dir`) into
     `out` (drafter in `out/draft`). Returns a summary dict."""
     from specserve.model.loader import resolve_device
@@ -435,6 +532,8 @@ def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | 
     check_shape("target", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, shape)
     if shape.layers < cfg.num_layers:
         raise ConfigError(f"cannot grow {cfg.num_layers} layers to fewer ({shape.layers})")
+    if pad_vocab is not None and pad_vocab < cfg.vocab_size:
+        raise ConfigError(f"--pad-vocab {pad_vocab} is smaller than the source vocabulary ({cfg.vocab_size})")
 
     # Layer placement: keep the drafter's taps on the same residual streams.
     dc = DraftConfig.from_dir(draft_dir) if draft_dir else None
@@ -456,13 +555,13 @@ def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | 
     summary = {"preset": preset or "custom", "shape": asdict(shape), "out": str(out), "dtype": dtype,
                "device": str(dev), "layer_map": extra["grow_layer_map"], "aux_taps": list(taps)}
     summary["target"] = grow_target(model_dir, out, shape, order, OUT_DTYPES[dtype], dev, seed,
-                                    int(shard_gb * 2**30), extra)
+                                    int(shard_gb * 2**30), extra, pad_vocab)
     if dc is not None:
         draft_out = out / "draft"
         draft_out.mkdir()
         dextra = {"grown_from": str(draft_dir), "grow_preset": preset or "custom"}
         summary["draft"] = grow_drafter(Path(draft_dir), draft_out, shape, cfg.hidden_size, aux_ids,
-                                        OUT_DTYPES[dtype], dev, dextra)
+                                        OUT_DTYPES[dtype], dev, dextra, pad_vocab)
         summary["draft"]["out"] = str(draft_out)
         summary["draft"]["aux_layer_ids"] = aux_ids
     summary["seconds"] = round(time.perf_counter() - t0, 2)
@@ -483,6 +582,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="where to build the weights: cpu, cuda, cuda:N or auto")
     p.add_argument("--seed", type=int, default=0, help="seed of the identity layers' random (unused) weights")
     p.add_argument("--shard-size-gb", type=float, default=5.0, help="largest safetensors shard")
+    p.add_argument("--pad-vocab", type=int, help="pad the vocabulary to this size (128256 = Llama 3) with tokens "
+                   "that are never chosen, so the embedding and LM head have the real model's bytes")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
 
 
@@ -513,7 +614,8 @@ def run(args: argparse.Namespace) -> int:
         if args.no_draft:
             draft = None
         summary = grow(model, args.out, shape, draft_dir=draft, dtype=args.dtype, device=args.device,
-                       seed=args.seed, shard_gb=args.shard_size_gb, preset=args.preset, force=args.force)
+                       seed=args.seed, shard_gb=args.shard_size_gb, preset=args.preset, force=args.force,
+                       pad_vocab=args.pad_vocab)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
