@@ -33,6 +33,9 @@ class SpecPolicy:
         self.acc_hits = [2.0] * k_max
         self.acc_seen = [3.0] * k_max
         self.choices: dict[int, int] = {}  # how often each K was chosen
+        # Tensor-parallel ranks measure different step times; each must run the same K.
+        # The TP worker sets this to a broadcast of rank 0's choice (K -> K).
+        self.sync_choice = None
 
     def acceptance(self) -> list[float]:
         return [h / n for h, n in zip(self.acc_hits, self.acc_seen)]
@@ -54,6 +57,8 @@ class SpecPolicy:
                 K = untried[0]
             else:
                 K = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.cost[(bucket, k)])
+            if self.sync_choice is not None:
+                K = self.sync_choice(K)
         self.choices[K] = self.choices.get(K, 0) + 1
         return K
 

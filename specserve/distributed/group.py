@@ -1,0 +1,260 @@
+"""The driver's side of the TP workers: spawn them with an explicit environment,
+check that the environment arrived, exchange messages, and never wait forever.
+
+- Workers are `subprocess.Popen` children (not multiprocessing forks), given a
+  complete `env` dict: what runs is exactly what we built.
+- Each worker reads /proc/self/environ first thing and reports it; every
+  requested variable must arrive unchanged or start-up fails, naming the worker
+  and the variable.
+- Workers die with their parent: prctl(PR_SET_PDEATHSIG, SIGKILL) plus a
+  parent-pid watchdog in the worker. PDEATHSIG fires when the *thread* that
+  spawned the child exits, so all spawning happens on one long-lived thread.
+- Every wait polls the workers: a dead worker, an error report or a stalled
+  phase (no progress for `stall_timeout` s while capturing graphs) raises at
+  once instead of hanging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from multiprocessing.connection import Connection, wait
+
+from specserve.distributed.nccl_profiles import WorkerEnv
+
+log = logging.getLogger("specserve.tp")
+
+# Variables shown in logs and /server_info besides NCCL_*: what the operator asked for.
+SHOWN_PREFIXES = ("NCCL_", "TORCH_NCCL_")
+
+
+class WorkerError(RuntimeError):
+    """A worker failed, died or reported a problem; the message says which and why.
+    `phase` is the failing worker's last reported phase (init, load, graphs, ...)."""
+
+    phase = ""
+
+
+class PhaseTimeout(WorkerError):
+    """A guarded phase (CUDA graph capture) made no progress in time."""
+
+    def __init__(self, msg: str, rank: int, last: str):
+        super().__init__(msg)
+        self.rank, self.last, self.phase = rank, last, "graphs"
+
+
+class _Spawner:
+    """One thread that lives as long as the process and starts every worker,
+    so PR_SET_PDEATHSIG is tied to the process lifetime, not a caller's thread."""
+
+    def __init__(self):
+        self.jobs: queue.Queue = queue.Queue()
+        threading.Thread(target=self._loop, name="specserve-tp-spawner", daemon=True).start()
+
+    def _loop(self) -> None:
+        while True:
+            args, kw, box = self.jobs.get()
+            try:
+                box.put((subprocess.Popen(args, **kw), None))
+            except BaseException as e:  # noqa: BLE001 - handed back to the caller
+                box.put((None, e))
+
+    def popen(self, args, **kw) -> subprocess.Popen:
+        box: queue.Queue = queue.Queue()
+        self.jobs.put((args, kw, box))
+        proc, err = box.get()
+        if err is not None:
+            raise err
+        return proc
+
+
+_spawner: _Spawner | None = None
+_spawner_lock = threading.Lock()
+
+
+def _popen(args, **kw) -> subprocess.Popen:
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None:
+            _spawner = _Spawner()
+    return _spawner.popen(args, **kw)
+
+
+class WorkerGroup:
+    """N worker processes (`python -m specserve.distributed.worker`)."""
+
+    def __init__(self, size: int, wenv: WorkerEnv, hello_timeout: float = 60.0):
+        import torch.distributed as dist
+
+        self.size, self.wenv = size, wenv
+        self.procs: list[subprocess.Popen] = []
+        self.conns: list[Connection] = []
+        self.env_reports: list[dict] = []
+        self.last_progress: list[str] = [""] * size
+        self.closed = False
+        # The rendezvous store lives in the driver on an OS-chosen port: no fixed ports, no races.
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        try:
+            for rank in range(size):
+                self._spawn(rank)
+            self._hello(hello_timeout)
+        except BaseException:
+            self.kill()
+            raise
+
+    # ----------------------------------------------------------- start-up
+    def _spawn(self, rank: int) -> None:
+        ours, theirs = socket.socketpair()
+        env = dict(self.wenv.env)
+        env.update({
+            "SPECSERVE_TP_RANK": str(rank), "SPECSERVE_TP_SIZE": str(self.size),
+            "SPECSERVE_TP_FD": str(theirs.fileno()), "SPECSERVE_TP_PARENT_PID": str(os.getpid()),
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.size),
+            "PYTHONUNBUFFERED": "1",
+        })
+        # Worker stdout goes to our stderr: `generate --json` keeps a clean stdout.
+        proc = _popen([sys.executable, "-m", "specserve.distributed.worker"], env=worker_env_hook(env, rank),
+                      pass_fds=(theirs.fileno(),), stdout=2, stdin=subprocess.DEVNULL, close_fds=True)
+        theirs.close()
+        self.procs.append(proc)
+        self.conns.append(Connection(ours.detach()))
+
+    def _hello(self, timeout: float) -> None:
+        reports = self.recv_all(timeout=timeout, what="start-up (hello)")
+        problems = []
+        for rank, msg in enumerate(reports):
+            seen = msg["environ"]
+            for k, want in self.wenv.requested.items():
+                got = seen.get(k)
+                if got != want:
+                    problems.append(f"worker {rank} (pid {msg['pid']}): {k} should be {want!r} but the worker sees "
+                                    f"{'<unset>' if got is None else repr(got)}")
+            shown = {k: v for k, v in sorted(seen.items()) if k.startswith(SHOWN_PREFIXES) or k in self.wenv.requested}
+            self.env_reports.append({"rank": rank, "pid": msg["pid"], "env": shown})
+        if problems:
+            raise WorkerError("a requested environment variable did not reach a TP worker (is a wrapper, sudo or a "
+                              "container entrypoint resetting the environment?):\n  " + "\n  ".join(problems))
+        for r in self.env_reports:
+            log.info("[tp] worker %d (pid %d) env: %s", r["rank"], r["pid"],
+                     " ".join(f"{k}={v}" for k, v in r["env"].items()) or "(no NCCL_* variables)")
+
+    # ----------------------------------------------------------- messages
+    def send_all(self, msg: dict) -> None:
+        for rank, c in enumerate(self.conns):
+            try:
+                c.send(msg)
+            except (BrokenPipeError, ConnectionResetError, OSError):
+                self._raise_dead(rank)
+
+    def recv_all(self, timeout: float | None = None, stall_timeout: float | None = None,
+                 stall_phases: tuple[str, ...] = ("graphs",), what: str = "reply", on_progress=None) -> list[dict]:
+        """One non-progress message from every worker. Raises WorkerError if a worker
+        dies or reports an error, PhaseTimeout if a worker whose last progress is in
+        `stall_phases` is silent for `stall_timeout` s, and WorkerError after `timeout` s."""
+        t_start = time.monotonic()
+        last_heard = [t_start] * self.size
+        phase = [""] * self.size
+        out: list[dict | None] = [None] * self.size
+        pending = {c: r for r, c in enumerate(self.conns)}
+        while pending:
+            for c in wait(list(pending), timeout=0.25):
+                rank = pending[c]
+                try:
+                    msg = c.recv()
+                except (EOFError, OSError):
+                    self._raise_dead(rank)
+                last_heard[rank] = time.monotonic()
+                kind = msg.get("type")
+                if kind == "progress":
+                    phase[rank] = msg["phase"]
+                    self.last_progress[rank] = msg["text"]
+                    log.info("[tp] worker %d: %s", rank, msg["text"])
+                    if on_progress is not None:
+                        on_progress(rank, msg)
+                    continue
+                if kind == "error":
+                    if msg.get("kind") == "ConfigError":  # a checkpoint/setting problem: the same clear message
+                        from specserve.config import ConfigError
+
+                        raise ConfigError(f"TP worker {rank}: {msg['error'].split(': ', 1)[-1]}")
+                    err = WorkerError(f"TP worker {rank} failed during {what}: {msg['error']}\n{msg.get('traceback', '')}")
+                    err.phase = phase[rank]
+                    raise err
+                out[rank] = msg
+                del pending[c]
+            now = time.monotonic()
+            for c, rank in list(pending.items()):
+                if self.procs[rank].poll() is not None:
+                    self._raise_dead(rank, phase[rank])
+                if stall_timeout is not None and phase[rank] in stall_phases and now - last_heard[rank] > stall_timeout:
+                    raise PhaseTimeout(
+                        f"TP worker {rank} made no progress for {stall_timeout:.0f} s during {phase[rank]} "
+                        f"(last step: {self.last_progress[rank] or 'none'})", rank, self.last_progress[rank])
+            if timeout is not None and now - t_start > timeout:
+                ranks = sorted(pending.values())
+                raise WorkerError(f"TP worker(s) {ranks} did not answer within {timeout:.0f} s during {what} "
+                                  f"(last steps: {[self.last_progress[r] for r in ranks]})")
+        return out  # type: ignore[return-value]
+
+    def request(self, msg: dict, **kw) -> list[dict]:
+        self.send_all(msg)
+        return self.recv_all(**kw)
+
+    def _raise_dead(self, rank: int, phase: str = ""):
+        proc = self.procs[rank]
+        try:
+            code = proc.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            code = None
+        err = WorkerError(f"TP worker {rank} (pid {proc.pid}) exited unexpectedly (exit code {code}); "
+                          f"last step: {self.last_progress[rank] or 'none'}")
+        err.phase = phase
+        raise err
+
+    # ----------------------------------------------------------- shutdown
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def kill(self) -> None:
+        """SIGKILL every worker now and reap them (a hung NCCL call cannot be interrupted politely)."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                log.error("[tp] worker pid %d did not exit after SIGKILL", p.pid)
+        self._close_conns()
+
+    def close(self, timeout: float = 10.0) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if all(p.poll() is None for p in self.procs):
+                self.request({"op": "shutdown"}, timeout=timeout, what="shutdown")
+                for p in self.procs:
+                    p.wait(timeout=timeout)
+        except (WorkerError, subprocess.TimeoutExpired, OSError):
+            pass
+        self.kill()
+
+    def _close_conns(self) -> None:
+        for c in self.conns:
+            try:
+                c.close()
+            except OSError:
+                pass
+
+
+def worker_env_hook(env: dict[str, str], rank: int) -> dict[str, str]:
+    """The exact environment handed to a worker (tests replace this to simulate a lost variable)."""
+    return env
