@@ -171,14 +171,26 @@ def install(backend: str, rank: int, size: int, device: torch.device, dtype: tor
             impl = NcclComm(rank, size, device, control_group)
             if backend == "symm_mem":
                 impl = SymmMemAllReduce(group, device, dtype, impl)
+            _self_test(impl, size, device, dtype)
         except Exception as e:  # noqa: BLE001 - any failure means: fall back on all ranks
-            error = f"{type(e).__name__}: {e}"
+            impl, error = None, f"{type(e).__name__}: {e}"
     if backend != "torch" and not ps.all_ranks_agree(impl is not None):
         log.warning("all-reduce backend %s could not be set up on every rank (%s); using torch.distributed",
                     backend, error or "failed on another rank")
         backend, impl = "torch", None
     ps.set_collectives(impl)
     return backend
+
+
+def _self_test(impl, size: int, device: torch.device, dtype: torch.dtype) -> None:
+    """One small all-reduce and all-gather through `impl`, checked (ranks run the same code,
+    so a failure here is normally the same on every rank)."""
+    x = torch.ones(64, dtype=dtype, device=device)
+    impl.all_reduce(x)
+    g = impl.all_gather_last_dim(x.view(1, -1))
+    torch.cuda.synchronize(device)
+    if not torch.all(x == size) or g.shape != (1, 64 * size):
+        raise RuntimeError(f"self-test gave wrong results ({x[0].item()} instead of {size})")
 
 
 def warm_up(device: torch.device, hidden: int, dtype: torch.dtype) -> None:

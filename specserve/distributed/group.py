@@ -46,7 +46,7 @@ class PhaseTimeout(WorkerError):
 
     def __init__(self, msg: str, rank: int, last: str):
         super().__init__(msg)
-        self.rank, self.last, self.phase = rank, last, "graphs"
+        self.rank, self.last, self.phase = rank, last, "graphs"  # the caller sets the real phase
 
 
 class _Spawner:
@@ -154,10 +154,13 @@ class WorkerGroup:
                 self._raise_dead(rank)
 
     def recv_all(self, timeout: float | None = None, stall_timeout: float | None = None,
-                 stall_phases: tuple[str, ...] = ("graphs",), what: str = "reply", on_progress=None) -> list[dict]:
+                 stall_phases: tuple[str, ...] = ("graphs",), what: str = "reply", on_progress=None,
+                 init_timeout: float = 600.0) -> list[dict]:
         """One non-progress message from every worker. Raises WorkerError if a worker
         dies or reports an error, PhaseTimeout if a worker whose last progress is in
-        `stall_phases` is silent for `stall_timeout` s, and WorkerError after `timeout` s."""
+        `stall_phases` is silent for `stall_timeout` s (or in phase "init" for
+        `init_timeout` s: joining the process group, setting up collectives), and
+        WorkerError after `timeout` s."""
         t_start = time.monotonic()
         last_heard = [t_start] * self.size
         phase = [""] * self.size
@@ -193,10 +196,13 @@ class WorkerGroup:
             for c, rank in list(pending.items()):
                 if self.procs[rank].poll() is not None:
                     self._raise_dead(rank, phase[rank])
-                if stall_timeout is not None and phase[rank] in stall_phases and now - last_heard[rank] > stall_timeout:
-                    raise PhaseTimeout(
-                        f"TP worker {rank} made no progress for {stall_timeout:.0f} s during {phase[rank]} "
+                limit = stall_timeout if phase[rank] in stall_phases else init_timeout if phase[rank] == "init" else None
+                if limit is not None and now - last_heard[rank] > limit:
+                    err = PhaseTimeout(
+                        f"TP worker {rank} made no progress for {limit:.0f} s during {phase[rank]} "
                         f"(last step: {self.last_progress[rank] or 'none'})", rank, self.last_progress[rank])
+                    err.phase = phase[rank]
+                    raise err
             if timeout is not None and now - t_start > timeout:
                 ranks = sorted(pending.values())
                 raise WorkerError(f"TP worker(s) {ranks} did not answer within {timeout:.0f} s during {what} "

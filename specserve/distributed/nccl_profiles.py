@@ -80,7 +80,7 @@ def load_profile(spec: str | None) -> Profile:
     path = Path(spec)
     if not path.is_file():
         raise ConfigError(
-            f"--nccl-profile {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing profile file"
+            f"NCCL profile {spec!r} is neither a preset ({', '.join(PRESETS)}) nor an existing profile file"
         )
     text = path.read_text(encoding="utf-8")
     if text.lstrip().startswith("{"):

@@ -260,7 +260,7 @@ def _score(res: dict, backend: str, decode_tokens: int) -> tuple[float, str] | N
 
 
 def run(args: argparse.Namespace) -> int:
-    from specserve.distributed.nccl_profiles import PRESETS, load_profile, write_profile
+    from specserve.distributed.nccl_profiles import PRESETS, load_profile, parse_env_args, write_profile
 
     def log(s: str) -> None:
         print(s, file=sys.stderr, flush=True)
@@ -285,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         elif device != "cpu":
             raise ConfigError(f"--device must be cuda, cpu or auto, got {device!r}")
         profiles = [load_profile(p) for p in (args.profiles or list(PRESETS))]
+        parse_env_args(args.env)  # a bad --env fails here, before any worker starts
         backends = args.backends or (["nccl", "symm_mem", "torch"] if device == "cuda" else ["torch"])
         if device == "cpu":
             log("note: on CPU the workers use gloo; NCCL profiles only matter for NCCL, so only the first "

@@ -169,8 +169,8 @@ class TPLLM:
                 raise ConfigError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, {torch.cuda.device_count()} visible")
         self.model_cfg = self._check_divisible()
         self.tokenizer = Tokenizer(cfg.model)
-        self.profile = load_profile(cfg.nccl_profile)
-        self.wenv = build_worker_env(dict(os.environ), self.profile, cfg.env)
+        self.nccl_profile = load_profile(cfg.nccl_profile)
+        self.wenv = build_worker_env(dict(os.environ), self.nccl_profile, cfg.env)
         for note in self.wenv.notes:
             log.warning("[tp] %s", note)
         self.warnings: list[str] = []
@@ -226,7 +226,7 @@ class TPLLM:
             group.kill()
             raise
         self.info = {k: v for k, v in ready[0].items() if k not in ("type", "stats")}
-        self.info["graphs_enabled"] = graphs
+        self.info.update(graphs_enabled=graphs, nccl_profile=self.nccl_profile.name, env_notes=list(self.wenv.notes))
         self._stats = ready[0]["stats"]
         log.info("[tp] %d workers ready: all-reduce %s, %d CUDA graphs, max_model_len %d", self.config.tp,
                  self.info["allreduce"], self.info["graphs"], self.info["max_model_len"])
