@@ -180,6 +180,11 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
     assert rows[("hf", 1)]["details"]["cache"] in ("static", "dynamic")
     assert sum(rows[("eagle3:adaptive,steps=2", 1)]["details"]["steps_chosen"].values()) > 0
 
+    best1 = max((r for r in doc["results"] if r["config"].startswith("eagle3") and r["batch_size"] == 1),
+                key=lambda r: r["speedup"])
+    s1 = next(s for s in doc["summary"] if s["batch_size"] == 1)
+    assert s1["best_config"] == best1["config"] and s1["vs_hf"] > 0
+
     cats = {(r["config"], r["batch_size"], r["category"]) for r in doc["by_category"]}
     assert ("eagle3:steps=3", 2, "chat") in cats and ("baseline", 1, "prose") in cats
 
@@ -213,6 +218,8 @@ def test_short_bench_on_the_demo_pair(monkeypatch, tmp_path):
     assert doc["model"]["preset"] == "demo" and doc["draft"]["preset"] == "demo"
     eagle = next(r for r in doc["results"] if r["config"] == "eagle3:steps=3")
     assert eagle["matches_baseline"] is True and eagle["accept_length"] > 1.0  # a trained drafter accepts some
+    # defaults with the demo pair: the transformers peer and the cost model are on
+    assert doc["settings"]["peers"] == ["hf"] and doc["cost_model"][0]["batch_size"] == 1
 
 
 @needs_jsonschema

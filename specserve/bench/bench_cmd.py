@@ -151,15 +151,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="base seed of sampled requests")
     g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="stop at EOS (default: every request generates exactly --max-tokens)")
-    g.add_argument("--peers", nargs="*", default=[], choices=PEERS,
-                   help="also run transformers generate() (hf) and assisted generation (hf-assisted)")
+    g.add_argument("--peers", nargs="*", default=None, choices=PEERS,
+                   help="also run transformers generate() (hf) and assisted generation (hf-assisted); "
+                        "default: hf with the bundled demo pair, none with --model (a second copy of a "
+                        "large model may not fit); --peers alone = none")
     g.add_argument("--peer-draft", help="assistant model directory for hf-assisted (a small LM sharing the "
                                         "tokenizer); default: transformers prompt-lookup decoding")
     g.add_argument("--threads", type=int, help="torch CPU threads (default on CPU: 1; small models run faster "
                                                "single-threaded, and other jobs on a shared machine stall "
                                                "multi-threaded kernels)")
-    g.add_argument("--profile", action="store_true",
-                   help="time draft/verify/accept per cycle and fit the cost model (predicted tok/s per K)")
+    g.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                   help="time draft/verify/accept per cycle and fit the cost model (predicted tok/s per K); "
+                        "on by default: the timestamps ride on the host sync each cycle has anyway")
     o = p.add_argument_group("output")
     o.add_argument("--json", metavar="FILE", help="write results (schema: specserve/bench/schema.json)")
     o.add_argument("--markdown", metavar="FILE", help="write the tables as Markdown")
@@ -177,6 +180,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    if args.peers is None:
+        args.peers = ["hf"] if args.model is None and args.url is None else []
     if args.spec_steps is not None or args.adaptive:
         raise ConfigError("bench compares configurations: use --configs eagle3:steps=K or eagle3:adaptive,steps=K "
                           "instead of --spec-steps/--adaptive")

@@ -261,6 +261,18 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
         for bs in args.batch_sizes:
             results.append(_na_row(name, bs, why))
 
+    summary = []
+    for bs in args.batch_sizes:
+        spec = [x for x in results if x["batch_size"] == bs and x["config"].startswith("eagle3") and x["speedup"]]
+        if not spec:
+            continue
+        best = max(spec, key=lambda x: x["speedup"])
+        hf = next((x for x in results if x["batch_size"] == bs and x["config"] == "hf" and x["available"]), None)
+        vs_hf = None
+        if hf is not None:  # paired per repeat, like the speedup
+            vs_hf = statistics.median(a / b for a, b in zip(best["tok_s"]["values"], hf["tok_s"]["values"]))
+        summary.append({"batch_size": bs, "best_config": best["config"], "speedup": best["speedup"], "vs_hf": vs_hf})
+
     cost = None
     if args.profile:
         cost = [cost_model.from_runs(bs, configs, runs, results) for bs in args.batch_sizes]
@@ -290,6 +302,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
         "load_average": {"start": load_avg_start, "end": report.load_average()},
         "results": results,
         "by_category": by_category,
+        "summary": summary,
         "cost_model": cost,
     }
 

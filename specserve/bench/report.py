@@ -124,7 +124,9 @@ def _yes(x) -> str:
 def _header(r: dict) -> list[str]:
     m, s = r["machine"], r["settings"]
     lines = [f"specserve bench ({r['mode']}) {r['created']}",
-             f"machine: {m['name']} x{m['count']} ({m['device']}); load average {r.get('load_average')}",
+             f"machine: {m['name']} x{m['count']} ({m['device']}); 1-min load average "
+             f"{_f((r.get('load_average') or {}).get('start'), '.2f')} at start, "
+             f"{_f((r.get('load_average') or {}).get('end'), '.2f')} at end",
              "versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items())]
     if r["mode"] == "offline":
         md, dr = r["model"], r.get("draft")
@@ -231,12 +233,23 @@ def _notes(r: dict) -> list[str]:
     return notes
 
 
+def summary_lines(r: dict) -> list[str]:
+    out = []
+    for b in r.get("summary") or []:
+        line = f"batch {b['batch_size']}: best {b['best_config']} at {b['speedup']:.2f}x plain decoding"
+        if b.get("vs_hf") is not None:
+            line += f", {b['vs_hf']:.2f}x transformers generate()"
+        out.append(line)
+    return out
+
+
 def render_text(r: dict) -> str:
     out = _header(r)
     if r["mode"] == "online":
         out += [""] + _online_summary(r) + ["", _text_table(*online_table(r))]
         return "\n".join(out)
-    out += ["", _text_table(*main_table(r)), "", "per category:", _text_table(*category_table(r))]
+    out += ["", _text_table(*main_table(r)), *summary_lines(r), "", "per category:",
+            _text_table(*category_table(r))]
     if r.get("cost_model"):
         out += ["", "cost model (from --profile):", _text_table(*cost_table(r))]
     notes = _notes(r)
@@ -250,7 +263,7 @@ def render_markdown(r: dict) -> str:
     if r["mode"] == "online":
         out += _online_summary(r) + ["", _md_table(*online_table(r)), ""]
         return "\n".join(out)
-    out += ["## Results", "", _md_table(*main_table(r)), "",
+    out += ["## Results", "", _md_table(*main_table(r)), "", *[f"- {x}" for x in summary_lines(r)], "",
             ("tok/s: generated tokens / wall time per repeat (median, min, max). TPOT: time per output token "
              "after the first, per request. speedup: median over repeats of the paired ratio to baseline at "
              "the same batch size. =greedy: every output token-identical to plain greedy decoding."), "",
