@@ -123,10 +123,10 @@ def _yes(x) -> str:
 
 def _header(r: dict) -> list[str]:
     m, s = r["machine"], r["settings"]
+    la = r.get("load_average") or {}
     lines = [f"specserve bench ({r['mode']}) {r['created']}",
-             f"machine: {m['name']} x{m['count']} ({m['device']}); 1-min load average "
-             f"{_f((r.get('load_average') or {}).get('start'), '.2f')} at start, "
-             f"{_f((r.get('load_average') or {}).get('end'), '.2f')} at end",
+             (f"machine: {m['name']} x{m['count']} ({m['device']}); 1-min load average "
+              f"{_f(la.get('start'), '.2f')} at start, {_f(la.get('end'), '.2f')} at end"),
              "versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items())]
     if r["mode"] == "offline":
         md, dr = r["model"], r.get("draft")
