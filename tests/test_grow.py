@@ -249,6 +249,8 @@ def test_bad_shapes_and_inputs(tmp_path, pair):
     (tmp_path / "full" / "keep.txt").write_text("x")
     with pytest.raises(ConfigError, match="not empty; pass --force"):
         G.grow(small, tmp_path / "full", SHAPE, dtype="float32", device="cpu")
+    with pytest.raises(ConfigError, match="would overwrite the source"):
+        G.grow(small, small.parent, SHAPE, draft_dir=small / "draft", dtype="float32", device="cpu", force=True)
     qwen = make_target(tmp_path / "qwen", arch="qwen2", hidden=32, layers=2, heads=2, kv_heads=1)
     with pytest.raises(ConfigError, match="Llama targets only"):
         G.grow(qwen, tmp_path / "y", SHAPE, dtype="float32", device="cpu")

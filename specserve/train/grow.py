@@ -549,6 +549,9 @@ def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | 
         aux_ids = [n - 1 for n in grown_taps(order, old_taps)]
     taps = grown_taps(order, old_taps)
 
+    for src_dir in filter(None, (model_dir, draft_dir)):
+        if out.resolve() == Path(src_dir).resolve() or out.resolve() in Path(src_dir).resolve().parents:
+            raise ConfigError(f"--out {out} would overwrite the source {src_dir}; choose another directory")
     _prepare_out(out, force)
     extra = {"grown_from": str(model_dir), "grow_preset": preset or "custom",
              "grow_layer_map": [-1 if o is None else o for o in order]}
