@@ -173,6 +173,11 @@ def test_padded_vocabulary_is_never_chosen(tmp_path, pair):
     assert ((factor > 0.99) & (factor < 1.0)).all()
     torch.testing.assert_close(b[:, :96], a * factor, atol=1e-3, rtol=1e-4)
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        hf = AutoModelForCausalLM.from_pretrained(big, dtype=torch.float32).eval()(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(hf, b, atol=1e-2, rtol=1e-4)  # padded logits are ~-1e4
     tok_s, steps_s, _ = engine_trace(small, small / "draft", PROMPTS, K=3)
     tok_b, steps_b, _ = engine_trace(big, big / "draft", PROMPTS, K=3)
     assert tok_b == tok_s and steps_b == steps_s
