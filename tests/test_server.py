@@ -3,9 +3,10 @@ the real `openai` client, 200 concurrent streams checked token for token
 against offline `LLM.generate`, bad inputs while a stream is in flight,
 disconnects, admission control, loading and failure states, and the CLI.
 
-Uses the bundled demo pair when its weights and drafter exist, else a tiny
-random target + EAGLE-3 drafter with the demo tokenizer. The GPU test drives
-the engine thread alone (the GPU machines have no fastapi/uvicorn).
+Uses the bundled demo pair (the demo target with a random drafter until the
+demo drafter exists; a tiny random target with the demo tokenizer before
+that). The GPU test drives the engine thread alone (the GPU machines have no
+fastapi/uvicorn).
 """
 
 from __future__ import annotations
@@ -55,9 +56,11 @@ PROMPTS = [json.loads(line)["prompt"] for line in (DEMO_DIR / "heldout_prompts.j
 
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory) -> tuple[str, str]:
-    if (DEMO_DIR / "model.safetensors").exists() and (DEMO_DIR / "draft" / "config.json").exists():
-        return str(DEMO_DIR), str(DEMO_DIR / "draft")
     d = tmp_path_factory.mktemp("pair")
+    if (DEMO_DIR / "model.safetensors").exists():
+        if (DEMO_DIR / "draft" / "config.json").exists():
+            return str(DEMO_DIR), str(DEMO_DIR / "draft")
+        return str(DEMO_DIR), str(make_drafter(d / "draft", DEMO_DIR))  # until the demo drafter is trained
     target = make_target(d / "target", vocab=4096, hidden=64, layers=4)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(DEMO_DIR / f, target / f)
