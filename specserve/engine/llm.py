@@ -46,7 +46,7 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
 
 
 class LLM:
-    def __init__(self, model: str | None = None, draft: str | None = None, **engine_kwargs):
+    def __init__(self, model: str | None = None, draft: str | None = None, on_graph_progress=None, **engine_kwargs):
         if model is None:
             model, demo_draft = demo_paths()
             if draft is None and engine_kwargs.get("spec_steps", 0):
@@ -55,7 +55,8 @@ class LLM:
             raise ConfigError(f"model directory {model!r} does not exist (specserve loads local Hugging Face directories only)")
         self.config = EngineConfig.from_kwargs(model=str(model), draft=draft, **engine_kwargs)
         self.tokenizer = Tokenizer(self.config.model)
-        self.engine = Engine(self.config, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit)
+        self.engine = Engine(self.config, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit,
+                             on_graph_progress=on_graph_progress)
 
     def _stop_hit(self, seq: Sequence) -> bool:
         # Only the tail can contain a new match: decode a window long enough for any stop string.

@@ -73,18 +73,27 @@ def _raise(message: str):
 
 class IncrementalDecoder:
     """Turns a growing list of token ids into text deltas, holding back bytes
-    of an unfinished UTF-8 character (byte-level BPE splits characters)."""
+    of an unfinished UTF-8 character (byte-level BPE splits characters).
+
+    Only a short window is re-decoded per push (from `prefix`, a few tokens
+    before the text already emitted), so a long stream costs O(new tokens).
+    """
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.text = ""
+        self.prefix = 0  # window start
+        self.read = 0  # ids[:read] are fully emitted
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        full = self.tokenizer.decode(self.ids)
-        if full.endswith("\ufffd"):
+        decode = self.tokenizer.decode
+        before = decode(self.ids[self.prefix: self.read])
+        window = decode(self.ids[self.prefix:])
+        if window.endswith("\ufffd") or len(window) <= len(before):
             return ""  # wait for the rest of the character
-        delta = full[len(self.text):]
-        self.text = full
+        delta = window[len(before):]
+        self.text += delta
+        self.prefix, self.read = max(self.read - 4, 0), len(self.ids)
         return delta
