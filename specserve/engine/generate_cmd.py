@@ -30,6 +30,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep drafting past the drafter's max_position_embeddings (else those sequences decode plainly)")
     p.add_argument("--allow-pickle", action="store_true", help="allow loading pickle (*.bin) checkpoints (trusted only)")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
+                   help="environment variable for the TP workers (repeatable; wins over --nccl-profile)")
+    p.add_argument("--nccl-profile", default="default",
+                   help="NCCL settings for the TP workers: a preset (default, pcie-low-latency) or a profile file "
+                        "written by `specserve nccl-tune`")
 
 
 def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> dict:
@@ -51,6 +56,12 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
               allow_pickle=args.allow_pickle, tp=args.tp)
     if args.adaptive and not draft:
         kw["adaptive"] = False
+    from specserve.distributed.nccl_profiles import load_profile, parse_env_args
+
+    kw["env"] = parse_env_args(getattr(args, "env", None))  # ConfigError on a bad KEY=VALUE
+    kw["nccl_profile"] = getattr(args, "nccl_profile", None) or "default"
+    if args.tp > 1:
+        load_profile(kw["nccl_profile"])  # a missing profile file fails before any weight loads
     return kw
 
 
