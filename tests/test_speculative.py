@@ -233,3 +233,22 @@ def test_end_to_end_sampling_distribution(pair):
         p1 = probs(prompt)
         marginal = sum(p1[t] * probs(prompt + [t]) for t in range(VOCAB))
     assert _tv(torch.tensor(seconds), marginal) < 0.05  # n = 4000: exact sampler ~0.02
+
+
+def test_one_engine_switches_between_plain_fixed_and_adaptive(pair):
+    """bench reuses one engine's weights and graphs for every setting."""
+    target, draft = pair
+    prompts = _prompts(3, seed=21)
+    base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=3)
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
+                                 device="cpu", max_num_seqs=3))
+    for K in (0, 2, None, 3, 0):
+        engine.set_spec_steps(K)
+        cycles = engine.totals.cycles
+        seqs = [engine.add_request(p, GREEDY) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        assert [s.output_ids for s in seqs] == base, f"K={K}"
+        assert (engine.totals.cycles == cycles) == (K == 0)
+    with pytest.raises(ValueError, match="K=5 has no captured graphs"):
+        engine.set_spec_steps(5)

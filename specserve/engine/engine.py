@@ -133,8 +133,29 @@ class Engine:
         if self.runner.drafter is not None:
             spec_values = list(range(1, self.runner.k_max + 1)) if cfg.adaptive else [cfg.spec_steps]
         self.graph_seconds = self.runner.capture_graphs(spec_values, on_graph_progress)
+        self.spec_values = spec_values
         self.policy = SpecPolicy(cfg, self.runner.k_max) if self.runner.drafter is not None else None
         self.last_k = cfg.spec_steps if self.runner.drafter is not None else 0
+
+    @property
+    def drafting(self) -> bool:
+        """Whether the drafter takes part at all (not when speculation is fixed off)."""
+        return self.policy is not None and self.policy.fixed != 0
+
+    def set_spec_steps(self, K: int | None) -> None:
+        """Switch between plain decoding (0), a fixed K, or adaptive K (None) on an
+        idle engine, reusing its weights and graphs (bench compares settings this way)."""
+        if self.has_work():
+            raise RuntimeError("set_spec_steps needs an idle engine")
+        if self.policy is None:
+            if K:
+                raise ValueError("this engine has no drafter: only plain decoding (K=0) is possible")
+            return
+        if K is not None and K != 0 and K not in self.spec_values:
+            raise ValueError(f"K={K} has no captured graphs; this engine supports 0 and {self.spec_values}")
+        if K is None and not self.cfg.adaptive:
+            raise ValueError("adaptive speculation needs an engine built with adaptive=True")
+        self.policy.fixed = K
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> Sequence:
@@ -230,14 +251,14 @@ class Engine:
         for i, seq in enumerate(seqs):
             seq.prefilled += len(chunks[i])
             seq.num_cached = seq.prefilled
-        if self.runner.drafter is not None:
+        if self.drafting:
             self._prefill_drafter(seqs, chunks, starts, feats, done, first)
         finished_prefill = []
         for j, i in enumerate(done):
             seq = seqs[i]
             seq.status = Status.RUNNING
             seq.first_token_time = time.perf_counter()
-            seq.pending = 1 if self.runner.drafter is not None else 0
+            seq.pending = 1 if self.drafting else 0
             self._append(seq, [first[j]])
             finished_prefill.append(seq)
         # Completed prompts are the first rows of the prefill block: they join the running prefix.
@@ -289,7 +310,8 @@ class Engine:
         pos = torch.tensor([s.num_cached for s in seqs], device=self.device)
         logits, feats = r.decode(ids, pos)
         tokens = sample_tokens(logits, self._sampling(seqs), pos + 1)
-        if r.drafter is not None:
+        drafting = self.drafting
+        if drafting:
             counts = torch.tensor([s.pending for s in seqs], device=self.device)
             rows = torch.arange(B, device=self.device)
             r.pending_tok[rows, counts] = tokens
@@ -297,10 +319,10 @@ class Engine:
         new = tokens.tolist()
         for seq, tok in zip(seqs, new):
             seq.num_cached += 1
-            if r.drafter is not None:
+            if drafting:
                 seq.pending += 1
             self._append(seq, [tok])
-        if r.drafter is not None and max(s.pending for s in seqs) >= r.pending_width:
+        if drafting and max(s.pending for s in seqs) >= r.pending_width:
             self._flush_pending(seqs, keep=1)
         if self.policy:
             self.policy.observe_cost(B, 0, time.perf_counter() - t0)
