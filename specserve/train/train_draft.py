@@ -1,0 +1,992 @@
+"""`specserve train-draft`: train an EAGLE-3 drafter for a supported target.
+
+    specserve train-draft --target DIR --data PATH --out DIR [--regenerate] [--draft-vocab N]
+                          [--ttt-steps K] [--epochs E] [--from DIR] [--max-minutes M] [--resume]
+
+What it does, in order:
+
+1. reads the data (``.jsonl`` with "text" or chat "messages", ``.txt``, ``.npy`` token
+   stream, or a folder; see `specserve.train.data`);
+2. with ``--regenerate``, lets the target itself write the responses (chat records: the
+   last assistant turn; plain text: continuations of prompt prefixes cut at line starts),
+   so the drafter learns what the target really says;
+3. picks the draft vocabulary: the N most frequent target tokens of the training data
+   (EOS always in), sorted by id; ``d2t[i] = target_id[i] - i``, ``t2d`` marks them;
+4. trains with training-time test (TTT): the target's aux-layer features are computed on
+   the fly, the drafter is unrolled K steps feeding back its own outputs, and every step
+   is scored against the target's own next-token distribution (restricted to the draft
+   vocabulary) with weight 0.8**k;
+5. writes ``config.json`` + ``model.safetensors`` in the SpecForge/SGLang layout
+   (``LlamaForCausalLMEagle3``; no ``embed_tokens``: the target's is shared).
+
+Alignment with the engine (engine.py `_prefill_drafter`/`_spec_step`, runner.py `_draft_body`):
+the drafter entry at position t reads the target feature f_t (residual streams entering the
+aux layers) and token x[t+1] at rope position t, and predicts x[t+2]. Draft step k of a chain
+based at position b runs at position b+k on the step k-1 output of position b+k-1 and token
+x[b+k+1], and attends to the feature entries at positions <= b (the committed cache) plus the
+chain's own step 1..k entries (written into the cache during the cycle). `ttt_forward`
+reproduces exactly that with one attention over [feature keys | the chain's diagonal keys].
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specserve.config import ConfigError, DraftConfig, ModelConfig, default_aux_layers, resolve_aux_layers
+from specserve.train.data import DataError, chat_prompt, read_records, split_long, tokenize_records
+
+STEP_WEIGHT = 0.8  # loss weight of unroll step k is STEP_WEIGHT**k
+CHECKPOINT = "checkpoint"
+
+# The recipe of the bundled demo drafter (build_demo stage 5 calls train_draft with these).
+DEMO_RECIPE = {"regenerate": True, "draft_vocab": 2048, "ttt_steps": 5, "lr": 4e-3, "regen_share": 0.35,
+               "epochs": 1000.0, "regen_max_tokens": 256, "regen_prompt_len": (32, 192), "batch_tokens": 4096,
+               "max_len": 512}
+
+
+def log(msg: str) -> None:
+    print(f"[train-draft {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Target features
+# ---------------------------------------------------------------------------------------------
+
+class FrozenTarget:
+    """specserve's own CausalLM (the engine's numerics) returning aux features and logits."""
+
+    def __init__(self, target_dir: str, device: torch.device, dtype: torch.dtype, max_len: int,
+                 aux_layers: tuple[int, ...]):
+        from specserve.model.loader import load_target
+
+        self.cfg = ModelConfig.from_dir(target_dir)
+        self.max_len = max_len
+        self.model = load_target(target_dir, device, dtype, max_len)
+        self.model.aux_layers = tuple(aux_layers)
+        self.device, self.dtype = device, dtype
+        self._rows = 0
+
+    def _caches(self, rows: int) -> None:
+        if rows <= self._rows:
+            return
+        for a in self.model.attention_modules():
+            shape = (rows, a.num_kv_heads, self.max_len, a.head_dim)
+            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self._rows = rows
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """ids [B, T] -> (features [B, T, 3H], final normed hidden [B, T, H]); `logits(hidden)`
+        gives the target's logits."""
+        from specserve.model.layers import ForwardContext
+
+        B, T = ids.shape
+        self._caches(B)
+        pos = torch.arange(T, device=ids.device).expand(B, T)
+        hidden, feats = self.model(ids, ForwardContext(0, pos, pos, T))
+        return feats, hidden
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.logits(hidden.to(self.dtype))
+
+
+class FeatureCache:
+    """Target features per training sample, computed on first use and kept in RAM (bf16
+    features, fp32 final hidden) while they fit in `limit_bytes`: later epochs then skip the
+    target forward, which on CPU costs about as much as the drafter's own step."""
+
+    def __init__(self, target: FrozenTarget, samples: list[list[int]], limit_bytes: int):
+        self.target, self.samples = target, samples
+        H = target.cfg.hidden_size
+        self.per_token = 3 * H * 2 + H * 4
+        self.limit = limit_bytes
+        self.used = 0
+        self.store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def batch(self, idx: list[int]):
+        """(ids [B, L], lengths [B], features [B, L, 3H] fp32, hidden [B, L, H] fp32)."""
+        dev = self.target.device
+        ids, lengths = collate(self.samples, idx, dev)
+        if all(i in self.store for i in idx):
+            L = ids.shape[1]
+            f = torch.stack([F.pad(self.store[i][0], (0, 0, 0, L - self.store[i][0].shape[0])) for i in idx])
+            h = torch.stack([F.pad(self.store[i][1], (0, 0, 0, L - self.store[i][1].shape[0])) for i in idx])
+            return ids, lengths, f.to(dev, torch.float32), h.to(dev, torch.float32)
+        feats, hidden = self.target(ids)
+        feats = feats.to(torch.bfloat16)  # as cached: the same numbers in every epoch (and after --resume)
+        for r, i in enumerate(idx):
+            n = len(self.samples[i])
+            if i not in self.store and self.used + n * self.per_token <= self.limit:
+                self.store[i] = (feats[r, :n].cpu(), hidden[r, :n].to("cpu", torch.float32))
+                self.used += n * self.per_token
+        return ids, lengths, feats.float(), hidden.float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Drafter: config, init, save
+# ---------------------------------------------------------------------------------------------
+
+def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[int, ...],
+                   save_dtype: str = "bfloat16") -> dict:
+    """A SpecForge/SGLang-layout config. Aux ids are written in the SGLang convention
+    (layer outputs = captured input index - 1), which specserve reads by default."""
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": tcfg.hidden_size,
+        "target_hidden_size": tcfg.hidden_size,
+        "intermediate_size": tcfg.intermediate_size,
+        "num_hidden_layers": 1,
+        "num_attention_heads": tcfg.num_heads,
+        "num_key_value_heads": tcfg.num_kv_heads,
+        "head_dim": tcfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": tcfg.rms_norm_eps,
+        "rope_theta": tcfg.rope_theta,
+        "max_position_embeddings": tcfg.max_position_embeddings,
+        "vocab_size": tcfg.vocab_size,
+        "draft_vocab_size": int(draft_ids.numel()),
+        "tie_word_embeddings": False,
+        "torch_dtype": save_dtype,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in captured]},
+    }
+    if tcfg.rope_scaling:
+        cfg["rope_scaling"] = dict(tcfg.rope_scaling)
+    return cfg
+
+
+def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: int):
+    """A fresh drafter. Warm start: the final norm and the lm_head rows of the draft
+    vocabulary are copied from the target (so its output space starts as the target's);
+    the decoder layer and fc keep PyTorch's default init."""
+    from specserve.model.eagle3 import Eagle3Drafter
+
+    torch.manual_seed(seed)
+    dcfg = DraftConfig.from_hf_dict(cfg)
+    d = Eagle3Drafter(dcfg, target.max_len, has_embedding=False).to(target.device, torch.float32)
+    t = target.model
+    head = t.embed_tokens.weight if t.lm_head is None else t.lm_head.weight
+    with torch.no_grad():
+        d.lm_head.weight.copy_(head[draft_ids.to(head.device)].float())
+        d.norm.weight.copy_(t.norm.weight.float())
+        d.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
+        d.t2d.zero_()
+        d.t2d[draft_ids] = True
+    return d
+
+
+def load_existing(draft_dir: str, target: FrozenTarget):
+    from specserve.model.loader import load_drafter
+
+    d = load_drafter(draft_dir, target.model, target.device, torch.float32, target.max_len)
+    d.train().requires_grad_(True)
+    if d.embed_tokens is not None:
+        d.embed_tokens.requires_grad_(False)  # shipped as is: the target's token space
+    return d
+
+
+def draft_vocab_ids(drafter) -> torch.Tensor:
+    return torch.arange(drafter.d2t.numel(), device=drafter.d2t.device) + drafter.d2t
+
+
+def save_drafter(drafter, cfg: dict, out: Path, dtype: torch.dtype = torch.bfloat16) -> None:
+    from safetensors.torch import save_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for name, (t, _) in drafter.hf_weight_map().items():
+        t = t.detach().cpu()
+        tensors[name] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
+    tmp = out / "model.safetensors.tmp"
+    save_file(tensors, str(tmp), metadata={"format": "pt"})
+    tmp.replace(out / "model.safetensors")
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def select_draft_vocab(docs: list[list[int]], vocab_size: int, n: int, always: set[int]) -> torch.Tensor:
+    """The n most frequent target ids in docs (plus `always`), sorted ascending."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for d in docs:
+        counts += torch.bincount(torch.tensor(d, dtype=torch.long), minlength=vocab_size)
+    n = min(n, vocab_size)
+    keep = {int(i) for i in always if 0 <= i < vocab_size}
+    order = torch.argsort(counts, descending=True, stable=True).tolist()
+    for i in order:
+        if len(keep) >= n:
+            break
+        keep.add(i)
+    return torch.tensor(sorted(keep), dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training-time test forward and loss
+# ---------------------------------------------------------------------------------------------
+
+def _shift(x: torch.Tensor, d: int, dim: int) -> torch.Tensor:
+    """y[t] = x[t - d] along dim (zeros for t < d)."""
+    if d == 0:
+        return x
+    T = x.shape[dim]
+    pad_shape = list(x.shape)
+    pad_shape[dim] = min(d, T)
+    return torch.cat([x.new_zeros(pad_shape), x.narrow(dim, 0, T - pad_shape[dim])], dim)
+
+
+def ttt_forward(drafter, feats: torch.Tensor, next_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Unroll the drafter `steps` times over whole sequences.
+
+    feats [B, T, 3H] (f_t), next_ids [B, T] (x[t+1]). Returns the pre-norm outputs of every
+    step, [B, T, H] each: step k at index t is the k-th draft step of the chain based at
+    t - k (valid for t >= k) and predicts x[t+2]. Uses the drafter's own submodules, but
+    computes attention over [feature keys (positions <= t-k) | the chain's keys of steps
+    1..k], which is what the engine's KV cache holds during a draft cycle."""
+    m = drafter.midlayer
+    a = m.self_attn
+    B, T, _ = feats.shape
+    Hq, KV, D = a.heads, a.kv_heads, a.head_dim
+    G = Hq // KV
+    pos = torch.arange(T, device=feats.device).expand(B, T)
+    emb = m.input_layernorm(drafter.embed(next_ids).to(feats.dtype))
+    hidden = drafter.fc(feats)
+    scale = D ** -0.5
+    t_idx = torch.arange(T, device=feats.device)
+    base_k = base_v = None
+    chain_k: list[torch.Tensor] = []
+    chain_v: list[torch.Tensor] = []
+    outs = []
+    for k in range(steps):
+        x = torch.cat((emb, m.hidden_norm(hidden)), dim=-1)
+        q = a.q_proj(x).view(B, T, Hq, D)
+        kk = a.k_proj(x).view(B, T, KV, D)
+        v = a.v_proj(x).view(B, T, KV, D)
+        q, kk = a.rope(q, kk, pos)
+        q = q.transpose(1, 2).reshape(B, KV, G, T, D)  # head h = kv * G + g, as KVCacheAttention groups them
+        kk, v = kk.transpose(1, 2), v.transpose(1, 2)  # [B, KV, T, D]
+        if k == 0:
+            base_k, base_v = kk, v
+        else:
+            chain_k.append(kk)
+            chain_v.append(v)
+        scores = torch.matmul(q, base_k.unsqueeze(2).transpose(-1, -2))  # [B, KV, G, T, T]
+        visible = t_idx.view(1, -1) <= (t_idx.view(-1, 1) - k)  # feature key s visible to query t
+        scores = scores.masked_fill(~visible, float("-inf"))
+        # The chain's step-j key for query t sits at position t-k+j: a diagonal, shifted by k-j.
+        shifted_v = []
+        diag = []
+        for j in range(1, k + 1):
+            kj = _shift(chain_k[j - 1], k - j, dim=2)
+            shifted_v.append(_shift(chain_v[j - 1], k - j, dim=2))
+            diag.append((q * kj.unsqueeze(2)).sum(-1, keepdim=True))
+        if diag:
+            scores = torch.cat([scores, *diag], dim=-1)
+        w = torch.softmax(scores.float() * scale, dim=-1).to(q.dtype)
+        o = torch.matmul(w[..., :T], base_v.unsqueeze(2))
+        for j, vj in enumerate(shifted_v):
+            o = o + w[..., T + j:T + j + 1] * vj.unsqueeze(2)
+        o = o.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)
+        h = hidden + a.o_proj(o)
+        out = h + m.mlp(m.post_attention_layernorm(h))
+        outs.append(out)
+        hidden = _shift(out, 1, dim=1)  # step k+1 at position t reads step k's output at t-1
+    return outs
+
+
+@dataclass
+class StepStats:
+    loss: float
+    acc: list[float]  # top-1 agreement with the target's argmax, per unroll step
+    counts: list[int]
+
+
+def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Tensor, feats: torch.Tensor,
+             hidden: torch.Tensor, steps: int, draft_ids: torch.Tensor, autocast_dtype=None):
+    """Loss and per-step accuracy of one padded batch: ids [B, L], lengths [B], the target's
+    features [B, L, 3H] and final hidden [B, L, H] for those ids."""
+    B, L = ids.shape
+    T = L - 1  # drafter entries t = 0..L-2: (f_t, x[t+1]) -> the target's distribution at t+1
+    feats = feats[:, :T]
+    tgt = target.logits(hidden[:, 1:]).float()
+    tgt_top = tgt.argmax(-1)
+    tgt_p = torch.softmax(tgt.index_select(-1, draft_ids), dim=-1)  # renormalized over the draft vocab
+    del tgt
+    t_idx = torch.arange(T, device=ids.device)
+    real = t_idx.view(1, -1) < (lengths.view(-1, 1) - 1)
+    ctx = torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype else _null()
+    with ctx:
+        outs = ttt_forward(drafter, feats, ids[:, 1:], steps)
+    total = 0.0
+    norm = 0.0
+    accs, counts = [], []
+    for k, out in enumerate(outs):
+        mask = real & (t_idx.view(1, -1) >= k)
+        n = int(mask.sum())
+        logits_d = drafter.logits(out)
+        ce = F.cross_entropy(logits_d.view(-1, logits_d.shape[-1]), tgt_p.view(-1, tgt_p.shape[-1]),
+                             reduction="none").view(B, T)
+        w = STEP_WEIGHT ** k
+        total = total + w * (ce * mask).sum() / max(n, 1)
+        norm += w
+        with torch.no_grad():
+            pred = draft_ids[logits_d.argmax(-1)]  # draft id -> target id
+            accs.append(float(((pred == tgt_top) & mask).sum()) / max(n, 1))
+            counts.append(n)
+    return total / norm, accs, counts
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *a):
+        return False
+
+
+# ---------------------------------------------------------------------------------------------
+# Regeneration
+# ---------------------------------------------------------------------------------------------
+
+def line_start_table(tokenizer) -> torch.Tensor:
+    """bool per token id: its text contains a newline (the next token starts a line)."""
+    V = tokenizer.vocab_size
+    return torch.tensor(["\n" in tokenizer.decode([i], skip_special_tokens=False) for i in range(V)])
+
+
+def cut_prompts(docs: list[list[int]], n: int, lo: int, hi: int, nl: torch.Tensor, rng: random.Random,
+                eos: set[int]) -> list[list[int]]:
+    """n prompt prefixes of lo..hi tokens, each starting at a line start of a document."""
+    usable = [d for d in docs if len(d) > lo + 1]
+    if not usable:
+        raise DataError(f"no document is longer than {lo + 1} tokens: nothing to cut prompts from")
+    weights = [len(d) for d in usable]
+    starts_of = {}
+    out = []
+    for _ in range(n):
+        i = rng.choices(range(len(usable)), weights)[0]
+        d = usable[i]
+        if i not in starts_of:
+            t = torch.tensor(d[:-lo - 1])
+            starts_of[i] = [0] + (torch.nonzero(nl[t]).view(-1) + 1).tolist()
+        s = rng.choice(starts_of[i])
+        p = d[s:s + rng.randint(lo, hi)]
+        while p and p[-1] in eos:
+            p = p[:-1]
+        if len(p) >= 2:
+            out.append(p)
+    return out
+
+
+def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, temperature: float, seed: int,
+                       device: str, batch: int, deadline: float | None, save_to: Path | None = None,
+                       threads: int | None = None) -> list[list[int]]:
+    """prompt + the target's own continuation for each prompt, generated with continuous
+    batching until done or `deadline` (then the continuations in flight are kept as far as
+    they got). Finished samples are appended to `save_to` as {"i", "ids"} lines, and prompts
+    already there are skipped, so an interrupted run resumes where it stopped."""
+    from tqdm import tqdm
+
+    from specserve.engine.llm import LLM, SamplingParams
+
+    done: dict[int, list[int]] = {}
+    if save_to is not None and save_to.exists():
+        for ln in save_to.read_text().splitlines():
+            if ln.strip():
+                rec = json.loads(ln)
+                done[rec["i"]] = rec["ids"]
+    todo = [i for i in range(len(prompts)) if i not in done]
+    if todo and (deadline is None or time.time() < deadline):
+        max_len = min(ModelConfig.from_dir(target_dir).max_position_embeddings,
+                      max(len(prompts[i]) for i in todo) + max_new + 1)
+        llm = LLM(model=target_dir, device=device, max_num_seqs=batch, max_model_len=max_len, seed=seed)
+        eng = llm.engine
+        seqs = [eng.add_request(prompts[i], SamplingParams(max_tokens=max_new, temperature=temperature, seed=seed + i),
+                                seq_id=f"regen-{i}") for i in todo]
+        tuner = _thread_tuner(threads, eng.device)
+        bar = tqdm(total=len(prompts), initial=len(done), desc="regenerate", unit="prompt", dynamic_ncols=True,
+                   mininterval=2.0 if sys.stderr.isatty() else 30.0)
+        sink = open(save_to, "a") if save_to is not None else contextlib.nullcontext()  # noqa: SIM115
+
+        with sink as f, torch.inference_mode():
+
+            def keep(i: int, seq) -> None:
+                done[i] = list(prompts[i]) + list(seq.output_ids)
+                if f:
+                    f.write(json.dumps({"i": i, "ids": done[i]}) + "\n")
+
+            while eng.has_work():
+                if deadline is not None and time.time() > deadline:
+                    partial = [(i, q) for i, q in zip(todo, seqs) if q.finish_reason is None and len(q.output_ids) >= 16]
+                    for i, q in partial:
+                        keep(i, q)
+                    bar.write(f"[train-draft] regeneration time is up: {len(done)} of {len(prompts)} prompts "
+                              f"({len(partial)} of them cut short)")
+                    break
+                t = time.perf_counter()
+                finished = [q for q in eng.step() if q.finish_reason is not None]
+                if tuner:
+                    tuner.record(time.perf_counter() - t)
+                for q in finished:
+                    keep(int(q.seq_id.split("-")[1]), q)
+                bar.update(len(finished))
+        bar.close()
+        del llm, eng
+    return [done[i] for i in sorted(done)]
+
+
+def _load_samples(path: Path) -> list[list[int]]:
+    """Samples as saved for --resume: token lists, or {"i", "ids"} records (regenerated) in prompt order."""
+    recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
+    if recs and isinstance(recs[0], dict):
+        return [r["ids"] for r in sorted(recs, key=lambda r: r["i"])]
+    return recs
+
+
+def _prepare_samples(data, tok, eos, eos_id, rng, target_dir, regenerate, regen_prompts, regen_max_tokens,
+                     regen_temperature, regen_prompt_len, regen_batch, max_len, seed, device, ck_dir: Path,
+                     resume: bool, regen_deadline, threads=None):
+    """Training samples (token-id lists), the file they are kept in for --resume, and how
+    many were regenerated."""
+    records = read_records(data, eos_id)
+    ck_dir.mkdir(parents=True, exist_ok=True)
+    if not regenerate:
+        docs = split_long(tokenize_records(records, tok, eos_id), max_len)
+        if not docs:
+            raise DataError(f"--data {data}: no record has 8 or more tokens")
+        log(f"data: {len(records)} records, {sum(map(len, docs)):,} tokens from {data}")
+        data_file = ck_dir / "samples.jsonl"
+        data_file.write_text("".join(json.dumps(s) + "\n" for s in docs))
+        return docs, str(data_file), 0
+    chat = [r for r in records if r.messages is not None]
+    plain = tokenize_records([r for r in records if r.messages is None], tok, eos_id)
+    prompts = [p for p in (chat_prompt(r, tok) for r in chat) if p]
+    if chat and not prompts:
+        raise DataError(f"--data {data}: no chat record has a user turn to answer")
+    if plain:
+        lo, hi = regen_prompt_len
+        # default: about as many generated tokens as the plain text holds
+        n_cut = regen_prompts or max(1, sum(map(len, plain)) // regen_max_tokens)
+        prompts += cut_prompts(plain, n_cut, lo, hi, line_start_table(tok), rng, eos)
+    rng.shuffle(prompts)
+    if regen_prompts:
+        prompts = prompts[:regen_prompts]
+    room = max_len - regen_max_tokens
+    if room < 2:
+        raise ConfigError(f"--max-len {max_len} leaves no room for a prompt before {regen_max_tokens} new tokens")
+    prompts = [p[-room:] for p in prompts]
+    regen_file = ck_dir / "regenerated.jsonl"
+    if not resume:
+        regen_file.write_text("")
+    log(f"data: {len(records)} records from {data}; regenerating {len(prompts)} prompts x up to "
+        f"{regen_max_tokens} new tokens (temperature {regen_temperature}, batch {regen_batch})")
+    samples = regenerate_samples(target_dir, prompts, regen_max_tokens, regen_temperature, seed, device, regen_batch,
+                                 regen_deadline, regen_file, threads)
+    if not samples:
+        raise DataError("regeneration produced no samples (time budget too small?)")
+    return samples, str(regen_file), len(samples)
+
+
+# ---------------------------------------------------------------------------------------------
+# Batching
+# ---------------------------------------------------------------------------------------------
+
+def make_batches(samples: list[list[int]], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
+    """Index batches of similar lengths, at most batch_tokens padded tokens each, in random order."""
+    order = torch.randperm(len(samples), generator=gen).tolist()
+    batches = []
+    window = 64  # sort within windows of shuffled samples: little padding, still random
+    for w in range(0, len(order), window * 8):
+        group = sorted(order[w:w + window * 8], key=lambda i: len(samples[i]))
+        cur: list[int] = []
+        for i in group:
+            longest = max([len(samples[j]) for j in cur] + [len(samples[i])])
+            if cur and longest * (len(cur) + 1) > batch_tokens:
+                batches.append(cur)
+                cur = []
+            cur.append(i)
+        if cur:
+            batches.append(cur)
+    perm = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[i] for i in perm]
+
+
+def collate(samples: list[list[int]], idx: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+    L = max(len(samples[i]) for i in idx)
+    ids = torch.zeros(len(idx), L, dtype=torch.long)
+    for r, i in enumerate(idx):
+        ids[r, :len(samples[i])] = torch.tensor(samples[i])
+    return ids.to(device), torch.tensor([len(samples[i]) for i in idx], device=device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation with the engine
+# ---------------------------------------------------------------------------------------------
+
+def read_prompts(path: str | Path) -> list[str]:
+    """Prompts from a .jsonl ("prompt" or "text" per line) or a text file (one per line)."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"--eval-prompts {path}: no such file")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        if path.suffix == ".jsonl":
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                raise DataError(f"{path}:{n}: needs a string \"prompt\" (or \"text\")")
+            out.append(text)
+        else:
+            out.append(line)
+    if not out:
+        raise DataError(f"--eval-prompts {path}: no prompts")
+    return out
+
+
+def measure_acceptance(target_dir: str, draft_dir: str, prompts, spec_steps: int = 4, max_tokens: int = 128,
+                       device: str = "auto") -> dict:
+    """Greedy acceptance length over all speculative cycles of all prompts (one batch)."""
+    from specserve.engine.llm import LLM, SamplingParams
+
+    n = len(prompts)
+    llm = LLM(model=target_dir, draft=draft_dir, spec_steps=spec_steps, device=device, max_num_seqs=n)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    secs = time.perf_counter() - t0
+    tot = llm.engine.totals
+    return {"spec_steps": spec_steps, "prompts": n, "max_tokens": max_tokens,
+            "tokens": sum(len(o.token_ids) for o in outs), "cycles": tot.cycles,
+            "accept_length_mean": tot.accept_length, "accept_per_position": tot.accept_per_position,
+            "seconds": round(secs, 2)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------
+
+def save_checkpoint(path: Path, drafter, opt, state: dict) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    blob = {"drafter": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+            "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(), **state}
+    tmp = path / "state.pt.tmp"
+    torch.save(blob, tmp)
+    tmp.replace(path / "state.pt")
+
+
+def load_checkpoint(path: Path) -> dict:
+    f = path / "state.pt"
+    if not f.exists():
+        raise ConfigError(f"--resume: no checkpoint at {f}")
+    return torch.load(f, map_location="cpu", weights_only=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# The trainer
+# ---------------------------------------------------------------------------------------------
+
+def feature_cache_bytes(dev: torch.device, gb: float | None) -> int:
+    """RAM for cached target features: --feature-cache-gb, else on CPU a quarter of the
+    available memory (at most 8 GB); on GPU the target forward is cheap, so none."""
+    if gb is not None:
+        return int(gb * 2**30)
+    if dev.type != "cpu":
+        return 0
+    import psutil
+
+    return int(min(psutil.virtual_memory().available / 4, 8 * 2**30))
+
+
+def _thread_tuner(threads: int | None, dev: torch.device):
+    """On CPU, switch between 1..N intra-op threads, whichever is faster now (under load from
+    other processes one thread can be 5-10x faster than two; see build_demo.ThreadTuner)."""
+    if dev.type != "cpu":
+        return None
+    from specserve.train.build_demo import ThreadTuner
+
+    if threads:
+        torch.set_num_threads(threads)
+        return None
+    # (build_demo's own tuner may have left 1 thread set: still consider 2)
+    n = max(torch.get_num_threads(), min(2, os.cpu_count() or 1))
+    if n <= 1:
+        return None
+    tuner = ThreadTuner(sorted({1, n}), every_s=60.0, trial=3)
+    # Start on one thread (never the disaster case), try n right after the first few steps.
+    tuner.current = 1
+    torch.set_num_threads(1)
+    tuner.last_explore -= tuner.every_s
+    return tuner
+
+
+@dataclass
+class TrainResult:
+    out_dir: str
+    steps: int
+    samples: int
+    tokens: int
+    regenerated: int
+    draft_vocab: int
+    draft_vocab_coverage: float
+    minutes_regenerate: float
+    minutes_train: float
+    final_loss: float
+    final_acc: list[float]
+    val_acc: list[float] | None = None
+    eval: list[dict] = field(default_factory=list)
+
+
+def _pick_device(device: str) -> torch.device:
+    from specserve.model.loader import resolve_device
+
+    return resolve_device(device)
+
+
+def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train_tokens: str | None = None,
+                val_tokens: str | None = None, val_data: str | None = None, minutes: float | None = None,
+                seed: int = 0, draft_vocab: int | None = None, ttt_steps: int = 5, epochs: float = 1.0,
+                lr: float | None = None, from_dir: str | None = None, regenerate: bool = False,
+                regen_prompts: int | None = None, regen_max_tokens: int = 256, regen_temperature: float = 0.0,
+                regen_prompt_len: tuple[int, int] = (32, 192), regen_share: float = 0.35, regen_batch: int = 64,
+                batch_tokens: int = 4096, max_len: int = 512, warmup: int = 50, max_steps: int | None = None,
+                checkpoint_every: int = 100, resume: bool = False, keep_checkpoint: bool = False,
+                device: str = "auto", threads: int | None = None, feature_cache_gb: float | None = None, eval_prompts: str | None = None,
+                eval_spec_steps: tuple[int, ...] = (4,), eval_max_tokens: int = 128, progress: bool = True,
+                **unknown) -> TrainResult:
+    """Train (or fine-tune, `from_dir`) an EAGLE-3 drafter for `target_dir`; writes it to `out_dir`.
+
+    Called by `specserve train-draft` and by build_demo's stage 5 (which passes `train_tokens`
+    and `val_tokens`, the stdlib token streams, and `minutes`; that call uses DEMO_RECIPE)."""
+    if unknown:
+        raise TypeError(f"train_draft() got unknown option(s): {', '.join(sorted(unknown))}")
+    from_build_demo = data is None and train_tokens is not None
+    if from_build_demo:
+        r = DEMO_RECIPE
+        data, val_data = train_tokens, val_data or val_tokens
+        regenerate, draft_vocab, ttt_steps, lr = r["regenerate"], r["draft_vocab"], r["ttt_steps"], r["lr"]
+        regen_share, regen_max_tokens, regen_prompt_len = r["regen_share"], r["regen_max_tokens"], r["regen_prompt_len"]
+        batch_tokens, max_len, epochs = r["batch_tokens"], r["max_len"], r["epochs"]  # epochs: the time budget decides
+        heldout = Path(target_dir) / "heldout_prompts.jsonl"
+        if eval_prompts is None and heldout.exists():
+            eval_prompts = str(heldout)  # the model card's figure (measured after the budget)
+    if data is None and not resume:
+        raise DataError("no training data: pass --data PATH")
+    if ttt_steps < 1:
+        raise ConfigError(f"--ttt-steps must be at least 1, got {ttt_steps}")
+    if epochs <= 0 and not max_steps:
+        raise ConfigError(f"--epochs must be positive, got {epochs}")
+    if threads:
+        torch.set_num_threads(threads)
+    t_start = time.time()
+    deadline = t_start + minutes * 60 if minutes else None
+    out = Path(out_dir)
+    ck_dir = out / CHECKPOINT
+    dev = _pick_device(device)
+    tcfg = ModelConfig.from_dir(target_dir)
+    from specserve.engine.tokenizer import Tokenizer
+
+    tok = Tokenizer(target_dir)
+    eos = set(tok.eos_token_ids) | set(tcfg.eos_token_ids)
+    # the document separator: the tokenizer's EOS token, else the config's first EOS id
+    eos_id = tok.tok.token_to_id(tok.eos_token) if tok.eos_token else None
+    if eos_id is None and eos:
+        eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else min(eos)
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    max_len = min(max_len, tcfg.max_position_embeddings)
+    state = None
+    if resume:
+        if (ck_dir / "state.pt").exists():
+            state = load_checkpoint(ck_dir)
+        elif not (ck_dir / "regenerated.jsonl").exists():
+            raise ConfigError(f"--resume: nothing to resume in {ck_dir}")
+    if state is not None:
+        log(f"resuming from {ck_dir} at step {state['step']}")
+
+    # 1-2. data (+ regeneration) -------------------------------------------------------------
+    t0 = time.time()
+    n_regen = 0
+    if state is not None:
+        samples = _load_samples(Path(state["data_file"]))
+        data_file, n_regen = state["data_file"], state.get("regenerated", 0)
+    else:
+        samples, data_file, n_regen = _prepare_samples(
+            data, tok, eos, eos_id, rng, target_dir, regenerate, regen_prompts, regen_max_tokens, regen_temperature,
+            regen_prompt_len, regen_batch, max_len, seed, device, ck_dir, resume,
+            t_start + regen_share * (deadline - t_start) if deadline else None, threads)
+    samples = split_long(samples, max_len)
+    if not samples:
+        raise DataError("no training samples of at least 8 tokens")
+    minutes_regen = (time.time() - t0) / 60
+    n_tokens = sum(map(len, samples))
+    log(f"training samples: {len(samples)} ({n_tokens:,} tokens), {n_regen} regenerated in {minutes_regen:.1f} min")
+
+    # 3. target, drafter, vocabulary --------------------------------------------------------
+    tdtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    if from_dir:
+        dcfg_existing = DraftConfig.from_dir(from_dir)
+        captured = resolve_aux_layers(dcfg_existing, tcfg.num_layers)
+    else:
+        captured = default_aux_layers(tcfg.num_layers)
+    target = FrozenTarget(target_dir, dev, tdtype, max_len, captured)
+    if from_dir:
+        drafter = load_existing(from_dir, target)
+        draft_ids = draft_vocab_ids(drafter).cpu()
+        if draft_vocab and draft_vocab != draft_ids.numel():
+            raise ConfigError(f"--draft-vocab {draft_vocab} differs from the --from drafter's {draft_ids.numel()}")
+        cfg = json.loads((Path(from_dir) / "config.json").read_text())
+        cfg["torch_dtype"] = "bfloat16"
+    else:
+        if state is not None:
+            draft_ids = state["draft_ids"]
+        else:
+            draft_ids = select_draft_vocab(samples, tcfg.vocab_size, draft_vocab or min(32000, tcfg.vocab_size), eos)
+        cfg = drafter_config(tcfg, draft_ids, captured)
+        drafter = new_drafter(cfg, target, draft_ids, seed)
+    drafter.train()
+    if drafter.embed_tokens is None:
+        drafter.target_embed = target.model.embed_tokens
+    counts = torch.zeros(tcfg.vocab_size, dtype=torch.long)
+    for s in samples:
+        counts += torch.bincount(torch.tensor(s), minlength=tcfg.vocab_size)
+    coverage = float(counts[draft_ids].sum()) / max(int(counts.sum()), 1)
+    log(f"draft vocabulary {draft_ids.numel()} of {tcfg.vocab_size} ids, covering {coverage:.1%} of training tokens; "
+        f"aux layers (captured inputs) {list(captured)}")
+    draft_ids_dev = draft_ids.to(dev)
+    cache = FeatureCache(target, samples, feature_cache_bytes(dev, feature_cache_gb))
+
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    if lr is None:
+        lr = 5e-5 if from_dir else 1e-3
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    step, epoch, pos_in_epoch, train_seconds = 0, 0, 0, 0.0
+    if state is not None:
+        drafter.load_state_dict({k: v.to(dev) for k, v in state["drafter"].items()})
+        opt.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["torch_rng"])
+        gen.set_state(state["gen"])
+        step, epoch, pos_in_epoch = state["step"], state["epoch"], state["pos"]
+        train_seconds = state.get("train_seconds", 0.0)
+    batches = make_batches(samples, batch_tokens, gen) if state is None else state["batches"]
+    per_epoch = len(batches)
+    planned = max_steps if max_steps is not None else max(1, math.ceil(epochs * per_epoch))
+    autocast = torch.bfloat16 if dev.type == "cuda" else None
+
+    def lr_at(progress: float, s: int) -> float:
+        warm = min(1.0, (s + 1) / max(1, min(warmup, planned // 10 + 1)))
+        return lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+
+    # 4. training loop ----------------------------------------------------------------------
+    from tqdm import tqdm
+
+    train_deadline = deadline - 20 if deadline else None  # leave time to save
+    train_budget = (train_deadline - time.time()) if train_deadline else None
+    log(f"training: {planned} steps planned ({per_epoch} batches/epoch of <= {batch_tokens} tokens), "
+        f"TTT {ttt_steps} steps, lr {lr:g}" + (f", time budget {train_budget / 60:.1f} min" if train_budget else ""))
+    tuner = _thread_tuner(threads, dev)
+    bar = tqdm(total=planned, initial=step, desc="train-draft", unit="step", dynamic_ncols=True, disable=not progress,
+               mininterval=2.0 if sys.stderr.isatty() else 30.0)
+    ema_loss, ema_acc = None, None
+    t_loop = time.time() - train_seconds
+    last_ck = step
+    while step < planned:
+        if train_deadline and time.time() > train_deadline:
+            bar.write(f"[train-draft] time budget reached at step {step}")
+            break
+        if pos_in_epoch >= len(batches):
+            epoch += 1
+            pos_in_epoch = 0
+            batches = make_batches(samples, batch_tokens, gen)
+        idx = batches[pos_in_epoch]
+        pos_in_epoch += 1
+        progress_frac = step / planned
+        if train_budget:
+            progress_frac = max(progress_frac, (time.time() - t_loop) / train_budget)
+        cur = lr_at(progress_frac, step)
+        for g in opt.param_groups:
+            g["lr"] = cur
+        t_step = time.perf_counter()
+        ids, lengths, feats, hidden = cache.batch(idx)
+        loss, accs, _ = ttt_loss(drafter, target, ids, lengths, feats, hidden, ttt_steps, draft_ids_dev, autocast)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        step += 1
+        msg = tuner.record((time.perf_counter() - t_step) / max(int(lengths.sum()), 1) * 4096) if tuner else None
+        if msg:
+            bar.write(f"[train-draft] {msg}")
+        lv = loss.item()
+        ema_loss = lv if ema_loss is None else 0.95 * ema_loss + 0.05 * lv
+        ema_acc = accs if ema_acc is None else [0.95 * e + 0.05 * a for e, a in zip(ema_acc, accs)]
+        if train_budget and step >= 5:  # time-bound: show the projected number of steps
+            rate = step / max(time.time() - t_loop, 1e-9)
+            bar.total = min(planned, max(step + 1, int(step + rate * (train_deadline - time.time()))))
+        bar.update(1)
+        bar.set_postfix_str(f"loss {ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in ema_acc) + f" lr {cur:.1e}",
+                            refresh=False)
+        if checkpoint_every and step - last_ck >= checkpoint_every and step < planned:
+            save_checkpoint(ck_dir, drafter, opt, {
+                "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
+                "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen,
+                "train_seconds": time.time() - t_loop})
+            last_ck = step
+    bar.close()
+    minutes_train = (time.time() - t_loop) / 60
+
+    # 5. save -------------------------------------------------------------------------------
+    drafter.eval()
+    save_drafter(drafter, cfg, out)
+    val_acc = None
+    if val_data:
+        val_acc = validate(drafter, target, val_data, tok, eos_id, ttt_steps, draft_ids_dev, max_len, batch_tokens)
+        log("validation top-1 agreement per step: " + " ".join(f"{a:.3f}" for a in val_acc))
+    res = TrainResult(out_dir=str(out), steps=step, samples=len(samples), tokens=n_tokens, regenerated=n_regen,
+                      draft_vocab=int(draft_ids.numel()), draft_vocab_coverage=round(coverage, 4),
+                      minutes_regenerate=round(minutes_regen, 2), minutes_train=round(minutes_train, 2),
+                      final_loss=round(ema_loss or float("nan"), 4),
+                      final_acc=[round(a, 4) for a in (ema_acc or [])], val_acc=val_acc)
+    del target
+    if eval_prompts:
+        prompts = read_prompts(eval_prompts)
+        for K in eval_spec_steps:
+            r = measure_acceptance(target_dir, str(out), prompts, K, eval_max_tokens, device)
+            res.eval.append(r)
+            log(f"held-out acceptance length at K={K}: {r['accept_length_mean']:.3f} "
+                f"({r['cycles']} cycles, {len(prompts)} prompts x {eval_max_tokens} tokens)")
+    (out / "training_summary.json").write_text(json.dumps(asdict(res), indent=2) + "\n")
+    if not keep_checkpoint and ck_dir.exists():
+        shutil.rmtree(ck_dir)
+    log(f"wrote {out / 'model.safetensors'} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB) after "
+        f"{step} steps in {(time.time() - t_start) / 60:.1f} min")
+    return res
+
+
+@torch.no_grad()
+def validate(drafter, target, path, tok, eos_id, steps, draft_ids, max_len, batch_tokens, max_batches: int = 8):
+    docs = split_long(tokenize_records(read_records(path, eos_id), tok, eos_id), max_len)
+    gen = torch.Generator().manual_seed(1234)
+    hits = [0.0] * steps
+    n = [0] * steps
+    for idx in make_batches(docs, batch_tokens, gen)[:max_batches]:
+        ids, lengths = collate(docs, idx, target.device)
+        feats, hidden = target(ids)
+        _, accs, counts = ttt_loss(drafter, target, ids, lengths, feats.float(), hidden.float(), steps, draft_ids)
+        for k in range(steps):
+            hits[k] += accs[k] * counts[k]
+            n[k] += counts[k]
+    return [round(h / max(c, 1), 4) for h, c in zip(hits, n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+def _int_pair(s: str) -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in s.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected LO,HI (two integers), got {s!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"need 1 <= LO <= HI, got {s!r}")
+    return lo, hi
+
+
+def _int_list(s: str) -> tuple[int, ...]:
+    try:
+        out = tuple(int(x) for x in s.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {s!r}") from None
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"spec steps must be >= 1, got {s!r}")
+    return out
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", required=True, help="target model directory (Hugging Face layout)")
+    p.add_argument("--data", help=".jsonl (\"text\" or chat \"messages\"), .txt, .npy token stream, or a folder")
+    p.add_argument("--out", required=True, help="drafter output directory (config.json + model.safetensors)")
+    p.add_argument("--val-data", help="held-out data for the per-step agreement report (same formats as --data)")
+    p.add_argument("--from", dest="from_dir", help="fine-tune this existing drafter instead of starting fresh")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="draft vocabulary size: the N most frequent target tokens (default min(32000, vocab))")
+    p.add_argument("--ttt-steps", type=int, default=5, help="unrolled training-time-test steps (default 5)")
+    p.add_argument("--epochs", type=float, default=1.0)
+    p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="wall-clock budget for regeneration + training (the lr schedule follows it)")
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default 1e-3 fresh, 5e-5 with --from)")
+    p.add_argument("--warmup", type=int, default=50, help="linear warm-up steps")
+    p.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per batch")
+    p.add_argument("--max-len", type=int, default=512, help="longest training sample; longer ones are cut")
+    p.add_argument("--regenerate", action="store_true",
+                   help="let the target write the responses/continuations first and train on those")
+    p.add_argument("--regen-prompts", type=int, default=None, help="number of prompts to regenerate (default: from data size)")
+    p.add_argument("--regen-max-tokens", type=int, default=256)
+    p.add_argument("--regen-temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--regen-prompt-len", type=_int_pair, default=(32, 192), metavar="LO,HI",
+                   help="prompt prefix length range in tokens for plain-text data")
+    p.add_argument("--regen-share", type=float, default=0.35,
+                   help="share of --max-minutes that regeneration may use")
+    p.add_argument("--regen-batch", type=int, default=64, help="sequences generated at once")
+    p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints in OUT/checkpoint")
+    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--keep-checkpoint", action="store_true", help="keep OUT/checkpoint after finishing")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for torch (default: switch between 1 and all, whichever is faster now)")
+    p.add_argument("--feature-cache-gb", type=float, default=None,
+                   help="RAM for caching target features across epochs (default on CPU: 1/4 of free RAM, max 8)")
+    p.add_argument("--eval-prompts", help="after training, measure greedy acceptance length on these prompts "
+                                          "(.jsonl with \"prompt\", or one prompt per line)")
+    p.add_argument("--eval-spec-steps", type=_int_list, default=(4,), metavar="K[,K...]")
+    p.add_argument("--eval-max-tokens", type=int, default=128)
+    p.add_argument("--eval-only", action="store_true", help="only measure the drafter already in --out")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.eval_only:
+            if not args.eval_prompts:
+                raise ConfigError("--eval-only needs --eval-prompts")
+            prompts = read_prompts(args.eval_prompts)
+            for K in args.eval_spec_steps:
+                r = measure_acceptance(args.target, args.out, prompts, K, args.eval_max_tokens, args.device)
+                print(json.dumps(r))
+            return 0
+        if not args.data and not args.resume:
+            raise DataError("--data is required (unless --resume or --eval-only)")
+        res = train_draft(args.target, args.out, args.data, val_data=args.val_data, minutes=args.max_minutes,
+                          seed=args.seed, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, epochs=args.epochs,
+                          lr=args.lr, from_dir=args.from_dir, regenerate=args.regenerate,
+                          regen_prompts=args.regen_prompts, regen_max_tokens=args.regen_max_tokens,
+                          regen_temperature=args.regen_temperature, regen_prompt_len=args.regen_prompt_len,
+                          regen_share=args.regen_share, regen_batch=args.regen_batch, batch_tokens=args.batch_tokens,
+                          max_len=args.max_len, warmup=args.warmup, max_steps=args.max_steps,
+                          checkpoint_every=args.checkpoint_every, resume=args.resume,
+                          keep_checkpoint=args.keep_checkpoint, device=args.device, threads=args.threads,
+                          feature_cache_gb=args.feature_cache_gb,
+                          eval_prompts=args.eval_prompts, eval_spec_steps=args.eval_spec_steps,
+                          eval_max_tokens=args.eval_max_tokens)
+    except (ConfigError, DataError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(asdict(res)))
+    return 0

@@ -1,0 +1,256 @@
+"""`specserve train-draft`: data reading, the training-time-test forward against the
+engine's cached drafting, the draft vocabulary, checkpoints/resume, and an end-to-end run
+on a tiny target that must raise the acceptance length over an untrained drafter."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from tiny import make_drafter, make_target
+
+from specserve.config import ConfigError, DraftConfig, default_aux_layers, resolve_aux_layers
+from specserve.model.layers import ForwardContext
+from specserve.model.loader import load_drafter
+from specserve.train import build_demo
+from specserve.train import train_draft as td
+from specserve.train.data import DataError, Record, chat_prompt, read_records, split_long, tokenize_records
+
+CPU = torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# fixtures: a tiny target with a real (byte-level BPE) tokenizer
+# ---------------------------------------------------------------------------------------------
+
+def _stdlib_texts(n: int) -> list[str]:
+    return [d.text for d in build_demo.collect_stdlib(max_files=n)]
+
+
+@pytest.fixture(scope="module")
+def texts():
+    return _stdlib_texts(30)
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory, texts):
+    """A 2-layer, 32-wide target over a 300-token BPE vocabulary. Its attention output is
+    scaled down and its head sharpened, so greedy text is mostly a (random) function of the
+    last token with confident logits: learnable in seconds, which is what a CI run needs."""
+    root = tmp_path_factory.mktemp("tdpair")
+    target = make_target(root / "target", vocab=300, hidden=32, layers=2, heads=4, kv_heads=2)
+    w = load_file(str(target / "model.safetensors"))
+    for k in w:
+        if "o_proj" in k:
+            w[k] = w[k] * 0.1
+        if k == "lm_head.weight":
+            w[k] = w[k] * 8
+    save_file(w, str(target / "model.safetensors"), metadata={"format": "pt"})
+    tok = build_demo.train_tokenizer(texts[:20], vocab_size=300)
+    build_demo.write_tokenizer(tok, target)
+    (root / "data.txt").write_text("".join(texts[:10])[:30000])
+    prompts = [t[:100] for t in texts[22:28]]  # not in the training text
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return root, target
+
+
+# ---------------------------------------------------------------------------------------------
+# data
+# ---------------------------------------------------------------------------------------------
+
+def test_read_records_formats_and_errors(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "def f(): pass"}) + "\n\n"
+                                      + json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                                                 {"role": "assistant", "content": "yo"}]}) + "\n")
+    (tmp_path / "b.txt").write_text("x = 1\n")
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    (sub / "c.py").write_text("y = 2\n")
+    (sub / "skip.bin").write_bytes(b"\x00\x01")
+    np.save(sub / "d.npy", np.array([5, 6, 0, 7, 8, 9, 0], dtype=np.uint16))
+    recs = read_records(tmp_path, eos_id=0)
+    assert [r.text for r in recs if r.text] == ["def f(): pass", "x = 1\n", "y = 2\n"]
+    assert [r.messages[1]["content"] for r in recs if r.messages] == ["yo"]
+    assert [r.ids for r in recs if r.ids] == [[5, 6, 0], [7, 8, 9, 0]]  # split at EOS, EOS kept
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
+        read_records(bad)
+    bad.write_text(json.dumps({"prompt": "no text key"}) + "\n")
+    with pytest.raises(DataError, match=r"bad.jsonl:1: record has neither \"text\" nor \"messages\""):
+        read_records(bad)
+    bad.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DataError, match=r"messages\[0\] must be an object"):
+        read_records(bad)
+    with pytest.raises(DataError, match="no such file"):
+        read_records(tmp_path / "missing.jsonl")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no .jsonl, .npy or text files"):
+        read_records(tmp_path / "empty")
+    np.save(tmp_path / "f.npy", np.zeros((2, 2), dtype=np.float32))
+    with pytest.raises(DataError, match="1-D integer"):
+        read_records(tmp_path / "f.npy")
+
+
+def test_tokenize_chat_prompt_and_split(tiny_pair):
+    from specserve.engine.tokenizer import Tokenizer
+
+    _, target = tiny_pair
+    tok = Tokenizer(target)
+    msgs = [{"role": "user", "content": "add"}, {"role": "assistant", "content": "def add(a, b): return a+b"}]
+    [ids] = tokenize_records([Record(messages=msgs)], tok, 0)
+    assert tok.decode(ids, skip_special_tokens=False).startswith("<|im_start|>user\nadd<|im_end|>")
+    prompt = chat_prompt(Record(messages=msgs), tok)
+    assert tok.decode(prompt, skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+    assert chat_prompt(Record(messages=msgs[1:]), tok) is None  # nothing to answer
+    [plain] = tokenize_records([Record(text="x = 1")], tok, 0)
+    assert plain[-1] == 0  # documents end with EOS, like the pre-training stream
+    assert split_long([list(range(20))], 8, min_len=4) == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
+
+
+# ---------------------------------------------------------------------------------------------
+# the training forward matches the engine's drafting
+# ---------------------------------------------------------------------------------------------
+
+def test_ttt_forward_matches_cached_drafting(tmp_path):
+    """Step k at position b+k of the unrolled training forward must equal the engine's k-th
+    draft step of a chain based at b: extend over feature entries 0..b, then feed back."""
+    target_dir = make_target(tmp_path / "t", vocab=96, hidden=64, layers=4)
+    draft_dir = make_drafter(tmp_path / "d", target_dir, layout="sglang", draft_vocab=64)
+    dcfg = DraftConfig.from_dir(draft_dir)
+    tgt = td.FrozenTarget(str(target_dir), CPU, torch.float32, 64, resolve_aux_layers(dcfg, 4))
+    dr = load_drafter(draft_dir, tgt.model, CPU, torch.float32, 64)
+    torch.manual_seed(0)
+    T, steps = 18, 4
+    ids = torch.randint(0, 96, (2, T + 1))
+    feats, _ = tgt(ids)
+    feats = feats[:, :T]
+    with torch.no_grad():
+        outs = td.ttt_forward(dr, feats, ids[:, 1:], steps)
+    attn = dr.midlayer.self_attn.attn
+    attn.k_cache = torch.zeros(2, attn.num_kv_heads, 64, attn.head_dim)
+    attn.v_cache = torch.zeros_like(attn.k_cache)
+    with torch.inference_mode():
+        for b in range(T - steps + 1):
+            pos = torch.arange(b + 1).expand(2, b + 1)
+            g = dr(ids[:, 1:b + 2], feats[:, :b + 1], ForwardContext(0, pos, pos, b + 1))[:, -1:]
+            torch.testing.assert_close(outs[0][:, b], g[:, 0], rtol=1e-4, atol=1e-4)
+            for k in range(1, steps):
+                p = torch.full((2, 1), b + k)
+                g = dr(ids[:, b + k + 1:b + k + 2], g, ForwardContext(0, p, p, b + k + 1))
+                torch.testing.assert_close(outs[k][:, b + k], g[:, 0], rtol=1e-4, atol=1e-4)
+
+
+def test_draft_vocab_selection():
+    docs = [[5, 5, 5, 9, 9, 2], [7, 5, 9]]
+    ids = td.select_draft_vocab(docs, vocab_size=12, n=3, always={0})
+    assert ids.tolist() == [0, 5, 9]  # EOS forced in, then the two most frequent; sorted
+    assert td.select_draft_vocab(docs, 12, 50, set()).numel() == 12  # capped at the vocabulary
+
+
+# ---------------------------------------------------------------------------------------------
+# end to end
+# ---------------------------------------------------------------------------------------------
+
+def test_train_draft_raises_acceptance(tiny_pair):
+    """The CI run: regenerate, pick the vocabulary, train with TTT, save, load in the
+    engine. Greedy acceptance at K=3 on unseen prompts must clearly beat the untrained
+    (warm-started) drafter of the same pipeline."""
+    root, target = tiny_pair
+    prompts = td.read_prompts(root / "prompts.jsonl")
+    t0 = time.time()
+    td.train_draft(str(target), str(root / "d0"), str(root / "data.txt"), max_steps=0, draft_vocab=200,
+                          device="cpu", progress=False)
+    res = td.train_draft(str(target), str(root / "d1"), str(root / "data.txt"), regenerate=True, regen_prompts=48,
+                         regen_max_tokens=48, regen_prompt_len=(8, 32), draft_vocab=200, ttt_steps=3, lr=2e-2,
+                         warmup=3, max_steps=32, batch_tokens=1536, max_len=128, device="cpu", progress=False)
+    train_s = time.time() - t0
+    assert res.regenerated == 48 and res.steps == 32 and res.draft_vocab == 200
+    before = td.measure_acceptance(str(target), str(root / "d0"), prompts, 3, 32, "cpu")["accept_length_mean"]
+    after = td.measure_acceptance(str(target), str(root / "d1"), prompts, 3, 32, "cpu")["accept_length_mean"]
+    print(f"acceptance length K=3: untrained {before:.3f} -> trained {after:.3f}; training {train_s:.1f}s")
+    assert before < 1.1 and after > before + 0.5, (before, after)
+
+    # The output is a SpecForge/SGLang-layout drafter that specserve reads with the same taps.
+    cfg = json.loads((root / "d1" / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 200
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in default_aux_layers(2)]
+    assert resolve_aux_layers(DraftConfig.from_dir(root / "d1"), 2) == default_aux_layers(2)
+    w = load_file(str(root / "d1" / "model.safetensors"))
+    assert "embed_tokens.weight" not in w and w["lm_head.weight"].dtype == torch.bfloat16
+    assert w["lm_head.weight"].shape == (200, 32) and w["fc.weight"].shape == (32, 96)
+    vocab = torch.arange(200) + w["d2t"]
+    assert w["d2t"].dtype == torch.int64 and bool((vocab[1:] > vocab[:-1]).all())
+    assert w["t2d"].dtype == torch.bool and w["t2d"].sum() == 200 and bool(w["t2d"][vocab].all())
+    assert bool(w["t2d"][0])  # EOS is always in the draft vocabulary
+    assert not (root / "d1" / "checkpoint").exists()  # removed after a finished run
+    summary = json.loads((root / "d1" / "training_summary.json").read_text())
+    assert summary["steps"] == 32 and len(summary["final_acc"]) == 3
+
+
+def test_resume_reproduces_an_uninterrupted_run(tiny_pair):
+    """Stopping after a checkpoint and resuming gives the same weights as one run."""
+    root, target = tiny_pair
+    kw = {"draft_vocab": 100, "ttt_steps": 2, "lr": 3e-3, "warmup": 2, "max_steps": 4, "batch_tokens": 512,
+          "max_len": 64, "device": "cpu", "progress": False, "checkpoint_every": 2, "keep_checkpoint": True}
+    data = str(root / "data.txt")
+    td.train_draft(str(target), str(root / "full"), data, **kw)
+    # An interrupted run: the same job killed right after its step-2 checkpoint.
+    state = torch.load(root / "full" / "checkpoint" / "state.pt", weights_only=True)
+    assert state["step"] == 2
+    shutil.copytree(root / "full" / "checkpoint", root / "part" / "checkpoint")
+    td.train_draft(str(target), str(root / "part"), None, resume=True, **kw)
+    a = load_file(str(root / "full" / "model.safetensors"))
+    b = load_file(str(root / "part" / "model.safetensors"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
+    root, target = tiny_pair
+    src = make_drafter(tmp_path / "src", target, layout="sglang", draft_vocab=150, aux_ids=[0, 0, 0])
+    res = td.train_draft(str(target), str(tmp_path / "ft"), str(root / "data.txt"), from_dir=str(src), max_steps=2,
+                         lr=1e-3, batch_tokens=512, max_len=64, device="cpu", progress=False)
+    assert res.draft_vocab == 150
+    cfg = json.loads((tmp_path / "ft" / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 0]  # taps kept
+    before, after = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "ft" / "model.safetensors"))
+    assert torch.equal(before["d2t"], after["d2t"])
+    assert not torch.equal(before["fc.weight"].to(torch.bfloat16), after["fc.weight"])
+    with pytest.raises(ConfigError, match="--draft-vocab 99 differs"):
+        td.train_draft(str(target), str(tmp_path / "ft2"), str(root / "data.txt"), from_dir=str(src), draft_vocab=99,
+                       max_steps=1, device="cpu", progress=False)
+
+
+def test_cli_errors(tiny_pair, capsys):
+    from specserve.cli import main
+
+    root, target = tiny_pair
+    rc = main(["train-draft", "--target", str(target), "--data", str(root / "nope.jsonl"), "--out", str(root / "x")])
+    assert rc == 1 and "no such file" in capsys.readouterr().err
+    rc = main(["train-draft", "--target", str(target), "--out", str(root / "x")])
+    assert rc == 1 and "--data is required" in capsys.readouterr().err
+    rc = main(["train-draft", "--target", str(target), "--data", str(root / "data.txt"), "--out", str(root / "x"),
+               "--ttt-steps", "0"])
+    assert rc == 1 and "--ttt-steps must be at least 1" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train-draft", "--target", str(target), "--out", "x", "--regen-prompt-len", "9,3"])
+
+
+@pytest.mark.gpu
+def test_train_draft_on_gpu(tiny_pair):
+    """A few steps on CUDA (bf16 target, autocast drafter); the result loads in the engine."""
+    root, target = tiny_pair
+    res = td.train_draft(str(target), str(root / "gpu"), str(root / "data.txt"), regenerate=True, regen_prompts=32,
+                         regen_max_tokens=32, draft_vocab=200, ttt_steps=3, lr=1e-2, warmup=2, max_steps=20,
+                         batch_tokens=2048, max_len=128, device="cuda", progress=False)
+    assert res.steps == 20 and res.final_acc[0] > 0
+    r = td.measure_acceptance(str(target), str(root / "gpu"), td.read_prompts(root / "prompts.jsonl"), 3, 32, "cuda")
+    assert r["accept_length_mean"] > 1.0
