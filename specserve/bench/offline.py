@@ -63,31 +63,55 @@ def make_batches(categories: list[str], bs: int) -> list[Batch]:
 
 # ------------------------------------------------------------------ engine units
 class EngineUnit:
+    """One engine configuration. Single-process configs share one engine (`shared`):
+    weights and CUDA graphs are loaded once and `Engine.set_spec_steps` switches
+    between plain, fixed-K and adaptive runs — an 8B target fits once, not once per config."""
+
     kind = "engine"
 
-    def __init__(self, cfg: BenchConfig, base_kw: dict, profile: bool):
-        if base_kw.get("tp", 1) > 1:  # one worker process per GPU/rank
-            from specserve.distributed.tp_llm import TPLLM as LLM
+    def __init__(self, cfg: BenchConfig, base_kw: dict, profile: bool, shared=None):
+        self.cfg = cfg
+        self.shared = shared is not None
+        t0 = time.perf_counter()
+        if shared is not None:
+            self.llm = shared
         else:
-            from specserve.engine.llm import LLM
+            if base_kw.get("tp", 1) > 1:  # one worker process per GPU/rank
+                from specserve.distributed.tp_llm import TPLLM as LLM
+            else:
+                from specserve.engine.llm import LLM
 
+            kw = dict(base_kw)
+            if cfg.name == "baseline":
+                kw.update(draft=None, spec_steps=0, max_spec_steps=0, adaptive=False)
+            else:
+                adaptive = bool(cfg.get("adaptive"))
+                kw.update(spec_steps=0 if adaptive else cfg.spec_steps, max_spec_steps=cfg.spec_steps,
+                          adaptive=adaptive)
+            self.llm = LLM(profile=profile and cfg.name != "baseline", **kw)
+        self.load_s = time.perf_counter() - t0
+        self.details: dict = {"load_s": round(self.load_s, 3), "shared_engine": self.shared}
+
+    @staticmethod
+    def shared_llm(configs: list[BenchConfig], base_kw: dict, profile: bool):
+        """One engine able to run every config (adaptive-capable, graphs for K = 1..max)."""
+        from specserve.engine.llm import LLM
+
+        k_max = max(c.spec_steps for c in configs)
         kw = dict(base_kw)
-        if cfg.name == "baseline":
+        if k_max == 0:
             kw.update(draft=None, spec_steps=0, max_spec_steps=0, adaptive=False)
         else:
-            adaptive = bool(cfg.get("adaptive"))
-            kw.update(spec_steps=0 if adaptive else cfg.spec_steps, max_spec_steps=cfg.spec_steps, adaptive=adaptive)
-        self.cfg = cfg
-        t0 = time.perf_counter()
-        self.llm = LLM(profile=profile and cfg.name != "baseline", **kw)
-        self.load_s = time.perf_counter() - t0
-        self.details: dict = {"load_s": round(self.load_s, 3)}
+            kw.update(spec_steps=0, max_spec_steps=k_max, adaptive=True)
+        return LLM(profile=profile, **kw)
 
     def unavailable(self, bs: int) -> str | None:
         return None
 
     def run(self, ids: list[list[int]], params: list) -> RunOutput:
         eng = getattr(self.llm, "engine", None)
+        if self.shared:
+            eng.set_spec_steps(0 if self.cfg.name == "baseline" else (None if self.cfg.get("adaptive") else self.cfg.spec_steps))
         before = _totals(eng)
         policy = getattr(eng, "policy", None)
         chosen = dict(policy.choices) if policy is not None else {}
@@ -110,7 +134,7 @@ class EngineUnit:
         return RunOutput([list(o.token_ids) for o in outs], wall, ttft, tpot, spec, prof)
 
     def finish(self) -> None:
-        if hasattr(self.llm, "close"):  # TP workers
+        if hasattr(self.llm, "close") and not self.shared:  # TP workers
             self.llm.close()
 
 
@@ -202,9 +226,13 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     t_load = time.perf_counter()
     units: dict[str, object] = {}
+    shared = None
+    if base_kw.get("tp", 1) == 1 and len(configs) > 1:
+        log(f"[bench] loading one engine for {len(configs)} configs ...")
+        shared = EngineUnit.shared_llm(configs, base_kw, args.profile)
     for cfg in configs:
         log(f"[bench] loading {cfg.label} ...")
-        units[cfg.label] = EngineUnit(cfg, base_kw, args.profile)
+        units[cfg.label] = EngineUnit(cfg, base_kw, args.profile, shared)
     from specserve.model.loader import resolve_dtype
 
     device = base_kw["device"]
@@ -390,6 +418,8 @@ def summarize(label: str, unit, bs: int, category: str | None, runs, reason: str
         dra = [sum(s["drafted_per_pos"][i] for s in specs if i < len(s["drafted_per_pos"])) for i in range(width)]
         accept_len = 1 + accepted / cycles if cycles else None
         per_pos = [a / d if d else None for a, d in zip(acc, dra)]
+        while per_pos and per_pos[-1] is None:  # a shared engine's counters are as wide as its largest K
+            per_pos.pop()
         details.update(cycles=cycles, drafted_tokens=sum(s["drafted"] for s in specs), accepted_tokens=accepted)
         chosen: dict[str, int] = {}
         for s in specs:
