@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The 8B-class run (issue 9) plus the supervisor demonstration (issue 8), one call on one H200:
+#   bash benchmarks/gpu_scale.sh            (results under $OUT)
+# 1. grow the bundled demo pair to the Llama-3.1-8B shape (vocab padded to 128256) and check that
+#    the grown target's greedy tokens agree with the small target's;
+# 2. specserve bench on the grown pair: baseline, eagle3 steps 1..6, adaptive, batch 1/4/16/64,
+#    transformers peers, profile + cost model;
+# 3. specserve launch supervising a real `specserve serve` of the grown pair with a ready-timeout
+#    shorter than its start-up: killed during CUDA graph capture, GPU memory checked afterwards.
+# fastapi/uvicorn are not on the GPU image: carry wheels in .whl (see README of the device tool).
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+fi
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+W=/tmp/specserve-grown
+date -u
+timeout 240 python3 benchmarks/grow_check.py --preset llama3-8b --pad-vocab 128256 --work $W \
+  --num-prompts 24 --max-tokens 64 --out "$OUT/grow_check.json" 2>&1 | grep -v -i warn | tail -12
+timeout 330 python3 -m specserve bench --model $W --draft $W/draft \
+  --configs baseline eagle3:steps=1 eagle3:steps=2 eagle3:steps=3 eagle3:steps=4 eagle3:steps=5 eagle3:steps=6 \
+            eagle3:adaptive,steps=6 \
+  --batch-sizes 1 4 16 64 --num-prompts 2 --max-tokens 64 --warmup 1 --repeats 2 --peers hf hf-assisted \
+  --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" --no-progress 2>&1 | grep -v -i warn | tail -45
+nvidia-smi --query-gpu=index,memory.used --format=csv
+timeout 90 python3 -m specserve launch --ready-timeout 12 --stall-timeout 60 --log "$OUT/launch.log" -- \
+  python3 -m specserve serve --model $W --draft $W/draft --port 18123 2>&1 | tail -25
+echo "launch exit code: ${PIPESTATUS[0]}"
+nvidia-smi --query-gpu=index,memory.used --format=csv
+date -u
