@@ -19,6 +19,8 @@ SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCaus
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
+# Default --max-model-len when none is given: min(target's max_position_embeddings, this).
+DEFAULT_MAX_MODEL_LEN = {"cuda": 4096, "cpu": 1024}
 
 
 class ConfigError(ValueError):
@@ -320,3 +322,47 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None):
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
     return torch.where(medium, blended, scaled)
+
+
+def default_max_model_len(cfg: ModelConfig, device_type: str) -> int:
+    return min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN["cuda" if device_type == "cuda" else "cpu"])
+
+
+def checkpoint_files(model_dir: Path, allow_pickle: bool) -> list[Path]:
+    """The weight files of a checkpoint directory: a safetensors index, else
+    *.safetensors, else pickles (*.bin / *.pt) only with `allow_pickle`, because
+    unpickling can execute code."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError) as e:
+            raise ConfigError(f"{index} is not a valid safetensors index ({e})") from None
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise ConfigError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    pickles = sorted(model_dir.glob("*.bin")) + sorted(model_dir.glob("*.pt"))
+    if pickles:
+        if not allow_pickle:
+            raise ConfigError(
+                f"{model_dir} holds only pickle checkpoints ({', '.join(p.name for p in pickles)}); "
+                "pickles can execute code when loaded. Convert them to safetensors, or pass --allow-pickle "
+                "if you trust their source"
+            )
+        return pickles
+    raise ConfigError(f"{model_dir} has no weights (*.safetensors, or *.bin with --allow-pickle)")
+
+
+def draft_tensor_name(name: str) -> str:
+    """EAGLE-reference tensor names (`layers.0.*`, optional `model.` prefix) -> SpecForge names (`midlayer.*`)."""
+    if name.startswith("model."):
+        name = name[len("model."):]
+    if name.startswith("layers.0."):
+        name = "midlayer." + name[len("layers.0."):]
+    return name

@@ -18,7 +18,7 @@ from enum import Enum
 
 import torch
 
-from specserve.config import ConfigError, EngineConfig
+from specserve.config import EngineConfig
 from specserve.engine.adaptive import SpecPolicy
 from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens
@@ -436,7 +436,6 @@ class Engine:
     def _release_finished(self) -> None:
         """Free the rows of finished sequences, keeping running rows a prefix
         and the prefill block right behind it (their KV moves with them)."""
-        r = self.runner
         for row in range(self.n_running + self.n_prefill - 1, -1, -1):
             seq = self.rows[row]
             if seq is None or seq.finish_reason is None:

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 
 import torch
 
-from specserve.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, resolve_aux_layers
+from specserve.config import (
+    ConfigError,
+    DraftConfig,
+    EngineConfig,
+    ModelConfig,
+    default_max_model_len,
+    resolve_aux_layers,
+)
 from specserve.engine.sampling import (
     STREAM_DRAFT,
     BatchSampling,
@@ -69,8 +76,7 @@ class ModelRunner:
         self.model_cfg = ModelConfig.from_dir(cfg.model)
         self.draft_cfg = DraftConfig.from_dir(cfg.draft) if cfg.draft else None
         self.dtype = resolve_dtype(cfg.dtype, self.model_cfg.dtype, self.device)
-        self.max_model_len = cfg.max_model_len or min(self.model_cfg.max_position_embeddings,
-                                                      4096 if self.device.type == "cuda" else 1024)
+        self.max_model_len = cfg.max_model_len or default_max_model_len(self.model_cfg, self.device.type)
         if self.max_model_len > self.model_cfg.max_position_embeddings:
             raise ConfigError(
                 f"--max-model-len {self.max_model_len} exceeds the target's max_position_embeddings "

@@ -9,14 +9,18 @@ wrong architecture), except a few known-harmless buffers.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from specserve.config import ConfigError, DraftConfig, ModelConfig
+from specserve.config import ConfigError, DraftConfig, ModelConfig, checkpoint_files, draft_tensor_name
+
+if TYPE_CHECKING:
+    from specserve.model.eagle3 import Eagle3Drafter
+    from specserve.model.transformer import CausalLM
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
@@ -40,33 +44,6 @@ def resolve_dtype(dtype: str, config_dtype: str, device: torch.device) -> torch.
     if dtype not in DTYPES:
         raise ConfigError(f"unknown dtype {dtype!r}; choose from auto, float32, float16, bfloat16")
     return DTYPES[dtype]
-
-
-def checkpoint_files(model_dir: Path, allow_pickle: bool) -> list[Path]:
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ConfigError(f"{index} is not a valid safetensors index ({e})") from None
-        files = sorted({model_dir / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise ConfigError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = sorted(model_dir.glob("*.bin")) + sorted(model_dir.glob("*.pt"))
-    if pickles:
-        if not allow_pickle:
-            raise ConfigError(
-                f"{model_dir} holds only pickle checkpoints ({', '.join(p.name for p in pickles)}); "
-                "pickles can execute code when loaded. Convert them to safetensors, or pass --allow-pickle "
-                "if you trust their source"
-            )
-        return pickles
-    raise ConfigError(f"{model_dir} has no weights (*.safetensors, or *.bin with --allow-pickle)")
 
 
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -159,14 +136,6 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     return model.eval().requires_grad_(False)
 
 
-def _draft_rename(name: str) -> str:
-    if name.startswith("model."):
-        name = name[len("model."):]
-    if name.startswith("layers.0."):
-        name = "midlayer." + name[len("layers.0."):]
-    return name
-
-
 def load_drafter(draft_dir: str | Path, target, device: torch.device, dtype: torch.dtype, max_positions: int,
                  allow_pickle: bool = False) -> "Eagle3Drafter":
     from specserve.model.eagle3 import Eagle3Drafter
@@ -174,12 +143,12 @@ def load_drafter(draft_dir: str | Path, target, device: torch.device, dtype: tor
     draft_dir = Path(draft_dir)
     cfg = DraftConfig.from_dir(draft_dir)
     files = checkpoint_files(draft_dir, allow_pickle)
-    names = {_draft_rename(n) for n in tensor_names(files)}
+    names = {draft_tensor_name(n) for n in tensor_names(files)}
     with _build_on(device, dtype):
         drafter = Eagle3Drafter(cfg, max_positions, has_embedding="embed_tokens.weight" in names)
     # d2t/t2d may be absent when the draft vocabulary is the full target vocabulary.
     optional = frozenset({"d2t", "t2d"}) if cfg.draft_vocab_size == cfg.vocab_size else frozenset({"t2d"})
-    _fill(drafter, drafter.hf_weight_map(), iter_tensors(files), str(draft_dir), rename=_draft_rename, optional=optional)
+    _fill(drafter, drafter.hf_weight_map(), iter_tensors(files), str(draft_dir), rename=draft_tensor_name, optional=optional)
     if drafter.embed_tokens is None:
         drafter.target_embed = target.embed_tokens
     return drafter.eval().requires_grad_(False)

@@ -40,10 +40,14 @@ from pathlib import Path
 from typing import Any
 
 from specserve.config import (
+    DEFAULT_MAX_MODEL_LEN,
     ConfigError,
     DraftConfig,
     EngineConfig,
     ModelConfig,
+    checkpoint_files,
+    default_max_model_len,
+    draft_tensor_name,
     read_json,
     resolve_aux_layers,
 )
@@ -60,7 +64,6 @@ OVERHEAD_BYTES = 1 * GIB
 LOGIT_COPIES = 3
 
 # Mirrors runner.py: the context length served when --max-model-len is not given.
-DEFAULT_MAX_MODEL_LEN = {"cuda": 4096, "cpu": 1024}
 # Mirrors loader.DTYPES/resolve_dtype (tests assert they agree).
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2}
 # safetensors dtype tags -> bytes per element.
@@ -144,35 +147,6 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
     return out
 
 
-def weight_files(model_dir: Path, allow_pickle: bool) -> list[Path]:
-    """The checkpoint files the loader would read; same rules and messages as
-    `specserve.model.loader.checkpoint_files` (kept torch-free here; a test checks they agree)."""
-    index = model_dir / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ConfigError(f"{index} is not a valid safetensors index ({e})") from None
-        files = sorted({model_dir / f for f in weight_map.values()})
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise ConfigError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
-        return files
-    files = sorted(model_dir.glob("*.safetensors"))
-    if files:
-        return files
-    pickles = sorted(model_dir.glob("*.bin")) + sorted(model_dir.glob("*.pt"))
-    if pickles:
-        if not allow_pickle:
-            raise ConfigError(
-                f"{model_dir} holds only pickle checkpoints ({', '.join(p.name for p in pickles)}); "
-                "pickles can execute code when loaded. Convert them to safetensors, or pass --allow-pickle "
-                "if you trust their source"
-            )
-        return pickles
-    raise ConfigError(f"{model_dir} has no weights (*.safetensors, or *.bin with --allow-pickle)")
-
-
 @dataclass
 class _Weights:
     files: list[Path]
@@ -185,7 +159,7 @@ class _Weights:
 
 def _read_weights(f: _Findings, code: str, model_dir: Path, allow_pickle: bool, what: str) -> _Weights | None:
     try:
-        files = weight_files(model_dir, allow_pickle)
+        files = checkpoint_files(model_dir, allow_pickle)
         disk = sum(p.stat().st_size for p in files)
         if files[0].suffix != ".safetensors":
             f.add("warning", code, f"{what} weights are pickle files ({len(files)}): contents unchecked until "
@@ -206,15 +180,6 @@ def _unsupported_dtypes(w: _Weights, allowed_ints: set[str]) -> dict[str, list[s
         if tag not in FLOAT_TAGS and name not in allowed_ints:
             bad.setdefault(tag, []).append(name)
     return bad
-
-
-def _draft_name(name: str) -> str:
-    """Mirrors loader._draft_rename: EAGLE-reference names -> SpecForge names."""
-    if name.startswith("model."):
-        name = name[len("model."):]
-    if name.startswith("layers.0."):
-        name = "midlayer." + name[len("layers.0."):]
-    return name
 
 
 def _shape(s: tuple[int, ...]) -> str:
@@ -340,7 +305,7 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
     # ---- context length (mirrors runner.py)
     served = None
     if tcfg is not None:
-        served = max_model_len or min(tcfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN[dev_type])
+        served = max_model_len or default_max_model_len(tcfg, dev_type)
         if served > tcfg.max_position_embeddings:
             f.add("error", "max_model_len", f"--max-model-len {served} exceeds the target's max_position_embeddings "
                   f"{tcfg.max_position_embeddings}")
@@ -472,7 +437,7 @@ def _check_pair(f: _Findings, t: ModelConfig, d: DraftConfig, w: _Weights | None
 
 
 def _check_draft_tensors(f: _Findings, t: ModelConfig, d: DraftConfig, w: _Weights, draft_dir: Path) -> None:
-    tensors = {_draft_name(n): v for n, v in w.tensors.items()}
+    tensors = {draft_tensor_name(n): v for n, v in w.tensors.items()}
     bad = _unsupported_dtypes(_Weights(w.files, tensors, 0), DRAFT_INT_TENSORS)
     if bad:
         what = "; ".join(f"{tag} ({', '.join(n[:3])})" for tag, n in sorted(bad.items()))
