@@ -72,7 +72,16 @@ from pathlib import Path
 
 import torch
 
-from specserve.config import ConfigError, DraftConfig, ModelConfig, default_aux_layers, read_json, resolve_aux_layers
+from specserve.config import (
+    ConfigError,
+    DraftConfig,
+    ModelConfig,
+    checkpoint_files,
+    default_aux_layers,
+    draft_tensor_name,
+    read_json,
+    resolve_aux_layers,
+)
 
 
 @dataclass(frozen=True)
@@ -222,7 +231,7 @@ def grown_taps(order: list[int | None], old_taps: tuple[int, ...]) -> tuple[int,
 
 # ------------------------------------------------------------------ checkpoints in and out
 def load_state(model_dir: Path) -> dict[str, torch.Tensor]:
-    from specserve.model.loader import checkpoint_files, iter_tensors
+    from specserve.model.loader import iter_tensors
 
     return dict(iter_tensors(checkpoint_files(model_dir, allow_pickle=False)))
 
@@ -443,8 +452,6 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
 @torch.no_grad()
 def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, aux_ids: list[int] | None,
                  dtype: torch.dtype, device: torch.device, extra_config: dict, vocab: int | None = None) -> dict:
-    from specserve.model.loader import _draft_rename
-
     cfg_json = read_json(draft_dir / "config.json")
     dc = DraftConfig.from_hf_dict(cfg_json, draft_dir / "config.json")
     if dc.hidden_size != target_hidden or dc.target_hidden_size != target_hidden:
@@ -453,7 +460,7 @@ def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, a
     if dc.fc_bias:
         raise ConfigError(f"{draft_dir}: drafters with an fc bias are not supported by grow")
     check_shape("drafter", dc.num_heads, dc.num_kv_heads, dc.head_dim, dc.hidden_size, dc.intermediate_size, shape)
-    src = {_draft_rename(k): v for k, v in load_state(draft_dir).items()}
+    src = {draft_tensor_name(k): v for k, v in load_state(draft_dir).items()}
     f32 = torch.float32
     get = lambda name: src[name].to(device, f32)  # noqa: E731
     H = DimMap.from_counts([shape.hidden // dc.hidden_size] * dc.hidden_size).to(device)
