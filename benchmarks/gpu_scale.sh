@@ -18,12 +18,15 @@ fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 W=/tmp/specserve-grown
 date -u
-timeout 240 python3 benchmarks/grow_check.py --preset llama3-8b --pad-vocab 128256 --work $W \
-  --num-prompts 24 --max-tokens 64 --out "$OUT/grow_check.json" 2>&1 | grep -v -i warn | tail -12
+if [ "${SKIP_GROW_CHECK:-0}" = 1 ]; then
+  timeout 120 python3 -m specserve grow --preset llama3-8b --pad-vocab 128256 --out $W --device cuda 2>&1 | tail -3
+else
+  timeout 240 python3 benchmarks/grow_check.py --preset llama3-8b --pad-vocab 128256 --work $W \
+    --num-prompts 24 --max-tokens 64 --out "$OUT/grow_check.json" 2>&1 | grep -v -i warn | tail -12
+fi
 timeout 330 python3 -m specserve bench --model $W --draft $W/draft \
-  --configs baseline eagle3:steps=1 eagle3:steps=2 eagle3:steps=3 eagle3:steps=4 eagle3:steps=5 eagle3:steps=6 \
-            eagle3:adaptive,steps=6 \
-  --batch-sizes 1 4 16 64 --num-prompts 2 --max-tokens 64 --warmup 1 --repeats 2 --peers hf hf-assisted \
+  --configs ${CONFIGS:-baseline eagle3:steps=1 eagle3:steps=2 eagle3:steps=3 eagle3:steps=4 eagle3:steps=5 eagle3:steps=6 eagle3:adaptive,steps=6} \
+  --batch-sizes 1 4 16 64 --num-prompts 2 --max-tokens 64 --warmup 1 --repeats 2 --peers ${PEERS-hf hf-assisted} \
   --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" --no-progress 2>&1 | grep -v -i warn | tail -45
 nvidia-smi --query-gpu=index,memory.used --format=csv
 timeout 90 python3 -m specserve launch --ready-timeout 12 --stall-timeout 60 --log "$OUT/launch.log" -- \
