@@ -20,7 +20,7 @@ from pathlib import Path
 from specserve.config import ConfigError
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
-DEFAULT_CONFIGS = ["baseline", "eagle3:steps=2", "eagle3:steps=4", "eagle3:steps=6"]
+DEFAULT_CONFIGS = ["baseline", "eagle3:steps=2", "eagle3:steps=4", "eagle3:adaptive,steps=6"]
 DEFAULT_BATCH_SIZES = [1, 4]
 DEFAULT_STEPS = 4  # eagle3 without steps= (as `specserve generate`)
 PEERS = ("hf", "hf-assisted")
@@ -244,7 +244,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print(report.render_text(result))
+    # Files first: a closed stdout (`| head`) must not lose a long run's results.
     for path in (args.json, args.markdown, args.plot):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
@@ -254,4 +254,5 @@ def run(args: argparse.Namespace) -> int:
         Path(args.markdown).write_text(report.render_markdown(result), encoding="utf-8")
     if args.plot:
         report.plot(result, args.plot)
+    print(report.render_text(result), flush=True)
     return 0

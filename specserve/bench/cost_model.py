@@ -9,7 +9,8 @@ Per batch size b, with N new tokens per request:
     tok/s(K) = b * N / wall(K)
 
 draft(K) = d0 + d1*K and verify(K) = v0 + v1*K are least-squares fits over the
-measured fixed-K configurations (profile: per-cycle draft/verify/accept ms);
+profiled cycles grouped by K (profile: per-cycle draft/verify/accept ms, from
+fixed-K configs and from the K values an adaptive config tried);
 p_i is the measured probability that draft position i is accepted (pooled over
 configs: with chain drafting the first K drafts do not depend on K);
 overhead = c - v0 is the host work of a step beyond the target forward, taken
@@ -54,24 +55,23 @@ def predict(b: int, n_tokens: float, plain_step_s: float, prefill_plain_s: float
 
 
 def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
-    """Fit and predict for one batch size from the offline runs; None without profile data."""
-    fixed = [c for c in configs if c.name == "eagle3" and not c.get("adaptive")]
+    """Fit and predict for one batch size from the offline runs; None without profile data.
+
+    Every eagle3 config contributes: cycles are grouped by the K they ran with (an adaptive
+    config explores several), and acceptance counts per position are pooled (the i-th draft is
+    accepted with the same probability whatever K is, as drafting is a chain)."""
+    spec_cfgs = [c for c in configs if c.name == "eagle3"]
     base = runs.get(("baseline", bs), [])
-    if not fixed or not base:
+    if not spec_cfgs or not base:
         return None
-    ks, drafts, verifies, accepts = [], [], [], []
-    acc, dra = [], []
-    prefill_spec = []
-    for c in fixed:
+    by_k: dict[int, list[dict]] = {}
+    acc, dra, prefill_spec = [], [], []
+    for c in spec_cfgs:
         rs = runs[(c.label, bs)]
         prof = [p for r in rs for p in r.out.profile]
         full = [p for p in prof if p["batch"] == bs] or prof  # cycles of the full batch if any
-        if not full:
-            continue
-        ks.append(c.spec_steps)
-        drafts.append(statistics.fmean(p["draft"] for p in full) / 1000)
-        verifies.append(statistics.fmean(p["verify"] for p in full) / 1000)
-        accepts.append(statistics.fmean(p["accept"] for p in full) / 1000)
+        for p in full:
+            by_k.setdefault(p["K"], []).append(p)
         prefill_spec += [max(r.out.ttft) for r in rs]
         for r in rs:
             s = r.out.spec or {}
@@ -81,8 +81,12 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
                     dra.append(0)
                 acc[i] += a
                 dra[i] += d
+    ks = sorted(by_k)
     if not ks:
         return None
+    mean = lambda K, part: statistics.fmean(p[part] for p in by_k[K]) / 1000
+    drafts, verifies = [mean(K, "draft") for K in ks], [mean(K, "verify") for K in ks]
+    accept_s = statistics.fmean(p["accept"] for K in ks for p in by_k[K]) / 1000
     p = [a / d for a, d in zip(acc, dra) if d]
     n_tokens = statistics.fmean(len(t) for r in base for t in r.out.tokens)
     # Plain step time: the decode part of each baseline batch over its N-1 steps.
@@ -91,12 +95,12 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
     prefill_plain = statistics.median(max(r.out.ttft) for r in base)
     draft_fit, verify_fit = linear_fit(ks, drafts), linear_fit(ks, verifies)
     preds = predict(bs, n_tokens, plain_step, prefill_plain, statistics.median(prefill_spec), draft_fit,
-                    verify_fit, statistics.fmean(accepts), p, len(p))
+                    verify_fit, accept_s, p, len(p))
     measured = {r["config"]: r["tok_s"]["median"] for r in results
                 if r["batch_size"] == bs and r["category"] == "all" and r["tok_s"]}
-    by_k = {c.spec_steps: c.label for c in fixed}
+    fixed = {c.spec_steps: c.label for c in spec_cfgs if not c.get("adaptive")}
     for row in preds:
-        label = "baseline" if row["steps"] == 0 else by_k.get(row["steps"])
+        label = "baseline" if row["steps"] == 0 else fixed.get(row["steps"])
         row["config"] = label
         row["measured_tok_s"] = measured.get(label) if label else None
     best = max(preds, key=lambda r: r["predicted_tok_s"])
@@ -106,10 +110,10 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
                                                             "spec": 1000 * statistics.median(prefill_spec)},
         "draft_ms": {"base": 1000 * draft_fit[0], "per_step": 1000 * draft_fit[1]},
         "verify_ms": {"base": 1000 * verify_fit[0], "per_token": 1000 * verify_fit[1]},
-        "accept_ms": 1000 * statistics.fmean(accepts),
+        "accept_ms": 1000 * accept_s,
         "overhead_ms": 1000 * max(plain_step - verify_fit[0], 0.0),
         "acceptance_per_position": p,
-        "measured_steps": sorted(ks),
+        "profiled_steps": {str(K): len(by_k[K]) for K in ks},
         "predictions": preds,
         "recommended_steps": best["steps"],
     }
