@@ -58,7 +58,7 @@ def test_tokenizer_vocab_and_special_ids(raw_tok, config):
     assert raw_tok.token_to_id("<|im_start|>") == 1
     assert raw_tok.token_to_id("<|im_end|>") == 2
     gen = json.loads((DEMO / "generation_config.json").read_text())
-    assert gen["eos_token_id"] == config["eos_token_id"]
+    assert gen["eos_token_id"] == [config["eos_token_id"], 2]  # <|endoftext|>, and <|im_end|> ends a chat turn
     assert config.get("bos_token_id") is None
     # pad must not be set in the model config: it would freeze the separator's embedding row
     assert config.get("pad_token_id") is None

@@ -748,7 +748,9 @@ def save_target(model, eos_id: int, out: Path) -> None:
         model.config.dtype = torch.bfloat16
     else:
         model.config.torch_dtype = torch.bfloat16
-    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=eos_id,
+    # Generation also stops at the end of a chat turn (<|im_end|>), as chat servers expect.
+    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=[eos_id, SPECIAL_TOKENS.index(IM_END)],
+                                               pad_token_id=eos_id,
                                                do_sample=False)
     kwargs = {}
     if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
