@@ -267,11 +267,15 @@ def test_cost_model_prediction_and_recommendation():
     assert cost_model.expected_tokens(p, 2) == pytest.approx(2.7)
     b, N = 1, 65
     preds = cost_model.predict(b, N, plain_step_s=0.010, prefill_plain_s=0.02, prefill_spec_s=0.03,
-                               draft_fit=(0.0, 0.001), verify_fit=(0.009, 0.0005), accept_s=0.0002, p=p, k_max=4)
+                               draft_fit=(0.0, 0.001), verify_fit=(0.009, 0.0005), accept_s=0.0002,
+                               overhead_s=0.001, straggle=1.0, p=p, k_max=4)
     assert preds[0]["predicted_tok_s"] == pytest.approx(N / (0.02 + 64 * 0.010))
     # K=2: cycle = 2 ms draft + 10 ms verify + 0.2 ms accept + 1 ms overhead; 2.7 tokens per cycle
     assert preds[2]["cycle_ms"] == pytest.approx(13.2)
     assert preds[2]["predicted_tok_s"] == pytest.approx(N / (0.03 + 64 / 2.7 * 0.0132))
+    slow = cost_model.predict(4, N, 0.010, 0.02, 0.03, (0.0, 0.001), (0.009, 0.0005), 0.0002, 0.001, 1.25, p, 4)
+    # a batch waits for its slowest sequence: 25% more cycles
+    assert slow[2]["predicted_tok_s"] == pytest.approx(4 * N / (0.03 + 1.25 * 64 / 2.7 * 0.0132))
     best = max(preds, key=lambda r: r["predicted_tok_s"])["steps"]
     assert best == 3  # the 4th draft (p=0.1) costs more than it brings
 

@@ -3,34 +3,44 @@
 Per batch size b, with N new tokens per request:
 
     plain:   wall(0) = P0 + (N - 1) * c                   c = measured plain step time
-    K > 0:   wall(K) = P  + (N - 1) / E(K) * cycle(K)
+    K > 0:   wall(K) = P  + s * (N - 1) / E(K) * cycle(K)
              cycle(K) = draft(K) + verify(K) + accept + overhead
-             E(K)     = 1 + sum_{i<K} p_i                 expected tokens per cycle
+             E(K)     = 1 + sum_{i<K} p_i                 expected tokens per cycle and sequence
     tok/s(K) = b * N / wall(K)
 
-draft(K) = d0 + d1*K and verify(K) = v0 + v1*K are least-squares fits over the
-profiled cycles grouped by K (profile: per-cycle draft/verify/accept ms, from
-fixed-K configs and from the K values an adaptive config tried);
-p_i is the measured probability that draft position i is accepted (pooled over
-configs: with chain drafting the first K drafts do not depend on K);
-overhead = c - v0 is the host work of a step beyond the target forward, taken
-from plain decoding; P, P0 are the measured times to first token. So the model
-predicts every K from 0 to the longest measured draft, and the measured K
-values show how far to trust it.
+- draft(K) = d0 + d1*K and verify(K) = v0 + v1*K: least-squares fits of the mean
+  per-cycle draft and verify times of each K, weighted by cycles (from fixed-K
+  configs, and from the K values an adaptive config ran at least MIN_CYCLES times);
+- p_i: measured probability that draft position i is accepted, pooled over configs
+  (a chain's first K drafts do not depend on K), non-increasing in i;
+- overhead: host work of a cycle outside the profiled parts (scheduling, token
+  bookkeeping), the median over speculative batches of
+  (wall - P - profiled time) / cycles;
+- s: cycles a batch needs over (N - 1) / E, as measured (>= 1: a batch runs until
+  its slowest sequence is done; about 1 at batch size 1);
+- P, P0: measured times to first token of the batch.
+
+overhead and s are calibrated on the measured configs and assumed the same for
+every K, so the model interpolates between and extrapolates beyond them (up to
+the longest draft measured); the measured K values show how far to trust it.
 """
 
 from __future__ import annotations
 
 import statistics
 
+MIN_CYCLES = 10  # K values profiled fewer times (an adaptive policy's exploration) stay out of the fit
 
-def linear_fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares (intercept, slope); with one distinct x: (0, y/x), i.e. proportional."""
+
+def linear_fit(xs: list[float], ys: list[float], ws: list[float] | None = None) -> tuple[float, float]:
+    """Weighted least-squares (intercept, slope); with one distinct x: (0, y/x), i.e. proportional."""
+    ws = ws or [1.0] * len(xs)
+    W = sum(ws)
+    mx, my = sum(w * x for w, x in zip(ws, xs)) / W, sum(w * y for w, y in zip(ws, ys)) / W
     if len(set(xs)) < 2:
-        x, y = statistics.fmean(xs), statistics.fmean(ys)
-        return 0.0, (y / x if x else 0.0)
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return 0.0, (my / mx if mx else 0.0)
+    sxy = sum(w * (x - mx) * (y - my) for w, x, y in zip(ws, xs, ys))
+    slope = sxy / sum(w * (x - mx) ** 2 for w, x in zip(ws, xs))
     return my - slope * mx, slope
 
 
@@ -40,62 +50,74 @@ def expected_tokens(p: list[float], K: int) -> float:
 
 def predict(b: int, n_tokens: float, plain_step_s: float, prefill_plain_s: float, prefill_spec_s: float,
             draft_fit: tuple[float, float], verify_fit: tuple[float, float], accept_s: float,
-            p: list[float], k_max: int) -> list[dict]:
+            overhead_s: float, straggle: float, p: list[float], k_max: int) -> list[dict]:
     """Predicted tok/s for K = 0..k_max (times in seconds)."""
-    overhead = max(plain_step_s - verify_fit[0], 0.0)
     out = [{"steps": 0, "expected_tokens_per_cycle": 1.0, "cycle_ms": 1000 * plain_step_s,
             "predicted_tok_s": b * n_tokens / (prefill_plain_s + (n_tokens - 1) * plain_step_s)}]
     for K in range(1, k_max + 1):
-        cycle = draft_fit[0] + draft_fit[1] * K + verify_fit[0] + verify_fit[1] * K + accept_s + overhead
+        cycle = draft_fit[0] + draft_fit[1] * K + verify_fit[0] + verify_fit[1] * K + accept_s + overhead_s
         E = expected_tokens(p, K)
-        wall = prefill_spec_s + (n_tokens - 1) / E * cycle
+        wall = prefill_spec_s + straggle * (n_tokens - 1) / E * cycle
         out.append({"steps": K, "expected_tokens_per_cycle": E, "cycle_ms": 1000 * cycle,
                     "predicted_tok_s": b * n_tokens / wall})
     return out
 
 
 def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
-    """Fit and predict for one batch size from the offline runs; None without profile data.
-
-    Every eagle3 config contributes: cycles are grouped by the K they ran with (an adaptive
-    config explores several), and acceptance counts per position are pooled (the i-th draft is
-    accepted with the same probability whatever K is, as drafting is a chain)."""
+    """Fit and predict for one batch size from the offline runs; None without profile data."""
     spec_cfgs = [c for c in configs if c.name == "eagle3"]
     base = runs.get(("baseline", bs), [])
     if not spec_cfgs or not base:
         return None
     by_k: dict[int, list[dict]] = {}
-    acc, dra, prefill_spec = [], [], []
+    acc, dra, prefill_spec, overheads, straggles = [], [], [], [], []
     for c in spec_cfgs:
-        rs = runs[(c.label, bs)]
-        prof = [p for r in rs for p in r.out.profile]
-        full = [p for p in prof if p["batch"] == bs] or prof  # cycles of the full batch if any
-        for p in full:
-            by_k.setdefault(p["K"], []).append(p)
-        prefill_spec += [max(r.out.ttft) for r in rs]
-        for r in rs:
-            s = r.out.spec or {}
+        for r in runs[(c.label, bs)]:
+            prof, s = r.out.profile, r.out.spec or {}
+            if not prof or not s.get("cycles"):
+                continue
+            for p in prof:
+                if p["batch"] == bs:  # full-batch cycles (not the tail where some rows are done)
+                    by_k.setdefault(p["K"], []).append(p)
+            first = max(r.out.ttft)
+            prefill_spec.append(first)
+            if not c.get("adaptive"):  # an adaptive config's K=0 steps are not profiled cycles
+                profiled = sum(p["draft"] + p["verify"] + p["accept"] for p in prof) / 1000
+                overheads.append((r.out.wall - first - profiled) / len(prof))
+                n = statistics.fmean(len(t) for t in r.out.tokens)
+                per_seq = 1 + s["accepted"] / s["cycles"]  # this batch's tokens per cycle and sequence
+                straggles.append(len(prof) * per_seq / max(n - 1, 1))
             for i, (a, d) in enumerate(zip(s.get("accepted_per_pos", []), s.get("drafted_per_pos", []))):
                 while len(acc) <= i:
                     acc.append(0)
                     dra.append(0)
                 acc[i] += a
                 dra[i] += d
-    ks = sorted(by_k)
-    if not ks:
+    if not by_k:
         return None
+    ks = sorted(K for K in by_k if len(by_k[K]) >= MIN_CYCLES) or sorted(by_k)
+    # Means per K (as throughput sees them, preemptions included), weighted by cycles.
     mean = lambda K, part: statistics.fmean(p[part] for p in by_k[K]) / 1000
-    drafts, verifies = [mean(K, "draft") for K in ks], [mean(K, "verify") for K in ks]
+    weights = [len(by_k[K]) for K in ks]
+    draft_fit = linear_fit(ks, [mean(K, "draft") for K in ks], weights)
+    verify_fit = linear_fit(ks, [mean(K, "verify") for K in ks], weights)
     accept_s = statistics.fmean(p["accept"] for K in ks for p in by_k[K]) / 1000
-    p = [a / d for a, d in zip(acc, dra) if d]
+    overhead = max(statistics.median(overheads), 0.0) if overheads else 0.0
+    straggle = max(statistics.median(straggles), 1.0) if straggles else 1.0
+    # Positions drafted too rarely to estimate are dropped; a chain accepts position i only
+    # after all before it, so the rates cannot rise with i.
+    p: list[float] = []
+    for a, d in zip(acc, dra):
+        if d < MIN_CYCLES:
+            break
+        p.append(min(a / d, p[-1]) if p else a / d)
     n_tokens = statistics.fmean(len(t) for r in base for t in r.out.tokens)
     # Plain step time: the decode part of each baseline batch over its N-1 steps.
     steps = [(r.out.wall - max(r.out.ttft)) / max(max(len(t) for t in r.out.tokens) - 1, 1) for r in base]
     plain_step = statistics.median(steps)
     prefill_plain = statistics.median(max(r.out.ttft) for r in base)
-    draft_fit, verify_fit = linear_fit(ks, drafts), linear_fit(ks, verifies)
     preds = predict(bs, n_tokens, plain_step, prefill_plain, statistics.median(prefill_spec), draft_fit,
-                    verify_fit, accept_s, p, len(p))
+                    verify_fit, accept_s, overhead, straggle, p, len(p))
     measured = {r["config"]: r["tok_s"]["median"] for r in results
                 if r["batch_size"] == bs and r["category"] == "all" and r["tok_s"]}
     fixed = {c.spec_steps: c.label for c in spec_cfgs if not c.get("adaptive")}
@@ -106,14 +128,13 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
     best = max(preds, key=lambda r: r["predicted_tok_s"])
     return {
         "batch_size": bs, "tokens_per_request": n_tokens,
-        "plain_step_ms": 1000 * plain_step, "prefill_ms": {"plain": 1000 * prefill_plain,
-                                                            "spec": 1000 * statistics.median(prefill_spec)},
+        "plain_step_ms": 1000 * plain_step,
+        "prefill_ms": {"plain": 1000 * prefill_plain, "spec": 1000 * statistics.median(prefill_spec)},
         "draft_ms": {"base": 1000 * draft_fit[0], "per_step": 1000 * draft_fit[1]},
         "verify_ms": {"base": 1000 * verify_fit[0], "per_token": 1000 * verify_fit[1]},
-        "accept_ms": 1000 * accept_s,
-        "overhead_ms": 1000 * max(plain_step - verify_fit[0], 0.0),
+        "accept_ms": 1000 * accept_s, "overhead_ms": 1000 * overhead, "straggle": straggle,
         "acceptance_per_position": p,
-        "profiled_steps": {str(K): len(by_k[K]) for K in ks},
+        "profiled_cycles": {str(K): len(v) for K, v in sorted(by_k.items())}, "fitted_steps": ks,
         "predictions": preds,
         "recommended_steps": best["steps"],
     }
