@@ -292,10 +292,15 @@ def plot(r: dict, path: str) -> None:
              (x["config"].startswith("eagle3:") and "adaptive" not in x["config"])]
     steps = lambda x: 0 if x["config"] == "baseline" else int(x["config"].split("steps=")[1])
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
+    cost = {c["batch_size"]: c for c in r.get("cost_model") or []}
     for bs in r["settings"]["batch_sizes"]:
         pts = sorted((steps(x), x["speedup"], x["accept_length"] or 1.0) for x in fixed if x["batch_size"] == bs)
-        ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {bs}")
+        line = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {bs}")[0]
         ax[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=f"batch {bs}")
+        if bs in cost:  # the cost model's prediction, relative to its own plain-decoding figure
+            pr = cost[bs]["predictions"]
+            ax[0].plot([q["steps"] for q in pr], [q["predicted_tok_s"] / pr[0]["predicted_tok_s"] for q in pr],
+                       "--", color=line.get_color(), alpha=0.6, label=f"batch {bs} predicted")
     for c in r["settings"]["configs"] + r["settings"]["peers"]:
         pts = sorted((x["batch_size"], x["speedup"]) for x in rows if x["config"] == c and x["speedup"] is not None)
         if pts:
