@@ -117,7 +117,9 @@ def _f(x, fmt: str = ".1f", none: str = "-") -> str:
     return none if x is None else format(x, fmt)
 
 
-def _yes(x) -> str:
+def _yes(x, rate=None) -> str:
+    if x is False and rate is not None:  # how far from plain greedy: bf16 near-ties flip a few outputs
+        return f"NO ({100 * rate:.0f}% same)"
     return {True: "yes", False: "NO", None: "-"}[x]
 
 
@@ -154,14 +156,15 @@ def main_table(r: dict) -> tuple[list[str], list[list[str]]]:
         rows.append([x["config"], str(x["batch_size"]), f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]",
                      _f(x["tpot_ms"] and x["tpot_ms"]["median"], ".2f"), _f(x["accept_length"], ".2f"),
                      pos or "-", _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
-                     _yes(x["matches_baseline"])])
+                     _yes(x["matches_baseline"], x.get("match_rate"))])
     return head, rows
 
 
 def category_table(r: dict) -> tuple[list[str], list[list[str]]]:
     head = ["config", "batch", "category", "tok/s median", "accept len", "speedup", "=greedy"]
     rows = [[x["config"], str(x["batch_size"]), x["category"], _f(x["tok_s"]["median"]), _f(x["accept_length"], ".2f"),
-             _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""), _yes(x["matches_baseline"])]
+             _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
+             _yes(x["matches_baseline"], x.get("match_rate"))]
             for x in r["by_category"] if x["available"]]
     return head, rows
 
@@ -266,7 +269,7 @@ def render_markdown(r: dict) -> str:
     out += ["## Results", "", _md_table(*main_table(r)), "", *[f"- {x}" for x in summary_lines(r)], "",
             ("tok/s: generated tokens / wall time per repeat (median, min, max). TPOT: time per output token "
              "after the first, per request. speedup: median over repeats of the paired ratio to baseline at "
-             "the same batch size. =greedy: every output token-identical to plain greedy decoding."), "",
+             "the same batch size. =greedy: every output token-identical to plain greedy decoding (else the share of outputs that are)."), "",
             "## Per category", "", _md_table(*category_table(r)), ""]
     if r.get("cost_model"):
         out += ["## Cost model", "", _md_table(*cost_table(r)), ""]
