@@ -358,8 +358,9 @@ def _progress(total: int, enabled: bool):
         from tqdm import tqdm
     except ImportError:  # the bar is a nicety
         return _NoBar()
-    return tqdm(total=total, desc="bench", unit="batch", disable=not enabled, file=sys.stderr, dynamic_ncols=True,
-                mininterval=0.5)
+    # disable=None: no bar when stderr is not a terminal (CI logs would fill with redraws)
+    return tqdm(total=total, desc="bench", unit="batch", disable=None if enabled else True, file=sys.stderr,
+                dynamic_ncols=True, mininterval=0.5)
 
 
 # ------------------------------------------------------------------ statistics

@@ -226,7 +226,7 @@ async def _run(args, prompts: list[dict]) -> dict:
 
             from tqdm import tqdm
 
-            bar = tqdm(total=n, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True)
+            bar = tqdm(total=n, desc="bench", unit="req", file=sys.stderr, dynamic_ncols=True, disable=None)
         results: list[Result] = [Result() for _ in range(n)]
 
         async def task(i: int, sem: asyncio.Semaphore | None):
