@@ -202,6 +202,21 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_sampled_bench_has_no_greedy_check(monkeypatch, pair, tmp_path):
+    target, draft, prompts = pair
+    out = tmp_path / "s.json"
+    rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                               "--configs", "eagle3:steps=2", "--batch-sizes", "2", "--max-tokens", "6",
+                               "--repeats", "1", "--warmup", "0", "--temperature", "0.8", "--peers", "hf",
+                               "--no-profile", "--no-progress", "--json", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["cost_model"] is None and doc["settings"]["temperature"] == 0.8
+    for r in doc["results"]:
+        assert r["matches_baseline"] is None and r["tokens_per_repeat"] == 6 * 6
+
+
 def test_short_bench_on_the_demo_pair(monkeypatch, tmp_path):
     """The no-argument path (demo target and drafter found by default), shortened."""
     from specserve.engine.llm import demo_paths
