@@ -39,7 +39,7 @@ from types import SimpleNamespace
 
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.engine import Engine, Sequence, SpecStats, Status
-from specserve.engine.llm import LLM, RequestOutput, demo_paths
+from specserve.engine.llm import LLM, RequestOutput, demo_paths, prepare_requests
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
 
@@ -241,9 +241,7 @@ class TPLLM:
         return self.group.pids()
 
     def encode_prompts(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        return prepare_requests(self.tokenizer, prompts, None)[0]
 
     @staticmethod
     def _seeded(p: SamplingParams) -> SamplingParams:
@@ -279,11 +277,7 @@ class TPLLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
         """Like LLM.generate (the batch runs to completion inside the workers)."""
-        ids = self.encode_prompts(prompts)
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(ids)
-        if len(params) != len(ids):
-            raise ValueError(f"{len(ids)} prompts but {len(params)} sampling params")
+        ids, params = prepare_requests(self.tokenizer, prompts, sampling_params)
         replies = self._request({"op": "generate", "prompts": ids, "params": [self._seeded(p) for p in params]},
                                 "generate")
         self._check_agree(replies[0], replies[1:], "outputs")

@@ -45,6 +45,18 @@ def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
     return text[: min(hits)], True
 
 
+def prepare_requests(tokenizer, prompts, sampling_params) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Normalize one prompt or many (text or token ids) and their sampling params (one, or one each)."""
+    if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        prompts = [prompts]
+    ids = [p if isinstance(p, list) else tokenizer.encode(p) for p in prompts]
+    params = sampling_params or SamplingParams()
+    params = params if isinstance(params, list) else [params] * len(ids)
+    if len(params) != len(ids):
+        raise ValueError(f"{len(ids)} prompts but {len(params)} sampling params")
+    return ids, params
+
+
 class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, on_graph_progress=None, **engine_kwargs):
         if model is None:
@@ -65,18 +77,12 @@ class LLM:
         return cut_at_stop(tail, seq.params.stop)[1]
 
     def encode_prompts(self, prompts) -> list[list[int]]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        return [p if isinstance(p, list) else self.tokenizer.encode(p) for p in prompts]
+        return prepare_requests(self.tokenizer, prompts, None)[0]
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  progress: bool = False) -> list[RequestOutput]:
         """Generate for one prompt or many (text or token ids), batched together."""
-        ids = self.encode_prompts(prompts)
-        params = sampling_params or SamplingParams()
-        params = params if isinstance(params, list) else [params] * len(ids)
-        if len(params) != len(ids):
-            raise ValueError(f"{len(ids)} prompts but {len(params)} sampling params")
+        ids, params = prepare_requests(self.tokenizer, prompts, sampling_params)
         seqs = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
         bar = None
         if progress:
