@@ -83,8 +83,13 @@ def test_shape_and_config(pair):
                                               for t in load_file(str(big / f)).values())
 
 
-def test_target_logits_match_specserve(pair):
+@pytest.mark.parametrize("read", G.READ_MODES)
+def test_target_logits_match_specserve(pair, read, tmp_path):
     small, big, _ = pair
+    if read != "one":  # the fixture grew with the default
+        big = tmp_path / "big"
+        G.grow(small, big, SHAPE, dtype="float32", device="cpu", read=read)
+    assert json.loads((big / "config.json").read_text())["grow_read"] == read
     ids = [5, 17, 3, 88, 41, 9, 60, 22, 71, 14, 2, 33]
     _, a, _ = run_target(small, ids)
     _, b, _ = run_target(big, ids)
@@ -183,6 +188,8 @@ def test_padded_vocabulary_is_never_chosen(tmp_path, pair):
     assert tok_b == tok_s and steps_b == steps_s
     with pytest.raises(ConfigError, match="smaller than the source vocabulary"):
         G.grow(small, tmp_path / "x", SHAPE, dtype="float32", device="cpu", pad_vocab=50)
+    with pytest.raises(ConfigError, match="grows only 2x"):
+        G.grow(small, tmp_path / "x", G.Shape(128, 12, 8, 4, 64, 300), dtype="float32", device="cpu", pad_vocab=300)
 
 
 def test_explicit_aux_ids_when_default_taps_cannot_line_up(tmp_path):
@@ -211,9 +218,10 @@ def test_llama3_8b_plan():
     counts = G.mlp_counts(384, 14336)
     assert sum(counts) == 14336 and set(counts) == {37, 38}
     for c in (1, 2, 3, 8, 32, 37, 38):
-        coef = G.split_coefs(c)
+        coef = G.split_coefs(c, "all")
         assert len(coef) == c and coef.sum().item() == 1.0
         assert all(float(x) == 2.0 ** round(float(torch.log2(x))) for x in coef)  # powers of two
+        assert G.split_coefs(c, "one").tolist() == [1.0] + [0.0] * (c - 1)
     hm = G.head_map(4, 2, 32, 32, 8, 128)
     assert hm.q_scale == 2.0 and hm.q_rows == 4096 and hm.kv_rows == 1024
     # new q head h reads new KV head h // 4, which copies old KV head h // 16 = old q head (h // 8) // 2
@@ -222,16 +230,19 @@ def test_llama3_8b_plan():
     assert torch.equal(old_kv_of_new_kv[torch.arange(32) // 4], old_q_head // 2)
 
 
-def test_bf16_weights_are_exact(tmp_path):
-    """Power-of-two coefficients: in bf16 the grown weights hold exactly the small model's values."""
+@pytest.mark.parametrize("read", G.READ_MODES)
+def test_bf16_weights_are_exact(tmp_path, read):
+    """One-hot or power-of-two coefficients: in bf16 the grown weights hold exactly the small model's values."""
     small = make_target(tmp_path / "small", hidden=32, layers=2, heads=2, kv_heads=1, tie_word_embeddings=True)
     src = load_file(str(small / "model.safetensors"))
     src = {k: v.to(torch.bfloat16) for k, v in src.items()}
-    G.grow(small, tmp_path / "big", G.Shape(96, 2, 4, 2, 64, 200), dtype="bfloat16", device="cpu")
+    G.grow(small, tmp_path / "big", G.Shape(96, 2, 4, 2, 64, 200), dtype="bfloat16", device="cpu", read=read)
     big = load_file(str(tmp_path / "big" / "model.safetensors"))
     assert big["model.layers.0.mlp.down_proj.weight"].dtype == torch.bfloat16
-    h = G.DimMap.from_counts([3] * 32)
-    m = G.DimMap.from_counts(G.mlp_counts(64, 200))
+    h = G.DimMap.from_counts([3] * 32, read)
+    m = G.DimMap.from_counts(G.mlp_counts(64, 200), read)
+    if read == "all":  # no zero weights left where the small model had none
+        assert torch.count_nonzero(big["lm_head.weight"]) == big["lm_head.weight"].numel()
     # down_proj: summing the copies of each unit (exact in float64) gives back the bf16 original.
     down = big["model.layers.0.mlp.down_proj.weight"].double()[::3]  # one row per original output
     summed = torch.zeros(32, 64, dtype=torch.float64).index_add_(1, m.src, down)
