@@ -11,7 +11,10 @@ random EAGLE-3 drafter, then measures in one process
   - greedy speculative output == plain output (random drafter: acceptance ~0,
     so this checks the machinery, not the speed-up);
   - plain decode tok/s at batch 1, 4, 16, 64;
-  - transformers generate() with a static cache on the same model and prompt.
+  - transformers generate() with a static cache on the same model and prompt;
+  - where one eager decode step's GPU time goes (kernel groups, from the profiler),
+    and the fused kernels' logits against the PyTorch reference path.
+SPECSERVE_FUSED_KERNELS=0 runs the whole benchmark on the reference path (A/B).
 Writes engine.json under --out (default $OUT) and prints a table last.
 """
 
@@ -70,21 +73,65 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def kernel_check() -> dict:
-    """The skinny-matmul kernel against cuBLAS: relative error and time per shape."""
-    from specserve.model.kernels import _time_ms, skinny_matmul
+def kernel_groups(prof) -> dict:
+    """CUDA kernel time of a profiled region, grouped: GEMMs, attention, fused Triton, other."""
+    groups: dict[str, list] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name != "CUDA" or ev.self_device_time_total <= 0:
+            continue
+        n = ev.key.lower()
+        if any(t in n for t in ("gemm", "gemv", "cutlass", "nvjet", "sm90_xmma", "splitk")):
+            g = "gemm"
+        elif any(t in n for t in ("fmha", "attention", "flash", "sdpa")):
+            g = "attention"
+        elif n.startswith(("_rms_norm", "_rope_kv", "_silu_mul", "_skinny")):
+            g = "fused_triton"
+        else:
+            g = "other"
+        acc = groups.setdefault(g, [0, 0.0])
+        acc[0] += ev.count
+        acc[1] += ev.self_device_time_total
+    return {g: {"kernels": c, "us": round(t, 1)} for g, (c, t) in groups.items()}
 
-    out = {}
-    for N, K in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)):
-        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02
-        for M in (1, 7, 16):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            ref = x.float() @ w.float().t()
-            err = ((skinny_matmul(x, w).float() - ref).norm() / ref.norm()).item()
-            t_k, t_c = _time_ms(lambda: skinny_matmul(x, w)), _time_ms(lambda: torch.nn.functional.linear(x, w))
-            out[f"{N}x{K} M={M}"] = {"rel_err": err, "triton_ms": t_k, "cublas_ms": t_c,
-                                     "triton_GBs": N * K * 2 / t_k / 1e6, "cublas_GBs": N * K * 2 / t_c / 1e6}
+
+def decode_breakdown(runner, steps: int = 5) -> dict:
+    """Profile `steps` eager decode steps at batch 1; per-step kernel counts and GPU us by group."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner.s_ids[:1, 0] = 5
+    runner.s_pos[:1, 0] = 200
+    with torch.inference_mode():
+        runner._decode_body(1)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                runner._decode_body(1)
+            torch.cuda.synchronize()
+    out = kernel_groups(prof)
+    for v in out.values():
+        v["kernels"] //= steps
+        v["us"] = round(v["us"] / steps, 1)
     return out
+
+
+def fused_vs_reference(runner) -> dict:
+    """Decode logits (eager, batch 1) with the fused kernels and with the PyTorch reference."""
+    from specserve.model import kernels
+
+    res = {}
+    with torch.inference_mode():
+        logits = {}
+        for fused in (True, False):
+            kernels.FUSED = fused
+            runner.s_ids[:1, 0] = 5
+            runner.s_pos[:1, 0] = 200
+            logits[fused] = runner._decode_body(1)[0].float()
+        kernels.FUSED = True
+    a, b = logits[True], logits[False]
+    res["max_abs_logit_diff"] = (a - b).abs().max().item()
+    res["logit_scale"] = b.abs().max().item()
+    res["argmax_equal"] = bool(torch.equal(a.argmax(-1), b.argmax(-1)))
+    return res
 
 
 def main() -> None:
@@ -92,15 +139,16 @@ def main() -> None:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     ap.add_argument("--work", default="/tmp/specserve-models")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--name", default="engine", help="JSON file name under --out")
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
-    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": "llama3-8b (random)"}
+    from specserve.model import kernels
+
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": "llama3-8b (random)",
+                 "fused_kernels": kernels.FUSED}
     t0 = time.perf_counter()
     bw = copy_bandwidth()
-    res["kernel"] = kernel_check()
-    for k, v in res["kernel"].items():
-        print(f"{k:24s} err {v['rel_err']:.1e} triton {v['triton_GBs']:.0f} GB/s cublas {v['cublas_GBs']:.0f} GB/s", flush=True)
     target, draft = work / "llama8b", work / "llama8b-eagle3"
     if not (target / "config.json").exists():
         write_llama(target)
@@ -135,6 +183,11 @@ def main() -> None:
     def profile_ms():
         return {part: statistics.median(p[part] for p in eng.profile) for part in ("draft", "verify", "accept")}
 
+    res["decode_breakdown"] = decode_breakdown(runner)
+    print("eager decode step, GPU time by kernel group:", res["decode_breakdown"], flush=True)
+    if kernels.FUSED:
+        res["fused_vs_reference"] = fused_vs_reference(runner)
+        print("fused vs reference:", res["fused_vs_reference"], flush=True)
     timed([prompt], 0)  # warm-up
     outs, sec = timed([prompt], 0)
     plain_ids = outs[0].output_ids
@@ -210,7 +263,7 @@ def main() -> None:
         except Exception as e:  # report, don't lose the rest
             res["hf_error"] = repr(e)[:500]
 
-    (out / "engine.json").write_text(json.dumps(res, indent=1))
+    (out / f"{args.name}.json").write_text(json.dumps(res, indent=1))
     print("\n| metric | value |\n|---|---|")
     print(f"| copy bandwidth | {res['copy_bw_GBs']:.0f} GB/s |")
     print(f"| roofline (batch 1) | {res['roofline_tok_s']:.0f} tok/s |")

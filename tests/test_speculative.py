@@ -252,3 +252,42 @@ def test_one_engine_switches_between_plain_fixed_and_adaptive(pair):
         assert (engine.totals.cycles == cycles) == (K == 0)
     with pytest.raises(ValueError, match="K=5 has no captured graphs"):
         engine.set_spec_steps(5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_plain_steps_queued_ahead_change_nothing(pair, temperature):
+    """Plain decoding with the next step queued before the last is read (as on CUDA): the same
+    tokens, also when sequences end mid-batch at data-dependent points (stop ids) or by length,
+    and rows move; then a new request joins the idle engine."""
+    target, _ = pair
+    prompts = _prompts(7, seed=11)
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, stop_token_ids=[3, 17])
+              for i, n in enumerate((30, 4, 30, 12, 30, 1, 30))]
+
+    def run(ahead: bool):
+        engine = Engine(EngineConfig(model=str(target), device="cpu", max_num_seqs=3))
+        engine.launch_ahead = ahead
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        late = engine.add_request(prompts[0], params[0])
+        while engine.has_work():
+            engine.step()
+        engine.check_idle_integrity()
+        return [(s.output_ids, s.finish_reason) for s in seqs + [late]]
+
+    base = run(False)
+    assert {r for _, r in base} >= {"stop", "length"}  # both kinds of ending happen mid-batch
+    assert run(True) == base
+
+
+def test_sequence_ending_with_its_first_token(pair):
+    """max_tokens=1 (and a first token that is a stop id) end at prefill: no decode step adds more."""
+    target, _ = pair
+    prompts = _prompts(3, seed=5)
+    out, _ = _run(target, prompts=prompts, params=SamplingParams(temperature=0, max_tokens=1), max_num_seqs=2)
+    assert [len(o) for o in out] == [1, 1, 1]
+    first = out[0][0]
+    out, _ = _run(target, prompts=prompts[:1] * 2,
+                  params=SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[first]), max_num_seqs=2)
+    assert out == [[first], [first]]

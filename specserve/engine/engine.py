@@ -21,7 +21,7 @@ import torch
 from specserve.config import EngineConfig
 from specserve.engine.adaptive import SpecPolicy
 from specserve.engine.runner import ModelRunner
-from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens
+from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens, to_device
 from specserve.engine.speculative import accept_drafts
 
 log = logging.getLogger("specserve.engine")
@@ -80,6 +80,22 @@ class SpecStats:
 
 
 @dataclass
+class _Launched:
+    """A plain decode step queued on the device: its sampled tokens, and their host copy."""
+
+    seqs: list["Sequence"]
+    tokens: torch.Tensor  # [B] on the device
+    pos: torch.Tensor  # [B] positions of the step's input tokens
+    host: torch.Tensor  # pinned copy of tokens, complete once `done` is reached
+    done: "torch.cuda.Event | None"
+
+    def token_list(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host.tolist()
+
+
+@dataclass
 class Sequence:
     seq_id: str
     prompt_ids: list[int]
@@ -97,6 +113,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     new_tokens: list[int] = field(default_factory=list)  # produced by the last step
+    serial: int = field(default_factory=itertools.count().__next__)  # unique per engine process, never reused
 
     @property
     def last_token(self) -> int:
@@ -129,6 +146,9 @@ class Engine:
         self.totals = SpecStats()
         self.tokens_generated = 0
         self.profile: list[dict] = []
+        self._sampling_cache: tuple[tuple, BatchSampling] | None = None
+        self._ahead: _Launched | None = None  # a plain step queued before the last one was read
+        self.launch_ahead = self.device.type == "cuda"  # pointless where nothing runs asynchronously
         spec_values = []
         if self.runner.drafter is not None:
             spec_values = list(range(1, self.runner.k_max + 1)) if cfg.adaptive else [cfg.spec_steps]
@@ -155,6 +175,7 @@ class Engine:
             raise ValueError(f"K={K} has no captured graphs; this engine supports 0 and {self.spec_values}")
         if K is None and not self.cfg.adaptive:
             raise ValueError("adaptive speculation needs an engine built with adaptive=True")
+        self._ahead = None
         self.policy.fixed = K
 
     # ------------------------------------------------------------- requests
@@ -210,6 +231,7 @@ class Engine:
         if self.n_prefill:
             for s in self._prefill_chunk():
                 touched[s.seq_id] = s
+            self._release_finished()  # a sequence may end with its first token (max_tokens=1, EOS)
         if self.n_running:
             for s in self._decode():
                 touched[s.seq_id] = s
@@ -246,7 +268,7 @@ class Engine:
         if done:
             params = [seqs[i].params for i in done]
             sampling = BatchSampling.build(params, [seqs[i].seed for i in done], self.device)
-            pos = torch.tensor([len(seqs[i].prompt_ids) for i in done], device=self.device)
+            pos = to_device([len(seqs[i].prompt_ids) for i in done], self.device)
             first = sample_tokens(logits[done], sampling, pos).tolist()
         for i, seq in enumerate(seqs):
             seq.prefilled += len(chunks[i])
@@ -300,23 +322,68 @@ class Engine:
         return self._spec_step(seqs, K)
 
     def _sampling(self, seqs: list[Sequence]) -> BatchSampling:
-        return BatchSampling.build([s.params for s in seqs], [s.seed for s in seqs], self.device)
+        """Sampling tensors for this batch, rebuilt only when the batch's members change."""
+        key = tuple(s.serial for s in seqs)
+        if self._sampling_cache is None or self._sampling_cache[0] != key:
+            built = BatchSampling.build([s.params for s in seqs], [s.seed for s in seqs], self.device)
+            self._sampling_cache = (key, built)
+        return self._sampling_cache[1]
+
+    def _launch_plain(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor):
+        """Queue one plain decode step (ids/pos on the device) and the copy of its tokens to the host."""
+        logits, feats = self.runner.decode(ids, pos)
+        tokens = sample_tokens(logits, self._sampling(seqs), pos + 1)
+        host, done = tokens, None
+        if self.device.type == "cuda":
+            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            host.copy_(tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        return _Launched(list(seqs), tokens, pos, host, done), feats
+
+    def _may_launch_ahead(self, seqs: list[Sequence]) -> bool:
+        """Queue the next plain step before reading this one's tokens? With the drafter idle, nothing
+        waiting to join, and no sequence ending by length this step (on CUDA; tests switch it on
+        elsewhere)."""
+        if not self.launch_ahead or self.drafting or self.waiting or self.n_prefill:
+            return False
+        return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < self.max_model_len
+                   for s in seqs)
 
     def _plain_step(self, seqs: list[Sequence]) -> list[Sequence]:
+        """One token per sequence. On CUDA the next step is queued before this step's tokens are
+        read (`_may_launch_ahead`), so the GPU runs while the host does its bookkeeping: the next
+        step's input is this step's sampled token, already on the device."""
         r = self.runner
         t0 = time.perf_counter()
         B = len(seqs)
-        ids = torch.tensor([s.last_token for s in seqs], device=self.device)
-        pos = torch.tensor([s.num_cached for s in seqs], device=self.device)
-        logits, feats = r.decode(ids, pos)
-        tokens = sample_tokens(logits, self._sampling(seqs), pos + 1)
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and [s.serial for s in ahead.seqs] != [s.serial for s in seqs]:
+            # The batch changed since that step was queued (a sequence ended or joined). Its tokens
+            # still hold for the sequences that kept running: their KV rows moved with them.
+            kept = [(s, t) for s, t in zip(ahead.seqs, ahead.token_list())
+                    if s.status == Status.RUNNING and s.finish_reason is None]
+            for seq, tok in kept:
+                seq.num_cached += 1
+                self._append(seq, [tok])
+            if kept:
+                return [seq for seq, _ in kept]
+            ahead = None
+        if ahead is not None:
+            cur, feats = ahead, None
+        else:
+            ids = to_device([s.last_token for s in seqs], self.device)
+            pos = to_device([s.num_cached for s in seqs], self.device)
+            cur, feats = self._launch_plain(seqs, ids, pos)
         drafting = self.drafting
-        if drafting:
-            counts = torch.tensor([s.pending for s in seqs], device=self.device)
+        if drafting:  # (never with a step queued ahead, so feats belong to this step)
+            counts = to_device([s.pending for s in seqs], self.device)
             rows = torch.arange(B, device=self.device)
-            r.pending_tok[rows, counts] = tokens
+            r.pending_tok[rows, counts] = cur.tokens
             r.pending_feat[rows, counts] = feats[:, 0]
-        new = tokens.tolist()
+        if self._may_launch_ahead(seqs):
+            self._ahead, _ = self._launch_plain(seqs, cur.tokens, cur.pos + 1)
+        new = cur.token_list()
         for seq, tok in zip(seqs, new):
             seq.num_cached += 1
             if drafting:
@@ -338,7 +405,7 @@ class Engine:
             if n > 0:
                 start = s.num_cached - s.pending
                 pos[b, :n] = torch.arange(start, start + n)
-        pos = pos.to(self.device)
+        pos = to_device(pos, self.device)
         if r.drafter_max_pos is not None:
             pos = torch.where(pos >= r.drafter_max_pos, torch.full_like(pos, r.scratch), pos)
         r.drafter_extend(0, r.pending_tok[:B], r.pending_feat[:B], pos)
@@ -369,15 +436,15 @@ class Engine:
                 entry_pos[b, : s.pending] = torch.arange(start, start + s.pending)
         last_idx = torch.tensor([s.pending - 1 for s in seqs])
         sampling = self._sampling(seqs)
-        draft = r.draft(K, entry_pos.to(self.device), last_idx.to(self.device), sampling)
+        draft = r.draft(K, to_device(entry_pos, self.device), to_device(last_idx, self.device), sampling)
         if prof:
             marks[1].record()
-        last = torch.tensor([s.last_token for s in seqs], device=self.device)
-        pos0 = torch.tensor([s.num_cached for s in seqs], device=self.device)
+        last = to_device([s.last_token for s in seqs], self.device)
+        pos0 = to_device([s.num_cached for s in seqs], self.device)
         logits, feats = r.verify(torch.cat([last.unsqueeze(1), draft.tokens], 1), pos0)
         if prof:
             marks[2].record()
-        enabled = torch.tensor(spec_ok, device=self.device)
+        enabled = to_device(spec_ok, self.device, torch.bool)
         n_acc, next_tok = accept_drafts(logits, draft, sampling, pos0, enabled)
         # Next cycle's drafter inputs: (feature_j, token_j+1) for j = 0..a, token_a+1 being the new one.
         grid = torch.cat([draft.tokens, draft.tokens[:, :1]], 1).scatter(1, n_acc.unsqueeze(1), next_tok.unsqueeze(1))

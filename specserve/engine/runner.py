@@ -107,10 +107,29 @@ class ModelRunner:
                     f"drafter vocab_size {self.draft_cfg.vocab_size} differs from the target's {self.model_cfg.vocab_size}"
                 )
         self.load_seconds = time.perf_counter() - t0
+        self.linear_tuning = self._tune_linear()
         self._allocate()
         self.graphs: dict[tuple, _Graph] = {}
         self.graph_batch_sizes: tuple[int, ...] = ()
         self.graph_pool = None
+
+    def _tune_linear(self) -> dict:
+        """Per weight shape and row count, cuBLAS or the GEMV kernel: whichever is faster here."""
+        if self.device.type != "cuda":
+            return {}
+        from specserve.model.kernels import tune_linear
+
+        t0 = time.perf_counter()
+        mods = [self.target] + ([self.drafter] if self.drafter is not None else [])
+        seen, weights = set(), []
+        for p in (p for m in mods for p in m.parameters()):
+            if p.dim() == 2 and p.data_ptr() not in seen:
+                seen.add(p.data_ptr())
+                weights.append(p)
+        report = tune_linear(weights)
+        if report:
+            log.info("linear kernels tuned in %.1fs: %s", time.perf_counter() - t0, report)
+        return report
 
     # ------------------------------------------------------------------ memory
     def kv_bytes(self) -> int:

@@ -98,6 +98,16 @@ def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return (probs / (-torch.log(u))).argmax(-1)
 
 
+def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A host list (or CPU tensor) on `device` without waiting for the GPU: staged in pinned
+    memory and copied asynchronously (a plain `torch.tensor(..., device=cuda)` synchronizes the
+    stream, leaving the GPU idle while the host prepares the next step)."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 @dataclass
 class BatchSampling:
     """Per-row sampling parameters as device tensors for one step."""
@@ -112,10 +122,10 @@ class BatchSampling:
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], device: torch.device) -> "BatchSampling":
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long, device=device),
-            seed=torch.tensor(seeds, dtype=torch.long, device=device),
+            temperature=to_device([p.temperature for p in params], device, torch.float32),
+            top_p=to_device([p.top_p for p in params], device, torch.float32),
+            top_k=to_device([p.top_k for p in params], device),
+            seed=to_device(seeds, device),
             all_greedy=all(p.greedy for p in params),
             filtered=any(p.top_p < 1 or p.top_k > 0 for p in params),
         )

@@ -37,8 +37,7 @@ class DraftAttention(nn.Module):
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
-        q, k = self.rope(q, k, ctx.positions)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
 
 class DraftMLP(nn.Module):
@@ -63,8 +62,8 @@ class DraftMidLayer(nn.Module):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        h = hidden + self.self_attn(x, ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        x, h = self.post_attention_layernorm(self.self_attn(x, ctx), hidden)
+        return h + self.mlp(x)
 
 
 class Eagle3Drafter(nn.Module):

@@ -1,13 +1,25 @@
-"""A Triton kernel for skinny matrix products (decode and verify).
+"""Fused GPU kernels (Triton) for the decode path, each with its PyTorch reference.
 
-Decoding reads every weight once per step for 1-16 token rows. cuBLAS often
-picks tiles that leave most of an H100/H200's multiprocessors idle for such
-shapes (an N=4096 projection gives ~32 tiles for 132 SMs), reaching about half
-the memory bandwidth. This kernel gives each program a thin slice of output
-features and one slice of K through tensor cores, so every SM
-reads weights (split-K partial sums are added atomically in float32). Whether
-it is right and beats cuBLAS is checked once per weight shape (outside
-CUDA-graph capture) and remembered: it is used only where it wins.
+A decode step of an 8B model moves ~16 GB of weights in ~4 ms; what else it does
+must cost microseconds. In plain PyTorch an RMSNorm is ~7 kernels, rotary
+embedding plus the KV-cache write ~16, SwiGLU's activation 3: ~1,400 tiny
+kernels per step at 32 layers, each costing a launch slot even inside a CUDA
+graph. The kernels here do each of those in one:
+
+- ``rms_norm``       residual add + RMSNorm (one row per program);
+- ``rope_store_kv``  rotary embedding of q and k, k and v written into the KV
+                     cache at their cache index (one (token, head) per program);
+- ``silu_mul``       SwiGLU's silu(gate) * up.
+
+They reproduce the reference's bf16/fp16 roundings step by step (each product
+and sum rounded where PyTorch rounds), so fused and reference agree to the last
+bit up to the order of one float32 reduction. Triton runs on CUDA tensors; CPU
+tensors take the reference. ``SPECSERVE_FUSED_KERNELS=0`` forces the reference
+everywhere (for A/B measurements). Without a GPU, tests run the ``*_triton``
+launchers through Triton's interpreter (TRITON_INTERPRET=1, set by conftest).
+
+``linear`` is F.linear or, for 1-8 rows where a startup measurement found it
+faster for the weight's shape, a Triton GEMV (see ``tune_linear``).
 """
 
 from __future__ import annotations
@@ -23,92 +35,411 @@ try:
 except ImportError:  # CPU-only installs
     triton = None
 
-MAX_ROWS = 16
-# Opt-in until validated on GPU: the split-K version has not yet completed a GPU check (an
-# illegal memory access appeared in the first run that could have used it; see BENCHMARKS.md).
-ENABLED = os.environ.get("SPECSERVE_SKINNY_MATMUL", "0") == "1"
-_choice: dict[tuple, bool] = {}
+FUSED = os.environ.get("SPECSERVE_FUSED_KERNELS", "1") != "0"
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    return FUSED and triton is not None and x.is_cuda
+
+
+# ----------------------------------------------------------------------------- references
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor):
+    """q [B, T, H, D], k [B, T, Hkv, D]; cos/sin float32 tables [max_pos, D]; positions [B, T]."""
+    c = cos[positions].unsqueeze(2).to(q.dtype)
+    s = sin[positions].unsqueeze(2).to(q.dtype)
+    return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
+
+
+def rope_store_kv_ref(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx):
+    q, k = apply_rope(q, k, cos, sin, positions)
+    B = q.shape[0]
+    b_idx = torch.arange(B, device=q.device).unsqueeze(1) + row_start
+    k_cache[b_idx, :, write_idx] = k.to(k_cache.dtype)
+    v_cache[b_idx, :, write_idx] = v.to(v_cache.dtype)
+    return q
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+# ----------------------------------------------------------------------------- Triton
 
 if triton is not None:
 
-    @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "SPLIT_K": sk}, num_warps=4, num_stages=4)
-            for bn, bk, sk in ((32, 256, 1), (32, 256, 4), (64, 128, 4), (32, 128, 8), (16, 256, 8), (64, 256, 2))
-        ],
-        key=["N", "K"],
-        reset_to_zero=["y_ptr"],
-    )
     @triton.jit
-    def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
-        # Program (n, s) computes BLOCK_N outputs over the s-th of SPLIT_K slices of K and
-        # adds its partial sums into the float32 output: more programs than SMs even for N=4096.
-        pid_n = tl.program_id(0)
-        pid_k = tl.program_id(1)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
-        k_per = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_lo = pid_k * k_per
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for k0 in range(k_lo, k_lo + k_per, BLOCK_K):
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, eps,
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < N
+        dt = x_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
+        if HAS_RES:
+            r = tl.load(res_ptr + row * N + offs, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)  # rounded as torch's add rounds
+            tl.store(sum_ptr + row * N + offs, x, mask=mask)
+        xf = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / N + eps)
+        y = (xf * inv).to(dt).to(tl.float32)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * N + offs, (w * y).to(dt), mask=mask)
+
+    @triton.jit
+    def _rotate(base, c1, c2, s1, s2, offs, HALF: tl.constexpr, dt: tl.constexpr):
+        x1 = tl.load(base + offs).to(tl.float32)
+        x2 = tl.load(base + HALF + offs).to(tl.float32)
+        # x * cos + rotate_half(x) * sin, each product and the sum rounded to the model dtype
+        o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+        o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+        return o1, o2
+
+    @triton.jit
+    def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, cos_ptr, sin_ptr, pos_ptr, widx_ptr, kc_ptr, vc_ptr,
+                        T, H, q_stride, k_stride, v_stride, row_start, c_row, c_head, c_pos,
+                        HALF: tl.constexpr):
+        tok = tl.program_id(0)
+        head = tl.program_id(1)
+        dt = q_ptr.dtype.element_ty
+        offs = tl.arange(0, HALF)
+        pos = tl.load(pos_ptr + tok)
+        # the float32 tables are rounded to the model dtype first, as the reference does
+        c1 = tl.load(cos_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
+        if head < H:
+            o1, o2 = _rotate(q_ptr + tok * q_stride + head * 2 * HALF, c1, c2, s1, s2, offs, HALF, dt)
+            out = q_out_ptr + (tok * H + head) * 2 * HALF
+            tl.store(out + offs, o1)
+            tl.store(out + HALF + offs, o2)
+        else:
+            kh = head - H
+            o1, o2 = _rotate(k_ptr + tok * k_stride + kh * 2 * HALF, c1, c2, s1, s2, offs, HALF, dt)
+            slot = ((row_start + tok // T) * c_row + kh * c_head + tl.load(widx_ptr + tok) * c_pos).to(tl.int64)
+            cdt = kc_ptr.dtype.element_ty
+            tl.store(kc_ptr + slot + offs, o1.to(cdt))
+            tl.store(kc_ptr + slot + HALF + offs, o2.to(cdt))
+            v = v_ptr + tok * v_stride + kh * 2 * HALF
+            tl.store(vc_ptr + slot + offs, tl.load(v + offs).to(cdt))
+            tl.store(vc_ptr + slot + HALF + offs, tl.load(v + HALF + offs).to(cdt))
+
+    @triton.jit
+    def _silu_mul_kernel(x_ptr, out_ptr, I, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < I
+        dt = x_ptr.dtype.element_ty
+        g = tl.load(x_ptr + row * 2 * I + offs, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(x_ptr + row * 2 * I + I + offs, mask=mask, other=0.0).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + row * I + offs, (s * u).to(dt), mask=mask)
+
+
+    @triton.jit
+    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, o_ptr, ml_ptr,
+                             T, H, G, n_kv, n_split, row_start, scratch, scale, c_row, c_head, c_pos,
+                             D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+        # Program (b, kv head, split): the G*T queries of one KV head of one sequence against keys
+        # [split * CHUNK, (split + 1) * CHUNK), cut at the last key any of them may see.
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        r = tl.arange(0, BLOCK_Q)  # query row r = token * G + group member
+        t = r // G
+        rmask = r < G * T
+        widx = tl.load(widx_ptr + b * T + t, mask=rmask, other=-1)
+        limit = tl.where(widx == scratch, -1, widx)  # padding queries (scratch slot) see nothing
+        offs_d = tl.arange(0, D)
+        head = (b * T + t) * H + kvh * G + r % G
+        q = tl.load(q_ptr + head[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
+        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, D], tl.float32)
+        base = (row_start + b).to(tl.int64) * c_row + kvh * c_head
+        lo = sp * CHUNK
+        hi = tl.minimum(lo + CHUNK, tl.max(limit, axis=0) + 1)
+        for step in range(0, CHUNK, BLOCK_N):  # blocks past `hi` are skipped
+            if lo + step < hi:
+                offs_n = lo + step + tl.arange(0, BLOCK_N)
+                kmask = offs_n < hi
+                kv_off = base + offs_n[:, None] * c_pos + offs_d[None, :]
+                k = tl.load(kc_ptr + kv_off, mask=kmask[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k)) * scale
+                s = tl.where((offs_n[None, :] <= limit[:, None]) & kmask[None, :], s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(vc_ptr + kv_off, mask=kmask[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+        part = ((b * n_kv + kvh) * n_split + sp) * BLOCK_Q + r
+        tl.store(o_ptr + part[:, None] * D + offs_d[None, :], acc)
+        tl.store(ml_ptr + part * 2, m_i)
+        tl.store(ml_ptr + part * 2 + 1, l_i)
+
+    @triton.jit
+    def _attn_combine_kernel(o_ptr, ml_ptr, out_ptr, T, H, G, n_kv, n_split,
+                             D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r = tl.program_id(2)
+        if r < G * T:
+            sp = tl.arange(0, SPLITS)
+            smask = sp < n_split
+            part = ((b * n_kv + kvh) * n_split + sp) * BLOCK_Q + r
+            m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
+            l = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
+            m_max = tl.max(m, axis=0)
+            w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+            total = tl.sum(w * l, axis=0)
+            offs_d = tl.arange(0, D)
+            acc = tl.load(o_ptr + part[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+            o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+            head = (b * T + r // G) * H + kvh * G + r % G
+            tl.store(out_ptr + head * D + offs_d, o.to(out_ptr.dtype.element_ty))
+
+# ----------------------------------------------------------------------------- dispatch
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
+    """RMSNorm of x; with ``residual``: (norm(x + residual), x + residual), the sum being the
+    new residual stream (one kernel on GPU instead of an add plus ~7)."""
+    if use_triton(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()) \
+            and x.shape[-1] <= 16384:
+        return rms_norm_triton(x, weight, eps, residual)
+    if residual is None:
+        return rms_norm_ref(x, weight, eps)
+    total = x + residual
+    return rms_norm_ref(total, weight, eps), total
+
+
+def rms_norm_triton(x, weight, eps: float, residual=None):
+    N = x.shape[-1]
+    out = torch.empty_like(x)
+    total = torch.empty_like(x) if residual is not None else out
+    block = triton.next_power_of_2(N)
+    _rms_norm_kernel[(x.numel() // N,)](x, residual if residual is not None else x, weight, out, total, N, eps,
+                                        HAS_RES=residual is not None, BLOCK=block,
+                                        num_warps=min(16, max(1, block // 256)))
+    return out if residual is None else (out, total)
+
+
+def _tokens_strided(t: torch.Tensor) -> bool:
+    """[B, T, heads, D] with heads and D packed and tokens evenly strided (e.g. views of a qkv row)."""
+    B, T, Hh, D = t.shape
+    return t.stride(3) == 1 and t.stride(2) == D and (B == 1 or t.stride(0) == T * t.stride(1))
+
+
+def rope_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx) -> torch.Tensor:
+    """Rotary embedding of q [B, T, H, D] and k [B, T, Hkv, D]; k and v are written into rows
+    row_start.. of the caches [rows, Hkv, len, D] at ``write_idx`` [B, T]. Returns rotated q."""
+    D = q.shape[-1]
+    if (use_triton(q) and D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2
+            and all(_tokens_strided(t) for t in (q, k, v)) and k_cache.stride() == v_cache.stride()
+            and k_cache.stride(3) == 1 and positions.is_contiguous() and write_idx.is_contiguous()):
+        return rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx)
+    return rope_store_kv_ref(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx)
+
+
+def rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx):
+    B, T, H, D = q.shape
+    q_out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+    _rope_kv_kernel[(B * T, H + k.shape[2])](
+        q, k, v, q_out, cos, sin, positions, write_idx, k_cache, v_cache,
+        T, H, q.stride(1), k.stride(1), v.stride(1), row_start,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=D // 2, num_warps=1,
+        enable_fp_fusion=False)  # a fused multiply-add would skip the reference's rounding of each product
+    return q_out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up = [..., 2I] (gate first)."""
+    if use_triton(gate_up) and gate_up.is_contiguous():
+        return silu_mul_triton(gate_up)
+    return silu_mul_ref(gate_up)
+
+
+def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
+    I = gate_up.shape[-1] // 2
+    out = torch.empty(*gate_up.shape[:-1], I, dtype=gate_up.dtype, device=gate_up.device)
+    block = min(1024, triton.next_power_of_2(I))
+    _silu_mul_kernel[(gate_up.numel() // (2 * I), triton.cdiv(I, block))](gate_up, out, I, BLOCK=block, num_warps=4)
+    return out
+
+
+ATTN_BLOCK_N = 64
+ATTN_MAX_QUERIES = 128  # G * T per KV head; longer blocks (prefill) use SDPA
+
+
+def cache_attention_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Can `cache_attention` serve these queries [B, T, H, D]?"""
+    B, T, H, D = q.shape
+    G = H // k_cache.shape[1]
+    return (use_triton(q) and q.dtype in (torch.bfloat16, torch.float16) and q.is_contiguous()
+            and k_cache.stride(3) == 1 and 16 <= D <= 256 and triton.next_power_of_2(D) == D
+            and G * T <= ATTN_MAX_QUERIES)
+
+
+def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scratch: int, scale: float,
+                           sm_count: int = 132) -> torch.Tensor:
+    """Attention of q [B, T, H, D] over rows row_start.. of the caches, query (b, t) seeing keys
+    0..write_idx[b, t] (flash-decoding: the keys are split into chunks that run in parallel,
+    then merged). Reads only as far as the longest query of a row reaches, not the whole cache."""
+    B, T, H, D = q.shape
+    n_kv, length = k_cache.shape[1], k_cache.shape[2]
+    G = H // n_kv
+    block_q = max(16, triton.next_power_of_2(G * T))
+    # enough programs to cover the GPU at small batches; one chunk each at large ones
+    n_split = max(1, min(triton.cdiv(length, ATTN_BLOCK_N), triton.cdiv(2 * sm_count, B * n_kv)))
+    chunk = triton.cdiv(triton.cdiv(length, n_split), ATTN_BLOCK_N) * ATTN_BLOCK_N
+    n_split = triton.cdiv(length, chunk)
+    part = torch.empty(B * n_kv * n_split * block_q, D, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * n_kv * n_split * block_q, 2, dtype=torch.float32, device=q.device)
+    _attn_partial_kernel[(B, n_kv, n_split)](
+        q, k_cache, v_cache, write_idx, part, ml, T, H, G, n_kv, n_split, row_start, scratch, scale,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, CHUNK=chunk, num_warps=4, num_stages=2)
+    out = torch.empty_like(q)
+    _attn_combine_kernel[(B, n_kv, block_q)](part, ml, out, T, H, G, n_kv, n_split, D=D, BLOCK_Q=block_q,
+                                             SPLITS=triton.next_power_of_2(n_split), num_warps=1)
+    return out
+
+
+# ----------------------------------------------------------------------------- skinny matmul
+
+# Decode multiplies 1-8 token rows by each weight, so a step is bound by how fast the weights
+# stream from HBM. cuBLAS reaches 60-90% of the copy bandwidth there depending on the shape; a
+# plain GEMV (each program owns a few output features over all of K) beats it on some shapes and
+# loses on others (benchmarks/gemv_sweep.py). So the choice is measured per weight shape and row
+# count when the runner starts (`tune_linear`), inside CUDA graphs over distinct weights of the
+# shape (as a decode step reads them, cold in L2), and `linear` follows it.
+
+GEMV_ROWS = (1, 2, 4, 8)  # row counts tuned (a product of r rows uses the tuning of the next one up)
+GEMV_CONFIGS = {1: ((8, 512, 4, 4), (8, 512, 8, 4)), 2: ((32, 256, 4, 4), (64, 256, 4, 4))}  # BLOCK_N/K, warps, stages
+_gemv_choice: dict[tuple, tuple | None] = {}  # (N, K, dtype, rows bucket) -> Triton config, None = cuBLAS
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     ONE_ROW: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, 16)
+        nmask = offs_n < N
+        if ONE_ROW:  # vector FMAs and a row reduction
+            acc1 = tl.zeros([BLOCK_N], tl.float32)
+        else:  # rows padded to 16 for the tensor cores
+            acc = tl.zeros([16, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
-            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                        mask=(offs_m[:, None] < M) & (offs_k[None, :] < K), other=0.0)
-            w = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
-                        mask=(offs_n[:, None] < N) & (offs_k[None, :] < K), other=0.0)
-            acc += tl.dot(x, tl.trans(w))
-        mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-        tl.atomic_add(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], acc, mask=mask)
+            kmask = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if ONE_ROW:
+                x = tl.load(x_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+                acc1 += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+            else:
+                x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
+                            mask=(offs_m[:, None] < M) & kmask[None, :], other=0.0)
+                acc += tl.dot(x, tl.trans(w))
+        if ONE_ROW:
+            tl.store(y_ptr + offs_n, acc1.to(y_ptr.dtype.element_ty), mask=nmask)
+        else:
+            tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=(offs_m[:, None] < M) & nmask[None, :])
 
 
-_tuned: set[tuple] = set()
-
-
-def skinny_matmul(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x2 [M <= 16, K] @ w[N, K]^T with the Triton kernel (float32 accumulation)."""
+def gemv_triton(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
+    """x2 [M <= 16, K] (contiguous) @ w [N, K]^T with float32 accumulation."""
     M, K = x2.shape
     N = w.shape[0]
-    y = torch.zeros(M, N, dtype=torch.float32, device=x2.device)
-    grid = lambda meta: (triton.cdiv(N, meta["BLOCK_N"]), meta["SPLIT_K"])  # noqa: E731
-    _skinny_kernel[grid](x2, w, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0), BLOCK_M=16)
-    key = (N, K)
-    if key not in _tuned:  # the autotuning call ran several configs into y: compute it once more
-        _tuned.add(key)
-        y.zero_()
-        _skinny_kernel[grid](x2, w, y, M, N, K, x2.stride(0), w.stride(0), y.stride(0), BLOCK_M=16)
-    return y.to(x2.dtype)
+    block_n, block_k, warps, stages = cfg
+    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x2, w, y, M, N, K, BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1,
+                                             num_warps=warps, num_stages=stages)
+    return y
 
 
-def _time_ms(fn, reps: int = 20) -> float:
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / reps
+def _rows_bucket(rows: int) -> int | None:
+    return next((b for b in GEMV_ROWS if rows <= b), None)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, with the skinny kernel for few-row bf16/fp16 inputs on CUDA where it is faster."""
+    """F.linear, or the GEMV kernel where `tune_linear` found it faster for this shape and row count."""
     rows = x.numel() // x.shape[-1]
-    if (not ENABLED or triton is None or not x.is_cuda or rows > MAX_ROWS or x.dtype not in (torch.bfloat16, torch.float16)
-            or not w.is_contiguous()):
+    bucket = _rows_bucket(rows)
+    cfg = _gemv_choice.get((w.shape[0], w.shape[1], x.dtype, bucket)) if bucket and x.is_cuda else None
+    if cfg is None:
         return F.linear(x, w, b)
-    key = (tuple(w.shape), x.dtype, rows > 4)
-    use = _choice.get(key)
-    if use is None:
-        if torch.cuda.is_current_stream_capturing():
-            return F.linear(x, w, b)  # never benchmark inside a capture
-        x2 = x.reshape(rows, -1).contiguous()
-        ref = F.linear(x2, w)
-        err = ((skinny_matmul(x2, w).float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-12)).item()
-        # Adopt it only where it is right (bf16-level error) and clearly faster.
-        use = err < 2e-2 and _time_ms(lambda: skinny_matmul(x2, w)) < 0.97 * _time_ms(lambda: F.linear(x2, w))
-        _choice[key] = use
-    if not use:
-        return F.linear(x, w, b)
-    y = skinny_matmul(x.reshape(rows, -1).contiguous(), w).view(*x.shape[:-1], w.shape[0])
+    y = gemv_triton(x.reshape(rows, -1).contiguous(), w, cfg).view(*x.shape[:-1], w.shape[0])
     return y + b if b is not None else y
+
+
+def graph_us(fns, reps: int = 10) -> float:
+    """Microseconds per call of a CUDA graph that runs each of `fns` once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / reps / len(fns)
+
+
+@torch.inference_mode()
+def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
+    """Choose cuBLAS or a GEMV config for each weight shape and row bucket up to `max_rows`.
+    `weights`: every weight the model multiplies by (grouped by shape here; up to 8 of a shape
+    are timed in turn so the measurement streams from HBM as a real step does). Returns
+    {"NxK": {rows: (cuBLAS us, best Triton us, chosen)}} for logging."""
+    if not FUSED or triton is None or not weights or not weights[0].is_cuda:
+        return {}
+    by_shape: dict[tuple, list[torch.Tensor]] = {}
+    for w in weights:
+        if w.dim() == 2 and w.is_contiguous() and w.dtype in (torch.bfloat16, torch.float16):
+            by_shape.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
+    report = {}
+    for (N, K, dtype), ws in by_shape.items():
+        ws = ws[:8]
+        for rows in (r for r in GEMV_ROWS if r <= max_rows):
+            x = torch.randn(rows, K, device=ws[0].device, dtype=dtype)
+            ref = F.linear(x, ws[0]).float()
+            t_cublas = graph_us([lambda w=w: F.linear(x, w) for w in ws])
+            best, t_best = None, t_cublas
+            for cfg in GEMV_CONFIGS[min(rows, 2)]:
+                err = ((gemv_triton(x, ws[0], cfg).float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+                if err > 1e-2:
+                    continue
+                t = graph_us([lambda w=w, c=cfg: gemv_triton(x, w, c) for w in ws])
+                if t < 0.97 * t_best:  # only a clear win
+                    best, t_best = cfg, t
+            _gemv_choice[(N, K, dtype, rows)] = best
+            report.setdefault(f"{N}x{K}", {})[rows] = (round(t_cublas, 1), round(t_best, 1), best)
+    return report

@@ -7,6 +7,7 @@ shard_id)`. With TP size 1 they are plain linears.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -14,7 +15,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
-from specserve.model.kernels import linear
+from specserve.model.kernels import (
+    apply_rope,
+    cache_attention_ok,
+    cache_attention_triton,
+    linear,
+    rms_norm,
+    rope_store_kv,
+    silu_mul,
+)
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -35,11 +44,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: (norm(x + residual), x + residual), fused on GPU."""
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class ReplicatedLinear(nn.Linear):
@@ -142,11 +149,6 @@ class VocabParallelHead(ColumnParallelLinear):
         super().__init__(dim, [vocab], bias=False, gather_output=True)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
 class RotaryEmbedding(nn.Module):
     """cos/sin tables (float32) for every position up to `max_positions`, gathered per token."""
 
@@ -162,9 +164,7 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         # q: [B, T, H, D], positions: [B, T]
-        cos = self.cos[positions].unsqueeze(2).to(q.dtype)
-        sin = self.sin[positions].unsqueeze(2).to(q.dtype)
-        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        return apply_rope(q, k, self.cos, self.sin, positions)
 
 
 @dataclass
@@ -199,6 +199,11 @@ class ForwardContext:
         return self._bias[key]
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 class KVCacheAttention(nn.Module):
     """Scaled dot-product attention over a slot-per-sequence KV cache with GQA."""
 
@@ -212,14 +217,19 @@ class KVCacheAttention(nn.Module):
         self.k_cache: torch.Tensor | None = None  # [rows, kv_heads, length, head_dim], set by the runner
         self.v_cache: torch.Tensor | None = None
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
+                rope: RotaryEmbedding) -> torch.Tensor:
+        """Rotates q and k, writes k and v into the cache, attends (q [B, T, H, D], k/v [B, T, Hkv, D])."""
         B, T = q.shape[:2]
+        q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
+                          ctx.row_start, ctx.write_idx)
+        if cache_attention_ok(q, self.k_cache):  # GPU decode/verify/draft: reads only the filled part
+            scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
+            out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
+                                         self.scale, _sm_count(q.device))
+            return out.view(B, T, self.num_heads * self.head_dim)
         rows = slice(ctx.row_start, ctx.row_start + B)
-        kc, vc = self.k_cache[rows], self.v_cache[rows]
-        b_idx = torch.arange(B, device=q.device).unsqueeze(1)
-        kc[b_idx, :, ctx.write_idx] = k.to(kc.dtype)
-        vc[b_idx, :, ctx.write_idx] = v.to(vc.dtype)
-        keys, values = kc[:, :, : ctx.kv_len], vc[:, :, : ctx.kv_len]
+        keys, values = self.k_cache[rows, :, : ctx.kv_len], self.v_cache[rows, :, : ctx.kv_len]
         # [B, T, H, D] -> [B, Hkv, G*T, D] so each KV head is read once for its whole group.
         qg = q.view(B, T, self.num_kv_heads, self.group, self.head_dim).permute(0, 2, 3, 1, 4)
         qg = qg.reshape(B, self.num_kv_heads, self.group * T, self.head_dim)
@@ -237,5 +247,4 @@ class SwiGLU(nn.Module):
         self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_mul(self.gate_up_proj(x)))

@@ -52,8 +52,7 @@ class SelfAttention(nn.Module):
         v = v.view(B, T, self.kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rope(q, k, ctx.positions)
-        return self.o_proj(self.attn(q, k, v, ctx))
+        return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
 
 class DecoderLayer(nn.Module):
@@ -64,9 +63,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
-    def forward(self, h: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), ctx)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
+        """h: the previous sub-layer's output (the embeddings for layer 0), residual: the stream
+        it adds to (None for layer 0). Residual adds are fused into the norms that follow them.
+        Returns (MLP output, residual, the residual stream entering this layer)."""
+        if residual is None:
+            stream, x = h, self.input_layernorm(h)
+        else:
+            x, stream = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(x, ctx), stream)
+        return self.mlp(x), residual, stream
 
 
 class CausalLM(nn.Module):
@@ -88,15 +94,13 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.layers]
 
     def forward(self, ids: torch.Tensor, ctx: ForwardContext):
-        h = self.embed_tokens(ids)
+        h, residual = self.embed_tokens(ids), None
         taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            if i in self.aux_layers:
-                taps[i] = h
-            h = layer(h, ctx)
-        taps[len(self.layers)] = h
+            h, residual, taps[i] = layer(h, residual, ctx)
+        out, taps[len(self.layers)] = self.norm(h, residual)
         features = torch.cat([taps[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
-        return self.norm(h), features
+        return out, features
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied: reuse the (vocab-parallel) embedding matrix

@@ -351,9 +351,11 @@ def _pad_plan(model_dir: Path, cfg: ModelConfig, r: int, last_is_old: bool, devi
     ids = torch.randint(cfg.vocab_size, (4, n), generator=gen).to(device)
     pos = torch.arange(n, device=device).expand(4, n)
     ctx = ForwardContext(0, pos, pos, n)
-    h = m.embed_tokens(ids)
+    h, residual = m.embed_tokens(ids), None
     for layer in m.layers[:-1]:
-        h = layer(h, ctx)
+        h, residual, _ = layer(h, residual, ctx)
+    if residual is not None:
+        h = h + residual  # the residual stream entering the last layer
     last = m.layers[-1]
     h = h + last.self_attn(last.input_layernorm(h), ctx)
     post = last.post_attention_layernorm(h)

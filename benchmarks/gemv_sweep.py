@@ -1,0 +1,64 @@
+"""Skinny matmul on one GPU: cuBLAS against a plain Triton GEMV, timed inside CUDA graphs.
+
+    python benchmarks/gemv_sweep.py [--out DIR]
+
+Decode multiplies 1-16 token rows by each weight; the step is bound by how fast
+those weights stream from HBM. Each timing is a CUDA graph of 8 products over 8
+distinct copies of the weight (so nothing is served from the 60 MB L2), replayed
+20 times; GB/s = weight bytes / time. The kernel is specserve's GEMV
+(specserve/model/kernels.py); this sweep chose the configs the engine tunes among.
+Writes gemv_sweep.json and prints the best config per shape against cuBLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+from pathlib import Path
+
+import sys
+
+import torch
+import torch.nn.functional as F
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from specserve.model.kernels import gemv_triton, graph_us  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    args = ap.parse_args()
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    configs = {1: list(itertools.product((8, 16, 32), (256, 512), (4, 8), (4,))),
+               4: list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))}
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "shapes": {}}
+    for (N, K), M in itertools.product(shapes, (1, 4)):
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        gb = N * K * 2 / 1e3  # bytes / 1e3 -> GB/s when divided by us
+        ref = F.linear(x, ws[0]).float()
+        entry = {"cublas_GBs": gb / graph_us([lambda w=w: F.linear(x, w) for w in ws], reps=20), "triton": []}
+        for cfg in configs[M]:
+            try:
+                err = ((gemv_triton(x, ws[0], cfg).float() - ref).norm() / ref.norm()).item()
+                us = graph_us([lambda w=w: gemv_triton(x, w, cfg) for w in ws], reps=20)
+                entry["triton"].append({"cfg": cfg, "GBs": gb / us, "rel_err": err})
+            except Exception as e:  # a config may not compile or fit: note it
+                entry["triton"].append({"cfg": cfg, "error": repr(e)[:200]})
+        ok = [t for t in entry["triton"] if "GBs" in t and t["rel_err"] < 1e-2]
+        entry["best"] = max(ok, key=lambda t: t["GBs"]) if ok else None
+        res["shapes"][f"{N}x{K} M={M}"] = entry
+        best = entry["best"]
+        print(f"{N}x{K} M={M}: cublas {entry['cublas_GBs']:.0f} GB/s, triton best "
+              f"{best['GBs']:.0f} GB/s {best['cfg']} err {best['rel_err']:.1e}" if best else "no valid config", flush=True)
+        del ws
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "gemv_sweep.json").write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

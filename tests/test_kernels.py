@@ -1,0 +1,141 @@
+"""The fused Triton kernels against their PyTorch references.
+
+On a GPU they run compiled and must match bit for bit in bf16/fp16 (the kernels
+replay the reference's roundings). Without one they run in Triton's interpreter,
+which is exact for fp32/fp16 but rounds fp32->bf16 by truncation, so bf16 is
+checked there to one bf16 step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+from specserve.model import kernels as K  # noqa: E402
+from specserve.model.layers import RotaryEmbedding  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, reduction: bool = False):
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if dtype == torch.float32:  # only the order of a float32 sum may differ
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 if reduction else 0)
+    elif DEV == "cuda" or dtype == torch.float16:
+        if reduction:  # one float32 sum in another order may move a value by one step
+            diff = (got.float() - want.float()).abs() / want.float().abs().clamp_min(1e-3)
+            assert (got != want).float().mean() < 0.01 and diff.max() < 1e-2
+        else:
+            bad = got != want
+            assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} differ, max "
+                                   f"{(got.float() - want.float()).abs().max().item():.3g}; first at "
+                                   f"{bad.nonzero()[0].tolist()}: {got[bad][:4].tolist()} vs {want[bad][:4].tolist()}")
+    else:  # bf16 in the interpreter: its casts truncate
+        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, with_residual):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 5, 320, generator=g).to(DEV, dtype)  # 320: a block wider than the row
+    res = torch.randn(3, 5, 320, generator=g).to(DEV, dtype) if with_residual else None
+    w = (torch.rand(320, generator=g) + 0.5).to(DEV, dtype)
+    got = K.rms_norm_triton(x, w, 1e-5, res)
+    if with_residual:
+        total = x + res
+        _check(got[1], total, dtype)
+        _check(got[0], K.rms_norm_ref(total, w, 1e-5), dtype, reduction=True)
+    else:
+        _check(got, K.rms_norm_ref(x, w, 1e-5), dtype, reduction=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul(dtype):
+    x = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(DEV, dtype) * 4
+    _check(K.silu_mul_triton(x), K.silu_mul_ref(x), dtype, reduction=True)  # exp may differ by an ulp
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 4)])
+def test_rope_store_kv(dtype, B, T):
+    """q/k/v as views of one qkv row (as the target passes them), rows offset, scattered indices."""
+    H, Hkv, D, rows, length = 4, 2, 32, 6, 40
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g).to(DEV, dtype)
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+    rope = RotaryEmbedding(D, 128, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}).to(DEV)
+    pos = torch.randint(0, 128, (B, T), generator=g).to(DEV)
+    widx = torch.stack([torch.randperm(length, generator=g)[:T] for _ in range(B)]).to(DEV)
+    caches = [torch.randn(rows, Hkv, length, D, generator=g).to(DEV, dtype) for _ in range(2)]
+    ref_caches = [c.clone() for c in caches]
+    got = K.rope_store_kv_triton(q, k, v, rope.cos, rope.sin, pos, *caches, 2, widx)
+    want = K.rope_store_kv_ref(q, k, v, rope.cos, rope.sin, pos, *ref_caches, 2, widx)
+    _check(got, want, dtype)
+    _check(caches[0], ref_caches[0], dtype)
+    assert torch.equal(caches[1], ref_caches[1])  # v is copied, never rounded
+
+
+@pytest.mark.gpu
+def test_dispatch_uses_kernels_on_cuda(monkeypatch):
+    """On CUDA the model's ops go through the kernels (and the reference is not called)."""
+    calls = []
+    monkeypatch.setattr(K, "rms_norm_ref", lambda *a: calls.append("ref"))
+    x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    K.rms_norm(x, torch.ones(4096, device="cuda", dtype=torch.bfloat16), 1e-5)
+    assert calls == [] and K.FUSED
+
+
+def _sdpa_reference(q, kc, vc, row_start, widx, scale):
+    """Plain masked attention in float32: query (b, t) sees keys 0..widx[b, t]."""
+    B, T, H, D = q.shape
+    G = H // kc.shape[1]
+    k = kc[row_start:row_start + B].float().repeat_interleave(G, dim=1)  # [B, H, L, D]
+    v = vc[row_start:row_start + B].float().repeat_interleave(G, dim=1)
+    s = torch.einsum("bthd,bhld->bhtl", q.float(), k) * scale
+    keys = torch.arange(kc.shape[2], device=q.device)
+    s = s.masked_fill(~(keys.view(1, 1, 1, -1) <= widx.view(B, 1, T, 1)), float("-inf"))
+    return torch.einsum("bhtl,bhld->bthd", s.softmax(-1), v)
+
+
+@pytest.mark.parametrize("B,T,length", [(1, 1, 200), (3, 5, 700), (2, 16, 130)])
+def test_cache_attention(B, T, length):
+    """Decode (T=1), verify (T=K+1) and draft-extend shapes, GQA 4:1, several key chunks,
+    a padding query (scratch slot) and rows offset in the cache."""
+    H, Hkv, D, rows = 8, 2, 64, 5
+    dtype = torch.float16
+    g = torch.Generator().manual_seed(3)
+    kc = torch.randn(rows, Hkv, length, D, generator=g).to(DEV, dtype)
+    vc = torch.randn(rows, Hkv, length, D, generator=g).to(DEV, dtype)
+    q = torch.randn(B, T, H, D, generator=g).to(DEV, dtype)
+    widx = torch.stack([torch.arange(T) + int(torch.randint(0, length - T - 1, (1,), generator=g)) for _ in range(B)])
+    scratch = length - 1
+    if B > 1:
+        widx[-1, -1] = scratch  # a padding token: its output is unused, it must not break the row
+    widx = widx.to(DEV)
+    got = K.cache_attention_triton(q, kc, vc, 1, widx, scratch, D ** -0.5, sm_count=4)
+    want = _sdpa_reference(q, kc, vc, 1, widx, D ** -0.5)
+    real = (widx != scratch).view(B, T, 1, 1).expand_as(want)
+    torch.testing.assert_close(got.float()[real], want[real], rtol=2e-2, atol=2e-3)
+    if B > 1:
+        assert torch.all(got[-1, -1] == 0)  # the padding query saw nothing
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv(rows, dtype):
+    """The skinny-matmul kernel against F.linear: one row (vector path), several (tensor cores),
+    N not a multiple of the block, K not a multiple of the K block."""
+    if DEV == "cpu" and dtype == torch.bfloat16 and rows > 1:
+        pytest.skip("Triton's interpreter returns garbage for bf16 tl.dot (numpy has no bf16); GPU runs it")
+    g = torch.Generator().manual_seed(4)
+    w = (torch.randn(100, 300, generator=g) * 0.05).to(DEV, dtype)
+    x = torch.randn(rows, 300, generator=g).to(DEV, dtype)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    for cfg in K.GEMV_CONFIGS[min(rows, 2)]:
+        cfg = (cfg[0], 128) + cfg[2:]  # a K block that leaves a partial last block
+        torch.testing.assert_close(K.gemv_triton(x, w, cfg).float(), want, rtol=2e-2, atol=2e-2)
