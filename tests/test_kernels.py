@@ -69,8 +69,9 @@ def test_rope_store_kv(dtype, B, T):
     q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
     rope = RotaryEmbedding(D, 128, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}).to(DEV)
-    pos = torch.randint(0, 128, (B, T), generator=g).to(DEV)
-    widx = torch.stack([torch.randperm(length, generator=g)[:T] for _ in range(B)]).to(DEV)
+    # positions == write_idx, a column slice of a wider buffer (as the runner passes them)
+    buf = torch.stack([torch.randperm(length, generator=g)[:T + 3] for _ in range(B)]).to(DEV)
+    pos = widx = buf[:, :T]
     caches = [torch.randn(rows, Hkv, length, D, generator=g).to(DEV, dtype) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
     got = K.rope_store_kv_triton(q, k, v, rope.cos, rope.sin, pos, *caches, 2, widx)
@@ -116,7 +117,7 @@ def test_cache_attention(B, T, length):
     scratch = length - 1
     if B > 1:
         widx[-1, -1] = scratch  # a padding token: its output is unused, it must not break the row
-    widx = widx.to(DEV)
+    widx = torch.cat([widx, torch.zeros(B, 2, dtype=widx.dtype)], 1).to(DEV)[:, :T]  # a column slice
     got = K.cache_attention_triton(q, kc, vc, 1, widx, scratch, D ** -0.5, sm_count=4)
     want = _sdpa_reference(q, kc, vc, 1, widx, D ** -0.5)
     real = (widx != scratch).view(B, T, 1, 1).expand_as(want)

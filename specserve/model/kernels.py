@@ -110,13 +110,14 @@ if triton is not None:
 
     @triton.jit
     def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, cos_ptr, sin_ptr, pos_ptr, widx_ptr, kc_ptr, vc_ptr,
-                        T, H, q_stride, k_stride, v_stride, row_start, c_row, c_head, c_pos,
+                        T, H, q_stride, k_stride, v_stride, idx_stride, row_start, c_row, c_head, c_pos,
                         HALF: tl.constexpr):
         tok = tl.program_id(0)
         head = tl.program_id(1)
         dt = q_ptr.dtype.element_ty
         offs = tl.arange(0, HALF)
-        pos = tl.load(pos_ptr + tok)
+        idx = (tok // T) * idx_stride + tok % T  # positions/write_idx may be column slices of a wider buffer
+        pos = tl.load(pos_ptr + idx)
         # the float32 tables are rounded to the model dtype first, as the reference does
         c1 = tl.load(cos_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
         c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
@@ -130,7 +131,7 @@ if triton is not None:
         else:
             kh = head - H
             o1, o2 = _rotate(k_ptr + tok * k_stride + kh * 2 * HALF, c1, c2, s1, s2, offs, HALF, dt)
-            slot = ((row_start + tok // T) * c_row + kh * c_head + tl.load(widx_ptr + tok) * c_pos).to(tl.int64)
+            slot = ((row_start + tok // T) * c_row + kh * c_head + tl.load(widx_ptr + idx) * c_pos).to(tl.int64)
             cdt = kc_ptr.dtype.element_ty
             tl.store(kc_ptr + slot + offs, o1.to(cdt))
             tl.store(kc_ptr + slot + HALF + offs, o2.to(cdt))
@@ -152,7 +153,8 @@ if triton is not None:
 
     @triton.jit
     def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, o_ptr, ml_ptr,
-                             T, H, G, n_kv, n_split, row_start, scratch, scale, c_row, c_head, c_pos,
+                             T, H, G, n_kv, n_split, widx_stride, length, row_start, scratch, scale,
+                             c_row, c_head, c_pos,
                              D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
         # Program (b, kv head, split): the G*T queries of one KV head of one sequence against keys
         # [split * CHUNK, (split + 1) * CHUNK), cut at the last key any of them may see.
@@ -162,7 +164,7 @@ if triton is not None:
         r = tl.arange(0, BLOCK_Q)  # query row r = token * G + group member
         t = r // G
         rmask = r < G * T
-        widx = tl.load(widx_ptr + b * T + t, mask=rmask, other=-1)
+        widx = tl.load(widx_ptr + b * widx_stride + t, mask=rmask, other=-1)
         limit = tl.where(widx == scratch, -1, widx)  # padding queries (scratch slot) see nothing
         offs_d = tl.arange(0, D)
         head = (b * T + t) * H + kvh * G + r % G
@@ -172,7 +174,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
         base = (row_start + b).to(tl.int64) * c_row + kvh * c_head
         lo = sp * CHUNK
-        hi = tl.minimum(lo + CHUNK, tl.max(limit, axis=0) + 1)
+        hi = tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
         for step in range(0, CHUNK, BLOCK_N):  # blocks past `hi` are skipped
             if lo + step < hi:
                 offs_n = lo + step + tl.arange(0, BLOCK_N)
@@ -252,7 +254,7 @@ def rope_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int
     D = q.shape[-1]
     if (use_triton(q) and D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2
             and all(_tokens_strided(t) for t in (q, k, v)) and k_cache.stride() == v_cache.stride()
-            and k_cache.stride(3) == 1 and positions.is_contiguous() and write_idx.is_contiguous()):
+            and k_cache.stride(3) == 1 and positions.stride() == write_idx.stride() and write_idx.stride(1) == 1):
         return rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx)
     return rope_store_kv_ref(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx)
 
@@ -262,7 +264,7 @@ def rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_sta
     q_out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     _rope_kv_kernel[(B * T, H + k.shape[2])](
         q, k, v, q_out, cos, sin, positions, write_idx, k_cache, v_cache,
-        T, H, q.stride(1), k.stride(1), v.stride(1), row_start,
+        T, H, q.stride(1), k.stride(1), v.stride(1), write_idx.stride(0), row_start,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=D // 2, num_warps=1,
         enable_fp_fusion=False)  # a fused multiply-add would skip the reference's rounding of each product
     return q_out
@@ -287,12 +289,12 @@ ATTN_BLOCK_N = 64
 ATTN_MAX_QUERIES = 128  # G * T per KV head; longer blocks (prefill) use SDPA
 
 
-def cache_attention_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+def cache_attention_ok(q: torch.Tensor, k_cache: torch.Tensor, write_idx: torch.Tensor) -> bool:
     """Can `cache_attention` serve these queries [B, T, H, D]?"""
     B, T, H, D = q.shape
     G = H // k_cache.shape[1]
     return (use_triton(q) and q.dtype in (torch.bfloat16, torch.float16) and q.is_contiguous()
-            and k_cache.stride(3) == 1 and 16 <= D <= 256 and triton.next_power_of_2(D) == D
+            and write_idx.stride(1) == 1 and k_cache.stride(3) == 1 and 16 <= D <= 256 and triton.next_power_of_2(D) == D
             and G * T <= ATTN_MAX_QUERIES)
 
 
@@ -312,7 +314,8 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
     part = torch.empty(B * n_kv * n_split * block_q, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * n_kv * n_split * block_q, 2, dtype=torch.float32, device=q.device)
     _attn_partial_kernel[(B, n_kv, n_split)](
-        q, k_cache, v_cache, write_idx, part, ml, T, H, G, n_kv, n_split, row_start, scratch, scale,
+        q, k_cache, v_cache, write_idx, part, ml, T, H, G, n_kv, n_split, write_idx.stride(0), length, row_start,
+        scratch, scale,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, CHUNK=chunk, num_warps=4, num_stages=2)
     out = torch.empty_like(q)

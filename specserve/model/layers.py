@@ -223,7 +223,7 @@ class KVCacheAttention(nn.Module):
         B, T = q.shape[:2]
         q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
                           ctx.row_start, ctx.write_idx)
-        if cache_attention_ok(q, self.k_cache):  # GPU decode/verify/draft: reads only the filled part
+        if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # GPU decode/verify/draft: reads only the filled part
             scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
             out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
                                          self.scale, _sm_count(q.device))
