@@ -239,12 +239,12 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
     dtype = resolve_dtype(base_kw["dtype"], ModelConfig.from_dir(model_dir).dtype, torch.device(device))
     peer_status: dict[str, str] = {}
     if args.peers:
-        from specserve.bench.peers import HFPeer
+        from specserve.bench.peers import PeerProcess
 
         for name in args.peers:
             log(f"[bench] loading peer {name} ...")
             try:
-                units[name] = HFPeer(name, model_dir, device, dtype, args.max_tokens, args.temperature,
+                units[name] = PeerProcess(name, model_dir, device, dtype, args.max_tokens, args.temperature,
                                      args.ignore_eos, eos_ids, args.peer_draft, base_kw["max_model_len"])
             except Exception as e:  # noqa: BLE001 -- a peer that cannot load is reported, not fatal
                 peer_status[name] = f"could not load: {type(e).__name__}: {e}"

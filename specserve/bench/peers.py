@@ -4,10 +4,17 @@ an assistant LM given by --peer-draft, else prompt-lookup decoding).
 
 They get the same token ids, device, dtype, max_tokens and greedy/sampling
 settings as the engine, and are timed the same way (wall time of a batch).
+
+Each peer runs in a process of its own (`PeerProcess`): transformers compiles
+static-cache decoding on GPUs into CUDA graphs of torch.compile's own, and
+sharing a process with the engine's graphs corrupted the engine's outputs on an
+H200 (garbage token ids, device-side asserts; 2026-11-30). A separate process
+also keeps the peer's memory and threads out of the engine's timings.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 import warnings
 
@@ -143,3 +150,63 @@ class HFPeer:
 
     def finish(self) -> None:
         pass
+
+
+def _serve_peer(conn, args: tuple) -> None:
+    """Child process: build the peer, then answer ("run", prompts, params) until ("close",)."""
+    try:
+        peer = HFPeer(*args)
+    except Exception as e:  # noqa: BLE001 -- reported to the parent, which reports the peer as unavailable
+        conn.send(("error", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ok", peer.details))
+    while True:
+        msg = conn.recv()
+        if msg[0] == "close":
+            return
+        try:
+            out = peer.run(msg[1], msg[2])
+            conn.send(("ok", out, peer.details))
+        except Exception as e:  # noqa: BLE001
+            conn.send(("error", f"{type(e).__name__}: {e}"))
+
+
+class PeerProcess:
+    """An `HFPeer` in a child process, with the same interface (see the module docstring)."""
+
+    kind = "peer"
+
+    def __init__(self, name: str, *args):
+        self.name = name
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_peer, args=(child, (name, *args)), daemon=True,
+                                 name=f"specserve-peer-{name}")
+        self._proc.start()
+        child.close()
+        reply = self._recv()
+        self.details = reply[1]
+
+    def _recv(self):
+        try:
+            reply = self._conn.recv()
+        except EOFError:
+            raise RuntimeError(f"peer {self.name} exited (code {self._proc.exitcode})") from None
+        if reply[0] == "error":
+            raise RuntimeError(f"peer {self.name}: {reply[1]}")
+        return reply
+
+    def unavailable(self, bs: int) -> str | None:
+        return HFPeer.unavailable(self, bs)
+
+    def run(self, prompts: list[list[int]], params: list) -> RunOutput:
+        self._conn.send(("run", prompts, params))
+        _, out, self.details = self._recv()
+        return out
+
+    def finish(self) -> None:
+        if self._proc.is_alive():
+            self._conn.send(("close",))
+            self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.kill()

@@ -445,4 +445,7 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
                     best, t_best = cfg, t
             _gemv_choice[(N, K, dtype, rows)] = best
             report.setdefault(f"{N}x{K}", {})[rows] = (round(t_cublas, 1), round(t_best, 1), best)
+    # Each timing graph took a cuBLAS workspace in its own pool: hand that memory back now, or
+    # it stays reserved and the KV-cache plan (and `specserve check`'s estimate) is off by it.
+    torch.cuda.empty_cache()
     return report

@@ -17,6 +17,11 @@ Everything is derived from files already on the machine, so the build needs no n
                 on the corpus for a wall-clock budget, saved in bfloat16.
   5. drafter    hook: calls ``specserve.train.train_draft.train_draft`` when that module exists.
 
+Stages 2-4 write into ``<work-dir>/staged`` and the files are copied into ``--out`` together
+after the target has been trained and reloaded, so ``--out`` never pairs a tokenizer from one
+run with weights from another. ``--resume`` continues an interrupted target run from the
+checkpoint that every evaluation writes to ``<work-dir>/target_ckpt.pt``.
+
 Why the test suites are left out: at this budget the target sees the 10 MB of library code about
 four times, a range where repeating data costs little, while CPython's ``test`` packages are
 mostly assertion boilerplate plus deliberately odd fixtures (bad syntax, exotic encodings, large
@@ -45,6 +50,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 import sysconfig
 import tempfile
@@ -436,6 +442,8 @@ class TrainOptions:
     eval_every_s: float = 240.0
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1
+    checkpoint: str | None = None  # written after every evaluation (rank 0)
+    resume: bool = False  # continue from ``checkpoint`` when it exists
 
 
 def _evaluate(model, windows, rank: int, world: int, batch_size: int = 16) -> float:
@@ -501,6 +509,34 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                             lr=opt_.lr, betas=(0.9, 0.95), eps=1e-8)
 
+    state = {"epoch": 0, "order": None, "pos": 0, "windows": None, "offset": 0}
+    history: list[dict] = []
+    ema = None
+    step = 0
+    elapsed0 = 0.0
+    ck_path = Path(opt_.checkpoint) if opt_.checkpoint else None
+    if opt_.resume and ck_path is not None and ck_path.exists():
+        ck = torch.load(ck_path, weights_only=False)
+        if (ck["seq_len"], ck["batch_size"]) != (seq_len, batch_size):
+            raise RuntimeError(f"checkpoint {ck_path} was made with seq_len/batch {ck['seq_len']}/{ck['batch_size']}, "
+                               f"not {seq_len}/{batch_size}; pass --batch-size/--seq-len to match or drop --resume")
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+        step, ema, history, elapsed0 = ck["step"], ck["ema"], ck["history"], ck["elapsed"]
+        g.set_state(ck["generator"])
+        state.update(epoch=ck["epoch"], pos=ck["pos"], offset=ck["offset"], order=ck["order"])
+        state["windows"] = _chunks(train_stream, seq_len, state["offset"])
+        if rank == 0:
+            log(f"resumed from {ck_path}: step {step}, {elapsed0 / 60:.1f} min of training done")
+
+    def save_checkpoint(elapsed: float) -> None:
+        tmp = ck_path.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "ema": ema,
+                    "history": history, "elapsed": elapsed, "generator": g.get_state(), "epoch": state["epoch"],
+                    "pos": state["pos"], "offset": state["offset"], "order": state["order"],
+                    "seq_len": seq_len, "batch_size": batch_size}, tmp)
+        os.replace(tmp, ck_path)
+
     fwd, compiled = model, False
     if opt_.compile_model:
         try:
@@ -518,7 +554,6 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
         return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
 
     model.train()
-    state = {"epoch": 0, "order": None, "pos": 0, "windows": None}
 
     def next_batch():
         if state["windows"] is None or state["pos"] + batch_size > len(state["order"]):
@@ -526,6 +561,7 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
                 state["epoch"] += 1
             # a new random phase each epoch, so window boundaries move between epochs
             off = int(torch.randint(0, seq_len, (1,), generator=g)) if state["epoch"] > 0 else 0
+            state["offset"] = off
             state["windows"] = _chunks(train_stream, seq_len, off)
             state["order"] = torch.randperm(len(state["windows"]), generator=g)
             state["pos"] = 0
@@ -536,15 +572,12 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
     per_rank = batch_size // world
     tokens_per_step = batch_size * seq_len
     n_windows = len(_chunks(train_stream, seq_len))
-    history: list[dict] = []
-    ema = None
-    step = 0
     ctrl = torch.zeros(2, dtype=torch.float64)  # [schedule progress, evaluate now?] from rank 0
-    t0 = time.perf_counter()
-    last_eval = t0
+    t0 = time.perf_counter() - elapsed0
+    last_eval = time.perf_counter()
     recent: list[tuple[float, int]] = []
     tps = 0.0
-    bar = tqdm(total=1000, desc="target", unit="step", dynamic_ncols=True, disable=rank != 0,
+    bar = tqdm(total=1000, initial=step, desc="target", unit="step", dynamic_ncols=True, disable=rank != 0,
                mininterval=2.0 if sys.stdout.isatty() else 30.0, file=sys.stdout)
     while True:
         if rank == 0:
@@ -569,8 +602,10 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
                                 "threads": tuner.current if tuner else 1})
                 bar.write(f"[build_demo] step {step} t={(t_e - t0) / 60:.1f} min  train(ema) {ema or float('nan'):.3f}  "
                           f"val {v:.3f}  tok/s {tps:,.0f}")
+                if ck_path is not None:
+                    save_checkpoint(t_e - t0)
                 last_eval = time.perf_counter()
-                t0 += last_eval - t_e  # evaluation time does not count as training time
+                t0 += last_eval - t_e  # evaluation (and checkpoint) time does not count as training time
         if frac >= 1.0:
             break
         cur_lr = opt_.lr * min(1.0, (step + 1) / opt_.warmup_steps) * (
@@ -694,7 +729,7 @@ def _probe_throughput(model, train_stream, seq_len: int, threads: list[int]) -> 
 def train_target(model, train_stream, val_stream, heldout_stream, *, minutes: float, seq_len: int,
                  batch_size: int | None, lr: float, seed: int, compile_model: bool, workers: int = 2,
                  threads: list[int] | None = None, target_tokens: float | None = None,
-                 work_dir: Path | None = None, eval_every_s: float = 240.0) -> TrainResult:
+                 work_dir: Path | None = None, eval_every_s: float = 240.0, resume: bool = False) -> TrainResult:
     """Train ``model`` in place.
 
     ``workers`` > 1: that many data-parallel processes (gloo, one intra-op thread each). On this
@@ -720,7 +755,8 @@ def train_target(model, train_stream, val_stream, heldout_stream, *, minutes: fl
                                       workers, batch_size, batch_size * seq_len, est_tokens / 1e6))
     opts = TrainOptions(minutes=minutes, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
                         compile_model=compile_model, threads=[best] + [t for t in threads if t != best],
-                        target_tokens=target_tokens, eval_every_s=eval_every_s)
+                        target_tokens=target_tokens, eval_every_s=eval_every_s, resume=resume,
+                        checkpoint=str(Path(work_dir) / "target_ckpt.pt") if work_dir else None)
     if workers <= 1:
         torch.set_num_threads(best)
         res = _train_loop(0, 1, model, train_stream, val_stream, heldout_stream, opts, None)
@@ -852,6 +888,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-compile", action="store_true", help="train eager (torch.compile costs ~1 min, gains ~40%%)")
     ap.add_argument("--include-tests", action="store_true", help="also train on the stdlib test suites")
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (smoke tests)")
+    ap.add_argument("--eval-every-s", type=float, default=240.0,
+                    help="seconds of training between validation passes (and checkpoints)")
+    ap.add_argument("--resume", action="store_true",
+                    help="continue the target's training from <work-dir>/target_ckpt.pt (written every "
+                         "evaluation) and keep the existing tokenizer.json")
     ap.add_argument("--work-dir", type=Path, default=None,
                     help="scratch folder for the token streams (default: a new temp folder, kept)")
     args = ap.parse_args(argv)
@@ -862,10 +903,22 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     stages = {s.strip() for s in args.stages.split(",") if s.strip()}
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
+    final: Path = args.out
+    final.mkdir(parents=True, exist_ok=True)
+    if "tokenizer" in stages and "target" not in stages and (final / "model.safetensors").exists() \
+            and not args.resume:
+        ap.error(f"retraining the tokenizer without the target would leave {final}/model.safetensors with a "
+                 f"tokenizer it was not trained with; add 'target' to --stages")
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="specserve-demo-"))
     work.mkdir(parents=True, exist_ok=True)
+    # Stages 2-4 write into a staging folder; the files are moved into --out together once the
+    # target is trained and verified, so --out never holds a tokenizer from one run next to
+    # weights from another (not even while a rebuild is running).
+    out = work / "staged"
+    if out.exists() and not args.resume:
+        shutil.rmtree(out)
+    out.mkdir(exist_ok=True)
+    published: list[str] = []
     random.seed(args.seed)
     t_all = time.perf_counter()
     stats: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "seed": args.seed,
@@ -884,7 +937,8 @@ def main(argv: list[str] | None = None) -> int:
     # Stage 3 (before 2: prompt lengths are measured in tokens) ---------------------------------
     from tokenizers import Tokenizer
 
-    if "tokenizer" in stages or not (out / "tokenizer.json").exists():
+    tok_src = out if (out / "tokenizer.json").exists() and args.resume else final
+    if ("tokenizer" in stages and not args.resume) or not (tok_src / "tokenizer.json").exists():
         t = time.perf_counter()
         tok = train_tokenizer([d.text for d in train_docs])
         write_tokenizer(tok, out)
@@ -892,8 +946,8 @@ def main(argv: list[str] | None = None) -> int:
             f"-> {out / 'tokenizer.json'} ({_size(out / 'tokenizer.json') / 1e3:.0f} kB)")
         stats["tokenizer_seconds"] = round(time.perf_counter() - t, 1)
     else:
-        tok = Tokenizer.from_file(str(out / "tokenizer.json"))
-        log("stage 3 tokenizer: reusing the existing tokenizer.json")
+        tok = Tokenizer.from_file(str(tok_src / "tokenizer.json"))
+        log(f"stage 3 tokenizer: reusing {tok_src / 'tokenizer.json'}")
     eos_id = tok.token_to_id(EOS_TOKEN)
 
     t = time.perf_counter()
@@ -933,7 +987,7 @@ def main(argv: list[str] | None = None) -> int:
                            seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
                            compile_model=not args.no_compile, workers=args.workers,
                            threads=list(range(1, args.threads + 1)), target_tokens=args.target_tokens,
-                           work_dir=work)
+                           work_dir=work, resume=args.resume, eval_every_s=args.eval_every_s)
         torch.set_num_threads(args.threads)
         log(f"trained {res.steps} steps x {res.batch_size} x {res.seq_len} = {res.tokens / 1e6:.2f} M tokens "
             f"on {res.workers} worker(s) "
@@ -951,10 +1005,27 @@ def main(argv: list[str] | None = None) -> int:
         stats["target"] = {"params": n_params, **{k: v for k, v in res.__dict__.items()}, "sizes": sizes,
                            "sample": sample}
 
+    # publish ----------------------------------------------------------------------------------
+    if "target" in stages or "heldout" in stages:
+        names = [n for n in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
+                             "model.safetensors", "heldout_prompts.jsonl") if (out / n).exists()]
+        if "target" not in stages:  # only the held-out prompts may go out without a new target
+            names = [n for n in names if n == "heldout_prompts.jsonl"]
+        for n in names:
+            tmp = final / f".{n}.tmp"
+            shutil.copyfile(out / n, tmp)
+            os.replace(tmp, final / n)
+        published = names
+        log(f"published {', '.join(names)} -> {final}")
+        if "target" in stages and "draft" not in stages and (final / "draft").exists():
+            log(f"WARNING: {final / 'draft'} was trained for the previous target; rebuild it with "
+                f"--stages draft --work-dir {work}")
+
     # Stage 5 -----------------------------------------------------------------------------------
     if "draft" in stages:
-        stage5_drafter(out, work, args.minutes_draft, args.seed)
+        stage5_drafter(final, work, args.minutes_draft, args.seed)
 
+    stats["published"] = published
     stats["total_minutes"] = round((time.perf_counter() - t_all) / 60, 2)
     (work / "build_stats.json").write_text(json.dumps(stats, indent=2, default=str) + "\n")
     log(f"done in {stats['total_minutes']} min; stats in {work / 'build_stats.json'}")

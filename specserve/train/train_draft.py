@@ -142,7 +142,7 @@ class FeatureCache:
 # ---------------------------------------------------------------------------------------------
 
 def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[int, ...],
-                   save_dtype: str = "bfloat16") -> dict:
+                   save_dtype: str = "bfloat16", intermediate_size: int | None = None) -> dict:
     """A SpecForge/SGLang-layout config. Aux ids are written in the SGLang convention
     (layer outputs = captured input index - 1), which specserve reads by default."""
     cfg = {
@@ -150,7 +150,7 @@ def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[i
         "model_type": "llama",
         "hidden_size": tcfg.hidden_size,
         "target_hidden_size": tcfg.hidden_size,
-        "intermediate_size": tcfg.intermediate_size,
+        "intermediate_size": intermediate_size or tcfg.intermediate_size,
         "num_hidden_layers": 1,
         "num_attention_heads": tcfg.num_heads,
         "num_key_value_heads": tcfg.num_kv_heads,
@@ -170,7 +170,7 @@ def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[i
     return cfg
 
 
-def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: int):
+def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: int, fc_init: str = "random"):
     """A fresh drafter. Warm start: the final norm and the lm_head rows of the draft
     vocabulary are copied from the target (so its output space starts as the target's);
     the decoder layer and fc keep PyTorch's default init."""
@@ -187,6 +187,10 @@ def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: 
         d.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
         d.t2d.zero_()
         d.t2d[draft_ids] = True
+        if fc_init == "high":  # start from the deepest tapped residual stream, passed through unchanged
+            H = d.fc.weight.shape[0]
+            d.fc.weight.zero_()
+            d.fc.weight[:, 2 * H:].copy_(torch.eye(H))
     return d
 
 
@@ -326,8 +330,8 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
     del tgt
     t_idx = torch.arange(T, device=ids.device)
     real = t_idx.view(1, -1) < (lengths.view(-1, 1) - 1)
-    ctx = torch.autocast(ids.device.type, dtype=autocast_dtype) if autocast_dtype else _null()
-    with ctx:
+    amp = (lambda: torch.autocast(ids.device.type, dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
+    with amp():
         outs = ttt_forward(drafter, feats, ids[:, 1:], steps)
     total = 0.0
     norm = 0.0
@@ -335,7 +339,8 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
     for k, out in enumerate(outs):
         mask = real & (t_idx.view(1, -1) >= k)
         n = int(mask.sum())
-        logits_d = drafter.logits(out)
+        with amp():
+            logits_d = drafter.logits(out)  # float32 out; the head matmul runs in bf16 under autocast
         ce = F.cross_entropy(logits_d.view(-1, logits_d.shape[-1]), tgt_p.view(-1, tgt_p.shape[-1]),
                              reduction="none").view(B, T)
         w = STEP_WEIGHT ** k
@@ -346,14 +351,6 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
             accs.append(float(((pred == tgt_top) & mask).sum()) / max(n, 1))
             counts.append(n)
     return total / norm, accs, counts
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *a):
-        return False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -613,6 +610,20 @@ def feature_cache_bytes(dev: torch.device, gb: float | None) -> int:
     return int(min(psutil.virtual_memory().available / 4, 8 * 2**30))
 
 
+def _use_bf16(flag: bool | None, dev: torch.device) -> bool:
+    """bf16 autocast for the drafter (weights and optimizer stay fp32). Default: on GPU; on
+    CPU only with native bf16 instructions (AVX512-BF16/AMX), where it is ~1.3x faster."""
+    if flag is not None:
+        return flag
+    if dev.type != "cpu":
+        return True
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split("flags", 2)[1].split("\n", 1)[0].split()
+    except (OSError, IndexError):
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
 def _thread_tuner(threads: int | None, dev: torch.device):
     """On CPU, switch between 1..N intra-op threads, whichever is faster now (under load from
     other processes one thread can be 5-10x faster than two; see build_demo.ThreadTuner)."""
@@ -666,7 +677,9 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
                 regen_prompt_len: tuple[int, int] = (32, 192), regen_share: float = 0.35, regen_batch: int = 64,
                 batch_tokens: int = 4096, max_len: int = 512, warmup: int = 50, max_steps: int | None = None,
                 checkpoint_every: int = 100, resume: bool = False, keep_checkpoint: bool = False,
-                device: str = "auto", threads: int | None = None, feature_cache_gb: float | None = None, eval_prompts: str | None = None,
+                device: str = "auto", threads: int | None = None, feature_cache_gb: float | None = None,
+                bf16: bool | None = None, fc_init: str = "random", intermediate_size: int | None = None,
+                eval_prompts: str | None = None,
                 eval_spec_steps: tuple[int, ...] = (4,), eval_max_tokens: int = 128, progress: bool = True,
                 **unknown) -> TrainResult:
     """Train (or fine-tune, `from_dir`) an EAGLE-3 drafter for `target_dir`; writes it to `out_dir`.
@@ -757,8 +770,8 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
             draft_ids = state["draft_ids"]
         else:
             draft_ids = select_draft_vocab(samples, tcfg.vocab_size, draft_vocab or min(32000, tcfg.vocab_size), eos)
-        cfg = drafter_config(tcfg, draft_ids, captured)
-        drafter = new_drafter(cfg, target, draft_ids, seed)
+        cfg = drafter_config(tcfg, draft_ids, captured, intermediate_size=intermediate_size)
+        drafter = new_drafter(cfg, target, draft_ids, seed, fc_init)
     drafter.train()
     if drafter.embed_tokens is None:
         drafter.target_embed = target.model.embed_tokens
@@ -786,7 +799,7 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
     batches = make_batches(samples, batch_tokens, gen) if state is None else state["batches"]
     per_epoch = len(batches)
     planned = max_steps if max_steps is not None else max(1, math.ceil(epochs * per_epoch))
-    autocast = torch.bfloat16 if dev.type == "cuda" else None
+    autocast = torch.bfloat16 if _use_bf16(bf16, dev) else None
 
     def lr_at(progress: float, s: int) -> float:
         warm = min(1.0, (s + 1) / max(1, min(warmup, planned // 10 + 1)))
@@ -798,7 +811,7 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
     train_deadline = deadline - 20 if deadline else None  # leave time to save
     train_budget = (train_deadline - time.time()) if train_deadline else None
     log(f"training: {planned} steps planned ({per_epoch} batches/epoch of <= {batch_tokens} tokens), "
-        f"TTT {ttt_steps} steps, lr {lr:g}" + (f", time budget {train_budget / 60:.1f} min" if train_budget else ""))
+        f"TTT {ttt_steps} steps, lr {lr:g}, {'bf16 autocast' if autocast else 'float32'}" + (f", time budget {train_budget / 60:.1f} min" if train_budget else ""))
     tuner = _thread_tuner(threads, dev)
     bar = tqdm(total=planned, initial=step, desc="train-draft", unit="step", dynamic_ncols=True, disable=not progress,
                mininterval=2.0 if sys.stderr.isatty() else 30.0)
@@ -952,6 +965,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads for torch (default: switch between 1 and all, whichever is faster now)")
+    p.add_argument("--bf16", dest="bf16", action="store_true", default=None,
+                   help="bf16 autocast for the drafter (default: on GPU, and on CPUs with AVX512-BF16/AMX)")
+    p.add_argument("--no-bf16", dest="bf16", action="store_false", help="train the drafter in float32")
     p.add_argument("--feature-cache-gb", type=float, default=None,
                    help="RAM for caching target features across epochs (default on CPU: 1/4 of free RAM, max 8)")
     p.add_argument("--eval-prompts", help="after training, measure greedy acceptance length on these prompts "
@@ -982,7 +998,7 @@ def run(args: argparse.Namespace) -> int:
                           max_len=args.max_len, warmup=args.warmup, max_steps=args.max_steps,
                           checkpoint_every=args.checkpoint_every, resume=args.resume,
                           keep_checkpoint=args.keep_checkpoint, device=args.device, threads=args.threads,
-                          feature_cache_gb=args.feature_cache_gb,
+                          feature_cache_gb=args.feature_cache_gb, bf16=args.bf16,
                           eval_prompts=args.eval_prompts, eval_spec_steps=args.eval_spec_steps,
                           eval_max_tokens=args.eval_max_tokens)
     except (ConfigError, DataError, ValueError) as e:
