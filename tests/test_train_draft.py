@@ -229,6 +229,26 @@ def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
                        max_steps=1, device="cpu", progress=False)
 
 
+def test_regenerate_chat_records(tiny_pair, tmp_path):
+    """Chat data: the target rewrites each last assistant turn; those samples are trained on."""
+    from specserve.engine.tokenizer import Tokenizer
+
+    _, target = tiny_pair
+    convs = [[{"role": "user", "content": f"write function {i}"}, {"role": "assistant", "content": "pass"}]
+             for i in range(5)] + [[{"role": "assistant", "content": "no user turn"}]]
+    data = tmp_path / "chat.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
+    res = td.train_draft(str(target), str(tmp_path / "d"), str(data), regenerate=True, regen_max_tokens=12,
+                         max_steps=1, batch_tokens=512, max_len=64, device="cpu", progress=False,
+                         keep_checkpoint=True)
+    assert res.regenerated == 5
+    tok = Tokenizer(target)
+    samples = td._load_samples(tmp_path / "d" / "checkpoint" / "regenerated.jsonl")
+    texts = [tok.decode(x, skip_special_tokens=False) for x in samples]
+    assert all(t.startswith("<|im_start|>user\nwrite function") and "<|im_start|>assistant\n" in t for t in texts)
+    assert all(len(x) > len(tok.encode(tok.apply_chat_template(c[:1]))) for x, c in zip(samples, convs))
+
+
 def test_cli_errors(tiny_pair, capsys):
     from specserve.cli import main
 

@@ -142,7 +142,7 @@ class FeatureCache:
 # ---------------------------------------------------------------------------------------------
 
 def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[int, ...],
-                   save_dtype: str = "bfloat16", intermediate_size: int | None = None) -> dict:
+                   save_dtype: str = "bfloat16") -> dict:
     """A SpecForge/SGLang-layout config. Aux ids are written in the SGLang convention
     (layer outputs = captured input index - 1), which specserve reads by default."""
     cfg = {
@@ -150,7 +150,7 @@ def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[i
         "model_type": "llama",
         "hidden_size": tcfg.hidden_size,
         "target_hidden_size": tcfg.hidden_size,
-        "intermediate_size": intermediate_size or tcfg.intermediate_size,
+        "intermediate_size": tcfg.intermediate_size,
         "num_hidden_layers": 1,
         "num_attention_heads": tcfg.num_heads,
         "num_key_value_heads": tcfg.num_kv_heads,
@@ -170,7 +170,7 @@ def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[i
     return cfg
 
 
-def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: int, fc_init: str = "random"):
+def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: int):
     """A fresh drafter. Warm start: the final norm and the lm_head rows of the draft
     vocabulary are copied from the target (so its output space starts as the target's);
     the decoder layer and fc keep PyTorch's default init."""
@@ -187,10 +187,6 @@ def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: 
         d.d2t.copy_(draft_ids - torch.arange(draft_ids.numel()))
         d.t2d.zero_()
         d.t2d[draft_ids] = True
-        if fc_init == "high":  # start from the deepest tapped residual stream, passed through unchanged
-            H = d.fc.weight.shape[0]
-            d.fc.weight.zero_()
-            d.fc.weight[:, 2 * H:].copy_(torch.eye(H))
     return d
 
 
@@ -678,7 +674,7 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
                 batch_tokens: int = 4096, max_len: int = 512, warmup: int = 50, max_steps: int | None = None,
                 checkpoint_every: int = 100, resume: bool = False, keep_checkpoint: bool = False,
                 device: str = "auto", threads: int | None = None, feature_cache_gb: float | None = None,
-                bf16: bool | None = None, fc_init: str = "random", intermediate_size: int | None = None,
+                bf16: bool | None = None,
                 eval_prompts: str | None = None,
                 eval_spec_steps: tuple[int, ...] = (4,), eval_max_tokens: int = 128, progress: bool = True,
                 **unknown) -> TrainResult:
@@ -770,8 +766,8 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
             draft_ids = state["draft_ids"]
         else:
             draft_ids = select_draft_vocab(samples, tcfg.vocab_size, draft_vocab or min(32000, tcfg.vocab_size), eos)
-        cfg = drafter_config(tcfg, draft_ids, captured, intermediate_size=intermediate_size)
-        drafter = new_drafter(cfg, target, draft_ids, seed, fc_init)
+        cfg = drafter_config(tcfg, draft_ids, captured)
+        drafter = new_drafter(cfg, target, draft_ids, seed)
     drafter.train()
     if drafter.embed_tokens is None:
         drafter.target_embed = target.model.embed_tokens
