@@ -4,9 +4,15 @@ decoding) for each step from measured step costs and observed acceptance.
 Expected tokens per cycle with K drafts: 1 + sum_{i<=K} prod_{j<=i} a_j, where
 a_j is the conditional acceptance rate at draft position j. The policy picks
 the K with the highest expected tokens per second at the current batch size,
-K = 0 included, so speculation is used only where it pays. Costs are moving
-averages per (batch bucket, K); unmeasured pairs are tried once each
-(exploration) before the model trusts its numbers.
+K = 0 included, so speculation is used only where it pays.
+
+Costs per (batch bucket, K) come from a measurement at start-up (`seed_costs`:
+the runner times plain steps and K-cycles on dummy rows) plus a learned offset
+for what the start-up timing cannot see (host bookkeeping, longer contexts):
+one offset per bucket for plain steps and one for speculative cycles, moving
+averages of (measured - seeded). Without seeded costs (e.g. a test that skips
+the start-up measurement) every (bucket, K) is tried twice before the model
+trusts its numbers.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ class SpecPolicy:
     def __init__(self, cfg: EngineConfig, k_max: int):
         self.fixed = None if cfg.adaptive else cfg.spec_steps
         self.k_max = k_max
-        self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds per step
+        self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds per step, measured live
         self.tries: dict[tuple[int, int], int] = {}
+        self.seeded: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds, from start-up
+        self.offset: dict[tuple[int, bool], float] = {}  # (bucket, speculative?) -> live - seeded
         # Conditional acceptance per position, from a weak optimistic prior (Beta(2, 1)).
         self.acc_hits = [2.0] * k_max
         self.acc_seen = [3.0] * k_max
@@ -47,16 +55,27 @@ class SpecPolicy:
             total += run
         return total
 
+    def seed_costs(self, costs: dict[tuple[int, int], float]) -> None:
+        """Start-up timings {(batch size, K): seconds}; batch sizes are mapped to their bucket."""
+        for (B, K), seconds in costs.items():
+            self.seeded[(_bucket(B), K)] = seconds
+
+    def predicted_cost(self, bucket: int, K: int) -> float | None:
+        if (bucket, K) in self.seeded:
+            return self.seeded[(bucket, K)] + self.offset.get((bucket, K > 0), 0.0)
+        return self.cost.get((bucket, K)) if self.tries.get((bucket, K), 0) >= 2 else None
+
     def choose(self, B: int) -> int:
         if self.fixed is not None:
             K = self.fixed
         else:
             bucket = _bucket(B)
-            untried = [k for k in range(self.k_max + 1) if self.tries.get((bucket, k), 0) < 2]
+            costs = {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
+            untried = [k for k, c in costs.items() if c is None]
             if untried:
                 K = untried[0]
             else:
-                K = max(range(self.k_max + 1), key=lambda k: self.expected_tokens(k) / self.cost[(bucket, k)])
+                K = max(costs, key=lambda k: self.expected_tokens(k) / costs[k])
             if self.sync_choice is not None:
                 K = self.sync_choice(K)
         self.choices[K] = self.choices.get(K, 0) + 1
@@ -66,6 +85,12 @@ class SpecPolicy:
         key = (_bucket(B), K)
         n = self.tries.get(key, 0)
         self.tries[key] = n + 1
+        if key in self.seeded:  # (start-up timing already ran this shape: no warm-up left to skip)
+            okey = (key[0], K > 0)
+            old = self.offset.get(okey)
+            diff = seconds - self.seeded[key]
+            self.offset[okey] = diff if old is None else (1 - _EMA) * old + _EMA * diff
+            return
         if n == 0:
             return  # the first run of a shape pays warm-up costs; don't learn from it
         old = self.cost.get(key)

@@ -155,6 +155,9 @@ class Engine:
         self.graph_seconds = self.runner.capture_graphs(spec_values, on_graph_progress)
         self.spec_values = spec_values
         self.policy = SpecPolicy(cfg, self.runner.k_max) if self.runner.drafter is not None else None
+        if self.policy is not None and cfg.adaptive:
+            buckets = sorted({min(2 ** i, self.runner.rows) for i in range(self.runner.rows.bit_length() + 1)})
+            self.policy.seed_costs(self.runner.measure_step_costs(buckets, spec_values))
         self.last_k = cfg.spec_steps if self.runner.drafter is not None else 0
 
     @property

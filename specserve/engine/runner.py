@@ -330,6 +330,40 @@ class ModelRunner:
         self._fill_padding(B, W)
         return self._run(("verify", W - 1), B, lambda b: self._verify_body(b, W - 1))
 
+    @torch.inference_mode()
+    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int = 3) -> dict:
+        """Seconds per plain step (K=0) and per speculative cycle (K drafts + verify) at each batch
+        size, timed on dummy rows whose context is half of max_model_len. Seeds the adaptive policy,
+        which then needs no live exploration of every K (that cost up to 11% in short runs)."""
+        from specserve.engine.sampling import SamplingParams
+
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        ctx = min(self.max_model_len // 2, 256)
+        costs = {}
+        for B in batch_sizes:
+            ids = torch.zeros(B, dtype=torch.long, device=self.device)
+            pos = torch.full((B,), ctx, dtype=torch.long, device=self.device)
+            greedy = BatchSampling.build([SamplingParams(temperature=0)] * B, [0] * B, self.device)
+            last = torch.zeros(B, dtype=torch.long, device=self.device)
+            runs = {0: lambda: self.decode(ids, pos)}
+            for K in spec_steps:
+                entry = torch.full((B, K + 1), self.scratch, dtype=torch.long, device=self.device)
+                entry[:, 0] = ctx - 1
+
+                def cycle(K=K, entry=entry):
+                    d = self.draft(K, entry, last, greedy)
+                    self.verify(torch.cat([ids.unsqueeze(1), d.tokens], 1), pos)
+                runs[K] = cycle
+            for K, fn in runs.items():
+                fn()  # warm-up (first eager call, lazy allocations)
+                sync()
+                t0 = time.perf_counter()
+                for _ in range(reps):
+                    fn()
+                sync()
+                costs[(B, K)] = (time.perf_counter() - t0) / reps
+        return costs
+
     # ------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
     def capture_graphs(self, spec_steps: list[int], on_progress=None) -> float:
