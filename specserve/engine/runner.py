@@ -214,8 +214,7 @@ class ModelRunner:
     @torch.inference_mode()
     def drafter_extend(self, row_start: int, tok: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor) -> None:
         """Eagerly write the drafter's KV for (feature, next token) entries; padding at scratch positions."""
-        kv_len = int(pos[pos != self.scratch].max().item()) + 1 if (pos != self.scratch).any() else 1
-        ctx = ForwardContext(row_start, pos, pos, kv_len)
+        ctx = ForwardContext(row_start, pos, pos, self._kv_len(pos))
         self.drafter(tok, feat, ctx)
 
     # ------------------------------------------------------------- graph parts
@@ -233,14 +232,23 @@ class ModelRunner:
         self.s_top_k[:B].copy_(s.top_k)
         self.s_seed[:B].copy_(s.seed)
 
+    def _kv_len(self, pos: torch.Tensor) -> int:
+        """How many cache positions attention reads. CUDA: all (graphs need static shapes; the
+        Triton kernel stops at each row's end by itself). CPU: up to the furthest real position,
+        since SDPA there reads every key it is given and a host read costs nothing."""
+        if self.device.type == "cuda":
+            return self.cache_len
+        real = pos[pos != self.scratch]
+        return int(real.max()) + 1 if real.numel() else 1
+
     def _decode_body(self, B: int):
         ids, pos = self.s_ids[:B, :1], self.s_pos[:B, :1]
-        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self.cache_len))
+        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self._kv_len(pos)))
         return self.target.logits(hidden[:, 0]), feats
 
     def _verify_body(self, B: int, K: int):
         ids, pos = self.s_ids[:B, : K + 1], self.s_pos[:B, : K + 1]
-        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self.cache_len))
+        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self._kv_len(pos)))
         return self.target.logits(hidden), feats
 
     def _pick_draft(self, logits: torch.Tensor, positions: torch.Tensor, sampling: bool, filtered: bool):
@@ -257,7 +265,7 @@ class ModelRunner:
         row's last real entry."""
         d = self.drafter
         pos = self.s_pos[:B, : K + 1]
-        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], ForwardContext(0, pos, pos, self.cache_len))
+        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], ForwardContext(0, pos, pos, self._kv_len(pos)))
         rows = torch.arange(B, device=self.device)
         last = self.s_last[:B]
         g = out[rows, last].unsqueeze(1)  # [B, 1, H]
@@ -273,7 +281,7 @@ class ModelRunner:
             if i + 1 < K:
                 p = (p + 1).clamp(max=self.scratch)  # padding rows sit at the scratch index
                 step_pos = p.unsqueeze(1)
-                g = d(tid.unsqueeze(1), g, ForwardContext(0, step_pos, step_pos, self.cache_len))
+                g = d(tid.unsqueeze(1), g, ForwardContext(0, step_pos, step_pos, self._kv_len(step_pos)))
         toks = torch.stack(tokens, 1)
         if not sampling:
             return (toks,)
