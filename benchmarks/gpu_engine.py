@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.random_models import LLAMA3_8B, write_eagle3_drafter, write_llama  # noqa: E402
+from benchmarks.random_models import write_eagle3_drafter, write_llama  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import Engine  # noqa: E402
 from specserve.engine.sampling import BatchSampling, SamplingParams  # noqa: E402

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from specserve.config import ConfigError, EngineConfig, ModelConfig
+from specserve.config import DEMO_DIR, ConfigError, EngineConfig, ModelConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 from specserve.model.layers import ForwardContext
@@ -24,11 +24,15 @@ ARCHS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(ARCHS))
+@pytest.fixture(scope="module", params=[*ARCHS, "bundled-demo"])
 def checkpoint(request, tmp_path_factory):
+    """Tiny random models of each architecture, and the bundled demo target (bf16 weights, read in float32)."""
     import transformers
 
-    d = make_target(tmp_path_factory.mktemp(request.param), **ARCHS[request.param])
+    if request.param == "bundled-demo":
+        d = DEMO_DIR
+    else:
+        d = make_target(tmp_path_factory.mktemp(request.param), **ARCHS[request.param])
     hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
     return d, hf
 

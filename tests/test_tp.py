@@ -5,7 +5,6 @@ NCCL profiles merge by the documented rules."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import subprocess

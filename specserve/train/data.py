@@ -111,7 +111,7 @@ def read_records(path: str | Path, eos_id: int | None = None) -> list[Record]:
         for f in files:
             try:
                 records += read_records(f, eos_id)
-            except DataError as e:
+            except DataError:
                 if f.suffix in (".jsonl", ".npy"):
                     raise
                 del e  # a stray binary/non-UTF-8 source file in a folder: skip it
