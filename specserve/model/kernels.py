@@ -9,9 +9,12 @@ graph. The kernels here do each of those in one:
 - ``rms_norm``       residual add + RMSNorm (one row per program);
 - ``rope_store_kv``  rotary embedding of q and k, k and v written into the KV
                      cache at their cache index (one (token, head) per program);
-- ``silu_mul``       SwiGLU's silu(gate) * up.
+- ``silu_mul``       SwiGLU's silu(gate) * up;
+- ``cache_attention_triton``  attention of 1-128 queries per KV head over the
+                     cache, reading each row only as far as its last visible
+                     key (flash-decoding: chunks in parallel, then merged).
 
-They reproduce the reference's bf16/fp16 roundings step by step (each product
+The elementwise kernels reproduce the reference's bf16/fp16 roundings step by step (each product
 and sum rounded where PyTorch rounds), so fused and reference agree to the last
 bit up to the order of one float32 reduction. Triton runs on CUDA tensors; CPU
 tensors take the reference. ``SPECSERVE_FUSED_KERNELS=0`` forces the reference
@@ -19,7 +22,8 @@ everywhere (for A/B measurements). Without a GPU, tests run the ``*_triton``
 launchers through Triton's interpreter (TRITON_INTERPRET=1, set by conftest).
 
 ``linear`` is F.linear or, for 1-8 rows where a startup measurement found it
-faster for the weight's shape, a Triton GEMV (see ``tune_linear``).
+faster for the weight's shape, a Triton GEMV (see ``tune_linear``). With
+``SPECSERVE_FUSED_KERNELS=0`` the engine does not tune, so F.linear is used.
 """
 
 from __future__ import annotations
