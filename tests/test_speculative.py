@@ -312,3 +312,31 @@ def test_policy_with_seeded_costs_needs_no_exploration():
     unseeded = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
     assert [unseeded.choose(4) for _ in range(1)] == [0]  # without seeds: exploration first
     assert unseeded.predicted_cost(4, 0) is None
+
+
+def test_plain_steps_queued_ahead_while_drafting(pair):
+    """Adaptive mode switching between plain steps (queued ahead, drafter inputs written on the
+    device) and speculative cycles (which drop a queued step): the same tokens as without
+    queueing, also across the drafter-input flush and sequences ending mid-batch."""
+    target, draft = pair
+    prompts = _prompts(5, seed=13)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (60, 9, 45, 60, 20)]
+    pattern = [0] * 20 + [2, 0, 0, 3, 0, 0, 0, 1] * 20  # long plain runs force flushes of the pending inputs
+
+    def run(ahead: bool):
+        engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
+                                     device="cpu", max_num_seqs=3))
+        engine.launch_ahead = ahead
+        steps = iter(pattern * 10)
+        engine.policy.choose = lambda B: next(steps)
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        engine.check_idle_integrity()
+        return [s.output_ids for s in seqs], engine.totals.cycles
+
+    base, cycles = run(False)
+    assert cycles > 0
+    assert run(True) == (base, cycles)
+    plain, _ = _run(target, prompts=prompts[:1], params=params[0])
+    assert base[0] == plain[0]

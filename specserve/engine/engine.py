@@ -88,6 +88,7 @@ class _Launched:
     pos: torch.Tensor  # [B] positions of the step's input tokens
     host: torch.Tensor  # pinned copy of tokens, complete once `done` is reached
     done: "torch.cuda.Event | None"
+    pending_at: torch.Tensor | None = None  # [B] drafter-input slot each token was written to (drafting)
 
     def token_list(self) -> list[int]:
         if self.done is not None:
@@ -332,25 +333,34 @@ class Engine:
             self._sampling_cache = (key, built)
         return self._sampling_cache[1]
 
-    def _launch_plain(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor):
-        """Queue one plain decode step (ids/pos on the device) and the copy of its tokens to the host."""
-        logits, feats = self.runner.decode(ids, pos)
+    def _launch_plain(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
+                      pending_at: torch.Tensor | None = None) -> _Launched:
+        """Queue one plain decode step (ids/pos on the device) and the copy of its tokens to the host.
+        While drafting, the step's (feature, token) pairs also go into the drafter's pending inputs
+        at slots `pending_at`, on the device, before any later step can overwrite the features."""
+        r = self.runner
+        logits, feats = r.decode(ids, pos)
         tokens = sample_tokens(logits, self._sampling(seqs), pos + 1)
+        if pending_at is not None:
+            rows = torch.arange(len(seqs), device=self.device)
+            r.pending_tok[rows, pending_at] = tokens
+            r.pending_feat[rows, pending_at] = feats[:, 0]
         host, done = tokens, None
         if self.device.type == "cuda":
             host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             host.copy_(tokens, non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-        return _Launched(list(seqs), tokens, pos, host, done), feats
+        return _Launched(list(seqs), tokens, pos, host, done, pending_at)
 
     def _may_launch_ahead(self, seqs: list[Sequence]) -> bool:
-        """Queue the next plain step before reading this one's tokens? With the drafter idle, nothing
-        waiting to join, and no sequence ending by length this step (on CUDA; tests switch it on
-        elsewhere)."""
-        if not self.launch_ahead or self.drafting or self.waiting or self.n_prefill:
+        """Queue the next plain step before reading this one's tokens? With nothing waiting to join,
+        no sequence ending by length this step and, while drafting, room for both steps' drafter
+        inputs without a flush (on CUDA; tests switch it on elsewhere)."""
+        if not self.launch_ahead or self.waiting or self.n_prefill:
             return False
-        return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < self.max_model_len
+        room = (lambda s: s.pending + 2 < self.runner.pending_width) if self.drafting else (lambda s: True)
+        return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < self.max_model_len and room(s)
                    for s in seqs)
 
     def _plain_step(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -360,7 +370,10 @@ class Engine:
         r = self.runner
         t0 = time.perf_counter()
         B = len(seqs)
+        drafting = self.drafting
         ahead, self._ahead = self._ahead, None
+        if ahead is not None and drafting and [s.serial for s in ahead.seqs] != [s.serial for s in seqs]:
+            ahead = None  # rows moved without that step's drafter inputs: drop it (it changed nothing)
         if ahead is not None and [s.serial for s in ahead.seqs] != [s.serial for s in seqs]:
             # The batch changed since that step was queued (a sequence ended or joined). Its tokens
             # still hold for the sequences that kept running: their KV rows moved with them.
@@ -373,19 +386,15 @@ class Engine:
                 return [seq for seq, _ in kept]
             ahead = None
         if ahead is not None:
-            cur, feats = ahead, None
+            cur = ahead
         else:
             ids = to_device([s.last_token for s in seqs], self.device)
             pos = to_device([s.num_cached for s in seqs], self.device)
-            cur, feats = self._launch_plain(seqs, ids, pos)
-        drafting = self.drafting
-        if drafting:  # (never with a step queued ahead, so feats belong to this step)
-            counts = to_device([s.pending for s in seqs], self.device)
-            rows = torch.arange(B, device=self.device)
-            r.pending_tok[rows, counts] = cur.tokens
-            r.pending_feat[rows, counts] = feats[:, 0]
+            cur = self._launch_plain(seqs, ids, pos, to_device([s.pending for s in seqs], self.device)
+                                     if drafting else None)
         if self._may_launch_ahead(seqs):
-            self._ahead, _ = self._launch_plain(seqs, cur.tokens, cur.pos + 1)
+            self._ahead = self._launch_plain(seqs, cur.tokens, cur.pos + 1,
+                                             cur.pending_at + 1 if drafting else None)
         new = cur.token_list()
         for seq, tok in zip(seqs, new):
             seq.num_cached += 1
@@ -422,6 +431,9 @@ class Engine:
     def _spec_step(self, seqs: list[Sequence], K: int) -> list[Sequence]:
         r = self.runner
         B = len(seqs)
+        # A plain step queued ahead is dropped: it wrote only what this cycle rewrites (target KV
+        # from the current position on, drafter inputs past the pending ones).
+        self._ahead = None
         if max(s.pending for s in seqs) > K + 1:
             self._flush_pending(seqs, keep=1)
         prof = self.cfg.profile
