@@ -25,6 +25,12 @@ from specserve.bench.offline import RunOutput
 PROMPT_LOOKUP_TOKENS = 10  # candidate tokens per prompt-lookup step (the transformers docs' example value)
 
 
+def _unavailable(name: str, bs: int) -> str | None:
+    if name == "hf-assisted" and bs > 1:
+        return "transformers assisted generation supports batch size 1 only"
+    return None
+
+
 class _Clock:
     """A stopping criterion that never stops: it timestamps each generation step
     (called once per new token, or once per assisted cycle)."""
@@ -71,9 +77,7 @@ class HFPeer:
         self.details["cache"] = self.cache
 
     def unavailable(self, bs: int) -> str | None:
-        if self.name == "hf-assisted" and bs > 1:
-            return "transformers assisted generation supports batch size 1 only"
-        return None
+        return _unavailable(self.name, bs)
 
     def _config(self):
         from transformers import GenerationConfig
@@ -197,7 +201,7 @@ class PeerProcess:
         return reply
 
     def unavailable(self, bs: int) -> str | None:
-        return HFPeer.unavailable(self, bs)
+        return _unavailable(self.name, bs)
 
     def run(self, prompts: list[list[int]], params: list) -> RunOutput:
         self._conn.send(("run", prompts, params))

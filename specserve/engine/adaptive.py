@@ -29,6 +29,11 @@ def _bucket(B: int) -> int:
     return b
 
 
+def bucket_sizes(max_batch: int) -> list[int]:
+    """One batch size per bucket up to `max_batch` (the largest bucket measured at `max_batch`)."""
+    return sorted({min(_bucket(B), max_batch) for B in range(1, max_batch + 1)})
+
+
 class SpecPolicy:
     def __init__(self, cfg: EngineConfig, k_max: int):
         self.fixed = None if cfg.adaptive else cfg.spec_steps

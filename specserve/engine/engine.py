@@ -19,7 +19,7 @@ from enum import Enum
 import torch
 
 from specserve.config import EngineConfig
-from specserve.engine.adaptive import SpecPolicy
+from specserve.engine.adaptive import SpecPolicy, bucket_sizes
 from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens, to_device
 from specserve.engine.speculative import accept_drafts
@@ -157,8 +157,7 @@ class Engine:
         self.spec_values = spec_values
         self.policy = SpecPolicy(cfg, self.runner.k_max) if self.runner.drafter is not None else None
         if self.policy is not None and cfg.adaptive:
-            buckets = sorted({min(2 ** i, self.runner.rows) for i in range(self.runner.rows.bit_length() + 1)})
-            self.policy.seed_costs(self.runner.measure_step_costs(buckets, spec_values))
+            self.policy.seed_costs(self.runner.measure_step_costs(bucket_sizes(self.runner.rows), spec_values))
         self.last_k = cfg.spec_steps if self.runner.drafter is not None else 0
 
     @property
@@ -359,9 +358,9 @@ class Engine:
         inputs without a flush (on CUDA; tests switch it on elsewhere)."""
         if not self.launch_ahead or self.waiting or self.n_prefill:
             return False
-        room = (lambda s: s.pending + 2 < self.runner.pending_width) if self.drafting else (lambda s: True)
-        return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < self.max_model_len and room(s)
-                   for s in seqs)
+        drafting, width = self.drafting, self.runner.pending_width
+        return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < self.max_model_len
+                   and (not drafting or s.pending + 2 < width) for s in seqs)
 
     def _plain_step(self, seqs: list[Sequence]) -> list[Sequence]:
         """One token per sequence. On CUDA the next step is queued before this step's tokens are
@@ -372,13 +371,13 @@ class Engine:
         B = len(seqs)
         drafting = self.drafting
         ahead, self._ahead = self._ahead, None
-        if ahead is not None and drafting and [s.serial for s in ahead.seqs] != [s.serial for s in seqs]:
-            ahead = None  # rows moved without that step's drafter inputs: drop it (it changed nothing)
         if ahead is not None and [s.serial for s in ahead.seqs] != [s.serial for s in seqs]:
             # The batch changed since that step was queued (a sequence ended or joined). Its tokens
-            # still hold for the sequences that kept running: their KV rows moved with them.
-            kept = [(s, t) for s, t in zip(ahead.seqs, ahead.token_list())
-                    if s.status == Status.RUNNING and s.finish_reason is None]
+            # still hold for the sequences that kept running: their KV rows moved with them. Not so
+            # while drafting: rows moved without that step's drafter inputs, so it is dropped (it
+            # wrote nothing a later step does not rewrite).
+            kept = [] if drafting else [(s, t) for s, t in zip(ahead.seqs, ahead.token_list())
+                                        if s.status == Status.RUNNING and s.finish_reason is None]
             for seq, tok in kept:
                 seq.num_cached += 1
                 self._append(seq, [tok])

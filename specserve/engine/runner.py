@@ -39,6 +39,7 @@ from specserve.config import (
 from specserve.engine.sampling import (
     STREAM_DRAFT,
     BatchSampling,
+    SamplingParams,
     processed_probs,
     sample_from,
     uniform,
@@ -343,8 +344,6 @@ class ModelRunner:
         """Seconds per plain step (K=0) and per speculative cycle (K drafts + verify) at each batch
         size, timed on dummy rows whose context is half of max_model_len. Seeds the adaptive policy,
         which then needs no live exploration of every K (that cost up to 11% in short runs)."""
-        from specserve.engine.sampling import SamplingParams
-
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         ctx = min(self.max_model_len // 2, 256)
         costs = {}

@@ -28,6 +28,7 @@ faster for the weight's shape, a Triton GEMV (see ``tune_linear``). With
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -302,14 +303,20 @@ def cache_attention_ok(q: torch.Tensor, k_cache: torch.Tensor, write_idx: torch.
             and G * T <= ATTN_MAX_QUERIES)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scratch: int, scale: float,
-                           sm_count: int = 132) -> torch.Tensor:
+                           sm_count: int | None = None) -> torch.Tensor:
     """Attention of q [B, T, H, D] over rows row_start.. of the caches, query (b, t) seeing keys
     0..write_idx[b, t] (flash-decoding: the keys are split into chunks that run in parallel,
     then merged). Reads only as far as the longest query of a row reaches, not the whole cache."""
     B, T, H, D = q.shape
     n_kv, length = k_cache.shape[1], k_cache.shape[2]
     G = H // n_kv
+    sm_count = sm_count or _sm_count(q.device)
     block_q = max(16, triton.next_power_of_2(G * T))
     # enough programs to cover the GPU at small batches; one chunk each at large ones
     n_split = max(1, min(triton.cdiv(length, ATTN_BLOCK_N), triton.cdiv(2 * sm_count, B * n_kv)))

@@ -7,7 +7,6 @@ shard_id)`. With TP size 1 they are plain linears.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -199,11 +198,6 @@ class ForwardContext:
         return self._bias[key]
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 class KVCacheAttention(nn.Module):
     """Scaled dot-product attention over a slot-per-sequence KV cache with GQA."""
 
@@ -226,7 +220,7 @@ class KVCacheAttention(nn.Module):
         if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # GPU decode/verify/draft: reads only the filled part
             scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
             out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
-                                         self.scale, _sm_count(q.device))
+                                         self.scale)
             return out.view(B, T, self.num_heads * self.head_dim)
         rows = slice(ctx.row_start, ctx.row_start + B)
         keys, values = self.k_cache[rows, :, : ctx.kv_len], self.v_cache[rows, :, : ctx.kv_len]
