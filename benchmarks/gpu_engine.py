@@ -134,6 +134,32 @@ def fused_vs_reference(runner) -> dict:
     return res
 
 
+def pdl_ab(runner) -> dict:
+    """The batch-1 decode step captured with and without programmatic dependent launch: GPU time
+    per replay (20 back to back) and whether the logits are bitwise equal (they must be: the same
+    kernels, only allowed to start early; a missing wait would show up as a difference)."""
+    from specserve.model import kernels
+
+    res, logits = {}, {}
+    runner.s_ids[:1, 0] = 5
+    runner.s_pos[:1, 0] = 200
+    with torch.inference_mode():
+        for pdl in (False, True):
+            kernels.PDL = pdl
+            runner._decode_body(1)  # compile this variant outside the graph
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = runner._decode_body(1)
+            res[f"pdl_{pdl}_ms"] = gpu_ms(lambda: [graph.replay() for _ in range(20)], 10) / 20
+            graph.replay()
+            logits[pdl] = out[0].float().clone()
+            del graph
+    kernels.PDL = True
+    res["bitwise_equal"] = bool(torch.equal(logits[False], logits[True]))
+    return res
+
+
 def greedy_margins(runner, prompt: list[int], out_ids: list[int]) -> dict:
     """Teacher-forced: the target scores prompt + greedy output in one forward (a prefill, other
     kernels than decode). Where its argmax differs from the decoded token, the two candidates'
@@ -209,6 +235,9 @@ def main() -> None:
     if kernels.FUSED:
         res["fused_vs_reference"] = fused_vs_reference(runner)
         print("fused vs reference:", res["fused_vs_reference"], flush=True)
+        res["pdl"] = pdl_ab(runner)
+        print("programmatic dependent launch A/B:", res["pdl"], flush=True)
+        res["linear_tuning"] = runner.linear_tuning  # {"NxK": {rows: (cuBLAS us, best Triton us, config)}}
     timed([prompt], 0)  # warm-up
     outs, sec = timed([prompt], 0)
     plain_ids = outs[0].output_ids
@@ -298,6 +327,9 @@ def main() -> None:
     print(f"| specserve plain b1 | {res['plain_b1_tok_s']:.1f} tok/s ({res['plain_b1_tok_s'] / res['roofline_tok_s']:.0%}); "
           f"not queued ahead {res['plain_b1_no_ahead_tok_s']:.1f} |")
     print(f"| decode step (graph) | {res['decode_step_ms']:.3f} ms |")
+    if "pdl" in res:
+        print(f"| decode step, 20 replays: PDL on / off | {res['pdl']['pdl_True_ms']:.3f} / {res['pdl']['pdl_False_ms']:.3f} ms "
+              f"(bitwise equal: {res['pdl']['bitwise_equal']}) |")
     for K, v in res["spec"].items():
         print(f"| K={K} verify/decode | {v['verify_over_decode']:.3f} (draft {v['draft_ms']:.2f} ms, same first "
               f"{v['greedy_common_prefix']}/256 tokens, {v['tok_s']:.0f} tok/s) |")
