@@ -29,6 +29,7 @@ timeout 330 python3 -m specserve bench --model $W --draft $W/draft \
   --batch-sizes 1 4 16 64 --num-prompts 2 --max-tokens 64 --warmup 1 --repeats 2 --peers ${PEERS-hf hf-assisted} \
   --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" --no-progress 2>&1 | grep -v -i warn | tail -45
 nvidia-smi --query-gpu=index,memory.used --format=csv
+[ "${SKIP_LAUNCH:-0}" = 1 ] && { date -u; exit 0; }
 timeout 90 python3 -m specserve launch --ready-timeout 12 --stall-timeout 60 --log "$OUT/launch.log" -- \
   python3 -m specserve serve --model $W --draft $W/draft --port 18123 2>&1 | tail -25
 echo "launch exit code: ${PIPESTATUS[0]}"

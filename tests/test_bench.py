@@ -478,3 +478,42 @@ def test_offline_bench_on_gpu_with_cuda_graphs(monkeypatch, pair, tmp_path):
         assert r["available"], r
         if r["kind"] == "engine":
             assert r["matches_baseline"] is True, r["config"]
+
+
+def test_peer_process_dies_with_a_killed_bench(pair):
+    """A bench killed mid-run (SIGKILL: no cleanup runs) must not leave its transformers peer
+    process behind, holding a model (on a GPU: its memory)."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    target, _, _ = pair
+    # The peer is killed while busy with a long generation (seconds on CPU): without its parent-death
+    # signal it would finish that first and only then notice the closed pipe.
+    script = (
+        "import os, sys, time, torch\n"
+        "from specserve.bench.peers import PeerProcess\n"
+        "from specserve.engine.sampling import SamplingParams\n"
+        f"p = PeerProcess('hf', {str(target)!r}, 'cpu', torch.float32, 1900, 0.0, True, set())\n"
+        "print(p._proc.pid, flush=True)\n"
+        "p.run([[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=1900, ignore_eos=True)])\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        peer_pid = int(parent.stdout.readline())
+        time.sleep(0.5)  # the generation is under way
+        os.kill(peer_pid, 0)  # alive while the bench is
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(10)
+        deadline = time.monotonic() + 1.5
+        while time.monotonic() < deadline:
+            try:
+                os.kill(peer_pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(peer_pid, signal.SIGKILL)
+            pytest.fail("the peer process outlived the killed bench")
+    finally:
+        parent.kill()

@@ -142,7 +142,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts submitted together (default: %(default)s)")
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)")
     g.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default: %(default)s)")
-    g.add_argument("--warmup", type=int, default=1, help="untimed warm-up batches per config and batch size")
+    g.add_argument("--warmup", type=int, default=1, help="untimed warm-up passes over all prompts, per config and batch size")
     g.add_argument("--prompts", help="jsonl file: {\"prompt\" or \"messages\", \"category\"} per line "
                                      "(default: the bundled code/prose/chat set)")
     g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category")

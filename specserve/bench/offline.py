@@ -253,7 +253,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
     batches = {bs: make_batches(categories, bs) for bs in args.batch_sizes}
     runs: dict[tuple[str, int], list[Run]] = {(u, bs): [] for u in units for bs in args.batch_sizes}
     live = {bs: [u for u in units if units[u].unavailable(bs) is None] for bs in args.batch_sizes}
-    total = sum(len(live[bs]) * (args.warmup + args.repeats * len(batches[bs])) for bs in args.batch_sizes)
+    total = sum(len(live[bs]) * (args.warmup + args.repeats) * len(batches[bs]) for bs in args.batch_sizes)
     bar = _progress(total, args.progress)
     load_avg_start = report.load_average()
     t_start = time.perf_counter()
@@ -264,10 +264,14 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
         bar.update(1)
         return out
 
-    for w in range(args.warmup):
+    # A warm-up pass runs every batch through every unit: on a GPU the first prefill of each new
+    # prompt shape pays one-time costs (kernel selection, lazy module loads) that would otherwise
+    # land on whichever unit happened to run it first in repeat 0 (the baseline).
+    for _ in range(args.warmup):
         for bs in args.batch_sizes:
-            for label in live[bs]:
-                one(label, batches[bs][w % len(batches[bs])])
+            for batch in batches[bs]:
+                for label in live[bs]:
+                    one(label, batch)
     for r in range(args.repeats):
         for bs in args.batch_sizes:
             for batch in batches[bs]:

@@ -15,12 +15,14 @@ also keeps the peer's memory and threads out of the engine's timings.
 from __future__ import annotations
 
 import multiprocessing
+import os
 import time
 import warnings
 
 import torch
 
 from specserve.bench.offline import RunOutput
+from specserve.distributed.worker import die_with_parent
 
 PROMPT_LOOKUP_TOKENS = 10  # candidate tokens per prompt-lookup step (the transformers docs' example value)
 
@@ -156,8 +158,9 @@ class HFPeer:
         pass
 
 
-def _serve_peer(conn, args: tuple) -> None:
+def _serve_peer(conn, parent_pid: int, args: tuple) -> None:
     """Child process: build the peer, then answer ("run", prompts, params) until ("close",)."""
+    die_with_parent(parent_pid)  # a bench killed mid-run (e.g. by a timeout) leaves no peer holding GPU memory
     try:
         peer = HFPeer(*args)
     except Exception as e:  # noqa: BLE001 -- reported to the parent, which reports the peer as unavailable
@@ -184,7 +187,7 @@ class PeerProcess:
         self.name = name
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve_peer, args=(child, (name, *args)), daemon=True,
+        self._proc = ctx.Process(target=_serve_peer, args=(child, os.getpid(), (name, *args)), daemon=True,
                                  name=f"specserve-peer-{name}")
         self._proc.start()
         child.close()
