@@ -149,6 +149,11 @@ class Engine:
         self.profile: list[dict] = []
         self._sampling_cache: tuple[tuple, BatchSampling] | None = None
         self._ahead: _Launched | None = None  # a plain step queued before the last one was read
+        # When the last decode step ended, while decoding runs back to back (None after a prefill or
+        # a pause). Step costs for the adaptive policy run from there: the wall time per step as the
+        # user sees it, the same for plain steps queued ahead (whose GPU time overlaps the previous
+        # step's host work) and for speculative cycles (which may first wait for a dropped queued step).
+        self._decode_end: float | None = None
         self.launch_ahead = self.device.type == "cuda"  # pointless where nothing runs asynchronously
         spec_values = []
         if self.runner.drafter is not None:
@@ -235,6 +240,7 @@ class Engine:
             for s in self._prefill_chunk():
                 touched[s.seq_id] = s
             self._release_finished()  # a sequence may end with its first token (max_tokens=1, EOS)
+            self._decode_end = None
         if self.n_running:
             for s in self._decode():
                 touched[s.seq_id] = s
@@ -320,9 +326,10 @@ class Engine:
         seqs = self.rows[: self.n_running]
         K = self.policy.choose(len(seqs)) if self.policy else 0
         self.last_k = K
-        if K == 0:
-            return self._plain_step(seqs)
-        return self._spec_step(seqs, K)
+        start = self._decode_end if self._decode_end is not None else time.perf_counter()
+        out = self._plain_step(seqs, start) if K == 0 else self._spec_step(seqs, K, start)
+        self._decode_end = time.perf_counter()
+        return out
 
     def _sampling(self, seqs: list[Sequence]) -> BatchSampling:
         """Sampling tensors for this batch, rebuilt only when the batch's members change."""
@@ -362,12 +369,11 @@ class Engine:
         return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < self.max_model_len
                    and (not drafting or s.pending + 2 < width) for s in seqs)
 
-    def _plain_step(self, seqs: list[Sequence]) -> list[Sequence]:
+    def _plain_step(self, seqs: list[Sequence], start: float) -> list[Sequence]:
         """One token per sequence. On CUDA the next step is queued before this step's tokens are
         read (`_may_launch_ahead`), so the GPU runs while the host does its bookkeeping: the next
         step's input is this step's sampled token, already on the device."""
         r = self.runner
-        t0 = time.perf_counter()
         B = len(seqs)
         drafting = self.drafting
         ahead, self._ahead = self._ahead, None
@@ -403,7 +409,7 @@ class Engine:
         if drafting and max(s.pending for s in seqs) >= r.pending_width:
             self._flush_pending(seqs, keep=1)
         if self.policy:
-            self.policy.observe_cost(B, 0, time.perf_counter() - t0)
+            self.policy.observe_cost(B, 0, time.perf_counter() - start)
         return list(seqs)
 
     def _flush_pending(self, seqs: list[Sequence], keep: int) -> None:
@@ -427,7 +433,7 @@ class Engine:
                 r.pending_feat[b, :keep] = r.pending_feat[b, n: s.pending].clone()
                 s.pending = keep
 
-    def _spec_step(self, seqs: list[Sequence], K: int) -> list[Sequence]:
+    def _spec_step(self, seqs: list[Sequence], K: int, start: float) -> list[Sequence]:
         r = self.runner
         B = len(seqs)
         # A plain step queued ahead is dropped: it wrote only what this cycle rewrites (target KV
@@ -437,7 +443,6 @@ class Engine:
             self._flush_pending(seqs, keep=1)
         prof = self.cfg.profile
         marks = [_Mark(self.device) for _ in range(4)] if prof else None
-        t0 = time.perf_counter()
         if prof:
             marks[0].record()
         # Drafting is skipped (acceptance forced to 0) where the drafter would pass its trained positions.
@@ -475,9 +480,8 @@ class Engine:
             seq.num_cached += a + 1
             seq.pending = a + 1
             self._append(seq, grid_list[b][: a + 1])
-        elapsed = time.perf_counter() - t0
         if self.policy:
-            self.policy.observe_cost(B, K, elapsed)
+            self.policy.observe_cost(B, K, time.perf_counter() - start)
             self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if spec_ok[b]])
         if prof:
             self.profile.append({"batch": B, "K": K, **_Mark.spans(marks, ("draft", "verify", "accept"))})
