@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -61,11 +63,17 @@ def test_adaptive_speculation_is_token_identical(pair):
     target, draft = pair
     prompts = _prompts(5, seed=7)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=5)
+    t0 = time.perf_counter()
     out, engine = _run(target, draft, prompts, GREEDY, spec_steps=0, max_spec_steps=4, adaptive=True,
                        max_num_seqs=5)
+    wall = time.perf_counter() - t0
     assert out == base
     assert 0 in engine.policy.choices and max(engine.policy.choices) > 0  # plain and speculative steps
     assert engine.policy.seeded  # costs came from the start-up measurement, not live exploration
+    # Learned offsets are differences of step times: bounded by the run's wall time (a step timed
+    # from a wrong clock reading would not be).
+    assert any(spec for _, spec in engine.policy.offset)
+    assert all(abs(v) < wall for v in engine.policy.offset.values())
 
 
 def test_rows_freed_and_reused_mid_batch(pair):

@@ -326,8 +326,8 @@ class Engine:
         seqs = self.rows[: self.n_running]
         K = self.policy.choose(len(seqs)) if self.policy else 0
         self.last_k = K
-        start = self._decode_end if self._decode_end is not None else time.perf_counter()
-        out = self._plain_step(seqs, start) if K == 0 else self._spec_step(seqs, K, start)
+        t_start = self._decode_end if self._decode_end is not None else time.perf_counter()
+        out = self._plain_step(seqs, t_start) if K == 0 else self._spec_step(seqs, K, t_start)
         self._decode_end = time.perf_counter()
         return out
 
@@ -369,7 +369,7 @@ class Engine:
         return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < self.max_model_len
                    and (not drafting or s.pending + 2 < width) for s in seqs)
 
-    def _plain_step(self, seqs: list[Sequence], start: float) -> list[Sequence]:
+    def _plain_step(self, seqs: list[Sequence], t_start: float) -> list[Sequence]:
         """One token per sequence. On CUDA the next step is queued before this step's tokens are
         read (`_may_launch_ahead`), so the GPU runs while the host does its bookkeeping: the next
         step's input is this step's sampled token, already on the device."""
@@ -409,7 +409,7 @@ class Engine:
         if drafting and max(s.pending for s in seqs) >= r.pending_width:
             self._flush_pending(seqs, keep=1)
         if self.policy:
-            self.policy.observe_cost(B, 0, time.perf_counter() - start)
+            self.policy.observe_cost(B, 0, time.perf_counter() - t_start)
         return list(seqs)
 
     def _flush_pending(self, seqs: list[Sequence], keep: int) -> None:
@@ -433,7 +433,7 @@ class Engine:
                 r.pending_feat[b, :keep] = r.pending_feat[b, n: s.pending].clone()
                 s.pending = keep
 
-    def _spec_step(self, seqs: list[Sequence], K: int, start: float) -> list[Sequence]:
+    def _spec_step(self, seqs: list[Sequence], K: int, t_start: float) -> list[Sequence]:
         r = self.runner
         B = len(seqs)
         # A plain step queued ahead is dropped: it wrote only what this cycle rewrites (target KV
@@ -481,7 +481,7 @@ class Engine:
             seq.pending = a + 1
             self._append(seq, grid_list[b][: a + 1])
         if self.policy:
-            self.policy.observe_cost(B, K, time.perf_counter() - start)
+            self.policy.observe_cost(B, K, time.perf_counter() - t_start)
             self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if spec_ok[b]])
         if prof:
             self.profile.append({"batch": B, "K": K, **_Mark.spans(marks, ("draft", "verify", "accept"))})
