@@ -24,6 +24,13 @@ launchers through Triton's interpreter (TRITON_INTERPRET=1, set by conftest).
 ``linear`` is F.linear or, for 1-8 rows where a startup measurement found it
 faster for the weight's shape, a Triton GEMV (see ``tune_linear``). With
 ``SPECSERVE_FUSED_KERNELS=0`` the engine does not tune, so F.linear is used.
+
+On Hopper and later every kernel here is launched with programmatic dependent
+launch (``_wait_for_previous``): it is scheduled while the kernel before it
+drains and waits for it before reading activations or writing anything, so
+results are unchanged (the H200 decode graph's logits are bitwise equal with it
+on and off) and ~0.2 ms of launch gaps per 8B decode step disappear.
+``SPECSERVE_PDL=0`` turns it off.
 """
 
 from __future__ import annotations
