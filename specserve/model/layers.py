@@ -45,7 +45,14 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`: (norm(x + residual), x + residual), fused on GPU."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        if x.is_cuda or x.dtype != torch.float32:
+            return rms_norm(x, self.weight, self.eps, residual)
+        # CPU float32: aten's rms_norm runs the reference's ops in its order (bit-identical), minus
+        # the Python dispatch of each.
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x = x + residual
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
 
 
 class ReplicatedLinear(nn.Linear):
@@ -184,6 +191,8 @@ class ForwardContext:
     write_idx: torch.Tensor  # [B, T] cache index
     kv_len: int  # keys [0, kv_len) are read
     _bias: dict = field(default_factory=dict)
+    _rope: dict = field(default_factory=dict)
+    _rows: torch.Tensor | None = None
 
     def attn_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
         key = (group, dtype)
@@ -196,6 +205,25 @@ class ForwardContext:
             # Queries are laid out [kv_head, group, token] -> repeat the mask per group.
             self._bias[key] = bias.unsqueeze(1).expand(B, group, T, self.kv_len).reshape(B, 1, group * T, self.kv_len)
         return self._bias[key]
+
+    def rope_tables(self, rope: "RotaryEmbedding", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) at `positions`, [B, T, 1, D], gathered once per forward for every layer.
+        The sin's first half is negated so that x * cos + roll(x, D/2) * sin equals the reference's
+        x * cos + rotate_half(x) * sin bit for bit (negating a factor is exact)."""
+        key = (id(rope), dtype)
+        if key not in self._rope:
+            cos = rope.cos[self.positions].unsqueeze(2).to(dtype)
+            sin = rope.sin[self.positions].unsqueeze(2).to(dtype)
+            half = sin.shape[-1] // 2
+            self._rope[key] = (cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+        return self._rope[key]
+
+    def cache_rows(self) -> torch.Tensor:
+        """[B, 1] KV-cache row of each sequence (for indexed cache writes)."""
+        if self._rows is None:
+            B = self.write_idx.shape[0]
+            self._rows = torch.arange(self.row_start, self.row_start + B, device=self.write_idx.device).unsqueeze(1)
+        return self._rows
 
 
 class KVCacheAttention(nn.Module):
@@ -215,8 +243,17 @@ class KVCacheAttention(nn.Module):
                 rope: RotaryEmbedding) -> torch.Tensor:
         """Rotates q and k, writes k and v into the cache, attends (q [B, T, H, D], k/v [B, T, Hkv, D])."""
         B, T = q.shape[:2]
-        q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
-                          ctx.row_start, ctx.write_idx)
+        if q.is_cuda:
+            q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
+                              ctx.row_start, ctx.write_idx)
+        else:  # the reference's arithmetic with per-forward tables and indices (fewer ops per layer)
+            cos, sin = ctx.rope_tables(rope, q.dtype)
+            half = q.shape[-1] // 2
+            q = q * cos + q.roll(half, -1) * sin
+            k = k * cos + k.roll(half, -1) * sin
+            rows = ctx.cache_rows()
+            self.k_cache[rows, :, ctx.write_idx] = k.to(self.k_cache.dtype)
+            self.v_cache[rows, :, ctx.write_idx] = v.to(self.v_cache.dtype)
         if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # GPU decode/verify/draft: reads only the filled part
             scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
             out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
