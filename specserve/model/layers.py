@@ -18,11 +18,16 @@ from specserve.model.kernels import (
     apply_rope,
     cache_attention_ok,
     cache_attention_triton,
-    linear,
     rms_norm,
     rope_store_kv,
     silu_mul,
 )
+from specserve.model.kernels import linear as _tuned_linear
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The tuned choice of kernel on GPU; F.linear straight away elsewhere (no tuning to consult)."""
+    return _tuned_linear(x, w, b) if x.is_cuda else F.linear(x, w, b)
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -246,6 +251,11 @@ class KVCacheAttention(nn.Module):
         if q.is_cuda:
             q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
                               ctx.row_start, ctx.write_idx)
+            if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # decode/verify/draft: reads only the filled part
+                scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
+                out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
+                                             self.scale)
+                return out.view(B, T, self.num_heads * self.head_dim)
         else:  # the reference's arithmetic with per-forward tables and indices (fewer ops per layer)
             cos, sin = ctx.rope_tables(rope, q.dtype)
             half = q.shape[-1] // 2
@@ -254,21 +264,19 @@ class KVCacheAttention(nn.Module):
             rows = ctx.cache_rows()
             self.k_cache[rows, :, ctx.write_idx] = k.to(self.k_cache.dtype)
             self.v_cache[rows, :, ctx.write_idx] = v.to(self.v_cache.dtype)
-        if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # GPU decode/verify/draft: reads only the filled part
-            scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
-            out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
-                                         self.scale)
-            return out.view(B, T, self.num_heads * self.head_dim)
         rows = slice(ctx.row_start, ctx.row_start + B)
         keys, values = self.k_cache[rows, :, : ctx.kv_len], self.v_cache[rows, :, : ctx.kv_len]
-        # [B, T, H, D] -> [B, Hkv, G*T, D] so each KV head is read once for its whole group.
-        qg = q.view(B, T, self.num_kv_heads, self.group, self.head_dim).permute(0, 2, 3, 1, 4)
-        qg = qg.reshape(B, self.num_kv_heads, self.group * T, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            qg, keys, values, attn_mask=ctx.attn_bias(self.group, q.dtype), scale=self.scale
-        )
-        out = out.view(B, self.num_kv_heads, self.group, T, self.head_dim).permute(0, 3, 1, 2, 4)
-        return out.reshape(B, T, self.num_heads * self.head_dim)
+        # [B, T, H, D] -> [B, Hkv, G*T, D] so each KV head is read once for its whole group
+        # (a plain view for one token).
+        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
+        if T == 1 and q.is_contiguous():
+            qg = q.view(B, Hkv, G, D)
+        else:
+            qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_bias(G, q.dtype), scale=self.scale)
+        if T > 1:
+            out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)
+        return out.reshape(B, T, self.num_heads * D)
 
 
 class SwiGLU(nn.Module):
