@@ -215,8 +215,7 @@ class ModelRunner:
     @torch.inference_mode()
     def drafter_extend(self, row_start: int, tok: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor) -> None:
         """Eagerly write the drafter's KV for (feature, next token) entries; padding at scratch positions."""
-        ctx = ForwardContext(row_start, pos, pos, self._kv_len(pos))
-        self.drafter(tok, feat, ctx)
+        self.drafter(tok, feat, self._context(pos, pos, row_start))
 
     # ------------------------------------------------------------- graph parts
     def _bucket(self, B: int) -> int:
@@ -233,23 +232,26 @@ class ModelRunner:
         self.s_top_k[:B].copy_(s.top_k)
         self.s_seed[:B].copy_(s.seed)
 
-    def _kv_len(self, pos: torch.Tensor) -> int:
-        """How many cache positions attention reads. CUDA: all (graphs need static shapes; the
-        Triton kernel stops at each row's end by itself). CPU: up to the furthest real position,
-        since SDPA there reads every key it is given and a host read costs nothing."""
+    def _context(self, pos: torch.Tensor, rope_pos: torch.Tensor, row_start: int = 0) -> ForwardContext:
+        """Attention metadata for rows row_start.. at cache indices `pos`. CUDA: every cache position is
+        read (graphs need static shapes; the Triton kernel stops at each row's end by itself). CPU:
+        up to the furthest real position, since SDPA there reads every key it is given; the
+        positions are host memory, so a Python pass over them is cheaper than tensor ops. When
+        every query sits at the last key read (decode, draft steps), no mask is built."""
         if self.device.type == "cuda":
-            return self.cache_len
-        real = pos[pos != self.scratch]
-        return int(real.max()) + 1 if real.numel() else 1
+            return ForwardContext(row_start, rope_pos, pos, self.cache_len)
+        flat = pos.reshape(-1).tolist()
+        kv_len = max((p for p in flat if p != self.scratch), default=0) + 1
+        return ForwardContext(row_start, rope_pos, pos, kv_len, full_view=min(flat) >= kv_len - 1)
 
     def _decode_body(self, B: int):
         ids, pos = self.s_ids[:B, :1], self.s_pos[:B, :1]
-        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self._kv_len(pos)))
+        hidden, feats = self.target(ids, self._context(pos, self._rope_pos(pos)))
         return self.target.logits(hidden[:, 0]), feats
 
     def _verify_body(self, B: int, K: int):
         ids, pos = self.s_ids[:B, : K + 1], self.s_pos[:B, : K + 1]
-        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self._kv_len(pos)))
+        hidden, feats = self.target(ids, self._context(pos, self._rope_pos(pos)))
         return self.target.logits(hidden), feats
 
     def _pick_draft(self, logits: torch.Tensor, positions: torch.Tensor, sampling: bool, filtered: bool):
@@ -266,7 +268,7 @@ class ModelRunner:
         row's last real entry."""
         d = self.drafter
         pos = self.s_pos[:B, : K + 1]
-        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], ForwardContext(0, pos, pos, self._kv_len(pos)))
+        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], self._context(pos, pos))
         rows = torch.arange(B, device=self.device)
         last = self.s_last[:B]
         g = out[rows, last].unsqueeze(1)  # [B, 1, H]
@@ -282,7 +284,7 @@ class ModelRunner:
             if i + 1 < K:
                 p = (p + 1).clamp(max=self.scratch)  # padding rows sit at the scratch index
                 step_pos = p.unsqueeze(1)
-                g = d(tid.unsqueeze(1), g, ForwardContext(0, step_pos, step_pos, self._kv_len(step_pos)))
+                g = d(tid.unsqueeze(1), g, self._context(step_pos, step_pos))
         toks = torch.stack(tokens, 1)
         if not sampling:
             return (toks,)

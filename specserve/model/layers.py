@@ -195,11 +195,14 @@ class ForwardContext:
     positions: torch.Tensor  # [B, T] rope positions
     write_idx: torch.Tensor  # [B, T] cache index
     kv_len: int  # keys [0, kv_len) are read
+    full_view: bool = False  # every query sees all kv_len keys: attention needs no mask
     _bias: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
     _rows: torch.Tensor | None = None
 
-    def attn_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+    def attn_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.full_view:
+            return None
         key = (group, dtype)
         if key not in self._bias:
             B, T = self.write_idx.shape
