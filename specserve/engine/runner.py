@@ -44,7 +44,7 @@ from specserve.engine.sampling import (
     sample_from,
     uniform,
 )
-from specserve.model.layers import ForwardContext
+from specserve.model.layers import ForwardContext, pin_attributes
 from specserve.model.loader import load_drafter, load_target, resolve_device, resolve_dtype
 
 log = logging.getLogger("specserve.runner")
@@ -109,6 +109,10 @@ class ModelRunner:
                 )
         self.load_seconds = time.perf_counter() - t0
         self.linear_tuning = self._tune_linear()
+        if self.device.type == "cpu":  # eager Python on every forward there
+            for m in (self.target, self.drafter):
+                if m is not None:
+                    pin_attributes(m)
         self._allocate()
         self.graphs: dict[tuple, _Graph] = {}
         self.graph_batch_sizes: tuple[int, ...] = ()
