@@ -110,6 +110,8 @@ class ModelRunner:
         self.load_seconds = time.perf_counter() - t0
         self.linear_tuning = self._tune_linear()
         if self.device.type == "cpu":  # eager Python on every forward there
+            if self.drafter is not None:
+                self.drafter.fuse_projections()
             for m in (self.target, self.drafter):
                 if m is not None:
                     pin_attributes(m)

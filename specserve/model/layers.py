@@ -260,29 +260,48 @@ class KVCacheAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
                 rope: RotaryEmbedding) -> torch.Tensor:
         """Rotates q and k, writes k and v into the cache, attends (q [B, T, H, D], k/v [B, T, Hkv, D])."""
-        B, T = q.shape[:2]
         if q.is_cuda:
             q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
                               ctx.row_start, ctx.write_idx)
             if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # decode/verify/draft: reads only the filled part
+                B, T = q.shape[:2]
                 scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
                 out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
                                              self.scale)
                 return out.view(B, T, self.num_heads * self.head_dim)
-        else:  # the reference's arithmetic with per-forward tables and indices (fewer ops per layer)
-            cos, sin = ctx.rope_tables(rope, q.dtype)
-            half = q.shape[-1] // 2
-            q = q * cos + q.roll(half, -1) * sin
-            k = k * cos + k.roll(half, -1) * sin
-            rows = ctx.cache_rows()
-            self.k_cache[rows, :, ctx.write_idx] = k.to(self.k_cache.dtype)
-            self.v_cache[rows, :, ctx.write_idx] = v.to(self.v_cache.dtype)
+            return self._attend(q, ctx)
+        q, k = self._rotate(q, ctx, rope), self._rotate(k, ctx, rope)
+        self._store(k, v, ctx)
+        return self._attend(q, ctx)
+
+    def forward_packed(self, heads: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> torch.Tensor:
+        """CPU: `forward` for heads [B, T, H + 2 Hkv, D], the q, k and v heads of one projection
+        side by side. q and k are rotated in one go (half the rope ops)."""
+        H, Hkv = self.num_heads, self.num_kv_heads
+        qk = self._rotate(heads[:, :, : H + Hkv], ctx, rope)
+        self._store(qk[:, :, H:], heads[:, :, H + Hkv:], ctx)
+        return self._attend(qk[:, :, :H], ctx)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> torch.Tensor:
+        """CPU rope: the reference's arithmetic with tables gathered once per forward."""
+        cos, sin = ctx.rope_tables(rope, x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> None:
+        rows = ctx.cache_rows()
+        self.k_cache[rows, :, ctx.write_idx] = k.to(self.k_cache.dtype)
+        self.v_cache[rows, :, ctx.write_idx] = v.to(self.v_cache.dtype)
+
+    def _attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """SDPA of rotated q [B, T, H, D] over the cached keys [0, kv_len) (keys already written)."""
+        B, T = q.shape[:2]
         rows = slice(ctx.row_start, ctx.row_start + B)
         keys, values = self.k_cache[rows, :, : ctx.kv_len], self.v_cache[rows, :, : ctx.kv_len]
         # [B, T, H, D] -> [B, Hkv, G*T, D] so each KV head is read once for its whole group
         # (a plain view for one token).
         Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
-        if T == 1 and q.is_contiguous():
+        if T == 1:
             qg = q.view(B, Hkv, G, D)
         else:
             qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)

@@ -45,8 +45,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x.shape
+        qkv = self.qkv_proj(x)
+        if not qkv.is_cuda and self.q_norm is None:
+            return self.o_proj(self.attn.forward_packed(qkv.view(B, T, -1, self.head_dim), ctx, self.rope))
         q_len, kv_len = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_len, kv_len, kv_len], dim=-1)
+        q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
         q = q.view(B, T, self.heads, self.head_dim)
         k = k.view(B, T, self.kv_heads, self.head_dim)
         v = v.view(B, T, self.kv_heads, self.head_dim)
