@@ -260,12 +260,12 @@ class ModelRunner:
         hidden, feats = self.target(ids, self._context(pos, self._rope_pos(pos)))
         return self.target.logits(hidden), feats
 
-    def _pick_draft(self, logits: torch.Tensor, positions: torch.Tensor, sampling: bool, filtered: bool):
+    def _pick_draft(self, logits: torch.Tensor, entry_pos: torch.Tensor, sampling: bool, filtered: bool):
         if not sampling:
             return logits.argmax(-1), None
         probs = processed_probs(logits, self.s_temp[: logits.shape[0]], self.s_top_p[: logits.shape[0]],
                                 self.s_top_k[: logits.shape[0]], filtered)
-        u = uniform(self.s_seed[: logits.shape[0]], positions, STREAM_DRAFT, logits.shape[-1])
+        u = uniform(self.s_seed[: logits.shape[0]], entry_pos + 2, STREAM_DRAFT, logits.shape[-1])
         return sample_from(probs, u), probs
 
     def _draft_body(self, B: int, K: int, sampling: bool, filtered: bool):
@@ -278,18 +278,19 @@ class ModelRunner:
         rows = torch.arange(B, device=self.device)
         last = self.s_last[:B]
         g = out[rows, last].unsqueeze(1)  # [B, 1, H]
-        p = pos[rows, last]  # position of the last real entry
+        # Position of the last real entry, then of each draft step (padding rows stay at the scratch index).
+        p = pos[rows, last].unsqueeze(1) + torch.arange(K, device=self.device)
+        p = p.clamp(max=self.scratch)
         tokens, draft_ids, probs = [], [], []
         for i in range(K):
             # The draft chosen now is the token at sequence position p + 2 (entry p predicts p + 2).
-            did, q = self._pick_draft(d.logits(g[:, 0]), p + 2, sampling, filtered)
+            did, q = self._pick_draft(d.logits(g[:, 0]), p[:, i], sampling, filtered)
             tid = d.to_target_ids(did)
             tokens.append(tid)
             draft_ids.append(did)
             probs.append(q)
             if i + 1 < K:
-                p = (p + 1).clamp(max=self.scratch)  # padding rows sit at the scratch index
-                step_pos = p.unsqueeze(1)
+                step_pos = p[:, i + 1: i + 2]
                 g = d(tid.unsqueeze(1), g, self._context(step_pos, step_pos))
         toks = torch.stack(tokens, 1)
         if not sampling:
@@ -327,13 +328,15 @@ class ModelRunner:
         self.s_last[:B].copy_(last_idx)
         self._fill_padding(B, K + 1)
         sampling = not s.all_greedy
-        self._set_sampling(B, s)
+        if sampling:  # (greedy drafting reads no sampling parameters)
+            self._set_sampling(B, s)
         # Sampling batches always take the filtering path: top-k 0 / top-p 1 rows pass through unchanged.
         key = ("draft", K, sampling, sampling)
         out = self._run(key, B, lambda b: self._draft_body(b, K, sampling, sampling))
-        # All graphs share one memory pool, so the verify replay that follows may reuse
-        # this graph's output memory: take the (small) draft outputs out first.
-        out = tuple(o.clone() for o in out)
+        if self.graphs:
+            # All graphs share one memory pool, so the verify replay that follows may reuse
+            # this graph's output memory: take the (small) draft outputs out first.
+            out = tuple(o.clone() for o in out)
         if not sampling:
             return DraftResult(out[0], None, None)
         vocab_map = torch.arange(self.drafter.d2t.shape[0], device=self.device) + self.drafter.d2t

@@ -182,10 +182,23 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._tables: dict = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         # q: [B, T, H, D], positions: [B, T]
         return apply_rope(q, k, self.cos, self.sin, positions)
+
+    def tables_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [B, T, 1, D] in `dtype` at `positions`, for the CPU path. The sin's
+        first half is negated so that x * cos + roll(x, D/2) * sin equals the reference's
+        x * cos + rotate_half(x) * sin bit for bit (negating a factor is exact). The tables are
+        prepared once per dtype, so a forward gathers them with two ops."""
+        if dtype not in self._tables:
+            half = self.sin.shape[-1] // 2
+            signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+            self._tables[dtype] = (self.cos.to(dtype).unsqueeze(1), signed.to(dtype).unsqueeze(1))
+        cos, sin = self._tables[dtype]
+        return cos[positions], sin[positions]
 
 
 @dataclass
@@ -225,15 +238,10 @@ class ForwardContext:
         return self._bias[key]
 
     def rope_tables(self, rope: "RotaryEmbedding", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, signed sin) at `positions`, [B, T, 1, D], gathered once per forward for every layer.
-        The sin's first half is negated so that x * cos + roll(x, D/2) * sin equals the reference's
-        x * cos + rotate_half(x) * sin bit for bit (negating a factor is exact)."""
+        """`rope.tables_at(positions)`, gathered once per forward for every layer."""
         key = (id(rope), dtype)
         if key not in self._rope:
-            cos = rope.cos[self.positions].unsqueeze(2).to(dtype)
-            sin = rope.sin[self.positions].unsqueeze(2).to(dtype)
-            half = sin.shape[-1] // 2
-            self._rope[key] = (cos, torch.cat((-sin[..., :half], sin[..., half:]), dim=-1))
+            self._rope[key] = rope.tables_at(self.positions, dtype)
         return self._rope[key]
 
     def cache_rows(self) -> torch.Tensor:
