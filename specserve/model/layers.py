@@ -44,9 +44,9 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
 
 def pin_attributes(model: nn.Module) -> None:
     """Copy each submodule, parameter and buffer reference into its owner's __dict__, so that reading
-    `self.weight` or `self.mlp` skips nn.Module.__getattr__ (~0.5 us a read, ~0.3 ms per forward of
-    the CPU demo target, where no graph hides Python). Only for loaded inference models that are
-    never moved or re-assigned afterwards: a re-assigned buffer would leave a stale copy here."""
+    `self.weight` or `self.mlp` skips nn.Module.__getattr__ (~0.5 us a read, a few percent of a CPU
+    forward of the demo target, where no graph hides Python). Only for loaded inference models that
+    are never moved or re-assigned afterwards: a re-assigned buffer would leave a stale copy here."""
     for m in model.modules():
         for refs in (m._modules, m._parameters, m._buffers):
             m.__dict__.update((k, v) for k, v in refs.items() if v is not None)
