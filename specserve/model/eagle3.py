@@ -18,10 +18,18 @@ from torch import nn
 
 from specserve.config import DraftConfig
 from specserve.model.kernels import silu_mul
-from specserve.model.layers import ForwardContext, KVCacheAttention, RMSNorm, ReplicatedLinear, RotaryEmbedding, linear
+from specserve.model.layers import (
+    ForwardContext,
+    HotPathModule,
+    KVCacheAttention,
+    RMSNorm,
+    ReplicatedLinear,
+    RotaryEmbedding,
+    linear,
+)
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(HotPathModule):
     def __init__(self, cfg: DraftConfig, rope: RotaryEmbedding):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -45,7 +53,7 @@ class DraftAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
 
-class DraftMLP(nn.Module):
+class DraftMLP(HotPathModule):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = ReplicatedLinear(hidden, intermediate)
@@ -59,7 +67,7 @@ class DraftMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DraftMidLayer(nn.Module):
+class DraftMidLayer(HotPathModule):
     def __init__(self, cfg: DraftConfig, rope: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -14,6 +14,7 @@ from specserve.distributed.parallel_state import tp_size
 from specserve.model.layers import (
     ColumnParallelLinear,
     ForwardContext,
+    HotPathModule,
     KVCacheAttention,
     RMSNorm,
     RotaryEmbedding,
@@ -25,7 +26,7 @@ from specserve.model.layers import (
 )
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(HotPathModule):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
         tp = tp_size()
@@ -58,7 +59,7 @@ class SelfAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(HotPathModule):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
