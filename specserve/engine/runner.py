@@ -44,7 +44,7 @@ from specserve.engine.sampling import (
     sample_from,
     uniform,
 )
-from specserve.model.layers import ForwardContext
+from specserve.model.layers import ForwardContext, pin_attributes
 from specserve.model.loader import load_drafter, load_target, resolve_device, resolve_dtype
 
 log = logging.getLogger("specserve.runner")
@@ -109,6 +109,12 @@ class ModelRunner:
                 )
         self.load_seconds = time.perf_counter() - t0
         self.linear_tuning = self._tune_linear()
+        if self.device.type == "cpu":  # eager Python on every forward there
+            if self.drafter is not None:
+                self.drafter.fuse_projections()
+            for m in (self.target, self.drafter):
+                if m is not None:
+                    pin_attributes(m)
         self._allocate()
         self.graphs: dict[tuple, _Graph] = {}
         self.graph_batch_sizes: tuple[int, ...] = ()
@@ -215,8 +221,7 @@ class ModelRunner:
     @torch.inference_mode()
     def drafter_extend(self, row_start: int, tok: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor) -> None:
         """Eagerly write the drafter's KV for (feature, next token) entries; padding at scratch positions."""
-        ctx = ForwardContext(row_start, pos, pos, self._kv_len(pos))
-        self.drafter(tok, feat, ctx)
+        self.drafter(tok, feat, self._context(pos, pos, row_start))
 
     # ------------------------------------------------------------- graph parts
     def _bucket(self, B: int) -> int:
@@ -233,31 +238,34 @@ class ModelRunner:
         self.s_top_k[:B].copy_(s.top_k)
         self.s_seed[:B].copy_(s.seed)
 
-    def _kv_len(self, pos: torch.Tensor) -> int:
-        """How many cache positions attention reads. CUDA: all (graphs need static shapes; the
-        Triton kernel stops at each row's end by itself). CPU: up to the furthest real position,
-        since SDPA there reads every key it is given and a host read costs nothing."""
+    def _context(self, pos: torch.Tensor, rope_pos: torch.Tensor, row_start: int = 0) -> ForwardContext:
+        """Attention metadata for rows row_start.. at cache indices `pos`. CUDA: every cache position is
+        read (graphs need static shapes; the Triton kernel stops at each row's end by itself). CPU:
+        up to the furthest real position, since SDPA there reads every key it is given; the
+        positions are host memory, so a Python pass over them is cheaper than tensor ops. When
+        every query sits at the last key read (decode, draft steps), no mask is built."""
         if self.device.type == "cuda":
-            return self.cache_len
-        real = pos[pos != self.scratch]
-        return int(real.max()) + 1 if real.numel() else 1
+            return ForwardContext(row_start, rope_pos, pos, self.cache_len)
+        flat = pos.reshape(-1).tolist()
+        kv_len = max((p for p in flat if p != self.scratch), default=0) + 1
+        return ForwardContext(row_start, rope_pos, pos, kv_len, full_view=min(flat) >= kv_len - 1)
 
     def _decode_body(self, B: int):
         ids, pos = self.s_ids[:B, :1], self.s_pos[:B, :1]
-        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self._kv_len(pos)))
+        hidden, feats = self.target(ids, self._context(pos, self._rope_pos(pos)))
         return self.target.logits(hidden[:, 0]), feats
 
     def _verify_body(self, B: int, K: int):
         ids, pos = self.s_ids[:B, : K + 1], self.s_pos[:B, : K + 1]
-        hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, self._kv_len(pos)))
+        hidden, feats = self.target(ids, self._context(pos, self._rope_pos(pos)))
         return self.target.logits(hidden), feats
 
-    def _pick_draft(self, logits: torch.Tensor, positions: torch.Tensor, sampling: bool, filtered: bool):
+    def _pick_draft(self, logits: torch.Tensor, entry_pos: torch.Tensor, sampling: bool, filtered: bool):
         if not sampling:
             return logits.argmax(-1), None
         probs = processed_probs(logits, self.s_temp[: logits.shape[0]], self.s_top_p[: logits.shape[0]],
                                 self.s_top_k[: logits.shape[0]], filtered)
-        u = uniform(self.s_seed[: logits.shape[0]], positions, STREAM_DRAFT, logits.shape[-1])
+        u = uniform(self.s_seed[: logits.shape[0]], entry_pos + 2, STREAM_DRAFT, logits.shape[-1])
         return sample_from(probs, u), probs
 
     def _draft_body(self, B: int, K: int, sampling: bool, filtered: bool):
@@ -266,23 +274,24 @@ class ModelRunner:
         row's last real entry."""
         d = self.drafter
         pos = self.s_pos[:B, : K + 1]
-        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], ForwardContext(0, pos, pos, self._kv_len(pos)))
+        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], self._context(pos, pos))
         rows = torch.arange(B, device=self.device)
         last = self.s_last[:B]
         g = out[rows, last].unsqueeze(1)  # [B, 1, H]
-        p = pos[rows, last]  # position of the last real entry
+        # Position of the last real entry, then of each draft step (padding rows stay at the scratch index).
+        p = pos[rows, last].unsqueeze(1) + torch.arange(K, device=self.device)
+        p = p.clamp(max=self.scratch)
         tokens, draft_ids, probs = [], [], []
         for i in range(K):
             # The draft chosen now is the token at sequence position p + 2 (entry p predicts p + 2).
-            did, q = self._pick_draft(d.logits(g[:, 0]), p + 2, sampling, filtered)
+            did, q = self._pick_draft(d.logits(g[:, 0]), p[:, i], sampling, filtered)
             tid = d.to_target_ids(did)
             tokens.append(tid)
             draft_ids.append(did)
             probs.append(q)
             if i + 1 < K:
-                p = (p + 1).clamp(max=self.scratch)  # padding rows sit at the scratch index
-                step_pos = p.unsqueeze(1)
-                g = d(tid.unsqueeze(1), g, ForwardContext(0, step_pos, step_pos, self._kv_len(step_pos)))
+                step_pos = p[:, i + 1: i + 2]
+                g = d(tid.unsqueeze(1), g, self._context(step_pos, step_pos))
         toks = torch.stack(tokens, 1)
         if not sampling:
             return (toks,)
@@ -319,13 +328,15 @@ class ModelRunner:
         self.s_last[:B].copy_(last_idx)
         self._fill_padding(B, K + 1)
         sampling = not s.all_greedy
-        self._set_sampling(B, s)
+        if sampling:  # (greedy drafting reads no sampling parameters)
+            self._set_sampling(B, s)
         # Sampling batches always take the filtering path: top-k 0 / top-p 1 rows pass through unchanged.
         key = ("draft", K, sampling, sampling)
         out = self._run(key, B, lambda b: self._draft_body(b, K, sampling, sampling))
-        # All graphs share one memory pool, so the verify replay that follows may reuse
-        # this graph's output memory: take the (small) draft outputs out first.
-        out = tuple(o.clone() for o in out)
+        if self.graphs:
+            # All graphs share one memory pool, so the verify replay that follows may reuse
+            # this graph's output memory: take the (small) draft outputs out first.
+            out = tuple(o.clone() for o in out)
         if not sampling:
             return DraftResult(out[0], None, None)
         vocab_map = torch.arange(self.drafter.d2t.shape[0], device=self.device) + self.drafter.d2t

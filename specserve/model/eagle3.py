@@ -17,10 +17,19 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import DraftConfig
-from specserve.model.layers import ForwardContext, KVCacheAttention, RMSNorm, ReplicatedLinear, RotaryEmbedding
+from specserve.model.kernels import silu_mul
+from specserve.model.layers import (
+    ForwardContext,
+    HotPathModule,
+    KVCacheAttention,
+    RMSNorm,
+    ReplicatedLinear,
+    RotaryEmbedding,
+    linear,
+)
 
 
-class DraftAttention(nn.Module):
+class DraftAttention(HotPathModule):
     def __init__(self, cfg: DraftConfig, rope: RotaryEmbedding):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
@@ -31,27 +40,34 @@ class DraftAttention(nn.Module):
         self.o_proj = ReplicatedLinear(q_size, cfg.hidden_size)
         self.rope = rope
         self.attn = KVCacheAttention(self.heads, self.kv_heads, self.head_dim)
+        self.qkv_weight: torch.Tensor | None = None  # see Eagle3Drafter.fuse_projections
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x.shape
+        if self.qkv_weight is not None:
+            heads = linear(x, self.qkv_weight).view(B, T, -1, self.head_dim)
+            return self.o_proj(self.attn.forward_packed(heads, ctx, self.rope))
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
 
-class DraftMLP(nn.Module):
+class DraftMLP(HotPathModule):
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
         self.gate_proj = ReplicatedLinear(hidden, intermediate)
         self.up_proj = ReplicatedLinear(hidden, intermediate)
         self.down_proj = ReplicatedLinear(intermediate, hidden)
+        self.gate_up_weight: torch.Tensor | None = None  # see Eagle3Drafter.fuse_projections
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_weight is not None:
+            return self.down_proj(silu_mul(linear(x, self.gate_up_weight)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-class DraftMidLayer(nn.Module):
+class DraftMidLayer(HotPathModule):
     def __init__(self, cfg: DraftConfig, rope: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -83,6 +99,14 @@ class Eagle3Drafter(nn.Module):
 
     def attention_modules(self) -> list[KVCacheAttention]:
         return [self.midlayer.self_attn.attn]
+
+    def fuse_projections(self) -> None:
+        """For inference on CPU: q|k|v and gate|up each as one stacked weight (a copy), so a step
+        runs one product where it ran three or two; on CPU the stacked product is bit-identical to
+        the separate ones. Training keeps using the separate modules."""
+        a, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        a.qkv_weight = torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
+        mlp.gate_up_weight = torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight))
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self.target_embed)(ids)

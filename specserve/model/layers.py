@@ -18,11 +18,16 @@ from specserve.model.kernels import (
     apply_rope,
     cache_attention_ok,
     cache_attention_triton,
-    linear,
     rms_norm,
     rope_store_kv,
     silu_mul,
 )
+from specserve.model.kernels import linear as _tuned_linear
+
+
+def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
+    """The tuned choice of kernel on GPU; F.linear straight away elsewhere (no tuning to consult)."""
+    return _tuned_linear(x, w, b) if x.is_cuda else F.linear(x, w, b)
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -37,7 +42,26 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.data.copy_(loaded)
 
 
-class RMSNorm(nn.Module):
+def pin_attributes(model: nn.Module) -> None:
+    """Copy each submodule, parameter and buffer reference into its owner's __dict__, so that reading
+    `self.weight` or `self.mlp` skips nn.Module.__getattr__ (~0.5 us a read, a few percent of a CPU
+    forward of the demo target, where no graph hides Python). Only for loaded inference models that
+    are never moved or re-assigned afterwards: a re-assigned buffer would leave a stale copy here."""
+    for m in model.modules():
+        for refs in (m._modules, m._parameters, m._buffers):
+            m.__dict__.update((k, v) for k, v in refs.items() if v is not None)
+
+
+class HotPathModule(nn.Module):
+    """A module run for every token: calling it runs `forward` directly, skipping nn.Module's call
+    machinery (hook and tracing checks, ~0.5 us a call; ~150 calls per forward of the demo target,
+    5-10% of a CPU decode step). Hooks registered on these modules therefore do not run."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
+class RMSNorm(HotPathModule):
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
@@ -45,10 +69,17 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`: (norm(x + residual), x + residual), fused on GPU."""
-        return rms_norm(x, self.weight, self.eps, residual)
+        if x.is_cuda or x.dtype != torch.float32:
+            return rms_norm(x, self.weight, self.eps, residual)
+        # CPU float32: aten's rms_norm runs the reference's ops in its order (bit-identical), minus
+        # the Python dispatch of each.
+        if residual is None:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x = x + residual
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
 
 
-class ReplicatedLinear(nn.Linear):
+class ReplicatedLinear(HotPathModule, nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__(in_features, out_features, bias=bias)
         for p in self.parameters():
@@ -58,7 +89,7 @@ class ReplicatedLinear(nn.Linear):
         return linear(x, self.weight, self.bias)
 
 
-class ColumnParallelLinear(nn.Module):
+class ColumnParallelLinear(HotPathModule):
     """Output features split across ranks; several HF tensors may be stacked
     into one weight (`shard_sizes`, e.g. q/k/v or gate/up) to save launches."""
 
@@ -91,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
         return all_gather_last_dim(y) if self.gather_output else y
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(HotPathModule):
     """Input features split across ranks; partial sums are all-reduced."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
@@ -115,7 +146,7 @@ class RowParallelLinear(nn.Module):
         return y + self.bias if self.bias is not None else y
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(HotPathModule):
     """Embedding rows split across ranks; a rank contributes zeros for ids it
     does not own and the all-reduce assembles the result."""
 
@@ -160,10 +191,23 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        self._tables: dict = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
         # q: [B, T, H, D], positions: [B, T]
         return apply_rope(q, k, self.cos, self.sin, positions)
+
+    def tables_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [B, T, 1, D] in `dtype` at `positions`, for the CPU path. The sin's
+        first half is negated so that x * cos + roll(x, D/2) * sin equals the reference's
+        x * cos + rotate_half(x) * sin bit for bit (negating a factor is exact). The tables are
+        prepared once per dtype, so a forward gathers them with two ops."""
+        if dtype not in self._tables:
+            half = self.sin.shape[-1] // 2
+            signed = torch.cat((-self.sin[:, :half], self.sin[:, half:]), dim=-1)
+            self._tables[dtype] = (self.cos.to(dtype).unsqueeze(1), signed.to(dtype).unsqueeze(1))
+        cos, sin = self._tables[dtype]
+        return cos[positions], sin[positions]
 
 
 @dataclass
@@ -183,9 +227,14 @@ class ForwardContext:
     positions: torch.Tensor  # [B, T] rope positions
     write_idx: torch.Tensor  # [B, T] cache index
     kv_len: int  # keys [0, kv_len) are read
+    full_view: bool = False  # every query sees all kv_len keys: attention needs no mask
     _bias: dict = field(default_factory=dict)
+    _rope: dict = field(default_factory=dict)
+    _rows: torch.Tensor | None = None
 
-    def attn_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor:
+    def attn_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
+        if self.full_view:
+            return None
         key = (group, dtype)
         if key not in self._bias:
             B, T = self.write_idx.shape
@@ -197,8 +246,22 @@ class ForwardContext:
             self._bias[key] = bias.unsqueeze(1).expand(B, group, T, self.kv_len).reshape(B, 1, group * T, self.kv_len)
         return self._bias[key]
 
+    def rope_tables(self, rope: "RotaryEmbedding", dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`rope.tables_at(positions)`, gathered once per forward for every layer."""
+        key = (id(rope), dtype)
+        if key not in self._rope:
+            self._rope[key] = rope.tables_at(self.positions, dtype)
+        return self._rope[key]
 
-class KVCacheAttention(nn.Module):
+    def cache_rows(self) -> torch.Tensor:
+        """[B, 1] KV-cache row of each sequence (for indexed cache writes)."""
+        if self._rows is None:
+            B = self.write_idx.shape[0]
+            self._rows = torch.arange(self.row_start, self.row_start + B, device=self.write_idx.device).unsqueeze(1)
+        return self._rows
+
+
+class KVCacheAttention(HotPathModule):
     """Scaled dot-product attention over a slot-per-sequence KV cache with GQA."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
@@ -214,27 +277,58 @@ class KVCacheAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
                 rope: RotaryEmbedding) -> torch.Tensor:
         """Rotates q and k, writes k and v into the cache, attends (q [B, T, H, D], k/v [B, T, Hkv, D])."""
+        if q.is_cuda:
+            q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
+                              ctx.row_start, ctx.write_idx)
+            if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # decode/verify/draft: reads only the filled part
+                B, T = q.shape[:2]
+                scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
+                out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
+                                             self.scale)
+                return out.view(B, T, self.num_heads * self.head_dim)
+            return self._attend(q, ctx)
+        q, k = self._rotate(q, ctx, rope), self._rotate(k, ctx, rope)
+        self._store(k, v, ctx)
+        return self._attend(q, ctx)
+
+    def forward_packed(self, heads: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> torch.Tensor:
+        """CPU: `forward` for heads [B, T, H + 2 Hkv, D], the q, k and v heads of one projection
+        side by side. q and k are rotated in one go (half the rope ops)."""
+        H, Hkv = self.num_heads, self.num_kv_heads
+        qk = self._rotate(heads[:, :, : H + Hkv], ctx, rope)
+        self._store(qk[:, :, H:], heads[:, :, H + Hkv:], ctx)
+        return self._attend(qk[:, :, :H], ctx)
+
+    @staticmethod
+    def _rotate(x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> torch.Tensor:
+        """CPU rope: the reference's arithmetic with tables gathered once per forward."""
+        cos, sin = ctx.rope_tables(rope, x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
+
+    def _store(self, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> None:
+        rows = ctx.cache_rows()
+        self.k_cache[rows, :, ctx.write_idx] = k.to(self.k_cache.dtype)
+        self.v_cache[rows, :, ctx.write_idx] = v.to(self.v_cache.dtype)
+
+    def _attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """SDPA of rotated q [B, T, H, D] over the cached keys [0, kv_len) (keys already written)."""
         B, T = q.shape[:2]
-        q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
-                          ctx.row_start, ctx.write_idx)
-        if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # GPU decode/verify/draft: reads only the filled part
-            scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
-            out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
-                                         self.scale)
-            return out.view(B, T, self.num_heads * self.head_dim)
         rows = slice(ctx.row_start, ctx.row_start + B)
         keys, values = self.k_cache[rows, :, : ctx.kv_len], self.v_cache[rows, :, : ctx.kv_len]
-        # [B, T, H, D] -> [B, Hkv, G*T, D] so each KV head is read once for its whole group.
-        qg = q.view(B, T, self.num_kv_heads, self.group, self.head_dim).permute(0, 2, 3, 1, 4)
-        qg = qg.reshape(B, self.num_kv_heads, self.group * T, self.head_dim)
-        out = F.scaled_dot_product_attention(
-            qg, keys, values, attn_mask=ctx.attn_bias(self.group, q.dtype), scale=self.scale
-        )
-        out = out.view(B, self.num_kv_heads, self.group, T, self.head_dim).permute(0, 3, 1, 2, 4)
-        return out.reshape(B, T, self.num_heads * self.head_dim)
+        # [B, T, H, D] -> [B, Hkv, G*T, D] so each KV head is read once for its whole group
+        # (a plain view for one token).
+        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
+        if T == 1:
+            qg = q.view(B, Hkv, G, D)
+        else:
+            qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_bias(G, q.dtype), scale=self.scale)
+        if T > 1:
+            out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)
+        return out.reshape(B, T, self.num_heads * D)
 
 
-class SwiGLU(nn.Module):
+class SwiGLU(HotPathModule):
     def __init__(self, hidden: int, intermediate: int, bias: bool = False):
         super().__init__()
         self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)

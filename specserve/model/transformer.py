@@ -14,6 +14,7 @@ from specserve.distributed.parallel_state import tp_size
 from specserve.model.layers import (
     ColumnParallelLinear,
     ForwardContext,
+    HotPathModule,
     KVCacheAttention,
     RMSNorm,
     RotaryEmbedding,
@@ -25,7 +26,7 @@ from specserve.model.layers import (
 )
 
 
-class SelfAttention(nn.Module):
+class SelfAttention(HotPathModule):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
         tp = tp_size()
@@ -45,8 +46,11 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x.shape
+        qkv = self.qkv_proj(x)
+        if not qkv.is_cuda and self.q_norm is None:
+            return self.o_proj(self.attn.forward_packed(qkv.view(B, T, -1, self.head_dim), ctx, self.rope))
         q_len, kv_len = self.heads * self.head_dim, self.kv_heads * self.head_dim
-        q, k, v = self.qkv_proj(x).split([q_len, kv_len, kv_len], dim=-1)
+        q, k, v = qkv.split([q_len, kv_len, kv_len], dim=-1)
         q = q.view(B, T, self.heads, self.head_dim)
         k = k.view(B, T, self.kv_heads, self.head_dim)
         v = v.view(B, T, self.kv_heads, self.head_dim)
@@ -55,7 +59,7 @@ class SelfAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(HotPathModule):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
