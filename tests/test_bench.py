@@ -480,7 +480,7 @@ def test_offline_bench_on_gpu_with_cuda_graphs(monkeypatch, pair, tmp_path):
             assert r["matches_baseline"] is True, r["config"]
 
 
-def test_peer_process_dies_with_a_killed_bench(pair):
+def test_peer_process_dies_with_a_killed_bench(tmp_path):
     """A bench killed mid-run (SIGKILL: no cleanup runs) must not leave its transformers peer
     process behind, holding a model (on a GPU: its memory)."""
     import os
@@ -498,16 +498,20 @@ def test_peer_process_dies_with_a_killed_bench(pair):
         except psutil.NoSuchProcess:
             return False
 
-    target, _, _ = pair
-    # The peer is killed while busy with a long generation (seconds on CPU): without its parent-death
-    # signal it would finish that first and only then notice the closed pipe.
+    from tiny import make_target
+
+    # A model big enough that one generation takes many seconds on a CPU (~30 s here): the peer is
+    # killed while busy with it. Without its parent-death signal it would finish that first and
+    # only then notice the closed pipe.
+    target = make_target(tmp_path / "target", vocab=96, hidden=512, layers=8)
+    write_char_tokenizer(target, 96)
     script = (
         "import os, sys, time, torch\n"
         "from specserve.bench.peers import PeerProcess\n"
         "from specserve.engine.sampling import SamplingParams\n"
         f"p = PeerProcess('hf', {str(target)!r}, 'cpu', torch.float32, 1900, 0.0, True, set())\n"
         "print(p._proc.pid, flush=True)\n"
-        "p.run([[5, 6, 7]], [SamplingParams(temperature=0, max_tokens=1900, ignore_eos=True)])\n")
+        "p.run([[5, 6, 7]] * 4, [SamplingParams(temperature=0, max_tokens=1900, ignore_eos=True)] * 4)\n")
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         peer_pid = int(parent.stdout.readline())
