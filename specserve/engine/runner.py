@@ -23,6 +23,7 @@ scratch slot that padding tokens write to and no real query ever reads.
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -351,10 +352,12 @@ class ModelRunner:
         return self._run(("verify", W - 1), B, lambda b: self._verify_body(b, W - 1))
 
     @torch.inference_mode()
-    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int = 3) -> dict:
+    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int = 5) -> dict:
         """Seconds per plain step (K=0) and per speculative cycle (K drafts + verify) at each batch
         size, timed on dummy rows whose context is half of max_model_len. Seeds the adaptive policy,
-        which then needs no live exploration of every K (that cost up to 11% in short runs)."""
+        which then needs no live exploration of every K (that cost up to 11% in short runs).
+        The K values are timed in turn, `reps` rounds, and each takes its median: drift and a stray
+        slow call (a shared CPU) hit every K alike instead of reordering them."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         ctx = min(self.max_model_len // 2, 256)
         costs = {}
@@ -372,14 +375,17 @@ class ModelRunner:
                     d = self.draft(K, entry, last, greedy)
                     self.verify(torch.cat([ids.unsqueeze(1), d.tokens], 1), pos)
                 runs[K] = cycle
-            for K, fn in runs.items():
+            for fn in runs.values():
                 fn()  # warm-up (first eager call, lazy allocations)
-                sync()
-                t0 = time.perf_counter()
-                for _ in range(reps):
+            times: dict[int, list[float]] = {K: [] for K in runs}
+            for _ in range(reps):
+                for K, fn in runs.items():
+                    sync()
+                    t0 = time.perf_counter()
                     fn()
-                sync()
-                costs[(B, K)] = (time.perf_counter() - t0) / reps
+                    sync()
+                    times[K].append(time.perf_counter() - t0)
+            costs.update({(B, K): statistics.median(ts) for K, ts in times.items()})
         return costs
 
     # ------------------------------------------------------------ CUDA graphs
