@@ -506,7 +506,9 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
         if w.dim() == 2 and w.is_contiguous() and w.dtype in (torch.bfloat16, torch.float16):
             by_shape.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
     report = {}
-    for (N, K, dtype), ws in by_shape.items():
+    for i, ((N, K, dtype), ws) in enumerate(by_shape.items()):
+        # (one line per shape: on a cold Triton cache this phase compiles for a minute or so)
+        log.info("tuning linear kernels: shape %d of %d (%dx%d)", i + 1, len(by_shape), N, K)
         ws = ws[:8]
         for rows in (r for r in GEMV_ROWS if r <= max_rows):
             x = torch.randn(rows, K, device=ws[0].device, dtype=dtype)
