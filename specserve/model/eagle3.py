@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import DraftConfig
-from specserve.model.kernels import silu_mul
+from specserve.model.kernels import linear, silu_mul
 from specserve.model.layers import (
     ForwardContext,
     HotPathModule,
@@ -25,7 +25,6 @@ from specserve.model.layers import (
     RMSNorm,
     ReplicatedLinear,
     RotaryEmbedding,
-    linear,
 )
 
 

@@ -280,10 +280,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if use_triton(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()) \
             and x.shape[-1] <= 16384:
         return rms_norm_triton(x, weight, eps, residual)
-    if residual is None:
-        return rms_norm_ref(x, weight, eps)
-    total = x + residual
-    return rms_norm_ref(total, weight, eps), total
+    total = x if residual is None else x + residual
+    if total.dtype == torch.float32 and not total.is_cuda:
+        # aten's rms_norm runs the reference's float32 ops in the same order (bit-identical) in one
+        # call: on the CPU, where nothing hides Python, that matters.
+        y = F.rms_norm(total, weight.shape, weight, eps)
+    else:
+        y = rms_norm_ref(total, weight, eps)
+    return y if residual is None else (y, total)
 
 
 def rms_norm_triton(x, weight, eps: float, residual=None):
@@ -462,9 +466,11 @@ def _rows_bucket(rows: int) -> int | None:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, or the GEMV kernel where `tune_linear` found it faster for this shape and row count."""
+    if not x.is_cuda:  # nothing tuned there: straight to F.linear (this runs for every product on the CPU)
+        return F.linear(x, w, b)
     rows = x.numel() // x.shape[-1]
     bucket = _rows_bucket(rows)
-    cfg = _gemv_choice.get((w.shape[0], w.shape[1], x.dtype, bucket)) if bucket and x.is_cuda else None
+    cfg = _gemv_choice.get((w.shape[0], w.shape[1], x.dtype, bucket)) if bucket else None
     if cfg is None:
         return F.linear(x, w, b)
     y = gemv_triton(x.reshape(rows, -1).contiguous(), w, cfg).view(*x.shape[:-1], w.shape[0])

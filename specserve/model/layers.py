@@ -18,16 +18,11 @@ from specserve.model.kernels import (
     apply_rope,
     cache_attention_ok,
     cache_attention_triton,
+    linear,
     rms_norm,
     rope_store_kv,
     silu_mul,
 )
-from specserve.model.kernels import linear as _tuned_linear
-
-
-def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """The tuned choice of kernel on GPU; F.linear straight away elsewhere (no tuning to consult)."""
-    return _tuned_linear(x, w, b) if x.is_cuda else F.linear(x, w, b)
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -69,14 +64,7 @@ class RMSNorm(HotPathModule):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`: (norm(x + residual), x + residual), fused on GPU."""
-        if x.is_cuda or x.dtype != torch.float32:
-            return rms_norm(x, self.weight, self.eps, residual)
-        # CPU float32: aten's rms_norm runs the reference's ops in its order (bit-identical), minus
-        # the Python dispatch of each.
-        if residual is None:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        x = x + residual
-        return F.rms_norm(x, self.weight.shape, self.weight, self.eps), x
+        return rms_norm(x, self.weight, self.eps, residual)
 
 
 class ReplicatedLinear(HotPathModule, nn.Linear):
