@@ -29,7 +29,7 @@ else
 fi
 timeout 360 python3 -m specserve bench --model $W --draft $W/draft \
   --configs ${CONFIGS:-baseline eagle3:steps=1 eagle3:steps=2 eagle3:steps=3 eagle3:steps=4 eagle3:steps=5 eagle3:steps=6 eagle3:adaptive,steps=6} \
-  --batch-sizes 1 4 16 64 --num-prompts 2 --max-tokens 64 --warmup 1 --repeats 2 --peers ${PEERS-hf hf-assisted} \
+  --batch-sizes ${BATCHES:-1 4 16 64} --num-prompts 2 --max-tokens 64 --warmup 1 --repeats 2 --peers ${PEERS-hf hf-assisted} \
   --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" --no-progress 2>&1 | grep -v -i warn | tail -45
 nvidia-smi --query-gpu=index,memory.used --format=csv
 [ "${LAUNCH:-0}" = 1 ] || { date -u; exit 0; }

@@ -21,6 +21,8 @@ SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
 DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 # Default --max-model-len when none is given: min(target's max_position_embeddings, this).
 DEFAULT_MAX_MODEL_LEN = {"cuda": 4096, "cpu": 1024}
+# Tree drafts: each query carries its ancestors as bits of one int64 (bit 63 unused: the sign).
+MAX_TREE_NODES = 63
 
 
 class ConfigError(ValueError):
@@ -259,6 +261,8 @@ class EngineConfig:
     spec_steps: int = 0  # K draft tokens per cycle; 0 = plain decoding
     max_spec_steps: int | None = None  # largest K the adaptive policy may use (default: spec_steps)
     adaptive: bool = False
+    spec_topk: int = 1  # >1: a tree of drafts (the best `spec_topk` branches kept at each depth)
+    spec_tokens: int | None = None  # tree nodes verified per cycle (default: spec_topk * K, at most 63)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     prefill_chunk: int = 512
@@ -283,6 +287,18 @@ class EngineConfig:
             self.max_spec_steps = self.spec_steps
         if self.max_spec_steps < self.spec_steps:
             raise ConfigError("--max-spec-steps must be at least --spec-steps")
+        if not 1 <= self.spec_topk <= 16:
+            raise ConfigError(f"--spec-topk must be in 1..16, got {self.spec_topk}")
+        if self.spec_topk > 1:
+            k_max = self.max_spec_steps
+            if self.spec_topk * max(k_max - 1, 0) > MAX_TREE_NODES:
+                raise ConfigError(f"--spec-topk {self.spec_topk} with up to {k_max} steps needs "
+                                  f"{self.spec_topk * (k_max - 1)} drafter tree slots; at most {MAX_TREE_NODES} "
+                                  f"are supported: lower --spec-topk or --spec-steps")
+            if self.spec_tokens is not None and not 1 <= self.spec_tokens <= MAX_TREE_NODES:
+                raise ConfigError(f"--spec-tokens must be in 1..{MAX_TREE_NODES}, got {self.spec_tokens}")
+        elif self.spec_tokens is not None:
+            raise ConfigError("--spec-tokens sizes a tree of drafts: it needs --spec-topk > 1")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
@@ -291,6 +307,14 @@ class EngineConfig:
             raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
         if self.tp < 1:
             raise ConfigError(f"--tp must be at least 1, got {self.tp}")
+
+    def tree_nodes(self, K: int) -> int:
+        """Draft tokens verified per cycle at depth K: K for a chain (top-k 1), else the best
+        `spec_tokens` of the tree's candidates (top-k at depth 1, top-k of each kept branch after)."""
+        if self.spec_topk == 1:
+            return K
+        candidates = self.spec_topk + (K - 1) * self.spec_topk ** 2
+        return min(candidates, self.spec_tokens or self.spec_topk * K, MAX_TREE_NODES)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

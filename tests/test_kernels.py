@@ -126,6 +126,51 @@ def test_cache_attention(B, T, length):
         assert torch.all(got[-1, -1] == 0)  # the padding query saw nothing
 
 
+def _tree_visibility(widx, base, anc, length):
+    """Reference rule for tree queries, one key at a time: key <= own index, and keys at or past
+    the tree base only where the query's ancestor bit is set."""
+    B, T = widx.shape
+    vis = torch.zeros(B, T, length, dtype=torch.bool)
+    for b in range(B):
+        for t in range(T):
+            for key in range(int(widx[b, t]) + 1):
+                rel = key - int(base[b])
+                vis[b, t, key] = rel < 0 or bool((int(anc[b, t]) >> rel) & 1)
+    return vis
+
+
+def test_cache_attention_tree_mask():
+    """Tree verify: a root at index p and five nodes after it (root -> 1 -> 3, root -> 2 -> 4 -> 5):
+    each query sees the context, the root, its ancestors and itself, not its siblings' branches.
+    The Triton kernel and the SDPA bias (CPU path) against a key-by-key reference."""
+    from specserve.model.layers import ForwardContext
+
+    H, Hkv, D, length, B, T = 4, 2, 32, 160, 2, 6
+    g = torch.Generator().manual_seed(5)
+    kc = torch.randn(B, Hkv, length, D, generator=g).to(DEV, torch.float16)
+    vc = torch.randn(B, Hkv, length, D, generator=g).to(DEV, torch.float16)
+    q = torch.randn(B, T, H, D, generator=g).to(DEV, torch.float16)
+    p = torch.tensor([90, 17])
+    widx = p.view(B, 1) + torch.arange(T)
+    # nodes 0..4 (verify rows 1..5): parents root, root, 0, 1, 3 -> ancestor-or-self bits
+    anc_nodes = [0b1, 0b10, 0b101, 0b1010, 0b11010]
+    anc = torch.tensor([[0] + anc_nodes] * B)
+    base = p + 1
+    vis = _tree_visibility(widx, base, anc, length)
+    assert vis[0, 3].tolist()[89:97] == [True, True, True, False, True, False, False, False]  # node 2 sees root, node 0
+    ref = torch.zeros(B, T, length).masked_fill(~vis, float("-inf"))
+    k = kc.float().repeat_interleave(H // Hkv, dim=1)
+    v = vc.float().repeat_interleave(H // Hkv, dim=1)
+    s = torch.einsum("bthd,bhld->bhtl", q.float(), k) * D ** -0.5 + ref.to(DEV).unsqueeze(1)
+    want = torch.einsum("bhtl,bhld->bthd", s.softmax(-1), v)
+    got = K.cache_attention_triton(q, kc, vc, 0, widx.to(DEV), length - 1, D ** -0.5, sm_count=4,
+                                   tree_base=base.to(DEV), tree_anc=anc.to(DEV))
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3)
+    ctx = ForwardContext(0, widx, widx, length, tree_base=base, tree_anc=anc)
+    bias = ctx.attn_bias(1, torch.float32).view(B, T, length)
+    assert torch.equal(bias == 0, vis)
+
+
 @pytest.mark.parametrize("rows", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv(rows, dtype):

@@ -28,7 +28,8 @@ def pair(tmp_path_factory):
 
 
 def _run(target, draft=None, prompts=(), params=None, **kw):
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft) if draft else None, device="cpu", **kw))
+    kw.setdefault("device", "cpu")
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft) if draft else None, **kw))
     seqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_work():
         engine.step()
@@ -74,6 +75,105 @@ def test_adaptive_speculation_is_token_identical(pair):
     # from a wrong clock reading would not be).
     assert any(spec for _, spec in engine.policy.offset)
     assert all(abs(v) < wall for v in engine.policy.offset.values())
+
+
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_tree_speculation_is_token_identical(pair, batch):
+    """Greedy tree drafting (top-k branches per depth, the best N nodes verified under an ancestor
+    mask, the accepted branch's KV moved into place) emits exactly plain greedy's tokens, and its
+    branches accept more than a chain of the same depth."""
+    target, draft = pair
+    prompts = _prompts(batch, seed=20 + batch)
+    base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=batch)
+    for K, topk, tokens in [(1, 3, None), (3, 2, None), (4, 4, 10), (5, 3, 3), (6, 8, 40)]:
+        out, engine = _run(target, draft, prompts, GREEDY, spec_steps=K, spec_topk=topk, spec_tokens=tokens,
+                           max_num_seqs=batch)
+        assert out == base, f"K={K} topk={topk} tokens={tokens} batch={batch}"
+        if K == 4:
+            _, chain = _run(target, draft, prompts, GREEDY, spec_steps=K, max_num_seqs=batch)
+            if batch > 1:  # (the one-prompt case repeats a token this drafter never proposes)
+                assert engine.totals.accepted > chain.totals.accepted
+
+
+def test_tree_with_adaptive_steps_and_sampled_rows(pair):
+    """A tree engine under the adaptive policy stays lossless; sampled requests in it draft chains,
+    so they emit what a chain engine emits for the same seeds."""
+    target, draft = pair
+    prompts = _prompts(4, seed=31)
+    base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=4)
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=4,
+                                 adaptive=True, spec_topk=3, max_num_seqs=4))
+    assert engine.policy.seeded  # tree cycles were timed at start-up
+    for K in (3, None):  # fixed depth 3, then the adaptive policy's choice
+        engine.set_spec_steps(K)
+        seqs = [engine.add_request(p, GREEDY) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        assert [s.output_ids for s in seqs] == base
+    assert engine.totals.cycles > 0
+    sampled = SamplingParams(temperature=0.8, max_tokens=30, seed=5, ignore_eos=True)
+    chain, _ = _run(target, draft, prompts, sampled, spec_steps=3, max_num_seqs=4)
+    tree, _ = _run(target, draft, prompts, sampled, spec_steps=3, spec_topk=4, max_num_seqs=4)
+    assert tree == chain
+
+
+def test_accept_tree_follows_the_matching_branch():
+    """Hand-built tree: root -> a(5) -> c(7); root -> b(6) -> d(8) -> e(9). The target's argmax
+    is 6 at the root, 8 at b, 1 at d: b and d are accepted (2 tokens), the next token is 1, and
+    the branch's verify rows are b = 2, d = 4."""
+    from specserve.engine.runner import TreeDraft
+    from specserve.engine.speculative import accept_tree
+
+    tokens = torch.tensor([[5, 6, 7, 8, 9]])
+    parents = torch.tensor([[0, 0, 1, 2, 4]])
+    depth = torch.tensor([[1, 1, 2, 2, 3]])
+    anc = torch.tensor([[0b1, 0b10, 0b101, 0b1010, 0b11010]])
+    argmax = [6, 7, 8, 0, 1, 3]  # per verify row: root, a, b, c, d, e (c matches a, but a is rejected)
+    logits = torch.nn.functional.one_hot(torch.tensor([argmax]), 12).float()
+    n_acc, nxt, path = accept_tree(logits, TreeDraft(tokens, parents, depth, anc), 3, torch.tensor([True]))
+    assert n_acc.tolist() == [2] and nxt.tolist() == [1] and path.tolist() == [[2, 4, 0]]
+    n_acc, nxt, path = accept_tree(logits, TreeDraft(tokens, parents, depth, anc), 3, torch.tensor([False]))
+    assert n_acc.tolist() == [0] and nxt.tolist() == [6] and path.tolist() == [[0, 0, 0]]
+
+
+def test_tree_settings_are_checked(pair):
+    target, draft = pair
+    with pytest.raises(ConfigError, match="--spec-tokens"):
+        EngineConfig(model=str(target), draft=str(draft), spec_steps=3, spec_tokens=8)
+    with pytest.raises(ConfigError, match="tree slots"):
+        EngineConfig(model=str(target), draft=str(draft), spec_steps=10, spec_topk=8)
+    with pytest.raises(ConfigError, match="draft vocabulary"):
+        Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=2, spec_topk=9))
+
+
+@pytest.mark.gpu
+def test_tree_on_gpu_with_cuda_graphs(pair, monkeypatch):
+    """On CUDA: float32 with graphs is lossless (mask-built SDPA attention); in bf16 the tree verify
+    graph (Triton attention with the ancestor mask) gives the logits SDPA gives for the same tree."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target, draft = pair
+    prompts = _prompts(5, seed=41)
+    base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=5, device="cuda", dtype="float32")
+    out, engine = _run(target, draft, prompts, GREEDY, spec_steps=4, spec_topk=3, max_num_seqs=5,
+                       device="cuda", dtype="float32")
+    assert out == base and engine.runner.graphs and engine.totals.accepted > 0
+
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="bfloat16",
+                                 spec_steps=4, spec_topk=3, max_num_seqs=5))
+    r, K, B = engine.runner, 4, 3
+    for b in range(B):  # some context to attend to
+        r.prefill(b, [list(range(1, 11))[: 6 + b]], [0])
+    entry = torch.full((B, K + 1), r.scratch, dtype=torch.long, device="cuda")
+    entry[:, 0] = torch.tensor([5, 6, 7])
+    last, pos0 = torch.zeros(B, dtype=torch.long, device="cuda"), torch.tensor([6, 7, 8], device="cuda")
+    r.draft_tree(K, entry, last)
+    got = r.verify_tree(K, last, pos0, torch.ones(B, dtype=torch.bool, device="cuda"))[2].float().clone()
+    import specserve.model.layers as layers
+
+    monkeypatch.setattr(layers, "cache_attention_ok", lambda *a: False)
+    want = r._tree_verify_body(B, K)[2].float()
+    torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 
 def test_rows_freed_and_reused_mid_batch(pair):

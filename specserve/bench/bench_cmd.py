@@ -17,7 +17,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.config import ConfigError
+from specserve.config import ConfigError, EngineConfig
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 DEFAULT_CONFIGS = ["baseline", "eagle3:steps=2", "eagle3:steps=4", "eagle3:adaptive,steps=6"]
@@ -28,7 +28,7 @@ PEERS = ("hf", "hf-assisted")
 # Each configuration scheme and its keys: key -> (type, default). Add schemes or keys here.
 SCHEMES: dict[str, dict[str, tuple[type, object]]] = {
     "baseline": {},
-    "eagle3": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False)},
+    "eagle3": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None)},
 }
 
 
@@ -50,6 +50,11 @@ class BenchConfig:
 
     def get(self, key: str):
         return dict(self.params).get(key)
+
+    @property
+    def tree(self) -> tuple[int, int | None]:
+        """(top-k, nodes verified): (1, None) for chains and plain decoding."""
+        return int(self.get("topk") or 1), self.get("tokens")
 
     @property
     def spec_steps(self) -> int:
@@ -83,7 +88,13 @@ def parse_config(text: str) -> BenchConfig:
     steps = values.get("steps")
     if steps is not None and not 1 <= steps <= 16:
         raise ConfigError(f"bench config {text!r}: steps must be in 1..16, got {steps}")
-    return BenchConfig(name, tuple(sorted(values.items())))
+    if name == "eagle3":  # the engine's own checks, with the config named
+        try:
+            EngineConfig(draft="-", spec_steps=steps, spec_topk=values["topk"] or 1, spec_tokens=values["tokens"])
+        except ConfigError as e:
+            raise ConfigError(f"bench config {text!r}: {e}") from None
+    # Unset optional keys (None) stay out of the label.
+    return BenchConfig(name, tuple(sorted((k, v) for k, v in values.items() if v is not None)))
 
 
 def parse_configs(texts: list[str]) -> list[BenchConfig]:

@@ -23,6 +23,8 @@ Per batch size b, with N new tokens per request:
 overhead and s are calibrated on the measured configs and assumed the same for
 every K, so the model interpolates between and extrapolates beyond them (up to
 the longest draft measured); the measured K values show how far to trust it.
+Tree configurations (topk > 1) are left out: their acceptance per depth and cost
+per node follow other rules; the bench reports them as measured.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def predict(b: int, n_tokens: float, plain_step_s: float, prefill_plain_s: float
 
 def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
     """Fit and predict for one batch size from the offline runs; None without profile data."""
-    spec_cfgs = [c for c in configs if c.name == "eagle3"]
+    spec_cfgs = [c for c in configs if c.name == "eagle3" and c.tree[0] == 1]  # chains (trees: measured only)
     base = runs.get(("baseline", bs), [])
     if not spec_cfgs or not base:
         return None

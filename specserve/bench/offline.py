@@ -87,14 +87,15 @@ class EngineUnit:
             else:
                 adaptive = bool(cfg.get("adaptive"))
                 kw.update(spec_steps=0 if adaptive else cfg.spec_steps, max_spec_steps=cfg.spec_steps,
-                          adaptive=adaptive)
+                          adaptive=adaptive, spec_topk=cfg.tree[0], spec_tokens=cfg.tree[1])
             self.llm = LLM(profile=profile and cfg.name != "baseline", **kw)
         self.load_s = time.perf_counter() - t0
         self.details: dict = {"load_s": round(self.load_s, 3), "shared_engine": self.shared}
 
     @staticmethod
     def shared_llm(configs: list[BenchConfig], base_kw: dict, profile: bool):
-        """One engine able to run every config (adaptive-capable, graphs for K = 1..max)."""
+        """One engine able to run every config (adaptive-capable, graphs for K = 1..max); the
+        configs share one tree setting (`BenchConfig.tree`)."""
         from specserve.engine.llm import LLM
 
         k_max = max(c.spec_steps for c in configs)
@@ -102,7 +103,8 @@ class EngineUnit:
         if k_max == 0:
             kw.update(draft=None, spec_steps=0, max_spec_steps=0, adaptive=False)
         else:
-            kw.update(spec_steps=0, max_spec_steps=k_max, adaptive=True)
+            topk, tokens = max(c.tree for c in configs if c.name != "baseline")
+            kw.update(spec_steps=0, max_spec_steps=k_max, adaptive=True, spec_topk=topk, spec_tokens=tokens)
         return LLM(profile=profile, **kw)
 
     def unavailable(self, bs: int) -> str | None:
@@ -226,13 +228,20 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     t_load = time.perf_counter()
     units: dict[str, object] = {}
-    shared = None
+    # One engine per tree setting (chains are one setting) runs all its configs; baseline joins the first.
+    first = next((c.tree for c in configs if c.name != "baseline"), (1, None))
+    groups: dict[tuple, list] = {}
+    for cfg in configs:
+        groups.setdefault(cfg.tree if cfg.name != "baseline" else first, []).append(cfg)
+    shared_by_cfg: dict[str, object] = {}
     if base_kw.get("tp", 1) == 1 and len(configs) > 1:
-        log(f"[bench] loading one engine for {len(configs)} configs ...")
-        shared = EngineUnit.shared_llm(configs, base_kw, args.profile)
+        for members in groups.values():
+            log(f"[bench] loading one engine for {', '.join(c.label for c in members)} ...")
+            llm = EngineUnit.shared_llm(members, base_kw, args.profile)
+            shared_by_cfg.update({c.label: llm for c in members})
     for cfg in configs:
         log(f"[bench] loading {cfg.label} ...")
-        units[cfg.label] = EngineUnit(cfg, base_kw, args.profile, shared)
+        units[cfg.label] = EngineUnit(cfg, base_kw, args.profile, shared_by_cfg.get(cfg.label))
     from specserve.model.loader import resolve_dtype
 
     device = base_kw["device"]

@@ -293,14 +293,19 @@ def plot(r: dict, path: str) -> None:
     rows = [x for x in r["results"] if x["available"]]
     fixed = [x for x in rows if x["config"] == "baseline" or
              (x["config"].startswith("eagle3:") and "adaptive" not in x["config"])]
-    steps = lambda x: 0 if x["config"] == "baseline" else int(x["config"].split("steps=")[1])
+    from specserve.bench.bench_cmd import parse_config
+
+    parsed = {x["config"]: parse_config(x["config"]) for x in fixed}
+    topks = sorted({c.tree[0] for c in parsed.values()})  # one line per batch size and tree width
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     cost = {c["batch_size"]: c for c in r.get("cost_model") or []}
-    for bs in r["settings"]["batch_sizes"]:
-        pts = sorted((steps(x), x["speedup"], x["accept_length"] or 1.0) for x in fixed if x["batch_size"] == bs)
-        line = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-", label=f"batch {bs}")[0]
-        ax[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-", label=f"batch {bs}")
-        if bs in cost:  # the cost model's prediction, relative to its own plain-decoding figure
+    for bs, topk in ((bs, k) for bs in r["settings"]["batch_sizes"] for k in topks):
+        pts = sorted((parsed[x["config"]].spec_steps, x["speedup"], x["accept_length"] or 1.0) for x in fixed
+                     if x["batch_size"] == bs and (x["config"] == "baseline" or parsed[x["config"]].tree[0] == topk))
+        name = f"batch {bs}" + (f", tree top-{topk}" if topk > 1 else "")
+        line = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-" if topk == 1 else "s:", label=name)[0]
+        ax[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-" if topk == 1 else "s:", label=name)
+        if bs in cost and topk == 1:  # the cost model's prediction, relative to its own plain-decoding figure
             pr = cost[bs]["predictions"]
             ax[0].plot([q["steps"] for q in pr], [q["predicted_tok_s"] / pr[0]["predicted_tok_s"] for q in pr],
                        "--", color=line.get_color(), alpha=0.6, label=f"batch {bs} predicted")

@@ -455,20 +455,27 @@ class Engine:
                 entry_pos[b, : s.pending] = torch.arange(start, start + s.pending)
         last_idx = torch.tensor([s.pending - 1 for s in seqs])
         sampling = self._sampling(seqs)
-        draft = r.draft(K, to_device(entry_pos, self.device), to_device(last_idx, self.device), sampling)
+        entry_pos, last_idx = to_device(entry_pos, self.device), to_device(last_idx, self.device)
+        tree = r.topk > 1 and sampling.all_greedy  # (sampling batches draft chains: exact rejection sampling)
+        draft = r.draft_tree(K, entry_pos, last_idx) if tree else r.draft(K, entry_pos, last_idx, sampling)
         if prof:
             marks[1].record()
         last = to_device([s.last_token for s in seqs], self.device)
         pos0 = to_device([s.num_cached for s in seqs], self.device)
-        logits, feats = r.verify(torch.cat([last.unsqueeze(1), draft.tokens], 1), pos0)
-        if prof:
-            marks[2].record()
         enabled = to_device(spec_ok, self.device, torch.bool)
-        n_acc, next_tok = accept_drafts(logits, draft, sampling, pos0, enabled)
-        # Next cycle's drafter inputs: (feature_j, token_j+1) for j = 0..a, token_a+1 being the new one.
-        grid = torch.cat([draft.tokens, draft.tokens[:, :1]], 1).scatter(1, n_acc.unsqueeze(1), next_tok.unsqueeze(1))
-        r.pending_tok[:B, : K + 1] = grid
-        r.pending_feat[:B, : K + 1] = feats
+        if tree:  # acceptance, KV move and the drafter's next inputs happen in the verify graph
+            n_acc, grid, _ = r.verify_tree(K, last, pos0, enabled)
+            if prof:
+                marks[2].record()
+        else:
+            logits, feats = r.verify(torch.cat([last.unsqueeze(1), draft.tokens], 1), pos0)
+            if prof:
+                marks[2].record()
+            n_acc, next_tok = accept_drafts(logits, draft, sampling, pos0, enabled)
+            # Next cycle's drafter inputs: (feature_j, token_j+1) for j = 0..a, token_a+1 being the new one.
+            grid = torch.cat([draft.tokens, draft.tokens[:, :1]], 1).scatter(1, n_acc.unsqueeze(1), next_tok.unsqueeze(1))
+            r.pending_tok[:B, : K + 1] = grid
+            r.pending_feat[:B, : K + 1] = feats
         acc_list, grid_list = n_acc.tolist(), grid.tolist()  # the one host sync of the cycle
         if prof:
             marks[3].record()

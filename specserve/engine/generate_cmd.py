@@ -18,6 +18,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="draft tokens per cycle K (default: 4 with a drafter, else 0 = plain decoding)")
     p.add_argument("--adaptive", action="store_true",
                    help="choose K (0..--spec-steps) each step from measured costs and acceptance")
+    p.add_argument("--spec-topk", type=int, default=1,
+                   help="branches kept per depth: >1 drafts a tree of candidates instead of one chain (greedy "
+                        "requests; sampled ones keep chains) (default: 1)")
+    p.add_argument("--spec-tokens", type=int, default=None,
+                   help="tree nodes verified per cycle, at most 63 (default: --spec-topk x --spec-steps)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + output) in tokens")
@@ -50,6 +55,7 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
         draft = None
     kw = dict(model=model, draft=draft, spec_steps=0 if args.adaptive else K, max_spec_steps=K,
               adaptive=bool(args.adaptive and draft), device=args.device, dtype=args.dtype,
+              spec_topk=args.spec_topk if draft else 1, spec_tokens=args.spec_tokens if draft else None,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs or default_max_num_seqs,
               cuda_graphs=not args.disable_cuda_graph, aux_layer_convention=args.aux_layer_convention,
               allow_draft_position_extension=args.allow_draft_position_extension,

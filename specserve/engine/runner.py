@@ -7,6 +7,13 @@ inputs and the CUDA graphs, and runs the four kinds of forward pass:
                      K-1 single-token steps, choosing K draft tokens;
 - verify    (graph)  the target over [last token, K drafts] per sequence.
 
+With --spec-topk > 1 greedy batches draft a tree instead of a chain (`draft_tree`:
+the best top-k branches by cumulative log-probability at each depth, then the best
+`spec_tokens` nodes overall, left in static buffers), and `verify_tree` is one graph
+that checks every node in one forward under an ancestor mask, applies the greedy
+rule, moves the accepted branch's KV into place and writes the drafter's next inputs:
+a cycle is two graph replays and one read of the results.
+
 KV layout: one slot ("row") per sequence, [rows, kv_heads, cache_len, head_dim]
 per layer, with running sequences kept in rows 0..B-1 so every graph reads a
 plain view of the cache (no gather). Fixed slots rather than paged blocks:
@@ -15,9 +22,10 @@ needs contiguous keys, static shapes suit CUDA graphs, and rewinding rejected
 drafts is just not advancing the length. The cost is memory reserved for
 max_model_len per slot, which `plan_kv` accounts for up front.
 
-cache_len = max_model_len + K_max + 1 (rounded up): draft and verify tokens of a
-sequence near its end may sit past max_model_len, and the last index is a
-scratch slot that padding tokens write to and no real query ever reads.
+cache_len = max_model_len + room + 1 (rounded up), room = K_max for chains (tree: the
+most verify nodes or drafter tree slots): draft and verify tokens of a sequence near
+its end may sit past max_model_len, and the last index is a scratch slot that padding
+tokens write to and no real query ever reads.
 """
 
 from __future__ import annotations
@@ -59,6 +67,17 @@ def default_graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
 
 
 @dataclass
+class TreeDraft:
+    """N draft nodes per sequence, parents before children. Verify row 0 is the root (the last
+    accepted token); node j sits in verify row j + 1."""
+
+    tokens: torch.Tensor  # [B, N] target ids
+    parents: torch.Tensor  # [B, N] verify row of each node's parent (0 = the root)
+    depth: torch.Tensor  # [B, N] 1..K
+    anc: torch.Tensor  # [B, N] int64, bit i set: node i is the node itself or one of its ancestors
+
+
+@dataclass
 class DraftResult:
     tokens: torch.Tensor  # [B, K] target ids
     draft_ids: torch.Tensor | None  # [B, K] draft-vocab ids (sampling only)
@@ -85,8 +104,14 @@ class ModelRunner:
                 f"{self.model_cfg.max_position_embeddings}"
             )
         self.k_max = cfg.max_spec_steps if self.draft_cfg else 0
+        self.topk = cfg.spec_topk if self.draft_cfg else 1
         self.pending_width = max(PENDING_WIDTH, self.k_max + 1)
-        self.cache_len = -(-(self.max_model_len + self.k_max + 1) // 16) * 16
+        # Slots past a sequence's end that a cycle may write: K verify tokens (chain), or the
+        # tree's verify nodes and the drafter's frontier slots (top-k per depth after the first).
+        self.room = self.k_max
+        if self.topk > 1 and self.k_max:
+            self.room = max(self.k_max, cfg.tree_nodes(self.k_max), self.topk * (self.k_max - 1))
+        self.cache_len = -(-(self.max_model_len + self.room + 1) // 16) * 16
         self.scratch = self.cache_len - 1
         self.rows = cfg.max_num_seqs
         self.drafter_max_pos = None
@@ -104,6 +129,9 @@ class ModelRunner:
                     f"drafter expects target hidden size {self.draft_cfg.target_hidden_size} (fc input "
                     f"{3 * self.draft_cfg.target_hidden_size}), target has {self.model_cfg.hidden_size}"
                 )
+            if self.topk > self.draft_cfg.draft_vocab_size:
+                raise ConfigError(f"--spec-topk {self.topk} exceeds the drafter's draft vocabulary "
+                                  f"({self.draft_cfg.draft_vocab_size} tokens)")
             if self.draft_cfg.vocab_size != self.model_cfg.vocab_size:
                 raise ConfigError(
                     f"drafter vocab_size {self.draft_cfg.vocab_size} differs from the target's {self.model_cfg.vocab_size}"
@@ -165,7 +193,15 @@ class ModelRunner:
                 f"KV cache for {self.rows} sequences x {self.max_model_len} tokens needs {needed / 2**30:.2f} GiB, "
                 f"only {budget / 2**30:.2f} GiB is available; lower --max-num-seqs or --max-model-len"
             )
-        for a in self._attn_modules():
+        # The target's layers share one K and one V tensor ([layer, row, kv_head, index, dim]), so
+        # moving a tree branch's KV into place is one copy for all layers, not one per layer.
+        t = list(self.target.attention_modules())
+        shape = (len(t), self.rows, t[0].num_kv_heads, self.cache_len, t[0].head_dim)
+        self.k_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        for i, a in enumerate(t):
+            a.k_cache, a.v_cache = self.k_all[i], self.v_all[i]
+        for a in self._attn_modules()[len(t):]:
             shape = (self.rows, a.num_kv_heads, self.cache_len, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
@@ -174,9 +210,16 @@ class ModelRunner:
             self.pending_tok = torch.zeros(self.rows, self.pending_width, dtype=torch.long, device=self.device)
             self.pending_feat = torch.zeros(self.rows, self.pending_width, H3, dtype=self.dtype, device=self.device)
         # Static inputs shared by all graphs (largest shapes; graphs read prefixes).
-        W = max(self.k_max + 1, 1)
+        W = max(self.room + 1, 1)
         self.s_ids = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
         self.s_pos = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
+        # Trees: the drafted tree (written by the draft graph, read by the verify graph) and the
+        # verify inputs staged by the host.
+        N = self.cfg.tree_nodes(self.k_max) if self.topk > 1 else 0
+        self.tree = TreeDraft(*(torch.zeros(self.rows, N, dtype=torch.long, device=self.device) for _ in range(4)))
+        self.s_root = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.s_pos0 = torch.zeros(self.rows, dtype=torch.long, device=self.device)
+        self.s_enabled = torch.zeros(self.rows, dtype=torch.bool, device=self.device)
         self.s_last = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.s_temp = torch.zeros(self.rows, dtype=torch.float32, device=self.device)
         self.s_top_p = torch.ones(self.rows, dtype=torch.float32, device=self.device)
@@ -187,7 +230,7 @@ class ModelRunner:
         """Copy a sequence's KV (first `length` positions) and pending drafter inputs to another row."""
         if src == dst:
             return
-        n = min(length + self.k_max + 1, self.cache_len)
+        n = min(length + self.room + 1, self.cache_len)
         for a in self._attn_modules():
             a.k_cache[dst, :, :n] = a.k_cache[src, :, :n]
             a.v_cache[dst, :, :n] = a.v_cache[src, :, :n]
@@ -217,7 +260,7 @@ class ModelRunner:
         return self.target.logits(h_last), feats
 
     def _rope_pos(self, pos: torch.Tensor) -> torch.Tensor:
-        return pos  # chain drafting: rope position == cache index (a tree would differ)
+        return pos  # outside trees, rope position == cache index
 
     @torch.inference_mode()
     def drafter_extend(self, row_start: int, tok: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor) -> None:
@@ -239,17 +282,21 @@ class ModelRunner:
         self.s_top_k[:B].copy_(s.top_k)
         self.s_seed[:B].copy_(s.seed)
 
-    def _context(self, pos: torch.Tensor, rope_pos: torch.Tensor, row_start: int = 0) -> ForwardContext:
-        """Attention metadata for rows row_start.. at cache indices `pos`. CUDA: every cache position is
-        read (graphs need static shapes; the Triton kernel stops at each row's end by itself). CPU:
-        up to the furthest real position, since SDPA there reads every key it is given; the
-        positions are host memory, so a Python pass over them is cheaper than tensor ops. When
-        every query sits at the last key read (decode, draft steps), no mask is built."""
+    def _context(self, pos: torch.Tensor, rope_pos: torch.Tensor, row_start: int = 0,
+                 tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardContext:
+        """Attention metadata for rows row_start.. at cache indices `pos` (`tree`: (tree_base,
+        tree_anc), see ForwardContext). CUDA: every cache position is read (graphs need static
+        shapes; the Triton kernel stops at each row's end by itself). CPU: up to the furthest real
+        position, since SDPA there reads every key it is given; the positions are host memory, so
+        a Python pass over them is cheaper than tensor ops. When every query sits at the last key
+        read (decode, draft steps), no mask is built."""
+        base, anc = tree if tree is not None else (None, None)
         if self.device.type == "cuda":
-            return ForwardContext(row_start, rope_pos, pos, self.cache_len)
+            return ForwardContext(row_start, rope_pos, pos, self.cache_len, tree_base=base, tree_anc=anc)
         flat = pos.reshape(-1).tolist()
         kv_len = max((p for p in flat if p != self.scratch), default=0) + 1
-        return ForwardContext(row_start, rope_pos, pos, kv_len, full_view=min(flat) >= kv_len - 1)
+        return ForwardContext(row_start, rope_pos, pos, kv_len, full_view=tree is None and min(flat) >= kv_len - 1,
+                              tree_base=base, tree_anc=anc)
 
     def _decode_body(self, B: int):
         ids, pos = self.s_ids[:B, :1], self.s_pos[:B, :1]
@@ -297,6 +344,107 @@ class ModelRunner:
         if not sampling:
             return (toks,)
         return toks, torch.stack(draft_ids, 1), torch.stack(probs, 1)
+
+    def _tree_draft_body(self, B: int, K: int):
+        """Greedy tree drafting (EAGLE-2 style). Extend over the pending entries as a chain does;
+        its top-k tokens are the depth-1 candidates. Each later step runs the k best branches so far
+        (the frontier) through the drafter side by side, each seeing the context and its own
+        ancestors, and offers the top-k children of each: k*k candidates scored by cumulative
+        log-probability, the k best becoming the next frontier. Of all candidates the best N are
+        verified. A child scores strictly below its parent, so the best N always include every
+        selected node's ancestors."""
+        d, k, N = self.drafter, self.topk, self.cfg.tree_nodes(K)
+        dev, scratch = self.device, self.scratch
+        pos = self.s_pos[:B, : K + 1]
+        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], self._context(pos, pos))
+        rows = torch.arange(B, device=dev)
+        last = self.s_last[:B]
+        p_last = pos[rows, last]  # the last real entry; drafter tree slots follow it
+        pad = (p_last == scratch).unsqueeze(1)
+        g = out[rows, last].unsqueeze(1)  # [B, 1, H]
+
+        def log_probs(h):  # finite, so a child's score can always be made smaller than its parent's
+            return torch.log_softmax(d.logits(h), -1).clamp_min(-1e4)
+
+        score, ids = log_probs(g[:, 0]).topk(k, -1)  # [B, k]
+        scores, cand_ids, parents = [score], [ids], [torch.full((B, k), -1, device=dev)]
+        front_score, front_ids, front_g = score, ids, g.expand(B, k, g.shape[-1]).contiguous()
+        front_idx = torch.arange(k, device=dev).expand(B, k)
+        front_bits = torch.zeros(B, k, dtype=torch.long, device=dev)
+        base = torch.where(pad[:, 0], scratch, p_last + 1)
+        for i in range(1, K):
+            own = (i - 1) * k + torch.arange(k, device=dev)
+            slots = torch.where(pad, scratch, p_last.unsqueeze(1) + 1 + own)
+            bits = front_bits | (1 << own)
+            rope = (p_last + i).clamp(max=scratch).unsqueeze(1).expand(B, k)
+            g = d(d.to_target_ids(front_ids), front_g, self._context(slots, rope, tree=(base, bits)))  # [B, k, H]
+            lp, cid = log_probs(g).topk(k, -1)  # [B, k, k]
+            parent = front_score.unsqueeze(-1)
+            child = torch.minimum(parent + lp, torch.nextafter(parent, torch.full_like(parent, -float("inf"))))
+            child, cid = child.flatten(1), cid.flatten(1)
+            scores.append(child)
+            cand_ids.append(cid)
+            parents.append(front_idx.repeat_interleave(k, 1))
+            front_score, pick = child.topk(k, -1)
+            from_node = pick // k
+            front_ids = cid.gather(1, pick)
+            front_g = g.gather(1, from_node.unsqueeze(-1).expand(-1, -1, g.shape[-1]))
+            front_bits = bits.gather(1, from_node)
+            front_idx = (k + (i - 1) * k * k) + pick
+        all_score = torch.cat(scores, 1)
+        sel = all_score.topk(N, -1).indices.sort(-1).values  # [B, N], parents before children
+        tokens = d.to_target_ids(torch.cat(cand_ids, 1).gather(1, sel))
+        cand = torch.arange(all_score.shape[1], device=dev)  # depth 1: k candidates, then k*k per depth
+        depth = torch.where(cand < k, 1, 2 + (cand - k).div(k * k, rounding_mode="floor")).expand(B, -1).gather(1, sel)
+        parent_cand = torch.cat(parents, 1).gather(1, sel)
+        row_of = torch.zeros_like(all_score, dtype=torch.long).scatter(
+            1, sel, torch.arange(1, N + 1, device=dev).expand(B, N))
+        parent_row = torch.where(parent_cand < 0, 0, row_of.gather(1, parent_cand.clamp_min(0)))
+        own = 1 << torch.arange(N, device=dev)
+        anc = torch.zeros(B, N, dtype=torch.long, device=dev)
+        for level in range(1, K + 1):
+            from_parent = torch.where(parent_row == 0, 0, anc.gather(1, (parent_row - 1).clamp_min(0)))
+            anc = torch.where(depth == level, from_parent | own, anc)
+        for buf, val in zip((self.tree.tokens, self.tree.parents, self.tree.depth, self.tree.anc),
+                            (tokens, parent_row, depth, anc)):
+            buf[:B, :N].copy_(val)
+        return ()
+
+    def _tree_verify_body(self, B: int, K: int):
+        """The target over [root, tree nodes] (node j at cache index pos0 + 1 + j, rope position
+        pos0 + its depth, seeing the context and its ancestors), the greedy rule (`accept_tree`), the
+        accepted branch's KV moved to indices pos0 + 1.. in every layer, and the drafter's next
+        inputs (feature, token) along the branch. Padding rows (pos0 at the scratch slot) write
+        only there. Returns (accepted count, the branch's tokens then the next token, logits)."""
+        from specserve.engine.speculative import accept_tree
+
+        N, dev, scratch = self.cfg.tree_nodes(K), self.device, self.scratch
+        tree = TreeDraft(*(t[:B, :N] for t in (self.tree.tokens, self.tree.parents, self.tree.depth, self.tree.anc)))
+        pos0 = self.s_pos0[:B].unsqueeze(1)
+        pad = pos0 == scratch
+        write = torch.where(pad, scratch, pos0 + torch.arange(N + 1, device=dev))
+        rope = torch.cat([pos0, pos0 + tree.depth], 1).clamp(max=scratch)
+        anc = torch.cat([torch.zeros_like(pos0), tree.anc], 1)
+        ids = torch.cat([self.s_root[:B].unsqueeze(1), tree.tokens], 1)
+        hidden, feats = self.target(ids, self._context(write, rope, tree=((pos0 + 1)[:, 0], anc)))
+        logits = self.target.logits(hidden)
+        n_acc, next_tok, path = accept_tree(logits, tree, K, self.s_enabled[:B])
+        # Move the branch's KV: depth d from index pos0 + path[d-1] to pos0 + d (reads before writes).
+        d = torch.arange(1, K + 1, device=dev)
+        dst = torch.where(pad, scratch, pos0 + d)
+        src = torch.where(d <= n_acc.unsqueeze(1), pos0 + path, dst)
+        rows = torch.arange(B, device=dev).unsqueeze(1)
+        for cache in (self.k_all, self.v_all):
+            cache[:, rows, :, dst] = cache[:, rows, :, src]
+        # Drafter inputs for the next cycle: (feature_j, token_j+1) for j = 0..a along the branch.
+        branch = tree.tokens.gather(1, (path - 1).clamp_min(0))
+        grid = torch.cat([branch, branch[:, :1]], 1).scatter(1, n_acc.unsqueeze(1), next_tok.unsqueeze(1))
+        feat_rows = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
+        feat = feats.gather(1, feat_rows.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+        keep = pad.unsqueeze(-1)  # padding rows may belong to sequences still in prefill: untouched
+        self.pending_tok[:B, : K + 1] = torch.where(pad, self.pending_tok[:B, : K + 1], grid)
+        self.pending_feat[:B, : K + 1] = torch.where(keep, self.pending_feat[:B, : K + 1], feat)
+        return n_acc, grid, logits
 
     def _run(self, key: tuple, B: int, body):
         """Replay the captured graph for this key's batch bucket, or run eagerly."""
@@ -352,6 +500,33 @@ class ModelRunner:
         return self._run(("verify", W - 1), B, lambda b: self._verify_body(b, W - 1))
 
     @torch.inference_mode()
+    def draft_tree(self, K: int, entry_pos: torch.Tensor, last_idx: torch.Tensor) -> TreeDraft:
+        """Greedy tree of draft tokens (see _tree_draft_body) into `self.tree`; entries as for `draft`.
+        Returns views of the first B rows."""
+        B = entry_pos.shape[0]
+        self.s_pos[:B, : K + 1].copy_(entry_pos)
+        self.s_last[:B].copy_(last_idx)
+        self._fill_padding(B, K + 1)
+        self._run(("tree_draft", K), B, lambda b: self._tree_draft_body(b, K))
+        N = self.cfg.tree_nodes(K)
+        return TreeDraft(*(t[:B, :N] for t in (self.tree.tokens, self.tree.parents, self.tree.depth, self.tree.anc)))
+
+    @torch.inference_mode()
+    def verify_tree(self, K: int, root: torch.Tensor, pos0: torch.Tensor, enabled: torch.Tensor):
+        """Verify the tree `draft_tree` left, rooted at token `root` at index `pos0` per row, and
+        keep its accepted branch (see _tree_verify_body); rows not `enabled` accept nothing.
+        Returns (accepted count [B], the branch then the next token [B, K+1], logits)."""
+        B = root.shape[0]
+        self.s_root[:B].copy_(root)
+        self.s_pos0[:B].copy_(pos0)
+        self.s_enabled[:B].copy_(enabled)
+        Bb = self._bucket(B)
+        if Bb > B:
+            self.s_pos0[B:Bb] = self.scratch
+            self.s_enabled[B:Bb] = False
+        return self._run(("tree_verify", K), B, lambda b: self._tree_verify_body(b, K))
+
+    @torch.inference_mode()
     def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int = 5) -> dict:
         """Seconds per plain step (K=0) and per speculative cycle (K drafts + verify) at each batch
         size, timed on dummy rows whose context is half of max_model_len. Seeds the adaptive policy,
@@ -366,12 +541,17 @@ class ModelRunner:
             pos = torch.full((B,), ctx, dtype=torch.long, device=self.device)
             greedy = BatchSampling.build([SamplingParams(temperature=0)] * B, [0] * B, self.device)
             last = torch.zeros(B, dtype=torch.long, device=self.device)
+            on = torch.ones(B, dtype=torch.bool, device=self.device)
             runs = {0: lambda: self.decode(ids, pos)}
             for K in spec_steps:
                 entry = torch.full((B, K + 1), self.scratch, dtype=torch.long, device=self.device)
                 entry[:, 0] = ctx - 1
 
                 def cycle(K=K, entry=entry):
+                    if self.topk > 1:  # greedy batches draft trees
+                        self.draft_tree(K, entry, last)
+                        self.verify_tree(K, ids, pos, on)
+                        return
                     d = self.draft(K, entry, last, greedy)
                     self.verify(torch.cat([ids.unsqueeze(1), d.tokens], 1), pos)
                 runs[K] = cycle
@@ -408,8 +588,12 @@ class ModelRunner:
                 jobs.append((("verify", K), B, lambda b, K=K: self._verify_body(b, K)))
                 jobs.append((("draft", K, False, False), B, lambda b, K=K: self._draft_body(b, K, False, False)))
                 jobs.append((("draft", K, True, True), B, lambda b, K=K: self._draft_body(b, K, True, True)))
+                if self.topk > 1:
+                    jobs.append((("tree_verify", K), B, lambda b, K=K: self._tree_verify_body(b, K)))
+                    jobs.append((("tree_draft", K), B, lambda b, K=K: self._tree_draft_body(b, K)))
         # Padding state for capture: every row writes to the scratch slot.
         self.s_pos.fill_(self.scratch)
+        self.s_pos0.fill_(self.scratch)
         self.s_ids.zero_()
         self.s_last.zero_()
         self.s_temp.fill_(1.0)

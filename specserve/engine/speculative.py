@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from specserve.engine.runner import DraftResult
+from specserve.engine.runner import DraftResult, TreeDraft
 from specserve.engine.sampling import (
     STREAM_ACCEPT,
     STREAM_TARGET,
@@ -57,3 +57,25 @@ def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, po
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
     u_next = uniform(s.seed, pos0 + n_acc + 1, STREAM_TARGET, V)
     return n_acc, sample_from(residual, u_next)
+
+
+def accept_tree(logits: torch.Tensor, tree: TreeDraft, K: int, enabled: torch.Tensor):
+    """Greedy verification of a draft tree. logits [B, N+1, V] from the verify forward over
+    [root, nodes]. A node is accepted when its token is the target's argmax at its parent and
+    its parent is accepted; siblings carry distinct tokens, so the accepted nodes form one
+    branch. Returns (accepted count [B], next token [B], verify rows of the accepted branch by
+    depth [B, K], rows past the count being 0)."""
+    B, N = tree.tokens.shape
+    pred = logits.argmax(-1)  # [B, N+1]
+    ok = (tree.tokens == pred.gather(1, tree.parents)) & enabled.unsqueeze(1)
+    bits = 1 << torch.arange(N, device=logits.device)
+    ok_bits = (ok.long() * bits).sum(1, keepdim=True)  # distinct powers of two: the sum is the OR
+    accepted = (tree.anc & ~ok_bits) == 0  # the node and all its ancestors match
+    n_acc, best = torch.where(accepted, tree.depth, 0).max(1)
+    best_row = torch.where(n_acc > 0, best + 1, 0)
+    next_tok = pred.gather(1, best_row.unsqueeze(1)).squeeze(1)
+    on_branch = ((tree.anc.gather(1, best.unsqueeze(1)) & bits) != 0) & (n_acc > 0).unsqueeze(1)  # [B, N]
+    levels = torch.arange(1, K + 1, device=logits.device)
+    at_level = on_branch.unsqueeze(1) & (tree.depth.unsqueeze(1) == levels.view(1, K, 1))  # [B, K, N]
+    path_rows = torch.where(at_level.any(-1), at_level.int().argmax(-1) + 1, 0)
+    return n_acc, next_tok, path_rows

@@ -198,14 +198,15 @@ if triton is not None:
         tl.store(out_ptr + row * I + offs, (s * u).to(dt), mask=mask)
 
 
-    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "length", "row_start", "scratch"])
-    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, o_ptr, ml_ptr,
-                             T, H, G, n_kv, n_split, widx_stride, length, row_start, scratch, scale,
+    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch"])
+    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, tbase_ptr, anc_ptr, o_ptr, ml_ptr,
+                             T, H, G, n_kv, n_split, widx_stride, anc_stride, length, row_start, scratch, scale,
                              c_row, c_head, c_pos,
                              D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                             PDL: tl.constexpr):
+                             TREE: tl.constexpr, PDL: tl.constexpr):
         # Program (b, kv head, split): the G*T queries of one KV head of one sequence against keys
         # [split * CHUNK, (split + 1) * CHUNK), cut at the last key any of them may see.
+        # TREE: keys at or past the row's tree base are seen only where the query's ancestor bit is set.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -215,6 +216,9 @@ if triton is not None:
         rmask = r < G * T
         widx = tl.load(widx_ptr + b * widx_stride + t, mask=rmask, other=-1)
         limit = tl.where(widx == scratch, -1, widx)  # padding queries (scratch slot) see nothing
+        if TREE:
+            anc = tl.load(anc_ptr + b * anc_stride + t, mask=rmask, other=0)
+            tbase = tl.load(tbase_ptr + b)
         offs_d = tl.arange(0, D)
         head = (b * T + t) * H + kvh * G + r % G
         q = tl.load(q_ptr + head[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
@@ -231,7 +235,12 @@ if triton is not None:
                 kv_off = base + offs_n[:, None] * c_pos + offs_d[None, :]
                 k = tl.load(kc_ptr + kv_off, mask=kmask[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k)) * scale
-                s = tl.where((offs_n[None, :] <= limit[:, None]) & kmask[None, :], s, float("-inf"))
+                seen = (offs_n[None, :] <= limit[:, None]) & kmask[None, :]
+                if TREE:
+                    rel = offs_n[None, :] - tbase
+                    bit = (anc[:, None] >> tl.minimum(tl.maximum(rel, 0), 62)) & 1
+                    seen = seen & ((rel < 0) | ((rel < 63) & (bit == 1)))
+                s = tl.where(seen, s, float("-inf"))
                 m_new = tl.maximum(m_i, tl.max(s, axis=1))
                 m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
                 alpha = tl.exp(m_i - m_safe)
@@ -364,10 +373,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scratch: int, scale: float,
-                           sm_count: int | None = None) -> torch.Tensor:
+                           sm_count: int | None = None, tree_base=None, tree_anc=None) -> torch.Tensor:
     """Attention of q [B, T, H, D] over rows row_start.. of the caches, query (b, t) seeing keys
     0..write_idx[b, t] (flash-decoding: the keys are split into chunks that run in parallel,
-    then merged). Reads only as far as the longest query of a row reaches, not the whole cache."""
+    then merged); with a tree, keys from tree_base[b] on only where bit key - tree_base[b] of
+    tree_anc[b, t] is set (see ForwardContext). Reads only as far as the longest query of a row
+    reaches, not the whole cache."""
     B, T, H, D = q.shape
     n_kv, length = k_cache.shape[1], k_cache.shape[2]
     G = H // n_kv
@@ -379,11 +390,14 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
     n_split = triton.cdiv(length, chunk)
     part = torch.empty(B * n_kv * n_split * block_q, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * n_kv * n_split * block_q, 2, dtype=torch.float32, device=q.device)
+    tree = tree_anc is not None
     _attn_partial_kernel[(B, n_kv, n_split)](
-        q, k_cache, v_cache, write_idx, part, ml, T, H, G, n_kv, n_split, write_idx.stride(0), length, row_start,
+        q, k_cache, v_cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx, part, ml,
+        T, H, G, n_kv, n_split, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start,
         scratch, scale,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, CHUNK=chunk, num_warps=4, num_stages=2, **_pdl_args(q))
+        D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, CHUNK=chunk, TREE=tree, num_warps=4, num_stages=2,
+        **_pdl_args(q))
     out = torch.empty_like(q)
     _attn_combine_kernel[(B, n_kv, block_q)](part, ml, out, T, H, G, n_kv, n_split, D=D, BLOCK_Q=block_q,
                                              SPLITS=triton.next_power_of_2(n_split), num_warps=1, **_pdl_args(q))

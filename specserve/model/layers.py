@@ -208,7 +208,11 @@ class ForwardContext:
     index `write_idx[b, t]` and sees every key at an index <= its own: that
     positional rule makes rejecting draft tokens free (rewind the length) and
     lets padding tokens write to a scratch region past `max_model_len`.
-    A tree of drafts (top-k > 1) would add an ancestor mask for the block here.
+
+    A tree of drafts adds a second rule: keys at or past `tree_base[b]` (the tree's first slot)
+    are visible only where bit (key - tree_base[b]) of `tree_anc[b, t]` is set, i.e. to the
+    query's ancestors in the tree and itself. Rope positions then differ from cache indices
+    (a node's position is its depth past the root).
     """
 
     row_start: int
@@ -216,6 +220,8 @@ class ForwardContext:
     write_idx: torch.Tensor  # [B, T] cache index
     kv_len: int  # keys [0, kv_len) are read
     full_view: bool = False  # every query sees all kv_len keys: attention needs no mask
+    tree_base: torch.Tensor | None = None  # [B] first tree slot of each row
+    tree_anc: torch.Tensor | None = None  # [B, T] int64: tree slots the query sees, as bits
     _bias: dict = field(default_factory=dict)
     _rope: dict = field(default_factory=dict)
     _rows: torch.Tensor | None = None
@@ -228,6 +234,10 @@ class ForwardContext:
             B, T = self.write_idx.shape
             keys = torch.arange(self.kv_len, device=self.write_idx.device)
             visible = keys.view(1, 1, -1) <= self.write_idx.unsqueeze(-1)  # [B, T, L]
+            if self.tree_anc is not None:
+                rel = keys.view(1, 1, -1) - self.tree_base.view(B, 1, 1)
+                bit = (self.tree_anc.unsqueeze(-1) >> rel.clamp(0, 62)) & 1
+                visible &= (rel < 0) | ((rel < 63) & (bit == 1))
             bias = torch.zeros(visible.shape, dtype=dtype, device=visible.device)
             bias.masked_fill_(~visible, float("-inf"))
             # Queries are laid out [kv_head, group, token] -> repeat the mask per group.
@@ -272,7 +282,7 @@ class KVCacheAttention(HotPathModule):
                 B, T = q.shape[:2]
                 scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
                 out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
-                                             self.scale)
+                                             self.scale, tree_base=ctx.tree_base, tree_anc=ctx.tree_anc)
                 return out.view(B, T, self.num_heads * self.head_dim)
             return self._attend(q, ctx)
         q, k = self._rotate(q, ctx, rope), self._rotate(k, ctx, rope)

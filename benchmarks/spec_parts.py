@@ -1,0 +1,89 @@
+"""Time the parts of one speculative cycle, chain against tree, on any target/drafter pair.
+
+    python benchmarks/spec_parts.py --model DIR --draft DIR [--batch-sizes 1 4 16] \
+        [--trees 4:1:- 6:1:- 4:4:16 6:4:24 6:8:48] [--out parts.json]
+
+Each tree setting is K:topk:nodes ("-" = the default node count; topk 1 = a chain). For every
+setting and batch size, one engine with CUDA graphs (one per setting) replays each part back to
+back at a context of 256 tokens and reports the median time (CUDA events, host launch gaps
+included) of: the decode step, the draft, the verify forward and the acceptance (greedy rule;
+for trees it runs inside the verify graph, with the KV move). Costs only: the drafts are
+whatever the weights give.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+from gpu_engine import gpu_ms  # (this folder)
+
+from specserve.engine.engine import Engine
+from specserve.config import EngineConfig
+from specserve.engine.sampling import BatchSampling, SamplingParams
+from specserve.engine.speculative import accept_drafts
+
+
+def parts(model: str, draft: str, K: int, topk: int, nodes: int | None, batch_sizes: list[int], ctx: int) -> list[dict]:
+    eng = Engine(EngineConfig(model=model, draft=draft, spec_steps=K, spec_topk=topk, spec_tokens=nodes,
+                              max_num_seqs=max(batch_sizes), graph_batch_sizes=tuple(batch_sizes),
+                              max_model_len=ctx + 128))
+    r, out = eng.runner, []
+    for B in batch_sizes:
+        dev = r.device
+        ids = torch.zeros(B, dtype=torch.long, device=dev)
+        pos = torch.full((B,), ctx, dtype=torch.long, device=dev)
+        entry = torch.full((B, K + 1), r.scratch, dtype=torch.long, device=dev)
+        entry[:, 0] = ctx - 1
+        last = torch.zeros(B, dtype=torch.long, device=dev)
+        greedy = BatchSampling.build([SamplingParams(temperature=0)] * B, [0] * B, dev)
+        on = torch.ones(B, dtype=torch.bool, device=dev)
+        row = {"K": K, "topk": topk, "nodes": eng.cfg.tree_nodes(K), "batch": B,
+               "decode_ms": gpu_ms(lambda: r.decode(ids, pos))}
+        if topk > 1:  # the verify graph includes acceptance, the KV move and the drafter inputs
+            r.draft_tree(K, entry, last)
+            row["draft_ms"] = gpu_ms(lambda: r.draft_tree(K, entry, last))
+            row["verify_ms"] = gpu_ms(lambda: r.verify_tree(K, ids, pos, on))
+            row["accept_ms"] = 0.0
+        else:
+            d = r.draft(K, entry, last, greedy)
+            v_ids = torch.cat([ids.unsqueeze(1), d.tokens], 1)
+            logits, _ = r.verify(v_ids, pos)
+            row["draft_ms"] = gpu_ms(lambda: r.draft(K, entry, last, greedy))
+            row["verify_ms"] = gpu_ms(lambda: r.verify(v_ids, pos))
+            row["accept_ms"] = gpu_ms(lambda: accept_drafts(logits, d, greedy, pos, on))
+        row["cycle_ms"] = row["draft_ms"] + row["verify_ms"] + row["accept_ms"]
+        row["cycle_over_decode"] = row["cycle_ms"] / row["decode_ms"]
+        out.append(row)
+    del eng
+    torch.cuda.empty_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", required=True)
+    p.add_argument("--draft", required=True)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--trees", nargs="+", default=["4:1:-", "6:1:-", "4:4:16", "6:4:24", "6:8:48"])
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--out")
+    args = p.parse_args()
+    rows = []
+    for spec in args.trees:
+        K, topk, nodes = spec.split(":")
+        rows += parts(args.model, args.draft, int(K), int(topk), None if nodes == "-" else int(nodes),
+                      args.batch_sizes, args.context)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"context": args.context, "parts": rows}, f, indent=1)
+    print("| K | topk | nodes | batch | decode ms | draft ms | verify ms | accept ms | cycle / decode |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for x in rows:
+        print(f"| {x['K']} | {x['topk']} | {x['nodes']} | {x['batch']} | {x['decode_ms']:.2f} | {x['draft_ms']:.2f} | "
+              f"{x['verify_ms']:.2f} | {x['accept_ms']:.3f} | {x['cycle_over_decode']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
