@@ -263,6 +263,7 @@ class EngineConfig:
     adaptive: bool = False
     spec_topk: int = 1  # >1: a tree of drafts (the best `spec_topk` branches kept at each depth)
     spec_tokens: int | None = None  # tree nodes verified per cycle (default: spec_topk * K, at most 63)
+    spec_tree_max_batch: int = 4  # larger batches draft chains (H200, 8B: trees win at 1-4, lose at 16)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     prefill_chunk: int = 512
@@ -297,6 +298,8 @@ class EngineConfig:
                                   f"are supported: lower --spec-topk or --spec-steps")
             if self.spec_tokens is not None and not 1 <= self.spec_tokens <= MAX_TREE_NODES:
                 raise ConfigError(f"--spec-tokens must be in 1..{MAX_TREE_NODES}, got {self.spec_tokens}")
+            if self.spec_tree_max_batch < 1:
+                raise ConfigError(f"--spec-tree-max-batch must be at least 1, got {self.spec_tree_max_batch}")
         elif self.spec_tokens is not None:
             raise ConfigError("--spec-tokens sizes a tree of drafts: it needs --spec-topk > 1")
         if self.max_num_seqs < 1:

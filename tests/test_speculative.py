@@ -87,7 +87,7 @@ def test_tree_speculation_is_token_identical(pair, batch):
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=batch)
     for K, topk, tokens in [(1, 3, None), (3, 2, None), (4, 4, 10), (5, 3, 3), (6, 8, 40)]:
         out, engine = _run(target, draft, prompts, GREEDY, spec_steps=K, spec_topk=topk, spec_tokens=tokens,
-                           max_num_seqs=batch)
+                           max_num_seqs=batch, spec_tree_max_batch=8)
         assert out == base, f"K={K} topk={topk} tokens={tokens} batch={batch}"
         if K == 4:
             _, chain = _run(target, draft, prompts, GREEDY, spec_steps=K, max_num_seqs=batch)
@@ -111,6 +111,22 @@ def test_tree_with_adaptive_steps_and_sampled_rows(pair):
             engine.step()
         assert [s.output_ids for s in seqs] == base
     assert engine.totals.cycles > 0
+    # Batches above --spec-tree-max-batch draft chains: two short requests end early, the batch
+    # shrinks from 4 to 2 and the remaining two switch from chains to a tree.
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3, spec_topk=3,
+                                 spec_tree_max_batch=2, max_num_seqs=4))
+    short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    seqs = [engine.add_request(p, short if i % 2 else GREEDY) for i, p in enumerate(prompts)]
+    calls = {"tree": 0, "chain": 0}
+    for name, method in (("tree", "draft_tree"), ("chain", "draft")):
+        def counted(*a, _f=getattr(engine.runner, method), _n=name):
+            calls[_n] += 1
+            return _f(*a)
+        setattr(engine.runner, method, counted)
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in seqs] == [b if i % 2 == 0 else b[:8] for i, b in enumerate(base)]
+    assert calls["tree"] > 0 and calls["chain"] > 0
     sampled = SamplingParams(temperature=0.8, max_tokens=30, seed=5, ignore_eos=True)
     chain, _ = _run(target, draft, prompts, sampled, spec_steps=3, max_num_seqs=4)
     tree, _ = _run(target, draft, prompts, sampled, spec_steps=3, spec_topk=4, max_num_seqs=4)

@@ -456,7 +456,9 @@ class Engine:
         last_idx = torch.tensor([s.pending - 1 for s in seqs])
         sampling = self._sampling(seqs)
         entry_pos, last_idx = to_device(entry_pos, self.device), to_device(last_idx, self.device)
-        tree = r.topk > 1 and sampling.all_greedy  # (sampling batches draft chains: exact rejection sampling)
+        # Trees for small greedy batches; sampling batches draft chains (exact rejection sampling), and
+        # so do large batches, where verifying a tree per sequence makes the forward compute-bound.
+        tree = r.topk > 1 and sampling.all_greedy and B <= self.cfg.spec_tree_max_batch
         draft = r.draft_tree(K, entry_pos, last_idx) if tree else r.draft(K, entry_pos, last_idx, sampling)
         if prof:
             marks[1].record()

@@ -23,6 +23,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "requests; sampled ones keep chains) (default: 1)")
     p.add_argument("--spec-tokens", type=int, default=None,
                    help="tree nodes verified per cycle, at most 63 (default: --spec-topk x --spec-steps)")
+    p.add_argument("--spec-tree-max-batch", type=int, default=4,
+                   help="with --spec-topk > 1: larger batches draft chains (default: 4)")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + output) in tokens")
@@ -56,6 +58,7 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
     kw = dict(model=model, draft=draft, spec_steps=0 if args.adaptive else K, max_spec_steps=K,
               adaptive=bool(args.adaptive and draft), device=args.device, dtype=args.dtype,
               spec_topk=args.spec_topk if draft else 1, spec_tokens=args.spec_tokens if draft else None,
+              spec_tree_max_batch=args.spec_tree_max_batch,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs or default_max_num_seqs,
               cuda_graphs=not args.disable_cuda_graph, aux_layer_convention=args.aux_layer_convention,
               allow_draft_position_extension=args.allow_draft_position_extension,

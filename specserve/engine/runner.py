@@ -548,7 +548,7 @@ class ModelRunner:
                 entry[:, 0] = ctx - 1
 
                 def cycle(K=K, entry=entry):
-                    if self.topk > 1:  # greedy batches draft trees
+                    if self.topk > 1 and B <= self.cfg.spec_tree_max_batch:  # as the engine does
                         self.draft_tree(K, entry, last)
                         self.verify_tree(K, ids, pos, on)
                         return
@@ -580,6 +580,7 @@ class ModelRunner:
         sizes = tuple(sorted({min(b, self.rows) for b in sizes}))
         self.graph_batch_sizes = sizes
         jobs = []
+        tree_buckets = {min(b for b in sizes if b >= n) for n in range(1, min(self.cfg.spec_tree_max_batch, max(sizes)) + 1)}
         for B in sorted(sizes, reverse=True):
             jobs.append((("decode",), B, self._decode_body))
             for K in spec_steps:
@@ -588,7 +589,7 @@ class ModelRunner:
                 jobs.append((("verify", K), B, lambda b, K=K: self._verify_body(b, K)))
                 jobs.append((("draft", K, False, False), B, lambda b, K=K: self._draft_body(b, K, False, False)))
                 jobs.append((("draft", K, True, True), B, lambda b, K=K: self._draft_body(b, K, True, True)))
-                if self.topk > 1:
+                if self.topk > 1 and B in tree_buckets:
                     jobs.append((("tree_verify", K), B, lambda b, K=K: self._tree_verify_body(b, K)))
                     jobs.append((("tree_draft", K), B, lambda b, K=K: self._tree_draft_body(b, K)))
         # Padding state for capture: every row writes to the scratch slot.
