@@ -311,6 +311,14 @@ class EngineConfig:
         if self.tp < 1:
             raise ConfigError(f"--tp must be at least 1, got {self.tp}")
 
+    def cache_room(self, k_max: int) -> int:
+        """KV slots past a sequence's end that one cycle may write (`k_max`: the largest K, 0
+        without a drafter): K verify tokens for a chain; for a tree the most verify nodes or
+        drafter frontier slots (top-k per depth after the first)."""
+        if self.spec_topk > 1 and k_max:
+            return max(k_max, self.tree_nodes(k_max), self.spec_topk * (k_max - 1))
+        return k_max
+
     def tree_nodes(self, K: int) -> int:
         """Draft tokens verified per cycle at depth K: K for a chain (top-k 1), else the best
         `spec_tokens` of the tree's candidates (top-k at depth 1, top-k of each kept branch after)."""

@@ -417,17 +417,19 @@ def test_dtype_rules_match_the_loader():
                 assert loader.DTYPES[ours] == theirs
 
 
-def test_estimate_matches_what_the_engine_allocates(pair):
-    """KV bytes and target weight bytes equal the real runner's on CPU (tiny pair)."""
+@pytest.mark.parametrize("tree", [{}, {"spec_topk": 4, "spec_tokens": 40}])
+def test_estimate_matches_what_the_engine_allocates(pair, tree):
+    """KV bytes and target weight bytes equal the real runner's on CPU (tiny pair), with a chain
+    and with a tree (whose cache keeps room for its verify nodes)."""
     from specserve.config import EngineConfig
     from specserve.engine.runner import ModelRunner
 
     target, draft = pair
     cfg = EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3, max_num_seqs=3,
-                       max_model_len=100, cuda_graphs=False)
+                       max_model_len=100, cuda_graphs=False, **tree)
     runner = ModelRunner(cfg)
     found = check.run_checks(str(target), str(draft), device="cpu", spec_steps=3, max_num_seqs=3, max_model_len=100,
-                             cuda_graphs=False)
+                             cuda_graphs=False, **tree)
     est = next(f for f in found if f.code == "memory_estimate").data
     assert est["kv"] == runner.kv_bytes()
     assert est["cache_len"] == runner.cache_len

@@ -106,11 +106,7 @@ class ModelRunner:
         self.k_max = cfg.max_spec_steps if self.draft_cfg else 0
         self.topk = cfg.spec_topk if self.draft_cfg else 1
         self.pending_width = max(PENDING_WIDTH, self.k_max + 1)
-        # Slots past a sequence's end that a cycle may write: K verify tokens (chain), or the
-        # tree's verify nodes and the drafter's frontier slots (top-k per depth after the first).
-        self.room = self.k_max
-        if self.topk > 1 and self.k_max:
-            self.room = max(self.k_max, cfg.tree_nodes(self.k_max), self.topk * (self.k_max - 1))
+        self.room = cfg.cache_room(self.k_max)  # slots past a sequence's end that a cycle may write
         self.cache_len = -(-(self.max_model_len + self.room + 1) // 16) * 16
         self.scratch = self.cache_len - 1
         self.rows = cfg.max_num_seqs

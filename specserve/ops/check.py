@@ -250,7 +250,8 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
                max_num_seqs: int = 64, gpu_memory_utilization: float = 0.9, spec_steps: int | None = None,
                allow_draft_position_extension: bool = False, aux_layer_convention: str = "sglang",
                device: str = "auto", dtype: str = "auto", allow_pickle: bool = False,
-               cuda_graphs: bool = True) -> list[Finding]:
+               cuda_graphs: bool = True, spec_topk: int = 1, spec_tokens: int | None = None,
+               spec_tree_max_batch: int = 4) -> list[Finding]:
     """Validate a target (and optional EAGLE-3 drafter) without loading weights.
 
     `spec_steps` is the largest K the engine may use (max_spec_steps); default 4 with a
@@ -259,11 +260,16 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
     f = _Findings()
     if spec_steps is None:
         spec_steps = 4 if draft else 0
-    settings_ok = True
+    settings_ok, room, tree_rows = True, spec_steps, 0
     try:
-        EngineConfig.from_kwargs(model=str(model), draft=draft, spec_steps=spec_steps, max_spec_steps=spec_steps,
-                                 max_num_seqs=max_num_seqs, max_model_len=max_model_len, tp=tp, device=device,
-                                 dtype=dtype, aux_layer_convention=aux_layer_convention)
+        ecfg = EngineConfig.from_kwargs(
+            model=str(model), draft=draft, spec_steps=spec_steps, max_spec_steps=spec_steps,
+            max_num_seqs=max_num_seqs, max_model_len=max_model_len, tp=tp, device=device, dtype=dtype,
+            aux_layer_convention=aux_layer_convention, spec_topk=spec_topk if draft else 1,
+            spec_tokens=spec_tokens if draft else None, spec_tree_max_batch=spec_tree_max_batch)
+        room = ecfg.cache_room(spec_steps if draft else 0)
+        if ecfg.spec_topk > 1 and spec_steps:  # tree verify logits, for the batches that draft trees
+            tree_rows = min(max_num_seqs, spec_tree_max_batch) * (ecfg.tree_nodes(spec_steps) + 1)
     except ConfigError as e:
         f.add("error", "settings", str(e))
         settings_ok = False
@@ -329,7 +335,8 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
     # ---- memory
     if tcfg is not None and t_weights is not None and settings_ok and served is not None:
         _check_memory(f, tcfg, draft_cfg, t_weights, d_weights, served, max_num_seqs, spec_steps if draft_cfg else 0,
-                      tp, dtype, dev_type, device, gpu_query, gpu_memory_utilization, cuda_graphs)
+                      tp, dtype, dev_type, device, gpu_query, gpu_memory_utilization, cuda_graphs,
+                      room if draft_cfg else 0, tree_rows if draft_cfg else 0)
     return list(f)
 
 
@@ -528,18 +535,20 @@ def _weight_bytes(w: _Weights, elem: int, skip: set[str]) -> int:
 
 def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, d_weights: _Weights | None,
                     max_model_len: int, max_num_seqs: int, k: int, tp: int, elem: int,
-                    cuda_graphs: bool = True) -> dict[str, int]:
-    """Bytes per device: weights, KV cache, other (overhead allowance), total."""
+                    cuda_graphs: bool = True, room: int | None = None, tree_rows: int = 0) -> dict[str, int]:
+    """Bytes per device: weights, KV cache, other (overhead allowance), total. `room`: KV slots past
+    a sequence's end (EngineConfig.cache_room; default k), `tree_rows`: verify rows of tree batches."""
+    room = k if room is None else room
     target_w = _weight_bytes(t_weights, elem, {"lm_head.weight"} if t.tie_word_embeddings else set())
     draft_w = _weight_bytes(d_weights, elem, set()) if d_weights is not None else 0
-    cache_len = -(-(max_model_len + k + 1) // 16) * 16  # runner.py: room for K drafts + a scratch slot
+    cache_len = -(-(max_model_len + room + 1) // 16) * 16  # runner.py: room for a cycle + a scratch slot
     kv = 2 * t.num_layers * (t.num_kv_heads // tp if t.num_kv_heads % tp == 0 else t.num_kv_heads) \
         * t.head_dim * elem * cache_len * max_num_seqs
     pending = 0
     if d is not None:
         kv += 2 * d.num_kv_heads * d.head_dim * elem * cache_len * max_num_seqs
         pending = max_num_seqs * max(16, k + 1) * 3 * t.hidden_size * elem  # drafter inputs buffered per row
-    logits = LOGIT_COPIES * max_num_seqs * (k + 1) * t.vocab_size * 4
+    logits = LOGIT_COPIES * max(max_num_seqs * (k + 1), tree_rows) * t.vocab_size * 4
     fixed_other = OVERHEAD_BYTES if cuda_graphs else OVERHEAD_BYTES // 2
     other = fixed_other + logits + pending
     weights = target_w // tp + draft_w
@@ -550,9 +559,10 @@ def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, 
 
 def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, d_weights: _Weights | None,
                   served: int, max_num_seqs: int, k: int, tp: int, dtype: str, dev_type: str, device: str, q,
-                  util: float, cuda_graphs: bool) -> None:
+                  util: float, cuda_graphs: bool, room: int, tree_rows: int) -> None:
     cdtype = _compute_dtype(dtype, t.dtype, dev_type)
-    est = estimate_memory(t, d, t_weights, d_weights, served, max_num_seqs, k, tp, DTYPE_BYTES[cdtype], cuda_graphs)
+    est = estimate_memory(t, d, t_weights, d_weights, served, max_num_seqs, k, tp, DTYPE_BYTES[cdtype], cuda_graphs,
+                          room, tree_rows)
     parts = (f"weights {_gib(est['weights'])} + KV {_gib(est['kv'])} ({max_num_seqs} seqs x {served} tokens, "
              f"{cdtype}) + overhead {_gib(est['other'])}")
     f.add("info", "memory_estimate", f"memory estimate per device{f' (tp {tp})' if tp > 1 else ''}: {parts} = "
@@ -603,7 +613,8 @@ def check_engine_kwargs(kw: dict[str, Any], gpu_memory_utilization: float = 0.9)
         allow_draft_position_extension=kw.get("allow_draft_position_extension", False),
         aux_layer_convention=kw.get("aux_layer_convention", "sglang"), device=kw.get("device", "auto"),
         dtype=kw.get("dtype", "auto"), allow_pickle=kw.get("allow_pickle", False),
-        cuda_graphs=kw.get("cuda_graphs", True))
+        cuda_graphs=kw.get("cuda_graphs", True), spec_topk=kw.get("spec_topk", 1), spec_tokens=kw.get("spec_tokens"),
+        spec_tree_max_batch=kw.get("spec_tree_max_batch", 4))
 
 
 # -------------------------------------------------------------------------- CLI
