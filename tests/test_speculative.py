@@ -96,8 +96,8 @@ def test_tree_speculation_is_token_identical(pair, batch):
 
 
 def test_tree_with_adaptive_steps_and_sampled_rows(pair):
-    """A tree engine under the adaptive policy stays lossless; sampled requests in it draft chains,
-    so they emit what a chain engine emits for the same seeds."""
+    """A tree engine under the adaptive policy stays lossless; batches above --spec-tree-max-batch
+    switch to chains; sampled requests emit exactly plain sampling's tokens."""
     target, draft = pair
     prompts = _prompts(4, seed=31)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=4)
@@ -127,10 +127,23 @@ def test_tree_with_adaptive_steps_and_sampled_rows(pair):
         engine.step()
     assert [s.output_ids for s in seqs] == [b if i % 2 == 0 else b[:8] for i, b in enumerate(base)]
     assert calls["tree"] > 0 and calls["chain"] > 0
-    sampled = SamplingParams(temperature=0.8, max_tokens=30, seed=5, ignore_eos=True)
-    chain, _ = _run(target, draft, prompts, sampled, spec_steps=3, max_num_seqs=4)
-    tree, _ = _run(target, draft, prompts, sampled, spec_steps=3, spec_topk=4, max_num_seqs=4)
-    assert tree == chain
+    # Sampled requests verify the tree against the target's own seeded draw at every node, keyed
+    # by position as plain decoding keys it: the same tokens as plain sampling, whatever the batch.
+    for params in (SamplingParams(temperature=0.8, max_tokens=30, seed=5, ignore_eos=True),
+                   SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_tokens=30, seed=9, ignore_eos=True)):
+        plain, _ = _run(target, prompts=prompts, params=params, max_num_seqs=4)
+        tree, engine = _run(target, draft, prompts, params, spec_steps=3, spec_topk=4, max_num_seqs=4)
+        assert tree == plain and engine.totals.accepted > 0
+        alone, _ = _run(target, draft, prompts[1:2], params, spec_steps=3, spec_topk=4, max_num_seqs=1)
+        assert alone[0] == plain[1]
+    # A batch mixing greedy and sampled requests: each emits its plain counterpart's tokens.
+    mixed = [GREEDY if i % 2 else params for i in range(len(prompts))]
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3, spec_topk=4,
+                                 max_num_seqs=4))
+    seqs = [engine.add_request(p, q) for p, q in zip(prompts, mixed)]
+    while engine.has_work():
+        engine.step()
+    assert [q.output_ids for q in seqs] == [base[i] if i % 2 else plain[i] for i in range(len(prompts))]
 
 
 def test_accept_tree_follows_the_matching_branch():
@@ -145,10 +158,10 @@ def test_accept_tree_follows_the_matching_branch():
     depth = torch.tensor([[1, 1, 2, 2, 3]])
     anc = torch.tensor([[0b1, 0b10, 0b101, 0b1010, 0b11010]])
     argmax = [6, 7, 8, 0, 1, 3]  # per verify row: root, a, b, c, d, e (c matches a, but a is rejected)
-    logits = torch.nn.functional.one_hot(torch.tensor([argmax]), 12).float()
-    n_acc, nxt, path = accept_tree(logits, TreeDraft(tokens, parents, depth, anc), 3, torch.tensor([True]))
+    pred = torch.tensor([argmax])
+    n_acc, nxt, path = accept_tree(pred, TreeDraft(tokens, parents, depth, anc), 3, torch.tensor([True]))
     assert n_acc.tolist() == [2] and nxt.tolist() == [1] and path.tolist() == [[2, 4, 0]]
-    n_acc, nxt, path = accept_tree(logits, TreeDraft(tokens, parents, depth, anc), 3, torch.tensor([False]))
+    n_acc, nxt, path = accept_tree(pred, TreeDraft(tokens, parents, depth, anc), 3, torch.tensor([False]))
     assert n_acc.tolist() == [0] and nxt.tolist() == [6] and path.tolist() == [[0, 0, 0]]
 
 
@@ -174,6 +187,11 @@ def test_tree_on_gpu_with_cuda_graphs(pair, monkeypatch):
     out, engine = _run(target, draft, prompts, GREEDY, spec_steps=4, spec_topk=3, max_num_seqs=5,
                        device="cuda", dtype="float32")
     assert out == base and engine.runner.graphs and engine.totals.accepted > 0
+    sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=3, ignore_eos=True)
+    plain, _ = _run(target, prompts=prompts, params=sampled, max_num_seqs=5, device="cuda", dtype="float32")
+    tree, engine = _run(target, draft, prompts, sampled, spec_steps=4, spec_topk=3, max_num_seqs=5,
+                        device="cuda", dtype="float32")
+    assert tree == plain and engine.totals.accepted > 0  # the sampled tree-verify graphs
 
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="bfloat16",
                                  spec_steps=4, spec_topk=3, max_num_seqs=5))

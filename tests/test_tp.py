@@ -132,7 +132,8 @@ def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     assert [o.token_ids for o in out_s] == [o.token_ids for o in ref_s]
     assert [o.spec["accepted_tokens"] for o in out_g] == [o.spec["accepted_tokens"] for o in ref_g]
     assert sum(o.spec["accepted_tokens"] for o in out_g) > 5  # drafts were really accepted ...
-    assert sum(o.spec["accepted_tokens"] for o in out_s) > 5  # ... greedy and sampled
+    # ... greedy and sampled (a tree checks sampled drafts against one target draw: fewer accepted)
+    assert sum(o.spec["accepted_tokens"] for o in out_s) > (5 if topk == 1 else 0)
     assert max(max(o.spec["accept_per_position"][1:]) for o in out_g) > 0  # beyond the first draft
     assert [s.output_ids for s in seqs] == [o.token_ids for o in ref_g[:2]]
     assert all(s.finish_reason == "length" for s in seqs)

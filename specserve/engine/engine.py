@@ -456,9 +456,9 @@ class Engine:
         last_idx = torch.tensor([s.pending - 1 for s in seqs])
         sampling = self._sampling(seqs)
         entry_pos, last_idx = to_device(entry_pos, self.device), to_device(last_idx, self.device)
-        # Trees for small greedy batches; sampling batches draft chains (exact rejection sampling), and
-        # so do large batches, where verifying a tree per sequence makes the forward compute-bound.
-        tree = r.topk > 1 and sampling.all_greedy and B <= self.cfg.spec_tree_max_batch
+        # Trees for small batches; large ones draft chains, where verifying a tree per sequence makes
+        # the forward compute-bound.
+        tree = r.topk > 1 and B <= self.cfg.spec_tree_max_batch
         draft = r.draft_tree(K, entry_pos, last_idx) if tree else r.draft(K, entry_pos, last_idx, sampling)
         if prof:
             marks[1].record()
@@ -466,7 +466,7 @@ class Engine:
         pos0 = to_device([s.num_cached for s in seqs], self.device)
         enabled = to_device(spec_ok, self.device, torch.bool)
         if tree:  # acceptance, KV move and the drafter's next inputs happen in the verify graph
-            n_acc, grid, _ = r.verify_tree(K, last, pos0, enabled)
+            n_acc, grid, _ = r.verify_tree(K, last, pos0, enabled, sampling)
             if prof:
                 marks[2].record()
         else:

@@ -19,8 +19,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adaptive", action="store_true",
                    help="choose K (0..--spec-steps) each step from measured costs and acceptance")
     p.add_argument("--spec-topk", type=int, default=1,
-                   help="branches kept per depth: >1 drafts a tree of candidates instead of one chain (greedy "
-                        "requests; sampled ones keep chains) (default: 1)")
+                   help="branches kept per depth: >1 drafts a tree of candidates instead of one chain, for "
+                        "batches up to --spec-tree-max-batch (default: 1)")
     p.add_argument("--spec-tokens", type=int, default=None,
                    help="tree nodes verified per cycle, at most 63 (default: --spec-topk x --spec-steps)")
     p.add_argument("--spec-tree-max-batch", type=int, default=4,

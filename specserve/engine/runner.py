@@ -7,12 +7,13 @@ inputs and the CUDA graphs, and runs the four kinds of forward pass:
                      K-1 single-token steps, choosing K draft tokens;
 - verify    (graph)  the target over [last token, K drafts] per sequence.
 
-With --spec-topk > 1 greedy batches draft a tree instead of a chain (`draft_tree`:
+With --spec-topk > 1 small batches draft a tree instead of a chain (`draft_tree`:
 the best top-k branches by cumulative log-probability at each depth, then the best
 `spec_tokens` nodes overall, left in static buffers), and `verify_tree` is one graph
-that checks every node in one forward under an ancestor mask, applies the greedy
-rule, moves the accepted branch's KV into place and writes the drafter's next inputs:
-a cycle is two graph replays and one read of the results.
+that checks every node in one forward under an ancestor mask, keeps the longest
+branch that matches the target's own token (argmax or seeded draw) at each node,
+moves its KV into place and writes the drafter's next inputs: a cycle is two graph
+replays and one read of the results.
 
 KV layout: one slot ("row") per sequence, [rows, kv_heads, cache_len, head_dim]
 per layer, with running sequences kept in rows 0..B-1 so every graph reads a
@@ -406,13 +407,14 @@ class ModelRunner:
             buf[:B, :N].copy_(val)
         return ()
 
-    def _tree_verify_body(self, B: int, K: int):
+    def _tree_verify_body(self, B: int, K: int, sampling: bool = False, filtered: bool = False):
         """The target over [root, tree nodes] (node j at cache index pos0 + 1 + j, rope position
-        pos0 + its depth, seeing the context and its ancestors), the greedy rule (`accept_tree`), the
-        accepted branch's KV moved to indices pos0 + 1.. in every layer, and the drafter's next
-        inputs (feature, token) along the branch. Padding rows (pos0 at the scratch slot) write
-        only there. Returns (accepted count, the branch's tokens then the next token, logits)."""
-        from specserve.engine.speculative import accept_tree
+        pos0 + its depth, seeing the context and its ancestors), the target's token at every node
+        (argmax, or with `sampling` its seeded draw, as `sample_tokens` draws) and `accept_tree`, the accepted branch's KV
+        moved to indices pos0 + 1.. in every layer, and the drafter's next inputs (feature, token)
+        along the branch. Padding rows (pos0 at the scratch slot) write only there. Returns
+        (accepted count, the branch's tokens then the next token, logits)."""
+        from specserve.engine.speculative import accept_tree, tree_predictions
 
         N, dev, scratch = self.cfg.tree_nodes(K), self.device, self.scratch
         tree = TreeDraft(*(t[:B, :N] for t in (self.tree.tokens, self.tree.parents, self.tree.depth, self.tree.anc)))
@@ -424,7 +426,9 @@ class ModelRunner:
         ids = torch.cat([self.s_root[:B].unsqueeze(1), tree.tokens], 1)
         hidden, feats = self.target(ids, self._context(write, rope, tree=((pos0 + 1)[:, 0], anc)))
         logits = self.target.logits(hidden)
-        n_acc, next_tok, path = accept_tree(logits, tree, K, self.s_enabled[:B])
+        pred = tree_predictions(logits, self.s_temp[:B], self.s_top_p[:B], self.s_top_k[:B], self.s_seed[:B],
+                                rope + 1, sampling, filtered)  # keyed by the position each token would fill
+        n_acc, next_tok, path = accept_tree(pred, tree, K, self.s_enabled[:B])
         # Move the branch's KV: depth d from index pos0 + path[d-1] to pos0 + d (reads before writes).
         d = torch.arange(1, K + 1, device=dev)
         dst = torch.where(pad, scratch, pos0 + d)
@@ -508,11 +512,16 @@ class ModelRunner:
         return TreeDraft(*(t[:B, :N] for t in (self.tree.tokens, self.tree.parents, self.tree.depth, self.tree.anc)))
 
     @torch.inference_mode()
-    def verify_tree(self, K: int, root: torch.Tensor, pos0: torch.Tensor, enabled: torch.Tensor):
+    def verify_tree(self, K: int, root: torch.Tensor, pos0: torch.Tensor, enabled: torch.Tensor,
+                    s: BatchSampling | None = None):
         """Verify the tree `draft_tree` left, rooted at token `root` at index `pos0` per row, and
-        keep its accepted branch (see _tree_verify_body); rows not `enabled` accept nothing.
-        Returns (accepted count [B], the branch then the next token [B, K+1], logits)."""
+        keep its accepted branch (see _tree_verify_body); rows not `enabled` accept nothing; `s`:
+        the batch's sampling (None or all greedy: argmax). Returns (accepted count [B], the branch
+        then the next token [B, K+1], logits)."""
         B = root.shape[0]
+        sampling = s is not None and not s.all_greedy
+        if sampling:
+            self._set_sampling(B, s)
         self.s_root[:B].copy_(root)
         self.s_pos0[:B].copy_(pos0)
         self.s_enabled[:B].copy_(enabled)
@@ -520,7 +529,9 @@ class ModelRunner:
         if Bb > B:
             self.s_pos0[B:Bb] = self.scratch
             self.s_enabled[B:Bb] = False
-        return self._run(("tree_verify", K), B, lambda b: self._tree_verify_body(b, K))
+        filtered = sampling and s.filtered
+        return self._run(("tree_verify", K, sampling, filtered), B,
+                         lambda b: self._tree_verify_body(b, K, sampling, filtered))
 
     @torch.inference_mode()
     def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int = 5) -> dict:
@@ -586,7 +597,9 @@ class ModelRunner:
                 jobs.append((("draft", K, False, False), B, lambda b, K=K: self._draft_body(b, K, False, False)))
                 jobs.append((("draft", K, True, True), B, lambda b, K=K: self._draft_body(b, K, True, True)))
                 if self.topk > 1 and B in tree_buckets:
-                    jobs.append((("tree_verify", K), B, lambda b, K=K: self._tree_verify_body(b, K)))
+                    for flags in ((False, False), (True, False), (True, True)):  # greedy, sampled, filtered
+                        jobs.append((("tree_verify", K, *flags), B,
+                                     lambda b, K=K, f=flags: self._tree_verify_body(b, K, *f)))
                     jobs.append((("tree_draft", K), B, lambda b, K=K: self._tree_draft_body(b, K)))
         # Padding state for capture: every row writes to the scratch slot.
         self.s_pos.fill_(self.scratch)

@@ -6,6 +6,10 @@ min(1, p(d) / q(d)); at the first rejection the next token is drawn from
 normalize(max(0, p - q)); if all K are accepted a bonus token is drawn from p.
 The output distribution is exactly the target's. Greedy requests use one-hot
 p and q, which reduces the rule to "accept while argmax matches".
+
+Trees (`accept_tree`) are verified against the target's own token at every node
+(its argmax, or its seeded draw): a branch is accepted while its tokens equal
+those, which keeps greedy and sampled output exactly plain decoding's.
 """
 
 from __future__ import annotations
@@ -59,23 +63,37 @@ def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, po
     return n_acc, sample_from(residual, u_next)
 
 
-def accept_tree(logits: torch.Tensor, tree: TreeDraft, K: int, enabled: torch.Tensor):
-    """Greedy verification of a draft tree. logits [B, N+1, V] from the verify forward over
-    [root, nodes]. A node is accepted when its token is the target's argmax at its parent and
-    its parent is accepted; siblings carry distinct tokens, so the accepted nodes form one
-    branch. Returns (accepted count [B], next token [B], verify rows of the accepted branch by
-    depth [B, K], rows past the count being 0)."""
+def tree_predictions(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
+                     seed: torch.Tensor, positions: torch.Tensor, sampling: bool, filtered: bool) -> torch.Tensor:
+    """The target's token at every tree node, logits [B, N+1, V] -> [B, N+1]: the argmax (greedy),
+    or a draw from the request's distribution keyed by the position it would fill, exactly as
+    plain decoding draws there (`sample_tokens`). Verifying a tree against these draws is
+    lossless for any drafts ("target-only" verification): each emitted token is the target's
+    own draw, so a seeded request emits what plain decoding emits with the same seed."""
+    if not sampling:
+        return logits.argmax(-1)
+    W = logits.shape[1]
+    expand = lambda t: t.unsqueeze(1).expand(-1, W)  # noqa: E731
+    probs = processed_probs(logits, expand(temperature), expand(top_p), expand(top_k), filtered)
+    return sample_from(probs, uniform(expand(seed), positions, STREAM_TARGET, logits.shape[-1]))
+
+
+def accept_tree(pred: torch.Tensor, tree: TreeDraft, K: int, enabled: torch.Tensor):
+    """Verification of a draft tree against the target's token at every node, pred [B, N+1]
+    (root first; `tree_predictions`). A node is accepted when its token is the target's token at
+    its parent and its parent is accepted; siblings carry distinct tokens, so the accepted nodes
+    form one branch. Returns (accepted count [B], next token [B], verify rows of the accepted
+    branch by depth [B, K], rows past the count being 0)."""
     B, N = tree.tokens.shape
-    pred = logits.argmax(-1)  # [B, N+1]
     ok = (tree.tokens == pred.gather(1, tree.parents)) & enabled.unsqueeze(1)
-    bits = 1 << torch.arange(N, device=logits.device)
+    bits = 1 << torch.arange(N, device=pred.device)
     ok_bits = (ok.long() * bits).sum(1, keepdim=True)  # distinct powers of two: the sum is the OR
     accepted = (tree.anc & ~ok_bits) == 0  # the node and all its ancestors match
     n_acc, best = torch.where(accepted, tree.depth, 0).max(1)
     best_row = torch.where(n_acc > 0, best + 1, 0)
     next_tok = pred.gather(1, best_row.unsqueeze(1)).squeeze(1)
     on_branch = ((tree.anc.gather(1, best.unsqueeze(1)) & bits) != 0) & (n_acc > 0).unsqueeze(1)  # [B, N]
-    levels = torch.arange(1, K + 1, device=logits.device)
+    levels = torch.arange(1, K + 1, device=pred.device)
     at_level = on_branch.unsqueeze(1) & (tree.depth.unsqueeze(1) == levels.view(1, K, 1))  # [B, K, N]
     path_rows = torch.where(at_level.any(-1), at_level.int().argmax(-1) + 1, 0)
     return n_acc, next_tok, path_rows
