@@ -445,12 +445,19 @@ def test_policy_with_seeded_costs_needs_no_exploration():
     policy.seed_costs({(1, 0): 1.0, (1, 1): 1.1, (1, 2): 1.2, (1, 3): 1.3})
     assert policy.choose(1) == 3  # prior acceptance 2/3: 2.41 tokens per 1.3 s beats the rest
     for _ in range(30):
-        policy.observe_acceptance(3, [0])  # every first draft rejected
+        policy.observe_acceptance(3, [0], 1)  # every first draft rejected
     assert policy.choose(1) == 0
     policy.observe_cost(1, 0, 1.5)  # plain steps cost 0.5 s more than seeded (host work) ...
     assert policy.predicted_cost(1, 0) == 1.5 and policy.predicted_cost(1, 2) == 1.2  # ... spec unaffected
     policy.observe_cost(1, 2, 1.0)  # a cycle came in 0.2 s under its seed
     assert policy.predicted_cost(1, 3) == pytest.approx(1.1)
+    # Tree cycles (small batches of a --spec-topk engine) keep their own acceptance statistics.
+    trees = SpecPolicy(EngineConfig(model="x", draft="d", adaptive=True, spec_topk=4, max_spec_steps=3), k_max=3)
+    trees.seed_costs({(B, K): 1.0 + 0.1 * K for B in (1, 8) for K in range(4)})
+    for _ in range(30):
+        trees.observe_acceptance(3, [0], 8)  # chains (batch 8) reject everything ...
+        trees.observe_acceptance(3, [3], 1)  # ... trees (batch 1) accept everything
+    assert trees.choose(8) == 0 and trees.choose(1) == 3
     unseeded = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
     assert [unseeded.choose(4) for _ in range(1)] == [0]  # without seeds: exploration first
     assert unseeded.predicted_cost(4, 0) is None

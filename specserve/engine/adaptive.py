@@ -2,7 +2,8 @@
 decoding) for each step from measured step costs and observed acceptance.
 
 Expected tokens per cycle with K drafts: 1 + sum_{i<=K} prod_{j<=i} a_j, where
-a_j is the conditional acceptance rate at draft position j. The policy picks
+a_j is the conditional acceptance rate at draft position j (tracked apart for
+tree cycles, which accept more per position than chains). The policy picks
 the K with the highest expected tokens per second at the current batch size,
 K = 0 included, so speculation is used only where it pays.
 
@@ -42,20 +43,26 @@ class SpecPolicy:
         self.tries: dict[tuple[int, int], int] = {}
         self.seeded: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds, from start-up
         self.offset: dict[tuple[int, bool], float] = {}  # (bucket, speculative?) -> live - seeded
-        # Conditional acceptance per position, from a weak optimistic prior (Beta(2, 1)).
-        self.acc_hits = [2.0] * k_max
-        self.acc_seen = [3.0] * k_max
+        # Conditional acceptance per position, from a weak optimistic prior (Beta(2, 1)); kept apart
+        # for tree cycles (batches up to spec_tree_max_batch with spec_topk > 1), which accept more.
+        self.tree_max_batch = cfg.spec_tree_max_batch if cfg.spec_topk > 1 else 0
+        self.acc_hits = {mode: [2.0] * k_max for mode in (False, True)}
+        self.acc_seen = {mode: [3.0] * k_max for mode in (False, True)}
         self.choices: dict[int, int] = {}  # how often each K was chosen
         # Tensor-parallel ranks measure different step times; each must run the same K.
         # The TP worker sets this to a broadcast of rank 0's choice (K -> K).
         self.sync_choice = None
 
-    def acceptance(self) -> list[float]:
-        return [h / n for h, n in zip(self.acc_hits, self.acc_seen)]
+    def tree(self, B: int) -> bool:
+        """Whether a batch of B sequences drafts a tree (the engine's rule)."""
+        return B <= self.tree_max_batch
 
-    def expected_tokens(self, K: int) -> float:
+    def acceptance(self, tree: bool = False) -> list[float]:
+        return [h / n for h, n in zip(self.acc_hits[tree], self.acc_seen[tree])]
+
+    def expected_tokens(self, K: int, tree: bool = False) -> float:
         total, run = 1.0, 1.0
-        for a in self.acceptance()[:K]:
+        for a in self.acceptance(tree)[:K]:
             run *= a
             total += run
         return total
@@ -80,7 +87,8 @@ class SpecPolicy:
             if untried:
                 K = untried[0]
             else:
-                K = max(costs, key=lambda k: self.expected_tokens(k) / costs[k])
+                tree = self.tree(B)
+                K = max(costs, key=lambda k: self.expected_tokens(k, tree) / costs[k])
             if self.sync_choice is not None:
                 K = self.sync_choice(K)
         self.choices[K] = self.choices.get(K, 0) + 1
@@ -101,9 +109,11 @@ class SpecPolicy:
         old = self.cost.get(key)
         self.cost[key] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
 
-    def observe_acceptance(self, K: int, accepted: list[int]) -> None:
+    def observe_acceptance(self, K: int, accepted: list[int], B: int) -> None:
+        """Accepted counts of a cycle at depth K for a batch of B sequences."""
+        hits, seen = self.acc_hits[self.tree(B)], self.acc_seen[self.tree(B)]
         for a in accepted:
             for j in range(min(K, a + 1)):
-                self.acc_seen[j] += 1
+                seen[j] += 1
                 if j < a:
-                    self.acc_hits[j] += 1
+                    hits[j] += 1

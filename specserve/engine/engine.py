@@ -461,7 +461,7 @@ class Engine:
         entry_pos, last_idx = to_device(entry_pos, self.device), to_device(last_idx, self.device)
         # Trees for small batches; large ones draft chains, where verifying a tree per sequence makes
         # the forward compute-bound.
-        tree = r.topk > 1 and B <= self.cfg.spec_tree_max_batch
+        tree = r.topk > 1 and B <= self.cfg.spec_tree_max_batch  # (SpecPolicy.tree: the same rule)
         draft = r.draft_tree(K, entry_pos, last_idx) if tree else r.draft(K, entry_pos, last_idx, sampling)
         if prof:
             marks[1].record()
@@ -494,7 +494,7 @@ class Engine:
             self._append(seq, grid_list[b][: a + 1])
         if self.policy:
             self.policy.observe_cost(B, K, time.perf_counter() - t_start)
-            self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if spec_ok[b]])
+            self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if spec_ok[b]], B)
         if prof:
             self.profile.append({"batch": B, "K": K, **_Mark.spans(marks, ("draft", "verify", "accept"))})
         return list(seqs)
