@@ -143,7 +143,7 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
     t0 = time.perf_counter()
     rc = run_cli(monkeypatch, [
         "bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
-        "--configs", "eagle3:steps=1", "eagle3:steps=3", "eagle3:adaptive,steps=2",
+        "--configs", "eagle3:steps=1", "eagle3:steps=3", "eagle3:adaptive,steps=2", "eagle3:steps=3,topk=3",
         "--batch-sizes", "1", "2", "--max-tokens", "10", "--repeats", "2", "--warmup", "1",
         "--peers", "hf", "hf-assisted", "--profile", "--no-progress",
         "--json", str(out), "--markdown", str(tmp_path / "r.md"), "--plot", str(tmp_path / "r.png")])
@@ -156,7 +156,8 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
     assert doc["versions"]["torch"] and doc["versions"]["transformers"]
 
     rows = {(r["config"], r["batch_size"]): r for r in doc["results"]}
-    labels = ["baseline", "eagle3:steps=1", "eagle3:steps=3", "eagle3:adaptive,steps=2", "hf", "hf-assisted"]
+    labels = ["baseline", "eagle3:steps=1", "eagle3:steps=3", "eagle3:adaptive,steps=2", "eagle3:steps=3,topk=3",
+              "hf", "hf-assisted"]
     assert set(rows) == {(c, b) for c in labels for b in (1, 2)}
     na = rows[("hf-assisted", 2)]
     assert na["available"] is False and "batch size 1" in na["reason"] and na["tok_s"] is None
@@ -177,6 +178,7 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
             assert 1.0 <= r["accept_length"] <= K + 1 and len(r["accept_per_position"]) == K
             assert r["details"]["cycles"] > 0
         assert rows[("hf-assisted", 1)]["accept_length"] >= 1.0
+        assert rows[("eagle3:steps=3,topk=3", bs)]["details"]["cycles"] > 0  # a tree config (own engine)
     assert rows[("hf", 1)]["details"]["cache"] in ("static", "dynamic")
     assert sum(rows[("eagle3:adaptive,steps=2", 1)]["details"]["steps_chosen"].values()) > 0
 

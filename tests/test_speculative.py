@@ -489,3 +489,22 @@ def test_plain_steps_queued_ahead_while_drafting(pair):
     assert run(True) == (base, cycles)
     plain, _ = _run(target, prompts=prompts[:1], params=params[0])
     assert base[0] == plain[0]
+
+
+def test_generate_cli_with_a_tree(capsys):
+    """`specserve generate --spec-topk/--spec-tokens` on the bundled pair: the same text as plain
+    decoding, tree statistics in --json; inconsistent tree flags fail with a clear message."""
+    import json
+
+    from specserve.cli import main
+
+    common = ["generate", "--prompt", "def fibonacci(n):", "--max-tokens", "24", "--json", "--device", "cpu"]
+    assert main([*common, "--spec-steps", "0"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main([*common, "--spec-steps", "5", "--spec-topk", "4", "--spec-tokens", "12"]) == 0
+    tree = json.loads(capsys.readouterr().out)
+    assert tree["token_ids"] == plain["token_ids"] and tree["stats"]["cycles"] > 0
+    assert main([*common, "--spec-steps", "3", "--spec-tokens", "8"]) == 1
+    assert "--spec-tokens sizes a tree of drafts: it needs --spec-topk > 1" in capsys.readouterr().err
+    assert main([*common, "--spec-steps", "9", "--spec-topk", "16"]) == 1
+    assert "at most 63" in capsys.readouterr().err
