@@ -409,11 +409,11 @@ class ModelRunner:
 
     def _tree_verify_body(self, B: int, K: int, sampling: bool = False, filtered: bool = False):
         """The target over [root, tree nodes] (node j at cache index pos0 + 1 + j, rope position
-        pos0 + its depth, seeing the context and its ancestors), the target's token at every node
-        (argmax, or with `sampling` its seeded draw, as `sample_tokens` draws) and `accept_tree`, the accepted branch's KV
-        moved to indices pos0 + 1.. in every layer, and the drafter's next inputs (feature, token)
-        along the branch. Padding rows (pos0 at the scratch slot) write only there. Returns
-        (accepted count, the branch's tokens then the next token, logits)."""
+        pos0 + its depth, seeing the context and its ancestors); the target's token at every node
+        (argmax, or with `sampling` its seeded draw, as `sample_tokens` draws) and `accept_tree`;
+        the accepted branch's KV moved to indices pos0 + 1.. in every layer; the drafter's next
+        inputs (feature, token) along the branch. Padding rows (pos0 at the scratch slot) write
+        only there. Returns (accepted count, the branch's tokens then the next token, logits)."""
         from specserve.engine.speculative import accept_tree, tree_predictions
 
         N, dev, scratch = self.cfg.tree_nodes(K), self.device, self.scratch
