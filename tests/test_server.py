@@ -373,6 +373,29 @@ def test_bad_inputs_answered_while_a_stream_continues(live, offline):
 
 
 # -------------------------------------------------------------- disconnects
+def test_tree_speculation_served_equals_plain(http, pair):
+    """`serve --spec-topk 3`: greedy and seeded sampled completions through the openai client
+    equal plain decoding's (trees verify sampled requests against the target's own draws);
+    /server_info shows the tree acceptance estimate."""
+    kw = serve_kwargs(pair, "--max-num-seqs", "4", "--spec-topk", "3", "--spec-tokens", "8", "--no-adaptive")
+    plain = LLM(**serve_kwargs(pair, "--max-num-seqs", "4", "--spec-steps", "0"))
+    srv = Live(lambda: LLM(**kw), max_num_seqs=4, max_queue=8)
+    try:
+        srv.wait_ready()
+        client = srv.client()
+        for params in ({"temperature": 0}, {"temperature": 0.8, "top_p": 0.95, "seed": 11}):
+            want = plain.generate([PROMPTS[2]], SamplingParams(max_tokens=16, **params))[0]
+            out = client.completions.create(model=NAME, prompt=PROMPTS[2], max_tokens=16, **params)
+            assert out.choices[0].text == want.text, params
+        info = srv.info()
+        cfg = srv.loop.llm.engine.cfg
+        assert cfg.spec_topk == 3 and cfg.spec_tokens == 8
+        assert info["speculation"]["since_start"]["cycles"] > 0
+        assert len(info["speculation"]["acceptance_estimate_tree"]) == 3
+    finally:
+        srv.close()
+
+
 def test_client_disconnect_frees_its_row(live):
     live.wait_idle()
     before = live.info()["requests"]

@@ -294,7 +294,8 @@ def create_app(loop: EngineLoop, metrics: Metrics, cfg: ServerConfig, info: dict
                          **served},
             "speculation": {"drafter": bool(engine is not None and engine.policy is not None),
                             "last_k": snap["last_k"], "k_choices": snap["k_choices"],
-                            "acceptance_estimate": snap["acceptance_estimate"], "since_start": snap["spec"]},
+                            "acceptance_estimate": snap["acceptance_estimate"],
+                            "acceptance_estimate_tree": snap["acceptance_estimate_tree"], "since_start": snap["spec"]},
             "tokens_generated": snap["tokens_generated"],
         }
 
