@@ -284,6 +284,7 @@ def _empty_snapshot() -> dict:
     return {"running": 0, "waiting": 0, "kv": {"rows_total": 0, "rows_used": 0, "usage": 0.0, "tokens_cached": 0},
             "spec": {"cycles": 0, "drafted": 0, "accepted": 0, "accepted_per_pos": [], "drafted_per_pos": [],
                      "accept_length_mean": None, "accept_per_position": []},
-            "last_k": 0, "k_choices": {}, "acceptance_estimate": [], "tokens_generated": 0, "idle": True,
+            "last_k": 0, "k_choices": {}, "acceptance_estimate": [], "acceptance_estimate_tree": None,
+            "tokens_generated": 0, "idle": True,
             "idle_integrity": None}
 
