@@ -146,6 +146,27 @@ def test_tree_with_adaptive_steps_and_sampled_rows(pair):
     assert [q.output_ids for q in seqs] == [base[i] if i % 2 else plain[i] for i in range(len(prompts))]
 
 
+def test_tree_up_to_max_model_len(pair):
+    """Sequences that run into max_model_len mid-tree (verify nodes and drafter tree slots past the
+    end land in the cache's extra room): greedy and sampled rows still equal plain decoding."""
+    target, draft = pair
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (5, 17, 29, 40)]
+    params = [GREEDY, GREEDY] + [SamplingParams(temperature=0.7, seed=4, max_tokens=100, ignore_eos=True)] * 2
+
+    def run(**kw):
+        engine = Engine(EngineConfig(model=str(target), device="cpu", max_model_len=48, max_num_seqs=4, **kw))
+        seqs = [engine.add_request(p, q) for p, q in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        engine.check_idle_integrity()
+        return [(q.output_ids, q.finish_reason) for q in seqs]
+
+    base = run()
+    assert [r for _, r in base] == ["length"] * 4
+    assert run(draft=str(draft), spec_steps=6, spec_topk=8, spec_tokens=40) == base
+
+
 def test_accept_tree_follows_the_matching_branch():
     """Hand-built tree: root -> a(5) -> c(7); root -> b(6) -> d(8) -> e(9). The target's argmax
     is 6 at the root, 8 at b, 1 at d: b and d are accepted (2 tokens), the next token is 1, and
