@@ -148,7 +148,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="CONFIG",
                    help="configurations to compare: baseline (plain decoding), eagle3:steps=K, "
-                        "eagle3:adaptive,steps=KMAX (default: %(default)s; baseline is always added)")
+                        "eagle3:adaptive,steps=KMAX, trees eagle3:steps=K,topk=k[,tokens=N] "
+                        "(default: %(default)s; baseline is always added)")
     g.add_argument("--batch-sizes", nargs="+", type=int, default=DEFAULT_BATCH_SIZES, metavar="B",
                    help="prompts submitted together (default: %(default)s)")
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)")
