@@ -319,6 +319,11 @@ class EngineConfig:
             return max(k_max, self.tree_nodes(k_max), self.spec_topk * (k_max - 1))
         return k_max
 
+    def drafts_tree(self, B: int) -> bool:
+        """Whether a speculative cycle over B sequences drafts a tree (else a chain): small
+        batches only, since verifying a tree per sequence makes large batches compute-bound."""
+        return self.spec_topk > 1 and B <= self.spec_tree_max_batch
+
     def tree_nodes(self, K: int) -> int:
         """Draft tokens verified per cycle at depth K: K for a chain (top-k 1), else the best
         `spec_tokens` of the tree's candidates (top-k at depth 1, top-k of each kept branch after)."""

@@ -44,18 +44,14 @@ class SpecPolicy:
         self.seeded: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds, from start-up
         self.offset: dict[tuple[int, bool], float] = {}  # (bucket, speculative?) -> live - seeded
         # Conditional acceptance per position, from a weak optimistic prior (Beta(2, 1)); kept apart
-        # for tree cycles (batches up to spec_tree_max_batch with spec_topk > 1), which accept more.
-        self.tree_max_batch = cfg.spec_tree_max_batch if cfg.spec_topk > 1 else 0
+        # for tree cycles (EngineConfig.drafts_tree), which accept more.
+        self.tree = cfg.drafts_tree
         self.acc_hits = {mode: [2.0] * k_max for mode in (False, True)}
         self.acc_seen = {mode: [3.0] * k_max for mode in (False, True)}
         self.choices: dict[int, int] = {}  # how often each K was chosen
         # Tensor-parallel ranks measure different step times; each must run the same K.
         # The TP worker sets this to a broadcast of rank 0's choice (K -> K).
         self.sync_choice = None
-
-    def tree(self, B: int) -> bool:
-        """Whether a batch of B sequences drafts a tree (the engine's rule)."""
-        return B <= self.tree_max_batch
 
     def acceptance(self, tree: bool = False) -> list[float]:
         return [h / n for h, n in zip(self.acc_hits[tree], self.acc_seen[tree])]

@@ -459,9 +459,7 @@ class Engine:
         last_idx = torch.tensor([s.pending - 1 for s in seqs])
         sampling = self._sampling(seqs)
         entry_pos, last_idx = to_device(entry_pos, self.device), to_device(last_idx, self.device)
-        # Trees for small batches; large ones draft chains, where verifying a tree per sequence makes
-        # the forward compute-bound.
-        tree = r.topk > 1 and B <= self.cfg.spec_tree_max_batch  # (SpecPolicy.tree: the same rule)
+        tree = self.cfg.drafts_tree(B)
         draft = r.draft_tree(K, entry_pos, last_idx) if tree else r.draft(K, entry_pos, last_idx, sampling)
         if prof:
             marks[1].record()

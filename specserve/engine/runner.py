@@ -555,7 +555,7 @@ class ModelRunner:
                 entry[:, 0] = ctx - 1
 
                 def cycle(K=K, entry=entry):
-                    if self.topk > 1 and B <= self.cfg.spec_tree_max_batch:  # as the engine does
+                    if self.cfg.drafts_tree(B):  # greedy cycles as the engine runs them
                         self.draft_tree(K, entry, last)
                         self.verify_tree(K, ids, pos, on)
                         return
@@ -587,7 +587,7 @@ class ModelRunner:
         sizes = tuple(sorted({min(b, self.rows) for b in sizes}))
         self.graph_batch_sizes = sizes
         jobs = []
-        tree_buckets = {min(b for b in sizes if b >= n) for n in range(1, min(self.cfg.spec_tree_max_batch, max(sizes)) + 1)}
+        tree_buckets = {self._bucket(n) for n in range(1, max(sizes) + 1) if self.cfg.drafts_tree(n)}
         for B in sorted(sizes, reverse=True):
             jobs.append((("decode",), B, self._decode_body))
             for K in spec_steps:
@@ -596,7 +596,7 @@ class ModelRunner:
                 jobs.append((("verify", K), B, lambda b, K=K: self._verify_body(b, K)))
                 jobs.append((("draft", K, False, False), B, lambda b, K=K: self._draft_body(b, K, False, False)))
                 jobs.append((("draft", K, True, True), B, lambda b, K=K: self._draft_body(b, K, True, True)))
-                if self.topk > 1 and B in tree_buckets:
+                if B in tree_buckets:
                     for flags in ((False, False), (True, False), (True, True)):  # greedy, sampled, filtered
                         jobs.append((("tree_verify", K, *flags), B,
                                      lambda b, K=K, f=flags: self._tree_verify_body(b, K, *f)))

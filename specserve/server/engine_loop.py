@@ -264,7 +264,7 @@ class EngineLoop:
             "last_k": engine.last_k,
             "k_choices": dict(engine.policy.choices) if engine.policy else {},
             "acceptance_estimate": engine.policy.acceptance() if engine.policy else [],
-            "acceptance_estimate_tree": engine.policy.acceptance(True) if engine.policy and engine.policy.tree_max_batch
+            "acceptance_estimate_tree": engine.policy.acceptance(True) if engine.policy and engine.cfg.spec_topk > 1
             else None,
             "tokens_generated": engine.tokens_generated,
             "idle": not engine.has_work(),
