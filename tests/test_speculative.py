@@ -11,7 +11,7 @@ from specserve.config import ConfigError, DraftConfig, EngineConfig
 from specserve.engine.engine import Engine
 from specserve.engine.runner import DraftResult
 from specserve.engine.sampling import STREAM_DRAFT, BatchSampling, SamplingParams, processed_probs, sample_from, uniform
-from specserve.engine.speculative import accept_drafts
+from specserve.engine.speculative import accept_drafts, emitted_tokens
 from tiny import make_drafter, make_target
 
 # A small vocabulary makes a random drafter agree with the target often enough
@@ -322,7 +322,7 @@ def _speculative_first_tokens(p_logits, q_logits, n, K, vd_to_v, temperature=1.0
     draft = DraftResult(vd_to_v[draft_ids], draft_ids, q, vd_to_v)
     logits = p_logits.expand(n, K + 1, V)
     n_acc, nxt = (rule or accept_drafts)(logits, draft, s, pos0, torch.ones(n, dtype=torch.bool))
-    emitted = torch.cat([draft.tokens, draft.tokens[:, :1]], 1).scatter(1, n_acc.unsqueeze(1), nxt.unsqueeze(1))
+    emitted = emitted_tokens(draft.tokens, n_acc, nxt)
     return emitted[:, 0], emitted[n_acc >= 1, 1], s
 
 

@@ -22,7 +22,7 @@ from specserve.config import EngineConfig
 from specserve.engine.adaptive import SpecPolicy, bucket_sizes
 from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens, to_device
-from specserve.engine.speculative import accept_drafts
+from specserve.engine.speculative import accept_drafts, emitted_tokens
 
 log = logging.getLogger("specserve.engine")
 
@@ -475,8 +475,7 @@ class Engine:
             if prof:
                 marks[2].record()
             n_acc, next_tok = accept_drafts(logits, draft, sampling, pos0, enabled)
-            # Next cycle's drafter inputs: (feature_j, token_j+1) for j = 0..a, token_a+1 being the new one.
-            grid = torch.cat([draft.tokens, draft.tokens[:, :1]], 1).scatter(1, n_acc.unsqueeze(1), next_tok.unsqueeze(1))
+            grid = emitted_tokens(draft.tokens, n_acc, next_tok)  # also the drafter's next input tokens
             r.pending_tok[:B, : K + 1] = grid
             r.pending_feat[:B, : K + 1] = feats
         acc_list, grid_list = n_acc.tolist(), grid.tolist()  # the one host sync of the cycle

@@ -52,6 +52,7 @@ from specserve.engine.sampling import (
     SamplingParams,
     processed_probs,
     sample_from,
+    sample_tokens,
     uniform,
 )
 from specserve.model.layers import ForwardContext, pin_attributes
@@ -76,6 +77,10 @@ class TreeDraft:
     parents: torch.Tensor  # [B, N] verify row of each node's parent (0 = the root)
     depth: torch.Tensor  # [B, N] 1..K
     anc: torch.Tensor  # [B, N] int64, bit i set: node i is the node itself or one of its ancestors
+
+    def head(self, B: int, N: int) -> "TreeDraft":
+        """Views of the first B rows and N nodes."""
+        return TreeDraft(self.tokens[:B, :N], self.parents[:B, :N], self.depth[:B, :N], self.anc[:B, :N])
 
 
 @dataclass
@@ -402,9 +407,9 @@ class ModelRunner:
         for level in range(1, K + 1):
             from_parent = torch.where(parent_row == 0, 0, anc.gather(1, (parent_row - 1).clamp_min(0)))
             anc = torch.where(depth == level, from_parent | own, anc)
-        for buf, val in zip((self.tree.tokens, self.tree.parents, self.tree.depth, self.tree.anc),
-                            (tokens, parent_row, depth, anc)):
-            buf[:B, :N].copy_(val)
+        out = self.tree.head(B, N)
+        for buf, val in zip((out.tokens, out.parents, out.depth, out.anc), (tokens, parent_row, depth, anc)):
+            buf.copy_(val)
         return ()
 
     def _tree_verify_body(self, B: int, K: int, sampling: bool = False, filtered: bool = False):
@@ -414,10 +419,10 @@ class ModelRunner:
         the accepted branch's KV moved to indices pos0 + 1.. in every layer; the drafter's next
         inputs (feature, token) along the branch. Padding rows (pos0 at the scratch slot) write
         only there. Returns (accepted count, the branch's tokens then the next token, logits)."""
-        from specserve.engine.speculative import accept_tree, tree_predictions
+        from specserve.engine.speculative import accept_tree, emitted_tokens
 
         N, dev, scratch = self.cfg.tree_nodes(K), self.device, self.scratch
-        tree = TreeDraft(*(t[:B, :N] for t in (self.tree.tokens, self.tree.parents, self.tree.depth, self.tree.anc)))
+        tree = self.tree.head(B, N)
         pos0 = self.s_pos0[:B].unsqueeze(1)
         pad = pos0 == scratch
         write = torch.where(pad, scratch, pos0 + torch.arange(N + 1, device=dev))
@@ -426,8 +431,10 @@ class ModelRunner:
         ids = torch.cat([self.s_root[:B].unsqueeze(1), tree.tokens], 1)
         hidden, feats = self.target(ids, self._context(write, rope, tree=((pos0 + 1)[:, 0], anc)))
         logits = self.target.logits(hidden)
-        pred = tree_predictions(logits, self.s_temp[:B], self.s_top_p[:B], self.s_top_k[:B], self.s_seed[:B],
-                                rope + 1, sampling, filtered)  # keyed by the position each token would fill
+        per_node = lambda t: t[:B].unsqueeze(1).expand(-1, N + 1)  # noqa: E731
+        s = BatchSampling(per_node(self.s_temp), per_node(self.s_top_p), per_node(self.s_top_k),
+                          per_node(self.s_seed), all_greedy=not sampling, filtered=filtered)
+        pred = sample_tokens(logits, s, rope + 1)  # each node's token, keyed by the position it would fill
         n_acc, next_tok, path = accept_tree(pred, tree, K, self.s_enabled[:B])
         # Move the branch's KV: depth d from index pos0 + path[d-1] to pos0 + d (reads before writes).
         d = torch.arange(1, K + 1, device=dev)
@@ -437,8 +444,7 @@ class ModelRunner:
         for cache in (self.k_all, self.v_all):
             cache[:, rows, :, dst] = cache[:, rows, :, src]
         # Drafter inputs for the next cycle: (feature_j, token_j+1) for j = 0..a along the branch.
-        branch = tree.tokens.gather(1, (path - 1).clamp_min(0))
-        grid = torch.cat([branch, branch[:, :1]], 1).scatter(1, n_acc.unsqueeze(1), next_tok.unsqueeze(1))
+        grid = emitted_tokens(tree.tokens.gather(1, (path - 1).clamp_min(0)), n_acc, next_tok)
         feat_rows = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
         feat = feats.gather(1, feat_rows.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
         keep = pad.unsqueeze(-1)  # padding rows may belong to sequences still in prefill: untouched
@@ -508,8 +514,7 @@ class ModelRunner:
         self.s_last[:B].copy_(last_idx)
         self._fill_padding(B, K + 1)
         self._run(("tree_draft", K), B, lambda b: self._tree_draft_body(b, K))
-        N = self.cfg.tree_nodes(K)
-        return TreeDraft(*(t[:B, :N] for t in (self.tree.tokens, self.tree.parents, self.tree.depth, self.tree.anc)))
+        return self.tree.head(B, self.cfg.tree_nodes(K))
 
     @torch.inference_mode()
     def verify_tree(self, K: int, root: torch.Tensor, pos0: torch.Tensor, enabled: torch.Tensor,

@@ -132,8 +132,8 @@ class BatchSampling:
 
 
 def sample_tokens(logits: torch.Tensor, s: BatchSampling, positions: torch.Tensor) -> torch.Tensor:
-    """Pick one token per row of logits [B, V]; `positions` [B] are the
-    sequence positions the new tokens will occupy (the noise key)."""
+    """Pick one token per row of logits [..., V] (the parameters in `s` and `positions` shaped
+    [...]); `positions` are the sequence positions the new tokens will occupy (the noise key)."""
     if s.all_greedy:
         return logits.argmax(-1)
     probs = processed_probs(logits, s.temperature, s.top_p, s.top_k, s.filtered)

@@ -63,27 +63,21 @@ def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, po
     return n_acc, sample_from(residual, u_next)
 
 
-def tree_predictions(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                     seed: torch.Tensor, positions: torch.Tensor, sampling: bool, filtered: bool) -> torch.Tensor:
-    """The target's token at every tree node, logits [B, N+1, V] -> [B, N+1]: the argmax (greedy),
-    or a draw from the request's distribution keyed by the position it would fill, exactly as
-    plain decoding draws there (`sample_tokens`). Verifying a tree against these draws is
-    lossless for any drafts ("target-only" verification): each emitted token is the target's
-    own draw, so a seeded request emits what plain decoding emits with the same seed."""
-    if not sampling:
-        return logits.argmax(-1)
-    W = logits.shape[1]
-    expand = lambda t: t.unsqueeze(1).expand(-1, W)  # noqa: E731
-    probs = processed_probs(logits, expand(temperature), expand(top_p), expand(top_k), filtered)
-    return sample_from(probs, uniform(expand(seed), positions, STREAM_TARGET, logits.shape[-1]))
+def emitted_tokens(drafts: torch.Tensor, n_acc: torch.Tensor, next_tok: torch.Tensor) -> torch.Tensor:
+    """[B, K+1]: the first n_acc drafts of each row, then the next token (later columns: leftovers).
+    Also the tokens of the drafter's next inputs (feature_j, token_j+1), j = 0..n_acc."""
+    return torch.cat([drafts, drafts[:, :1]], 1).scatter(1, n_acc.unsqueeze(1), next_tok.unsqueeze(1))
 
 
 def accept_tree(pred: torch.Tensor, tree: TreeDraft, K: int, enabled: torch.Tensor):
     """Verification of a draft tree against the target's token at every node, pred [B, N+1]
-    (root first; `tree_predictions`). A node is accepted when its token is the target's token at
-    its parent and its parent is accepted; siblings carry distinct tokens, so the accepted nodes
-    form one branch. Returns (accepted count [B], next token [B], verify rows of the accepted
-    branch by depth [B, K], rows past the count being 0)."""
+    (root first): its argmax, or its draw keyed by the position it would fill, exactly as plain
+    decoding draws there (`sample_tokens`). A node is accepted when its token is the target's
+    token at its parent and its parent is accepted; siblings carry distinct tokens, so the
+    accepted nodes form one branch. Lossless for any drafts ("target-only" verification): each
+    emitted token is the target's own draw, so a seeded request emits what plain decoding emits.
+    Returns (accepted count [B], next token [B], verify rows of the accepted branch by depth
+    [B, K], rows past the count being 0)."""
     B, N = tree.tokens.shape
     ok = (tree.tokens == pred.gather(1, tree.parents)) & enabled.unsqueeze(1)
     bits = 1 << torch.arange(N, device=pred.device)
