@@ -72,6 +72,7 @@ def test_read_records_formats_and_errors(tmp_path):
     sub.mkdir()
     (sub / "c.py").write_text("y = 2\n")
     (sub / "skip.bin").write_bytes(b"\x00\x01")
+    (sub / "latin1.py").write_bytes(b"s = '\xe9'\n")  # not UTF-8: skipped inside a folder
     np.save(sub / "d.npy", np.array([5, 6, 0, 7, 8, 9, 0], dtype=np.uint16))
     recs = read_records(tmp_path, eos_id=0)
     assert [r.text for r in recs if r.text] == ["def f(): pass", "x = 1\n", "y = 2\n"]

@@ -114,7 +114,7 @@ def read_records(path: str | Path, eos_id: int | None = None) -> list[Record]:
             except DataError:
                 if f.suffix in (".jsonl", ".npy"):
                     raise
-                del e  # a stray binary/non-UTF-8 source file in a folder: skip it
+                continue  # a stray binary/non-UTF-8 source file in a folder: skip it
     elif path.suffix == ".jsonl":
         records = read_jsonl(path)
     elif path.suffix == ".npy":
