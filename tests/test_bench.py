@@ -297,6 +297,29 @@ def test_cost_model_prediction_and_recommendation():
     assert best == 3  # the 4th draft (p=0.1) costs more than it brings
 
 
+
+def test_cost_model_with_one_measured_k_keeps_verify_cost():
+    """One fixed K profiled: verify runs from the plain step (K = 0) to the measured verify, so a
+    smaller K never looks cheaper than a plain step (it once came out proportional to K)."""
+    from types import SimpleNamespace
+
+    from specserve.bench.offline import RunOutput
+
+    N, step, verify, draft = 33, 0.004, 0.0048, 0.0008  # seconds: plain step, K=4 verify, K=4 draft
+    base = RunOutput([[1] * N], wall=0.01 + (N - 1) * step, ttft=[0.01], tpot=[step])
+    prof = [{"batch": 1, "K": 4, "draft": 1000 * draft, "verify": 1000 * verify, "accept": 0.1}] * 12
+    spec = RunOutput([[1] * N], wall=0.01 + 12 * 0.006, ttft=[0.01], tpot=[None], profile=prof,
+                     spec={"cycles": 12, "accepted": 20, "accepted_per_pos": [8, 6, 4, 2],
+                           "drafted_per_pos": [12, 12, 12, 12]})
+    cfg = bench_cmd.parse_config("eagle3:steps=4")
+    runs = {("baseline", 1): [SimpleNamespace(out=base)], (cfg.label, 1): [SimpleNamespace(out=spec)]}
+    fit = cost_model.from_runs(1, [bench_cmd.parse_config("baseline"), cfg], runs, [])
+    assert fit["verify_ms"]["base"] == pytest.approx(1000 * step)
+    assert fit["verify_ms"]["per_token"] == pytest.approx(1000 * (verify - step) / 4)
+    assert fit["draft_ms"] == pytest.approx({"base": 0.0, "per_step": 1000 * draft / 4})
+    cycles = [row["cycle_ms"] for row in fit["predictions"]]
+    assert cycles == sorted(cycles) and cycles[1] > 1000 * step
+
 # ---------------------------------------------------------------- online mode
 class FakeOpenAI(BaseHTTPRequestHandler):
     """Streams `max_tokens` tokens as chunks of two, 4 ms apart, and exports

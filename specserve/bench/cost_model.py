@@ -10,7 +10,10 @@ Per batch size b, with N new tokens per request:
 
 - draft(K) = d0 + d1*K and verify(K) = v0 + v1*K: least-squares fits of the mean
   per-cycle draft and verify times of each K, weighted by cycles (from fixed-K
-  configs, and from the K values an adaptive config ran at least MIN_CYCLES times);
+  configs, and from the K values an adaptive config ran at least MIN_CYCLES times).
+  With a single K measured, draft is taken as proportional to K and verify as the
+  line from the plain step (a forward of one row per sequence) to the measured
+  verify: a forward's cost grows with the rows it checks, it does not vanish;
 - p_i: measured probability that draft position i is accepted, pooled over configs
   (a chain's first K drafts do not depend on K), non-increasing in i;
 - overhead: host work of a cycle outside the profiled parts (scheduling, token
@@ -97,12 +100,19 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
                 dra[i] += d
     if not by_k:
         return None
+    n_tokens = statistics.fmean(len(t) for r in base for t in r.out.tokens)
+    # Plain step time: the decode part of each baseline batch over its N-1 steps.
+    steps = [(r.out.wall - max(r.out.ttft)) / max(max(len(t) for t in r.out.tokens) - 1, 1) for r in base]
+    plain_step = statistics.median(steps)
     ks = sorted(K for K in by_k if len(by_k[K]) >= MIN_CYCLES) or sorted(by_k)
     # Means per K (as throughput sees them, preemptions included), weighted by cycles.
     mean = lambda K, part: statistics.fmean(p[part] for p in by_k[K]) / 1000
     weights = [len(by_k[K]) for K in ks]
     draft_fit = linear_fit(ks, [mean(K, "draft") for K in ks], weights)
-    verify_fit = linear_fit(ks, [mean(K, "verify") for K in ks], weights)
+    if len(ks) > 1:
+        verify_fit = linear_fit(ks, [mean(K, "verify") for K in ks], weights)
+    else:  # anchor at K = 0: verifying nothing is a plain step
+        verify_fit = linear_fit([0, ks[0]], [plain_step, mean(ks[0], "verify")])
     accept_s = statistics.fmean(p["accept"] for K in ks for p in by_k[K]) / 1000
     overhead = max(statistics.median(overheads), 0.0) if overheads else 0.0
     straggle = max(statistics.median(straggles), 1.0) if straggles else 1.0
@@ -113,10 +123,6 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
         if d < MIN_CYCLES:
             break
         p.append(min(a / d, p[-1]) if p else a / d)
-    n_tokens = statistics.fmean(len(t) for r in base for t in r.out.tokens)
-    # Plain step time: the decode part of each baseline batch over its N-1 steps.
-    steps = [(r.out.wall - max(r.out.ttft)) / max(max(len(t) for t in r.out.tokens) - 1, 1) for r in base]
-    plain_step = statistics.median(steps)
     prefill_plain = statistics.median(max(r.out.ttft) for r in base)
     preds = predict(bs, n_tokens, plain_step, prefill_plain, statistics.median(prefill_spec), draft_fit,
                     verify_fit, accept_s, overhead, straggle, p, len(p))
