@@ -112,6 +112,16 @@ def test_wait_free_times_out_then_succeeds(fake_pynvml, tmp_path, sleeper, capsy
     assert json.loads(capsys.readouterr().out)["state"] == "free"
 
 
+def test_wait_free_ignores_the_callers_own_memory(fake_pynvml, tmp_path, capsys):
+    """A caller holding the GPU itself (e.g. a script that used CUDA) is not waited for."""
+    fake_pynvml(two_gpus(tmp_path, os.getpid(), mib=5000))
+    assert gpus.busy(gpus.collect(), threshold_mib=1024) != []  # someone else's view: busy
+    assert gpus.busy(gpus.collect(), threshold_mib=1024, ignore={os.getpid()}) == []
+    assert os.getpid() in gpus.caller_pids() and os.getppid() in gpus.caller_pids()
+    assert gpus.run(args(wait_free=True, timeout=2, interval=0.2)) == 0
+    assert "all 2 GPU(s) free" in capsys.readouterr().out
+
+
 def test_threshold(fake_pynvml, tmp_path, sleeper):
     # 300 MiB held by a compute process: not free, whatever the threshold.
     fake_pynvml(two_gpus(tmp_path, sleeper.pid, mib=300))

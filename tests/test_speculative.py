@@ -205,13 +205,14 @@ def test_tree_on_gpu_with_cuda_graphs(pair, monkeypatch):
     target, draft = pair
     prompts = _prompts(5, seed=41)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=5, device="cuda", dtype="float32")
-    out, engine = _run(target, draft, prompts, GREEDY, spec_steps=4, spec_topk=3, max_num_seqs=5,
-                       device="cuda", dtype="float32")
+    # Trees at every batch size here (spec_tree_max_batch=5): above it chains draft, and sampled
+    # chains use rejection sampling, equal to plain sampling in distribution only.
+    tree_kw = dict(spec_steps=4, spec_topk=3, spec_tree_max_batch=5, max_num_seqs=5, device="cuda", dtype="float32")
+    out, engine = _run(target, draft, prompts, GREEDY, **tree_kw)
     assert out == base and engine.runner.graphs and engine.totals.accepted > 0
     sampled = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=30, seed=3, ignore_eos=True)
     plain, _ = _run(target, prompts=prompts, params=sampled, max_num_seqs=5, device="cuda", dtype="float32")
-    tree, engine = _run(target, draft, prompts, sampled, spec_steps=4, spec_topk=3, max_num_seqs=5,
-                        device="cuda", dtype="float32")
+    tree, engine = _run(target, draft, prompts, sampled, **tree_kw)
     assert tree == plain and engine.totals.accepted > 0  # the sampled tree-verify graphs
 
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="bfloat16",

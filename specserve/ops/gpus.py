@@ -9,7 +9,10 @@ Processes come from NVML (compute and graphics processes, with their memory) and
 
 `--wait-free` polls until every selected GPU is free: used memory at most
 --threshold-mib (default 1024: an idle GPU is never at 0) and no compute process
-listed. Without NVML (no NVIDIA GPU or driver) the command says so and exits 0.
+listed. The caller's own processes (this command's parent chain, e.g. a Python
+script that used CUDA and now waits for its workers' memory to go) are not
+waited for: their memory is subtracted and they are not counted as holders.
+Without NVML (no NVIDIA GPU or driver) the command says so and exits 0.
 
 Exit codes: 0 shown / all free (or no GPU to look at), 1 --wait-free timed out (what
 still holds memory is printed), 2 usage error.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -82,16 +86,33 @@ def format_table(q: nvml.GpuQuery, width: int = 80) -> str:
     return "\n".join(lines)
 
 
-def busy(q: nvml.GpuQuery, threshold_mib: float, devices: set[int] | None = None) -> list[str]:
-    """One line per selected GPU that is not free (empty list: all free)."""
+def caller_pids() -> set[int]:
+    """This process and its ancestors: a caller cannot wait for its own GPU memory to go."""
+    pids, pid = set(), os.getpid()
+    while pid > 1 and pid not in pids:
+        pids.add(pid)
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: ppid
+        except (OSError, ValueError, IndexError):
+            break
+    return pids
+
+
+def busy(q: nvml.GpuQuery, threshold_mib: float, devices: set[int] | None = None,
+         ignore: set[int] = frozenset()) -> list[str]:
+    """One line per selected GPU that is not free (empty list: all free). Processes in `ignore`
+    neither count as holders nor count their memory."""
     out = []
     for g in q.gpus:
         if devices is not None and g.index not in devices:
             continue
-        compute = [p for p in g.processes if p.kind != "device-file"]
-        if g.memory_used_mib > threshold_mib or compute or g.memory_used_mib != g.memory_used_mib:
-            who = "; ".join(p.describe(60) for p in g.processes) or "no process listed"
-            out.append(f"GPU {g.index}: {_fmt_mib(g.memory_used_mib)} MiB used ({who})")
+        others = [p for p in g.processes if p.pid not in ignore]
+        compute = [p for p in others if p.kind != "device-file"]
+        used = g.memory_used_mib - sum(p.used_mib or 0.0 for p in g.processes if p.pid in ignore)
+        if used > threshold_mib or compute or used != used:
+            who = "; ".join(p.describe(60) for p in others) or "no process listed"
+            out.append(f"GPU {g.index}: {_fmt_mib(used)} MiB used ({who})")
     return out
 
 
@@ -150,8 +171,9 @@ def run(args: argparse.Namespace) -> int:
         return report("no-nvml", EXIT_OK, [], 0.0)
     t0 = time.monotonic()
     last_said = 0.0
+    mine = caller_pids()
     while True:
-        held = busy(q, args.threshold_mib)
+        held = busy(q, args.threshold_mib, ignore=mine)
         waited = time.monotonic() - t0
         if not held:
             if not args.json:
