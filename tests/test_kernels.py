@@ -91,6 +91,25 @@ def test_dispatch_uses_kernels_on_cuda(monkeypatch):
     assert calls == [] and K.FUSED
 
 
+@pytest.mark.gpu
+def test_training_on_cuda_keeps_gradients():
+    """Where autograd records, the ops take the differentiable reference path: the forward-only
+    kernels once cut the gradient of everything before the drafter's final norm on a GPU."""
+    w = torch.randn(256, device="cuda", requires_grad=True)
+    x = torch.randn(4, 256, device="cuda", requires_grad=True)
+    K.rms_norm(x, w, 1e-5).square().sum().backward()
+    want_x, want_w = x.grad.clone(), w.grad.clone()
+    x.grad = w.grad = None
+    K.rms_norm_ref(x, w, 1e-5).square().sum().backward()
+    torch.testing.assert_close(x.grad, want_x)
+    torch.testing.assert_close(w.grad, want_w)
+    gate_up = torch.randn(4, 512, device="cuda", requires_grad=True)
+    K.silu_mul(gate_up).sum().backward()
+    assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
+    with torch.inference_mode():
+        assert K.use_triton(x.detach(), w.detach())  # inference keeps the kernels
+
+
 def _sdpa_reference(q, kc, vc, row_start, widx, scale):
     """Plain masked attention in float32: query (b, t) sees keys 0..widx[b, t]."""
     B, T, H, D = q.shape

@@ -60,8 +60,13 @@ FUSED = os.environ.get("SPECSERVE_FUSED_KERNELS", "1") != "0"
 PDL = os.environ.get("SPECSERVE_PDL", "1") != "0"
 
 
-def use_triton(x: torch.Tensor) -> bool:
-    return FUSED and triton is not None and x.is_cuda
+def use_triton(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
+    """The Triton kernels serve CUDA inference only: they have no backward, so where autograd
+    records (training a drafter on a GPU) the PyTorch reference runs instead of silently
+    cutting the gradient."""
+    if not (FUSED and triton is not None and x.is_cuda):
+        return False
+    return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)))
 
 
 def use_pdl(x: torch.Tensor) -> bool:
@@ -286,7 +291,7 @@ def _pdl_args(x: torch.Tensor) -> dict:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm of x; with ``residual``: (norm(x + residual), x + residual), the sum being the
     new residual stream (one kernel on GPU instead of an add plus ~7)."""
-    if use_triton(x) and x.is_contiguous() and (residual is None or residual.is_contiguous()) \
+    if use_triton(x, weight, residual) and x.is_contiguous() and (residual is None or residual.is_contiguous()) \
             and x.shape[-1] <= 16384:
         return rms_norm_triton(x, weight, eps, residual)
     total = x if residual is None else x + residual
@@ -320,7 +325,7 @@ def rope_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int
     """Rotary embedding of q [B, T, H, D] and k [B, T, Hkv, D]; k and v are written into rows
     row_start.. of the caches [rows, Hkv, len, D] at ``write_idx`` [B, T]. Returns rotated q."""
     D = q.shape[-1]
-    if (use_triton(q) and D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2
+    if (use_triton(q, k, v) and D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2
             and all(_tokens_strided(t) for t in (q, k, v)) and k_cache.stride() == v_cache.stride()
             and k_cache.stride(3) == 1 and positions.stride() == write_idx.stride() and write_idx.stride(1) == 1):
         return rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx)
@@ -485,7 +490,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     rows = x.numel() // x.shape[-1]
     bucket = _rows_bucket(rows)
     cfg = _gemv_choice.get((w.shape[0], w.shape[1], x.dtype, bucket)) if bucket else None
-    if cfg is None:
+    if cfg is None or not use_triton(x, w, b):
         return F.linear(x, w, b)
     y = gemv_triton(x.reshape(rows, -1).contiguous(), w, cfg).view(*x.shape[:-1], w.shape[0])
     return y + b if b is not None else y
