@@ -228,6 +228,27 @@ def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
     with pytest.raises(ConfigError, match="--draft-vocab 99 differs"):
         td.train_draft(str(target), str(tmp_path / "ft2"), str(root / "data.txt"), from_dir=str(src), draft_vocab=99,
                        max_steps=1, device="cpu", progress=False)
+    with pytest.raises(ConfigError, match="--draft-intermediate 65 differs"):
+        td.train_draft(str(target), str(tmp_path / "ft2"), str(root / "data.txt"), from_dir=str(src),
+                       draft_intermediate=65, max_steps=1, device="cpu", progress=False)
+
+
+def test_wider_drafter_mlp(tiny_pair, tmp_path):
+    """--draft-intermediate: a fresh drafter with its own MLP width; it loads and drafts in the engine."""
+    from specserve.engine.llm import LLM, SamplingParams
+
+    root, target = tiny_pair
+    td.train_draft(str(target), str(tmp_path / "w"), str(root / "data.txt"), draft_intermediate=96, draft_vocab=200,
+                   max_steps=2, batch_tokens=512, max_len=64, device="cpu", progress=False)
+    assert json.loads((tmp_path / "w" / "config.json").read_text())["intermediate_size"] == 96
+    assert load_file(str(tmp_path / "w" / "model.safetensors"))["midlayer.mlp.down_proj.weight"].shape[1] == 96
+    llm = LLM(model=str(target), draft=str(tmp_path / "w"), spec_steps=2, device="cpu")
+    plain = LLM(model=str(target), device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    assert llm.generate(["def f("], params)[0].token_ids == plain.generate(["def f("], params)[0].token_ids
+    with pytest.raises(ConfigError, match="--draft-intermediate must be positive"):
+        td.train_draft(str(target), str(tmp_path / "w0"), str(root / "data.txt"), draft_intermediate=0,
+                       max_steps=1, device="cpu", progress=False)
 
 
 def test_regenerate_chat_records(tiny_pair, tmp_path):

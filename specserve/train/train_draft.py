@@ -142,15 +142,17 @@ class FeatureCache:
 # ---------------------------------------------------------------------------------------------
 
 def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[int, ...],
-                   save_dtype: str = "bfloat16") -> dict:
+                   save_dtype: str = "bfloat16", intermediate: int | None = None) -> dict:
     """A SpecForge/SGLang-layout config. Aux ids are written in the SGLang convention
-    (layer outputs = captured input index - 1), which specserve reads by default."""
+    (layer outputs = captured input index - 1), which specserve reads by default. The MLP is the
+    target's width unless `intermediate` says otherwise (a wider drafter MLP costs little next
+    to the target's forward and is free when the pair is grown to a big model's shape)."""
     cfg = {
         "architectures": ["LlamaForCausalLMEagle3"],
         "model_type": "llama",
         "hidden_size": tcfg.hidden_size,
         "target_hidden_size": tcfg.hidden_size,
-        "intermediate_size": tcfg.intermediate_size,
+        "intermediate_size": intermediate or tcfg.intermediate_size,
         "num_hidden_layers": 1,
         "num_attention_heads": tcfg.num_heads,
         "num_key_value_heads": tcfg.num_kv_heads,
@@ -667,7 +669,8 @@ def _pick_device(device: str) -> torch.device:
 
 def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train_tokens: str | None = None,
                 val_tokens: str | None = None, val_data: str | None = None, minutes: float | None = None,
-                seed: int = 0, draft_vocab: int | None = None, ttt_steps: int = 5, epochs: float = 1.0,
+                seed: int = 0, draft_vocab: int | None = None, draft_intermediate: int | None = None,
+                ttt_steps: int = 5, epochs: float = 1.0,
                 lr: float | None = None, from_dir: str | None = None, regenerate: bool = False,
                 regen_prompts: int | None = None, regen_max_tokens: int = 256, regen_temperature: float = 0.0,
                 regen_prompt_len: tuple[int, int] = (32, 192), regen_share: float = 0.35, regen_batch: int = 64,
@@ -761,12 +764,17 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
             raise ConfigError(f"--draft-vocab {draft_vocab} differs from the --from drafter's {draft_ids.numel()}")
         cfg = json.loads((Path(from_dir) / "config.json").read_text())
         cfg["torch_dtype"] = "bfloat16"
+        if draft_intermediate and draft_intermediate != cfg["intermediate_size"]:
+            raise ConfigError(f"--draft-intermediate {draft_intermediate} differs from the --from drafter's "
+                              f"{cfg['intermediate_size']} (fine-tuning keeps the drafter's shape)")
     else:
         if state is not None:
             draft_ids = state["draft_ids"]
         else:
             draft_ids = select_draft_vocab(samples, tcfg.vocab_size, draft_vocab or min(32000, tcfg.vocab_size), eos)
-        cfg = drafter_config(tcfg, draft_ids, captured)
+        if draft_intermediate is not None and draft_intermediate < 1:
+            raise ConfigError(f"--draft-intermediate must be positive, got {draft_intermediate}")
+        cfg = drafter_config(tcfg, draft_ids, captured, intermediate=draft_intermediate)
         drafter = new_drafter(cfg, target, draft_ids, seed)
     drafter.train()
     if drafter.embed_tokens is None:
@@ -935,6 +943,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--from", dest="from_dir", help="fine-tune this existing drafter instead of starting fresh")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft vocabulary size: the N most frequent target tokens (default min(32000, vocab))")
+    p.add_argument("--draft-intermediate", type=int, default=None,
+                   help="drafter MLP width (default: the target's intermediate size)")
     p.add_argument("--ttt-steps", type=int, default=5, help="unrolled training-time-test steps (default 5)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
@@ -986,7 +996,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.data and not args.resume:
             raise DataError("--data is required (unless --resume or --eval-only)")
         res = train_draft(args.target, args.out, args.data, val_data=args.val_data, minutes=args.max_minutes,
-                          seed=args.seed, draft_vocab=args.draft_vocab, ttt_steps=args.ttt_steps, epochs=args.epochs,
+                          seed=args.seed, draft_vocab=args.draft_vocab,
+                          draft_intermediate=args.draft_intermediate, ttt_steps=args.ttt_steps, epochs=args.epochs,
                           lr=args.lr, from_dir=args.from_dir, regenerate=args.regenerate,
                           regen_prompts=args.regen_prompts, regen_max_tokens=args.regen_max_tokens,
                           regen_temperature=args.regen_temperature, regen_prompt_len=args.regen_prompt_len,
