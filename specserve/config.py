@@ -263,7 +263,7 @@ class EngineConfig:
     adaptive: bool = False
     spec_topk: int = 1  # >1: a tree of drafts (the best `spec_topk` branches kept at each depth)
     spec_tokens: int | None = None  # tree nodes verified per cycle (default: spec_topk * K, at most 63)
-    spec_tree_max_batch: int = 4  # larger batches draft chains (H200, 8B: trees win at 1-4, lose at 16)
+    spec_tree_max_batch: int = 2  # larger batches draft chains (H200, grown 8B pair: trees win at 1-2, lose at 4+)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     prefill_chunk: int = 512

@@ -576,11 +576,6 @@ def test_cli_serve_subprocess_ready_then_clean_exit(http, pair):
 def test_cli_refuses_bad_setups_before_loading(http, pair, capsys):
     p = argparse.ArgumentParser()
     serve_cmd.add_arguments(p)
-    try:
-        import specserve.distributed.tp_llm  # noqa: F401
-    except ImportError:  # until TP workers exist, --tp > 1 is refused up front
-        assert serve_cmd.run(p.parse_args(["--model", pair[0], "--tp", "2", "--port", "0"])) == 1
-        assert "not yet supported" in capsys.readouterr().err
     assert serve_cmd.run(p.parse_args(["--model", "/nonexistent/model", "--port", "0"])) == 1
     assert "does not exist" in capsys.readouterr().err
 

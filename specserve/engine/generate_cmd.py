@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from specserve.config import ConfigError
+from specserve.config import ConfigError, EngineConfig
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,8 +23,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         "batches up to --spec-tree-max-batch (default: 1)")
     p.add_argument("--spec-tokens", type=int, default=None,
                    help="tree nodes verified per cycle, at most 63 (default: --spec-topk x --spec-steps)")
-    p.add_argument("--spec-tree-max-batch", type=int, default=4,
-                   help="with --spec-topk > 1: larger batches draft chains (default: 4)")
+    p.add_argument("--spec-tree-max-batch", type=int, default=EngineConfig.spec_tree_max_batch,
+                   help=f"with --spec-topk > 1: larger batches draft chains (default: {EngineConfig.spec_tree_max_batch})")
     p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + output) in tokens")
