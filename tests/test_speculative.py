@@ -102,7 +102,7 @@ def test_tree_with_adaptive_steps_and_sampled_rows(pair):
     prompts = _prompts(4, seed=31)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=4)
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=4,
-                                 adaptive=True, spec_topk=3, max_num_seqs=4))
+                                 adaptive=True, spec_topk=3, spec_tree_max_batch=4, max_num_seqs=4))
     assert engine.policy.seeded  # tree cycles were timed at start-up
     for K in (3, None):  # fixed depth 3, then the adaptive policy's choice
         engine.set_spec_steps(K)
@@ -132,14 +132,15 @@ def test_tree_with_adaptive_steps_and_sampled_rows(pair):
     for params in (SamplingParams(temperature=0.8, max_tokens=30, seed=5, ignore_eos=True),
                    SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_tokens=30, seed=9, ignore_eos=True)):
         plain, _ = _run(target, prompts=prompts, params=params, max_num_seqs=4)
-        tree, engine = _run(target, draft, prompts, params, spec_steps=3, spec_topk=4, max_num_seqs=4)
+        tree, engine = _run(target, draft, prompts, params, spec_steps=3, spec_topk=4, spec_tree_max_batch=4,
+                            max_num_seqs=4)
         assert tree == plain and engine.totals.accepted > 0
         alone, _ = _run(target, draft, prompts[1:2], params, spec_steps=3, spec_topk=4, max_num_seqs=1)
         assert alone[0] == plain[1]
     # A batch mixing greedy and sampled requests: each emits its plain counterpart's tokens.
     mixed = [GREEDY if i % 2 else params for i in range(len(prompts))]
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3, spec_topk=4,
-                                 max_num_seqs=4))
+                                 spec_tree_max_batch=4, max_num_seqs=4))
     seqs = [engine.add_request(p, q) for p, q in zip(prompts, mixed)]
     while engine.has_work():
         engine.step()
@@ -164,7 +165,7 @@ def test_tree_up_to_max_model_len(pair):
 
     base = run()
     assert [r for _, r in base] == ["length"] * 4
-    assert run(draft=str(draft), spec_steps=6, spec_topk=8, spec_tokens=40) == base
+    assert run(draft=str(draft), spec_steps=6, spec_topk=8, spec_tokens=40, spec_tree_max_batch=4) == base
 
 
 def test_accept_tree_follows_the_matching_branch():
@@ -216,7 +217,7 @@ def test_tree_on_gpu_with_cuda_graphs(pair, monkeypatch):
     assert tree == plain and engine.totals.accepted > 0  # the sampled tree-verify graphs
 
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="bfloat16",
-                                 spec_steps=4, spec_topk=3, max_num_seqs=5))
+                                 spec_steps=4, spec_topk=3, spec_tree_max_batch=5, max_num_seqs=5))
     r, K, B = engine.runner, 4, 3
     for b in range(B):  # some context to attend to
         r.prefill(b, [list(range(1, 11))[: 6 + b]], [0])

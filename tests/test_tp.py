@@ -109,12 +109,12 @@ def test_tp2_plain_equals_tp1_and_env_reaches_both_workers(pair):
         assert r["env"]["NCCL_NVLS_ENABLE"] == "0"
 
 
-@pytest.mark.parametrize("topk", [1, 3])  # a chain, and a tree for the greedy requests
+@pytest.mark.parametrize("topk", [1, 3])  # a chain, and a tree (at every batch size here)
 def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     from specserve.distributed.tp_llm import TPLLM
 
     target, draft = pair
-    spec = dict(spec_steps=3, spec_topk=topk)
+    spec = dict(spec_steps=3, spec_topk=topk, spec_tree_max_batch=len(PROMPTS))
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=11 + i, ignore_eos=True)
                for i in range(len(PROMPTS))]
