@@ -251,7 +251,7 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
                allow_draft_position_extension: bool = False, aux_layer_convention: str = "sglang",
                device: str = "auto", dtype: str = "auto", allow_pickle: bool = False,
                cuda_graphs: bool = True, spec_topk: int = 1, spec_tokens: int | None = None,
-               spec_tree_max_batch: int = 4) -> list[Finding]:
+               spec_tree_max_batch: int = EngineConfig.spec_tree_max_batch) -> list[Finding]:
     """Validate a target (and optional EAGLE-3 drafter) without loading weights.
 
     `spec_steps` is the largest K the engine may use (max_spec_steps); default 4 with a
@@ -268,8 +268,9 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
             aux_layer_convention=aux_layer_convention, spec_topk=spec_topk if draft else 1,
             spec_tokens=spec_tokens if draft else None, spec_tree_max_batch=spec_tree_max_batch)
         room = ecfg.cache_room(spec_steps if draft else 0)
-        if ecfg.spec_topk > 1 and spec_steps:  # tree verify logits, for the batches that draft trees
-            tree_rows = min(max_num_seqs, spec_tree_max_batch) * (ecfg.tree_nodes(spec_steps) + 1)
+        tree_batch = max((B for B in range(1, max_num_seqs + 1) if ecfg.drafts_tree(B)), default=0)
+        if tree_batch and spec_steps:  # tree verify logits, for the batches that draft trees
+            tree_rows = tree_batch * (ecfg.tree_nodes(spec_steps) + 1)
     except ConfigError as e:
         f.add("error", "settings", str(e))
         settings_ok = False
@@ -614,7 +615,7 @@ def check_engine_kwargs(kw: dict[str, Any], gpu_memory_utilization: float = 0.9)
         aux_layer_convention=kw.get("aux_layer_convention", "sglang"), device=kw.get("device", "auto"),
         dtype=kw.get("dtype", "auto"), allow_pickle=kw.get("allow_pickle", False),
         cuda_graphs=kw.get("cuda_graphs", True), spec_topk=kw.get("spec_topk", 1), spec_tokens=kw.get("spec_tokens"),
-        spec_tree_max_batch=kw.get("spec_tree_max_batch", 4))
+        spec_tree_max_batch=kw.get("spec_tree_max_batch", EngineConfig.spec_tree_max_batch))
 
 
 # -------------------------------------------------------------------------- CLI
