@@ -232,7 +232,7 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Advance every active sequence; returns those that produced tokens or finished."""
-        for seq in self.by_id.values():
+        for seq in self.rows[: self.n_running + self.n_prefill]:  # only these can hold last step's tokens
             seq.new_tokens = []
         touched: dict[str, Sequence] = {}
         self._admit()
