@@ -251,6 +251,20 @@ def test_wider_drafter_mlp(tiny_pair, tmp_path):
                        max_steps=1, device="cpu", progress=False)
 
 
+def test_a_parameter_without_gradient_stops_training(tiny_pair, tmp_path, monkeypatch):
+    """A forward-only op inside training (as the CUDA kernels once were) cuts the gradient of what
+    lies before it; the first step says so instead of training only the layers after it."""
+    import specserve.model.layers as layers
+
+    root, target = tiny_pair
+    real = layers.rms_norm
+    monkeypatch.setattr(layers, "rms_norm", lambda x, w, eps, residual=None: (
+        real(x.detach(), w.detach(), eps, None if residual is None else residual.detach())))
+    with pytest.raises(RuntimeError, match="no gradient reached .* drafter parameter"):
+        td.train_draft(str(target), str(tmp_path / "d"), str(root / "data.txt"), max_steps=2, draft_vocab=200,
+                       batch_tokens=512, max_len=64, device="cpu", progress=False)
+
+
 def test_regenerate_chat_records(tiny_pair, tmp_path):
     """Chat data: the target rewrites each last assistant turn; those samples are trained on."""
     from specserve.engine.tokenizer import Tokenizer

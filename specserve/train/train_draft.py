@@ -821,7 +821,7 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
                mininterval=2.0 if sys.stderr.isatty() else 30.0)
     ema_loss, ema_acc = None, None
     t_loop = time.time() - train_seconds
-    last_ck = step
+    last_ck = start_step = step
     while step < planned:
         if train_deadline and time.time() > train_deadline:
             bar.write(f"[train-draft] time budget reached at step {step}")
@@ -843,6 +843,10 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
         loss, accs, _ = ttt_loss(drafter, target, ids, lengths, feats, hidden, ttt_steps, draft_ids_dev, autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
+        if step == start_step:  # a forward-only op in the graph would silently freeze what lies before it
+            frozen = [n for n, p in drafter.named_parameters() if p.requires_grad and p.grad is None]
+            if frozen:
+                raise RuntimeError(f"no gradient reached {len(frozen)} drafter parameter(s): {', '.join(frozen[:6])}")
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         step += 1
