@@ -9,13 +9,7 @@
 #    (skipped with SKIP_BENCH=1).
 # The drafter comes back in $OUT/draft (config.json + model.safetensors, ~2 MB).
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+. benchmarks/gpu_env.sh
 DEVICE=${DEVICE:-cuda}
 MINUTES=${MINUTES:-6}
 date -u

@@ -10,15 +10,8 @@
 #    a ready-timeout shorter than its start-up: killed during CUDA graph capture, GPU memory checked.
 # Timeouts fit one 10-minute call on a fresh machine (cold Triton cache: the bench's engine start-up
 # then compiles its GEMV candidates, ~1 min).
-# fastapi/uvicorn are not on the GPU image: carry wheels in .whl (see README of the device tool).
 set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+. benchmarks/gpu_env.sh
 W=/tmp/specserve-grown
 date -u
 if [ "${SKIP_GROW_CHECK:-0}" = 1 ]; then
