@@ -23,9 +23,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
+
+import psutil
 
 from specserve.ops import nvml
 from specserve.ops.process_tree import device_holders
@@ -88,15 +89,8 @@ def format_table(q: nvml.GpuQuery, width: int = 80) -> str:
 
 def caller_pids() -> set[int]:
     """This process and its ancestors: a caller cannot wait for its own GPU memory to go."""
-    pids, pid = set(), os.getpid()
-    while pid > 1 and pid not in pids:
-        pids.add(pid)
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                pid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state: ppid
-        except (OSError, ValueError, IndexError):
-            break
-    return pids
+    me = psutil.Process()
+    return {me.pid, *(p.pid for p in me.parents())}
 
 
 def busy(q: nvml.GpuQuery, threshold_mib: float, devices: set[int] | None = None,
