@@ -233,7 +233,9 @@ class ModelRunner:
         if src == dst:
             return
         n = min(length + self.room + 1, self.cache_len)
-        for a in self._attn_modules():
+        for cache in (self.k_all, self.v_all):  # every target layer at once
+            cache[:, dst, :, :n] = cache[:, src, :, :n]
+        for a in self.drafter.attention_modules() if self.drafter is not None else ():
             a.k_cache[dst, :, :n] = a.k_cache[src, :, :n]
             a.v_cache[dst, :, :n] = a.v_cache[src, :, :n]
         if self.drafter is not None and pending:
