@@ -265,6 +265,34 @@ def test_a_parameter_without_gradient_stops_training(tiny_pair, tmp_path, monkey
                        batch_tokens=512, max_len=64, device="cpu", progress=False)
 
 
+def test_regenerate_equals_engine_greedy(tiny_pair, tmp_path):
+    """The lockstep regenerator (prompts of different lengths in one batch, a last batch that is
+    not full, EOS ends a row) writes exactly what the engine's greedy decoding writes; an
+    interrupted run resumes from its file without redoing finished prompts."""
+    from specserve.engine.llm import LLM, SamplingParams
+    from specserve.engine.tokenizer import Tokenizer
+
+    _, target = tiny_pair
+    tok = Tokenizer(target)
+    eos = set(tok.eos_token_ids)
+    prompts = [tok.encode(t[: 20 + 37 * i]) for i, t in enumerate(_stdlib_texts(12)[2:11])]
+    assert len({len(p) for p in prompts}) > 5
+    llm = LLM(model=str(target), device="cpu", max_num_seqs=4)
+    ref = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0))]
+    save = tmp_path / "regen.jsonl"
+    got = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, eos, save)
+    assert got == [p + r for p, r in zip(prompts, ref)]
+    # resume: drop two finished records; only those two are generated again
+    lines = save.read_text().splitlines()
+    save.write_text("\n".join(lines[:-2]) + "\n")
+    again = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, eos, save)
+    assert again == got and len(save.read_text().splitlines()) == len(prompts)
+    # EOS ends a row: with the most frequent first token declared EOS, rows stop right after it
+    stop = max(set(x[0] for x in ref), key=[x[0] for x in ref].count)
+    cut = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, {stop})
+    assert cut == [p + (r[: r.index(stop) + 1] if stop in r else r) for p, r in zip(prompts, ref)]
+
+
 def test_regenerate_chat_records(tiny_pair, tmp_path):
     """Chat data: the target rewrites each last assistant turn; those samples are trained on."""
     from specserve.engine.tokenizer import Tokenizer
