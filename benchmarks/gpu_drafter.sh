@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Train the demo drafter on one GPU, then measure it on the grown 8B pair (issue 9), in one call:
 #   bash benchmarks/gpu_drafter.sh            (results under $OUT; ~MINUTES + 4 minutes)
-# 1. specserve train-draft on the bundled target: regenerated continuations of the GPU machine's
-#    stdlib (or DATA=path: a .npy token stream / .jsonl made elsewhere, e.g. regenerated on a CPU
-#    machine beforehand and carried along), FROM=dir fine-tunes an existing drafter instead;
+# 1. specserve train-draft on the bundled target: the target's own continuations of prompts cut
+#    from the GPU machine's Python code (benchmarks/drafter_corpus.py: stdlib + site-packages minus
+#    the held-out packages; or DATA=path: a .npy token stream / .jsonl made elsewhere, trained on
+#    as it is), FROM=dir fine-tunes an existing drafter instead;
 # 2. held-out acceptance at K=4 and 6 (bf16), written into the log;
 # 3. grow the target with the new drafter to the Llama-3-8B shape and bench it at batch 1-64
 #    (skipped with SKIP_BENCH=1).
@@ -11,13 +12,15 @@
 set -u
 . benchmarks/gpu_env.sh
 DEVICE=${DEVICE:-cuda}
-MINUTES=${MINUTES:-6}
+MINUTES=${MINUTES:-7}
 date -u
 if [ -n "${DATA:-}" ]; then
   SRC=(--data "$DATA")
 else
-  SRC=(--data "$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["stdlib"])')" --regenerate
-       --regen-prompts 100000 --regen-batch 1024 --regen-max-tokens 320 --regen-share "${REGEN_SHARE:-0.4}")
+  CORPUS=${CORPUS:-/tmp/drafter-corpus.jsonl}
+  [ -s "$CORPUS" ] || python3 benchmarks/drafter_corpus.py "$CORPUS" --max-mb 60
+  SRC=(--data "$CORPUS" --regenerate --regen-prompts "${PROMPTS:-100000}" --regen-batch 1024 --regen-max-tokens 320
+       --regen-share "${REGEN_SHARE:-0.4}")
 fi
 if [ -n "${FROM:-}" ]; then
   SHAPE=(--from "$FROM" --lr "${LR:-1e-3}")
