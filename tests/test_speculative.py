@@ -472,8 +472,8 @@ def test_policy_with_seeded_costs_needs_no_exploration():
     assert policy.choose(1) == 0
     policy.observe_cost(1, 0, 1.5)  # plain steps cost 0.5 s more than seeded (host work) ...
     assert policy.predicted_cost(1, 0) == 1.5 and policy.predicted_cost(1, 2) == 1.2  # ... spec unaffected
-    policy.observe_cost(1, 2, 1.0)  # a cycle came in 0.2 s under its seed
-    assert policy.predicted_cost(1, 3) == pytest.approx(1.1)
+    policy.observe_cost(1, 2, 1.0)  # a cycle came in 0.2 s under its seed: K=2 is now known live,
+    assert policy.predicted_cost(1, 2) == 1.0 and policy.predicted_cost(1, 3) == pytest.approx(1.1)  # K=3 shifted
     # Tree cycles (small batches of a --spec-topk engine) keep their own acceptance statistics.
     trees = SpecPolicy(EngineConfig(model="x", draft="d", adaptive=True, spec_topk=4, max_spec_steps=3), k_max=3)
     trees.seed_costs({(B, K): 1.0 + 0.1 * K for B in (1, 8) for K in range(4)})
@@ -484,6 +484,36 @@ def test_policy_with_seeded_costs_needs_no_exploration():
     unseeded = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
     assert [unseeded.choose(4) for _ in range(1)] == [0]  # without seeds: exploration first
     assert unseeded.predicted_cost(4, 0) is None
+
+
+def test_policy_explores_out_of_a_bad_estimate():
+    """The H200 batch-64 lock-in: seeds call K=2 cheap, live K=2 cycles are very slow, and the shared
+    speculative offset then makes every K look worse than plain. Periodic exploration of the
+    near-best K still finds K=1, whose live cost is fine, and the policy settles there."""
+    from specserve.engine import adaptive
+    from specserve.engine.adaptive import SpecPolicy
+
+    real = {0: 1.0, 1: 1.3, 2: 3.0, 3: 3.2}  # seconds per step/cycle as the engine would time them
+    policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=3)
+    policy.seed_costs({(64, 0): 1.0, (64, 1): 1.25, (64, 2): 1.05, (64, 3): 1.35})  # K=2 timed too cheap
+    for _ in range(50):
+        policy.observe_acceptance(3, [1], 64)  # the first draft accepted, the second rejected
+    assert policy.choose(64) == 2
+    policy.observe_cost(64, 2, real[2])
+    policy.observe_cost(64, 2, real[2])
+    assert policy.choose(64) == 0  # the offset (+1.95 s) now makes every K look worse than plain
+    picks = []
+    for _ in range(40 * 24):
+        K = policy.choose(64)
+        picks.append(K)
+        policy.observe_cost(64, K, real[K])
+    tail = picks[-240:]
+    assert tail.count(1) > 0.9 * len(tail)  # K=1: ~1.98 tokens per 1.3 s beats plain's 1 per 1.0 s
+    assert policy.snapshot()["64"]["1"]["live_ms"] == pytest.approx(1300.0)
+    # Without a near-best alternative, no exploration: plain stays when speculation is hopeless.
+    lone = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=1)
+    lone.seed_costs({(1, 0): 1.0, (1, 1): 10.0})
+    assert {lone.choose(1) for _ in range(3 * adaptive.EXPLORE_EVERY)} == {0}
 
 
 def test_plain_steps_queued_ahead_while_drafting(pair):

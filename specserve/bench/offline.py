@@ -127,6 +127,7 @@ class EngineUnit:
             spec = {k: _sub(after[k], before[k]) for k in after}
             if policy is not None and self.cfg.get("adaptive"):
                 spec["steps_chosen"] = {k: n - chosen.get(k, 0) for k, n in policy.choices.items() if n > chosen.get(k, 0)}
+                spec["policy"] = policy.snapshot()
         elif self.cfg.name != "baseline":
             spec = _spec_from_outputs(outs)
         ttft = [o.ttft_s or 0.0 for o in outs]
@@ -441,6 +442,8 @@ def summarize(label: str, unit, bs: int, category: str | None, runs, reason: str
                 chosen[str(k)] = chosen.get(str(k), 0) + n
         if chosen:
             details["steps_chosen"] = dict(sorted(chosen.items(), key=lambda kv: int(kv[0])))
+            if specs[-1].get("policy"):  # the adaptive policy's cost table after the last repeat
+                details["policy_costs"] = specs[-1]["policy"]
     elif specs:  # assisted peer: tokens per target forward
         cycles = sum(s["cycles"] for s in specs)
         accept_len = sum(s["tokens"] for s in specs) / cycles if cycles else None

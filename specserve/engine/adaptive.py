@@ -7,13 +7,20 @@ tree cycles, which accept more per position than chains). The policy picks
 the K with the highest expected tokens per second at the current batch size,
 K = 0 included, so speculation is used only where it pays.
 
-Costs per (batch bucket, K) come from a measurement at start-up (`seed_costs`:
-the runner times plain steps and K-cycles on dummy rows) plus a learned offset
-for what the start-up timing cannot see (host bookkeeping, longer contexts):
-one offset per bucket for plain steps and one for speculative cycles, moving
-averages of (measured - seeded). Without seeded costs (e.g. a test that skips
-the start-up measurement) every (bucket, K) is tried twice before the model
-trusts its numbers.
+Costs per (batch bucket, K): once a K has run at a bucket, a moving average of
+its live step times; before that, the start-up measurement (`seed_costs`: the
+runner times plain steps and K-cycles on dummy rows) plus a learned offset for
+what that timing cannot see (host bookkeeping, longer contexts), one per bucket
+for plain steps and one for speculative cycles, moving averages of (measured -
+seeded). Without seeded costs (e.g. a test that skips the start-up measurement)
+every (bucket, K) is tried twice before the model trusts its numbers.
+
+Every EXPLORE_EVERY-th choice at a bucket runs the K with the stalest live cost
+among those within EXPLORE_WITHIN of the best (judged optimistically: a K not yet
+timed live by its start-up cost without the offset), so one bad estimate cannot
+lock the policy out of a better K for good (seen on an H200 at batch 64:
+a few slow K=6 cycles raised the shared offset until plain decoding looked best,
+and K=4, really 1.26x plain, was never tried again).
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 from specserve.config import EngineConfig
 
 _EMA = 0.2
+EXPLORE_EVERY = 24
+EXPLORE_WITHIN = 0.7  # explore a K only if its predicted tokens/s is at least this share of the best
 
 
 def _bucket(B: int) -> int:
@@ -49,6 +58,8 @@ class SpecPolicy:
         self.acc_hits = {mode: [2.0] * k_max for mode in (False, True)}
         self.acc_seen = {mode: [3.0] * k_max for mode in (False, True)}
         self.choices: dict[int, int] = {}  # how often each K was chosen
+        self.decisions: dict[int, int] = {}  # bucket -> choices made there
+        self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, K) -> decision count at its last live timing
         # Tensor-parallel ranks measure different step times; each must run the same K.
         # The TP worker sets this to a broadcast of rank 0's choice (K -> K).
         self.sync_choice = None
@@ -69,22 +80,32 @@ class SpecPolicy:
             self.seeded[(_bucket(B), K)] = seconds
 
     def predicted_cost(self, bucket: int, K: int) -> float | None:
+        if (bucket, K) in self.cost:
+            return self.cost[(bucket, K)]
         if (bucket, K) in self.seeded:
             return self.seeded[(bucket, K)] + self.offset.get((bucket, K > 0), 0.0)
-        return self.cost.get((bucket, K)) if self.tries.get((bucket, K), 0) >= 2 else None
+        return None
 
     def choose(self, B: int) -> int:
         if self.fixed is not None:
             K = self.fixed
         else:
             bucket = _bucket(B)
+            n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
             costs = {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
             untried = [k for k, c in costs.items() if c is None]
             if untried:
                 K = untried[0]
             else:
                 tree = self.tree(B)
-                K = max(costs, key=lambda k: self.expected_tokens(k, tree) / costs[k])
+                rate = {k: self.expected_tokens(k, tree) / c for k, c in costs.items()}
+                K = max(rate, key=rate.get)
+                if n % EXPLORE_EVERY == 0:  # optimistic: a K never timed live is judged by its seed alone
+                    hope = {k: self.expected_tokens(k, tree) / self.cost.get((bucket, k), self.seeded.get((bucket, k), c))
+                            for k, c in costs.items()}
+                    near = [k for k in hope if k != K and hope[k] >= EXPLORE_WITHIN * rate[K]]
+                    if near:
+                        K = min(near, key=lambda k: self.last_seen.get((bucket, k), -1))
             if self.sync_choice is not None:
                 K = self.sync_choice(K)
         self.choices[K] = self.choices.get(K, 0) + 1
@@ -94,16 +115,24 @@ class SpecPolicy:
         key = (_bucket(B), K)
         n = self.tries.get(key, 0)
         self.tries[key] = n + 1
+        self.last_seen[key] = self.decisions.get(key[0], 0)
         if key in self.seeded:  # (start-up timing already ran this shape: no warm-up left to skip)
             okey = (key[0], K > 0)
             old = self.offset.get(okey)
             diff = seconds - self.seeded[key]
             self.offset[okey] = diff if old is None else (1 - _EMA) * old + _EMA * diff
-            return
-        if n == 0:
+        elif n == 0:
             return  # the first run of a shape pays warm-up costs; don't learn from it
         old = self.cost.get(key)
         self.cost[key] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+
+    def snapshot(self) -> dict:
+        """Per bucket and K: start-up and live cost (ms) and how often K was timed (bench details)."""
+        out: dict = {}
+        for b, k in sorted(set(self.seeded) | set(self.cost)):
+            row = {"seeded_ms": self.seeded.get((b, k)), "live_ms": self.cost.get((b, k)), "timed": self.tries.get((b, k), 0)}
+            out.setdefault(str(b), {})[str(k)] = {n: (round(v * 1e3, 3) if isinstance(v, float) else v) for n, v in row.items()}
+        return out
 
     def observe_acceptance(self, K: int, accepted: list[int], B: int) -> None:
         """Accepted counts of a cycle at depth K for a batch of B sequences."""
