@@ -265,7 +265,7 @@ def test_a_parameter_without_gradient_stops_training(tiny_pair, tmp_path, monkey
                        batch_tokens=512, max_len=64, device="cpu", progress=False)
 
 
-def test_regenerate_equals_engine_greedy(tiny_pair, tmp_path):
+def test_regenerate_equals_engine_greedy(tiny_pair, texts, tmp_path):
     """The lockstep regenerator (prompts of different lengths in one batch, a last batch that is
     not full, EOS ends a row) writes exactly what the engine's greedy decoding writes; an
     interrupted run resumes from its file without redoing finished prompts."""
@@ -275,7 +275,7 @@ def test_regenerate_equals_engine_greedy(tiny_pair, tmp_path):
     _, target = tiny_pair
     tok = Tokenizer(target)
     eos = set(tok.eos_token_ids)
-    prompts = [tok.encode(t[: 20 + 37 * i]) for i, t in enumerate(_stdlib_texts(12)[2:11])]
+    prompts = [tok.encode(t[: 20 + 37 * i]) for i, t in enumerate(texts[2:11])]
     assert len({len(p) for p in prompts}) > 5
     llm = LLM(model=str(target), device="cpu", max_num_seqs=4)
     ref = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0))]

@@ -29,7 +29,7 @@ from specserve.config import EngineConfig
 
 _EMA = 0.2
 EXPLORE_EVERY = 24
-EXPLORE_WITHIN = 0.7  # explore a K only if its predicted tokens/s is at least this share of the best
+EXPLORE_WITHIN = 0.7  # explore a K only if its optimistic tokens/s is at least this share of the best
 
 
 def _bucket(B: int) -> int:

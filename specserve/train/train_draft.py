@@ -469,7 +469,6 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
                           + (f" (the last {kept} cut short)" if cut else ""))
                 break
     bar.close()
-    del runner
     return [done[i] for i in sorted(done)]
 
 
