@@ -544,6 +544,70 @@ def test_plain_steps_queued_ahead_while_drafting(pair):
     assert base[0] == plain[0]
 
 
+@pytest.mark.parametrize("mode", ["chain", "tree", "sampled", "adaptive", "position-limit"])
+def test_drafts_queued_ahead_change_nothing(pair, tmp_path, mode):
+    """Each cycle's draft queued behind the previous verify, from entries computed on the device
+    (as on CUDA): the same tokens as drafting after the host read the results, with sequences
+    ending mid-batch (stop ids, lengths), rows moving, K changing between cycles, sampled rows
+    and a drafter position limit; and queued drafts were really used."""
+    target, draft = pair
+    prompts = _prompts(5, seed=17)
+    temperature = 0.8 if mode == "sampled" else 0.0
+    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, stop_token_ids=[5] if i % 2 else [],
+                             ignore_eos=True)
+              for i, n in enumerate((50, 9, 33, 50, 20))]
+    kw = dict(spec_steps=3)
+    if mode == "tree":
+        kw.update(spec_topk=3, spec_tree_max_batch=4)
+    if mode == "adaptive":
+        kw = dict(spec_steps=0, max_spec_steps=3, adaptive=True)
+    if mode == "position-limit":
+        draft = make_drafter(tmp_path / "short", target, draft_vocab=8, max_pos=60)
+
+    def run(ahead: bool):
+        engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
+        engine.launch_ahead = ahead
+        if mode == "adaptive":  # K rising, falling and 0 between cycles
+            steps = iter([3, 3, 2, 3, 1, 1, 0, 3, 2, 2, 3] * 40)
+            engine.policy.choose = lambda B: next(steps)
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_work():
+            engine.step()
+        engine.check_idle_integrity()
+        return [(s.output_ids, s.finish_reason) for s in seqs], engine
+
+    base, engine = run(False)
+    assert engine.drafts_ahead == 0 and engine.totals.cycles > 0
+    assert {r for _, r in base} == {"stop", "length"}
+    out, engine = run(True)
+    assert out == base
+    assert engine.drafts_ahead > 0
+
+
+@pytest.mark.gpu
+def test_drafts_queued_ahead_on_gpu(pair):
+    """On CUDA with graphs (float32): drafts queued behind the previous verify give the tokens that
+    drafting after the host read gives, for chains and trees, greedy and sampled."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target, draft = pair
+    prompts = _prompts(4, seed=43)
+    sampled = SamplingParams(temperature=0.9, max_tokens=40, seed=3, ignore_eos=True)
+    for params in (GREEDY, sampled):
+        for kw in (dict(spec_steps=3), dict(spec_steps=4, spec_topk=3, spec_tree_max_batch=4)):
+            outs = []
+            for ahead in (False, True):
+                engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="float32",
+                                             max_num_seqs=4, **kw))
+                engine.launch_ahead = ahead
+                seqs = [engine.add_request(p, params) for p in prompts]
+                while engine.has_work():
+                    engine.step()
+                outs.append([s.output_ids for s in seqs])
+                assert (engine.drafts_ahead > 0) == ahead
+            assert outs[0] == outs[1], (params, kw)
+
+
 def test_generate_cli_with_a_tree(capsys):
     """`specserve generate --spec-topk/--spec-tokens` on the bundled pair: the same text as plain
     decoding, tree statistics in --json; inconsistent tree flags fail with a clear message."""

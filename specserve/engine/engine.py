@@ -97,6 +97,34 @@ class _Launched:
 
 
 @dataclass
+class _DraftAhead:
+    """A speculative cycle's draft queued behind the previous cycle's verify, before its results
+    were read: valid for the same batch (serials) and K."""
+
+    serials: list[int]
+    K: int
+    draft: object  # DraftResult (chain) or TreeDraft
+    marks: list | None  # profile marks around it
+
+
+def _host_lists(device: torch.device, *tensors: torch.Tensor):
+    """Queue copies of small device tensors into pinned host memory now; the returned function
+    waits for those copies alone (not for work queued after them) and gives the values as lists."""
+    if device.type != "cuda":
+        return lambda: [t.tolist() for t in tensors]
+    hosts = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(hosts, tensors):
+        h.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read():
+        done.synchronize()
+        return [h.tolist() for h in hosts]
+    return read
+
+
+@dataclass
 class Sequence:
     seq_id: str
     prompt_ids: list[int]
@@ -149,6 +177,9 @@ class Engine:
         self.profile: list[dict] = []
         self._sampling_cache: tuple[tuple, BatchSampling] | None = None
         self._ahead: _Launched | None = None  # a plain step queued before the last one was read
+        self._draft_ahead: _DraftAhead | None = None  # a cycle's draft queued before the last cycle was read
+        self._chosen: int | None = None  # K for the next step, when chosen early (with a draft queued ahead)
+        self.drafts_ahead = 0  # speculative cycles whose draft was queued behind the previous verify
         # When the last decode step ended, while decoding runs back to back (None after a prefill or
         # a pause). Step costs for the adaptive policy run from there: the wall time per step as the
         # user sees it, the same for plain steps queued ahead (whose GPU time overlaps the previous
@@ -183,7 +214,7 @@ class Engine:
             raise ValueError(f"K={K} has no captured graphs; this engine supports 0 and {self.spec_values}")
         if K is None and not self.cfg.adaptive:
             raise ValueError("adaptive speculation needs an engine built with adaptive=True")
-        self._ahead = None
+        self._ahead = self._draft_ahead = self._chosen = None
         self.policy.fixed = K
 
     # ------------------------------------------------------------- requests
@@ -324,7 +355,8 @@ class Engine:
     # -------------------------------------------------------------- decode
     def _decode(self) -> list[Sequence]:
         seqs = self.rows[: self.n_running]
-        K = self.policy.choose(len(seqs)) if self.policy else 0
+        chosen, self._chosen = self._chosen, None
+        K = chosen if chosen is not None else (self.policy.choose(len(seqs)) if self.policy else 0)
         self.last_k = K
         t_start = self._decode_end if self._decode_end is not None else time.perf_counter()
         out = self._plain_step(seqs, t_start) if K == 0 else self._spec_step(seqs, K, t_start)
@@ -376,6 +408,7 @@ class Engine:
         r = self.runner
         B = len(seqs)
         drafting = self.drafting
+        self._draft_ahead = None
         ahead, self._ahead = self._ahead, None
         if ahead is not None and [s.serial for s in ahead.seqs] != [s.serial for s in seqs]:
             # The batch changed since that step was queued (a sequence ended or joined). Its tokens
@@ -442,45 +475,55 @@ class Engine:
         # A plain step queued ahead is dropped: it wrote only what this cycle rewrites (target KV
         # from the current position on, drafter inputs past the pending ones).
         self._ahead = None
-        if max(s.pending for s in seqs) > K + 1:
-            self._flush_pending(seqs, keep=1)
+        ahead, self._draft_ahead = self._draft_ahead, None
         prof = self.cfg.profile
-        marks = [_Mark(self.device) for _ in range(4)] if prof else None
-        if prof:
-            marks[0].record()
         # Drafting is skipped (acceptance forced to 0) where the drafter would pass its trained positions.
         limit = r.drafter_max_pos
         spec_ok = [limit is None or s.num_cached + K <= limit for s in seqs]
-        entry_pos = torch.full((B, K + 1), r.scratch, dtype=torch.long)
-        for b, s in enumerate(seqs):
-            if spec_ok[b]:
-                start = s.num_cached - s.pending
-                entry_pos[b, : s.pending] = torch.arange(start, start + s.pending)
-        last_idx = torch.tensor([s.pending - 1 for s in seqs])
         sampling = self._sampling(seqs)
-        entry_pos, last_idx = to_device(entry_pos, self.device), to_device(last_idx, self.device)
         tree = self.cfg.drafts_tree(B)
-        draft = r.draft_tree(K, entry_pos, last_idx) if tree else r.draft(K, entry_pos, last_idx, sampling)
-        if prof:
-            marks[1].record()
+        if ahead is not None and ahead.K == K and ahead.serials == [s.serial for s in seqs]:
+            draft, marks = ahead.draft, ahead.marks  # queued behind the last verify (`_draft_next`)
+            self.drafts_ahead += 1
+        else:
+            if max(s.pending for s in seqs) > K + 1:
+                self._flush_pending(seqs, keep=1)
+            marks = [_Mark(self.device) for _ in range(2)] if prof else None
+            if prof:
+                marks[0].record()
+            entry_pos = torch.full((B, K + 1), r.scratch, dtype=torch.long)
+            for b, s in enumerate(seqs):
+                if spec_ok[b]:
+                    start = s.num_cached - s.pending
+                    entry_pos[b, : s.pending] = torch.arange(start, start + s.pending)
+            last_idx = torch.tensor([s.pending - 1 for s in seqs])
+            entry_pos, last_idx = to_device(entry_pos, self.device), to_device(last_idx, self.device)
+            draft = r.draft_tree(K, entry_pos, last_idx) if tree else r.draft(K, entry_pos, last_idx, sampling)
+            if prof:
+                marks[1].record()
         last = to_device([s.last_token for s in seqs], self.device)
         pos0 = to_device([s.num_cached for s in seqs], self.device)
         enabled = to_device(spec_ok, self.device, torch.bool)
+        if prof:
+            marks = marks + [_Mark(self.device) for _ in range(3)]
+            marks[2].record()
         if tree:  # acceptance, KV move and the drafter's next inputs happen in the verify graph
             n_acc, grid, _ = r.verify_tree(K, last, pos0, enabled, sampling)
             if prof:
-                marks[2].record()
+                marks[3].record()
         else:
             logits, feats = r.verify(torch.cat([last.unsqueeze(1), draft.tokens], 1), pos0)
             if prof:
-                marks[2].record()
+                marks[3].record()
             n_acc, next_tok = accept_drafts(logits, draft, sampling, pos0, enabled)
             grid = emitted_tokens(draft.tokens, n_acc, next_tok)  # also the drafter's next input tokens
             r.pending_tok[:B, : K + 1] = grid
             r.pending_feat[:B, : K + 1] = feats
-        acc_list, grid_list = n_acc.tolist(), grid.tolist()  # the one host sync of the cycle
         if prof:
-            marks[3].record()
+            marks[4].record()
+        results = _host_lists(self.device, n_acc, grid)
+        self._draft_next(seqs, K, n_acc, pos0, sampling)
+        acc_list, grid_list = results()  # the one host sync of the cycle
         for b, seq in enumerate(seqs):
             a = acc_list[b]
             if spec_ok[b]:
@@ -493,8 +536,40 @@ class Engine:
             self.policy.observe_cost(B, K, time.perf_counter() - t_start)
             self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if spec_ok[b]], B)
         if prof:
-            self.profile.append({"batch": B, "K": K, **_Mark.spans(marks, ("draft", "verify", "accept"))})
+            spans = _Mark.spans(marks, {"draft": (0, 1), "verify": (2, 3), "accept": (3, 4)})
+            self.profile.append({"batch": B, "K": K, **spans})
         return list(seqs)
+
+    def _draft_next(self, seqs: list[Sequence], K: int, n_acc: torch.Tensor, pos0: torch.Tensor,
+                    sampling: BatchSampling) -> None:
+        """Choose the next step's K now and, where the batch should stay as it is, queue that cycle's
+        draft behind this cycle's verify: the GPU then drafts while the host reads and books this
+        cycle's tokens (the host work of a cycle, ~0.7 ms on an H200, otherwise leaves it idle).
+        Its inputs are known on the device: the entries at pos0 .. pos0 + accepted (see `_spec_step`).
+        Not when a sequence may end by length this cycle or new requests wait (the batch would
+        change), or when the next K is smaller (the entries might not fit without a flush)."""
+        if not self.launch_ahead or self.waiting or self.n_prefill:
+            return
+        if not all(len(s.output_ids) + K + 1 < s.params.max_tokens and s.total_len + K + 1 < self.max_model_len
+                   for s in seqs):
+            return
+        r, B = self.runner, len(seqs)
+        K2 = self._chosen = self.policy.choose(B)
+        limit = r.drafter_max_pos
+        if K2 < K or (limit is not None and any(s.num_cached + K + 1 + K2 > limit for s in seqs)):
+            return
+        marks = [_Mark(self.device) for _ in range(2)] if self.cfg.profile else None
+        if marks:
+            marks[0].record()
+        j = torch.arange(K2 + 1, device=self.device)
+        entry_pos = torch.where(j <= n_acc.unsqueeze(1), pos0.unsqueeze(1) + j, r.scratch)
+        if self.cfg.drafts_tree(B):
+            draft = r.draft_tree(K2, entry_pos, n_acc)
+        else:
+            draft = r.draft(K2, entry_pos, n_acc, sampling)
+        if marks:
+            marks[1].record()
+        self._draft_ahead = _DraftAhead([s.serial for s in seqs], K2, draft, marks)
 
     # ------------------------------------------------------------ finishing
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
@@ -586,8 +661,9 @@ class _Mark:
             self.t = time.perf_counter()
 
     @staticmethod
-    def spans(marks: list["_Mark"], names: tuple[str, ...]) -> dict:
+    def spans(marks: list["_Mark"], between: dict[str, tuple[int, int]]) -> dict:
+        """Milliseconds {name: from mark i to mark j} for between = {name: (i, j)}."""
         if marks[0].cuda:
             marks[-1].ev.synchronize()
-            return {n: marks[i].ev.elapsed_time(marks[i + 1].ev) for i, n in enumerate(names)}
-        return {n: (marks[i + 1].t - marks[i].t) * 1000 for i, n in enumerate(names)}
+            return {n: marks[i].ev.elapsed_time(marks[j].ev) for n, (i, j) in between.items()}
+        return {n: (marks[j].t - marks[i].t) * 1000 for n, (i, j) in between.items()}
