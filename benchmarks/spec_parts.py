@@ -8,7 +8,9 @@ setting and batch size, one engine with CUDA graphs (one per setting) replays ea
 back at a context of 256 tokens and reports the median time (CUDA events, host launch gaps
 included) of: the decode step, the draft, the verify forward and the acceptance (greedy rule;
 for trees it runs inside the verify graph, with the KV move). Costs only: the drafts are
-whatever the weights give.
+whatever the weights give. With --kernels N, each part's graph replay is also profiled: its N
+costliest kernels (GPU us per replay, count) and the sum of all kernel time, so the gap to the
+replay's wall time is what launch gaps and idle cost.
 """
 
 from __future__ import annotations
@@ -25,7 +27,25 @@ from specserve.engine.sampling import BatchSampling, SamplingParams
 from specserve.engine.speculative import accept_drafts
 
 
-def parts(model: str, draft: str, K: int, topk: int, nodes: int | None, batch_sizes: list[int], ctx: int) -> list[dict]:
+def top_kernels(fn, n: int, reps: int = 10) -> dict:
+    """GPU time per call of fn's kernels (CUDA graph replays included): the n costliest, and the sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kernels = [(ev.self_device_time_total / reps, ev.count / reps, ev.key) for ev in prof.key_averages()
+               if ev.device_type.name == "CUDA" and ev.self_device_time_total > 0]
+    kernels.sort(reverse=True)
+    return {"kernel_us": round(sum(k[0] for k in kernels), 1), "kernels_per_call": round(sum(k[1] for k in kernels), 1),
+            "top": [{"us": round(us, 1), "count": round(c, 1), "name": name[:90]} for us, c, name in kernels[:n]]}
+
+
+def parts(model: str, draft: str, K: int, topk: int, nodes: int | None, batch_sizes: list[int], ctx: int,
+          kernels: int = 0) -> list[dict]:
     eng = Engine(EngineConfig(model=model, draft=draft, spec_steps=K, spec_topk=topk, spec_tokens=nodes,
                               max_num_seqs=max(batch_sizes), graph_batch_sizes=tuple(batch_sizes),
                               max_model_len=ctx + 128))
@@ -53,6 +73,13 @@ def parts(model: str, draft: str, K: int, topk: int, nodes: int | None, batch_si
             row["draft_ms"] = gpu_ms(lambda: r.draft(K, entry, last, greedy))
             row["verify_ms"] = gpu_ms(lambda: r.verify(v_ids, pos))
             row["accept_ms"] = gpu_ms(lambda: accept_drafts(logits, d, greedy, pos, on))
+        if kernels:
+            parts_fns = {"decode": lambda: r.decode(ids, pos)}
+            if topk > 1:
+                parts_fns.update(draft=lambda: r.draft_tree(K, entry, last), verify=lambda: r.verify_tree(K, ids, pos, on))
+            else:
+                parts_fns.update(draft=lambda: r.draft(K, entry, last, greedy), verify=lambda: r.verify(v_ids, pos))
+            row["kernels"] = {name: top_kernels(fn, kernels) for name, fn in parts_fns.items()}
         row["cycle_ms"] = row["draft_ms"] + row["verify_ms"] + row["accept_ms"]
         row["cycle_over_decode"] = row["cycle_ms"] / row["decode_ms"]
         out.append(row)
@@ -68,13 +95,14 @@ def main() -> None:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
     p.add_argument("--trees", nargs="+", default=["4:1:-", "6:1:-", "4:4:16", "6:4:24", "6:8:48"])
     p.add_argument("--context", type=int, default=256)
+    p.add_argument("--kernels", type=int, default=0, metavar="N", help="profile each part: its N costliest kernels")
     p.add_argument("--out")
     args = p.parse_args()
     rows = []
     for spec in args.trees:
         K, topk, nodes = spec.split(":")
         rows += parts(args.model, args.draft, int(K), int(topk), None if nodes == "-" else int(nodes),
-                      args.batch_sizes, args.context)
+                      args.batch_sizes, args.context, args.kernels)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"context": args.context, "parts": rows}, f, indent=1)
@@ -83,6 +111,12 @@ def main() -> None:
     for x in rows:
         print(f"| {x['K']} | {x['topk']} | {x['nodes']} | {x['batch']} | {x['decode_ms']:.2f} | {x['draft_ms']:.2f} | "
               f"{x['verify_ms']:.2f} | {x['accept_ms']:.3f} | {x['cycle_over_decode']:.2f} |")
+    for x in rows:
+        for part, k in x.get("kernels", {}).items():
+            print(f"\n{part} K={x['K']} topk={x['topk']} B={x['batch']}: {k['kernel_us']} us in "
+                  f"{k['kernels_per_call']} kernels")
+            for t in k["top"]:
+                print(f"  {t['us']:8.1f} us  x{t['count']:<5} {t['name']}")
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 triton = pytest.importorskip("triton")
 from specserve.model import kernels as K  # noqa: E402
@@ -122,10 +123,22 @@ def _sdpa_reference(q, kc, vc, row_start, widx, scale):
     return torch.einsum("bhtl,bhld->bthd", s.softmax(-1), v)
 
 
+def _nan_scratch(monkeypatch):
+    """Fresh float32 buffers come filled with NaN: a kernel reading partial results it never
+    wrote (the attention's key splits past every query's last key) then fails the test."""
+    empty = torch.empty
+
+    def nan_empty(*a, **kw):
+        t = empty(*a, **kw)
+        return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
 @pytest.mark.parametrize("B,T,length", [(1, 1, 200), (3, 5, 700), (2, 16, 130)])
-def test_cache_attention(B, T, length):
+def test_cache_attention(B, T, length, monkeypatch):
     """Decode (T=1), verify (T=K+1) and draft-extend shapes, GQA 4:1, several key chunks,
     a padding query (scratch slot) and rows offset in the cache."""
+    _nan_scratch(monkeypatch)
     H, Hkv, D, rows = 8, 2, 64, 5
     dtype = torch.float16
     g = torch.Generator().manual_seed(3)
@@ -158,10 +171,11 @@ def _tree_visibility(widx, base, anc, length):
     return vis
 
 
-def test_cache_attention_tree_mask():
+def test_cache_attention_tree_mask(monkeypatch):
     """Tree verify: a root at index p and five nodes after it (root -> 1 -> 3, root -> 2 -> 4 -> 5):
     each query sees the context, the root, its ancestors and itself, not its siblings' branches.
     The Triton kernel and the SDPA bias (CPU path) against a key-by-key reference."""
+    _nan_scratch(monkeypatch)
     from specserve.model.layers import ForwardContext
 
     H, Hkv, D, length, B, T = 4, 2, 32, 160, 2, 6
@@ -204,3 +218,55 @@ def test_gemv(rows, dtype):
     for cfg in K.GEMV_CONFIGS[min(rows, 2)]:
         cfg = (cfg[0], 128) + cfg[2:]  # a K block that leaves a partial last block
         torch.testing.assert_close(K.gemv_triton(x, w, cfg).float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_cpu_linear_tuning(monkeypatch):
+    """oneDNN with a packed weight (CPU): `linear` equals F.linear at every row count, on both
+    sides of each weight's switch-over, with and without bias; the switch-over follows the timings."""
+    g = torch.Generator().manual_seed(7)
+    ws = [torch.randn(n, k, generator=g) for n, k in ((512, 64), (64, 64), (96, 192))]
+    report = K.tune_linear_cpu(ws)
+    assert set(report) == {"512x64", "64x64", "96x192"}
+    for w in ws:
+        assert w.cpu_packed is None or (w.cpu_packed[1] >= 1 and w.cpu_packed[0].is_mkldnn)
+    # Pretend oneDNN wins from 4 rows on: it must take over from 3 rows (past the last MKL win, 2).
+    times = iter([1.0, 2.0, 1.0, 2.0] + [2.0, 1.0] * 4)  # (MKL, oneDNN) per row count 1 2 4 8 16 64
+    monkeypatch.setattr(K, "_cpu_us", lambda fn, reps=20: next(times))
+    K.tune_linear_cpu(ws[:1])
+    assert ws[0].cpu_packed[1] == 3
+    b = torch.randn(512, generator=g)
+    for w in ws:
+        for rows in (1, 2, 3, 5, 9, 64):
+            x = torch.randn(2, rows, w.shape[1], generator=g)
+            torch.testing.assert_close(K.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(K.linear(x[..., :64], ws[0], b), F.linear(x[..., :64], ws[0], b), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(K, "FUSED", False)  # SPECSERVE_FUSED_KERNELS=0: plain F.linear everywhere
+    K.tune_linear_cpu(ws)
+    assert all(w.cpu_packed is None for w in ws)
+
+
+@pytest.mark.parametrize("k,V", [(3, 50), (8, 2048)])
+def test_tree_level(k, V):
+    """One depth of tree drafting in two kernels against the reference: children's scores (below
+    their parents', also at a parent score of 0), ids, the candidate lists and the next frontier."""
+    B, M, off = 2, 4 * k * k, 5
+    g = torch.Generator().manual_seed(k)
+    logits = (torch.randn(B, k, V, generator=g) * 3).to(DEV)
+    front = -torch.rand(B, k, generator=g).to(DEV) * 5
+    front[0, 0] = 0.0  # a parent scoring 0: its children must still score below it
+    bits = torch.randint(0, 1 << 40, (B, k), generator=g).to(DEV)
+    idx = torch.randint(0, 100, (B, k), generator=g).to(DEV)
+    outs = []
+    for fn in (K.tree_level_ref, K.tree_level_triton):
+        lists = (torch.zeros(B, M, device=DEV), torch.zeros(B, M, dtype=torch.long, device=DEV),
+                 torch.zeros(B, M, dtype=torch.long, device=DEV))
+        outs.append((fn(logits, front, bits, idx, 7, *lists, off), lists))
+    (want, want_lists), (got, got_lists) = outs
+    torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)  # scores
+    for a, b in zip(got[1:], want[1:]):  # ids, frontier node, bits, candidate index
+        assert torch.equal(a, b)
+    torch.testing.assert_close(got_lists[0], want_lists[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(got_lists[1], want_lists[1]) and torch.equal(got_lists[2], want_lists[2])
+    child = got_lists[0][:, off: off + k * k].view(B, k, k)
+    assert torch.all(child < front.unsqueeze(-1))
+

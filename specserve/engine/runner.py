@@ -55,6 +55,7 @@ from specserve.engine.sampling import (
     sample_tokens,
     uniform,
 )
+from specserve.model.kernels import tree_level
 from specserve.model.layers import ForwardContext, pin_attributes
 from specserve.model.loader import load_drafter, load_target, resolve_device, resolve_dtype
 
@@ -139,32 +140,34 @@ class ModelRunner:
                     f"drafter vocab_size {self.draft_cfg.vocab_size} differs from the target's {self.model_cfg.vocab_size}"
                 )
         self.load_seconds = time.perf_counter() - t0
-        self.linear_tuning = self._tune_linear()
         if self.device.type == "cpu":  # eager Python on every forward there
             if self.drafter is not None:
                 self.drafter.fuse_projections()
             for m in (self.target, self.drafter):
                 if m is not None:
                     pin_attributes(m)
+        self.linear_tuning = self._tune_linear()
         self._allocate()
         self.graphs: dict[tuple, _Graph] = {}
         self.graph_batch_sizes: tuple[int, ...] = ()
         self.graph_pool = None
 
     def _tune_linear(self) -> dict:
-        """Per weight shape and row count, cuBLAS or the GEMV kernel: whichever is faster here."""
-        if self.device.type != "cuda":
-            return {}
-        from specserve.model.kernels import tune_linear
+        """Per weight shape and row count, the fastest product here: on GPU cuBLAS or the GEMV
+        kernel, on CPU MKL or oneDNN with a packed weight."""
+        from specserve.model.kernels import tune_linear, tune_linear_cpu
 
         t0 = time.perf_counter()
         mods = [self.target] + ([self.drafter] if self.drafter is not None else [])
+        tensors = [p for m in mods for p in m.parameters()]
+        if self.drafter is not None:  # the stacked CPU copies (fuse_projections)
+            tensors += [self.drafter.midlayer.self_attn.qkv_weight, self.drafter.midlayer.mlp.gate_up_weight]
         seen, weights = set(), []
-        for p in (p for m in mods for p in m.parameters()):
-            if p.dim() == 2 and p.data_ptr() not in seen:
+        for p in tensors:
+            if p is not None and p.dim() == 2 and p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 weights.append(p)
-        report = tune_linear(weights)
+        report = tune_linear(weights) if self.device.type == "cuda" else tune_linear_cpu(weights)
         if report:
             log.info("linear kernels tuned in %.1fs: %s", time.perf_counter() - t0, report)
         return report
@@ -366,51 +369,48 @@ class ModelRunner:
         p_last = pos[rows, last]  # the last real entry; drafter tree slots follow it
         pad = (p_last == scratch).unsqueeze(1)
         g = out[rows, last].unsqueeze(1)  # [B, 1, H]
-
-        def log_probs(h):  # finite, so a child's score can always be made smaller than its parent's
-            return torch.log_softmax(d.logits(h), -1).clamp_min(-1e4)
-
-        score, ids = log_probs(g[:, 0]).topk(k, -1)  # [B, k]
-        scores, cand_ids, parents = [score], [ids], [torch.full((B, k), -1, device=dev)]
-        front_score, front_ids, front_g = score, ids, g.expand(B, k, g.shape[-1]).contiguous()
+        # Candidates: k at depth 1, then k*k per depth; their score, draft id and parent candidate.
+        M = k + (K - 1) * k * k
+        all_score = torch.empty(B, M, dtype=torch.float32, device=dev)
+        all_ids = torch.empty(B, M, dtype=torch.long, device=dev)
+        all_par = torch.empty(B, M, dtype=torch.long, device=dev)
+        # finite log-probabilities, so a child's score can always be made smaller than its parent's
+        score, ids = torch.log_softmax(d.logits(g[:, 0]), -1).clamp_min(-1e4).topk(k, -1)  # [B, k]
+        all_score[:, :k], all_ids[:, :k], all_par[:, :k] = score, ids, -1
+        front_g = g.expand(B, k, g.shape[-1]).contiguous()
         front_idx = torch.arange(k, device=dev).expand(B, k)
         front_bits = torch.zeros(B, k, dtype=torch.long, device=dev)
         base = torch.where(pad[:, 0], scratch, p_last + 1)
+        # Per depth i (1..K-1): the frontier's drafter slots, its own ancestor bits and rope position.
+        own = torch.arange((K - 1) * k, device=dev).view(K - 1, k)
+        slots = torch.where(pad.unsqueeze(-1), scratch, p_last.view(B, 1, 1) + 1 + own)  # [B, K-1, k]
+        own_bits = 1 << own
+        rope = (p_last.unsqueeze(1) + torch.arange(1, K, device=dev)).clamp(max=scratch)  # [B, K-1]
         for i in range(1, K):
-            own = (i - 1) * k + torch.arange(k, device=dev)
-            slots = torch.where(pad, scratch, p_last.unsqueeze(1) + 1 + own)
-            bits = front_bits | (1 << own)
-            rope = (p_last + i).clamp(max=scratch).unsqueeze(1).expand(B, k)
-            g = d(d.to_target_ids(front_ids), front_g, self._context(slots, rope, tree=(base, bits)))  # [B, k, H]
-            lp, cid = log_probs(g).topk(k, -1)  # [B, k, k]
-            parent = front_score.unsqueeze(-1)
-            child = torch.minimum(parent + lp, torch.nextafter(parent, torch.full_like(parent, -float("inf"))))
-            child, cid = child.flatten(1), cid.flatten(1)
-            scores.append(child)
-            cand_ids.append(cid)
-            parents.append(front_idx.repeat_interleave(k, 1))
-            front_score, pick = child.topk(k, -1)
-            from_node = pick // k
-            front_ids = cid.gather(1, pick)
-            front_g = g.gather(1, from_node.unsqueeze(-1).expand(-1, -1, g.shape[-1]))
-            front_bits = bits.gather(1, from_node)
-            front_idx = (k + (i - 1) * k * k) + pick
-        all_score = torch.cat(scores, 1)
+            bits = front_bits | own_bits[i - 1]
+            ctx = self._context(slots[:, i - 1], rope[:, i - 1: i].expand(B, k), tree=(base, bits))
+            g = d(d.to_target_ids(ids), front_g, ctx)  # [B, k, H]
+            off = k + (i - 1) * k * k
+            score, ids, node, front_bits, front_idx = tree_level(
+                d.logits(g), score, bits, front_idx, off, all_score, all_ids, all_par, off)
+            front_g = g.gather(1, node.unsqueeze(-1).expand(-1, -1, g.shape[-1]))
         sel = all_score.topk(N, -1).indices.sort(-1).values  # [B, N], parents before children
-        tokens = d.to_target_ids(torch.cat(cand_ids, 1).gather(1, sel))
-        cand = torch.arange(all_score.shape[1], device=dev)  # depth 1: k candidates, then k*k per depth
+        tokens = d.to_target_ids(all_ids.gather(1, sel))
+        cand = torch.arange(M, device=dev)
         depth = torch.where(cand < k, 1, 2 + (cand - k).div(k * k, rounding_mode="floor")).expand(B, -1).gather(1, sel)
-        parent_cand = torch.cat(parents, 1).gather(1, sel)
-        row_of = torch.zeros_like(all_score, dtype=torch.long).scatter(
-            1, sel, torch.arange(1, N + 1, device=dev).expand(B, N))
+        parent_cand = all_par.gather(1, sel)
+        row_of = torch.zeros_like(all_ids).scatter(1, sel, torch.arange(1, N + 1, device=dev).expand(B, N))
         parent_row = torch.where(parent_cand < 0, 0, row_of.gather(1, parent_cand.clamp_min(0)))
-        own = 1 << torch.arange(N, device=dev)
-        anc = torch.zeros(B, N, dtype=torch.long, device=dev)
-        for level in range(1, K + 1):
-            from_parent = torch.where(parent_row == 0, 0, anc.gather(1, (parent_row - 1).clamp_min(0)))
-            anc = torch.where(depth == level, from_parent | own, anc)
+        # Ancestor-or-self bits by pointer jumping (column 0 = the root: no bits, its own parent):
+        # after round t each node holds itself and its 2^t - 1 nearest ancestors.
+        zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        anc = torch.cat([zero, 1 << torch.arange(N, device=dev).expand(B, N)], 1)
+        up = torch.cat([zero, parent_row], 1)
+        for _ in range(max(1, (K - 1).bit_length())):
+            anc = anc | anc.gather(1, up)
+            up = up.gather(1, up)
         out = self.tree.head(B, N)
-        for buf, val in zip((out.tokens, out.parents, out.depth, out.anc), (tokens, parent_row, depth, anc)):
+        for buf, val in zip((out.tokens, out.parents, out.depth, out.anc), (tokens, parent_row, depth, anc[:, 1:])):
             buf.copy_(val)
         return ()
 

@@ -22,8 +22,10 @@ everywhere (for A/B measurements). Without a GPU, tests run the ``*_triton``
 launchers through Triton's interpreter (TRITON_INTERPRET=1, set by conftest).
 
 ``linear`` is F.linear or, for 1-8 rows where a startup measurement found it
-faster for the weight's shape, a Triton GEMV (see ``tune_linear``). With
-``SPECSERVE_FUSED_KERNELS=0`` the engine does not tune, so F.linear is used.
+faster for the weight's shape, a Triton GEMV (see ``tune_linear``); on the CPU, from
+the row count where a startup measurement found it faster, oneDNN with the weight packed
+once (see ``tune_linear_cpu``). With ``SPECSERVE_FUSED_KERNELS=0`` the engine does not
+tune, so F.linear is used.
 
 On Hopper and later every kernel here is launched with programmatic dependent
 launch (``_wait_for_previous``): it is scheduled while the kernel before it
@@ -254,21 +256,28 @@ if triton is not None:
                 v = tl.load(vc_ptr + kv_off, mask=kmask[:, None], other=0.0)
                 acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
                 m_i = m_new
-        part = ((b * n_kv + kvh) * n_split + sp) * BLOCK_Q + r
-        tl.store(o_ptr + part[:, None] * D + offs_d[None, :], acc)
-        tl.store(ml_ptr + part * 2, m_i)
-        tl.store(ml_ptr + part * 2 + 1, l_i)
+        # Splits wholly past every query's last key (most of them at short contexts: the split count
+        # is fixed by the cache length for the graphs) write nothing; the combine skips them.
+        if lo < hi:
+            part = ((b * n_kv + kvh) * n_split + sp) * BLOCK_Q + r
+            tl.store(o_ptr + part[:, None] * D + offs_d[None, :], acc)
+            tl.store(ml_ptr + part * 2, m_i)
+            tl.store(ml_ptr + part * 2 + 1, l_i)
 
-    @triton.jit(do_not_specialize=["T", "n_split"])
-    def _attn_combine_kernel(o_ptr, ml_ptr, out_ptr, T, H, G, n_kv, n_split,
-                             D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "scratch"])
+    def _attn_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, G, n_kv, n_split, widx_stride, scratch,
+                             D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                             PDL: tl.constexpr):
         _wait_for_previous(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         r = tl.program_id(2)
         if r < G * T:
+            widx = tl.load(widx_ptr + b * widx_stride + r // G)
+            # splits up to the one holding this query's last key (none for a padding query)
+            used = tl.where(widx == scratch, 0, widx // CHUNK + 1)
             sp = tl.arange(0, SPLITS)
-            smask = sp < n_split
+            smask = sp < used
             part = ((b * n_kv + kvh) * n_split + sp) * BLOCK_Q + r
             m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
             l = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
@@ -280,6 +289,62 @@ if triton is not None:
             o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
             head = (b * T + r // G) * H + kvh * G + r % G
             tl.store(out_ptr + head * D + offs_d, o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit(do_not_specialize=["V"])
+    def _tree_expand_kernel(logits_ptr, parent_ptr, child_ptr, cid_ptr, V,
+                            TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+        # Program = one frontier node: its TOPK best children by log-probability, each scored
+        # min(parent + log p, the float just below the parent) (see tree_level_ref).
+        row = tl.program_id(0)
+        _wait_for_previous(PDL)
+        offs = tl.arange(0, BLOCK_V)
+        x = tl.load(logits_ptr + row.to(tl.int64) * V + offs, mask=offs < V, other=float("-inf"))
+        m = tl.max(x, axis=0)
+        lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
+        parent = tl.load(parent_ptr + row)
+        pb = parent.to(tl.int32, bitcast=True)
+        below = tl.where(parent > 0, pb - 1, tl.where(parent == 0, -2147483647, pb + 1)).to(tl.float32, bitcast=True)
+        kr = tl.arange(0, KP)
+        vals = tl.full([KP], float("-inf"), tl.float32)
+        ids = tl.zeros([KP], tl.int64)
+        for r in tl.static_range(TOPK):
+            v = tl.max(x, axis=0)
+            i = tl.argmax(x, axis=0)
+            vals = tl.where(kr == r, v, vals)
+            ids = tl.where(kr == r, i.to(tl.int64), ids)
+            x = tl.where(offs == i, float("-inf"), x)
+        child = tl.minimum(parent + tl.maximum(vals - lse, -1e4), below)
+        tl.store(child_ptr + row * TOPK + kr, child, mask=kr < TOPK)
+        tl.store(cid_ptr + row * TOPK + kr, ids, mask=kr < TOPK)
+
+    @triton.jit(do_not_specialize=["all_stride", "off", "idx_base"])
+    def _tree_front_kernel(child_ptr, cid_ptr, bits_ptr, idx_ptr, score_out, ids_out, node_out, bits_out, idx_out,
+                           all_score_ptr, all_ids_ptr, all_par_ptr, all_stride, off, idx_base,
+                           TOPK: tl.constexpr, KK: tl.constexpr, PDL: tl.constexpr):
+        # Program = one sequence: record this depth's TOPK*TOPK candidates, keep the TOPK best as
+        # the next frontier (with their ids, parent node, ancestor bits and candidate index).
+        b = tl.program_id(0)
+        _wait_for_previous(PDL)
+        c = tl.arange(0, KK)
+        cm = c < TOPK * TOPK
+        src = b * TOPK * TOPK + c
+        x = tl.load(child_ptr + src, mask=cm, other=float("-inf"))
+        cid = tl.load(cid_ptr + src, mask=cm, other=0)
+        par = tl.load(idx_ptr + b * TOPK + c // TOPK, mask=cm, other=0)
+        dst = b.to(tl.int64) * all_stride + off + c
+        tl.store(all_score_ptr + dst, x, mask=cm)
+        tl.store(all_ids_ptr + dst, cid, mask=cm)
+        tl.store(all_par_ptr + dst, par, mask=cm)
+        for r in tl.static_range(TOPK):
+            v = tl.max(x, axis=0)
+            pick = tl.argmax(x, axis=0)
+            x = tl.where(c == pick, float("-inf"), x)
+            node = pick // TOPK
+            tl.store(score_out + b * TOPK + r, v)
+            tl.store(ids_out + b * TOPK + r, tl.load(cid_ptr + b * TOPK * TOPK + pick))
+            tl.store(node_out + b * TOPK + r, node.to(tl.int64))
+            tl.store(bits_out + b * TOPK + r, tl.load(bits_ptr + b * TOPK + node))
+            tl.store(idx_out + b * TOPK + r, (idx_base + pick).to(tl.int64))
 
 # ----------------------------------------------------------------------------- dispatch
 
@@ -404,8 +469,9 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
         D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, CHUNK=chunk, TREE=tree, num_warps=4, num_stages=2,
         **_pdl_args(q))
     out = torch.empty_like(q)
-    _attn_combine_kernel[(B, n_kv, block_q)](part, ml, out, T, H, G, n_kv, n_split, D=D, BLOCK_Q=block_q,
-                                             SPLITS=triton.next_power_of_2(n_split), num_warps=1, **_pdl_args(q))
+    _attn_combine_kernel[(B, n_kv, block_q)](part, ml, out, write_idx, T, H, G, n_kv, n_split, write_idx.stride(0),
+                                             scratch, D=D, BLOCK_Q=block_q, SPLITS=triton.next_power_of_2(n_split),
+                                             CHUNK=chunk, num_warps=1, **_pdl_args(q))
     return out
 
 
@@ -484,8 +550,12 @@ def _rows_bucket(rows: int) -> int | None:
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, or the GEMV kernel where `tune_linear` found it faster for this shape and row count."""
-    if not x.is_cuda:  # nothing tuned there: straight to F.linear (this runs for every product on the CPU)
+    """F.linear, or the kernel `tune_linear` (GPU: a GEMV) or `tune_linear_cpu` (oneDNN, packed
+    weight) found faster for this weight and row count."""
+    if not x.is_cuda:  # (this runs for every product on the CPU: a few attribute reads at most)
+        packed = getattr(w, "cpu_packed", None)
+        if packed is not None and x.numel() >= packed[1] * x.shape[-1]:
+            return torch.ops.mkldnn._linear_pointwise(x, packed[0], b, "none", [], "")
         return F.linear(x, w, b)
     rows = x.numel() // x.shape[-1]
     bucket = _rows_bucket(rows)
@@ -555,3 +625,124 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
     # it stays reserved and the KV-cache plan (and `specserve check`'s estimate) is off by it.
     torch.cuda.empty_cache()
     return report
+
+
+# ----------------------------------------------------------------------------- CPU products
+
+# MKL's sgemm (what F.linear runs on the CPU) packs the weight on every call: on the demo's
+# shapes 5 rows cost ~3x what 1 row does (4096x128: 102 vs 33 us, one thread), so a verify of
+# K+1 rows costs far more than a decode step. oneDNN with the weight packed once at load costs
+# nearly the same for 2-9 rows (39 us there), but has ~8 us of fixed cost that loses at 1 row
+# and on small weights. So per weight shape the runner measures both at a few row counts and
+# `linear` switches to the packed product from the smallest count where it wins from there on.
+CPU_ROWS = (1, 2, 4, 8, 16, 64)
+CPU_PACK_MAX_BYTES = 2 << 30  # packed copies double those weights' memory: only for small models
+
+
+def _cpu_us(fn, reps: int = 20) -> float:
+    import time
+
+    fn()
+    times = []
+    for _ in range(5):  # best of 5 rounds: a loaded machine only ever adds time
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        times.append((time.perf_counter() - t0) / reps)
+    return min(times) * 1e6
+
+
+@torch.inference_mode()
+def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
+    """Set `w.cpu_packed` on each of `weights` (CPU tensors): (oneDNN-packed copy, rows from which
+    `linear` uses it), or None where MKL wins at every row count measured (or oneDNN is missing).
+    Timed once per shape, at the current torch thread count. Returns {"NxK": {rows: (MKL us,
+    oneDNN us)}, ...} for logging."""
+    weights = [w for w in weights if w.dim() == 2 and not w.is_cuda and w.dtype in (torch.float32, torch.bfloat16)]
+    for w in weights:
+        w.cpu_packed = None
+    if not FUSED or not torch.backends.mkldnn.is_available() or not weights:
+        return {}
+    if sum(w.numel() * w.element_size() for w in weights) > CPU_PACK_MAX_BYTES:
+        log.info("CPU weights over %d GiB: oneDNN packing skipped (it would copy them)", CPU_PACK_MAX_BYTES >> 30)
+        return {}
+    pack = torch.ops.mkldnn._reorder_linear_weight
+    product = torch.ops.mkldnn._linear_pointwise
+    report, start_at = {}, {}
+    for w in weights:
+        key = (tuple(w.shape), w.dtype)
+        if key not in start_at:
+            try:
+                packed = pack(w, 8)
+                times = {}
+                for rows in CPU_ROWS:
+                    x = torch.randn(rows, w.shape[1], dtype=w.dtype)
+                    times[rows] = (_cpu_us(lambda: F.linear(x, w)), _cpu_us(lambda: product(x, packed, None, "none", [], "")))
+            except RuntimeError as e:  # a oneDNN build that cannot take this shape or dtype
+                log.warning("oneDNN product for %s skipped: %s", tuple(w.shape), e)
+                start_at[key] = None
+                continue
+            wins = [rows for rows, (mkl, dnnl) in times.items() if dnnl < 0.95 * mkl]
+            # the smallest row count from which oneDNN wins at every larger one measured
+            first = next((r for r in CPU_ROWS if all(q in wins for q in CPU_ROWS if q >= r)), None)
+            start_at[key] = first
+            report[f"{w.shape[0]}x{w.shape[1]}"] = {r: (round(a, 1), round(b, 1)) for r, (a, b) in times.items()}
+        first = start_at[key]
+        if first is not None:
+            # rows between two measured counts use the packed product from just past the last MKL win
+            prev = max((r for r in CPU_ROWS if r < first), default=0)
+            w.cpu_packed = (pack(w, 8), prev + 1)
+    return report
+
+
+# ----------------------------------------------------------------------------- tree drafting
+
+TREE_MAX_VOCAB = 8192  # a draft vocabulary held in one program's registers; larger ones take the reference
+
+
+def tree_level_ref(logits, front_score, bits, front_idx, idx_base: int, all_score, all_ids, all_par, off: int):
+    """One depth of greedy tree drafting. `logits` [B, k, V]: the drafter's next-token logits at
+    each of the k frontier nodes (scores `front_score` [B, k], ancestor bits `bits`, candidate
+    indices `front_idx`). Each node offers its k best children, scored min(parent + log p, the
+    float just below the parent): finite, and always below the parent. The k*k candidates go to
+    columns off.. of `all_score`/`all_ids`/`all_par` (score, draft id, parent's candidate index);
+    returns the next frontier: (score, draft id, frontier node it grows from, its bits, its
+    candidate index idx_base + position among the k*k)."""
+    k = front_score.shape[1]
+    lp, cid = torch.log_softmax(logits, -1).clamp_min(-1e4).topk(k, -1)
+    parent = front_score.unsqueeze(-1)
+    child = torch.minimum(parent + lp, torch.nextafter(parent, torch.full_like(parent, -float("inf"))))
+    child, cid = child.flatten(1), cid.flatten(1)
+    all_score[:, off: off + k * k] = child
+    all_ids[:, off: off + k * k] = cid
+    all_par[:, off: off + k * k] = front_idx.repeat_interleave(k, 1)
+    score, pick = child.topk(k, -1)
+    node = pick // k
+    return score, cid.gather(1, pick), node, bits.gather(1, node), idx_base + pick
+
+
+def tree_level(logits, front_score, bits, front_idx, idx_base: int, all_score, all_ids, all_par, off: int):
+    """`tree_level_ref` in two kernels on GPU (the reference's ~20 small kernels per depth cost
+    ~50 us of launch slots even inside a CUDA graph)."""
+    if not (use_triton(logits) and logits.shape[-1] <= TREE_MAX_VOCAB and logits.is_contiguous()
+            and all_score.is_contiguous()):
+        return tree_level_ref(logits, front_score, bits, front_idx, idx_base, all_score, all_ids, all_par, off)
+    return tree_level_triton(logits, front_score, bits, front_idx, idx_base, all_score, all_ids, all_par, off)
+
+
+def tree_level_triton(logits, front_score, bits, front_idx, idx_base: int, all_score, all_ids, all_par, off: int):
+    B, k, V = logits.shape
+    dev = logits.device
+    child = torch.empty(B, k * k, dtype=torch.float32, device=dev)
+    cid = torch.empty(B, k * k, dtype=torch.long, device=dev)
+    block_v = triton.next_power_of_2(V)
+    _tree_expand_kernel[(B * k,)](logits, front_score.contiguous(), child, cid, V, TOPK=k,
+                                  KP=triton.next_power_of_2(k), BLOCK_V=block_v,
+                                  num_warps=max(1, min(8, block_v // 256)), **_pdl_args(logits))
+    score, ids, node, new_bits, idx = (torch.empty(B, k, dtype=t, device=dev)
+                                       for t in (torch.float32, torch.long, torch.long, torch.long, torch.long))
+    _tree_front_kernel[(B,)](child, cid, bits.contiguous(), front_idx.contiguous(), score, ids, node, new_bits, idx,
+                             all_score, all_ids, all_par, all_score.stride(0), off, idx_base,
+                             TOPK=k, KK=triton.next_power_of_2(k * k), num_warps=1, **_pdl_args(logits))
+    return score, ids, node, new_bits, idx
+
