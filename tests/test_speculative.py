@@ -549,7 +549,8 @@ def test_drafts_queued_ahead_change_nothing(pair, tmp_path, mode):
     """Each cycle's draft queued behind the previous verify, from entries computed on the device
     (as on CUDA): the same tokens as drafting after the host read the results, with sequences
     ending mid-batch (stop ids, lengths), rows moving, K changing between cycles, sampled rows
-    and a drafter position limit; and queued drafts were really used."""
+    and a drafter position limit (also the same drafts: acceptance per position is equal); and
+    queued drafts were really used."""
     target, draft = pair
     prompts = _prompts(5, seed=17)
     temperature = 0.8 if mode == "sampled" else 0.0
@@ -579,9 +580,12 @@ def test_drafts_queued_ahead_change_nothing(pair, tmp_path, mode):
     base, engine = run(False)
     assert engine.drafts_ahead == 0 and engine.totals.cycles > 0
     assert {r for _, r in base} == {"stop", "length"}
+    drafts = engine.totals.as_dict()
     out, engine = run(True)
     assert out == base
     assert engine.drafts_ahead > 0
+    # The same drafts too (a wrong drafter input would change acceptance, not the tokens).
+    assert engine.totals.as_dict() == drafts
 
 
 @pytest.mark.gpu

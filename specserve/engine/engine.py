@@ -522,7 +522,7 @@ class Engine:
         if prof:
             marks[4].record()
         results = _host_lists(self.device, n_acc, grid)
-        self._draft_next(seqs, K, n_acc, pos0, sampling)
+        kept = self._draft_next(seqs, K, n_acc, pos0, sampling)
         acc_list, grid_list = results()  # the one host sync of the cycle
         for b, seq in enumerate(seqs):
             a = acc_list[b]
@@ -530,7 +530,7 @@ class Engine:
                 seq.spec.record(K, a)
                 self.totals.record(K, a)
             seq.num_cached += a + 1
-            seq.pending = a + 1
+            seq.pending = min(a + 1, kept)
             self._append(seq, grid_list[b][: a + 1])
         if self.policy:
             self.policy.observe_cost(B, K, time.perf_counter() - t_start)
@@ -541,35 +541,50 @@ class Engine:
         return list(seqs)
 
     def _draft_next(self, seqs: list[Sequence], K: int, n_acc: torch.Tensor, pos0: torch.Tensor,
-                    sampling: BatchSampling) -> None:
+                    sampling: BatchSampling) -> int:
         """Choose the next step's K now and, where the batch should stay as it is, queue that cycle's
         draft behind this cycle's verify: the GPU then drafts while the host reads and books this
         cycle's tokens (the host work of a cycle, ~0.7 ms on an H200, otherwise leaves it idle).
         Its inputs are known on the device: the entries at pos0 .. pos0 + accepted (see `_spec_step`).
-        Not when a sequence may end by length this cycle or new requests wait (the batch would
-        change), or when the next K is smaller (the entries might not fit without a flush)."""
+        A smaller next K first feeds the drafter the entries its draft has no room for, on the device
+        too, so cycles after a switch down overlap as others do (without that, the adaptive policy
+        timed such K slower than they run and favoured larger ones). Not when a sequence may end by
+        length this cycle or new requests wait (the batch would change). Returns how many pending
+        entries each row keeps (K + 1: all of them)."""
         if not self.launch_ahead or self.waiting or self.n_prefill:
-            return
+            return K + 1
         if not all(len(s.output_ids) + K + 1 < s.params.max_tokens and s.total_len + K + 1 < self.max_model_len
                    for s in seqs):
-            return
+            return K + 1
         r, B = self.runner, len(seqs)
         K2 = self._chosen = self.policy.choose(B)
         limit = r.drafter_max_pos
-        if K2 < K or (limit is not None and any(s.num_cached + K + 1 + K2 > limit for s in seqs)):
-            return
+        if K2 == 0 or (limit is not None and any(s.num_cached + K + 1 + K2 > limit for s in seqs)):
+            return K + 1
         marks = [_Mark(self.device) for _ in range(2)] if self.cfg.profile else None
         if marks:
             marks[0].record()
+        last = n_acc
+        if K2 < K:  # entries 0 .. a - K2 - 1 go to the drafter now; the rest move to the front
+            fed = (n_acc - K2).clamp_min(0).unsqueeze(1)
+            j = torch.arange(K + 1, device=self.device)
+            r.drafter_extend(0, r.pending_tok[:B, : K + 1], r.pending_feat[:B, : K + 1],
+                             torch.where(j < fed, pos0.unsqueeze(1) + j, r.scratch))
+            src = (fed + j[: K2 + 1]).clamp(max=K)
+            r.pending_tok[:B, : K2 + 1] = r.pending_tok[:B, : K + 1].gather(1, src)
+            feat = r.pending_feat[:B, : K + 1]
+            r.pending_feat[:B, : K2 + 1] = feat.gather(1, src.unsqueeze(-1).expand(-1, -1, feat.shape[-1]))
+            pos0, last = pos0 + fed[:, 0], n_acc - fed[:, 0]
         j = torch.arange(K2 + 1, device=self.device)
-        entry_pos = torch.where(j <= n_acc.unsqueeze(1), pos0.unsqueeze(1) + j, r.scratch)
+        entry_pos = torch.where(j <= last.unsqueeze(1), pos0.unsqueeze(1) + j, r.scratch)
         if self.cfg.drafts_tree(B):
-            draft = r.draft_tree(K2, entry_pos, n_acc)
+            draft = r.draft_tree(K2, entry_pos, last)
         else:
-            draft = r.draft(K2, entry_pos, n_acc, sampling)
+            draft = r.draft(K2, entry_pos, last, sampling)
         if marks:
             marks[1].record()
         self._draft_ahead = _DraftAhead([s.serial for s in seqs], K2, draft, marks)
+        return min(K, K2) + 1
 
     # ------------------------------------------------------------ finishing
     def _append(self, seq: Sequence, tokens: list[int]) -> None:
