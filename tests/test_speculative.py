@@ -516,6 +516,25 @@ def test_policy_explores_out_of_a_bad_estimate():
     assert {lone.choose(1) for _ in range(3 * adaptive.EXPLORE_EVERY)} == {0}
 
 
+def test_policy_judges_each_k_by_its_own_cycles():
+    """H200 batch 16: K=8 cycles accept less per position than K=4 cycles (a cycle starts after the
+    last rejection, harder text, more often with long drafts). Rates pooled from mostly-K=8 cycles
+    made K=4 look worse than K=8 (2.8 vs 3.3 tokens) though it ran faster (1.93x vs 2.18x plain)."""
+    from specserve.engine.adaptive import SpecPolicy
+
+    k8 = [0] * 37 + [1] * 17 + [2] * 6 + [3] * 7 + [4] * 5 + [5] * 3 + [7] + [8] * 24  # 3.84 tokens per cycle
+    k4 = [0] * 25 + [1] * 18 + [2] * 7 + [3] * 6 + [4] * 44  # 3.26 tokens per cycle
+    policy = SpecPolicy(EngineConfig(model="x", adaptive=True, max_spec_steps=8, spec_steps=0), k_max=8)
+    policy.seed_costs({(16, K): 0.0064 + (0.0016 * (K - 4) / 4 if K >= 4 else -0.0005 * (4 - K)) for K in range(9)})
+    policy.seed_costs({(16, 0): 0.0063})
+    for _ in range(3):
+        policy.observe_acceptance(8, k8, 16)
+    policy.observe_acceptance(4, k4, 16)
+    assert policy.expected_tokens(8) == pytest.approx(3.84, abs=0.05)
+    assert policy.expected_tokens(4) > 3.1  # its own 3.26 per cycle, barely pulled to the pooled 2.8
+    assert policy.choose(16) == 4  # 3.2 tokens / 6.4 ms beats 3.84 / 8.0 ms
+
+
 def test_plain_steps_queued_ahead_while_drafting(pair):
     """Adaptive mode switching between plain steps (queued ahead, drafter inputs written on the
     device) and speculative cycles (which drop a queued step): the same tokens as without
