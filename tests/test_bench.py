@@ -177,6 +177,7 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
             r = rows[(f"eagle3:steps={K}", bs)]
             assert 1.0 <= r["accept_length"] <= K + 1 and len(r["accept_per_position"]) == K
             assert r["details"]["cycles"] > 0
+            assert r["details"]["cycles_drafted_ahead"] == 0  # (nothing runs asynchronously on the CPU)
         assert rows[("hf-assisted", 1)]["accept_length"] >= 1.0
         assert rows[("eagle3:steps=3,topk=3", bs)]["details"]["cycles"] > 0  # a tree config (own engine)
     assert rows[("hf", 1)]["details"]["cache"] in ("static", "dynamic")
@@ -503,6 +504,8 @@ def test_offline_bench_on_gpu_with_cuda_graphs(monkeypatch, pair, tmp_path):
         assert r["available"], r
         if r["kind"] == "engine":
             assert r["matches_baseline"] is True, r["config"]
+        if r["config"] == "eagle3:steps=2":  # drafts queued behind the previous verify
+            assert r["details"]["cycles_drafted_ahead"] > 0
 
 
 def test_peer_process_dies_with_a_killed_bench(tmp_path):

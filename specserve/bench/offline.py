@@ -164,8 +164,11 @@ def _totals(eng) -> dict | None:
     t = getattr(eng, "totals", None)
     if t is None:
         return None
-    return {"cycles": t.cycles, "drafted": t.drafted, "accepted": t.accepted,
-            "accepted_per_pos": list(t.accepted_per_pos), "drafted_per_pos": list(t.drafted_per_pos)}
+    out = {"cycles": t.cycles, "drafted": t.drafted, "accepted": t.accepted,
+           "accepted_per_pos": list(t.accepted_per_pos), "drafted_per_pos": list(t.drafted_per_pos)}
+    if hasattr(eng, "drafts_ahead"):  # (a TP engine's view does not count them)
+        out["drafts_ahead"] = eng.drafts_ahead
+    return out
 
 
 def _sub(a, b):
@@ -436,6 +439,8 @@ def summarize(label: str, unit, bs: int, category: str | None, runs, reason: str
         while per_pos and per_pos[-1] is None:  # a shared engine's counters are as wide as its largest K
             per_pos.pop()
         details.update(cycles=cycles, drafted_tokens=sum(s["drafted"] for s in specs), accepted_tokens=accepted)
+        if any("drafts_ahead" in s for s in specs):  # cycles whose draft was queued behind the last verify
+            details["cycles_drafted_ahead"] = sum(s.get("drafts_ahead", 0) for s in specs)
         chosen: dict[str, int] = {}
         for s in specs:
             for k, n in (s.get("steps_chosen") or {}).items():
