@@ -59,27 +59,20 @@ def parts(model: str, draft: str, K: int, topk: int, nodes: int | None, batch_si
         last = torch.zeros(B, dtype=torch.long, device=dev)
         greedy = BatchSampling.build([SamplingParams(temperature=0)] * B, [0] * B, dev)
         on = torch.ones(B, dtype=torch.bool, device=dev)
-        row = {"K": K, "topk": topk, "nodes": eng.cfg.tree_nodes(K), "batch": B,
-               "decode_ms": gpu_ms(lambda: r.decode(ids, pos))}
+        fns = {"decode": lambda: r.decode(ids, pos)}
         if topk > 1:  # the verify graph includes acceptance, the KV move and the drafter inputs
             r.draft_tree(K, entry, last)
-            row["draft_ms"] = gpu_ms(lambda: r.draft_tree(K, entry, last))
-            row["verify_ms"] = gpu_ms(lambda: r.verify_tree(K, ids, pos, on))
-            row["accept_ms"] = 0.0
+            fns.update(draft=lambda: r.draft_tree(K, entry, last), verify=lambda: r.verify_tree(K, ids, pos, on))
         else:
             d = r.draft(K, entry, last, greedy)
             v_ids = torch.cat([ids.unsqueeze(1), d.tokens], 1)
             logits, _ = r.verify(v_ids, pos)
-            row["draft_ms"] = gpu_ms(lambda: r.draft(K, entry, last, greedy))
-            row["verify_ms"] = gpu_ms(lambda: r.verify(v_ids, pos))
-            row["accept_ms"] = gpu_ms(lambda: accept_drafts(logits, d, greedy, pos, on))
+            fns.update(draft=lambda: r.draft(K, entry, last, greedy), verify=lambda: r.verify(v_ids, pos))
+        row = {"K": K, "topk": topk, "nodes": eng.cfg.tree_nodes(K), "batch": B,
+               **{f"{name}_ms": gpu_ms(fn) for name, fn in fns.items()},
+               "accept_ms": gpu_ms(lambda: accept_drafts(logits, d, greedy, pos, on)) if topk == 1 else 0.0}
         if kernels:
-            parts_fns = {"decode": lambda: r.decode(ids, pos)}
-            if topk > 1:
-                parts_fns.update(draft=lambda: r.draft_tree(K, entry, last), verify=lambda: r.verify_tree(K, ids, pos, on))
-            else:
-                parts_fns.update(draft=lambda: r.draft(K, entry, last, greedy), verify=lambda: r.verify(v_ids, pos))
-            row["kernels"] = {name: top_kernels(fn, kernels) for name, fn in parts_fns.items()}
+            row["kernels"] = {name: top_kernels(fn, kernels) for name, fn in fns.items()}
         row["cycle_ms"] = row["draft_ms"] + row["verify_ms"] + row["accept_ms"]
         row["cycle_over_decode"] = row["cycle_ms"] / row["decode_ms"]
         out.append(row)

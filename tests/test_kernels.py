@@ -260,7 +260,7 @@ def test_tree_level(k, V):
     for fn in (K.tree_level_ref, K.tree_level_triton):
         lists = (torch.zeros(B, M, device=DEV), torch.zeros(B, M, dtype=torch.long, device=DEV),
                  torch.zeros(B, M, dtype=torch.long, device=DEV))
-        outs.append((fn(logits, front, bits, idx, 7, *lists, off), lists))
+        outs.append((fn(logits, front, bits, idx, *lists, off), lists))
     (want, want_lists), (got, got_lists) = outs
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)  # scores
     for a, b in zip(got[1:], want[1:]):  # ids, frontier node, bits, candidate index

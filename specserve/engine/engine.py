@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Callable
 
 import torch
 
@@ -79,34 +80,6 @@ class SpecStats:
                 "accept_length_mean": self.accept_length, "accept_per_position": self.accept_per_position}
 
 
-@dataclass
-class _Launched:
-    """A plain decode step queued on the device: its sampled tokens, and their host copy."""
-
-    seqs: list["Sequence"]
-    tokens: torch.Tensor  # [B] on the device
-    pos: torch.Tensor  # [B] positions of the step's input tokens
-    host: torch.Tensor  # pinned copy of tokens, complete once `done` is reached
-    done: "torch.cuda.Event | None"
-    pending_at: torch.Tensor | None = None  # [B] drafter-input slot each token was written to (drafting)
-
-    def token_list(self) -> list[int]:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host.tolist()
-
-
-@dataclass
-class _DraftAhead:
-    """A speculative cycle's draft queued behind the previous cycle's verify, before its results
-    were read: valid for the same batch (serials) and K."""
-
-    serials: list[int]
-    K: int
-    draft: object  # DraftResult (chain) or TreeDraft
-    marks: list | None  # profile marks around it
-
-
 def _host_lists(device: torch.device, *tensors: torch.Tensor):
     """Queue copies of small device tensors into pinned host memory now; the returned function
     waits for those copies alone (not for work queued after them) and gives the values as lists."""
@@ -122,6 +95,31 @@ def _host_lists(device: torch.device, *tensors: torch.Tensor):
         done.synchronize()
         return [h.tolist() for h in hosts]
     return read
+
+
+@dataclass
+class _Launched:
+    """A plain decode step queued on the device: its sampled tokens, and their host copy."""
+
+    seqs: list["Sequence"]
+    tokens: torch.Tensor  # [B] on the device
+    pos: torch.Tensor  # [B] positions of the step's input tokens
+    read: Callable[[], list[list[int]]]  # waits for the tokens' host copy (`_host_lists`)
+    pending_at: torch.Tensor | None = None  # [B] drafter-input slot each token was written to (drafting)
+
+    def token_list(self) -> list[int]:
+        return self.read()[0]
+
+
+@dataclass
+class _DraftAhead:
+    """A speculative cycle's draft queued behind the previous cycle's verify, before its results
+    were read: valid for the same batch (serials) and K."""
+
+    serials: list[int]
+    K: int
+    draft: object  # DraftResult (chain) or TreeDraft
+    marks: list | None  # profile marks around it
 
 
 @dataclass
@@ -383,13 +381,7 @@ class Engine:
             rows = torch.arange(len(seqs), device=self.device)
             r.pending_tok[rows, pending_at] = tokens
             r.pending_feat[rows, pending_at] = feats[:, 0]
-        host, done = tokens, None
-        if self.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record()
-        return _Launched(list(seqs), tokens, pos, host, done, pending_at)
+        return _Launched(list(seqs), tokens, pos, _host_lists(self.device, tokens), pending_at)
 
     def _may_launch_ahead(self, seqs: list[Sequence]) -> bool:
         """Queue the next plain step before reading this one's tokens? With nothing waiting to join,
@@ -447,27 +439,28 @@ class Engine:
 
     def _flush_pending(self, seqs: list[Sequence], keep: int) -> None:
         """Feed the drafter all but the last `keep` pending entries of each row, then move those
-        `keep` entries to the front (one gather for all rows: a loop of per-row copies cost two
-        kernel launches per sequence)."""
-        r = self.runner
-        B, W = len(seqs), r.pending_width
-        pos = torch.full((B, W), r.scratch, dtype=torch.long)
-        src = torch.arange(keep).repeat(B, 1)  # rows with nothing to feed keep their entries in place
-        for b, s in enumerate(seqs):
-            n = s.pending - keep
-            if n > 0:
-                start = s.num_cached - s.pending
-                pos[b, :n] = torch.arange(start, start + n)
-                src[b] += n
-        pos = to_device(pos, self.device)
-        if r.drafter_max_pos is not None:
-            pos = torch.where(pos >= r.drafter_max_pos, torch.full_like(pos, r.scratch), pos)
-        r.drafter_extend(0, r.pending_tok[:B], r.pending_feat[:B], pos)
-        src = to_device(src, self.device)
-        r.pending_tok[:B, :keep] = r.pending_tok[:B].gather(1, src)
-        r.pending_feat[:B, :keep] = r.pending_feat[:B].gather(1, src.unsqueeze(-1).expand(-1, -1, r.pending_feat.shape[-1]))
+        `keep` entries to the front."""
+        start = to_device([s.num_cached - s.pending for s in seqs], self.device)
+        fed = to_device([max(s.pending - keep, 0) for s in seqs], self.device)
+        self._feed_pending(len(seqs), self.runner.pending_width, start, fed, keep)
         for s in seqs:
             s.pending = min(s.pending, keep)
+
+    def _feed_pending(self, B: int, width: int, start: torch.Tensor, fed: torch.Tensor, keep: int) -> None:
+        """Feed the drafter the first fed[b] of row b's pending entries (at positions start[b]..),
+        then move the `keep` entries after them to the front: one drafter forward and one gather
+        for all rows (a loop of per-row copies cost two kernel launches per sequence). Device
+        tensors in, nothing read back: it can be queued ahead (`_draft_next`)."""
+        r = self.runner
+        j = torch.arange(width, device=self.device)
+        pos = torch.where(j < fed.unsqueeze(1), start.unsqueeze(1) + j, r.scratch)
+        if r.drafter_max_pos is not None:
+            pos = torch.where(pos >= r.drafter_max_pos, r.scratch, pos)
+        r.drafter_extend(0, r.pending_tok[:B, :width], r.pending_feat[:B, :width], pos)
+        src = (fed.unsqueeze(1) + j[:keep]).clamp(max=width - 1)  # rows with nothing fed keep theirs in place
+        r.pending_tok[:B, :keep] = r.pending_tok[:B, :width].gather(1, src)
+        feat = r.pending_feat[:B, :width]
+        r.pending_feat[:B, :keep] = feat.gather(1, src.unsqueeze(-1).expand(-1, -1, feat.shape[-1]))
 
     def _spec_step(self, seqs: list[Sequence], K: int, t_start: float) -> list[Sequence]:
         r = self.runner
@@ -566,15 +559,9 @@ class Engine:
             marks[0].record()
         last = n_acc
         if K2 < K:  # entries 0 .. a - K2 - 1 go to the drafter now; the rest move to the front
-            fed = (n_acc - K2).clamp_min(0).unsqueeze(1)
-            j = torch.arange(K + 1, device=self.device)
-            r.drafter_extend(0, r.pending_tok[:B, : K + 1], r.pending_feat[:B, : K + 1],
-                             torch.where(j < fed, pos0.unsqueeze(1) + j, r.scratch))
-            src = (fed + j[: K2 + 1]).clamp(max=K)
-            r.pending_tok[:B, : K2 + 1] = r.pending_tok[:B, : K + 1].gather(1, src)
-            feat = r.pending_feat[:B, : K + 1]
-            r.pending_feat[:B, : K2 + 1] = feat.gather(1, src.unsqueeze(-1).expand(-1, -1, feat.shape[-1]))
-            pos0, last = pos0 + fed[:, 0], n_acc - fed[:, 0]
+            fed = (n_acc - K2).clamp_min(0)
+            self._feed_pending(B, K + 1, pos0, fed, K2 + 1)
+            pos0, last = pos0 + fed, n_acc - fed
         j = torch.arange(K2 + 1, device=self.device)
         entry_pos = torch.where(j <= last.unsqueeze(1), pos0.unsqueeze(1) + j, r.scratch)
         if self.cfg.drafts_tree(B):

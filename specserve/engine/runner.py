@@ -392,7 +392,7 @@ class ModelRunner:
             g = d(d.to_target_ids(ids), front_g, ctx)  # [B, k, H]
             off = k + (i - 1) * k * k
             score, ids, node, front_bits, front_idx = tree_level(
-                d.logits(g), score, bits, front_idx, off, all_score, all_ids, all_par, off)
+                d.logits(g), score, bits, front_idx, all_score, all_ids, all_par, off)
             front_g = g.gather(1, node.unsqueeze(-1).expand(-1, -1, g.shape[-1]))
         sel = all_score.topk(N, -1).indices.sort(-1).values  # [B, N], parents before children
         tokens = d.to_target_ids(all_ids.gather(1, sel))

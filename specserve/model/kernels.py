@@ -40,6 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import time
 
 import torch
 import torch.nn.functional as F
@@ -317,9 +318,9 @@ if triton is not None:
         tl.store(child_ptr + row * TOPK + kr, child, mask=kr < TOPK)
         tl.store(cid_ptr + row * TOPK + kr, ids, mask=kr < TOPK)
 
-    @triton.jit(do_not_specialize=["all_stride", "off", "idx_base"])
+    @triton.jit(do_not_specialize=["all_stride", "off"])
     def _tree_front_kernel(child_ptr, cid_ptr, bits_ptr, idx_ptr, score_out, ids_out, node_out, bits_out, idx_out,
-                           all_score_ptr, all_ids_ptr, all_par_ptr, all_stride, off, idx_base,
+                           all_score_ptr, all_ids_ptr, all_par_ptr, all_stride, off,
                            TOPK: tl.constexpr, KK: tl.constexpr, PDL: tl.constexpr):
         # Program = one sequence: record this depth's TOPK*TOPK candidates, keep the TOPK best as
         # the next frontier (with their ids, parent node, ancestor bits and candidate index).
@@ -344,7 +345,7 @@ if triton is not None:
             tl.store(ids_out + b * TOPK + r, tl.load(cid_ptr + b * TOPK * TOPK + pick))
             tl.store(node_out + b * TOPK + r, node.to(tl.int64))
             tl.store(bits_out + b * TOPK + r, tl.load(bits_ptr + b * TOPK + node))
-            tl.store(idx_out + b * TOPK + r, (idx_base + pick).to(tl.int64))
+            tl.store(idx_out + b * TOPK + r, (off + pick).to(tl.int64))
 
 # ----------------------------------------------------------------------------- dispatch
 
@@ -640,8 +641,6 @@ CPU_PACK_MAX_BYTES = 2 << 30  # packed copies double those weights' memory: only
 
 
 def _cpu_us(fn, reps: int = 20) -> float:
-    import time
-
     fn()
     times = []
     for _ in range(5):  # best of 5 rounds: a loaded machine only ever adds time
@@ -671,6 +670,7 @@ def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
     report, start_at = {}, {}
     for w in weights:
         key = (tuple(w.shape), w.dtype)
+        packed = None
         if key not in start_at:
             try:
                 packed = pack(w, 8)
@@ -691,7 +691,7 @@ def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
         if first is not None:
             # rows between two measured counts use the packed product from just past the last MKL win
             prev = max((r for r in CPU_ROWS if r < first), default=0)
-            w.cpu_packed = (pack(w, 8), prev + 1)
+            w.cpu_packed = (packed if packed is not None else pack(w, 8), prev + 1)  # (the timed copy is w's)
     return report
 
 
@@ -700,14 +700,14 @@ def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
 TREE_MAX_VOCAB = 8192  # a draft vocabulary held in one program's registers; larger ones take the reference
 
 
-def tree_level_ref(logits, front_score, bits, front_idx, idx_base: int, all_score, all_ids, all_par, off: int):
+def tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int):
     """One depth of greedy tree drafting. `logits` [B, k, V]: the drafter's next-token logits at
     each of the k frontier nodes (scores `front_score` [B, k], ancestor bits `bits`, candidate
     indices `front_idx`). Each node offers its k best children, scored min(parent + log p, the
     float just below the parent): finite, and always below the parent. The k*k candidates go to
     columns off.. of `all_score`/`all_ids`/`all_par` (score, draft id, parent's candidate index);
     returns the next frontier: (score, draft id, frontier node it grows from, its bits, its
-    candidate index idx_base + position among the k*k)."""
+    candidate index: off + position among the k*k)."""
     k = front_score.shape[1]
     lp, cid = torch.log_softmax(logits, -1).clamp_min(-1e4).topk(k, -1)
     parent = front_score.unsqueeze(-1)
@@ -718,19 +718,19 @@ def tree_level_ref(logits, front_score, bits, front_idx, idx_base: int, all_scor
     all_par[:, off: off + k * k] = front_idx.repeat_interleave(k, 1)
     score, pick = child.topk(k, -1)
     node = pick // k
-    return score, cid.gather(1, pick), node, bits.gather(1, node), idx_base + pick
+    return score, cid.gather(1, pick), node, bits.gather(1, node), off + pick
 
 
-def tree_level(logits, front_score, bits, front_idx, idx_base: int, all_score, all_ids, all_par, off: int):
+def tree_level(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int):
     """`tree_level_ref` in two kernels on GPU (the reference's ~20 small kernels per depth cost
     ~50 us of launch slots even inside a CUDA graph)."""
     if not (use_triton(logits) and logits.shape[-1] <= TREE_MAX_VOCAB and logits.is_contiguous()
             and all_score.is_contiguous()):
-        return tree_level_ref(logits, front_score, bits, front_idx, idx_base, all_score, all_ids, all_par, off)
-    return tree_level_triton(logits, front_score, bits, front_idx, idx_base, all_score, all_ids, all_par, off)
+        return tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off)
+    return tree_level_triton(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off)
 
 
-def tree_level_triton(logits, front_score, bits, front_idx, idx_base: int, all_score, all_ids, all_par, off: int):
+def tree_level_triton(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int):
     B, k, V = logits.shape
     dev = logits.device
     child = torch.empty(B, k * k, dtype=torch.float32, device=dev)
@@ -742,7 +742,7 @@ def tree_level_triton(logits, front_score, bits, front_idx, idx_base: int, all_s
     score, ids, node, new_bits, idx = (torch.empty(B, k, dtype=t, device=dev)
                                        for t in (torch.float32, torch.long, torch.long, torch.long, torch.long))
     _tree_front_kernel[(B,)](child, cid, bits.contiguous(), front_idx.contiguous(), score, ids, node, new_bits, idx,
-                             all_score, all_ids, all_par, all_score.stride(0), off, idx_base,
+                             all_score, all_ids, all_par, all_score.stride(0), off,
                              TOPK=k, KK=triton.next_power_of_2(k * k), num_warps=1, **_pdl_args(logits))
     return score, ids, node, new_bits, idx
 
