@@ -1,9 +1,9 @@
 """Skinny matmul on one GPU: cuBLAS against a plain Triton GEMV, timed inside CUDA graphs.
 
-    python benchmarks/gemv_sweep.py [--out DIR]
+    python benchmarks/gemv_sweep.py [--rows 1 4 16 32 64] [--out DIR]
 
-Decode multiplies 1-16 token rows by each weight; the step is bound by how fast
-those weights stream from HBM. Each timing is a CUDA graph of 8 products over 8
+Decode multiplies 1-16 token rows by each weight, a verify forward up to 64 (a
+31-node tree: 32); the step is bound by how fast those weights stream from HBM. Each timing is a CUDA graph of 8 products over 8
 distinct copies of the weight (so nothing is served from the 60 MB L2), replayed
 20 times; GB/s = weight bytes / time. The kernel is specserve's GEMV
 (specserve/model/kernels.py); this sweep chose the configs the engine tunes among.
@@ -31,18 +31,21 @@ from specserve.model.kernels import gemv_triton, graph_us  # noqa: E402
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32, 64])
     args = ap.parse_args()
-    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    # Llama-3.1-8B's qkv, o, gate_up, down and lm_head
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
     configs = {1: list(itertools.product((8, 16, 32), (256, 512), (4, 8), (4,))),
-               4: list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4)))}
+               2: list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))),
+               16: list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4)))}
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "shapes": {}}
-    for (N, K), M in itertools.product(shapes, (1, 4)):
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8)]
+    for (N, K), M in itertools.product(shapes, args.rows):
+        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8 if N * K < 1e8 else 3)]
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         gb = N * K * 2 / 1e3  # bytes / 1e3 -> GB/s when divided by us
         ref = F.linear(x, ws[0]).float()
         entry = {"cublas_GBs": gb / graph_us([lambda w=w: F.linear(x, w) for w in ws], reps=20), "triton": []}
-        for cfg in configs[M]:
+        for cfg in configs[1 if M == 1 else 2 if M <= 8 else 16]:
             try:
                 err = ((gemv_triton(x, ws[0], cfg).float() - ref).norm() / ref.norm()).item()
                 us = graph_us([lambda w=w: gemv_triton(x, w, cfg) for w in ws], reps=20)

@@ -10,7 +10,8 @@ included) of: the decode step, the draft, the verify forward and the acceptance 
 for trees it runs inside the verify graph, with the KV move). Costs only: the drafts are
 whatever the weights give. With --kernels N, each part's graph replay is also profiled: its N
 costliest kernels (GPU us per replay, count) and the sum of all kernel time, so the gap to the
-replay's wall time is what launch gaps and idle cost.
+replay's wall time is what launch gaps and idle cost. With --sequence, each part's kernels of one
+replay in launch order (name, GPU us) go into the JSON: where a part's kernel count comes from.
 """
 
 from __future__ import annotations
@@ -44,8 +45,21 @@ def top_kernels(fn, n: int, reps: int = 10) -> dict:
             "top": [{"us": round(us, 1), "count": round(c, 1), "name": name[:90]} for us, c, name in kernels[:n]]}
 
 
+def kernel_sequence(fn) -> list[tuple[str, float]]:
+    """The kernels of one call of fn in the order they ran: (name, GPU us)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    return [(e.name[:80], round(e.time_range.elapsed_us(), 1)) for e in evs]
+
+
 def parts(model: str, draft: str, K: int, topk: int, nodes: int | None, batch_sizes: list[int], ctx: int,
-          kernels: int = 0) -> list[dict]:
+          kernels: int = 0, sequence: bool = False) -> list[dict]:
     eng = Engine(EngineConfig(model=model, draft=draft, spec_steps=K, spec_topk=topk, spec_tokens=nodes,
                               max_num_seqs=max(batch_sizes), graph_batch_sizes=tuple(batch_sizes),
                               max_model_len=ctx + 128))
@@ -68,11 +82,13 @@ def parts(model: str, draft: str, K: int, topk: int, nodes: int | None, batch_si
             v_ids = torch.cat([ids.unsqueeze(1), d.tokens], 1)
             logits, _ = r.verify(v_ids, pos)
             fns.update(draft=lambda: r.draft(K, entry, last, greedy), verify=lambda: r.verify(v_ids, pos))
-        row = {"K": K, "topk": topk, "nodes": eng.cfg.tree_nodes(K), "batch": B,
+        row = {"K": K, "topk": topk, "nodes": eng.cfg.tree_nodes(K), "batch": B, "linear_tuning": r.linear_tuning,
                **{f"{name}_ms": gpu_ms(fn) for name, fn in fns.items()},
                "accept_ms": gpu_ms(lambda: accept_drafts(logits, d, greedy, pos, on)) if topk == 1 else 0.0}
         if kernels:
             row["kernels"] = {name: top_kernels(fn, kernels) for name, fn in fns.items()}
+        if sequence:
+            row["sequence"] = {name: kernel_sequence(fn) for name, fn in fns.items()}
         row["cycle_ms"] = row["draft_ms"] + row["verify_ms"] + row["accept_ms"]
         row["cycle_over_decode"] = row["cycle_ms"] / row["decode_ms"]
         out.append(row)
@@ -89,13 +105,14 @@ def main() -> None:
     p.add_argument("--trees", nargs="+", default=["4:1:-", "6:1:-", "4:4:16", "6:4:24", "6:8:48"])
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--kernels", type=int, default=0, metavar="N", help="profile each part: its N costliest kernels")
+    p.add_argument("--sequence", action="store_true", help="each part's kernels of one replay, in order (JSON)")
     p.add_argument("--out")
     args = p.parse_args()
     rows = []
     for spec in args.trees:
         K, topk, nodes = spec.split(":")
         rows += parts(args.model, args.draft, int(K), int(topk), None if nodes == "-" else int(nodes),
-                      args.batch_sizes, args.context, args.kernels)
+                      args.batch_sizes, args.context, args.kernels, args.sequence)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"context": args.context, "parts": rows}, f, indent=1)

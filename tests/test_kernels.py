@@ -204,18 +204,18 @@ def test_cache_attention_tree_mask(monkeypatch):
     assert torch.equal(bias == 0, vis)
 
 
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 3, 16, 31, 64])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv(rows, dtype):
-    """The skinny-matmul kernel against F.linear: one row (vector path), several (tensor cores),
-    N not a multiple of the block, K not a multiple of the K block."""
+    """The skinny-matmul kernel against F.linear: one row (vector path), several (tensor cores,
+    rows padded to 16, 32 or 64), N not a multiple of the block, K not a multiple of the K block."""
     if DEV == "cpu" and dtype == torch.bfloat16 and rows > 1:
         pytest.skip("Triton's interpreter returns garbage for bf16 tl.dot (numpy has no bf16); GPU runs it")
     g = torch.Generator().manual_seed(4)
     w = (torch.randn(100, 300, generator=g) * 0.05).to(DEV, dtype)
     x = torch.randn(rows, 300, generator=g).to(DEV, dtype)
     want = torch.nn.functional.linear(x.float(), w.float())
-    for cfg in K.GEMV_CONFIGS[min(rows, 2)]:
+    for cfg in K.GEMV_CONFIGS[K.gemv_config_group(rows)]:
         cfg = (cfg[0], 128) + cfg[2:]  # a K block that leaves a partial last block
         torch.testing.assert_close(K.gemv_triton(x, w, cfg).float(), want, rtol=2e-2, atol=2e-2)
 
@@ -248,10 +248,17 @@ def test_cpu_linear_tuning(monkeypatch):
 @pytest.mark.parametrize("k,V", [(3, 50), (8, 2048)])
 def test_tree_level(k, V):
     """One depth of tree drafting in two kernels against the reference: children's scores (below
-    their parents', also at a parent score of 0), ids, the candidate lists and the next frontier."""
+    their parents', also at a parent score of 0), tokens (draft ids mapped to target ids), the
+    candidate lists and the next frontier. The small case's logits are bfloat16, as the drafter's
+    head gives them (distinct integers: exact in bfloat16, so no ties to break differently)."""
     B, M, off = 2, 4 * k * k, 5
     g = torch.Generator().manual_seed(k)
-    logits = (torch.randn(B, k, V, generator=g) * 3).to(DEV)
+    if V <= 256:
+        logits = torch.stack([torch.randperm(V, generator=g) for _ in range(B * k)]).view(B, k, V) - V / 2
+        logits = logits.to(DEV, torch.bfloat16)
+    else:
+        logits = (torch.randn(B, k, V, generator=g) * 3).to(DEV)
+    d2t = torch.randint(0, 1000, (V,), generator=g).to(DEV)
     front = -torch.rand(B, k, generator=g).to(DEV) * 5
     front[0, 0] = 0.0  # a parent scoring 0: its children must still score below it
     bits = torch.randint(0, 1 << 40, (B, k), generator=g).to(DEV)
@@ -260,7 +267,7 @@ def test_tree_level(k, V):
     for fn in (K.tree_level_ref, K.tree_level_triton):
         lists = (torch.zeros(B, M, device=DEV), torch.zeros(B, M, dtype=torch.long, device=DEV),
                  torch.zeros(B, M, dtype=torch.long, device=DEV))
-        outs.append((fn(logits, front, bits, idx, *lists, off), lists))
+        outs.append((fn(logits, front, bits, idx, *lists, off, d2t), lists))
     (want, want_lists), (got, got_lists) = outs
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)  # scores
     for a, b in zip(got[1:], want[1:]):  # ids, frontier node, bits, candidate index

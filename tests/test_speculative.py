@@ -631,6 +631,32 @@ def test_drafts_queued_ahead_on_gpu(pair):
             assert outs[0] == outs[1], (params, kw)
 
 
+@pytest.mark.gpu
+def test_prefill_graphs_equal_eager_prefill_on_gpu(pair):
+    """On CUDA: a prompt prefilled by a CUDA graph (in the staging row, then copied) gives the
+    logits, EAGLE features and KV (in the sequence's own row) of the eager prefill, for prompts
+    padded within a bucket, on the Triton and the SDPA attention paths, at rows other than 0."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target, draft = pair
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=3))
+    r = engine.runner
+    assert r.prefill_buckets and ("prefill", 64, 1) in r.graphs
+    g = torch.Generator().manual_seed(5)
+    for T, row in ((5, 2), (40, 1), (100, 0), (256, 2)):
+        prompt = torch.randint(0, VOCAB - 1, (T,), generator=g).tolist()
+        got = [t.clone() for t in r.prefill(row, [prompt], [0])] + [r.k_all[:, row, :, :T].clone(),
+                                                                   r.v_all[:, row, :, :T].clone()]
+        r.k_all[:, row].zero_()
+        r.v_all[:, row].zero_()
+        graphs, r.graphs = r.graphs, {}  # no graph: the eager prefill
+        want = list(r.prefill(row, [prompt], [0])) + [r.k_all[:, row, :, :T], r.v_all[:, row, :, :T]]
+        r.graphs = graphs
+        for a, b in zip(got, want):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_generate_cli_with_a_tree(capsys):
     """`specserve generate --spec-topk/--spec-tokens` on the bundled pair: the same text as plain
     decoding, tree statistics in --json; inconsistent tree flags fail with a clear message."""

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from specserve.config import (
+    MAX_TREE_NODES,
     ConfigError,
     DraftConfig,
     EngineConfig,
@@ -62,6 +63,7 @@ from specserve.model.loader import load_drafter, load_target, resolve_device, re
 log = logging.getLogger("specserve.runner")
 
 PENDING_WIDTH = 16  # drafter inputs buffered per sequence while speculation is paused
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # prompt lengths (padded up) prefilled by a CUDA graph
 
 
 def default_graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -140,14 +142,15 @@ class ModelRunner:
                     f"drafter vocab_size {self.draft_cfg.vocab_size} differs from the target's {self.model_cfg.vocab_size}"
                 )
         self.load_seconds = time.perf_counter() - t0
+        if self.drafter is not None:
+            self.drafter.fuse_projections()
         if self.device.type == "cpu":  # eager Python on every forward there
-            if self.drafter is not None:
-                self.drafter.fuse_projections()
             for m in (self.target, self.drafter):
                 if m is not None:
                     pin_attributes(m)
         self.linear_tuning = self._tune_linear()
         self._allocate()
+        self._tree_const: dict[int, dict[str, torch.Tensor]] = {}
         self.graphs: dict[tuple, _Graph] = {}
         self.graph_batch_sizes: tuple[int, ...] = ()
         self.graph_pool = None
@@ -155,19 +158,19 @@ class ModelRunner:
     def _tune_linear(self) -> dict:
         """Per weight shape and row count, the fastest product here: on GPU cuBLAS or the GEMV
         kernel, on CPU MKL or oneDNN with a packed weight."""
-        from specserve.model.kernels import tune_linear, tune_linear_cpu
+        from specserve.model.kernels import GEMV_ROWS, tune_linear, tune_linear_cpu
 
         t0 = time.perf_counter()
-        mods = [self.target] + ([self.drafter] if self.drafter is not None else [])
-        tensors = [p for m in mods for p in m.parameters()]
-        if self.drafter is not None:  # the stacked CPU copies (fuse_projections)
-            tensors += [self.drafter.midlayer.self_attn.qkv_weight, self.drafter.midlayer.mlp.gate_up_weight]
+        tensors = list(self.target.parameters()) + (self.drafter.product_weights() if self.drafter is not None else [])
         seen, weights = set(), []
         for p in tensors:
             if p is not None and p.dim() == 2 and p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 weights.append(p)
-        report = tune_linear(weights) if self.device.type == "cuda" else tune_linear_cpu(weights)
+        if self.device.type == "cuda":  # up to the widest product a step runs: all rows, each verifying room + 1
+            report = tune_linear(weights, max_rows=min(GEMV_ROWS[-1], self.rows * (self.room + 1)))
+        else:
+            report = tune_linear_cpu(weights)
         if report:
             log.info("linear kernels tuned in %.1fs: %s", time.perf_counter() - t0, report)
         return report
@@ -183,9 +186,15 @@ class ModelRunner:
         return mods
 
     def _allocate(self) -> None:
+        # CUDA graphs for the prefill of one whole prompt of up to 256 tokens (padded to a bucket):
+        # run eagerly, its ~450 kernel launches cost ~10 ms of host time, twice the GPU's work.
+        graphs = self.device.type == "cuda" and self.cfg.cuda_graphs
+        self.prefill_buckets = tuple(b for b in PREFILL_GRAPH_TOKENS if graphs and b <= self.max_model_len
+                                     and b // 2 < self.cfg.prefill_chunk)
+        self.staging = self.rows  # the target cache's extra row when prefill_buckets
         needed = 0
         for a in self._attn_modules():
-            needed += 2 * self.rows * a.num_kv_heads * self.cache_len * a.head_dim * torch.finfo(self.dtype).bits // 8
+            needed += 2 * (self.rows + 1) * a.num_kv_heads * self.cache_len * a.head_dim * torch.finfo(self.dtype).bits // 8
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.9)
@@ -201,7 +210,10 @@ class ModelRunner:
         # The target's layers share one K and one V tensor ([layer, row, kv_head, index, dim]), so
         # moving a tree branch's KV into place is one copy for all layers, not one per layer.
         t = list(self.target.attention_modules())
-        shape = (len(t), self.rows, t[0].num_kv_heads, self.cache_len, t[0].head_dim)
+        # With prefill graphs the target's cache has one row more: the staging row where a graph
+        # prefills a prompt before its KV is copied to the sequence's row (see `prefill`).
+        shape = (len(t), self.staging + (1 if self.prefill_buckets else 0), t[0].num_kv_heads, self.cache_len,
+                 t[0].head_dim)
         self.k_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, a in enumerate(t):
@@ -217,6 +229,10 @@ class ModelRunner:
         # Static inputs shared by all graphs (largest shapes; graphs read prefixes).
         W = max(self.room + 1, 1)
         self.s_ids = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
+        P = max(self.prefill_buckets, default=0)
+        self.s_pf_ids = torch.zeros(1, P, dtype=torch.long, device=self.device)
+        self.s_pf_pos = torch.zeros(1, P, dtype=torch.long, device=self.device)
+        self.s_pf_last = torch.zeros(1, dtype=torch.long, device=self.device)
         self.s_pos = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
         # Trees: the drafted tree (written by the draft graph, read by the verify graph) and the
         # verify inputs staged by the host.
@@ -252,6 +268,21 @@ class ModelRunner:
         logits at each row's last chunk token [m, V] and the features [m, T, 3H]
         (None without a drafter)."""
         m, T = len(chunks), max(len(c) for c in chunks)
+        Tb = next((b for b in self.prefill_buckets if T <= b), None)
+        graph = self.graphs.get(("prefill", Tb, 1))
+        if m == 1 and starts[0] == 0 and graph is not None:
+            ids = torch.zeros(1, Tb, dtype=torch.long)
+            ids[0, :T] = torch.tensor(chunks[0])
+            pos = torch.full((1, Tb), self.scratch, dtype=torch.long)
+            pos[0, :T] = torch.arange(T)
+            self.s_pf_ids[:, :Tb].copy_(ids, non_blocking=True)
+            self.s_pf_pos[:, :Tb].copy_(pos, non_blocking=True)
+            self.s_pf_last.fill_(T - 1)
+            graph.graph.replay()
+            for cache in (self.k_all, self.v_all):  # every layer's KV from the staging row to the sequence's
+                cache[:, row_start, :, :T] = cache[:, self.staging, :, :T]
+            logits, feats = graph.outputs
+            return logits, (feats[:, :T] if feats is not None else None)
         ids = torch.zeros(m, T, dtype=torch.long)
         pos = torch.full((m, T), self.scratch, dtype=torch.long)
         last = torch.zeros(m, dtype=torch.long)
@@ -265,6 +296,13 @@ class ModelRunner:
         hidden, feats = self.target(ids, ctx)
         h_last = hidden[torch.arange(m, device=self.device), last]
         return self.target.logits(h_last), feats
+
+    def _prefill_body(self, Tb: int):
+        """One prompt's first Tb tokens (padding at the scratch slot) in the staging row; keys
+        past the prompt are never seen (each query sees indices up to its own)."""
+        ids, pos = self.s_pf_ids[:, :Tb], self.s_pf_pos[:, :Tb]
+        hidden, feats = self.target(ids, ForwardContext(self.staging, self._rope_pos(pos), pos, Tb))
+        return self.target.logits(hidden[0, self.s_pf_last]), feats
 
     def _rope_pos(self, pos: torch.Tensor) -> torch.Tensor:
         return pos  # outside trees, rope position == cache index
@@ -339,7 +377,7 @@ class ModelRunner:
         tokens, draft_ids, probs = [], [], []
         for i in range(K):
             # The draft chosen now is the token at sequence position p + 2 (entry p predicts p + 2).
-            did, q = self._pick_draft(d.logits(g[:, 0]), p[:, i], sampling, filtered)
+            did, q = self._pick_draft(d.logits(g[:, 0], upcast=sampling), p[:, i], sampling, filtered)
             tid = d.to_target_ids(did)
             tokens.append(tid)
             draft_ids.append(did)
@@ -362,6 +400,7 @@ class ModelRunner:
         selected node's ancestors."""
         d, k, N = self.drafter, self.topk, self.cfg.tree_nodes(K)
         dev, scratch = self.device, self.scratch
+        c = self._tree_constants(K)
         pos = self.s_pos[:B, : K + 1]
         out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], self._context(pos, pos))
         rows = torch.arange(B, device=dev)
@@ -369,43 +408,41 @@ class ModelRunner:
         p_last = pos[rows, last]  # the last real entry; drafter tree slots follow it
         pad = (p_last == scratch).unsqueeze(1)
         g = out[rows, last].unsqueeze(1)  # [B, 1, H]
-        # Candidates: k at depth 1, then k*k per depth; their score, draft id and parent candidate.
+        # Candidates: k at depth 1, then k*k per depth; their score, token (target id) and parent candidate.
         M = k + (K - 1) * k * k
         all_score = torch.empty(B, M, dtype=torch.float32, device=dev)
         all_ids = torch.empty(B, M, dtype=torch.long, device=dev)
         all_par = torch.empty(B, M, dtype=torch.long, device=dev)
         # finite log-probabilities, so a child's score can always be made smaller than its parent's
         score, ids = torch.log_softmax(d.logits(g[:, 0]), -1).clamp_min(-1e4).topk(k, -1)  # [B, k]
+        ids = d.to_target_ids(ids)
         all_score[:, :k], all_ids[:, :k], all_par[:, :k] = score, ids, -1
         front_g = g.expand(B, k, g.shape[-1]).contiguous()
-        front_idx = torch.arange(k, device=dev).expand(B, k)
-        front_bits = torch.zeros(B, k, dtype=torch.long, device=dev)
+        front_idx = c["front_idx"].expand(B, k)
+        front_bits = c["front_bits"].expand(B, k)
         base = torch.where(pad[:, 0], scratch, p_last + 1)
-        # Per depth i (1..K-1): the frontier's drafter slots, its own ancestor bits and rope position.
-        own = torch.arange((K - 1) * k, device=dev).view(K - 1, k)
-        slots = torch.where(pad.unsqueeze(-1), scratch, p_last.view(B, 1, 1) + 1 + own)  # [B, K-1, k]
-        own_bits = 1 << own
-        rope = (p_last.unsqueeze(1) + torch.arange(1, K, device=dev)).clamp(max=scratch)  # [B, K-1]
+        # Per depth i (1..K-1): the frontier's drafter slots, its own ancestor bits and rope
+        # position (laid out like the slots: the rope kernel reads both with one stride).
+        slots = torch.where(pad.unsqueeze(-1), scratch, p_last.view(B, 1, 1) + 1 + c["own"])  # [B, K-1, k]
+        rope = (p_last.view(B, 1, 1) + c["depth_of_slot"]).clamp(max=scratch)  # [B, K-1, k]
         for i in range(1, K):
-            bits = front_bits | own_bits[i - 1]
-            ctx = self._context(slots[:, i - 1], rope[:, i - 1: i].expand(B, k), tree=(base, bits))
-            g = d(d.to_target_ids(ids), front_g, ctx)  # [B, k, H]
+            bits = front_bits | c["own_bits"][i - 1]
+            ctx = self._context(slots[:, i - 1], rope[:, i - 1], tree=(base, bits))
+            g = d(ids, front_g, ctx)  # [B, k, H]
             off = k + (i - 1) * k * k
             score, ids, node, front_bits, front_idx = tree_level(
-                d.logits(g), score, bits, front_idx, all_score, all_ids, all_par, off)
+                d.logits(g, upcast=False), score, bits, front_idx, all_score, all_ids, all_par, off, d.d2t)
             front_g = g.gather(1, node.unsqueeze(-1).expand(-1, -1, g.shape[-1]))
         sel = all_score.topk(N, -1).indices.sort(-1).values  # [B, N], parents before children
-        tokens = d.to_target_ids(all_ids.gather(1, sel))
-        cand = torch.arange(M, device=dev)
-        depth = torch.where(cand < k, 1, 2 + (cand - k).div(k * k, rounding_mode="floor")).expand(B, -1).gather(1, sel)
+        tokens = all_ids.gather(1, sel)
+        depth = c["cand_depth"].expand(B, -1).gather(1, sel)
         parent_cand = all_par.gather(1, sel)
-        row_of = torch.zeros_like(all_ids).scatter(1, sel, torch.arange(1, N + 1, device=dev).expand(B, N))
+        row_of = torch.zeros_like(all_ids).scatter(1, sel, c["node_rows"][:N].expand(B, N))
         parent_row = torch.where(parent_cand < 0, 0, row_of.gather(1, parent_cand.clamp_min(0)))
         # Ancestor-or-self bits by pointer jumping (column 0 = the root: no bits, its own parent):
         # after round t each node holds itself and its 2^t - 1 nearest ancestors.
-        zero = torch.zeros(B, 1, dtype=torch.long, device=dev)
-        anc = torch.cat([zero, 1 << torch.arange(N, device=dev).expand(B, N)], 1)
-        up = torch.cat([zero, parent_row], 1)
+        anc = c["node_bits"][: N + 1].expand(B, N + 1)
+        up = torch.cat([c["node_bits"][:1].expand(B, 1), parent_row], 1)
         for _ in range(max(1, (K - 1).bit_length())):
             anc = anc | anc.gather(1, up)
             up = up.gather(1, up)
@@ -413,6 +450,28 @@ class ModelRunner:
         for buf, val in zip((out.tokens, out.parents, out.depth, out.anc), (tokens, parent_row, depth, anc[:, 1:])):
             buf.copy_(val)
         return ()
+
+    def _tree_constants(self, K: int) -> dict[str, torch.Tensor]:
+        """Index tables of a depth-K tree draft that depend only on K and top-k: made once, outside
+        any CUDA graph (the capture's warm-up run makes them), so a replay does not rebuild them."""
+        got = self._tree_const.get(K)
+        if got is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("tree draft constants must be made before graph capture (warm-up run)")
+            k, dev = self.topk, self.device
+            own = torch.arange((K - 1) * k, device=dev).view(K - 1, k)  # drafter slot of each frontier node, per depth
+            cand = torch.arange(k + (K - 1) * k * k, device=dev)
+            N = MAX_TREE_NODES
+            got = self._tree_const[K] = {
+                "own": own, "own_bits": 1 << own,
+                "depth_of_slot": torch.arange(1, K, device=dev).view(K - 1, 1).expand(K - 1, k).contiguous(),
+                "front_idx": torch.arange(k, device=dev), "front_bits": torch.zeros(k, dtype=torch.long, device=dev),
+                "cand_depth": torch.where(cand < k, 1, 2 + (cand - k).div(k * k, rounding_mode="floor")),
+                "node_rows": torch.arange(1, N + 1, device=dev),  # verify row of the j-th selected node
+                # root column 0 (no bits), then node j's own bit 1 << j
+                "node_bits": torch.cat([torch.zeros(1, dtype=torch.long, device=dev), 1 << torch.arange(N, device=dev)]),
+            }
+        return got
 
     def _tree_verify_body(self, B: int, K: int, sampling: bool = False, filtered: bool = False):
         """The target over [root, tree nodes] (node j at cache index pos0 + 1 + j, rope position
@@ -593,7 +652,8 @@ class ModelRunner:
         sizes = self.cfg.graph_batch_sizes or default_graph_batch_sizes(self.rows)
         sizes = tuple(sorted({min(b, self.rows) for b in sizes}))
         self.graph_batch_sizes = sizes
-        jobs = []
+        # prompt prefills first: the largest activations, so the other graphs reuse their pool
+        jobs = [(("prefill", Tb), 1, lambda b, Tb=Tb: self._prefill_body(Tb)) for Tb in reversed(self.prefill_buckets)]
         tree_buckets = {self._bucket(n) for n in range(1, max(sizes) + 1) if self.cfg.drafts_tree(n)}
         for B in sorted(sizes, reverse=True):
             jobs.append((("decode",), B, self._decode_body))
@@ -614,6 +674,7 @@ class ModelRunner:
         self.s_ids.zero_()
         self.s_last.zero_()
         self.s_temp.fill_(1.0)
+        self.s_pf_pos.fill_(self.scratch)
         stream = torch.cuda.Stream(self.device)
         for n, (key, B, body) in enumerate(jobs):
             stream.wait_stream(torch.cuda.current_stream(self.device))

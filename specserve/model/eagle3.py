@@ -45,7 +45,10 @@ class DraftAttention(HotPathModule):
         B, T, _ = x.shape
         if self.qkv_weight is not None:
             heads = linear(x, self.qkv_weight).view(B, T, -1, self.head_dim)
-            return self.o_proj(self.attn.forward_packed(heads, ctx, self.rope))
+            if not heads.is_cuda:
+                return self.o_proj(self.attn.forward_packed(heads, ctx, self.rope))
+            q, k, v = heads.split([self.heads, self.kv_heads, self.kv_heads], dim=2)
+            return self.o_proj(self.attn(q, k, v, ctx, self.rope))
         q = self.q_proj(x).view(B, T, self.heads, self.head_dim)
         k = self.k_proj(x).view(B, T, self.kv_heads, self.head_dim)
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
@@ -100,12 +103,23 @@ class Eagle3Drafter(nn.Module):
         return [self.midlayer.self_attn.attn]
 
     def fuse_projections(self) -> None:
-        """For inference on CPU: q|k|v and gate|up each as one stacked weight (a copy), so a step
-        runs one product where it ran three or two; on CPU the stacked product is bit-identical to
-        the separate ones. Training keeps using the separate modules."""
+        """For inference: q|k|v and gate|up each as one stacked weight, so a draft step runs one
+        product where it ran three or two (on the GPU also one launch each, and silu*up in one
+        kernel). The separate weights become views of the stacked ones (no second copy); training
+        keeps using the separate modules."""
         a, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        a.qkv_weight = torch.cat((a.q_proj.weight, a.k_proj.weight, a.v_proj.weight))
-        mlp.gate_up_weight = torch.cat((mlp.gate_proj.weight, mlp.up_proj.weight))
+        for name, parts in (("qkv_weight", (a.q_proj, a.k_proj, a.v_proj)), ("gate_up_weight", (mlp.gate_proj, mlp.up_proj))):
+            stacked = torch.cat([m.weight.data for m in parts])
+            for m, view in zip(parts, stacked.split([m.weight.shape[0] for m in parts])):
+                m.weight.data = view
+            setattr(a if name == "qkv_weight" else mlp, name, stacked)
+
+    def product_weights(self) -> list[torch.Tensor]:
+        """The weights a forward multiplies by (after `fuse_projections`, the stacked ones)."""
+        a, mlp = self.midlayer.self_attn, self.midlayer.mlp
+        attn = [a.qkv_weight] if a.qkv_weight is not None else [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]
+        ffn = [mlp.gate_up_weight] if mlp.gate_up_weight is not None else [mlp.gate_proj.weight, mlp.up_proj.weight]
+        return [self.fc.weight, *attn, a.o_proj.weight, *ffn, mlp.down_proj.weight, self.lm_head.weight]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return (self.embed_tokens or self.target_embed)(ids)
@@ -118,9 +132,10 @@ class Eagle3Drafter(nn.Module):
             hidden = self.fc(hidden)
         return self.midlayer(self.embed(ids).to(hidden.dtype), hidden, ctx)
 
-    def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """Draft-vocabulary logits (float32)."""
-        return self.lm_head(self.norm(out)).float()
+    def logits(self, out: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Draft-vocabulary logits (float32, or the model's dtype for kernels that upcast as they read)."""
+        logits = self.lm_head(self.norm(out))
+        return logits.float() if upcast else logits
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]

@@ -292,14 +292,14 @@ if triton is not None:
             tl.store(out_ptr + head * D + offs_d, o.to(out_ptr.dtype.element_ty))
 
     @triton.jit(do_not_specialize=["V"])
-    def _tree_expand_kernel(logits_ptr, parent_ptr, child_ptr, cid_ptr, V,
+    def _tree_expand_kernel(logits_ptr, parent_ptr, child_ptr, cid_ptr, d2t_ptr, V,
                             TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
         # Program = one frontier node: its TOPK best children by log-probability, each scored
-        # min(parent + log p, the float just below the parent) (see tree_level_ref).
+        # min(parent + log p, the float just below the parent), as target ids (see tree_level_ref).
         row = tl.program_id(0)
         _wait_for_previous(PDL)
         offs = tl.arange(0, BLOCK_V)
-        x = tl.load(logits_ptr + row.to(tl.int64) * V + offs, mask=offs < V, other=float("-inf"))
+        x = tl.load(logits_ptr + row.to(tl.int64) * V + offs, mask=offs < V, other=float("-inf")).to(tl.float32)
         m = tl.max(x, axis=0)
         lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
         parent = tl.load(parent_ptr + row)
@@ -316,6 +316,7 @@ if triton is not None:
             x = tl.where(offs == i, float("-inf"), x)
         child = tl.minimum(parent + tl.maximum(vals - lse, -1e4), below)
         tl.store(child_ptr + row * TOPK + kr, child, mask=kr < TOPK)
+        ids += tl.load(d2t_ptr + ids)
         tl.store(cid_ptr + row * TOPK + kr, ids, mask=kr < TOPK)
 
     @triton.jit(do_not_specialize=["all_stride", "off"])
@@ -485,13 +486,15 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
 # count when the runner starts (`tune_linear`), inside CUDA graphs over distinct weights of the
 # shape (as a decode step reads them, cold in L2), and `linear` follows it.
 
-GEMV_ROWS = (1, 2, 4, 8)  # row counts tuned (a product of r rows uses the tuning of the next one up)
-# Candidates (BLOCK_N, BLOCK_K, warps, stages) for one row and for 2-8 rows: the best of the sweep
-# (benchmarks/gemv_sweep.py, H200) per weight shape, plus wider K blocks for long rows (down_proj).
+GEMV_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts tuned (r rows use the tuning of the next one up)
+# Candidates (BLOCK_N, BLOCK_K, warps, stages) for one row, 2-8 rows and 9-64 rows (verify forwards:
+# a tree of 31 nodes is 32 rows): the best of the sweep (benchmarks/gemv_sweep.py, H200) per weight
+# shape, plus wider K blocks for long rows (down_proj).
 # (A vector-FMA variant for 2-8 rows, each weight tile times every row, never beat cuBLAS there by
 # the 3% the tuner asks for on the H200 (third session), so it is not a candidate.)
 GEMV_CONFIGS = {1: ((8, 512, 4, 4), (8, 512, 8, 4), (8, 256, 4, 4), (8, 1024, 8, 4)),
-                2: ((32, 256, 4, 4), (64, 256, 4, 4), (32, 128, 4, 3))}
+                2: ((32, 256, 4, 4), (64, 256, 4, 4), (32, 128, 4, 3)),
+                16: ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))}
 _gemv_choice: dict[tuple, tuple | None] = {}  # (N, K, dtype, rows bucket) -> Triton config, None = cuBLAS
 
 if triton is not None:
@@ -501,17 +504,17 @@ if triton is not None:
         if ONE_ROW:  # vector FMAs and a row reduction
             x = tl.load(x_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
             return acc + tl.sum(w.to(tl.float32) * x[None, :], axis=1)
-        else:  # rows padded to 16 for the tensor cores
+        else:  # rows padded to BLOCK_M (at least 16) for the tensor cores
             x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
                         mask=(offs_m[:, None] < M) & kmask[None, :], other=0.0)
             return acc + tl.dot(x, tl.trans(w))
 
     @triton.jit(do_not_specialize=["M"])
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     ONE_ROW: tl.constexpr, PDL: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, 16)
+        offs_m = tl.arange(0, BLOCK_M)
         nmask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         kmask = offs_k < K
@@ -521,7 +524,7 @@ if triton is not None:
         if ONE_ROW:
             acc = tl.zeros([BLOCK_N], tl.float32)
         else:
-            acc = tl.zeros([16, BLOCK_N], tl.float32)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc = _gemv_tile(acc, w, x_ptr, offs_m, offs_k, kmask, M, K, ONE_ROW)
         for k0 in range(BLOCK_K, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -536,14 +539,20 @@ if triton is not None:
 
 
 def gemv_triton(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
-    """x2 [M <= 16, K] (contiguous) @ w [N, K]^T with float32 accumulation."""
+    """x2 [M <= 64, K] (contiguous) @ w [N, K]^T with float32 accumulation."""
     M, K = x2.shape
     N = w.shape[0]
     block_n, block_k, warps, stages = cfg
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](x2, w, y, M, N, K, BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1,
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x2, w, y, M, N, K, BLOCK_M=max(16, triton.next_power_of_2(M)),
+                                             BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1,
                                              num_warps=warps, num_stages=stages, **_pdl_args(x2))
     return y
+
+
+def gemv_config_group(rows: int) -> int:
+    """The GEMV_CONFIGS key for a product of `rows` rows."""
+    return 1 if rows == 1 else 2 if rows <= 8 else 16
 
 
 def _rows_bucket(rows: int) -> int | None:
@@ -611,7 +620,7 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
             ref = F.linear(x, ws[0]).float()
             t_cublas = graph_us([lambda w=w: F.linear(x, w) for w in ws])
             best, t_best = None, t_cublas
-            for cfg in GEMV_CONFIGS[min(rows, 2)]:
+            for cfg in GEMV_CONFIGS[gemv_config_group(rows)]:
                 try:
                     err = ((gemv_triton(x, ws[0], cfg).float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
                     t = graph_us([lambda w=w, c=cfg: gemv_triton(x, w, c) for w in ws]) if err <= 1e-2 else None
@@ -700,16 +709,18 @@ def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
 TREE_MAX_VOCAB = 8192  # a draft vocabulary held in one program's registers; larger ones take the reference
 
 
-def tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int):
+def tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int, d2t):
     """One depth of greedy tree drafting. `logits` [B, k, V]: the drafter's next-token logits at
-    each of the k frontier nodes (scores `front_score` [B, k], ancestor bits `bits`, candidate
-    indices `front_idx`). Each node offers its k best children, scored min(parent + log p, the
-    float just below the parent): finite, and always below the parent. The k*k candidates go to
-    columns off.. of `all_score`/`all_ids`/`all_par` (score, draft id, parent's candidate index);
-    returns the next frontier: (score, draft id, frontier node it grows from, its bits, its
-    candidate index: off + position among the k*k)."""
+    each of the k frontier nodes (any float dtype; scored in float32) (scores `front_score`
+    [B, k], ancestor bits `bits`, candidate indices `front_idx`). Each node offers its k best
+    children, scored min(parent + log p, the float just below the parent): finite, and always
+    below the parent. A child's token is its target id (draft id + `d2t`[draft id]). The k*k
+    candidates go to columns off.. of `all_score`/`all_ids`/`all_par` (score, token, parent's
+    candidate index); returns the next frontier: (score, token, frontier node it grows from,
+    its bits, its candidate index: off + position among the k*k)."""
     k = front_score.shape[1]
-    lp, cid = torch.log_softmax(logits, -1).clamp_min(-1e4).topk(k, -1)
+    lp, cid = torch.log_softmax(logits.float(), -1).clamp_min(-1e4).topk(k, -1)
+    cid = cid + d2t[cid]
     parent = front_score.unsqueeze(-1)
     child = torch.minimum(parent + lp, torch.nextafter(parent, torch.full_like(parent, -float("inf"))))
     child, cid = child.flatten(1), cid.flatten(1)
@@ -721,22 +732,22 @@ def tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all
     return score, cid.gather(1, pick), node, bits.gather(1, node), off + pick
 
 
-def tree_level(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int):
+def tree_level(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int, d2t):
     """`tree_level_ref` in two kernels on GPU (the reference's ~20 small kernels per depth cost
     ~50 us of launch slots even inside a CUDA graph)."""
     if not (use_triton(logits) and logits.shape[-1] <= TREE_MAX_VOCAB and logits.is_contiguous()
             and all_score.is_contiguous()):
-        return tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off)
-    return tree_level_triton(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off)
+        return tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off, d2t)
+    return tree_level_triton(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off, d2t)
 
 
-def tree_level_triton(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int):
+def tree_level_triton(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int, d2t):
     B, k, V = logits.shape
     dev = logits.device
     child = torch.empty(B, k * k, dtype=torch.float32, device=dev)
     cid = torch.empty(B, k * k, dtype=torch.long, device=dev)
     block_v = triton.next_power_of_2(V)
-    _tree_expand_kernel[(B * k,)](logits, front_score.contiguous(), child, cid, V, TOPK=k,
+    _tree_expand_kernel[(B * k,)](logits, front_score.contiguous(), child, cid, d2t, V, TOPK=k,
                                   KP=triton.next_power_of_2(k), BLOCK_V=block_v,
                                   num_warps=max(1, min(8, block_v // 256)), **_pdl_args(logits))
     score, ids, node, new_bits, idx = (torch.empty(B, k, dtype=t, device=dev)
