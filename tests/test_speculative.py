@@ -635,7 +635,8 @@ def test_drafts_queued_ahead_on_gpu(pair):
 def test_prefill_graphs_equal_eager_prefill_on_gpu(pair):
     """On CUDA: a prompt prefilled by a CUDA graph (in the staging row, then copied) gives the
     logits, EAGLE features and KV (in the sequence's own row) of the eager prefill, for prompts
-    padded within a bucket, on the Triton and the SDPA attention paths, at rows other than 0."""
+    padded within a bucket, on the Triton and the SDPA attention paths, at rows other than 0; so
+    does the drafter's prefill graph that follows it."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     target, draft = pair
@@ -645,12 +646,19 @@ def test_prefill_graphs_equal_eager_prefill_on_gpu(pair):
     g = torch.Generator().manual_seed(5)
     for T, row in ((5, 2), (40, 1), (100, 0), (256, 2)):
         prompt = torch.randint(0, VOCAB - 1, (T,), generator=g).tolist()
-        got = [t.clone() for t in r.prefill(row, [prompt], [0])] + [r.k_all[:, row, :, :T].clone(),
-                                                                   r.v_all[:, row, :, :T].clone()]
-        r.k_all[:, row].zero_()
-        r.v_all[:, row].zero_()
-        graphs, r.graphs = r.graphs, {}  # no graph: the eager prefill
-        want = list(r.prefill(row, [prompt], [0])) + [r.k_all[:, row, :, :T], r.v_all[:, row, :, :T]]
+        nxt = torch.randint(0, VOCAB - 1, (T,), generator=g).cuda()
+        drafter_kv = r.drafter.attention_modules()[0]
+        got = [t.clone() for t in r.prefill(row, [prompt], [0])]
+        assert r.drafter_prefill(row, nxt)
+        got += [c[:, row, :, :T].clone() for c in (r.k_all, r.v_all)]
+        got += [c[row, :, :T].clone() for c in (drafter_kv.k_cache, drafter_kv.v_cache)]
+        for c in (r.k_all[:, row], r.v_all[:, row], drafter_kv.k_cache[row], drafter_kv.v_cache[row]):
+            c.zero_()
+        graphs, r.graphs = r.graphs, {}  # no graph: the eager prefills
+        want = list(r.prefill(row, [prompt], [0]))
+        assert not r.drafter_prefill(row, nxt)
+        r.drafter_extend(row, nxt[None], want[1], torch.arange(T, device="cuda")[None])
+        want += [c[:, row, :, :T] for c in (r.k_all, r.v_all)] + [c[row, :, :T] for c in (drafter_kv.k_cache, drafter_kv.v_cache)]
         r.graphs = graphs
         for a, b in zip(got, want):
             assert a.shape == b.shape

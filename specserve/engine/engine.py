@@ -340,10 +340,11 @@ class Engine:
             tok[i, :n] = torch.tensor(nxt)
             pos[i, :n] = torch.arange(starts[i], starts[i] + n)
         tok, pos = tok.to(self.device), pos.to(self.device)
-        limit = r.drafter_max_pos
-        if limit is not None:
-            pos = torch.where(pos >= limit, torch.full_like(pos, r.scratch), pos)
-        r.drafter_extend(self.n_running, tok, feats, pos)
+        if not (m == 1 and r.drafter_prefill(self.n_running, tok[0])):
+            limit = r.drafter_max_pos
+            if limit is not None:
+                pos = torch.where(pos >= limit, torch.full_like(pos, r.scratch), pos)
+            r.drafter_extend(self.n_running, tok, feats, pos)
         for j, i in enumerate(done):
             row = seqs[i].row
             n = len(chunks[i])

@@ -219,7 +219,7 @@ class ModelRunner:
         for i, a in enumerate(t):
             a.k_cache, a.v_cache = self.k_all[i], self.v_all[i]
         for a in self._attn_modules()[len(t):]:
-            shape = (self.rows, a.num_kv_heads, self.cache_len, a.head_dim)
+            shape = (shape[1], a.num_kv_heads, self.cache_len, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
         if self.drafter is not None:
@@ -233,6 +233,8 @@ class ModelRunner:
         self.s_pf_ids = torch.zeros(1, P, dtype=torch.long, device=self.device)
         self.s_pf_pos = torch.zeros(1, P, dtype=torch.long, device=self.device)
         self.s_pf_last = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.s_pf_tok = torch.zeros(1, P, dtype=torch.long, device=self.device)  # the drafter's next tokens
+        self._graph_prefilled: tuple[int, int] | None = None  # (row, tokens) of the last graph prefill
         self.s_pos = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
         # Trees: the drafted tree (written by the draft graph, read by the verify graph) and the
         # verify inputs staged by the host.
@@ -270,6 +272,7 @@ class ModelRunner:
         m, T = len(chunks), max(len(c) for c in chunks)
         Tb = next((b for b in self.prefill_buckets if T <= b), None)
         graph = self.graphs.get(("prefill", Tb, 1))
+        self._graph_prefilled = None
         if m == 1 and starts[0] == 0 and graph is not None:
             ids = torch.zeros(1, Tb, dtype=torch.long)
             ids[0, :T] = torch.tensor(chunks[0])
@@ -281,6 +284,7 @@ class ModelRunner:
             graph.graph.replay()
             for cache in (self.k_all, self.v_all):  # every layer's KV from the staging row to the sequence's
                 cache[:, row_start, :, :T] = cache[:, self.staging, :, :T]
+            self._graph_prefilled = (row_start, T)
             logits, feats = graph.outputs
             return logits, (feats[:, :T] if feats is not None else None)
         ids = torch.zeros(m, T, dtype=torch.long)
@@ -303,6 +307,31 @@ class ModelRunner:
         ids, pos = self.s_pf_ids[:, :Tb], self.s_pf_pos[:, :Tb]
         hidden, feats = self.target(ids, ForwardContext(self.staging, self._rope_pos(pos), pos, Tb))
         return self.target.logits(hidden[0, self.s_pf_last]), feats
+
+    def _drafter_prefill_body(self, Tb: int):
+        """The drafter's KV for a graph-prefilled prompt (staging row), from that graph's features."""
+        feats = self.graphs[("prefill", Tb, 1)].outputs[1]
+        pos = self.s_pf_pos[:, :Tb]
+        if self.drafter_max_pos is not None:  # past the drafter's positions: padding
+            pos = torch.where(pos >= self.drafter_max_pos, self.scratch, pos)
+        self.drafter(self.s_pf_tok[:, :Tb], feats, ForwardContext(self.staging, pos, pos, Tb))
+        return ()
+
+    @torch.inference_mode()
+    def drafter_prefill(self, row: int, tok: torch.Tensor) -> bool:
+        """After the graph prefill of a prompt at `row`: the drafter's KV for its entries (feature t,
+        token t+1: `tok` [T] on the device) by graph, copied to the row. False (nothing done) when
+        the last prefill was not that one or no graph fits."""
+        T = tok.shape[0]
+        graph = self.graphs.get(("drafter_prefill", next((b for b in self.prefill_buckets if T <= b), None), 1))
+        if self._graph_prefilled != (row, T) or graph is None:
+            return False
+        self.s_pf_tok[0, :T].copy_(tok)
+        graph.graph.replay()
+        for a in self.drafter.attention_modules():
+            a.k_cache[row, :, :T] = a.k_cache[self.staging, :, :T]
+            a.v_cache[row, :, :T] = a.v_cache[self.staging, :, :T]
+        return True
 
     def _rope_pos(self, pos: torch.Tensor) -> torch.Tensor:
         return pos  # outside trees, rope position == cache index
@@ -653,7 +682,11 @@ class ModelRunner:
         sizes = tuple(sorted({min(b, self.rows) for b in sizes}))
         self.graph_batch_sizes = sizes
         # prompt prefills first: the largest activations, so the other graphs reuse their pool
-        jobs = [(("prefill", Tb), 1, lambda b, Tb=Tb: self._prefill_body(Tb)) for Tb in reversed(self.prefill_buckets)]
+        jobs = []
+        for Tb in reversed(self.prefill_buckets):
+            jobs.append((("prefill", Tb), 1, lambda b, Tb=Tb: self._prefill_body(Tb)))
+            if self.drafter is not None:  # (reads the prefill graph's features: captured after it)
+                jobs.append((("drafter_prefill", Tb), 1, lambda b, Tb=Tb: self._drafter_prefill_body(Tb)))
         tree_buckets = {self._bucket(n) for n in range(1, max(sizes) + 1) if self.cfg.drafts_tree(n)}
         for B in sorted(sizes, reverse=True):
             jobs.append((("decode",), B, self._decode_body))
