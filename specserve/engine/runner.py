@@ -143,7 +143,7 @@ class ModelRunner:
                 )
         self.load_seconds = time.perf_counter() - t0
         if self.drafter is not None:
-            self.drafter.fuse_projections()
+            self.drafter.fuse_projections(column_major=self.device.type == "cpu")
         if self.device.type == "cpu":  # eager Python on every forward there
             for m in (self.target, self.drafter):
                 if m is not None:
@@ -157,8 +157,8 @@ class ModelRunner:
 
     def _tune_linear(self) -> dict:
         """Per weight shape and row count, the fastest product here: on GPU cuBLAS or the GEMV
-        kernel, on CPU MKL or oneDNN with a packed weight."""
-        from specserve.model.kernels import GEMV_ROWS, tune_linear, tune_linear_cpu
+        kernel, on CPU (weights stored column-major first) MKL or oneDNN with a packed weight."""
+        from specserve.model.kernels import GEMV_ROWS, column_major_copy, tune_linear, tune_linear_cpu
 
         t0 = time.perf_counter()
         tensors = list(self.target.parameters()) + (self.drafter.product_weights() if self.drafter is not None else [])
@@ -170,6 +170,9 @@ class ModelRunner:
         if self.device.type == "cuda":  # up to the widest product a step runs: all rows, each verifying room + 1
             report = tune_linear(weights, max_rows=min(GEMV_ROWS[-1], self.rows * (self.room + 1)))
         else:
+            for w in weights:  # (the drafter's stacked weights already are)
+                if w.is_contiguous():
+                    w.data = column_major_copy(w.data)
             report = tune_linear_cpu(weights)
         if report:
             log.info("linear kernels tuned in %.1fs: %s", time.perf_counter() - t0, report)

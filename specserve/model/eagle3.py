@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import DraftConfig
-from specserve.model.kernels import linear, silu_mul
+from specserve.model.kernels import column_major_copy, linear, silu_mul
 from specserve.model.layers import (
     ForwardContext,
     HotPathModule,
@@ -102,14 +102,17 @@ class Eagle3Drafter(nn.Module):
     def attention_modules(self) -> list[KVCacheAttention]:
         return [self.midlayer.self_attn.attn]
 
-    def fuse_projections(self) -> None:
+    def fuse_projections(self, column_major: bool = False) -> None:
         """For inference: q|k|v and gate|up each as one stacked weight, so a draft step runs one
         product where it ran three or two (on the GPU also one launch each, and silu*up in one
         kernel). The separate weights become views of the stacked ones (no second copy); training
-        keeps using the separate modules."""
+        keeps using the separate modules. `column_major`: the stacked weights stored that way
+        (see kernels.column_major)."""
         a, mlp = self.midlayer.self_attn, self.midlayer.mlp
         for name, parts in (("qkv_weight", (a.q_proj, a.k_proj, a.v_proj)), ("gate_up_weight", (mlp.gate_proj, mlp.up_proj))):
             stacked = torch.cat([m.weight.data for m in parts])
+            if column_major:
+                stacked = column_major_copy(stacked)
             for m, view in zip(parts, stacked.split([m.weight.shape[0] for m in parts])):
                 m.weight.data = view
             setattr(a if name == "qkv_weight" else mlp, name, stacked)
