@@ -60,14 +60,17 @@ def test_silu_mul(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,T", [(1, 1), (3, 4)])
+@pytest.mark.parametrize("B,T", [(1, 1), (3, 4), (3, 1)])
 def test_rope_store_kv(dtype, B, T):
-    """q/k/v as views of one qkv row (as the target passes them), rows offset, scattered indices."""
+    """q/k/v as views of one qkv row (as the target passes them), rows offset, scattered indices;
+    the kernel takes such views (a batched decode step, (3, 1), once fell back to the reference:
+    views over a size-1 token dimension have a meaningless token stride)."""
     H, Hkv, D, rows, length = 4, 2, 32, 6, 40
     g = torch.Generator().manual_seed(2)
     qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g).to(DEV, dtype)
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
     q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
+    assert all(K._tokens_strided(t) for t in (q, k, v))
     rope = RotaryEmbedding(D, 128, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}).to(DEV)
     # positions == write_idx, a column slice of a wider buffer (as the runner passes them)
@@ -84,11 +87,18 @@ def test_rope_store_kv(dtype, B, T):
 
 @pytest.mark.gpu
 def test_dispatch_uses_kernels_on_cuda(monkeypatch):
-    """On CUDA the model's ops go through the kernels (and the reference is not called)."""
+    """On CUDA the model's ops go through the kernels (and the references are not called), also
+    rope/KV for a batched decode step's q/k/v views (3 rows of one token)."""
     calls = []
-    monkeypatch.setattr(K, "rms_norm_ref", lambda *a: calls.append("ref"))
+    monkeypatch.setattr(K, "rms_norm_ref", lambda *a: calls.append("rms ref"))
+    monkeypatch.setattr(K, "rope_store_kv_ref", lambda *a: calls.append("rope ref"))
     x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
     K.rms_norm(x, torch.ones(4096, device="cuda", dtype=torch.bfloat16), 1e-5)
+    q, k, v = torch.randn(3, 1, 12 * 64, device="cuda", dtype=torch.bfloat16).split([8 * 64, 2 * 64, 2 * 64], -1)
+    rope = RotaryEmbedding(64, 128, 10000.0, None).to("cuda")
+    caches = [torch.zeros(3, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    pos = torch.tensor([[5], [9], [0]], device="cuda")
+    K.rope_store_kv(q.view(3, 1, 8, 64), k.view(3, 1, 2, 64), v.view(3, 1, 2, 64), rope.cos, rope.sin, pos, *caches, 0, pos)
     assert calls == [] and K.FUSED
 
 

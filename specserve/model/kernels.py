@@ -385,7 +385,14 @@ def rms_norm_triton(x, weight, eps: float, residual=None):
 def _tokens_strided(t: torch.Tensor) -> bool:
     """[B, T, heads, D] with heads and D packed and tokens evenly strided (e.g. views of a qkv row)."""
     B, T, Hh, D = t.shape
-    return t.stride(3) == 1 and t.stride(2) == D and (B == 1 or t.stride(0) == T * t.stride(1))
+    return t.stride(3) == 1 and t.stride(2) == D and (B == 1 or T == 1 or t.stride(0) == T * t.stride(1))
+
+
+def _token_stride(t: torch.Tensor) -> int:
+    """Elements from token b*T+t to the next (see _tokens_strided). With one token per row, the
+    row stride: a view's stride over a size-1 dimension says nothing (a decode step's q/k/v views
+    of [B, 1, qkv] have stride(1) = heads * D, not the qkv width)."""
+    return t.stride(1) if t.shape[1] > 1 else t.stride(0)
 
 
 def rope_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx) -> torch.Tensor:
@@ -404,7 +411,7 @@ def rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_sta
     q_out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     _rope_kv_kernel[(B * T, H + k.shape[2])](
         q, k, v, q_out, cos, sin, positions, write_idx, k_cache, v_cache,
-        T, H, q.stride(1), k.stride(1), v.stride(1), write_idx.stride(0), row_start,
+        T, H, _token_stride(q), _token_stride(k), _token_stride(v), write_idx.stride(0), row_start,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=D // 2, num_warps=1,
         enable_fp_fusion=False, **_pdl_args(q))  # a fused multiply-add would skip the reference's rounding of each product
     return q_out
