@@ -189,8 +189,8 @@ class ModelRunner:
         return mods
 
     def _allocate(self) -> None:
-        # CUDA graphs for the prefill of one whole prompt of up to 256 tokens (padded to a bucket):
-        # run eagerly, its ~450 kernel launches cost ~10 ms of host time, twice the GPU's work.
+        # CUDA graphs for the prefill of one whole prompt of up to 512 tokens (padded to a bucket):
+        # run eagerly, an 8B model's ~450 kernel launches cost ~10 ms of host time, twice the GPU's work.
         graphs = self.device.type == "cuda" and self.cfg.cuda_graphs
         self.prefill_buckets = tuple(b for b in PREFILL_GRAPH_TOKENS if graphs and b <= self.max_model_len
                                      and b // 2 < self.cfg.prefill_chunk)

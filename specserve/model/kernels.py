@@ -21,10 +21,10 @@ tensors take the reference. ``SPECSERVE_FUSED_KERNELS=0`` forces the reference
 everywhere (for A/B measurements). Without a GPU, tests run the ``*_triton``
 launchers through Triton's interpreter (TRITON_INTERPRET=1, set by conftest).
 
-``linear`` is F.linear or, for 1-8 rows where a startup measurement found it
-faster for the weight's shape, a Triton GEMV (see ``tune_linear``); on the CPU, from
-the row count where a startup measurement found it faster, oneDNN with the weight packed
-once (see ``tune_linear_cpu``). With ``SPECSERVE_FUSED_KERNELS=0`` the engine does not
+``linear`` is F.linear or, for 1-64 rows where a startup measurement found it
+faster for the weight's shape, a Triton GEMV (see ``tune_linear``); on the CPU (weights
+stored column-major, ``column_major_copy``), from the row count where a startup measurement
+found it faster, oneDNN with the weight packed once (see ``tune_linear_cpu``). With ``SPECSERVE_FUSED_KERNELS=0`` the engine does not
 tune, so F.linear is used.
 
 On Hopper and later every kernel here is launched with programmatic dependent
@@ -486,8 +486,8 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
 
 # ----------------------------------------------------------------------------- skinny matmul
 
-# Decode multiplies 1-8 token rows by each weight, so a step is bound by how fast the weights
-# stream from HBM. cuBLAS reaches 60-90% of the copy bandwidth there depending on the shape; a
+# Decode multiplies 1-8 token rows by each weight, a verify up to 64, so a step is bound by how
+# fast the weights stream from HBM. cuBLAS reaches 60-90% of the copy bandwidth there depending on the shape; a
 # plain GEMV (each program owns a few output features over all of K) beats it on some shapes and
 # loses on others (benchmarks/gemv_sweep.py). So the choice is measured per weight shape and row
 # count when the runner starts (`tune_linear`), inside CUDA graphs over distinct weights of the
