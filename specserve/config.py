@@ -23,6 +23,7 @@ DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 DEFAULT_MAX_MODEL_LEN = {"cuda": 4096, "cpu": 1024}
 # Tree drafts: each query carries its ancestors as bits of one int64 (bit 63 unused: the sign).
 MAX_TREE_NODES = 63
+PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # prompt lengths (padded up) prefilled by a CUDA graph
 
 
 class ConfigError(ValueError):

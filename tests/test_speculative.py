@@ -631,6 +631,59 @@ def test_drafts_queued_ahead_on_gpu(pair):
             assert outs[0] == outs[1], (params, kw)
 
 
+class _EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: replay() runs the body again, into the
+    output tensors of its first run (as a graph's replay refills its static outputs)."""
+
+    def __init__(self, body):
+        self.body = body
+        with torch.inference_mode():
+            self.outputs = body()
+
+    def replay(self):
+        for out, new in zip(self.outputs, self.body()):
+            if out is not None:
+                out.copy_(new)
+
+
+def test_prefill_through_the_staging_cache(pair, monkeypatch):
+    """The prompt prefill that CUDA graphs run, played eagerly on the CPU: target and drafter
+    write a one-row staging cache (the same graph serves every row), the KV is copied to the
+    sequence's row, and generation equals that of the ordinary prefill, chains and trees, at
+    rows other than 0 and prompt lengths padded within a bucket; so do the drafts (acceptance)."""
+    from specserve.engine.runner import ModelRunner, _Graph
+
+    target, draft = pair
+    prompts = [list(range(1, VOCAB - 1)) * 5] + _prompts(3, seed=21)  # lengths 50 (bucket 64) and 1-29
+    for kw in (dict(spec_steps=3), dict(spec_steps=3, spec_topk=2, spec_tree_max_batch=4)):
+        ref = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
+        with monkeypatch.context() as m:
+            m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
+            engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
+        r = engine.runner
+        assert r.stage_len == 80 and r.k_stage.shape[1] == 1 and r.k_all.shape[1] == 3
+        for Tb in r.prefill_buckets:
+            g = _EagerGraph(lambda Tb=Tb: r._prefill_body(Tb))
+            r.graphs[("prefill", Tb, 1)] = _Graph(g, g.outputs)
+            g = _EagerGraph(lambda Tb=Tb: r._drafter_prefill_body(Tb))
+            r.graphs[("drafter_prefill", Tb, 1)] = _Graph(g, g.outputs)
+        staged = []
+        real_prefill = r.prefill
+        monkeypatch.setattr(r, "prefill", lambda *a: (real_prefill(*a), staged.append(r._graph_prefilled))[0])
+        outs = []
+        for e in (ref, engine):
+            seqs = []
+            for p in prompts:  # arriving one by one: each prefilled alone, at the next free row
+                seqs.append(e.add_request(p, GREEDY))
+                e.step()
+            while e.has_work():
+                e.step()
+            e.check_idle_integrity()
+            outs.append(([s.output_ids for s in seqs], e.totals.as_dict()))
+        assert outs[0] == outs[1] and outs[1][1]["accepted_tokens"] > 0, kw
+        assert None not in staged and {row for row, _ in staged} == {0, 1, 2} and staged[0] == (0, 50), staged
+
+
 @pytest.mark.gpu
 def test_prefill_graphs_equal_eager_prefill_on_gpu(pair):
     """On CUDA: a prompt prefilled by a CUDA graph (in the staging row, then copied) gives the

@@ -31,6 +31,7 @@ tokens write to and no real query ever reads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import statistics
 import time
@@ -40,6 +41,7 @@ import torch
 
 from specserve.config import (
     MAX_TREE_NODES,
+    PREFILL_GRAPH_TOKENS,
     ConfigError,
     DraftConfig,
     EngineConfig,
@@ -57,13 +59,12 @@ from specserve.engine.sampling import (
     uniform,
 )
 from specserve.model.kernels import tree_level
-from specserve.model.layers import ForwardContext, pin_attributes
+from specserve.model.layers import ForwardContext, KVCacheAttention, pin_attributes
 from specserve.model.loader import load_drafter, load_target, resolve_device, resolve_dtype
 
 log = logging.getLogger("specserve.runner")
 
 PENDING_WIDTH = 16  # drafter inputs buffered per sequence while speculation is paused
-PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # prompt lengths (padded up) prefilled by a CUDA graph
 
 
 def default_graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
@@ -188,16 +189,18 @@ class ModelRunner:
             mods += self.drafter.attention_modules()
         return mods
 
+    def _prefill_graph_buckets(self) -> tuple[int, ...]:
+        """Prompt lengths (padded up to these) prefilled by a CUDA graph: run eagerly, an 8B model's
+        ~450 kernel launches cost ~10 ms of host time, twice the GPU's work."""
+        if not (self.device.type == "cuda" and self.cfg.cuda_graphs):
+            return ()
+        return tuple(b for b in PREFILL_GRAPH_TOKENS if b <= self.max_model_len and b // 2 < self.cfg.prefill_chunk)
+
     def _allocate(self) -> None:
-        # CUDA graphs for the prefill of one whole prompt of up to 512 tokens (padded to a bucket):
-        # run eagerly, an 8B model's ~450 kernel launches cost ~10 ms of host time, twice the GPU's work.
-        graphs = self.device.type == "cuda" and self.cfg.cuda_graphs
-        self.prefill_buckets = tuple(b for b in PREFILL_GRAPH_TOKENS if graphs and b <= self.max_model_len
-                                     and b // 2 < self.cfg.prefill_chunk)
-        self.staging = self.rows  # the target cache's extra row when prefill_buckets
+        self.prefill_buckets = self._prefill_graph_buckets()
         needed = 0
         for a in self._attn_modules():
-            needed += 2 * (self.rows + 1) * a.num_kv_heads * self.cache_len * a.head_dim * torch.finfo(self.dtype).bits // 8
+            needed += 2 * self.rows * a.num_kv_heads * self.cache_len * a.head_dim * torch.finfo(self.dtype).bits // 8
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.9)
@@ -213,18 +216,29 @@ class ModelRunner:
         # The target's layers share one K and one V tensor ([layer, row, kv_head, index, dim]), so
         # moving a tree branch's KV into place is one copy for all layers, not one per layer.
         t = list(self.target.attention_modules())
-        # With prefill graphs the target's cache has one row more: the staging row where a graph
-        # prefills a prompt before its KV is copied to the sequence's row (see `prefill`).
-        shape = (len(t), self.staging + (1 if self.prefill_buckets else 0), t[0].num_kv_heads, self.cache_len,
-                 t[0].head_dim)
+        shape = (len(t), self.rows, t[0].num_kv_heads, self.cache_len, t[0].head_dim)
         self.k_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.v_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
         for i, a in enumerate(t):
             a.k_cache, a.v_cache = self.k_all[i], self.v_all[i]
         for a in self._attn_modules()[len(t):]:
-            shape = (shape[1], a.num_kv_heads, self.cache_len, a.head_dim)
+            shape = (self.rows, a.num_kv_heads, self.cache_len, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
             a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        # Prefill graphs write a staging cache of one row, as long as the longest bucket plus a
+        # scratch slot: one graph then serves every row (the KV is copied to the sequence's row
+        # after), and staging costs a prompt's KV, not a whole sequence's.
+        self.stage_len = -(-(max(self.prefill_buckets, default=0) + 1) // 16) * 16
+        self.stage_scratch = self.stage_len - 1
+        self.stage: dict[KVCacheAttention, tuple[torch.Tensor, torch.Tensor]] = {}
+        if self.prefill_buckets:
+            def staging(a, layers=()):
+                return torch.zeros(*layers, 1, a.num_kv_heads, self.stage_len, a.head_dim, dtype=self.dtype,
+                                   device=self.device)
+
+            self.k_stage, self.v_stage = staging(t[0], (len(t),)), staging(t[0], (len(t),))
+            self.stage = {a: (self.k_stage[i], self.v_stage[i]) for i, a in enumerate(t)}
+            self.stage.update({a: (staging(a), staging(a)) for a in self._attn_modules()[len(t):]})
         if self.drafter is not None:
             H3 = 3 * self.model_cfg.hidden_size
             self.pending_tok = torch.zeros(self.rows, self.pending_width, dtype=torch.long, device=self.device)
@@ -279,14 +293,14 @@ class ModelRunner:
         if m == 1 and starts[0] == 0 and graph is not None:
             ids = torch.zeros(1, Tb, dtype=torch.long)
             ids[0, :T] = torch.tensor(chunks[0])
-            pos = torch.full((1, Tb), self.scratch, dtype=torch.long)
+            pos = torch.full((1, Tb), self.stage_scratch, dtype=torch.long)
             pos[0, :T] = torch.arange(T)
             self.s_pf_ids[:, :Tb].copy_(ids, non_blocking=True)
             self.s_pf_pos[:, :Tb].copy_(pos, non_blocking=True)
             self.s_pf_last.fill_(T - 1)
             graph.graph.replay()
-            for cache in (self.k_all, self.v_all):  # every layer's KV from the staging row to the sequence's
-                cache[:, row_start, :, :T] = cache[:, self.staging, :, :T]
+            for cache, staged in ((self.k_all, self.k_stage), (self.v_all, self.v_stage)):  # all layers at once
+                cache[:, row_start, :, :T] = staged[:, 0, :, :T]
             self._graph_prefilled = (row_start, T)
             logits, feats = graph.outputs
             return logits, (feats[:, :T] if feats is not None else None)
@@ -304,20 +318,35 @@ class ModelRunner:
         h_last = hidden[torch.arange(m, device=self.device), last]
         return self.target.logits(h_last), feats
 
+    @contextlib.contextmanager
+    def _staged(self, mods):
+        """The attention modules `mods` read and write their staging caches meanwhile (a graph
+        captured inside keeps doing so)."""
+        saved = [(a.k_cache, a.v_cache) for a in mods]
+        for a in mods:
+            a.k_cache, a.v_cache = self.stage[a]
+        try:
+            yield
+        finally:
+            for a, (k, v) in zip(mods, saved):
+                a.k_cache, a.v_cache = k, v
+
     def _prefill_body(self, Tb: int):
-        """One prompt's first Tb tokens (padding at the scratch slot) in the staging row; keys
-        past the prompt are never seen (each query sees indices up to its own)."""
+        """One prompt's first Tb tokens (padding at the staging scratch slot) in the staging cache;
+        keys past the prompt are never seen (each query sees indices up to its own)."""
         ids, pos = self.s_pf_ids[:, :Tb], self.s_pf_pos[:, :Tb]
-        hidden, feats = self.target(ids, ForwardContext(self.staging, self._rope_pos(pos), pos, Tb))
+        with self._staged(self.target.attention_modules()):
+            hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, Tb))
         return self.target.logits(hidden[0, self.s_pf_last]), feats
 
     def _drafter_prefill_body(self, Tb: int):
-        """The drafter's KV for a graph-prefilled prompt (staging row), from that graph's features."""
+        """The drafter's KV for a graph-prefilled prompt (staging cache), from that graph's features."""
         feats = self.graphs[("prefill", Tb, 1)].outputs[1]
         pos = self.s_pf_pos[:, :Tb]
         if self.drafter_max_pos is not None:  # past the drafter's positions: padding
-            pos = torch.where(pos >= self.drafter_max_pos, self.scratch, pos)
-        self.drafter(self.s_pf_tok[:, :Tb], feats, ForwardContext(self.staging, pos, pos, Tb))
+            pos = torch.where(pos >= self.drafter_max_pos, self.stage_scratch, pos)
+        with self._staged(self.drafter.attention_modules()):
+            self.drafter(self.s_pf_tok[:, :Tb], feats, ForwardContext(0, pos, pos, Tb))
         return ()
 
     @torch.inference_mode()
@@ -332,8 +361,9 @@ class ModelRunner:
         self.s_pf_tok[0, :T].copy_(tok)
         graph.graph.replay()
         for a in self.drafter.attention_modules():
-            a.k_cache[row, :, :T] = a.k_cache[self.staging, :, :T]
-            a.v_cache[row, :, :T] = a.v_cache[self.staging, :, :T]
+            k, v = self.stage[a]
+            a.k_cache[row, :, :T] = k[0, :, :T]
+            a.v_cache[row, :, :T] = v[0, :, :T]
         return True
 
     def _rope_pos(self, pos: torch.Tensor) -> torch.Tensor:
@@ -710,7 +740,7 @@ class ModelRunner:
         self.s_ids.zero_()
         self.s_last.zero_()
         self.s_temp.fill_(1.0)
-        self.s_pf_pos.fill_(self.scratch)
+        self.s_pf_pos.fill_(self.stage_scratch)
         stream = torch.cuda.Stream(self.device)
         for n, (key, B, body) in enumerate(jobs):
             stream.wait_stream(torch.cuda.current_stream(self.device))

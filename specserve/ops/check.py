@@ -44,6 +44,7 @@ from specserve.config import (
     ConfigError,
     DraftConfig,
     EngineConfig,
+    PREFILL_GRAPH_TOKENS,
     ModelConfig,
     checkpoint_files,
     default_max_model_len,
@@ -551,6 +552,9 @@ def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, 
         pending = max_num_seqs * max(16, k + 1) * 3 * t.hidden_size * elem  # drafter inputs buffered per row
     logits = LOGIT_COPIES * max(max_num_seqs * (k + 1), tree_rows) * t.vocab_size * 4
     fixed_other = OVERHEAD_BYTES if cuda_graphs else OVERHEAD_BYTES // 2
+    if cuda_graphs:  # the prompt-prefill graphs' one-row staging cache (runner._allocate; at most this long)
+        stage_len = -(-(min(PREFILL_GRAPH_TOKENS[-1], max_model_len) + 1) // 16) * 16
+        fixed_other += kv // (max_num_seqs * cache_len) * stage_len
     other = fixed_other + logits + pending
     weights = target_w // tp + draft_w
     # Everything but weights and the fixed allowance grows linearly with max_num_seqs.
