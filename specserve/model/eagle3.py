@@ -107,15 +107,16 @@ class Eagle3Drafter(nn.Module):
         product where it ran three or two (on the GPU also one launch each, and silu*up in one
         kernel). The separate weights become views of the stacked ones (no second copy); training
         keeps using the separate modules. `column_major`: the stacked weights stored that way
-        (see kernels.column_major)."""
+        (see kernels.column_major_copy)."""
         a, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        for name, parts in (("qkv_weight", (a.q_proj, a.k_proj, a.v_proj)), ("gate_up_weight", (mlp.gate_proj, mlp.up_proj))):
+        for owner, name, parts in ((a, "qkv_weight", (a.q_proj, a.k_proj, a.v_proj)),
+                                   (mlp, "gate_up_weight", (mlp.gate_proj, mlp.up_proj))):
             stacked = torch.cat([m.weight.data for m in parts])
             if column_major:
                 stacked = column_major_copy(stacked)
             for m, view in zip(parts, stacked.split([m.weight.shape[0] for m in parts])):
                 m.weight.data = view
-            setattr(a if name == "qkv_weight" else mlp, name, stacked)
+            setattr(owner, name, stacked)
 
     def product_weights(self) -> list[torch.Tensor]:
         """The weights a forward multiplies by (after `fuse_projections`, the stacked ones)."""
