@@ -492,7 +492,7 @@ class Engine:
                     entry_pos[b, : s.pending] = torch.arange(start, start + s.pending)
             last_idx = torch.tensor([s.pending - 1 for s in seqs])
             entry_pos, last_idx = to_device(entry_pos, self.device), to_device(last_idx, self.device)
-            draft = r.draft_tree(K, entry_pos, last_idx) if tree else r.draft(K, entry_pos, last_idx, sampling)
+            draft = self._draft(B, K, entry_pos, last_idx, sampling)
             if prof:
                 marks[1].record()
         last = to_device([s.last_token for s in seqs], self.device)
@@ -534,6 +534,12 @@ class Engine:
             self.profile.append({"batch": B, "K": K, **spans})
         return list(seqs)
 
+    def _draft(self, B: int, K: int, entry_pos: torch.Tensor, last_idx: torch.Tensor, sampling: BatchSampling):
+        """Queue a cycle's draft: a tree at batch sizes that draft trees, else a chain."""
+        if self.cfg.drafts_tree(B):
+            return self.runner.draft_tree(K, entry_pos, last_idx)
+        return self.runner.draft(K, entry_pos, last_idx, sampling)
+
     def _draft_next(self, seqs: list[Sequence], K: int, n_acc: torch.Tensor, pos0: torch.Tensor,
                     sampling: BatchSampling) -> int:
         """Choose the next step's K now and, where the batch should stay as it is, queue that cycle's
@@ -565,10 +571,7 @@ class Engine:
             pos0, last = pos0 + fed, n_acc - fed
         j = torch.arange(K2 + 1, device=self.device)
         entry_pos = torch.where(j <= last.unsqueeze(1), pos0.unsqueeze(1) + j, r.scratch)
-        if self.cfg.drafts_tree(B):
-            draft = r.draft_tree(K2, entry_pos, last)
-        else:
-            draft = r.draft(K2, entry_pos, last, sampling)
+        draft = self._draft(B, K2, entry_pos, last, sampling)
         if marks:
             marks[1].record()
         self._draft_ahead = _DraftAhead([s.serial for s in seqs], K2, draft, marks)

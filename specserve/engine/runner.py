@@ -196,6 +196,10 @@ class ModelRunner:
             return ()
         return tuple(b for b in PREFILL_GRAPH_TOKENS if b <= self.max_model_len and b // 2 < self.cfg.prefill_chunk)
 
+    def _prefill_bucket(self, T: int) -> int | None:
+        """The prefill graph length a T-token prompt is padded to (None: longer than any)."""
+        return next((b for b in self.prefill_buckets if T <= b), None)
+
     def _allocate(self) -> None:
         self.prefill_buckets = self._prefill_graph_buckets()
         needed = 0
@@ -287,7 +291,7 @@ class ModelRunner:
         logits at each row's last chunk token [m, V] and the features [m, T, 3H]
         (None without a drafter)."""
         m, T = len(chunks), max(len(c) for c in chunks)
-        Tb = next((b for b in self.prefill_buckets if T <= b), None)
+        Tb = self._prefill_bucket(T)
         graph = self.graphs.get(("prefill", Tb, 1))
         self._graph_prefilled = None
         if m == 1 and starts[0] == 0 and graph is not None:
@@ -355,7 +359,7 @@ class ModelRunner:
         token t+1: `tok` [T] on the device) by graph, copied to the row. False (nothing done) when
         the last prefill was not that one or no graph fits."""
         T = tok.shape[0]
-        graph = self.graphs.get(("drafter_prefill", next((b for b in self.prefill_buckets if T <= b), None), 1))
+        graph = self.graphs.get(("drafter_prefill", self._prefill_bucket(T), 1))
         if self._graph_prefilled != (row, T) or graph is None:
             return False
         self.s_pf_tok[0, :T].copy_(tok)

@@ -652,18 +652,20 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
 # nearly the same for 2-9 rows (39 us there), but has ~8 us of fixed cost that loses at 1 row
 # and on small weights. So per weight shape the runner measures both at a few row counts and
 # `linear` switches to the packed product from the smallest count where it wins from there on.
-CPU_ROWS = (1, 2, 4, 8, 16, 64)
 # Before any of that, CPU weights are stored column by column (`column_major_copy`): the same
 # [N, K] matrices, but F.linear's x @ W.T then reads W.T as a plain row-major [K, N], the layout
 # MKL streams fastest. With weights coming from memory rather than cache, as in a real forward,
 # the demo's 4096x128 head at 1 row takes 73 us instead of 210 (16 copies cycled, one thread), and
-# a whole plain decoding step ~25% less (eighth session, 2-core EPYC).
+# a whole plain decoding step ~25% less (eighth session, 2-core EPYC). The figures above are for
+# the row-major layout; with column-major weights the packed product no longer made a 5-row verify
+# faster there (2.70-2.90 ms either way), but the tuner keeps choosing per shape.
+CPU_ROWS = (1, 2, 4, 8, 16, 64)
+CPU_PACK_MAX_BYTES = 2 << 30  # packed copies double those weights' memory: only for small models
 
 
 def column_major_copy(w: torch.Tensor) -> torch.Tensor:
     """w's values, stored column by column (w.t() is contiguous)."""
     return w.t().contiguous().t()
-CPU_PACK_MAX_BYTES = 2 << 30  # packed copies double those weights' memory: only for small models
 
 
 def _cpu_us(fn, reps: int = 20) -> float:
