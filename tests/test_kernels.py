@@ -287,3 +287,22 @@ def test_tree_level(k, V):
     child = got_lists[0][:, off: off + k * k].view(B, k, k)
     assert torch.all(child < front.unsqueeze(-1))
 
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax(dtype):
+    """Rows longer than one chunk (the chunks' winners merged by the last to finish), one shorter
+    than a chunk, and ties inside a chunk and across chunks: the first maximum wins, as in torch."""
+    V = 2 * K.ARGMAX_BLOCK + 123
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(5, V, generator=g).to(dtype)
+    x[1, [7, 9]] = 50.0  # tie inside the first chunk
+    x[2, [K.ARGMAX_BLOCK + 3, 2 * K.ARGMAX_BLOCK + 1]] = 50.0  # tie across chunks
+    x[3, -1] = 50.0  # in the short last chunk
+    x[4] = 0.0  # all equal
+    x = x.to(DEV)
+    want = x.argmax(-1)
+    assert torch.equal(K.argmax_triton(x), want)
+    assert torch.equal(K.argmax_triton(x.view(5, 1, V)), want.view(5, 1))  # leading dims kept
+    assert not K._chunk_counters(x.device, 5).any()  # each row's last chunk reset its counter
+    short = x[:, :100].contiguous()
+    assert torch.equal(K.argmax_triton(short), short.argmax(-1))

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.model.kernels import argmax
+
 STREAM_TARGET = 1  # plain sampling, residual and bonus tokens
 STREAM_DRAFT = 2  # the drafter's proposals
 STREAM_ACCEPT = 3  # the uniform of the acceptance test
@@ -135,6 +137,6 @@ def sample_tokens(logits: torch.Tensor, s: BatchSampling, positions: torch.Tenso
     """Pick one token per row of logits [..., V] (the parameters in `s` and `positions` shaped
     [...]); `positions` are the sequence positions the new tokens will occupy (the noise key)."""
     if s.all_greedy:
-        return logits.argmax(-1)
+        return argmax(logits)
     probs = processed_probs(logits, s.temperature, s.top_p, s.top_k, s.filtered)
     return sample_from(probs, uniform(s.seed, positions, STREAM_TARGET, logits.shape[-1]))

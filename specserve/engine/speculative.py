@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.runner import DraftResult, TreeDraft
+from specserve.model.kernels import argmax
 from specserve.engine.sampling import (
     STREAM_ACCEPT,
     STREAM_TARGET,
@@ -36,7 +37,7 @@ def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, po
     K = W - 1
     d = draft.tokens  # [B, K] target ids
     if s.all_greedy:
-        pred = logits.argmax(-1)  # [B, K+1]
+        pred = argmax(logits)  # [B, K+1]
         ok = (pred[:, :K] == d) & enabled.unsqueeze(1)
         n_acc = ok.long().cumprod(1).sum(1)
         return n_acc, pred.gather(1, n_acc.unsqueeze(1)).squeeze(1)
