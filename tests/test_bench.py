@@ -18,14 +18,14 @@ from typing import ClassVar
 
 import pytest
 
-from specserve.bench import bench_cmd, cost_model, online
+from specserve.bench import bench_cmd, cost_model, online, report
 from specserve.config import ConfigError
 
 try:
     import jsonschema
 except ImportError:  # a GPU machine without the test extras still runs the GPU test
     jsonschema = None
-SCHEMA = json.loads((Path(bench_cmd.__file__).parent / "schema.json").read_text())
+SCHEMA = json.loads(report.SCHEMA_PATH.read_text())
 ROOT = Path(__file__).resolve().parents[1]
 needs_jsonschema = pytest.mark.skipif(jsonschema is None, reason="needs jsonschema")
 

@@ -55,17 +55,6 @@ class SpecStats:
             if i < accepted:
                 self.accepted_per_pos[i] += 1
 
-    def merge(self, other: "SpecStats") -> None:
-        self.cycles += other.cycles
-        self.drafted += other.drafted
-        self.accepted += other.accepted
-        for i in range(len(other.drafted_per_pos)):
-            if i >= len(self.drafted_per_pos):
-                self.drafted_per_pos.append(0)
-                self.accepted_per_pos.append(0)
-            self.drafted_per_pos[i] += other.drafted_per_pos[i]
-            self.accepted_per_pos[i] += other.accepted_per_pos[i]
-
     @property
     def accept_length(self) -> float | None:
         """Mean tokens per speculative cycle: accepted drafts + the one target token."""

@@ -9,7 +9,6 @@
 from __future__ import annotations
 
 import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,9 +120,3 @@ class LLM:
 def _pct(xs: list[float], q: float) -> float:
     i = min(len(xs) - 1, max(0, round(q / 100 * (len(xs) - 1))))
     return xs[i]
-
-
-def timed_generate(llm: LLM, prompts, params) -> tuple[list[RequestOutput], float]:
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return outs, time.perf_counter() - t0

@@ -74,7 +74,6 @@ FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}  # what the loader can cast to the co
 DRAFT_INT_TENSORS = {"d2t", "t2d"}
 MAX_HEADER = 100 * MIB  # safetensors' own limit
 
-LEVELS = ("error", "warning", "info", "ok")
 _PREFIX = {"error": "ERROR", "warning": "WARNING", "info": "info", "ok": "ok"}
 
 

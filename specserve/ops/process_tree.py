@@ -23,7 +23,6 @@ never considered members.
 from __future__ import annotations
 
 import ctypes
-import errno
 import os
 import signal
 import sys
@@ -99,7 +98,6 @@ class ProcessTree:
                                                 else psutil.Process(pid))
         except psutil.NoSuchProcess:
             self.root = None
-        self.root_pid = pid
         self.marker = marker
         if started_at is None:
             started_at = self.root.create_time() if self.root is not None else time.time()
@@ -448,14 +446,3 @@ def device_holders(prefix: str = "/dev/nvidia", pids: Iterable[int] | None = Non
         if found:
             out[pid] = sorted(found)
     return out
-
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except OSError as e:
-        return e.errno == errno.EPERM
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

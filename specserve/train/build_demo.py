@@ -389,10 +389,6 @@ class ThreadTuner:
         self.switches: list[tuple[float, int]] = []
         torch.set_num_threads(self.current)
 
-    def set_current(self, n: int) -> None:
-        self.current = n
-        self.torch.set_num_threads(n)
-
     @property
     def active(self) -> int:
         return self.trying if self.trying is not None else self.current

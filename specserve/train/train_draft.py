@@ -308,13 +308,6 @@ def ttt_forward(drafter, feats: torch.Tensor, next_ids: torch.Tensor, steps: int
     return outs
 
 
-@dataclass
-class StepStats:
-    loss: float
-    acc: list[float]  # top-1 agreement with the target's argmax, per unroll step
-    counts: list[int]
-
-
 def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Tensor, feats: torch.Tensor,
              hidden: torch.Tensor, steps: int, draft_ids: torch.Tensor, autocast_dtype=None):
     """Loss and per-step accuracy of one padded batch: ids [B, L], lengths [B], the target's
