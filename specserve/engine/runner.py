@@ -545,7 +545,8 @@ class ModelRunner:
         (argmax, or with `sampling` its seeded draw, as `sample_tokens` draws) and `accept_tree`;
         the accepted branch's KV moved to indices pos0 + 1.. in every layer; the drafter's next
         inputs (feature, token) along the branch. Padding rows (pos0 at the scratch slot) write
-        only there. Returns (accepted count, the branch's tokens then the next token, logits)."""
+        only there. Returns (accepted count, the branch's tokens then the next token, logits: float32
+        when sampling, else the model's dtype)."""
         from specserve.engine.speculative import accept_tree, emitted_tokens
 
         N, dev, scratch = self.cfg.tree_nodes(K), self.device, self.scratch
@@ -557,7 +558,8 @@ class ModelRunner:
         anc = torch.cat([torch.zeros_like(pos0), tree.anc], 1)
         ids = torch.cat([self.s_root[:B].unsqueeze(1), tree.tokens], 1)
         hidden, feats = self.target(ids, self._context(write, rope, tree=((pos0 + 1)[:, 0], anc)))
-        logits = self.target.logits(hidden)
+        # Greedy picks read the head's own dtype (an argmax needs no float32 copy of 32 x vocab).
+        logits = self.target.logits(hidden, upcast=sampling)
         per_node = lambda t: t[:B].unsqueeze(1).expand(-1, N + 1)  # noqa: E731
         s = BatchSampling(per_node(self.s_temp), per_node(self.s_top_p), per_node(self.s_top_k),
                           per_node(self.s_seed), all_greedy=not sampling, filtered=filtered)

@@ -106,13 +106,16 @@ class CausalLM(nn.Module):
         features = torch.cat([taps[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         return out, features
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def logits(self, hidden: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """Next-token logits (float32, or the model's dtype where only an argmax reads them)."""
         if self.lm_head is None:  # tied: reuse the (vocab-parallel) embedding matrix
             from specserve.distributed.parallel_state import all_gather_last_dim
             from specserve.model.kernels import linear
 
-            return all_gather_last_dim(linear(hidden, self.embed_tokens.weight)).float()
-        return self.lm_head(hidden).float()
+            logits = all_gather_last_dim(linear(hidden, self.embed_tokens.weight))
+        else:
+            logits = self.lm_head(hidden)
+        return logits.float() if upcast else logits
 
     def hf_weight_map(self) -> dict[str, tuple[nn.Parameter, int | None]]:
         """Hugging Face tensor name -> (our parameter, shard id within a stacked weight)."""
