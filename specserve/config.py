@@ -26,6 +26,12 @@ MAX_TREE_NODES = 63
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # prompt lengths (padded up) prefilled by a CUDA graph
 
 
+def prefill_stage_len(longest: int) -> int:
+    """Slots of the prefill graphs' one-row staging cache for prompts of up to `longest` tokens:
+    those plus a scratch slot for the padding, rounded up to 16."""
+    return -(-(longest + 1) // 16) * 16
+
+
 class ConfigError(ValueError):
     """A checkpoint or setting that specserve cannot use; the message says what to do."""
 

@@ -474,14 +474,11 @@ class Engine:
             marks = [_Mark(self.device) for _ in range(2)] if prof else None
             if prof:
                 marks[0].record()
-            entry_pos = torch.full((B, K + 1), r.scratch, dtype=torch.long)
-            for b, s in enumerate(seqs):
-                if spec_ok[b]:
-                    start = s.num_cached - s.pending
-                    entry_pos[b, : s.pending] = torch.arange(start, start + s.pending)
-            last_idx = torch.tensor([s.pending - 1 for s in seqs])
-            entry_pos, last_idx = to_device(entry_pos, self.device), to_device(last_idx, self.device)
-            draft = self._draft(B, K, entry_pos, last_idx, sampling)
+            start = to_device([s.num_cached - s.pending for s in seqs], self.device)
+            last_idx = to_device([s.pending - 1 for s in seqs], self.device)
+            # rows not drafting (past the drafter's positions) get no entries
+            entries = to_device([s.pending - 1 if ok else -1 for s, ok in zip(seqs, spec_ok)], self.device)
+            draft = self._draft(B, K, self._entry_positions(K, start, entries), last_idx, sampling)
             if prof:
                 marks[1].record()
         last = to_device([s.last_token for s in seqs], self.device)
@@ -523,6 +520,12 @@ class Engine:
             self.profile.append({"batch": B, "K": K, **spans})
         return list(seqs)
 
+    def _entry_positions(self, K: int, start: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """[B, K + 1] positions of each row's drafter entries: start .. start + last (none where
+        last is -1), the scratch slot after them."""
+        j = torch.arange(K + 1, device=self.device)
+        return torch.where(j <= last.unsqueeze(1), start.unsqueeze(1) + j, self.runner.scratch)
+
     def _draft(self, B: int, K: int, entry_pos: torch.Tensor, last_idx: torch.Tensor, sampling: BatchSampling):
         """Queue a cycle's draft: a tree at batch sizes that draft trees, else a chain."""
         if self.cfg.drafts_tree(B):
@@ -558,9 +561,7 @@ class Engine:
             fed = (n_acc - K2).clamp_min(0)
             self._feed_pending(B, K + 1, pos0, fed, K2 + 1)
             pos0, last = pos0 + fed, n_acc - fed
-        j = torch.arange(K2 + 1, device=self.device)
-        entry_pos = torch.where(j <= last.unsqueeze(1), pos0.unsqueeze(1) + j, r.scratch)
-        draft = self._draft(B, K2, entry_pos, last, sampling)
+        draft = self._draft(B, K2, self._entry_positions(K2, pos0, last), last, sampling)
         if marks:
             marks[1].record()
         self._draft_ahead = _DraftAhead([s.serial for s in seqs], K2, draft, marks)

@@ -47,6 +47,7 @@ from specserve.config import (
     EngineConfig,
     ModelConfig,
     default_max_model_len,
+    prefill_stage_len,
     resolve_aux_layers,
 )
 from specserve.engine.sampling import (
@@ -232,7 +233,7 @@ class ModelRunner:
         # Prefill graphs write a staging cache of one row, as long as the longest bucket plus a
         # scratch slot: one graph then serves every row (the KV is copied to the sequence's row
         # after), and staging costs a prompt's KV, not a whole sequence's.
-        self.stage_len = -(-(max(self.prefill_buckets, default=0) + 1) // 16) * 16
+        self.stage_len = prefill_stage_len(max(self.prefill_buckets, default=0))
         self.stage_scratch = self.stage_len - 1
         self.stage: dict[KVCacheAttention, tuple[torch.Tensor, torch.Tensor]] = {}
         if self.prefill_buckets:

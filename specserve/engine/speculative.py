@@ -17,7 +17,6 @@ from __future__ import annotations
 import torch
 
 from specserve.engine.runner import DraftResult, TreeDraft
-from specserve.model.kernels import argmax
 from specserve.engine.sampling import (
     STREAM_ACCEPT,
     STREAM_TARGET,
@@ -26,6 +25,7 @@ from specserve.engine.sampling import (
     sample_from,
     uniform,
 )
+from specserve.model.kernels import argmax
 
 
 def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, pos0: torch.Tensor,

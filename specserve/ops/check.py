@@ -41,14 +41,15 @@ from typing import Any
 
 from specserve.config import (
     DEFAULT_MAX_MODEL_LEN,
+    PREFILL_GRAPH_TOKENS,
     ConfigError,
     DraftConfig,
     EngineConfig,
-    PREFILL_GRAPH_TOKENS,
     ModelConfig,
     checkpoint_files,
     default_max_model_len,
     draft_tensor_name,
+    prefill_stage_len,
     read_json,
     resolve_aux_layers,
 )
@@ -552,8 +553,7 @@ def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, 
     logits = LOGIT_COPIES * max(max_num_seqs * (k + 1), tree_rows) * t.vocab_size * 4
     fixed_other = OVERHEAD_BYTES if cuda_graphs else OVERHEAD_BYTES // 2
     if cuda_graphs:  # the prompt-prefill graphs' one-row staging cache (runner._allocate; at most this long)
-        stage_len = -(-(min(PREFILL_GRAPH_TOKENS[-1], max_model_len) + 1) // 16) * 16
-        fixed_other += kv // (max_num_seqs * cache_len) * stage_len
+        fixed_other += kv // (max_num_seqs * cache_len) * prefill_stage_len(min(PREFILL_GRAPH_TOKENS[-1], max_model_len))
     other = fixed_other + logits + pending
     weights = target_w // tp + draft_w
     # Everything but weights and the fixed allowance grows linearly with max_num_seqs.
