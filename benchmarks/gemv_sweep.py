@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specserve.model.kernels import gemv_triton, graph_us  # noqa: E402
+from specserve.model.kernels import gemv_config_group, gemv_triton, graph_us  # noqa: E402
 
 
 def main() -> None:
@@ -45,7 +45,7 @@ def main() -> None:
         gb = N * K * 2 / 1e3  # bytes / 1e3 -> GB/s when divided by us
         ref = F.linear(x, ws[0]).float()
         entry = {"cublas_GBs": gb / graph_us([lambda w=w: F.linear(x, w) for w in ws], reps=20), "triton": []}
-        for cfg in configs[1 if M == 1 else 2 if M <= 8 else 16]:
+        for cfg in configs[gemv_config_group(M)]:
             try:
                 err = ((gemv_triton(x, ws[0], cfg).float() - ref).norm() / ref.norm()).item()
                 us = graph_us([lambda w=w: gemv_triton(x, w, cfg) for w in ws], reps=20)

@@ -28,8 +28,8 @@ from specserve.engine.sampling import BatchSampling, SamplingParams
 from specserve.engine.speculative import accept_drafts
 
 
-def top_kernels(fn, n: int, reps: int = 10) -> dict:
-    """GPU time per call of fn's kernels (CUDA graph replays included): the n costliest, and the sum."""
+def _profiled(fn, reps: int):
+    """The CUDA profile of `reps` calls of fn (after one unprofiled call)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -38,6 +38,12 @@ def top_kernels(fn, n: int, reps: int = 10) -> dict:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def top_kernels(fn, n: int, reps: int = 10) -> dict:
+    """GPU time per call of fn's kernels (CUDA graph replays included): the n costliest, and the sum."""
+    prof = _profiled(fn, reps)
     kernels = [(ev.self_device_time_total / reps, ev.count / reps, ev.key) for ev in prof.key_averages()
                if ev.device_type.name == "CUDA" and ev.self_device_time_total > 0]
     kernels.sort(reverse=True)
@@ -47,14 +53,7 @@ def top_kernels(fn, n: int, reps: int = 10) -> dict:
 
 def kernel_sequence(fn) -> list[tuple[str, float]]:
     """The kernels of one call of fn in the order they ran: (name, GPU us)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    evs = sorted((e for e in prof.events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    evs = sorted((e for e in _profiled(fn, 1).events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
     return [(e.name[:80], round(e.time_range.elapsed_us(), 1)) for e in evs]
 
 
