@@ -6,7 +6,8 @@
 #    from the GPU machine's Python code (benchmarks/drafter_corpus.py: stdlib + site-packages minus
 #    the held-out packages; or DATA=path: a .npy token stream / .jsonl made elsewhere, trained on
 #    as it is), FROM=dir fine-tunes an existing drafter instead;
-# 2. held-out acceptance at K=4 and 6 (bf16), written into the log;
+# 2. held-out acceptance at K=4 and 6 (bf16; EVAL_STEPS=4,6,8 for others), written into the log;
+#    (INTER, VOCAB, TTT, AUX=i,j,k (the target layers feeding the drafter), LR, SEED set the recipe)
 # 3. grow the target with the new drafter to the Llama-3-8B shape and bench it at batch 1-64
 #    (skipped with SKIP_BENCH=1).
 # The drafter comes back in $OUT/draft (config.json + model.safetensors, ~2 MB).
@@ -27,11 +28,12 @@ if [ -n "${FROM:-}" ]; then
   SHAPE=(--from "$FROM" --lr "${LR:-1e-3}")
 else
   SHAPE=(--draft-vocab "${VOCAB:-2048}" --draft-intermediate "${INTER:-1792}" --lr "${LR:-4e-3}")
+  [ -n "${AUX:-}" ] && SHAPE+=(--aux-layer-ids "$AUX")
 fi
 timeout $(( ${MINUTES%.*} * 60 + 120 )) python3 -m specserve train-draft --target specserve/assets/demo \
   "${SRC[@]}" "${SHAPE[@]}" --out "$OUT/draft" --ttt-steps "${TTT:-5}" --batch-tokens 16384 --max-len 512 \
   --max-minutes "$MINUTES" --epochs 1000 --device "$DEVICE" --seed "${SEED:-0}" \
-  --eval-prompts specserve/assets/demo/heldout_prompts.jsonl --eval-spec-steps 4,6 > "$OUT/train.log" 2>&1
+  --eval-prompts specserve/assets/demo/heldout_prompts.jsonl --eval-spec-steps "${EVAL_STEPS:-4,6}" > "$OUT/train.log" 2>&1
 sed 's/\r/\n/g' "$OUT/train.log" | grep -v "step/s\]\|prompt/s\]" | grep -i "samples\|held-out\|wrote\|error" | cut -c1-200
 rm -rf "$OUT/draft/checkpoint"
 [ "${SKIP_BENCH:-0}" = 1 ] && { date -u; exit 0; }

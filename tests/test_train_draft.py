@@ -234,13 +234,15 @@ def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
 
 
 def test_wider_drafter_mlp(tiny_pair, tmp_path):
-    """--draft-intermediate: a fresh drafter with its own MLP width; it loads and drafts in the engine."""
+    """--draft-intermediate and --aux-layer-ids: a fresh drafter with its own MLP width and taps;
+    it loads and drafts in the engine."""
     from specserve.engine.llm import LLM, SamplingParams
 
     root, target = tiny_pair
     td.train_draft(str(target), str(tmp_path / "w"), str(root / "data.txt"), draft_intermediate=96, draft_vocab=200,
-                   max_steps=2, batch_tokens=512, max_len=64, device="cpu", progress=False)
-    assert json.loads((tmp_path / "w" / "config.json").read_text())["intermediate_size"] == 96
+                   aux_layer_ids=(1, 0, 1), max_steps=2, batch_tokens=512, max_len=64, device="cpu", progress=False)
+    cfg = json.loads((tmp_path / "w" / "config.json").read_text())
+    assert cfg["intermediate_size"] == 96 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 0, 1]
     assert load_file(str(tmp_path / "w" / "model.safetensors"))["midlayer.mlp.down_proj.weight"].shape[1] == 96
     llm = LLM(model=str(target), draft=str(tmp_path / "w"), spec_steps=2, device="cpu")
     plain = LLM(model=str(target), device="cpu")
@@ -248,6 +250,9 @@ def test_wider_drafter_mlp(tiny_pair, tmp_path):
     assert llm.generate(["def f("], params)[0].token_ids == plain.generate(["def f("], params)[0].token_ids
     with pytest.raises(ConfigError, match="--draft-intermediate must be positive"):
         td.train_draft(str(target), str(tmp_path / "w0"), str(root / "data.txt"), draft_intermediate=0,
+                       max_steps=1, device="cpu", progress=False)
+    with pytest.raises(ConfigError, match=r"--aux-layer-ids needs 3 layer ids in 0\.\.1"):
+        td.train_draft(str(target), str(tmp_path / "w0"), str(root / "data.txt"), aux_layer_ids=(0, 2, 1),
                        max_steps=1, device="cpu", progress=False)
 
 

@@ -703,7 +703,7 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
                 bf16: bool | None = None,
                 eval_prompts: str | None = None,
                 eval_spec_steps: tuple[int, ...] = (4,), eval_max_tokens: int = 128, progress: bool = True,
-                **unknown) -> TrainResult:
+                aux_layer_ids: tuple[int, ...] | None = None, **unknown) -> TrainResult:
     """Train (or fine-tune, `from_dir`) an EAGLE-3 drafter for `target_dir`; writes it to `out_dir`.
 
     Called by `specserve train-draft` and by build_demo's stage 5 (which passes `train_tokens`
@@ -734,6 +734,9 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
     ck_dir = out / CHECKPOINT
     dev = _pick_device(device)
     tcfg = ModelConfig.from_dir(target_dir)
+    if aux_layer_ids is not None and (len(aux_layer_ids) != 3 or not all(0 <= i < tcfg.num_layers for i in aux_layer_ids)):
+        raise ConfigError(f"--aux-layer-ids needs 3 layer ids in 0..{tcfg.num_layers - 1} (the target has "
+                          f"{tcfg.num_layers} layers), got {list(aux_layer_ids)}")
     from specserve.engine.tokenizer import Tokenizer
 
     tok = Tokenizer(target_dir)
@@ -777,6 +780,11 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
     if from_dir:
         dcfg_existing = DraftConfig.from_dir(from_dir)
         captured = resolve_aux_layers(dcfg_existing, tcfg.num_layers)
+        if aux_layer_ids is not None and tuple(i + 1 for i in aux_layer_ids) != captured:
+            raise ConfigError(f"--aux-layer-ids {list(aux_layer_ids)} differ from the --from drafter's "
+                              f"{[i - 1 for i in captured]}; a fine-tune keeps the drafter's taps")
+    elif aux_layer_ids is not None:
+        captured = tuple(i + 1 for i in aux_layer_ids)  # SGLang convention: ids of layers whose output is read
     else:
         captured = default_aux_layers(tcfg.num_layers)
     target = FrozenTarget(target_dir, dev, tdtype, max_len, captured)
@@ -952,13 +960,13 @@ def _int_pair(s: str) -> tuple[int, int]:
     return lo, hi
 
 
-def _int_list(s: str) -> tuple[int, ...]:
+def _int_list(s: str, least: int = 1) -> tuple[int, ...]:
     try:
         out = tuple(int(x) for x in s.split(",") if x.strip())
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {s!r}") from None
-    if not out or min(out) < 1:
-        raise argparse.ArgumentTypeError(f"spec steps must be >= 1, got {s!r}")
+    if not out or min(out) < least:
+        raise argparse.ArgumentTypeError(f"expected integers >= {least}, got {s!r}")
     return out
 
 
@@ -973,6 +981,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-intermediate", type=int, default=None,
                    help="drafter MLP width (default: the target's intermediate size)")
     p.add_argument("--ttt-steps", type=int, default=5, help="unrolled training-time-test steps (default 5)")
+    p.add_argument("--aux-layer-ids", type=lambda s: _int_list(s, least=0), default=None, metavar="I,J,K",
+                   help="the 3 target layers whose outputs feed the drafter (0-based, as eagle_aux_hidden_state_"
+                        "layer_ids; default EAGLE-3's 1, L/2-1, L-4)")
     p.add_argument("--epochs", type=float, default=1.0)
     p.add_argument("--max-steps", type=int, default=None, help="stop after this many optimizer steps")
     p.add_argument("--max-minutes", type=float, default=None,
@@ -1034,7 +1045,7 @@ def run(args: argparse.Namespace) -> int:
                           keep_checkpoint=args.keep_checkpoint, device=args.device, threads=args.threads,
                           feature_cache_gb=args.feature_cache_gb, bf16=args.bf16,
                           eval_prompts=args.eval_prompts, eval_spec_steps=args.eval_spec_steps,
-                          eval_max_tokens=args.eval_max_tokens)
+                          eval_max_tokens=args.eval_max_tokens, aux_layer_ids=args.aux_layer_ids)
     except (ConfigError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
