@@ -695,7 +695,10 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
                     err = ((gemv_triton(x, ws[0], cfg).float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
                     t = graph_us([lambda w=w, c=cfg: gemv_triton(x, w, c) for w in ws]) if err <= 1e-2 else None
                 except Exception as e:  # a config this GPU or Triton cannot run: skip it, keep cuBLAS
-                    log.warning("GEMV config %s for %dx%d skipped: %s", cfg, N, K, e)
+                    # (64-row tiles of the widest candidates need more shared memory than a GPU has:
+                    # expected, so not worth a warning at every start-up)
+                    level = logging.DEBUG if "out of resource" in str(e) else logging.WARNING
+                    log.log(level, "GEMV config %s for %dx%d at %d rows skipped: %s", cfg, N, K, rows, e)
                     continue
                 if t is not None and t < t_best and t < 0.97 * t_cublas:  # the fastest clear win over cuBLAS
                     best, t_best = cfg, t
