@@ -196,17 +196,22 @@ def test_train_draft_raises_acceptance(tiny_pair):
 
 
 def test_resume_reproduces_an_uninterrupted_run(tiny_pair):
-    """Stopping after a checkpoint and resuming gives the same weights as one run."""
+    """Stopping after a checkpoint and resuming gives the same weights as one run, with the
+    run's own target taps even when --aux-layer-ids is not repeated (a different list is refused)."""
     root, target = tiny_pair
     kw = {"draft_vocab": 100, "ttt_steps": 2, "lr": 3e-3, "warmup": 2, "max_steps": 4, "batch_tokens": 512,
           "max_len": 64, "device": "cpu", "progress": False, "checkpoint_every": 2, "keep_checkpoint": True}
     data = str(root / "data.txt")
-    td.train_draft(str(target), str(root / "full"), data, **kw)
+    td.train_draft(str(target), str(root / "full"), data, aux_layer_ids=(0, 1, 0), **kw)
     # An interrupted run: the same job killed right after its step-2 checkpoint.
     state = torch.load(root / "full" / "checkpoint" / "state.pt", weights_only=True)
-    assert state["step"] == 2
+    assert state["step"] == 2 and state["aux_layers"] == [1, 2, 1]
     shutil.copytree(root / "full" / "checkpoint", root / "part" / "checkpoint")
+    with pytest.raises(ConfigError, match="differ from the checkpoint's"):
+        td.train_draft(str(target), str(root / "part"), None, resume=True, aux_layer_ids=(1, 1, 1), **kw)
     td.train_draft(str(target), str(root / "part"), None, resume=True, **kw)
+    cfg = json.loads((root / "part" / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 0]
     a = load_file(str(root / "full" / "model.safetensors"))
     b = load_file(str(root / "part" / "model.safetensors"))
     assert a.keys() == b.keys()

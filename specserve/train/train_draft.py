@@ -777,12 +777,16 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
 
     # 3. target, drafter, vocabulary --------------------------------------------------------
     tdtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    kept = None  # (whose, taps) that a fine-tune or a resumed run must keep
     if from_dir:
-        dcfg_existing = DraftConfig.from_dir(from_dir)
-        captured = resolve_aux_layers(dcfg_existing, tcfg.num_layers)
+        kept = ("the --from drafter's", resolve_aux_layers(DraftConfig.from_dir(from_dir), tcfg.num_layers))
+    elif state is not None and "aux_layers" in state:
+        kept = ("the checkpoint's", tuple(state["aux_layers"]))
+    if kept is not None:
+        captured = kept[1]
         if aux_layer_ids is not None and tuple(i + 1 for i in aux_layer_ids) != captured:
-            raise ConfigError(f"--aux-layer-ids {list(aux_layer_ids)} differ from the --from drafter's "
-                              f"{[i - 1 for i in captured]}; a fine-tune keeps the drafter's taps")
+            raise ConfigError(f"--aux-layer-ids {list(aux_layer_ids)} differ from {kept[0]} {[i - 1 for i in captured]}: "
+                              "a fine-tune or a resumed run keeps its drafter's taps")
     elif aux_layer_ids is not None:
         captured = tuple(i + 1 for i in aux_layer_ids)  # SGLang convention: ids of layers whose output is read
     else:
@@ -896,7 +900,7 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
         if checkpoint_every and step - last_ck >= checkpoint_every and step < planned:
             save_checkpoint(ck_dir, drafter, opt, {
                 "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
-                "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen,
+                "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen, "aux_layers": list(captured),
                 "train_seconds": time.time() - t_loop})
             last_ck = step
     bar.close()
