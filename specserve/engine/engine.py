@@ -330,9 +330,6 @@ class Engine:
             pos[i, :n] = torch.arange(starts[i], starts[i] + n)
         tok, pos = tok.to(self.device), pos.to(self.device)
         if not (m == 1 and r.drafter_prefill(self.n_running, tok[0])):
-            limit = r.drafter_max_pos
-            if limit is not None:
-                pos = torch.where(pos >= limit, torch.full_like(pos, r.scratch), pos)
             r.drafter_extend(self.n_running, tok, feats, pos)
         for j, i in enumerate(done):
             row = seqs[i].row
@@ -444,8 +441,6 @@ class Engine:
         r = self.runner
         j = torch.arange(width, device=self.device)
         pos = torch.where(j < fed.unsqueeze(1), start.unsqueeze(1) + j, r.scratch)
-        if r.drafter_max_pos is not None:
-            pos = torch.where(pos >= r.drafter_max_pos, r.scratch, pos)
         r.drafter_extend(0, r.pending_tok[:B, :width], r.pending_feat[:B, :width], pos)
         src = (fed.unsqueeze(1) + j[:keep]).clamp(max=width - 1)  # rows with nothing fed keep theirs in place
         r.pending_tok[:B, :keep] = r.pending_tok[:B, :width].gather(1, src)

@@ -347,9 +347,7 @@ class ModelRunner:
     def _drafter_prefill_body(self, Tb: int):
         """The drafter's KV for a graph-prefilled prompt (staging cache), from that graph's features."""
         feats = self.graphs[("prefill", Tb, 1)].outputs[1]
-        pos = self.s_pf_pos[:, :Tb]
-        if self.drafter_max_pos is not None:  # past the drafter's positions: padding
-            pos = torch.where(pos >= self.drafter_max_pos, self.stage_scratch, pos)
+        pos = self._drafter_positions(self.s_pf_pos[:, :Tb], self.stage_scratch)
         with self._staged(self.drafter.attention_modules()):
             self.drafter(self.s_pf_tok[:, :Tb], feats, ForwardContext(0, pos, pos, Tb))
         return ()
@@ -375,8 +373,16 @@ class ModelRunner:
         return pos  # outside trees, rope position == cache index
 
     @torch.inference_mode()
+    def _drafter_positions(self, pos: torch.Tensor, scratch: int) -> torch.Tensor:
+        """Entry positions with those past the drafter's trained positions turned into padding."""
+        if self.drafter_max_pos is None:
+            return pos
+        return torch.where(pos >= self.drafter_max_pos, scratch, pos)
+
     def drafter_extend(self, row_start: int, tok: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor) -> None:
-        """Eagerly write the drafter's KV for (feature, next token) entries; padding at scratch positions."""
+        """Eagerly write the drafter's KV for (feature, next token) entries; padding at scratch
+        positions, and at positions past the drafter's."""
+        pos = self._drafter_positions(pos, self.scratch)
         self.drafter(tok, feat, self._context(pos, pos, row_start))
 
     # ------------------------------------------------------------- graph parts
