@@ -220,6 +220,43 @@ def test_sampled_bench_has_no_greedy_check(monkeypatch, pair, tmp_path):
         assert r["matches_baseline"] is None and r["tokens_per_repeat"] == 6 * 6
 
 
+def test_bench_sizes_its_run_from_a_calibration(monkeypatch, pair, tmp_path, capsys):
+    target, draft, prompts = pair
+    out = tmp_path / "sized.json"
+    rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+                               "--configs", "eagle3:steps=2", "--batch-sizes", "1", "--max-tokens", "4",
+                               "--max-seconds", "1e-9", "--peers", "hf", "--no-profile", "--no-progress",
+                               "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    s = doc["settings"]
+    # nothing fits a nanosecond: one prompt per category, and no warm-up pass beyond the calibration
+    assert s["calibration"]["prompts_per_category"] == 1 and s["warmup"] == 0
+    assert s["prompts"]["count"] == len({p.get("category", "default") for p in PROMPTS})
+    assert s["calibration"]["estimate_s"] > 0
+    err = capsys.readouterr().err
+    assert err.index("calibration took") < err.index("even with one prompt per category")
+    hf = next(r for r in doc["results"] if r["config"] == "hf")
+    assert hf["details"]["torch_threads"] == s["torch_threads"]  # the peer runs with the engine's threads
+    assert len(doc["summary"][0]["vs_hf_values"]) == s["repeats"] == 3
+
+
+def test_peer_figure_is_marked_when_too_unsteady_to_quote():
+    from specserve.bench.report import summary_lines
+
+    def line(values):
+        r = {"summary": [{"batch_size": 1, "best_config": "eagle3:steps=4", "speedup": 1.5,
+                          "vs_hf": sorted(values)[len(values) // 2], "vs_hf_values": values}],
+             "load_average": {"start": 9.0, "end": 11.0}}
+        return summary_lines(r)[0]
+
+    assert "not a figure to quote" not in line([3.0, 3.1, 3.2])
+    assert "per repeat 3.00-3.20x" in line([3.0, 3.1, 3.2])
+    assert "differ by more than 1.2x" in line([2.0, 3.1, 4.0]) and "load average 9.0 -> 11.0" in line([2.0, 3.1, 4.0])
+    assert "2 repeats" in line([3.0, 3.1])
+
+
 def test_short_bench_on_the_demo_pair(monkeypatch, tmp_path):
     """The no-argument path (demo target and drafter found by default), shortened."""
     from specserve.engine.llm import demo_paths
