@@ -85,7 +85,7 @@ from specserve.config import (
     read_json,
     resolve_aux_layers,
 )
-from specserve.train.shapes import OUT_DTYPE_NAMES, PRESETS, READ_MODES, Shape
+from specserve.train.shapes import OUT_DTYPE_NAMES, READ_MODES, Shape
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
