@@ -43,6 +43,11 @@ def port_number(text: str) -> int:
     return port
 
 
+def not_shown(default) -> bool:
+    """A default with nothing to show: no value, a switch that is off, an empty list (`is`: 0 is shown)."""
+    return default is None or default is False or default is argparse.SUPPRESS or default == []
+
+
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Shows each flag's default after its help, unless the help already names it or there is
     none to show (no value, a switch that is off)."""
@@ -50,8 +55,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if ("default" in text or default in (None, False, argparse.SUPPRESS) or default == []
-                or not action.option_strings):
+        if ("default" in text or not_shown(default) or not action.option_strings):
             return text
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         return f"{text} (default: {shown})".lstrip()
@@ -79,7 +83,13 @@ class CommandParser(argparse.ArgumentParser):
                 if "=" not in token and flags[flag].nargs is None:
                     i += 1  # its value, which may itself start with "--"
             i += 1
-        return super().parse_known_args(args, namespace)
+        known, extras = super().parse_known_args(args, namespace)
+        if extras:  # stray values would otherwise be reported under the top-level usage
+            where = args.index(extras[0])
+            after = f" after {args[where - 1]}" if where > 0 and args[where - 1].startswith("--") else ""
+            hint = " (--json takes no value; --out FILE writes a file)" if after == " after --json" else ""
+            self.error(f"unexpected argument {extras[0]!r}{after}{hint}")
+        return known, extras
 
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:

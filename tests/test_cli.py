@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from specserve.cli import COMMANDS, HelpFormatter, build_parser, main
+from specserve.cli import COMMANDS, HelpFormatter, build_parser, main, not_shown
 
 # Deadlines only bound a hang: a loaded 2-core machine needs many times an idle run.
 TIMEOUT = 600
@@ -45,7 +45,7 @@ def test_every_flag_has_help_and_shows_its_default(name):
             continue
         flag = action.option_strings[-1]
         assert action.help, f"{name} {flag} has no help text"
-        if action.default not in (None, False, [], argparse.SUPPRESS):
+        if not not_shown(action.default):
             assert "default" in fmt._get_help_string(action), f"{name} {flag} does not show its default"
 
 
@@ -64,6 +64,14 @@ def test_an_unknown_flag_after_valid_ones_shows_the_commands_usage(capsys):
         main(["check", "--json", "--colour"])
     err = capsys.readouterr().err
     assert "usage: specserve check" in err and "unknown flag --colour" in err
+
+
+def test_a_stray_value_is_reported_under_the_commands_usage(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--json", "out.json"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "usage: specserve bench" in err
+    assert "unexpected argument 'out.json' after --json (--json takes no value; --out FILE writes a file)" in err
 
 
 def test_flag_values_and_launch_commands_are_not_taken_for_flags():
