@@ -365,11 +365,19 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
 
 def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: list[list[int]], params: list,
                log, t_begin: float) -> dict:
-    """Time one batch per unit and batch size (run twice: the first pays one-time costs), estimate the
-    warm-up and timed passes from it, and, without --num-prompts, keep the most prompts per category
-    whose estimate fits what is left of --max-seconds since `t_begin`. Returns the figures, and the
-    prompt indices to keep under "keep"."""
+    """Without --num-prompts: time one batch per unit and batch size (run twice: the first pays one-time
+    costs), estimate the warm-up and timed passes from it, and keep the most prompts per category whose
+    estimate fits what is left of --max-seconds since `t_begin`. Returns the figures, and the prompt
+    indices to keep under "keep". A run with --num-prompts (scripted, often with a timeout of its own)
+    is not lengthened by the calibration."""
     from specserve.bench.bench_cmd import select_prompts
+
+    sized = args.num_prompts is None and args.max_seconds > 0
+    if not sized:
+        args.warmup = 1 if args.warmup is None else args.warmup
+        return {"seconds": 0.0, "estimate_s": None, "max_seconds": args.max_seconds,
+                "elapsed_before_s": round(time.perf_counter() - t_begin, 2),
+                "prompts_per_category": args.num_prompts, "keep": list(range(len(prompts)))}
 
     t0 = time.perf_counter()
     cost: dict[tuple[str, int], float] = {}
@@ -392,20 +400,17 @@ def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: l
         return sum(len(make_batches(cats, bs)) * (warmup + args.repeats) * sum(cost[(u, bs)] for u in live[bs])
                    for bs in args.batch_sizes)
 
-    per_category, warmup = args.num_prompts, 1 if args.warmup is None else args.warmup
-    sized = per_category is None and args.max_seconds > 0
-    if sized:
-        largest = max(sum(p["category"] == c for p in prompts) for c in {p["category"] for p in prompts})
-        warmups = [warmup] if args.warmup is not None else [1, 0]
-        per_category, warmup = next(((n, w) for w in warmups for n in range(largest, 0, -1)
-                                     if estimate(chosen(n), w) <= budget), (1, warmups[-1]))
-        if per_category == largest:
-            per_category = None  # every prompt fits
+    largest = max(sum(p["category"] == c for p in prompts) for c in {p["category"] for p in prompts})
+    warmups = [args.warmup] if args.warmup is not None else [1, 0]
+    per_category, warmup = next(((n, w) for w in warmups for n in range(largest, 0, -1)
+                                 if estimate(chosen(n), w) <= budget), (1, warmups[-1]))
+    if per_category == largest:
+        per_category = None  # every prompt fits
     args.warmup = warmup
     keep = chosen(per_category)
     est = estimate(keep, warmup)
-    how = f", sized to --max-seconds {args.max_seconds:g} (--num-prompts N to choose)" if sized else ""
-    if sized and est > budget:
+    how = f", sized to --max-seconds {args.max_seconds:g} (--num-prompts N to choose)"
+    if est > budget:
         how = f"; more than --max-seconds {args.max_seconds:g} even with one prompt per category"
     log(f"[bench] calibration took {seconds:.1f} s; measuring {len(keep)} of {len(prompts)} prompts x "
         f"{warmup} warm-up + {args.repeats} timed passes: about {est:.0f} s more, done near "
