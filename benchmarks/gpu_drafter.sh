@@ -30,7 +30,7 @@ else
   SHAPE=(--draft-vocab "${VOCAB:-2048}" --draft-intermediate "${INTER:-1792}" --lr "${LR:-4e-3}")
   [ -n "${AUX:-}" ] && SHAPE+=(--aux-layer-ids "$AUX")
 fi
-timeout $(( ${MINUTES%.*} * 60 + 120 )) python3 -m specserve train-draft --target specserve/assets/demo \
+timeout $(( ${MINUTES%.*} * 60 + 120 )) python3 -m specserve train-draft --model specserve/assets/demo \
   "${SRC[@]}" "${SHAPE[@]}" --out "$OUT/draft" --ttt-steps "${TTT:-5}" --batch-tokens 16384 --max-len 512 \
   --max-minutes "$MINUTES" --epochs 1000 --device "$DEVICE" --seed "${SEED:-0}" \
   --eval-prompts specserve/assets/demo/heldout_prompts.jsonl --eval-spec-steps "${EVAL_STEPS:-4,6}" > "$OUT/train.log" 2>&1
@@ -43,6 +43,6 @@ timeout 90 python3 -m specserve grow --draft "$OUT/draft" --preset llama3-8b --p
 timeout 240 python3 -m specserve bench --model $W --draft $W/draft \
   --configs ${CONFIGS:-baseline eagle3:steps=4 eagle3:steps=6 eagle3:steps=6,topk=8,tokens=48 eagle3:adaptive,steps=6,topk=8,tokens=48} \
   --batch-sizes ${BATCHES:-1 4 16 64} --num-prompts 2 --max-tokens 64 --warmup 1 --repeats 2 \
-  --json "$OUT/bench.json" --markdown "$OUT/bench.md" --no-progress > "$OUT/bench.log" 2>&1
+  --out "$OUT/bench.json" --markdown "$OUT/bench.md" --no-progress > "$OUT/bench.log" 2>&1
 grep "^| " "$OUT/bench.md" | head -24
 date -u

@@ -24,7 +24,7 @@ fi
 timeout 380 python3 -m specserve bench --model $W --draft $W/draft \
   --configs ${CONFIGS:-baseline eagle3:steps=1 eagle3:steps=2 eagle3:steps=3 eagle3:steps=4 eagle3:steps=5 eagle3:steps=6 eagle3:steps=8,topk=4,tokens=31 eagle3:adaptive,steps=8,topk=4,tokens=31} \
   --batch-sizes ${BATCHES:-1 4 16 64} --num-prompts 2 --max-tokens 64 --warmup 1 --repeats 2 --peers ${PEERS-hf hf-assisted} \
-  --json "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" --no-progress 2>&1 | grep -v -i warn | tail -45
+  --out "$OUT/bench.json" --markdown "$OUT/bench.md" --plot "$OUT/bench.png" --no-progress 2>&1 | grep -v -i warn | tail -45
 nvidia-smi --query-gpu=index,memory.used --format=csv
 [ "${LAUNCH:-0}" = 1 ] || { date -u; exit 0; }
 timeout 90 python3 -m specserve launch --ready-timeout 12 --stall-timeout 60 --log "$OUT/launch.log" -- \

@@ -34,7 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve.config import DEMO_DIR, ModelConfig  # noqa: E402
 from specserve.engine.llm import LLM, SamplingParams, demo_paths  # noqa: E402
 from specserve.model.layers import ForwardContext  # noqa: E402
-from specserve.train.grow import PRESETS, grow  # noqa: E402
+from specserve.train.grow import grow  # noqa: E402
+from specserve.train.shapes import PRESETS  # noqa: E402
 
 
 def load_prompts(path: str | None, limit: int) -> tuple[str, list[dict]]:

@@ -149,10 +149,10 @@ def test_usage_error(fake_pynvml):
 def test_cli_without_gpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(FAKE_NVML))
     env.pop("FAKE_NVML_STATE", None)
-    r = subprocess.run([PY, "-m", "specserve", "gpus"], capture_output=True, text=True, env=env, timeout=30)
+    r = subprocess.run([PY, "-m", "specserve", "gpus"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "no NVIDIA GPU/NVML" in r.stdout
     r = subprocess.run([PY, "-m", "specserve", "gpus", "--json", "--wait-free", "--timeout", "1"],
-                       capture_output=True, text=True, env=env, timeout=30)
+                       capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and json.loads(r.stdout)["state"] == "no-nvml"
 
 
@@ -168,7 +168,7 @@ def test_real_gpu_holders_and_wait_free(tmp_path):
             if "hold" in line:
                 break
         pids = [int(x) for x in pidfile.read_text().split()]
-        r = subprocess.run([PY, "-m", "specserve", "gpus", "--json"], capture_output=True, text=True, timeout=60)
+        r = subprocess.run([PY, "-m", "specserve", "gpus", "--json"], capture_output=True, text=True, timeout=300)
         d = json.loads(r.stdout)
         assert r.returncode == 0 and d["nvml"] is True and d["gpus"]
         listed = {p["pid"]: p for p in d["gpus"][0]["processes"]}
@@ -176,12 +176,12 @@ def test_real_gpu_holders_and_wait_free(tmp_path):
         # Inside a container NVML may report host PIDs; the /dev/nvidia* scan still finds ours.
         assert set(pids) <= set(listed)
         r = subprocess.run([PY, "-m", "specserve", "gpus", "--wait-free", "--timeout", "2", "--devices", "0"],
-                           capture_output=True, text=True, timeout=60)
+                           capture_output=True, text=True, timeout=300)
         assert r.returncode == gpus.EXIT_TIMEOUT and "still busy" in r.stdout
     finally:
         os.killpg(job.pid, 9)
         job.wait()
     r = subprocess.run([PY, "-m", "specserve", "gpus", "--wait-free", "--timeout", "60", "--devices", "0"],
-                       capture_output=True, text=True, timeout=120)
+                       capture_output=True, text=True, timeout=300)
     print(r.stdout)
     assert r.returncode == 0

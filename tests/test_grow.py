@@ -274,15 +274,17 @@ def test_bad_shapes_and_inputs(tmp_path, pair):
 
 def test_cli(tmp_path, pair, capsys):
     small, _, _ = pair
+    from specserve.train import grow_cmd
+
     p = argparse.ArgumentParser()
-    G.add_arguments(p)
+    grow_cmd.add_arguments(p)
     args = p.parse_args(["--model", str(small), "--no-draft", "--hidden", "128", "--out", str(tmp_path / "o")])
-    assert G.run(args) == 1
+    assert grow_cmd.run(args) == 1
     assert "missing: --layers, --heads, --kv-heads, --head-dim, --intermediate" in capsys.readouterr().err
     args = p.parse_args(["--model", str(small), "--draft", str(small / "draft"), "--out", str(tmp_path / "o"),
                          "--hidden", "128", "--layers", "8", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
                          "--intermediate", "128", "--dtype", "float32", "--device", "cpu"])
-    assert G.run(args) == 0
+    assert grow_cmd.run(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["shape"]["hidden"] == 128 and (tmp_path / "o" / "draft" / "config.json").exists()
     assert ModelConfig.from_dir(tmp_path / "o").num_layers == 8

@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton = pytest.importorskip("triton")
+triton = pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these "
+                                              "kernels in its interpreter on CPU)")
 from specserve.model import kernels as K  # noqa: E402
 from specserve.model.layers import RotaryEmbedding  # noqa: E402
 

@@ -134,7 +134,7 @@ class Scenario:
 
 
 def start(name: str, tmp: Path, launch_args: list[str], cmd: list[str], state: dict | None = None,
-          timeout: float = 45.0) -> Scenario:
+          timeout: float = 300.0) -> Scenario:
     d = tmp / name
     d.mkdir(parents=True, exist_ok=True)
     out_path = d / "out.txt"
@@ -350,7 +350,7 @@ def test_gpu_memory_of_another_process(scenarios):
 
 
 # ---------------------------------------------------------------------------- quick ones
-def run_launch(args, tmp_path, timeout=30):
+def run_launch(args, tmp_path, timeout=300):
     return subprocess.run([PY, "-m", "specserve", "launch", *args], capture_output=True, text=True,
                           env=fake_env(tmp_path), timeout=timeout)
 
@@ -362,13 +362,13 @@ def test_ctrl_c_stops_the_whole_tree(tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=fake_env(tmp_path))
     out = []
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 300
         for line in p.stdout:
             out.append(line)
             if "tree up" in line or time.monotonic() > deadline:
                 break
         p.send_signal(signal.SIGINT)
-        rest, _ = p.communicate(timeout=20)
+        rest, _ = p.communicate(timeout=300)
         out.append(rest)
     finally:
         if p.poll() is None:
@@ -537,7 +537,7 @@ def test_marker_and_session_find_non_descendants(tmp_path):
         res = stop_tree(tree, grace=2, kill_wait=5, log=lambda m: None, on_tick=root.poll)
         assert res.clean
         assert root.wait(5) == -signal.SIGTERM and marked.wait(5) == -signal.SIGTERM
-        end = time.monotonic() + 3
+        end = time.monotonic() + 60
         while _is_sleeper(orphan) and time.monotonic() < end:
             time.sleep(0.05)
         assert not _is_sleeper(orphan), "the orphan in the root's session survived"

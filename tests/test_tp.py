@@ -204,7 +204,7 @@ def test_nccl_tune_on_cpu_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "best.json"
     r = subprocess.run([sys.executable, "-m", "specserve.cli", "nccl-tune", "--tp", "2", "--hidden", "64",
                         "--tokens", "1", "8", "--iters", "10", "--runs", "3", "--device", "cpu", "--out", str(out)],
-                       capture_output=True, text=True, timeout=180)
+                       capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     assert "profiles only matter for NCCL" in r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.strip() and not line.startswith("#")]

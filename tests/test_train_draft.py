@@ -327,15 +327,15 @@ def test_cli_errors(tiny_pair, capsys):
     from specserve.cli import main
 
     root, target = tiny_pair
-    rc = main(["train-draft", "--target", str(target), "--data", str(root / "nope.jsonl"), "--out", str(root / "x")])
+    rc = main(["train-draft", "--model", str(target), "--data", str(root / "nope.jsonl"), "--out", str(root / "x")])
     assert rc == 1 and "no such file" in capsys.readouterr().err
-    rc = main(["train-draft", "--target", str(target), "--out", str(root / "x")])
+    rc = main(["train-draft", "--model", str(target), "--out", str(root / "x")])
     assert rc == 1 and "--data is required" in capsys.readouterr().err
-    rc = main(["train-draft", "--target", str(target), "--data", str(root / "data.txt"), "--out", str(root / "x"),
+    rc = main(["train-draft", "--model", str(target), "--data", str(root / "data.txt"), "--out", str(root / "x"),
                "--ttt-steps", "0"])
     assert rc == 1 and "--ttt-steps must be at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        main(["train-draft", "--target", str(target), "--out", "x", "--regen-prompt-len", "9,3"])
+        main(["train-draft", "--model", str(target), "--out", "x", "--regen-prompt-len", "9,3"])
 
 
 @pytest.mark.gpu

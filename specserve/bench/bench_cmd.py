@@ -3,8 +3,8 @@ in one run (offline), or load any OpenAI-compatible server (`--url`, online).
 
     specserve bench                                   # the bundled demo pair, default settings
     specserve bench --configs baseline eagle3:steps=3 eagle3:adaptive,steps=6 --batch-sizes 1 4 16
-    specserve bench --peers hf hf-assisted --json out.json --markdown out.md --plot out.png
-    specserve bench --url http://localhost:8000 --concurrency 8 --json online.json
+    specserve bench --peers hf hf-assisted --out out.json --markdown out.md --plot out.png
+    specserve bench --url http://localhost:8000 --concurrency 8 --out online.json
 
 This module stays free of torch so that the online mode never imports it.
 """
@@ -23,6 +23,9 @@ DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 DEFAULT_CONFIGS = ["baseline", "eagle3:steps=2", "eagle3:steps=4", "eagle3:adaptive,steps=6"]
 DEFAULT_BATCH_SIZES = [1, 4]
 DEFAULT_STEPS = 4  # eagle3 without steps= (as `specserve generate`)
+# The default run fits 3 minutes on a slow 2-core CPU with the imports before it; a GPU measures every
+# prompt well within it.
+DEFAULT_MAX_SECONDS = 165.0
 PEERS = ("hf", "hf-assisted")
 
 # Each configuration scheme and its keys: key -> (type, default). Add schemes or keys here.
@@ -154,10 +157,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="prompts submitted together (default: %(default)s)")
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)")
     g.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default: %(default)s)")
-    g.add_argument("--warmup", type=int, default=1, help="untimed warm-up passes over all prompts, per config and batch size")
+    g.add_argument("--warmup", type=int, default=None,
+                   help="untimed warm-up passes over all prompts, per config and batch size (default: 1, or 0 where "
+                        "only that fits --max-seconds: the calibration has already run each config at each batch size)")
     g.add_argument("--prompts", help="jsonl file: {\"prompt\" or \"messages\", \"category\"} per line "
                                      "(default: the bundled code/prose/chat set)")
-    g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category")
+    g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category (default: as "
+                                                    "many as fit --max-seconds)")
+    g.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
+                   help="without --num-prompts, size the offline run to end within about this many seconds, "
+                        "loading and calibration included: a calibration batch per configuration and batch size "
+                        "estimates the passes, and the most prompts per category that fit are kept (0 = all)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); outputs are then "
                                                                   "checked against plain decoding")
     g.add_argument("--seed", type=int, default=0, help="base seed of sampled requests")
@@ -176,7 +186,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="time draft/verify/accept per cycle and fit the cost model (predicted tok/s per K); "
                         "on by default: the timestamps ride on the host sync each cycle has anyway")
     o = p.add_argument_group("output")
-    o.add_argument("--json", metavar="FILE", help="write results (schema: specserve/bench/schema.json)")
+    o.add_argument("--out", metavar="FILE", help="write the results as JSON (schema: specserve/bench/schema.json)")
+    o.add_argument("--json", action="store_true", help="print the results as one JSON object instead of tables")
     o.add_argument("--markdown", metavar="FILE", help="write the tables as Markdown")
     o.add_argument("--plot", metavar="FILE.png", help="plot speedup and acceptance against steps and batch size")
     o.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
@@ -200,10 +211,12 @@ def _check_args(args: argparse.Namespace) -> None:
     for name in ("max_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.warmup < 0:
+    if args.warmup is not None and args.warmup < 0:
         raise ConfigError("--warmup must be 0 or more")
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads must be at least 1")
+    if not args.max_seconds >= 0:
+        raise ConfigError(f"--max-seconds must be 0 or more, got {args.max_seconds}")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ConfigError("--num-prompts must be at least 1")
     if not args.temperature >= 0:
@@ -257,14 +270,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     # Files first: a closed stdout (`| head`) must not lose a long run's results.
-    for path in (args.json, args.markdown, args.plot):
+    for path in (args.out, args.markdown, args.plot):
         if path:
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-    if args.json:
-        report.write_json(result, args.json)
+    if args.out:
+        report.write_json(result, args.out)
     if args.markdown:
         Path(args.markdown).write_text(report.render_markdown(result), encoding="utf-8")
     if args.plot:
         report.plot(result, args.plot)
-    print(report.render_text(result), flush=True)
+    print(json.dumps(result) if args.json else report.render_text(result), flush=True)
     return 0

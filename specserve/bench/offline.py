@@ -185,6 +185,7 @@ def run_offline(args, configs: list[BenchConfig], prompts: list[dict]) -> dict:
     from specserve.engine.generate_cmd import engine_kwargs
     from specserve.model.loader import resolve_device
 
+    t_begin = time.perf_counter()
     base_kw = engine_kwargs(args, default_max_num_seqs=max(args.batch_sizes))
     base_kw["device"] = str(resolve_device(base_kw["device"]))
     threads = args.threads or (1 if base_kw["device"] == "cpu" else None)
@@ -192,12 +193,12 @@ def run_offline(args, configs: list[BenchConfig], prompts: list[dict]) -> dict:
     if threads:
         torch.set_num_threads(threads)
     try:
-        return _run(args, configs, prompts, base_kw)
+        return _run(args, configs, prompts, base_kw, t_begin)
     finally:
         torch.set_num_threads(saved)  # a library call leaves the process as it found it
 
 
-def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -> dict:
+def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t_begin: float) -> dict:
     import torch
 
     from specserve.engine.llm import SamplingParams, demo_paths
@@ -230,6 +231,9 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
                              ignore_eos=args.ignore_eos) for i in range(len(prompts))]
 
     log = (lambda m: print(m, file=sys.stderr, flush=True))
+    if args.num_prompts is None and args.max_seconds > 0:
+        log(f"[bench] loading, then a short calibration sizes the run to end within about {args.max_seconds:g} s "
+            f"(--max-seconds)")
     t_load = time.perf_counter()
     units: dict[str, object] = {}
     # One engine per tree setting (chains are one setting) runs all its configs; baseline joins the first.
@@ -258,14 +262,19 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
             log(f"[bench] loading peer {name} ...")
             try:
                 units[name] = PeerProcess(name, model_dir, device, dtype, args.max_tokens, args.temperature,
-                                     args.ignore_eos, eos_ids, args.peer_draft, base_kw["max_model_len"])
+                                          args.ignore_eos, eos_ids, args.peer_draft, base_kw["max_model_len"],
+                                          torch.get_num_threads())
             except Exception as e:  # noqa: BLE001 -- a peer that cannot load is reported, not fatal
                 peer_status[name] = f"could not load: {type(e).__name__}: {e}"
 
     load_s = time.perf_counter() - t_load
+    live = {bs: [u for u in units if units[u].unavailable(bs) is None] for bs in args.batch_sizes}
+    calibration = _calibrate(args, units, live, prompts, prompt_ids, params, log, t_begin)
+    keep = calibration.pop("keep")
+    prompts, prompt_ids, params = ([xs[i] for i in keep] for xs in (prompts, prompt_ids, params))
+    categories = [p["category"] for p in prompts]
     batches = {bs: make_batches(categories, bs) for bs in args.batch_sizes}
     runs: dict[tuple[str, int], list[Run]] = {(u, bs): [] for u in units for bs in args.batch_sizes}
-    live = {bs: [u for u in units if units[u].unavailable(bs) is None] for bs in args.batch_sizes}
     total = sum(len(live[bs]) * (args.warmup + args.repeats) * len(batches[bs]) for bs in args.batch_sizes)
     bar = _progress(total, args.progress)
     load_avg_start = report.load_average()
@@ -313,10 +322,12 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
             continue
         best = max(spec, key=lambda x: x["speedup"])
         hf = next((x for x in results if x["batch_size"] == bs and x["config"] == "hf" and x["available"]), None)
-        vs_hf = None
+        vs_hf = values = None
         if hf is not None:  # paired per repeat, like the speedup
-            vs_hf = statistics.median(a / b for a, b in zip(best["tok_s"]["values"], hf["tok_s"]["values"]))
-        summary.append({"batch_size": bs, "best_config": best["config"], "speedup": best["speedup"], "vs_hf": vs_hf})
+            values = [a / b for a, b in zip(best["tok_s"]["values"], hf["tok_s"]["values"])]
+            vs_hf = statistics.median(values)
+        summary.append({"batch_size": bs, "best_config": best["config"], "speedup": best["speedup"], "vs_hf": vs_hf,
+                        "vs_hf_values": values})
 
     cost = None
     if args.profile:
@@ -337,7 +348,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
             "batch_sizes": list(args.batch_sizes), "max_tokens": args.max_tokens, "repeats": args.repeats,
             "warmup": args.warmup, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
             "seed": args.seed, "max_model_len": base_kw["max_model_len"], "device": device,
-            "profile": bool(args.profile), "torch_threads": torch.get_num_threads(),
+            "profile": bool(args.profile), "torch_threads": torch.get_num_threads(), "calibration": calibration,
             "prompts": {"path": str(args.prompts or "bundled"), "count": len(prompts),
                         "categories": {c: categories.count(c) for c in cats},
                         "mean_prompt_tokens": round(statistics.fmean(len(p) for p in prompt_ids), 1)},
@@ -350,6 +361,63 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict) -
         "summary": summary,
         "cost_model": cost,
     }
+
+
+def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: list[list[int]], params: list,
+               log, t_begin: float) -> dict:
+    """Without --num-prompts: time one batch per unit and batch size (run twice: the first pays one-time
+    costs), estimate the warm-up and timed passes from it, and keep the most prompts per category whose
+    estimate fits what is left of --max-seconds since `t_begin`. Returns the figures, and the prompt
+    indices to keep under "keep". A run with --num-prompts (scripted, often with a timeout of its own)
+    is not lengthened by the calibration."""
+    from specserve.bench.bench_cmd import select_prompts
+
+    sized = args.num_prompts is None and args.max_seconds > 0
+    if not sized:
+        args.warmup = 1 if args.warmup is None else args.warmup
+        return {"seconds": 0.0, "estimate_s": None, "max_seconds": args.max_seconds,
+                "elapsed_before_s": round(time.perf_counter() - t_begin, 2),
+                "prompts_per_category": args.num_prompts, "keep": list(range(len(prompts)))}
+
+    t0 = time.perf_counter()
+    cost: dict[tuple[str, int], float] = {}
+    for bs in args.batch_sizes:
+        batch = make_batches([p["category"] for p in prompts], bs)[0]
+        for label in live[bs]:
+            for _ in range(2):
+                t = time.perf_counter()
+                units[label].run([prompt_ids[i] for i in batch.slots], [params[i] for i in batch.slots])
+                cost[(label, bs)] = time.perf_counter() - t
+    seconds = time.perf_counter() - t0
+    budget = args.max_seconds - (time.perf_counter() - t_begin)
+
+    def chosen(n: int | None) -> list[int]:
+        picked = {id(p) for p in select_prompts(prompts, n)}
+        return [i for i, p in enumerate(prompts) if id(p) in picked]
+
+    def estimate(keep: list[int], warmup: int) -> float:
+        cats = [prompts[i]["category"] for i in keep]
+        return sum(len(make_batches(cats, bs)) * (warmup + args.repeats) * sum(cost[(u, bs)] for u in live[bs])
+                   for bs in args.batch_sizes)
+
+    largest = max(sum(p["category"] == c for p in prompts) for c in {p["category"] for p in prompts})
+    warmups = [args.warmup] if args.warmup is not None else [1, 0]
+    per_category, warmup = next(((n, w) for w in warmups for n in range(largest, 0, -1)
+                                 if estimate(chosen(n), w) <= budget), (1, warmups[-1]))
+    if per_category == largest:
+        per_category = None  # every prompt fits
+    args.warmup = warmup
+    keep = chosen(per_category)
+    est = estimate(keep, warmup)
+    how = f", sized to --max-seconds {args.max_seconds:g} (--num-prompts N to choose)"
+    if est > budget:
+        how = f"; more than --max-seconds {args.max_seconds:g} even with one prompt per category"
+    log(f"[bench] calibration took {seconds:.1f} s; measuring {len(keep)} of {len(prompts)} prompts x "
+        f"{warmup} warm-up + {args.repeats} timed passes: about {est:.0f} s more, done near "
+        f"{time.strftime('%H:%M:%S', time.localtime(time.time() + est))}{how}")
+    return {"seconds": round(seconds, 2), "estimate_s": round(est, 1), "max_seconds": args.max_seconds,
+            "elapsed_before_s": round(time.perf_counter() - t_begin, 2),
+            "prompts_per_category": per_category, "keep": keep}
 
 
 def _encode(tok, p: dict) -> list[int]:

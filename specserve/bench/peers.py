@@ -49,10 +49,13 @@ class HFPeer:
     kind = "peer"
 
     def __init__(self, name: str, model_dir: str, device: str, dtype, max_tokens: int, temperature: float,
-                 ignore_eos: bool, eos_ids: set[int], peer_draft: str | None = None, max_cache_len: int = 2048):
+                 ignore_eos: bool, eos_ids: set[int], peer_draft: str | None = None, max_cache_len: int = 2048,
+                 threads: int | None = None):
         import transformers
         from transformers import AutoModelForCausalLM
 
+        if threads:  # the engine's thread count: a peer with more threads would not be a like-for-like figure
+            torch.set_num_threads(threads)
         transformers.logging.set_verbosity_error()
         transformers.logging.disable_progress_bar()
         self.name, self.device = name, torch.device(device)
@@ -65,7 +68,7 @@ class HFPeer:
         t0 = time.perf_counter()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
         self.assistant = None
-        self.details: dict = {"transformers": transformers.__version__}
+        self.details: dict = {"transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
         if name == "hf-assisted":
             if peer_draft:
                 self.assistant = AutoModelForCausalLM.from_pretrained(peer_draft, dtype=dtype).to(self.device).eval()

@@ -236,12 +236,34 @@ def _notes(r: dict) -> list[str]:
     return notes
 
 
+QUOTABLE_SPREAD = 1.2  # largest max/min of the per-repeat ratios for a figure worth quoting
+
+
+def _not_quotable(values: list[float], load: dict) -> str | None:
+    """Why a paired ratio over repeats is too unsteady to quote, or None."""
+    if len(values) < 3:
+        return f"{len(values)} repeat{'s' if len(values) != 1 else ''} (3 or more give a median and a spread)"
+    if max(values) > QUOTABLE_SPREAD * min(values):
+        busy = ""
+        if load.get("start") is not None and load.get("end") is not None:
+            busy = f", load average {load['start']:.1f} -> {load['end']:.1f}"
+        return f"the repeats differ by more than {QUOTABLE_SPREAD:g}x (other work on the machine?{busy}); " \
+               f"rerun on an idle machine or with more --repeats"
+    return None
+
+
 def summary_lines(r: dict) -> list[str]:
     out = []
     for b in r.get("summary") or []:
         line = f"batch {b['batch_size']}: best {b['best_config']} at {b['speedup']:.2f}x plain decoding"
         if b.get("vs_hf") is not None:
             line += f", {b['vs_hf']:.2f}x transformers generate()"
+            values = b.get("vs_hf_values") or []
+            if len(values) > 1:
+                line += f" (per repeat {min(values):.2f}-{max(values):.2f}x)"
+            why = _not_quotable(values, r.get("load_average") or {})
+            if why:
+                line += f"; not a figure to quote: {why}"
         out.append(line)
     return out
 

@@ -37,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="tokens per all-reduce to measure (batch x (K+1)); default 1 2 4 8 16 32 64")
     p.add_argument("--decode-tokens", type=int, default=16,
                    help="sizes with at most this many tokens decide the best profile (default 16)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_NAMES))
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(_DTYPE_NAMES), help="all-reduce element type")
     p.add_argument("--profiles", nargs="+", default=None,
                    help="candidate profiles: preset names or files (default: every preset)")
     p.add_argument("--backends", nargs="+", default=None, choices=["torch", "nccl", "symm_mem"],
@@ -49,7 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="seconds without progress during a CUDA graph capture before giving up on it")
     p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra environment variable for the workers (repeatable)")
-    p.add_argument("--out", default="nccl_profile.json", help="where to write the best profile (JSON)")
+    p.add_argument("--out", metavar="FILE",
+                   help="write the best profile to FILE (JSON, for --nccl-profile FILE); without it nothing is written")
     p.add_argument("--json", action="store_true", help="also print all measurements as one JSON object")
 
 
@@ -328,17 +329,20 @@ def run(args: argparse.Namespace) -> int:
     summary = {c["profile"] + "/" + c["backend"]: (round(c["score_us"], 2) if c["score_us"] else None)
                for c in report["candidates"]}
     name = f"{best['profile']}+{best['backend']}" if device == "cuda" else best["profile"]
-    path = write_profile(args.out, name, env, {"score_us": best["score_us"], "mode": best["score_mode"],
-                                               "scores_us": summary, "tp": args.tp, "hidden": hidden,
-                                               "decode_tokens": args.decode_tokens, "device": info.get("device_name"),
-                                               "nccl": info.get("nccl_version"),
-                                               "date": time.strftime("%Y-%m-%d", time.gmtime())})
+    path = None
+    if args.out:
+        path = write_profile(args.out, name, env, {"score_us": best["score_us"], "mode": best["score_mode"],
+                                                   "scores_us": summary, "tp": args.tp, "hidden": hidden,
+                                                   "decode_tokens": args.decode_tokens,
+                                                   "device": info.get("device_name"), "nccl": info.get("nccl_version"),
+                                                   "date": time.strftime("%Y-%m-%d", time.gmtime())})
     print(f"# scores (geometric mean us over <= {args.decode_tokens} tokens): "
           + ", ".join(f"{k} {v}" for k, v in summary.items()))
-    print(f"# best: {name} ({best['score_us']:.2f} us, {best['score_mode']}); wrote {path} "
-          f"-> use: --nccl-profile {path}   [{time.time() - t0:.0f} s]")
+    saved = (f"wrote {path} -> use: --nccl-profile {path}" if path
+             else "not written (--out FILE saves it for --nccl-profile FILE)")
+    print(f"# best: {name} ({best['score_us']:.2f} us, {best['score_mode']}); {saved}   [{time.time() - t0:.0f} s]")
     if args.json:
-        report["best"] = {"name": name, "env": env, "path": str(path)}
+        report["best"] = {"name": name, "env": env, "path": str(path) if path else None}
         for c in report["candidates"]:
             c["measurements"] = {k: v for k, v in c["measurements"].items()}
         print(json.dumps(report))

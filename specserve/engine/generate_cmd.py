@@ -4,20 +4,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 
 from specserve.config import ConfigError, EngineConfig
 
 
-def add_engine_arguments(p: argparse.ArgumentParser) -> None:
-    """Flags shared by generate, bench and serve."""
+def device_name(text: str) -> str:
+    """argparse type of --device: the names the engine runs on, checked before torch is imported."""
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N or auto, got {text!r}")
+    return text
+
+
+def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True) -> None:
+    """Flags shared by generate, bench and serve (serve adapts by default and offers --no-adaptive instead)."""
     p.add_argument("--model", help="target model directory (default: the bundled demo target)")
     p.add_argument("--draft", help="EAGLE-3 drafter directory (default with the demo target: the demo drafter)")
     p.add_argument("--spec-steps", type=int, default=None,
                    help="draft tokens per cycle K (default: 4 with a drafter, else 0 = plain decoding)")
-    p.add_argument("--adaptive", action="store_true",
-                   help="choose K (0..--spec-steps) each step from measured costs and acceptance")
+    if adaptive_flag:
+        p.add_argument("--adaptive", action="store_true",
+                       help="choose K (0..--spec-steps) each step from measured costs and acceptance")
     p.add_argument("--spec-topk", type=int, default=1,
                    help="branches kept per depth: >1 drafts a tree of candidates instead of one chain, for "
                         "batches up to --spec-tree-max-batch (default: 1)")
@@ -25,10 +34,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="tree nodes verified per cycle, at most 63 (default: --spec-topk x --spec-steps)")
     p.add_argument("--spec-tree-max-batch", type=int, default=EngineConfig.spec_tree_max_batch,
                    help=f"with --spec-topk > 1: larger batches draft chains (default: {EngineConfig.spec_tree_max_batch})")
-    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (default)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
-    p.add_argument("--max-model-len", type=int, help="longest sequence (prompt + output) in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="KV slots = most sequences in flight")
+    p.add_argument("--device", default="auto", type=device_name, help="cpu, cuda, cuda:N or auto (default)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                   help="weights and activations (auto: the checkpoint's dtype on GPU, float32 on CPU)")
+    p.add_argument("--max-model-len", type=int,
+                   help="longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings)")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="KV slots = most sequences in flight (default: the number of prompts; serve: 64)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run every forward eagerly")
     p.add_argument("--aux-layer-convention", default="sglang", choices=["sglang", "vllm"],
                    help="how the drafter's eagle_aux_hidden_state_layer_ids are read: 'sglang' = layer outputs "
@@ -77,13 +89,13 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-tokens", type=int, default=64, help="new tokens per prompt, at most")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: smallest token set of this probability (1 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k most likely tokens (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="seed of sampled requests (default: random)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--profile", action="store_true", help="time draft/verify/accept per cycle")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
@@ -103,11 +115,19 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    ids = llm.encode_prompts(args.prompt)
+    limit = llm.engine.max_model_len
+    for n, p in enumerate(ids, 1):
+        if len(p) >= limit:
+            which = f"prompt {n}" if len(ids) > 1 else "the prompt"
+            print(f"error: {which} has {len(p)} tokens but --max-model-len is {limit} (prompt + output): "
+                  f"raise --max-model-len or shorten the prompt", file=sys.stderr)
+            return 1
     t0 = time.perf_counter()
-    outs = llm.generate(args.prompt, params)
+    outs = llm.generate(ids, params)
     seconds = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    for o in outs:
+    for n, (prompt, o) in enumerate(zip(args.prompt, outs), 1):
         if args.json:
             stats = {"tokens": len(o.token_ids), "seconds": round(seconds, 6),
                      "tok_s": round(len(o.token_ids) / seconds, 3) if seconds else None,
@@ -117,7 +137,14 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps({"text": o.text, "token_ids": o.token_ids, "prompt_token_ids": o.prompt_token_ids,
                               "stats": stats}))
         else:
+            if len(outs) > 1:  # which completion belongs to which prompt
+                shown = prompt if len(prompt) <= 60 else prompt[:57] + "..."
+                print(f"{'-' * 8} [{n}/{len(outs)}] {shown!r} {'-' * 8}")
             print(o.text)
+        if o.finish_reason == "length" and len(o.token_ids) < args.max_tokens:
+            which = f"prompt {n}" if len(outs) > 1 else "output"
+            print(f"note: {which} stopped after {len(o.token_ids)} of --max-tokens {args.max_tokens} tokens "
+                  f"(finish reason \"length\"): prompt + output reached --max-model-len {limit}", file=sys.stderr)
     if not args.json:
         line = f"[{tokens} tokens in {seconds:.2f} s, {tokens / seconds:.1f} tok/s"
         spec = outs[0].spec if outs else {}

@@ -22,6 +22,7 @@ import sys
 import time
 from pathlib import Path
 
+from specserve.cli import port_number
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.generate_cmd import add_engine_arguments, engine_kwargs
 
@@ -29,11 +30,11 @@ log = logging.getLogger("specserve.server")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    add_engine_arguments(p)
+    add_engine_arguments(p, adaptive_flag=False)
     p.add_argument("--no-adaptive", action="store_true",
                    help="always draft --spec-steps tokens (default with a drafter: adaptive K in 0..--spec-steps)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (0 = any free port; the log says which)")
+    p.add_argument("--port", type=port_number, default=8000, help="TCP port (0 = any free port; the log says which)")
     p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on every /v1 route (default: $SPECSERVE_API_KEY)")
     p.add_argument("--served-model-name", help="model id clients must use (default: the model directory's name)")
@@ -42,7 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=8, help="largest n (choices per prompt) accepted (default 8)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--skip-check", action="store_true", help="skip the preflight checks of `specserve check`")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="server and access log verbosity")
 
 
 def serve_engine_kwargs(args: argparse.Namespace) -> dict:

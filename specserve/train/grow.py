@@ -66,11 +66,9 @@ supported (the config keeps it).
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import shutil
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -87,31 +85,15 @@ from specserve.config import (
     read_json,
     resolve_aux_layers,
 )
+from specserve.train.shapes import OUT_DTYPE_NAMES, READ_MODES, Shape
 
 
-@dataclass(frozen=True)
-class Shape:
-    hidden: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    intermediate: int
-
-
-PRESETS = {
-    # Meta-Llama-3-8B / 3.1-8B (vocabulary aside, see the module docstring).
-    "llama3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336),
-    # A mid-size grow of the demo pair that a CPU can run (checks of the construction on the real demo).
-    "demo-mid": Shape(hidden=512, layers=32, heads=16, kv_heads=4, head_dim=128, intermediate=1792),
-}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "tokenizer.model", "vocab.json", "merges.txt")
-OUT_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+OUT_DTYPES = {name: getattr(torch, name) for name in OUT_DTYPE_NAMES}
 
 
 # ------------------------------------------------------------------ index maps
-READ_MODES = ("one", "all")
 
 
 def split_coefs(c: int, read: str = "one") -> torch.Tensor:
@@ -596,61 +578,3 @@ def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | 
         summary["draft"]["aux_layer_ids"] = aux_ids
     summary["seconds"] = round(time.perf_counter() - t0, 2)
     return summary
-
-
-# ------------------------------------------------------------------ CLI
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="small Llama target directory (default: the bundled demo target)")
-    p.add_argument("--draft", help="its EAGLE-3 drafter (default with the demo target: the demo drafter, if present)")
-    p.add_argument("--no-draft", action="store_true", help="grow the target only")
-    p.add_argument("--preset", choices=sorted(PRESETS), help="target shape (llama3-8b: 4096 x 32 layers, "
-                   "32 heads of 128, 8 KV heads, MLP 14336); the flags below override its fields")
-    for field in ("hidden", "layers", "heads", "kv-heads", "head-dim", "intermediate"):
-        p.add_argument(f"--{field}", type=int, help=f"grown {field.replace('-', ' ')}")
-    p.add_argument("--out", required=True, help="output directory (the drafter goes to OUT/draft)")
-    p.add_argument("--dtype", default="bfloat16", choices=sorted(OUT_DTYPES))
-    p.add_argument("--device", default="auto", help="where to build the weights: cpu, cuda, cuda:N or auto")
-    p.add_argument("--seed", type=int, default=0, help="seed of the identity layers' random (unused) weights")
-    p.add_argument("--shard-size-gb", type=float, default=5.0, help="largest safetensors shard")
-    p.add_argument("--pad-vocab", type=int, help="pad the vocabulary to this size (128256 = Llama 3) with tokens "
-                   "that are never chosen, so the embedding and LM head have the real model's bytes")
-    p.add_argument("--read", default="one", choices=READ_MODES,
-                   help="how a linear reads duplicated units: 'one' = from the first copy (closest numerics to the "
-                        "small model, default), 'all' = from every copy with power-of-two weights (no zero weights)")
-    p.add_argument("--force", action="store_true", help="replace a non-empty --out directory")
-
-
-def shape_from_args(args: argparse.Namespace) -> Shape:
-    base = asdict(PRESETS[args.preset]) if args.preset else {}
-    for field in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate"):
-        value = getattr(args, field)
-        if value is not None:
-            if value < 1:
-                raise ConfigError(f"--{field.replace('_', '-')} must be positive, got {value}")
-            base[field] = value
-    missing = [f for f in ("hidden", "layers", "heads", "kv_heads", "head_dim", "intermediate") if f not in base]
-    if missing:
-        raise ConfigError("give --preset or all of --hidden --layers --heads --kv-heads --head-dim --intermediate "
-                          f"(missing: {', '.join('--' + m.replace('_', '-') for m in missing)})")
-    return Shape(**base)
-
-
-def run(args: argparse.Namespace) -> int:
-    from specserve.engine.llm import demo_paths
-
-    try:
-        shape = shape_from_args(args)
-        model, draft = args.model, args.draft
-        if model is None:
-            model, demo_draft = demo_paths()
-            draft = draft or demo_draft
-        if args.no_draft:
-            draft = None
-        summary = grow(model, args.out, shape, draft_dir=draft, dtype=args.dtype, device=args.device,
-                       seed=args.seed, shard_gb=args.shard_size_gb, preset=args.preset, force=args.force,
-                       pad_vocab=args.pad_vocab, read=args.read)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    print(json.dumps(summary, indent=2))
-    return 0
