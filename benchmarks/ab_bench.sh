@@ -13,7 +13,7 @@ W=/tmp/specserve-grown
 date -u
 [ -f $W/config.json ] || timeout 150 python3 -m specserve grow --preset llama3-8b --pad-vocab 128256 --out $W --device cuda 2>&1 | tail -2
 CONFIGS=${CONFIGS:-baseline eagle3:steps=5 eagle3:steps=8,topk=4,tokens=31 eagle3:adaptive,steps=8,topk=4,tokens=31}
-B_JSON_FLAG=${B_JSON_FLAG:---json}
+B_JSON_FLAG=${B_JSON_FLAG:---out}  # the old tree writes its JSON with --json FILE
 for r in $(seq 1 ${ROUNDS:-1}); do
   for side in A B; do
     if [ $side = A ]; then tree=$PWD/.ab; flag=--json; else tree=$PWD; flag=$B_JSON_FLAG; fi
