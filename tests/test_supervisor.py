@@ -152,7 +152,7 @@ def start(name: str, tmp: Path, launch_args: list[str], cmd: list[str], state: d
 def _scenarios(tmp: Path, bystander: int) -> dict:
     """name -> (launch args, command, fake NVML state)."""
     quick = ["--grace", "1", "--kill-wait", "5", "--gpu-release-timeout", "3"]
-    slow_port, freeze_port, never_port = free_port(), free_port(), free_port()
+    slow_port, freeze_port, never_port, stuck_port = free_port(), free_port(), free_port(), free_port()
     return {
         "silent": (["--stall-timeout", str(STALL), "--log", str(tmp / "silent" / "launch.log"), *quick],
                    [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}"], None),
@@ -165,6 +165,9 @@ def _scenarios(tmp: Path, bystander: int) -> dict:
         "slow": (["--stall-timeout", "3", *quick],
                  [PY, str(FAKE / "slow_server.py"), "--port", str(slow_port), "--load-seconds", "7",
                   "--line-every", "0.3", "--cr", "--serve-seconds", "4.5", "--pidfile", "{pidfile}"], None),
+        "stuck_loading": (["--stall-timeout", str(STALL), "--health-interval", "0.3", *quick],
+                          [PY, str(FAKE / "stuck_loading.py"), "--port", str(stuck_port),
+                           "--pidfile", "{pidfile}"], None),
         "ready_timeout": (["--stall-timeout", "30", "--ready-timeout", "3", *quick],
                           [PY, str(FAKE / "slow_server.py"), "--port", str(never_port),
                            "--load-seconds", "60", "--pidfile", "{pidfile}"], None),
@@ -197,6 +200,7 @@ SCENARIO_OF_TEST = {
     "test_stubborn_tree_with_escaped_daemon_is_killed": "stubborn",
     "test_crash_leaving_workers_behind": "crash",
     "test_slow_but_logging_server_is_never_killed": "slow",
+    "test_stuck_loading_behind_a_live_http_loop": "stuck_loading",
     "test_ready_timeout": "ready_timeout",
     "test_hang_after_ready": "freeze",
     "test_restart_with_fallback_args": "fallback",
@@ -289,6 +293,58 @@ def test_slow_but_logging_server_is_never_killed(scenarios):
     assert t_ready > loading[-1]
     assert "shutting down cleanly" in s.out  # quiet for > stall timeout after READY, /health kept it alive
     assert survivors(read_pids(s.pidfile)) == []
+
+
+def test_stuck_loading_behind_a_live_http_loop(scenarios):
+    # /health answers 503 and every poll adds an access-log line: the log is busy, yet
+    # nothing progresses. Measured from the last line that is not an access-log line.
+    s = launched(scenarios, "stuck_loading")
+    assert s.rc == sup.EXIT_HUNG
+    rows = parse(s.out)
+    t_hung = next(t for t, tag, text in rows if tag == "launch" and text.startswith("HUNG"))
+    server = [(t, text) for t, tag, text in rows if tag == "server" and t <= t_hung]
+    access = [t for t, text in server if sup.is_access_log(text)]
+    t_last = max(t for t, text in server if not sup.is_access_log(text))
+    assert STALL - 0.2 <= t_hung - t_last <= STALL + 5
+    assert len([t for t in access if t > t_last]) >= 3  # the polls kept printing all along
+    assert "HTTP access-log lines, not counted as progress" in s.out
+    assert "last line at" in s.out and "loading weights: file 1/2" in s.out
+    assert "health: " in s.out and "HTTP 503" in s.out
+    assert "processes of the tree (1):" in s.out  # the stack/process dump ran
+    if shutil.which("py-spy") is not None:
+        assert re.search(r"\[stacks\] .*stuck_loading\.py:\d+", s.out)
+    assert "process tree stopped" in s.out
+    assert read_pids(s.pidfile) and survivors(read_pids(s.pidfile)) == []
+
+
+def test_access_log_lines_are_recognised():
+    for line in ['INFO:     127.0.0.1:53422 - "GET /health HTTP/1.1" 503 Service Unavailable',
+                 '\x1b[32mINFO\x1b[0m:     127.0.0.1:1 - "POST /v1/completions HTTP/1.1" \x1b[32m200 OK\x1b[0m',
+                 '127.0.0.1 - - [01/Dec/2026 10:00:00] "GET /health HTTP/1.0" 200 -']:
+        assert sup.is_access_log(line), line
+    for line in ["2026-12-01 10:00:00 INFO specserve.server: captured graph 3/40 decode batch 8",
+                 "loading weights: file 1/2", 'error: bad "GET" in the config']:
+        assert not sup.is_access_log(line), line
+
+
+def test_output_reader_ignores_access_log_lines_for_activity():
+    r, w = os.pipe()
+    reader = sup.OutputReader(os.fdopen(r, "rb", buffering=0), _ListLog())
+    reader.start()
+    os.write(w, b"loading\n")
+    time.sleep(0.2)
+    t_progress = reader.last_activity
+    for _ in range(3):
+        time.sleep(0.1)
+        os.write(w, b'INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 503 Service Unavailable\n')
+    time.sleep(0.2)
+    assert reader.last_activity == t_progress and reader.access_lines == 3
+    assert reader.last_line == "loading"
+    os.write(w, b"captured graph 1/4\r")
+    time.sleep(0.2)
+    assert reader.last_activity > t_progress and reader.access_lines == 0
+    os.close(w)
+    assert reader.eof.wait(5)
 
 
 def test_ready_timeout(scenarios):

@@ -9,6 +9,7 @@ wrong architecture), except a few known-harmless buffers.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 from pathlib import Path
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from specserve.model.eagle3 import Eagle3Drafter
     from specserve.model.transformer import CausalLM
 
+log = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
           "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
@@ -49,7 +51,8 @@ def resolve_dtype(dtype: str, config_dtype: str, device: torch.device) -> torch.
 def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
-    for f in files:
+    for i, f in enumerate(files):
+        log.info("loading weights: file %d/%d %s/%s", i + 1, len(files), f.parent.name, f.name)  # start-up progress
         if f.suffix == ".safetensors":
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for name in st.keys():

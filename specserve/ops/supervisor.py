@@ -15,10 +15,14 @@ Works with any server command: `specserve serve ...`, `python -m sglang.launch_s
   CMD, else the vLLM/SGLang default port when CMD is one of those) and reports READY at
   the first HTTP 200.
 - declares the server HUNG when for --stall-timeout seconds it received neither a new
-  output line (any bytes, including a progress-bar update) nor an HTTP 200 from the
-  health URL. Before READY that means silence in the log; after READY it means /health
-  stopped answering *and* the log went quiet. A server that is slow but keeps logging
-  progress is never killed for a stall (only --ready-timeout, if given, bounds it).
+  output line (including a progress-bar update) other than an HTTP access-log line, nor
+  an HTTP 200 from the health URL. Access-log lines (`"GET /health HTTP/1.1" 503`) do not
+  count: they only prove that the HTTP loop lives, and they are what launch's own polls
+  make a server print, so a server whose engine is stuck while its HTTP loop answers 503
+  is still flagged. Before READY that means no loading progress in the log; after READY
+  it means /health stopped answering *and* the log went quiet. A server that is slow but
+  keeps logging progress is never killed for a stall (only --ready-timeout, if given,
+  bounds it).
 - on a hang (and on --ready-timeout) it prints what every process of the tree is doing
   (state, kernel wait channel, CPU time) and dumps Python stacks with py-spy when py-spy
   is installed (`pip install py-spy`; ptrace rights needed).
@@ -59,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -149,10 +154,22 @@ class Log:
             self.file = None
 
 
+# An HTTP access-log line: a quoted request line followed by a status code. This is the
+# shape of uvicorn's (`INFO: 127.0.0.1:5000 - "GET /health HTTP/1.1" 503 Service
+# Unavailable`), the Common Log Format's and Python's http.server's.
+_ACCESS_LOG = re.compile(r'"(?:GET|HEAD|POST|PUT|PATCH|DELETE|OPTIONS) \S+ HTTP/\d(?:\.\d)?" \d{3}\b')
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def is_access_log(line: str) -> bool:
+    return _ACCESS_LOG.search(_ANSI.sub("", line)) is not None
+
+
 class OutputReader(threading.Thread):
     """Reads the server's combined stdout/stderr and logs it line by line.
 
-    Any byte counts as activity. Lines end at \\n or \\r; `\\r`-terminated segments are
+    Every line other than an HTTP access-log line counts as activity, and so do bytes of
+    a line not finished yet. Lines end at \\n or \\r; `\\r`-terminated segments are
     progress-bar refreshes and are logged at most once per `progress_every` seconds.
     """
 
@@ -168,6 +185,7 @@ class OutputReader(threading.Thread):
         self.last_line = ""
         self.last_line_wall = 0.0
         self.lines = 0
+        self.access_lines = 0  # access-log lines since the last activity
         self.eof = threading.Event()
         self._pending_progress: str | None = None
         self._last_progress = 0.0
@@ -177,11 +195,17 @@ class OutputReader(threading.Thread):
         if not text:
             return
         self.lines += 1
-        self.last_line = text
-        self.last_line_wall = time.time()
-        self.log.write("server", text, self.last_line_wall)
+        t = time.time()
+        if not is_access_log(text):  # the HUNG message names the last line of progress
+            self.last_line, self.last_line_wall = text, t
+        self.log.write("server", text, t)
 
     def _segment(self, text: str, progress: bool) -> None:
+        if is_access_log(text):
+            self.access_lines += 1
+        elif text.strip():
+            self.last_activity = time.monotonic()
+            self.access_lines = 0
         if not progress:
             self._pending_progress = None
             self._emit(text)
@@ -207,7 +231,6 @@ class OutputReader(threading.Thread):
                     break
                 if not chunk:
                     break
-                self.last_activity = time.monotonic()
                 if skip_lf and chunk.startswith(b"\n"):
                     chunk = chunk[1:]  # it was a \r\n line, not a progress update
                     if self._pending_progress is not None:
@@ -233,6 +256,8 @@ class OutputReader(threading.Thread):
                 if len(buf) > self.MAX_LINE:
                     self._segment(buf.decode("utf-8", "replace"), False)
                     buf = b""
+                elif buf.strip():  # a line written piece by piece ("loading ... done")
+                    self.last_activity = time.monotonic()
         finally:
             if buf:
                 self._segment(buf.rstrip(b"\r").decode("utf-8", "replace"), False)
@@ -597,6 +622,8 @@ class Supervisor:
             # ---- the server stopped or must be stopped
             if res.outcome == "hung":
                 what = "no output and no HTTP 200 from the health URL" if health else "no output"
+                if reader.access_lines:
+                    what += f" (only {reader.access_lines} HTTP access-log lines, not counted as progress)"
                 since = (f"; last line at {_timestamp(reader.last_line_wall)}: {reader.last_line[:200]!r}"
                          if reader.lines else "; it never printed anything")
                 self.log.launch(f"HUNG: {what} for {a.stall_timeout:g} s{since}")
