@@ -725,13 +725,14 @@ def test_no_reference_fallbacks_on_gpu(pair, monkeypatch):
     kernels refuse falls back silently and slowly (a batched decode step once did, 45% slower)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    import specserve.model.kernels as K
+    from specserve.kernels import norm, tree
 
     target, draft = pair
     calls = []
-    for name in ("rms_norm_ref", "rope_store_kv_ref", "silu_mul_ref", "tree_level_ref"):
-        real = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    for mod, name in ((norm, "rms_norm_ref"), (norm, "rope_store_kv_ref"), (norm, "silu_mul_ref"),
+                      (tree, "tree_level_ref")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
     for kw in (dict(), dict(spec_steps=3), dict(spec_steps=4, spec_topk=3, spec_tree_max_batch=3)):
         for n in (1, 3):
             _run(target, draft if kw else None, _prompts(n, seed=9), GREEDY, max_num_seqs=3, device="cuda",
