@@ -76,9 +76,10 @@ PDL = _var("SPECSERVE_PDL", bool, True,
 ALLREDUCE = _var("SPECSERVE_ALLREDUCE", str, "auto",
                  "tensor-parallel all-reduce: auto, torch, nccl or symm_mem (an NCCL profile may set it)")
 NCCL_LIB = _var("SPECSERVE_NCCL_LIB", str, None,
-                "path of the libnccl shared library the own NCCL communicator loads (default: libnccl.so.2)")
+                "the libnccl shared library specserve's own NCCL communicator loads (default: libnccl.so.2)")
 TP_DRAFT_EMBED = _var("SPECSERVE_TP_DRAFT_EMBED", str, "replicated",
-                      "under TP, the drafter's own embedding table: replicated per rank, or shared (vocab-parallel)",
+                      "under TP, a drafter that reads the target's embedding gets a full copy per rank "
+                      "(replicated) or uses the vocab-parallel one (shared: less memory, one more all-reduce)",
                       choices=("replicated", "shared"))
 CAPTURE_MODE = _var("SPECSERVE_CAPTURE_MODE", str, "thread_local",
                     "CUDA graph capture error mode in TP workers: thread_local, global or relaxed",

@@ -33,6 +33,7 @@ from tiny import make_target
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):", "for i in range(10):"]
 ENGINE = dict(device="cpu", max_num_seqs=4, max_model_len=96)
+HANGING_WORKER = Path(__file__).with_name("tp_capture_hang.py")  # a worker whose capture phase stalls
 
 
 def make_lagging_drafter(out: Path, target_dir: Path) -> Path:
@@ -287,13 +288,14 @@ def test_stalled_graph_capture_falls_back_to_eager_instead_of_hanging(pair, monk
     """A rank stuck in CUDA graph capture (simulated on CPU: the last rank reports the
     capture phase and then sleeps) is killed by the driver after graph_capture_timeout;
     the workers restart without graphs, with a warning, and the outputs are right."""
-    from specserve.distributed.tp_llm import TPLLM
+    from specserve.distributed import tp_llm
 
     target, _ = pair
-    monkeypatch.setenv("SPECSERVE_TP_TEST_CAPTURE_HANG", "1")
+    monkeypatch.setattr(tp_llm, "graphs_possible", lambda device: True)
+    monkeypatch.setattr(group_mod, "WORKER_ARGS", (str(HANGING_WORKER),))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     t0 = time.time()
-    with TPLLM(model=str(target), tp=2, graph_capture_timeout=3, **ENGINE) as llm:
+    with tp_llm.TPLLM(model=str(target), tp=2, graph_capture_timeout=3, **ENGINE) as llm:
         # Only the restarted pair is alive: the stuck workers were killed, not left behind.
         assert sorted(p.pid for p in _worker_children()) == sorted(llm.worker_pids())
         outs = llm.generate(PROMPTS[:2], params)
@@ -309,7 +311,8 @@ def _worker_children() -> list:
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "specserve.distributed.worker" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+            cmd = " ".join(p.cmdline())
+            if ("specserve.distributed.worker" in cmd or HANGING_WORKER.name in cmd) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except psutil.NoSuchProcess:
             pass
