@@ -60,16 +60,14 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny import make_drafter, make_target
+def _char_tokenizer_96(d: Path) -> None:
+    write_char_tokenizer(d, 96)
 
-    root = tmp_path_factory.mktemp("bench")
-    target = make_target(root / "target", vocab=96, hidden=64, layers=4)
-    write_char_tokenizer(target, 96)
-    draft = make_drafter(root / "draft", target)
-    prompts = root / "prompts.jsonl"
+
+@pytest.fixture(scope="module")
+def pair(make_pair, tmp_path_factory):
+    target, draft = make_pair(vocab=96, hidden=64, layers=4, tokenizer=_char_tokenizer_96)
+    prompts = tmp_path_factory.mktemp("bench") / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     return target, draft, prompts
 

@@ -38,16 +38,21 @@ def useful_drafter(draft_dir, target_dir) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("grow")
+def pair(make_pair, tmp_path_factory):
     # initializer_range 0.2: layers strong enough that greedy text does not just repeat the last token
-    small = make_target(d / "small", hidden=64, layers=6, heads=4, kv_heads=2, tie_word_embeddings=True,
-                        initializer_range=0.2)
-    make_drafter(d / "small" / "draft", small, draft_vocab=48)
-    useful_drafter(d / "small" / "draft", small)
-    summary = G.grow(small, d / "big", SHAPE, draft_dir=small / "draft", dtype="float32", device="cpu",
-                     shard_gb=0.002)
-    return small, d / "big", summary
+    small, draft = make_pair(hidden=64, layers=6, heads=4, kv_heads=2, tie_word_embeddings=True,
+                             initializer_range=0.2, drafter=_useful_drafter)
+    big = tmp_path_factory.mktemp("grow") / "big"
+    summary = G.grow(small, big, SHAPE, draft_dir=draft, dtype="float32", device="cpu", shard_gb=0.002)
+    return small, big, summary
+
+
+def _useful_drafter(_out, target):
+    """The drafter goes inside the small target's folder (`grow` writes the big one's there too)."""
+    draft = target / "draft"
+    make_drafter(draft, target, draft_vocab=48)
+    useful_drafter(draft, target)
+    return draft
 
 
 def run_target(path, ids: list[int], decode: int = 3, aux=()):

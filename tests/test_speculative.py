@@ -12,7 +12,7 @@ from specserve.engine.engine import Engine
 from specserve.engine.runner import DraftResult
 from specserve.engine.sampling import STREAM_DRAFT, BatchSampling, SamplingParams, processed_probs, sample_from, uniform
 from specserve.engine.speculative import accept_drafts, emitted_tokens
-from tiny import make_drafter, make_target
+from tiny import make_drafter
 
 # A small vocabulary makes a random drafter agree with the target often enough
 # to exercise partial acceptance, full acceptance and the bonus token.
@@ -20,11 +20,8 @@ VOCAB = 12
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    target = make_target(root / "target", vocab=VOCAB, hidden=32, layers=4, heads=2, kv_heads=1)
-    draft = make_drafter(root / "draft", target, draft_vocab=8)
-    return target, draft
+def pair(make_pair):
+    return make_pair(vocab=VOCAB, hidden=32, layers=4, heads=2, kv_heads=1, draft={"draft_vocab": 8})
 
 
 def _run(target, draft=None, prompts=(), params=None, **kw):

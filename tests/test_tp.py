@@ -5,7 +5,6 @@ NCCL profiles merge by the documented rules."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specserve.config import DEMO_DIR, ConfigError
+from specserve.config import ConfigError
 from specserve.distributed import group as group_mod
 from specserve.distributed.nccl_profiles import (
     PRESETS,
@@ -29,7 +28,6 @@ from specserve.distributed.nccl_profiles import (
 )
 from specserve.engine.llm import LLM
 from specserve.engine.sampling import SamplingParams
-from tiny import make_target
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):", "for i in range(10):"]
 ENGINE = dict(device="cpu", max_num_seqs=4, max_model_len=96)
@@ -75,13 +73,10 @@ def make_lagging_drafter(out: Path, target_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
+def pair(make_pair):
     # The demo tokenizer (vocab 4096) so that LLM and TPLLM can take text prompts.
-    target = make_target(root / "target", vocab=4096, hidden=64, layers=4, heads=4, kv_heads=2)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_DIR / f, target / f)
-    return target, make_lagging_drafter(root / "draft", target)
+    return make_pair(vocab=4096, hidden=64, layers=4, heads=4, kv_heads=2, tokenizer="demo",
+                     drafter=make_lagging_drafter)
 
 
 def _tp1(target, draft, params, **kw):
