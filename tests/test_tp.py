@@ -83,6 +83,7 @@ def _tp1(target, draft, params, **kw):
     return LLM(model=str(target), draft=str(draft) if draft else None, **ENGINE, **kw).generate(PROMPTS, params)
 
 
+@pytest.mark.slow
 def test_tp2_plain_equals_tp1_and_env_reaches_both_workers(pair):
     from specserve.distributed.tp_llm import TPLLM
 
@@ -105,6 +106,7 @@ def test_tp2_plain_equals_tp1_and_env_reaches_both_workers(pair):
         assert r["env"]["NCCL_NVLS_ENABLE"] == "0"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topk", [1, 3])  # a chain, and a tree (at every batch size here)
 def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     from specserve.distributed.tp_llm import TPLLM
@@ -135,6 +137,7 @@ def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     assert all(s.finish_reason == "length" for s in seqs)
 
 
+@pytest.mark.slow
 def test_tp2_adaptive_k_is_synchronized(pair):
     """Each rank times its own steps; without rank 0's K broadcast to all, the
     ranks would pick different K, diverge and fail the digest check."""
@@ -176,6 +179,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_killing_the_parent_leaves_no_worker_alive(pair):
     target, _ = pair
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(target)], stdout=subprocess.PIPE,
@@ -196,6 +200,7 @@ def test_killing_the_parent_leaves_no_worker_alive(pair):
             parent.kill()
 
 
+@pytest.mark.slow
 def test_nccl_tune_on_cpu_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "best.json"
     r = subprocess.run([sys.executable, "-m", "specserve.cli", "nccl-tune", "--tp", "2", "--hidden", "64",
@@ -279,6 +284,7 @@ def test_tp2_with_cuda_graphs_equals_tp1_gpu(pair):
     assert info["allreduce"] == "nccl"
 
 
+@pytest.mark.slow
 def test_stalled_graph_capture_falls_back_to_eager_instead_of_hanging(pair, monkeypatch, caplog):
     """A rank stuck in CUDA graph capture (simulated on CPU: the last rank reports the
     capture phase and then sleeps) is killed by the driver after graph_capture_timeout;

@@ -159,6 +159,7 @@ def test_draft_vocab_selection():
 # end to end
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_train_draft_raises_acceptance(tiny_pair):
     """The CI run: regenerate, pick the vocabulary, train with TTT, save, load in the
     engine. Greedy acceptance at K=3 on unseen prompts must clearly beat the untrained
