@@ -420,6 +420,7 @@ def test_dtype_rules_match_the_loader():
                 assert loader.DTYPES[ours] == theirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [{}, {"spec_topk": 4, "spec_tokens": 40}])
 def test_estimate_matches_what_the_engine_allocates(pair, tree):
     """KV bytes and target weight bytes equal the real runner's on CPU (tiny pair), with a chain
