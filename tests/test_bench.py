@@ -135,6 +135,7 @@ def test_cli_rejects_bad_options(monkeypatch, capsys, pair, tmp_path):
 
 
 # ---------------------------------------------------------------- offline end to end
+@pytest.mark.slow
 def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
     target, draft, prompts = pair
     out = tmp_path / "r.json"
@@ -203,6 +204,7 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_sampled_bench_has_no_greedy_check(monkeypatch, pair, tmp_path):
     target, draft, prompts = pair
     out = tmp_path / "s.json"
@@ -218,6 +220,7 @@ def test_sampled_bench_has_no_greedy_check(monkeypatch, pair, tmp_path):
         assert r["matches_baseline"] is None and r["tokens_per_repeat"] == 6 * 6
 
 
+@pytest.mark.slow
 def test_short_bench_on_the_demo_pair(monkeypatch, tmp_path):
     """The no-argument path (demo target and drafter found by default), shortened."""
     from specserve.engine.llm import demo_paths
@@ -506,6 +509,7 @@ def test_offline_bench_on_gpu_with_cuda_graphs(monkeypatch, pair, tmp_path):
             assert r["details"]["cycles_drafted_ahead"] > 0
 
 
+@pytest.mark.slow
 def test_peer_process_dies_with_a_killed_bench(tmp_path):
     """A bench killed mid-run (SIGKILL: no cleanup runs) must not leave its transformers peer
     process behind, holding a model (on a GPU: its memory)."""
