@@ -6,7 +6,7 @@ Decode multiplies 1-16 token rows by each weight, a verify forward up to 64 (a
 31-node tree: 32); the step is bound by how fast those weights stream from HBM. Each timing is a CUDA graph of 8 products over 8
 distinct copies of the weight (so nothing is served from the 60 MB L2), replayed
 20 times; GB/s = weight bytes / time. The kernel is specserve's GEMV
-(specserve/model/kernels.py); this sweep chose the configs the engine tunes among.
+(specserve/kernels/gemv.py); this sweep chose the configs the engine tunes among.
 Writes gemv_sweep.json and prints the best config per shape against cuBLAS.
 """
 
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from specserve.model.kernels import gemv_config_group, gemv_triton, graph_us  # noqa: E402
+from specserve.kernels.gemv import gemv_config_group, gemv_triton, graph_us  # noqa: E402
 
 
 def main() -> None:

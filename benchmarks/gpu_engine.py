@@ -116,7 +116,7 @@ def decode_breakdown(runner, steps: int = 5) -> dict:
 
 def fused_vs_reference(runner) -> dict:
     """Decode logits (eager, batch 1) with the fused kernels and with the PyTorch reference."""
-    from specserve.model import kernels
+    from specserve.kernels import common as kernels
 
     res = {}
     with torch.inference_mode():
@@ -138,7 +138,7 @@ def pdl_ab(runner) -> dict:
     """The batch-1 decode step captured with and without programmatic dependent launch: GPU time
     per replay (20 back to back) and whether the logits are bitwise equal (they must be: the same
     kernels, only allowed to start early; a missing wait would show up as a difference)."""
-    from specserve.model import kernels
+    from specserve.kernels import common as kernels
 
     res, logits = {}, {}
     runner.s_ids[:1, 0] = 5
@@ -190,7 +190,7 @@ def main() -> None:
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     out.mkdir(parents=True, exist_ok=True)
-    from specserve.model import kernels
+    from specserve.kernels import common as kernels
 
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": "llama3-8b (random)",
                  "fused_kernels": kernels.FUSED}

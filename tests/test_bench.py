@@ -60,16 +60,14 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    sys.path.insert(0, str(Path(__file__).parent))
-    from tiny import make_drafter, make_target
+def _char_tokenizer_96(d: Path) -> None:
+    write_char_tokenizer(d, 96)
 
-    root = tmp_path_factory.mktemp("bench")
-    target = make_target(root / "target", vocab=96, hidden=64, layers=4)
-    write_char_tokenizer(target, 96)
-    draft = make_drafter(root / "draft", target)
-    prompts = root / "prompts.jsonl"
+
+@pytest.fixture(scope="module")
+def pair(make_pair, tmp_path_factory):
+    target, draft = make_pair(vocab=96, hidden=64, layers=4, tokenizer=_char_tokenizer_96)
+    prompts = tmp_path_factory.mktemp("bench") / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     return target, draft, prompts
 
@@ -137,6 +135,7 @@ def test_cli_rejects_bad_options(monkeypatch, capsys, pair, tmp_path):
 
 
 # ---------------------------------------------------------------- offline end to end
+@pytest.mark.slow
 def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
     target, draft, prompts = pair
     out = tmp_path / "r.json"
@@ -205,6 +204,7 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow
 def test_sampled_bench_has_no_greedy_check(monkeypatch, pair, tmp_path):
     target, draft, prompts = pair
     out = tmp_path / "s.json"
@@ -257,6 +257,7 @@ def test_peer_figure_is_marked_when_too_unsteady_to_quote():
     assert "2 repeats" in line([3.0, 3.1])
 
 
+@pytest.mark.slow
 def test_short_bench_on_the_demo_pair(monkeypatch, tmp_path):
     """The no-argument path (demo target and drafter found by default), shortened."""
     from specserve.engine.llm import demo_paths
@@ -545,6 +546,7 @@ def test_offline_bench_on_gpu_with_cuda_graphs(monkeypatch, pair, tmp_path):
             assert r["details"]["cycles_drafted_ahead"] > 0
 
 
+@pytest.mark.slow
 def test_peer_process_dies_with_a_killed_bench(tmp_path):
     """A bench killed mid-run (SIGKILL: no cleanup runs) must not leave its transformers peer
     process behind, holding a model (on a GPU: its memory)."""

@@ -37,12 +37,15 @@ VOCAB = {f"t{i}": i for i in range(96)}
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("pair")
-    target = make_target(root / "target", layers=LAYERS)  # vocab 96, hidden 64, 4 heads / 2 KV heads
+def base(make_pair) -> Path:
+    """The folder holding target/ and draft/ (each test edits a copy: `pair`)."""
+    target, _ = make_pair(layers=LAYERS, tokenizer=_word_tokenizer,  # vocab 96, hidden 64, 4 heads / 2 KV heads
+                          draft={"layout": "sglang", "draft_vocab": 48, "aux_ids": (1, 3, 4)})
+    return target.parent
+
+
+def _word_tokenizer(target: Path) -> None:
     write_tokenizer(target / "tokenizer.json", VOCAB)
-    make_drafter(root / "draft", target, layout="sglang", draft_vocab=48, aux_ids=[1, 3, 4])
-    return root
 
 
 @pytest.fixture
@@ -417,6 +420,7 @@ def test_dtype_rules_match_the_loader():
                 assert loader.DTYPES[ours] == theirs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree", [{}, {"spec_topk": 4, "spec_tokens": 40}])
 def test_estimate_matches_what_the_engine_allocates(pair, tree):
     """KV bytes and target weight bytes equal the real runner's on CPU (tiny pair), with a chain

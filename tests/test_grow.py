@@ -38,16 +38,21 @@ def useful_drafter(draft_dir, target_dir) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    d = tmp_path_factory.mktemp("grow")
+def pair(make_pair, tmp_path_factory):
     # initializer_range 0.2: layers strong enough that greedy text does not just repeat the last token
-    small = make_target(d / "small", hidden=64, layers=6, heads=4, kv_heads=2, tie_word_embeddings=True,
-                        initializer_range=0.2)
-    make_drafter(d / "small" / "draft", small, draft_vocab=48)
-    useful_drafter(d / "small" / "draft", small)
-    summary = G.grow(small, d / "big", SHAPE, draft_dir=small / "draft", dtype="float32", device="cpu",
-                     shard_gb=0.002)
-    return small, d / "big", summary
+    small, draft = make_pair(hidden=64, layers=6, heads=4, kv_heads=2, tie_word_embeddings=True,
+                             initializer_range=0.2, drafter=_useful_drafter)
+    big = tmp_path_factory.mktemp("grow") / "big"
+    summary = G.grow(small, big, SHAPE, draft_dir=draft, dtype="float32", device="cpu", shard_gb=0.002)
+    return small, big, summary
+
+
+def _useful_drafter(_out, target):
+    """The drafter goes inside the small target's folder (`grow` writes the big one's there too)."""
+    draft = target / "draft"
+    make_drafter(draft, target, draft_vocab=48)
+    useful_drafter(draft, target)
+    return draft
 
 
 def run_target(path, ids: list[int], decode: int = 3, aux=()):
@@ -83,6 +88,7 @@ def test_shape_and_config(pair):
                                               for t in load_file(str(big / f)).values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("read", G.READ_MODES)
 def test_target_logits_match_specserve(pair, read, tmp_path):
     small, big, _ = pair
@@ -112,6 +118,7 @@ def test_target_logits_match_transformers(pair):
     torch.testing.assert_close(outs[1], outs[0], atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.slow
 def test_drafter_logits_match(pair):
     small, big, _ = pair
     ids = [5, 17, 3, 88, 41, 9, 60, 22, 71, 14]
@@ -149,6 +156,7 @@ def engine_trace(model, draft, prompts, K: int):
 PROMPTS = [[5, 17, 3, 88, 40], [9, 60, 22, 71, 14, 2, 33, 8], [1, 2, 3, 4], [50, 51, 52]]
 
 
+@pytest.mark.slow
 def test_speculative_run_identical(pair):
     small, big, _ = pair
     tok_s, steps_s, spec_s = engine_trace(small, small / "draft", PROMPTS, K=3)
@@ -161,6 +169,7 @@ def test_speculative_run_identical(pair):
     assert sum(accepted) > 0 and min(accepted) < max(accepted)  # real, varied acceptances are compared
 
 
+@pytest.mark.slow
 def test_padded_vocabulary_is_never_chosen(tmp_path, pair):
     small, _, _ = pair
     big = tmp_path / "big"
@@ -192,6 +201,7 @@ def test_padded_vocabulary_is_never_chosen(tmp_path, pair):
         G.grow(small, tmp_path / "x", G.Shape(128, 12, 8, 4, 64, 300), dtype="float32", device="cpu", pad_vocab=300)
 
 
+@pytest.mark.slow
 def test_explicit_aux_ids_when_default_taps_cannot_line_up(tmp_path):
     # 4 layers: taps enter (2, 2, 1); grown to 8 the defaults (2, 4, 5) cannot see those streams in order,
     # so the drafter gets explicit layer ids (SGLang convention) instead.

@@ -14,7 +14,9 @@ import torch.nn.functional as F
 
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these "
                                               "kernels in its interpreter on CPU)")
-from specserve.model import kernels as K  # noqa: E402
+from specserve.kernels import argmax as argmax_k  # noqa: E402
+from specserve.kernels import attention, common, cpu_linear, gemv, norm, tree  # noqa: E402
+from specserve.kernels import linear as linear_k  # noqa: E402
 from specserve.model.layers import RotaryEmbedding  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -45,19 +47,19 @@ def test_rms_norm(dtype, with_residual):
     x = torch.randn(3, 5, 320, generator=g).to(DEV, dtype)  # 320: a block wider than the row
     res = torch.randn(3, 5, 320, generator=g).to(DEV, dtype) if with_residual else None
     w = (torch.rand(320, generator=g) + 0.5).to(DEV, dtype)
-    got = K.rms_norm_triton(x, w, 1e-5, res)
+    got = norm.rms_norm_triton(x, w, 1e-5, res)
     if with_residual:
         total = x + res
         _check(got[1], total, dtype)
-        _check(got[0], K.rms_norm_ref(total, w, 1e-5), dtype, reduction=True)
+        _check(got[0], norm.rms_norm_ref(total, w, 1e-5), dtype, reduction=True)
     else:
-        _check(got, K.rms_norm_ref(x, w, 1e-5), dtype, reduction=True)
+        _check(got, norm.rms_norm_ref(x, w, 1e-5), dtype, reduction=True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     x = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(DEV, dtype) * 4
-    _check(K.silu_mul_triton(x), K.silu_mul_ref(x), dtype, reduction=True)  # exp may differ by an ulp
+    _check(norm.silu_mul_triton(x), norm.silu_mul_ref(x), dtype, reduction=True)  # exp may differ by an ulp
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -71,7 +73,7 @@ def test_rope_store_kv(dtype, B, T):
     qkv = torch.randn(B, T, (H + 2 * Hkv) * D, generator=g).to(DEV, dtype)
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
     q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
-    assert all(K._tokens_strided(t) for t in (q, k, v))
+    assert all(norm._tokens_strided(t) for t in (q, k, v))
     rope = RotaryEmbedding(D, 128, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                              "high_freq_factor": 4.0, "original_max_position_embeddings": 64}).to(DEV)
     # positions == write_idx, a column slice of a wider buffer (as the runner passes them)
@@ -79,8 +81,8 @@ def test_rope_store_kv(dtype, B, T):
     pos = widx = buf[:, :T]
     caches = [torch.randn(rows, Hkv, length, D, generator=g).to(DEV, dtype) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
-    got = K.rope_store_kv_triton(q, k, v, rope.cos, rope.sin, pos, *caches, 2, widx)
-    want = K.rope_store_kv_ref(q, k, v, rope.cos, rope.sin, pos, *ref_caches, 2, widx)
+    got = norm.rope_store_kv_triton(q, k, v, rope.cos, rope.sin, pos, *caches, 2, widx)
+    want = norm.rope_store_kv_ref(q, k, v, rope.cos, rope.sin, pos, *ref_caches, 2, widx)
     _check(got, want, dtype)
     _check(caches[0], ref_caches[0], dtype)
     assert torch.equal(caches[1], ref_caches[1])  # v is copied, never rounded
@@ -91,16 +93,16 @@ def test_dispatch_uses_kernels_on_cuda(monkeypatch):
     """On CUDA the model's ops go through the kernels (and the references are not called), also
     rope/KV for a batched decode step's q/k/v views (3 rows of one token)."""
     calls = []
-    monkeypatch.setattr(K, "rms_norm_ref", lambda *a: calls.append("rms ref"))
-    monkeypatch.setattr(K, "rope_store_kv_ref", lambda *a: calls.append("rope ref"))
+    monkeypatch.setattr(norm, "rms_norm_ref", lambda *a: calls.append("rms ref"))
+    monkeypatch.setattr(norm, "rope_store_kv_ref", lambda *a: calls.append("rope ref"))
     x = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
-    K.rms_norm(x, torch.ones(4096, device="cuda", dtype=torch.bfloat16), 1e-5)
+    norm.rms_norm(x, torch.ones(4096, device="cuda", dtype=torch.bfloat16), 1e-5)
     q, k, v = torch.randn(3, 1, 12 * 64, device="cuda", dtype=torch.bfloat16).split([8 * 64, 2 * 64, 2 * 64], -1)
     rope = RotaryEmbedding(64, 128, 10000.0, None).to("cuda")
     caches = [torch.zeros(3, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     pos = torch.tensor([[5], [9], [0]], device="cuda")
-    K.rope_store_kv(q.view(3, 1, 8, 64), k.view(3, 1, 2, 64), v.view(3, 1, 2, 64), rope.cos, rope.sin, pos, *caches, 0, pos)
-    assert calls == [] and K.FUSED
+    norm.rope_store_kv(q.view(3, 1, 8, 64), k.view(3, 1, 2, 64), v.view(3, 1, 2, 64), rope.cos, rope.sin, pos, *caches, 0, pos)
+    assert calls == [] and common.FUSED
 
 
 @pytest.mark.gpu
@@ -109,17 +111,17 @@ def test_training_on_cuda_keeps_gradients():
     kernels once cut the gradient of everything before the drafter's final norm on a GPU."""
     w = torch.randn(256, device="cuda", requires_grad=True)
     x = torch.randn(4, 256, device="cuda", requires_grad=True)
-    K.rms_norm(x, w, 1e-5).square().sum().backward()
+    norm.rms_norm(x, w, 1e-5).square().sum().backward()
     want_x, want_w = x.grad.clone(), w.grad.clone()
     x.grad = w.grad = None
-    K.rms_norm_ref(x, w, 1e-5).square().sum().backward()
+    norm.rms_norm_ref(x, w, 1e-5).square().sum().backward()
     torch.testing.assert_close(x.grad, want_x)
     torch.testing.assert_close(w.grad, want_w)
     gate_up = torch.randn(4, 512, device="cuda", requires_grad=True)
-    K.silu_mul(gate_up).sum().backward()
+    norm.silu_mul(gate_up).sum().backward()
     assert gate_up.grad is not None and gate_up.grad.abs().sum() > 0
     with torch.inference_mode():
-        assert K.use_triton(x.detach(), w.detach())  # inference keeps the kernels
+        assert common.use_triton(x.detach(), w.detach())  # inference keeps the kernels
 
 
 def _sdpa_reference(q, kc, vc, row_start, widx, scale):
@@ -161,7 +163,7 @@ def test_cache_attention(B, T, length, monkeypatch):
     if B > 1:
         widx[-1, -1] = scratch  # a padding token: its output is unused, it must not break the row
     widx = torch.cat([widx, torch.zeros(B, 2, dtype=widx.dtype)], 1).to(DEV)[:, :T]  # a column slice
-    got = K.cache_attention_triton(q, kc, vc, 1, widx, scratch, D ** -0.5, sm_count=4)
+    got = attention.cache_attention_triton(q, kc, vc, 1, widx, scratch, D ** -0.5, sm_count=4)
     want = _sdpa_reference(q, kc, vc, 1, widx, D ** -0.5)
     real = (widx != scratch).view(B, T, 1, 1).expand_as(want)
     torch.testing.assert_close(got.float()[real], want[real], rtol=2e-2, atol=2e-3)
@@ -207,7 +209,7 @@ def test_cache_attention_tree_mask(monkeypatch):
     v = vc.float().repeat_interleave(H // Hkv, dim=1)
     s = torch.einsum("bthd,bhld->bhtl", q.float(), k) * D ** -0.5 + ref.to(DEV).unsqueeze(1)
     want = torch.einsum("bhtl,bhld->bthd", s.softmax(-1), v)
-    got = K.cache_attention_triton(q, kc, vc, 0, widx.to(DEV), length - 1, D ** -0.5, sm_count=4,
+    got = attention.cache_attention_triton(q, kc, vc, 0, widx.to(DEV), length - 1, D ** -0.5, sm_count=4,
                                    tree_base=base.to(DEV), tree_anc=anc.to(DEV))
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3)
     ctx = ForwardContext(0, widx, widx, length, tree_base=base, tree_anc=anc)
@@ -226,9 +228,9 @@ def test_gemv(rows, dtype):
     w = (torch.randn(100, 300, generator=g) * 0.05).to(DEV, dtype)
     x = torch.randn(rows, 300, generator=g).to(DEV, dtype)
     want = torch.nn.functional.linear(x.float(), w.float())
-    for cfg in K.GEMV_CONFIGS[K.gemv_config_group(rows)]:
+    for cfg in gemv.GEMV_CONFIGS[gemv.gemv_config_group(rows)]:
         cfg = (cfg[0], 128) + cfg[2:]  # a K block that leaves a partial last block
-        torch.testing.assert_close(K.gemv_triton(x, w, cfg).float(), want, rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(gemv.gemv_triton(x, w, cfg).float(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_cpu_linear_tuning(monkeypatch):
@@ -236,23 +238,23 @@ def test_cpu_linear_tuning(monkeypatch):
     sides of each weight's switch-over, with and without bias; the switch-over follows the timings."""
     g = torch.Generator().manual_seed(7)
     ws = [torch.randn(n, k, generator=g) for n, k in ((512, 64), (64, 64), (96, 192))]
-    report = K.tune_linear_cpu(ws)
+    report = cpu_linear.tune_linear_cpu(ws)
     assert set(report) == {"512x64", "64x64", "96x192"}
     for w in ws:
         assert w.cpu_packed is None or (w.cpu_packed[1] >= 1 and w.cpu_packed[0].is_mkldnn)
     # Pretend oneDNN wins from 4 rows on: it must take over from 3 rows (past the last MKL win, 2).
     times = iter([1.0, 2.0, 1.0, 2.0] + [2.0, 1.0] * 4)  # (MKL, oneDNN) per row count 1 2 4 8 16 64
-    monkeypatch.setattr(K, "_cpu_us", lambda fn, reps=20: next(times))
-    K.tune_linear_cpu(ws[:1])
+    monkeypatch.setattr(cpu_linear, "_cpu_us", lambda fn, reps=20: next(times))
+    cpu_linear.tune_linear_cpu(ws[:1])
     assert ws[0].cpu_packed[1] == 3
     b = torch.randn(512, generator=g)
     for w in ws:
         for rows in (1, 2, 3, 5, 9, 64):
             x = torch.randn(2, rows, w.shape[1], generator=g)
-            torch.testing.assert_close(K.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(K.linear(x[..., :64], ws[0], b), F.linear(x[..., :64], ws[0], b), rtol=1e-5, atol=1e-5)
-    monkeypatch.setattr(K, "FUSED", False)  # SPECSERVE_FUSED_KERNELS=0: plain F.linear everywhere
-    K.tune_linear_cpu(ws)
+            torch.testing.assert_close(linear_k.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(linear_k.linear(x[..., :64], ws[0], b), F.linear(x[..., :64], ws[0], b), rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(common, "FUSED", False)  # SPECSERVE_FUSED_KERNELS=0: plain F.linear everywhere
+    cpu_linear.tune_linear_cpu(ws)
     assert all(w.cpu_packed is None for w in ws)
 
 
@@ -275,7 +277,7 @@ def test_tree_level(k, V):
     bits = torch.randint(0, 1 << 40, (B, k), generator=g).to(DEV)
     idx = torch.randint(0, 100, (B, k), generator=g).to(DEV)
     outs = []
-    for fn in (K.tree_level_ref, K.tree_level_triton):
+    for fn in (tree.tree_level_ref, tree.tree_level_triton):
         lists = (torch.zeros(B, M, device=DEV), torch.zeros(B, M, dtype=torch.long, device=DEV),
                  torch.zeros(B, M, dtype=torch.long, device=DEV))
         outs.append((fn(logits, front, bits, idx, *lists, off, d2t), lists))
@@ -293,17 +295,47 @@ def test_tree_level(k, V):
 def test_argmax(dtype):
     """Rows longer than one chunk (the chunks' winners merged by the last to finish), one shorter
     than a chunk, and ties inside a chunk and across chunks: the first maximum wins, as in torch."""
-    V = 2 * K.ARGMAX_BLOCK + 123
+    V = 2 * argmax_k.ARGMAX_BLOCK + 123
     g = torch.Generator().manual_seed(11)
     x = torch.randn(5, V, generator=g).to(dtype)
     x[1, [7, 9]] = 50.0  # tie inside the first chunk
-    x[2, [K.ARGMAX_BLOCK + 3, 2 * K.ARGMAX_BLOCK + 1]] = 50.0  # tie across chunks
+    x[2, [argmax_k.ARGMAX_BLOCK + 3, 2 * argmax_k.ARGMAX_BLOCK + 1]] = 50.0  # tie across chunks
     x[3, -1] = 50.0  # in the short last chunk
     x[4] = 0.0  # all equal
     x = x.to(DEV)
     want = x.argmax(-1)
-    assert torch.equal(K.argmax_triton(x), want)
-    assert torch.equal(K.argmax_triton(x.view(5, 1, V)), want.view(5, 1))  # leading dims kept
-    assert not K._chunk_counters(x.device, 5).any()  # each row's last chunk reset its counter
+    assert torch.equal(argmax_k.argmax_triton(x), want)
+    assert torch.equal(argmax_k.argmax_triton(x.view(5, 1, V)), want.view(5, 1))  # leading dims kept
+    assert not argmax_k._chunk_counters(x.device, 5).any()  # each row's last chunk reset its counter
     short = x[:, :100].contiguous()
-    assert torch.equal(K.argmax_triton(short), short.argmax(-1))
+    assert torch.equal(argmax_k.argmax_triton(short), short.argmax(-1))
+
+
+def test_linear_tuning_lookup():
+    """A tuning's GEMV choice applies to its weight shape, dtype and row bucket only (r rows use
+    the bucket of the next tuned count up; past the largest, cuBLAS)."""
+    cfg = gemv.GEMV_CONFIGS[2][0]
+    tuning = gemv.LinearTuning({(64, 32, torch.bfloat16, 8): cfg, (64, 32, torch.bfloat16, 16): None})
+    w = torch.empty(64, 32, dtype=torch.bfloat16)
+    assert tuning.gemv_config(w, torch.bfloat16, 5) == cfg and tuning.gemv_config(w, torch.bfloat16, 8) == cfg
+    assert tuning.gemv_config(w, torch.bfloat16, 9) is None  # tuned: cuBLAS won
+    assert tuning.gemv_config(w, torch.bfloat16, 65) is None  # past every bucket
+    assert tuning.gemv_config(w, torch.float16, 5) is None
+    assert tuning.gemv_config(torch.empty(32, 64, dtype=torch.bfloat16), torch.bfloat16, 5) is None
+
+
+@pytest.mark.gpu
+def test_linear_follows_the_weights_own_tuning(monkeypatch):
+    """`linear` takes the GEMV only for a weight whose own tuning chose it: a weight of the same
+    shape without a tuning (another model's) keeps cuBLAS."""
+    calls = []
+    real = linear_k.gemv_triton
+    monkeypatch.setattr(linear_k, "gemv_triton", lambda *a: calls.append(a[2]) or real(*a))
+    cfg = gemv.GEMV_CONFIGS[1][0]
+    tuned, plain = (torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    tuned.linear_tuning = gemv.LinearTuning({(256, 512, torch.bfloat16, 1): cfg})
+    x = torch.randn(1, 512, device="cuda", dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.testing.assert_close(linear_k.linear(x, tuned).float(), F.linear(x, tuned).float(), rtol=2e-2, atol=2e-2)
+        linear_k.linear(x, plain)
+    assert calls == [cfg]

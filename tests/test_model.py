@@ -43,6 +43,7 @@ def _with_cache(model, rows: int, length: int):
         a.v_cache = torch.zeros_like(a.k_cache)
 
 
+@pytest.mark.slow
 @torch.inference_mode()
 def test_prefill_and_32_decode_steps_match_transformers(checkpoint):
     d, hf = checkpoint
@@ -63,6 +64,7 @@ def test_prefill_and_32_decode_steps_match_transformers(checkpoint):
         past, token = ref.past_key_values, ref.logits[:, -1].argmax(-1, keepdim=True)
 
 
+@pytest.mark.slow
 def test_batched_greedy_equals_transformers_per_prompt(checkpoint):
     d, hf = checkpoint
     torch.manual_seed(1)

@@ -17,13 +17,11 @@ import contextlib
 import json
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -44,8 +42,6 @@ try:
 except ImportError:  # e.g. the GPU machines: only the engine-thread test runs there
     HAVE_HTTP = False
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny import make_drafter, make_target  # noqa: E402
 
 KEY = "test-key"
 NAME = "demo-pair"
@@ -55,16 +51,8 @@ PROMPTS = [json.loads(line)["prompt"] for line in (DEMO_DIR / "heldout_prompts.j
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory) -> tuple[str, str]:
-    d = tmp_path_factory.mktemp("pair")
-    if (DEMO_DIR / "model.safetensors").exists():
-        if (DEMO_DIR / "draft" / "config.json").exists():
-            return str(DEMO_DIR), str(DEMO_DIR / "draft")
-        return str(DEMO_DIR), str(make_drafter(d / "draft", DEMO_DIR))  # until the demo drafter is trained
-    target = make_target(d / "target", vocab=4096, hidden=64, layers=4)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_DIR / f, target / f)
-    return str(target), str(make_drafter(d / "draft", target))
+def pair(demo_pair) -> tuple[str, str]:
+    return demo_pair
 
 
 def serve_kwargs(pair, *flags: str) -> dict:

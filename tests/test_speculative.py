@@ -12,7 +12,7 @@ from specserve.engine.engine import Engine
 from specserve.engine.runner import DraftResult
 from specserve.engine.sampling import STREAM_DRAFT, BatchSampling, SamplingParams, processed_probs, sample_from, uniform
 from specserve.engine.speculative import accept_drafts, emitted_tokens
-from tiny import make_drafter, make_target
+from tiny import make_drafter
 
 # A small vocabulary makes a random drafter agree with the target often enough
 # to exercise partial acceptance, full acceptance and the bonus token.
@@ -20,11 +20,8 @@ VOCAB = 12
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pair")
-    target = make_target(root / "target", vocab=VOCAB, hidden=32, layers=4, heads=2, kv_heads=1)
-    draft = make_drafter(root / "draft", target, draft_vocab=8)
-    return target, draft
+def pair(make_pair):
+    return make_pair(vocab=VOCAB, hidden=32, layers=4, heads=2, kv_heads=1, draft={"draft_vocab": 8})
 
 
 def _run(target, draft=None, prompts=(), params=None, **kw):
@@ -725,13 +722,14 @@ def test_no_reference_fallbacks_on_gpu(pair, monkeypatch):
     kernels refuse falls back silently and slowly (a batched decode step once did, 45% slower)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    import specserve.model.kernels as K
+    from specserve.kernels import norm, tree
 
     target, draft = pair
     calls = []
-    for name in ("rms_norm_ref", "rope_store_kv_ref", "silu_mul_ref", "tree_level_ref"):
-        real = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
+    for mod, name in ((norm, "rms_norm_ref"), (norm, "rope_store_kv_ref"), (norm, "silu_mul_ref"),
+                      (tree, "tree_level_ref")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
     for kw in (dict(), dict(spec_steps=3), dict(spec_steps=4, spec_topk=3, spec_tree_max_batch=3)):
         for n in (1, 3):
             _run(target, draft if kw else None, _prompts(n, seed=9), GREEDY, max_num_seqs=3, device="cuda",

@@ -5,7 +5,6 @@ NCCL profiles merge by the documented rules."""
 from __future__ import annotations
 
 import json
-import shutil
 import signal
 import subprocess
 import sys
@@ -17,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specserve.config import DEMO_DIR, ConfigError
+from specserve.config import ConfigError
 from specserve.distributed import group as group_mod
 from specserve.distributed.nccl_profiles import (
     PRESETS,
@@ -29,10 +28,10 @@ from specserve.distributed.nccl_profiles import (
 )
 from specserve.engine.llm import LLM
 from specserve.engine.sampling import SamplingParams
-from tiny import make_target
 
 PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):", "for i in range(10):"]
 ENGINE = dict(device="cpu", max_num_seqs=4, max_model_len=96)
+HANGING_WORKER = Path(__file__).with_name("tp_capture_hang.py")  # a worker whose capture phase stalls
 
 
 def make_lagging_drafter(out: Path, target_dir: Path) -> Path:
@@ -74,19 +73,17 @@ def make_lagging_drafter(out: Path, target_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp")
+def pair(make_pair):
     # The demo tokenizer (vocab 4096) so that LLM and TPLLM can take text prompts.
-    target = make_target(root / "target", vocab=4096, hidden=64, layers=4, heads=4, kv_heads=2)
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(DEMO_DIR / f, target / f)
-    return target, make_lagging_drafter(root / "draft", target)
+    return make_pair(vocab=4096, hidden=64, layers=4, heads=4, kv_heads=2, tokenizer="demo",
+                     drafter=make_lagging_drafter)
 
 
 def _tp1(target, draft, params, **kw):
     return LLM(model=str(target), draft=str(draft) if draft else None, **ENGINE, **kw).generate(PROMPTS, params)
 
 
+@pytest.mark.slow
 def test_tp2_plain_equals_tp1_and_env_reaches_both_workers(pair):
     from specserve.distributed.tp_llm import TPLLM
 
@@ -109,6 +106,7 @@ def test_tp2_plain_equals_tp1_and_env_reaches_both_workers(pair):
         assert r["env"]["NCCL_NVLS_ENABLE"] == "0"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("topk", [1, 3])  # a chain, and a tree (at every batch size here)
 def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     from specserve.distributed.tp_llm import TPLLM
@@ -139,6 +137,7 @@ def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     assert all(s.finish_reason == "length" for s in seqs)
 
 
+@pytest.mark.slow
 def test_tp2_adaptive_k_is_synchronized(pair):
     """Each rank times its own steps; without rank 0's K broadcast to all, the
     ranks would pick different K, diverge and fail the digest check."""
@@ -180,6 +179,7 @@ time.sleep(600)
 """
 
 
+@pytest.mark.slow
 def test_killing_the_parent_leaves_no_worker_alive(pair):
     target, _ = pair
     parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(target)], stdout=subprocess.PIPE,
@@ -200,6 +200,7 @@ def test_killing_the_parent_leaves_no_worker_alive(pair):
             parent.kill()
 
 
+@pytest.mark.slow
 def test_nccl_tune_on_cpu_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "best.json"
     r = subprocess.run([sys.executable, "-m", "specserve.cli", "nccl-tune", "--tp", "2", "--hidden", "64",
@@ -283,17 +284,19 @@ def test_tp2_with_cuda_graphs_equals_tp1_gpu(pair):
     assert info["allreduce"] == "nccl"
 
 
+@pytest.mark.slow
 def test_stalled_graph_capture_falls_back_to_eager_instead_of_hanging(pair, monkeypatch, caplog):
     """A rank stuck in CUDA graph capture (simulated on CPU: the last rank reports the
     capture phase and then sleeps) is killed by the driver after graph_capture_timeout;
     the workers restart without graphs, with a warning, and the outputs are right."""
-    from specserve.distributed.tp_llm import TPLLM
+    from specserve.distributed import tp_llm
 
     target, _ = pair
-    monkeypatch.setenv("SPECSERVE_TP_TEST_CAPTURE_HANG", "1")
+    monkeypatch.setattr(tp_llm, "graphs_possible", lambda device: True)
+    monkeypatch.setattr(group_mod, "WORKER_ARGS", (str(HANGING_WORKER),))
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     t0 = time.time()
-    with TPLLM(model=str(target), tp=2, graph_capture_timeout=3, **ENGINE) as llm:
+    with tp_llm.TPLLM(model=str(target), tp=2, graph_capture_timeout=3, **ENGINE) as llm:
         # Only the restarted pair is alive: the stuck workers were killed, not left behind.
         assert sorted(p.pid for p in _worker_children()) == sorted(llm.worker_pids())
         outs = llm.generate(PROMPTS[:2], params)
@@ -309,7 +312,8 @@ def _worker_children() -> list:
     out = []
     for p in psutil.Process().children(recursive=True):
         try:
-            if "specserve.distributed.worker" in " ".join(p.cmdline()) and p.status() != psutil.STATUS_ZOMBIE:
+            cmd = " ".join(p.cmdline())
+            if ("specserve.distributed.worker" in cmd or HANGING_WORKER.name in cmd) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except psutil.NoSuchProcess:
             pass

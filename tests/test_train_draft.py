@@ -159,6 +159,7 @@ def test_draft_vocab_selection():
 # end to end
 # ---------------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_train_draft_raises_acceptance(tiny_pair):
     """The CI run: regenerate, pick the vocabulary, train with TTT, save, load in the
     engine. Greedy acceptance at K=3 on unseen prompts must clearly beat the untrained
@@ -166,11 +167,11 @@ def test_train_draft_raises_acceptance(tiny_pair):
     root, target = tiny_pair
     prompts = td.read_prompts(root / "prompts.jsonl")
     t0 = time.time()
-    td.train_draft(str(target), str(root / "d0"), str(root / "data.txt"), max_steps=0, draft_vocab=200,
-                          device="cpu", progress=False)
-    res = td.train_draft(str(target), str(root / "d1"), str(root / "data.txt"), regenerate=True, regen_prompts=48,
+    td.train_draft(td.TrainConfig(str(target), str(root / "d0"), str(root / "data.txt"), max_steps=0, draft_vocab=200,
+                          device="cpu", progress=False))
+    res = td.train_draft(td.TrainConfig(str(target), str(root / "d1"), str(root / "data.txt"), regenerate=True, regen_prompts=48,
                          regen_max_tokens=48, regen_prompt_len=(8, 32), draft_vocab=200, ttt_steps=3, lr=2e-2,
-                         warmup=3, max_steps=32, batch_tokens=1536, max_len=128, device="cpu", progress=False)
+                         warmup=3, max_steps=32, batch_tokens=1536, max_len=128, device="cpu", progress=False))
     train_s = time.time() - t0
     assert res.regenerated == 48 and res.steps == 32 and res.draft_vocab == 200
     before = td.measure_acceptance(str(target), str(root / "d0"), prompts, 3, 32, "cpu")["accept_length_mean"]
@@ -202,14 +203,14 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_pair):
     kw = {"draft_vocab": 100, "ttt_steps": 2, "lr": 3e-3, "warmup": 2, "max_steps": 4, "batch_tokens": 512,
           "max_len": 64, "device": "cpu", "progress": False, "checkpoint_every": 2, "keep_checkpoint": True}
     data = str(root / "data.txt")
-    td.train_draft(str(target), str(root / "full"), data, aux_layer_ids=(0, 1, 0), **kw)
+    td.train_draft(td.TrainConfig(str(target), str(root / "full"), data, aux_layer_ids=(0, 1, 0), **kw))
     # An interrupted run: the same job killed right after its step-2 checkpoint.
     state = torch.load(root / "full" / "checkpoint" / "state.pt", weights_only=True)
     assert state["step"] == 2 and state["aux_layers"] == [1, 2, 1]
     shutil.copytree(root / "full" / "checkpoint", root / "part" / "checkpoint")
     with pytest.raises(ConfigError, match="differ from the checkpoint's"):
-        td.train_draft(str(target), str(root / "part"), None, resume=True, aux_layer_ids=(1, 1, 1), **kw)
-    td.train_draft(str(target), str(root / "part"), None, resume=True, **kw)
+        td.train_draft(td.TrainConfig(str(target), str(root / "part"), None, resume=True, aux_layer_ids=(1, 1, 1), **kw))
+    td.train_draft(td.TrainConfig(str(target), str(root / "part"), None, resume=True, **kw))
     cfg = json.loads((root / "part" / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 0]
     a = load_file(str(root / "full" / "model.safetensors"))
@@ -222,8 +223,8 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_pair):
 def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
     root, target = tiny_pair
     src = make_drafter(tmp_path / "src", target, layout="sglang", draft_vocab=150, aux_ids=[0, 0, 0])
-    res = td.train_draft(str(target), str(tmp_path / "ft"), str(root / "data.txt"), from_dir=str(src), max_steps=2,
-                         lr=1e-3, batch_tokens=512, max_len=64, device="cpu", progress=False)
+    res = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "ft"), str(root / "data.txt"), from_dir=str(src), max_steps=2,
+                         lr=1e-3, batch_tokens=512, max_len=64, device="cpu", progress=False))
     assert res.draft_vocab == 150
     cfg = json.loads((tmp_path / "ft" / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 0]  # taps kept
@@ -231,11 +232,11 @@ def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
     assert torch.equal(before["d2t"], after["d2t"])
     assert not torch.equal(before["fc.weight"].to(torch.bfloat16), after["fc.weight"])
     with pytest.raises(ConfigError, match="--draft-vocab 99 differs"):
-        td.train_draft(str(target), str(tmp_path / "ft2"), str(root / "data.txt"), from_dir=str(src), draft_vocab=99,
-                       max_steps=1, device="cpu", progress=False)
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "ft2"), str(root / "data.txt"), from_dir=str(src), draft_vocab=99,
+                       max_steps=1, device="cpu", progress=False))
     with pytest.raises(ConfigError, match="--draft-intermediate 65 differs"):
-        td.train_draft(str(target), str(tmp_path / "ft2"), str(root / "data.txt"), from_dir=str(src),
-                       draft_intermediate=65, max_steps=1, device="cpu", progress=False)
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "ft2"), str(root / "data.txt"), from_dir=str(src),
+                       draft_intermediate=65, max_steps=1, device="cpu", progress=False))
 
 
 def test_wider_drafter_mlp(tiny_pair, tmp_path):
@@ -244,8 +245,8 @@ def test_wider_drafter_mlp(tiny_pair, tmp_path):
     from specserve.engine.llm import LLM, SamplingParams
 
     root, target = tiny_pair
-    td.train_draft(str(target), str(tmp_path / "w"), str(root / "data.txt"), draft_intermediate=96, draft_vocab=200,
-                   aux_layer_ids=(1, 0, 1), max_steps=2, batch_tokens=512, max_len=64, device="cpu", progress=False)
+    td.train_draft(td.TrainConfig(str(target), str(tmp_path / "w"), str(root / "data.txt"), draft_intermediate=96, draft_vocab=200,
+                   aux_layer_ids=(1, 0, 1), max_steps=2, batch_tokens=512, max_len=64, device="cpu", progress=False))
     cfg = json.loads((tmp_path / "w" / "config.json").read_text())
     assert cfg["intermediate_size"] == 96 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 0, 1]
     assert load_file(str(tmp_path / "w" / "model.safetensors"))["midlayer.mlp.down_proj.weight"].shape[1] == 96
@@ -254,11 +255,11 @@ def test_wider_drafter_mlp(tiny_pair, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert llm.generate(["def f("], params)[0].token_ids == plain.generate(["def f("], params)[0].token_ids
     with pytest.raises(ConfigError, match="--draft-intermediate must be positive"):
-        td.train_draft(str(target), str(tmp_path / "w0"), str(root / "data.txt"), draft_intermediate=0,
-                       max_steps=1, device="cpu", progress=False)
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "w0"), str(root / "data.txt"), draft_intermediate=0,
+                       max_steps=1, device="cpu", progress=False))
     with pytest.raises(ConfigError, match=r"--aux-layer-ids needs 3 layer ids in 0\.\.1"):
-        td.train_draft(str(target), str(tmp_path / "w0"), str(root / "data.txt"), aux_layer_ids=(0, 2, 1),
-                       max_steps=1, device="cpu", progress=False)
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "w0"), str(root / "data.txt"), aux_layer_ids=(0, 2, 1),
+                       max_steps=1, device="cpu", progress=False))
 
 
 def test_a_parameter_without_gradient_stops_training(tiny_pair, tmp_path, monkeypatch):
@@ -271,8 +272,8 @@ def test_a_parameter_without_gradient_stops_training(tiny_pair, tmp_path, monkey
     monkeypatch.setattr(layers, "rms_norm", lambda x, w, eps, residual=None: (
         real(x.detach(), w.detach(), eps, None if residual is None else residual.detach())))
     with pytest.raises(RuntimeError, match="no gradient reached .* drafter parameter"):
-        td.train_draft(str(target), str(tmp_path / "d"), str(root / "data.txt"), max_steps=2, draft_vocab=200,
-                       batch_tokens=512, max_len=64, device="cpu", progress=False)
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "d"), str(root / "data.txt"), max_steps=2, draft_vocab=200,
+                       batch_tokens=512, max_len=64, device="cpu", progress=False))
 
 
 def test_regenerate_equals_engine_greedy(tiny_pair, texts, tmp_path):
@@ -312,9 +313,9 @@ def test_regenerate_chat_records(tiny_pair, tmp_path):
              for i in range(5)] + [[{"role": "assistant", "content": "no user turn"}]]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
-    res = td.train_draft(str(target), str(tmp_path / "d"), str(data), regenerate=True, regen_max_tokens=12,
+    res = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "d"), str(data), regenerate=True, regen_max_tokens=12,
                          max_steps=1, batch_tokens=512, max_len=64, device="cpu", progress=False,
-                         keep_checkpoint=True)
+                         keep_checkpoint=True))
     assert res.regenerated == 5
     tok = Tokenizer(target)
     samples = td._load_samples(tmp_path / "d" / "checkpoint" / "regenerated.jsonl")
@@ -342,9 +343,24 @@ def test_cli_errors(tiny_pair, capsys):
 def test_train_draft_on_gpu(tiny_pair):
     """A few steps on CUDA (bf16 target, autocast drafter); the result loads in the engine."""
     root, target = tiny_pair
-    res = td.train_draft(str(target), str(root / "gpu"), str(root / "data.txt"), regenerate=True, regen_prompts=32,
+    res = td.train_draft(td.TrainConfig(str(target), str(root / "gpu"), str(root / "data.txt"), regenerate=True, regen_prompts=32,
                          regen_max_tokens=32, draft_vocab=200, ttt_steps=3, lr=1e-2, warmup=2, max_steps=20,
-                         batch_tokens=2048, max_len=128, device="cuda", progress=False)
+                         batch_tokens=2048, max_len=128, device="cuda", progress=False))
     assert res.steps == 20 and res.final_acc[0] > 0
     r = td.measure_acceptance(str(target), str(root / "gpu"), td.read_prompts(root / "prompts.jsonl"), 3, 32, "cuda")
     assert r["accept_length_mean"] > 1.0
+
+
+def test_cli_flags_map_onto_train_config():
+    """`train-draft` flags and TrainConfig agree: the flags' defaults are the config's, and each
+    flag reaches its field."""
+    import argparse
+
+    p = argparse.ArgumentParser()
+    td.add_arguments(p)
+    assert td.TrainConfig.from_args(p.parse_args(["--target", "T", "--out", "O"])) == td.TrainConfig("T", "O")
+    got = td.TrainConfig.from_args(p.parse_args([
+        "--target", "T", "--out", "O", "--data", "D", "--max-minutes", "3", "--regen-prompt-len", "8,16",
+        "--aux-layer-ids", "0,1,2", "--no-bf16", "--eval-spec-steps", "2,5", "--from", "F"]))
+    assert (got.data, got.minutes, got.regen_prompt_len, got.aux_layer_ids, got.bf16, got.eval_spec_steps,
+            got.from_dir) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F")

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 from pathlib import Path
 
 import torch
 
+from specserve import envs
 from specserve.distributed import parallel_state as ps
 
 log = logging.getLogger("specserve.tp")
@@ -43,7 +43,7 @@ class _UniqueId(ctypes.Structure):
 
 def _load_libnccl() -> ctypes.CDLL:
     """The libnccl torch already uses (same soname), else the nvidia-nccl wheel's copy."""
-    candidates = [os.environ.get("SPECSERVE_NCCL_LIB"), "libnccl.so.2", "libnccl.so"]
+    candidates = [envs.NCCL_LIB.get(), "libnccl.so.2", "libnccl.so"]
     try:
         import nvidia.nccl  # the pip wheel torch depends on
 

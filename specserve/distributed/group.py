@@ -26,6 +26,7 @@ import threading
 import time
 from multiprocessing.connection import Connection, wait
 
+from specserve import envs
 from specserve.distributed.nccl_profiles import WorkerEnv
 
 log = logging.getLogger("specserve.tp")
@@ -86,6 +87,9 @@ def _popen(args, **kw) -> subprocess.Popen:
     return _spawner.popen(args, **kw)
 
 
+WORKER_ARGS = ("-m", "specserve.distributed.worker")  # the interpreter arguments that start one worker
+
+
 class WorkerGroup:
     """N worker processes (`python -m specserve.distributed.worker`)."""
 
@@ -113,14 +117,14 @@ class WorkerGroup:
         ours, theirs = socket.socketpair()
         env = dict(self.wenv.env)
         env.update({
-            "SPECSERVE_TP_RANK": str(rank), "SPECSERVE_TP_SIZE": str(self.size),
-            "SPECSERVE_TP_FD": str(theirs.fileno()), "SPECSERVE_TP_PARENT_PID": str(os.getpid()),
+            envs.TP_RANK.name: str(rank), envs.TP_SIZE.name: str(self.size),
+            envs.TP_FD.name: str(theirs.fileno()), envs.TP_PARENT_PID.name: str(os.getpid()),
             "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
             "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.size),
             "PYTHONUNBUFFERED": "1",
         })
         # Worker stdout goes to our stderr: `generate --json` keeps a clean stdout.
-        proc = _popen([sys.executable, "-m", "specserve.distributed.worker"], env=worker_env_hook(env, rank),
+        proc = _popen([sys.executable, *WORKER_ARGS], env=worker_env_hook(env, rank),
                       pass_fds=(theirs.fileno(),), stdout=2, stdin=subprocess.DEVNULL, close_fds=True)
         theirs.close()
         self.procs.append(proc)

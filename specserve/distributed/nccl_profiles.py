@@ -23,6 +23,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from specserve import envs
 from specserve.config import ConfigError
 
 PRESETS: dict[str, dict[str, str]] = {
@@ -39,7 +40,7 @@ PRESETS: dict[str, dict[str, str]] = {
     },
 }
 ALWAYS = {"NCCL_NVLS_ENABLE": "0"}
-ALLREDUCE_VAR = "SPECSERVE_ALLREDUCE"
+ALLREDUCE_VAR = envs.ALLREDUCE.name
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

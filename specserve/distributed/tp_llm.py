@@ -37,6 +37,7 @@ import weakref
 from pathlib import Path
 from types import SimpleNamespace
 
+from specserve import envs
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.engine import Engine, Sequence, SpecStats, Status
 from specserve.engine.llm import LLM, RequestOutput, demo_paths, prepare_requests
@@ -75,7 +76,7 @@ class WorkerLLM(LLM):
             return "own"
         from specserve.distributed.parallel_state import tp_size
 
-        if tp_size() == 1 or os.environ.get("SPECSERVE_TP_DRAFT_EMBED", "replicated") == "shared":
+        if tp_size() == 1 or envs.TP_DRAFT_EMBED.get() == "shared":
             return "shared (vocab-parallel)"
         import torch
         from safetensors import safe_open
@@ -135,6 +136,11 @@ def _ensure_log_handler() -> None:
         log.propagate = False
 
 
+def graphs_possible(device) -> bool:
+    """CUDA graphs need a CUDA device (elsewhere the workers run eagerly, with no capture phase)."""
+    return device.type == "cuda"
+
+
 class TPLLM:
     """Same interface as `LLM` (generate, profile_summary, tokenizer, config,
     engine), backed by `tp` worker processes. Extra: worker_env(), worker_pids(),
@@ -181,7 +187,7 @@ class TPLLM:
         self._ids = 0
         self._stats: dict = {}
         base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("env", "nccl_profile")}
-        graphs = cfg.cuda_graphs and (device.type == "cuda" or bool(os.environ.get("SPECSERVE_TP_TEST_CAPTURE_HANG")))
+        graphs = cfg.cuda_graphs and graphs_possible(device)
         try:
             self._start(base, graphs, start_timeout)
         except (PhaseTimeout, WorkerError) as e:

@@ -21,6 +21,8 @@ import threading
 import time
 import traceback
 
+from specserve import envs
+
 PR_SET_PDEATHSIG = 1
 
 
@@ -103,6 +105,20 @@ def _patch_capture_mode(mode: str) -> None:
     torch.cuda.graph = graph
 
 
+def probe_graph_capture(ch: Channel, cfg, device, hidden_size: int, dtype, rank: int, size: int) -> bool:
+    """Whether this worker captures CUDA graphs: asked for, on CUDA, and an all-reduce captured
+    in a probe graph first. Runs in the driver's "graphs" phase, so a rank that stalls here is
+    reported and killed after its graph_capture_timeout."""
+    from specserve.distributed import comm
+
+    if not (cfg.cuda_graphs and device.type == "cuda"):
+        return False
+    _patch_capture_mode(envs.CAPTURE_MODE.get())
+    ch.progress("graphs", "probe: capturing an all-reduce in a CUDA graph")
+    comm.probe_capture(device, hidden_size, dtype, lambda s: ch.progress("graphs", s))
+    return True
+
+
 def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
     import torch
 
@@ -123,21 +139,11 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
     from specserve.model.loader import resolve_dtype
 
     dtype = resolve_dtype(cfg.dtype, mcfg.dtype, device)
-    backend = comm.install(os.environ.get("SPECSERVE_ALLREDUCE", "auto"), rank, size, device, dtype,
+    backend = comm.install(envs.ALLREDUCE.get(), rank, size, device, dtype,
                            ps._GROUP, ps._CONTROL_GROUP)
     comm.warm_up(device, mcfg.hidden_size, dtype)
     ch.progress("init", f"collectives ready (all-reduce: {backend})")
-    if os.environ.get("SPECSERVE_TP_TEST_CAPTURE_HANG") and cfg.cuda_graphs and device.type == "cpu":
-        # Test hook (CPU has no graphs): one rank "hangs in capture" the way a stuck NCCL call does.
-        ch.progress("graphs", "pretending to capture (SPECSERVE_TP_TEST_CAPTURE_HANG)")
-        if rank == size - 1:
-            time.sleep(3600)
-        cfg.cuda_graphs = False
-    graphs = cfg.cuda_graphs and device.type == "cuda"
-    if graphs:
-        _patch_capture_mode(os.environ.get("SPECSERVE_CAPTURE_MODE", "thread_local"))
-        ch.progress("graphs", "probe: capturing an all-reduce in a CUDA graph")
-        comm.probe_capture(device, mcfg.hidden_size, dtype, lambda s: ch.progress("graphs", s))
+    graphs = probe_graph_capture(ch, cfg, device, mcfg.hidden_size, dtype, rank, size)
     ch.progress("load", "loading weights (sharded)")
     t0 = time.perf_counter()
     llm = WorkerLLM(cfg)  # built without graphs: capture runs below, under the driver's timeout
@@ -205,14 +211,14 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
 
 
 def main() -> int:
-    rank = int(os.environ["SPECSERVE_TP_RANK"])
-    size = int(os.environ["SPECSERVE_TP_SIZE"])
-    die_with_parent(int(os.environ["SPECSERVE_TP_PARENT_PID"]))
+    rank = envs.TP_RANK.require()
+    size = envs.TP_SIZE.require()
+    die_with_parent(envs.TP_PARENT_PID.require())
     environ = read_environ()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; we follow it
     from multiprocessing.connection import Connection
 
-    ch = Channel(Connection(int(os.environ["SPECSERVE_TP_FD"])), rank)
+    ch = Channel(Connection(envs.TP_FD.require()), rank)
     ch.send({"type": "hello", "rank": rank, "pid": os.getpid(), "environ": environ})
     try:
         msg = ch.conn.recv()

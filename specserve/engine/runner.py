@@ -59,7 +59,7 @@ from specserve.engine.sampling import (
     sample_tokens,
     uniform,
 )
-from specserve.model.kernels import tree_level
+from specserve.kernels.tree import tree_level
 from specserve.model.layers import ForwardContext, KVCacheAttention, pin_attributes
 from specserve.model.loader import load_drafter, load_target, resolve_device, resolve_dtype
 
@@ -160,7 +160,8 @@ class ModelRunner:
     def _tune_linear(self) -> dict:
         """Per weight shape and row count, the fastest product here: on GPU cuBLAS or the GEMV
         kernel, on CPU (weights stored column-major first) MKL or oneDNN with a packed weight."""
-        from specserve.model.kernels import GEMV_ROWS, column_major_copy, tune_linear, tune_linear_cpu
+        from specserve.kernels.cpu_linear import column_major_copy, tune_linear_cpu
+        from specserve.kernels.gemv import GEMV_ROWS, tune_linear
 
         t0 = time.perf_counter()
         tensors = list(self.target.parameters()) + (self.drafter.product_weights() if self.drafter is not None else [])

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specserve.model.kernels import argmax
+from specserve.kernels.argmax import argmax
 
 STREAM_TARGET = 1  # plain sampling, residual and bonus tokens
 STREAM_DRAFT = 2  # the drafter's proposals

@@ -25,7 +25,7 @@ from specserve.engine.sampling import (
     sample_from,
     uniform,
 )
-from specserve.model.kernels import argmax
+from specserve.kernels.argmax import argmax
 
 
 def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, pos0: torch.Tensor,

@@ -17,7 +17,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.config import DraftConfig
-from specserve.model.kernels import column_major_copy, linear, silu_mul
+from specserve.kernels.cpu_linear import column_major_copy
+from specserve.kernels.linear import linear
+from specserve.kernels.norm import silu_mul
 from specserve.model.layers import (
     ForwardContext,
     HotPathModule,
@@ -107,7 +109,7 @@ class Eagle3Drafter(nn.Module):
         product where it ran three or two (on the GPU also one launch each, and silu*up in one
         kernel). The separate weights become views of the stacked ones (no second copy); training
         keeps using the separate modules. `column_major`: the stacked weights stored that way
-        (see kernels.column_major_copy)."""
+        (see kernels.cpu_linear.column_major_copy)."""
         a, mlp = self.midlayer.self_attn, self.midlayer.mlp
         for owner, name, parts in ((a, "qkv_weight", (a.q_proj, a.k_proj, a.v_proj)),
                                    (mlp, "gate_up_weight", (mlp.gate_proj, mlp.up_proj))):

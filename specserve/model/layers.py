@@ -14,15 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
-from specserve.model.kernels import (
-    apply_rope,
-    cache_attention_ok,
-    cache_attention_triton,
-    linear,
-    rms_norm,
-    rope_store_kv,
-    silu_mul,
-)
+from specserve.kernels.attention import cache_attention_ok, cache_attention_triton
+from specserve.kernels.linear import linear
+from specserve.kernels.norm import apply_rope, rms_norm, rope_store_kv, silu_mul
 
 
 def _divide(n: int, parts: int, what: str) -> int:

@@ -110,7 +110,7 @@ class CausalLM(nn.Module):
         """Next-token logits (float32, or the model's dtype where only an argmax reads them)."""
         if self.lm_head is None:  # tied: reuse the (vocab-parallel) embedding matrix
             from specserve.distributed.parallel_state import all_gather_last_dim
-            from specserve.model.kernels import linear
+            from specserve.kernels.linear import linear
 
             logits = all_gather_last_dim(linear(hidden, self.embed_tokens.weight))
         else:

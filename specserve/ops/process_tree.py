@@ -32,7 +32,9 @@ from typing import Callable, Iterable
 
 import psutil
 
-MARKER_ENV = "SPECSERVE_LAUNCH_ID"
+from specserve import envs
+
+MARKER_ENV = envs.LAUNCH_ID.name
 PR_SET_CHILD_SUBREAPER = 36
 
 LogFn = Callable[[str], None]

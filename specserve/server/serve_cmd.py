@@ -16,12 +16,12 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
-import os
 import socket
 import sys
 import time
 from pathlib import Path
 
+from specserve import envs
 from specserve.cli import port_number
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.generate_cmd import add_engine_arguments, engine_kwargs
@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="always draft --spec-steps tokens (default with a drafter: adaptive K in 0..--spec-steps)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (0 = any free port; the log says which)")
-    p.add_argument("--api-key", default=os.environ.get("SPECSERVE_API_KEY"),
+    p.add_argument("--api-key", default=envs.API_KEY.get(),
                    help="require 'Authorization: Bearer KEY' on every /v1 route (default: $SPECSERVE_API_KEY)")
     p.add_argument("--served-model-name", help="model id clients must use (default: the model directory's name)")
     p.add_argument("--max-queue", type=int, default=None,

@@ -15,7 +15,7 @@ Everything is derived from files already on the machine, so the build needs no n
                 ``<|endoftext|>`` (id 0), ``<|im_start|>`` (1), ``<|im_end|>`` (2).
   4. target     ``transformers.LlamaForCausalLM``, 16 layers x 128 wide, trained from scratch
                 on the corpus for a wall-clock budget, saved in bfloat16.
-  5. drafter    hook: calls ``specserve.train.train_draft.train_draft`` when that module exists.
+  5. drafter    ``train_draft`` with ``TrainConfig.demo`` (specserve/train/train_draft.py).
 
 Stages 2-4 write into ``<work-dir>/staged`` and the files are copied into ``--out`` together
 after the target has been trained and reloaded, so ``--out`` never pairs a tokenizer from one
@@ -44,7 +44,6 @@ threads that share contended cores spend most of their time waiting for each oth
 from __future__ import annotations
 
 import argparse
-import importlib
 import inspect
 import json
 import math
@@ -813,42 +812,19 @@ def verify_target(out: Path, prompts=SAMPLE_PROMPTS, max_new_tokens: int = 64) -
 
 
 # --------------------------------------------------------------------------------------------
-# Stage 5: drafter (hook only; the drafter trainer lives in specserve/train/train_draft.py)
+# Stage 5: drafter (the trainer lives in specserve/train/train_draft.py)
 # --------------------------------------------------------------------------------------------
 
 def stage5_drafter(out: Path, work: Path, minutes: float, seed: int):
-    """=== STAGE 5 HOOK =======================================================================
-    Calls ``specserve.train.train_draft.train_draft`` if it exists. The keyword arguments offered
-    are below; only those the function accepts are passed (all of them if it takes **kwargs).
-    The drafter's author owns this call and may adjust it.
-    ==========================================================================================="""
-    try:
-        mod = importlib.import_module("specserve.train.train_draft")
-    except ModuleNotFoundError as e:
-        if e.name not in ("specserve.train.train_draft",):
-            raise
-        log("stage 5: specserve.train.train_draft does not exist yet -> no drafter built. "
-            "The tokenizer and target in --out are complete; rerun with --stages draft once it exists.")
-        return None
-    fn = getattr(mod, "train_draft", None)
-    if not callable(fn):
-        log("stage 5: specserve.train.train_draft has no train_draft() function -> no drafter built")
-        return None
-    offered = {
-        "target_dir": str(out),               # tokenizer + target written by stages 3-4
-        "out_dir": str(out / "draft"),       # where the drafter should go
-        "minutes": minutes,                   # wall-clock budget for the drafter
-        "seed": seed,
-        "train_tokens": str(work / "train_tokens.npy"),  # uint16 stdlib token stream (EOS-separated)
-        "val_tokens": str(work / "val_tokens.npy"),
-    }
-    params = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        kwargs = offered
-    else:
-        kwargs = {k: v for k, v in offered.items() if k in params}
-    log(f"stage 5: train_draft({', '.join(f'{k}={v!r}' for k, v in kwargs.items())})")
-    return fn(**kwargs)
+    """Train the demo drafter for the target written by stages 3-4 (its tokenizer and weights in
+    `out`) on the stdlib token streams, into out/draft, within `minutes`."""
+    from specserve.train.train_draft import TrainConfig, train_draft
+
+    config = TrainConfig.demo(target_dir=str(out), out_dir=str(out / "draft"),
+                              train_tokens=str(work / "train_tokens.npy"),  # uint16 stdlib stream, EOS-separated
+                              val_tokens=str(work / "val_tokens.npy"), minutes=minutes, seed=seed)
+    log(f"stage 5: train_draft({config})")
+    return train_draft(config)
 
 
 # --------------------------------------------------------------------------------------------

@@ -51,11 +51,6 @@ from specserve.train.data import DataError, chat_prompt, read_records, split_lon
 STEP_WEIGHT = 0.8  # loss weight of unroll step k is STEP_WEIGHT**k
 CHECKPOINT = "checkpoint"
 
-# The recipe of the bundled demo drafter (build_demo stage 5 calls train_draft with these).
-DEMO_RECIPE = {"regenerate": True, "draft_vocab": 2048, "ttt_steps": 5, "lr": 4e-3, "regen_share": 0.35,
-               "epochs": 1000.0, "regen_max_tokens": 256, "regen_prompt_len": (32, 192), "batch_tokens": 4096,
-               "max_len": 512}
-
 
 def log(msg: str) -> None:
     print(f"[train-draft {time.strftime('%H:%M:%S')}] {msg}", flush=True)
@@ -690,66 +685,110 @@ def _pick_device(device: str) -> torch.device:
     return resolve_device(device)
 
 
-def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train_tokens: str | None = None,
-                val_tokens: str | None = None, val_data: str | None = None, minutes: float | None = None,
-                seed: int = 0, draft_vocab: int | None = None, draft_intermediate: int | None = None,
-                ttt_steps: int = 5, epochs: float = 1.0,
-                lr: float | None = None, from_dir: str | None = None, regenerate: bool = False,
-                regen_prompts: int | None = None, regen_max_tokens: int = 256, regen_temperature: float = 0.0,
-                regen_prompt_len: tuple[int, int] = (32, 192), regen_share: float = 0.35, regen_batch: int = 64,
-                batch_tokens: int = 4096, max_len: int = 512, warmup: int = 50, max_steps: int | None = None,
-                checkpoint_every: int = 100, resume: bool = False, keep_checkpoint: bool = False,
-                device: str = "auto", threads: int | None = None, feature_cache_gb: float | None = None,
-                bf16: bool | None = None,
-                eval_prompts: str | None = None,
-                eval_spec_steps: tuple[int, ...] = (4,), eval_max_tokens: int = 128, progress: bool = True,
-                aux_layer_ids: tuple[int, ...] | None = None, **unknown) -> TrainResult:
-    """Train (or fine-tune, `from_dir`) an EAGLE-3 drafter for `target_dir`; writes it to `out_dir`.
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything one `train_draft` run uses. The defaults are the `specserve train-draft` flags'
+    defaults; `from_args` maps the flags, `demo` is the bundled demo pair's recipe."""
 
-    Called by `specserve train-draft` and by build_demo's stage 5 (which passes `train_tokens`
-    and `val_tokens`, the stdlib token streams, and `minutes`; that call uses DEMO_RECIPE)."""
-    if unknown:
-        raise TypeError(f"train_draft() got unknown option(s): {', '.join(sorted(unknown))}")
-    from_build_demo = data is None and train_tokens is not None
-    if from_build_demo:
-        r = DEMO_RECIPE
-        data, val_data = train_tokens, val_data or val_tokens
-        regenerate, draft_vocab, ttt_steps, lr = r["regenerate"], r["draft_vocab"], r["ttt_steps"], r["lr"]
-        regen_share, regen_max_tokens, regen_prompt_len = r["regen_share"], r["regen_max_tokens"], r["regen_prompt_len"]
-        batch_tokens, max_len, epochs = r["batch_tokens"], r["max_len"], r["epochs"]  # epochs: the time budget decides
+    target_dir: str
+    out_dir: str
+    data: str | None = None  # .jsonl, .txt, .npy token stream or a folder (None only with resume)
+    val_data: str | None = None
+    minutes: float | None = None  # wall-clock budget for regeneration + training
+    seed: int = 0
+    draft_vocab: int | None = None  # default min(32000, target vocabulary)
+    draft_intermediate: int | None = None  # default: the target's intermediate size
+    ttt_steps: int = 5
+    epochs: float = 1.0
+    lr: float | None = None  # default 1e-3 fresh, 5e-5 fine-tuning
+    from_dir: str | None = None  # fine-tune this drafter
+    regenerate: bool = False
+    regen_prompts: int | None = None
+    regen_max_tokens: int = 256
+    regen_temperature: float = 0.0
+    regen_prompt_len: tuple[int, int] = (32, 192)
+    regen_share: float = 0.35  # share of `minutes` regeneration may use
+    regen_batch: int = 64
+    batch_tokens: int = 4096
+    max_len: int = 512
+    warmup: int = 50
+    max_steps: int | None = None
+    checkpoint_every: int = 100
+    resume: bool = False
+    keep_checkpoint: bool = False
+    device: str = "auto"
+    threads: int | None = None
+    feature_cache_gb: float | None = None
+    bf16: bool | None = None  # default: on GPU, and on CPUs with AVX512-BF16/AMX
+    eval_prompts: str | None = None
+    eval_spec_steps: tuple[int, ...] = (4,)
+    eval_max_tokens: int = 128
+    progress: bool = True
+    aux_layer_ids: tuple[int, ...] | None = None  # default EAGLE-3's taps
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> TrainConfig:
+        """The `train-draft` flags (see `train_draft_cmd.add_arguments`) as a TrainConfig: the one place they map."""
+        return cls(
+            target_dir=args.model, out_dir=args.out, data=args.data, val_data=args.val_data,
+            minutes=args.max_minutes, seed=args.seed, draft_vocab=args.draft_vocab,
+            draft_intermediate=args.draft_intermediate, ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr,
+            from_dir=args.from_dir, regenerate=args.regenerate, regen_prompts=args.regen_prompts,
+            regen_max_tokens=args.regen_max_tokens, regen_temperature=args.regen_temperature,
+            regen_prompt_len=args.regen_prompt_len, regen_share=args.regen_share, regen_batch=args.regen_batch,
+            batch_tokens=args.batch_tokens, max_len=args.max_len, warmup=args.warmup, max_steps=args.max_steps,
+            checkpoint_every=args.checkpoint_every, resume=args.resume, keep_checkpoint=args.keep_checkpoint,
+            device=args.device, threads=args.threads, feature_cache_gb=args.feature_cache_gb, bf16=args.bf16,
+            eval_prompts=args.eval_prompts, eval_spec_steps=args.eval_spec_steps,
+            eval_max_tokens=args.eval_max_tokens, aux_layer_ids=args.aux_layer_ids)
+
+    @classmethod
+    def demo(cls, target_dir: str, out_dir: str, train_tokens: str, val_tokens: str, minutes: float,
+             seed: int = 0) -> TrainConfig:
+        """The bundled demo drafter's recipe: train on the target's own regenerated text, for as
+        many epochs as `minutes` allows (the time budget ends the run, not the epoch count), and
+        measure acceptance on the target's held-out prompts where build_demo wrote them."""
         heldout = Path(target_dir) / "heldout_prompts.jsonl"
-        if eval_prompts is None and heldout.exists():
-            eval_prompts = str(heldout)  # the model card's figure (measured after the budget)
-    if data is None and not resume:
+        return cls(target_dir=target_dir, out_dir=out_dir, data=train_tokens, val_data=val_tokens, minutes=minutes,
+                   seed=seed, regenerate=True, draft_vocab=2048, ttt_steps=5, lr=4e-3, regen_share=0.35,
+                   epochs=1000.0, regen_max_tokens=256, regen_prompt_len=(32, 192), batch_tokens=4096, max_len=512,
+                   eval_prompts=str(heldout) if heldout.exists() else None)
+
+
+def train_draft(config: TrainConfig) -> TrainResult:
+    """Train (or fine-tune, `config.from_dir`) an EAGLE-3 drafter for `config.target_dir`; writes it
+    to `config.out_dir`. Called by `specserve train-draft` and by build_demo's drafter stage."""
+    if config.data is None and not config.resume:
         raise DataError("no training data: pass --data PATH")
-    if ttt_steps < 1:
-        raise ConfigError(f"--ttt-steps must be at least 1, got {ttt_steps}")
-    if epochs <= 0 and not max_steps:
-        raise ConfigError(f"--epochs must be positive, got {epochs}")
-    if threads:
-        torch.set_num_threads(threads)
+    if config.ttt_steps < 1:
+        raise ConfigError(f"--ttt-steps must be at least 1, got {config.ttt_steps}")
+    if config.epochs <= 0 and not config.max_steps:
+        raise ConfigError(f"--epochs must be positive, got {config.epochs}")
+    if config.threads:
+        torch.set_num_threads(config.threads)
     t_start = time.time()
-    deadline = t_start + minutes * 60 if minutes else None
-    out = Path(out_dir)
+    deadline = t_start + config.minutes * 60 if config.minutes else None
+    out = Path(config.out_dir)
     ck_dir = out / CHECKPOINT
-    dev = _pick_device(device)
-    tcfg = ModelConfig.from_dir(target_dir)
-    if aux_layer_ids is not None and (len(aux_layer_ids) != 3 or not all(0 <= i < tcfg.num_layers for i in aux_layer_ids)):
+    dev = _pick_device(config.device)
+    tcfg = ModelConfig.from_dir(config.target_dir)
+    aux = config.aux_layer_ids
+    if aux is not None and (len(aux) != 3 or not all(0 <= i < tcfg.num_layers for i in aux)):
         raise ConfigError(f"--aux-layer-ids needs 3 layer ids in 0..{tcfg.num_layers - 1} (the target has "
-                          f"{tcfg.num_layers} layers), got {list(aux_layer_ids)}")
+                          f"{tcfg.num_layers} layers), got {list(config.aux_layer_ids)}")
     from specserve.engine.tokenizer import Tokenizer
 
-    tok = Tokenizer(target_dir)
+    tok = Tokenizer(config.target_dir)
     eos = set(tok.eos_token_ids) | set(tcfg.eos_token_ids)
     # the document separator: the tokenizer's EOS token, else the config's first EOS id
     eos_id = tok.tok.token_to_id(tok.eos_token) if tok.eos_token else None
     if eos_id is None and eos:
         eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else min(eos)
-    rng = random.Random(seed)
-    gen = torch.Generator().manual_seed(seed)
-    max_len = min(max_len, tcfg.max_position_embeddings)
+    rng = random.Random(config.seed)
+    gen = torch.Generator().manual_seed(config.seed)
+    max_len = min(config.max_len, tcfg.max_position_embeddings)
     state = None
-    if resume:
+    if config.resume:
         if (ck_dir / "state.pt").exists():
             state = load_checkpoint(ck_dir)
         elif not (ck_dir / "regenerated.jsonl").exists():
@@ -765,9 +804,10 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
         data_file, n_regen = state["data_file"], state.get("regenerated", 0)
     else:
         samples, data_file, n_regen = _prepare_samples(
-            data, tok, eos, eos_id, rng, target_dir, regenerate, regen_prompts, regen_max_tokens, regen_temperature,
-            regen_prompt_len, regen_batch, max_len, seed, device, ck_dir, resume,
-            t_start + regen_share * (deadline - t_start) if deadline else None, threads)
+            config.data, tok, eos, eos_id, rng, config.target_dir, config.regenerate, config.regen_prompts,
+            config.regen_max_tokens, config.regen_temperature, config.regen_prompt_len, config.regen_batch, max_len,
+            config.seed, config.device, ck_dir, config.resume,
+            t_start + config.regen_share * (deadline - t_start) if deadline else None, config.threads)
     samples = split_long(samples, max_len)
     if not samples:
         raise DataError("no training samples of at least 8 tokens")
@@ -778,39 +818,40 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
     # 3. target, drafter, vocabulary --------------------------------------------------------
     tdtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     kept = None  # (whose, taps) that a fine-tune or a resumed run must keep
-    if from_dir:
-        kept = ("the --from drafter's", resolve_aux_layers(DraftConfig.from_dir(from_dir), tcfg.num_layers))
+    if config.from_dir:
+        kept = ("the --from drafter's", resolve_aux_layers(DraftConfig.from_dir(config.from_dir), tcfg.num_layers))
     elif state is not None and "aux_layers" in state:
         kept = ("the checkpoint's", tuple(state["aux_layers"]))
     if kept is not None:
         captured = kept[1]
-        if aux_layer_ids is not None and tuple(i + 1 for i in aux_layer_ids) != captured:
-            raise ConfigError(f"--aux-layer-ids {list(aux_layer_ids)} differ from {kept[0]} {[i - 1 for i in captured]}: "
+        if config.aux_layer_ids is not None and tuple(i + 1 for i in config.aux_layer_ids) != captured:
+            raise ConfigError(f"--aux-layer-ids {list(config.aux_layer_ids)} differ from {kept[0]} "
+                              f"{[i - 1 for i in captured]}: "
                               "a fine-tune or a resumed run keeps its drafter's taps")
-    elif aux_layer_ids is not None:
-        captured = tuple(i + 1 for i in aux_layer_ids)  # SGLang convention: ids of layers whose output is read
+    elif config.aux_layer_ids is not None:
+        captured = tuple(i + 1 for i in config.aux_layer_ids)  # SGLang convention: ids of layers whose output is read
     else:
         captured = default_aux_layers(tcfg.num_layers)
-    target = FrozenTarget(target_dir, dev, tdtype, max_len, captured)
-    if from_dir:
-        drafter = load_existing(from_dir, target)
+    target = FrozenTarget(config.target_dir, dev, tdtype, max_len, captured)
+    if config.from_dir:
+        drafter = load_existing(config.from_dir, target)
         draft_ids = draft_vocab_ids(drafter).cpu()
-        if draft_vocab and draft_vocab != draft_ids.numel():
-            raise ConfigError(f"--draft-vocab {draft_vocab} differs from the --from drafter's {draft_ids.numel()}")
-        cfg = json.loads((Path(from_dir) / "config.json").read_text())
+        if config.draft_vocab and config.draft_vocab != draft_ids.numel():
+            raise ConfigError(f"--draft-vocab {config.draft_vocab} differs from the --from drafter's {draft_ids.numel()}")
+        cfg = json.loads((Path(config.from_dir) / "config.json").read_text())
         cfg["torch_dtype"] = "bfloat16"
-        if draft_intermediate and draft_intermediate != cfg["intermediate_size"]:
-            raise ConfigError(f"--draft-intermediate {draft_intermediate} differs from the --from drafter's "
+        if config.draft_intermediate and config.draft_intermediate != cfg["intermediate_size"]:
+            raise ConfigError(f"--draft-intermediate {config.draft_intermediate} differs from the --from drafter's "
                               f"{cfg['intermediate_size']} (fine-tuning keeps the drafter's shape)")
     else:
         if state is not None:
             draft_ids = state["draft_ids"]
         else:
-            draft_ids = select_draft_vocab(samples, tcfg.vocab_size, draft_vocab or min(32000, tcfg.vocab_size), eos)
-        if draft_intermediate is not None and draft_intermediate < 1:
-            raise ConfigError(f"--draft-intermediate must be positive, got {draft_intermediate}")
-        cfg = drafter_config(tcfg, draft_ids, captured, intermediate=draft_intermediate)
-        drafter = new_drafter(cfg, target, draft_ids, seed)
+            draft_ids = select_draft_vocab(samples, tcfg.vocab_size, config.draft_vocab or min(32000, tcfg.vocab_size), eos)
+        if config.draft_intermediate is not None and config.draft_intermediate < 1:
+            raise ConfigError(f"--draft-intermediate must be positive, got {config.draft_intermediate}")
+        cfg = drafter_config(tcfg, draft_ids, captured, intermediate=config.draft_intermediate)
+        drafter = new_drafter(cfg, target, draft_ids, config.seed)
     drafter.train()
     if drafter.embed_tokens is None:
         drafter.target_embed = target.model.embed_tokens
@@ -821,11 +862,10 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
     log(f"draft vocabulary {draft_ids.numel()} of {tcfg.vocab_size} ids, covering {coverage:.1%} of training tokens; "
         f"aux layers (captured inputs) {list(captured)}")
     draft_ids_dev = draft_ids.to(dev)
-    cache = FeatureCache(target, samples, feature_cache_bytes(dev, feature_cache_gb))
+    cache = FeatureCache(target, samples, feature_cache_bytes(dev, config.feature_cache_gb))
 
     params = [p for p in drafter.parameters() if p.requires_grad]
-    if lr is None:
-        lr = 5e-5 if from_dir else 1e-3
+    lr = config.lr if config.lr is not None else 5e-5 if config.from_dir else 1e-3
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, epoch, pos_in_epoch, train_seconds = 0, 0, 0, 0.0
     if state is not None:
@@ -835,13 +875,13 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
         gen.set_state(state["gen"])
         step, epoch, pos_in_epoch = state["step"], state["epoch"], state["pos"]
         train_seconds = state.get("train_seconds", 0.0)
-    batches = make_batches(samples, batch_tokens, gen) if state is None else state["batches"]
+    batches = make_batches(samples, config.batch_tokens, gen) if state is None else state["batches"]
     per_epoch = len(batches)
-    planned = max_steps if max_steps is not None else max(1, math.ceil(epochs * per_epoch))
-    autocast = torch.bfloat16 if _use_bf16(bf16, dev) else None
+    planned = config.max_steps if config.max_steps is not None else max(1, math.ceil(config.epochs * per_epoch))
+    autocast = torch.bfloat16 if _use_bf16(config.bf16, dev) else None
 
     def lr_at(progress: float, s: int) -> float:
-        warm = min(1.0, (s + 1) / max(1, min(warmup, planned // 10 + 1)))
+        warm = min(1.0, (s + 1) / max(1, min(config.warmup, planned // 10 + 1)))
         return lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
     # 4. training loop ----------------------------------------------------------------------
@@ -849,10 +889,11 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
 
     train_deadline = deadline - 20 if deadline else None  # leave time to save
     train_budget = (train_deadline - time.time()) if train_deadline else None
-    log(f"training: {planned} steps planned ({per_epoch} batches/epoch of <= {batch_tokens} tokens), "
-        f"TTT {ttt_steps} steps, lr {lr:g}, {'bf16 autocast' if autocast else 'float32'}" + (f", time budget {train_budget / 60:.1f} min" if train_budget else ""))
-    tuner = _thread_tuner(threads, dev)
-    bar = tqdm(total=planned, initial=step, desc="train-draft", unit="step", dynamic_ncols=True, disable=not progress,
+    log(f"training: {planned} steps planned ({per_epoch} batches/epoch of <= {config.batch_tokens} tokens), "
+        f"TTT {config.ttt_steps} steps, lr {lr:g}, {'bf16 autocast' if autocast else 'float32'}" + (f", time budget {train_budget / 60:.1f} min" if train_budget else ""))
+    tuner = _thread_tuner(config.threads, dev)
+    bar = tqdm(total=planned, initial=step, desc="train-draft", unit="step", dynamic_ncols=True,
+               disable=not config.progress,
                mininterval=2.0 if sys.stderr.isatty() else 30.0)
     ema_loss, ema_acc = None, None
     t_loop = time.time() - train_seconds
@@ -864,7 +905,7 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
         if pos_in_epoch >= len(batches):
             epoch += 1
             pos_in_epoch = 0
-            batches = make_batches(samples, batch_tokens, gen)
+            batches = make_batches(samples, config.batch_tokens, gen)
         idx = batches[pos_in_epoch]
         pos_in_epoch += 1
         progress_frac = step / planned
@@ -875,7 +916,7 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
             g["lr"] = cur
         t_step = time.perf_counter()
         ids, lengths, feats, hidden = cache.batch(idx)
-        loss, accs, _ = ttt_loss(drafter, target, ids, lengths, feats, hidden, ttt_steps, draft_ids_dev, autocast)
+        loss, accs, _ = ttt_loss(drafter, target, ids, lengths, feats, hidden, config.ttt_steps, draft_ids_dev, autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == start_step:  # a forward-only op in the graph would silently freeze what lies before it
@@ -897,7 +938,7 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
         bar.update(1)
         bar.set_postfix_str(f"loss {ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in ema_acc) + f" lr {cur:.1e}",
                             refresh=False)
-        if checkpoint_every and step - last_ck >= checkpoint_every and step < planned:
+        if config.checkpoint_every and step - last_ck >= config.checkpoint_every and step < planned:
             save_checkpoint(ck_dir, drafter, opt, {
                 "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
                 "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen, "aux_layers": list(captured),
@@ -910,8 +951,9 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
     drafter.eval()
     save_drafter(drafter, cfg, out)
     val_acc = None
-    if val_data:
-        val_acc = validate(drafter, target, val_data, tok, eos_id, ttt_steps, draft_ids_dev, max_len, batch_tokens)
+    if config.val_data:
+        val_acc = validate(drafter, target, config.val_data, tok, eos_id, config.ttt_steps, draft_ids_dev, max_len,
+                           config.batch_tokens)
         log("validation top-1 agreement per step: " + " ".join(f"{a:.3f}" for a in val_acc))
     res = TrainResult(out_dir=str(out), steps=step, samples=len(samples), tokens=n_tokens, regenerated=n_regen,
                       draft_vocab=int(draft_ids.numel()), draft_vocab_coverage=round(coverage, 4),
@@ -919,15 +961,15 @@ def train_draft(target_dir: str, out_dir: str, data: str | None = None, *, train
                       final_loss=round(ema_loss or float("nan"), 4),
                       final_acc=[round(a, 4) for a in (ema_acc or [])], val_acc=val_acc)
     del target
-    if eval_prompts:
-        prompts = read_prompts(eval_prompts)
-        for K in eval_spec_steps:
-            r = measure_acceptance(target_dir, str(out), prompts, K, eval_max_tokens, device)
+    if config.eval_prompts:
+        prompts = read_prompts(config.eval_prompts)
+        for K in config.eval_spec_steps:
+            r = measure_acceptance(config.target_dir, str(out), prompts, K, config.eval_max_tokens, config.device)
             res.eval.append(r)
             log(f"held-out acceptance length at K={K}: {r['accept_length_mean']:.3f} "
-                f"({r['cycles']} cycles, {len(prompts)} prompts x {eval_max_tokens} tokens)")
+                f"({r['cycles']} cycles, {len(prompts)} prompts x {config.eval_max_tokens} tokens)")
     (out / "training_summary.json").write_text(json.dumps(asdict(res), indent=2) + "\n")
-    if not keep_checkpoint and ck_dir.exists():
+    if not config.keep_checkpoint and ck_dir.exists():
         shutil.rmtree(ck_dir)
     log(f"wrote {out / 'model.safetensors'} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB) after "
         f"{step} steps in {(time.time() - t_start) / 60:.1f} min")
@@ -966,19 +1008,7 @@ def run(args: argparse.Namespace) -> int:
             return 0
         if not args.data and not args.resume:
             raise DataError("--data is required (unless --resume or --eval-only)")
-        res = train_draft(args.model, args.out, args.data, val_data=args.val_data, minutes=args.max_minutes,
-                          seed=args.seed, draft_vocab=args.draft_vocab,
-                          draft_intermediate=args.draft_intermediate, ttt_steps=args.ttt_steps, epochs=args.epochs,
-                          lr=args.lr, from_dir=args.from_dir, regenerate=args.regenerate,
-                          regen_prompts=args.regen_prompts, regen_max_tokens=args.regen_max_tokens,
-                          regen_temperature=args.regen_temperature, regen_prompt_len=args.regen_prompt_len,
-                          regen_share=args.regen_share, regen_batch=args.regen_batch, batch_tokens=args.batch_tokens,
-                          max_len=args.max_len, warmup=args.warmup, max_steps=args.max_steps,
-                          checkpoint_every=args.checkpoint_every, resume=args.resume,
-                          keep_checkpoint=args.keep_checkpoint, device=args.device, threads=args.threads,
-                          feature_cache_gb=args.feature_cache_gb, bf16=args.bf16,
-                          eval_prompts=args.eval_prompts, eval_spec_steps=args.eval_spec_steps,
-                          eval_max_tokens=args.eval_max_tokens, aux_layer_ids=args.aux_layer_ids)
+        res = train_draft(TrainConfig.from_args(args))
     except (ConfigError, DataError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1

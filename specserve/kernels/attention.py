@@ -1,0 +1,149 @@
+"""Attention of a few queries per KV head over the KV cache (flash-decoding)."""
+
+from __future__ import annotations
+
+import torch
+import functools
+
+from specserve.kernels.common import pdl_args, triton, use_triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from specserve.kernels.common import wait_for_previous
+
+    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch"])
+    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, tbase_ptr, anc_ptr, o_ptr, ml_ptr,
+                             T, H, G, n_kv, n_split, widx_stride, anc_stride, length, row_start, scratch, scale,
+                             c_row, c_head, c_pos,
+                             D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                             TREE: tl.constexpr, PDL: tl.constexpr):
+        # Program (b, kv head, split): the G*T queries of one KV head of one sequence against keys
+        # [split * CHUNK, (split + 1) * CHUNK), cut at the last key any of them may see.
+        # TREE: keys at or past the row's tree base are seen only where the query's ancestor bit is set.
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        sp = tl.program_id(2)
+        wait_for_previous(PDL)
+        r = tl.arange(0, BLOCK_Q)  # query row r = token * G + group member
+        t = r // G
+        rmask = r < G * T
+        widx = tl.load(widx_ptr + b * widx_stride + t, mask=rmask, other=-1)
+        limit = tl.where(widx == scratch, -1, widx)  # padding queries (scratch slot) see nothing
+        if TREE:
+            anc = tl.load(anc_ptr + b * anc_stride + t, mask=rmask, other=0)
+            tbase = tl.load(tbase_ptr + b)
+        offs_d = tl.arange(0, D)
+        head = (b * T + t) * H + kvh * G + r % G
+        q = tl.load(q_ptr + head[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
+        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, D], tl.float32)
+        base = (row_start + b).to(tl.int64) * c_row + kvh * c_head
+        lo = sp * CHUNK
+        hi = tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
+        for step in range(0, CHUNK, BLOCK_N):  # blocks past `hi` are skipped
+            if lo + step < hi:
+                offs_n = lo + step + tl.arange(0, BLOCK_N)
+                kmask = offs_n < hi
+                kv_off = base + offs_n[:, None] * c_pos + offs_d[None, :]
+                k = tl.load(kc_ptr + kv_off, mask=kmask[:, None], other=0.0)
+                s = tl.dot(q, tl.trans(k)) * scale
+                seen = (offs_n[None, :] <= limit[:, None]) & kmask[None, :]
+                if TREE:
+                    rel = offs_n[None, :] - tbase
+                    bit = (anc[:, None] >> tl.minimum(tl.maximum(rel, 0), 62)) & 1
+                    seen = seen & ((rel < 0) | ((rel < 63) & (bit == 1)))
+                s = tl.where(seen, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, axis=1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+                alpha = tl.exp(m_i - m_safe)
+                p = tl.exp(s - m_safe[:, None])
+                l_i = l_i * alpha + tl.sum(p, axis=1)
+                v = tl.load(vc_ptr + kv_off, mask=kmask[:, None], other=0.0)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+        # Splits wholly past every query's last key (most of them at short contexts: the split count
+        # is fixed by the cache length for the graphs) write nothing; the combine skips them.
+        if lo < hi:
+            part = ((b * n_kv + kvh) * n_split + sp) * BLOCK_Q + r
+            tl.store(o_ptr + part[:, None] * D + offs_d[None, :], acc)
+            tl.store(ml_ptr + part * 2, m_i)
+            tl.store(ml_ptr + part * 2 + 1, l_i)
+
+    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "scratch"])
+    def _attn_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, G, n_kv, n_split, widx_stride, scratch,
+                             D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
+                             PDL: tl.constexpr):
+        wait_for_previous(PDL)
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        r = tl.program_id(2)
+        if r < G * T:
+            widx = tl.load(widx_ptr + b * widx_stride + r // G)
+            # splits up to the one holding this query's last key (none for a padding query)
+            used = tl.where(widx == scratch, 0, widx // CHUNK + 1)
+            sp = tl.arange(0, SPLITS)
+            smask = sp < used
+            part = ((b * n_kv + kvh) * n_split + sp) * BLOCK_Q + r
+            m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
+            l = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
+            m_max = tl.max(m, axis=0)
+            w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+            total = tl.sum(w * l, axis=0)
+            offs_d = tl.arange(0, D)
+            acc = tl.load(o_ptr + part[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
+            o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+            head = (b * T + r // G) * H + kvh * G + r % G
+            tl.store(out_ptr + head * D + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+ATTN_BLOCK_N = 64
+ATTN_MAX_QUERIES = 128  # G * T per KV head; longer blocks (prefill) use SDPA
+
+
+def cache_attention_ok(q: torch.Tensor, k_cache: torch.Tensor, write_idx: torch.Tensor) -> bool:
+    """Can `cache_attention` serve these queries [B, T, H, D]?"""
+    B, T, H, D = q.shape
+    G = H // k_cache.shape[1]
+    return (use_triton(q) and q.dtype in (torch.bfloat16, torch.float16) and q.is_contiguous()
+            and write_idx.stride(1) == 1 and k_cache.stride(3) == 1 and 16 <= D <= 256 and triton.next_power_of_2(D) == D
+            and G * T <= ATTN_MAX_QUERIES)
+
+
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scratch: int, scale: float,
+                           sm_count: int | None = None, tree_base=None, tree_anc=None) -> torch.Tensor:
+    """Attention of q [B, T, H, D] over rows row_start.. of the caches, query (b, t) seeing keys
+    0..write_idx[b, t] (flash-decoding: the keys are split into chunks that run in parallel,
+    then merged); with a tree, keys from tree_base[b] on only where bit key - tree_base[b] of
+    tree_anc[b, t] is set (see ForwardContext). Reads only as far as the longest query of a row
+    reaches, not the whole cache."""
+    B, T, H, D = q.shape
+    n_kv, length = k_cache.shape[1], k_cache.shape[2]
+    G = H // n_kv
+    sm_count = sm_count or _sm_count(q.device)
+    block_q = max(16, triton.next_power_of_2(G * T))
+    # enough programs to cover the GPU at small batches; one chunk each at large ones
+    n_split = max(1, min(triton.cdiv(length, ATTN_BLOCK_N), triton.cdiv(2 * sm_count, B * n_kv)))
+    chunk = triton.cdiv(triton.cdiv(length, n_split), ATTN_BLOCK_N) * ATTN_BLOCK_N
+    n_split = triton.cdiv(length, chunk)
+    part = torch.empty(B * n_kv * n_split * block_q, D, dtype=torch.float32, device=q.device)
+    ml = torch.empty(B * n_kv * n_split * block_q, 2, dtype=torch.float32, device=q.device)
+    tree = tree_anc is not None
+    _attn_partial_kernel[(B, n_kv, n_split)](
+        q, k_cache, v_cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx, part, ml,
+        T, H, G, n_kv, n_split, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start,
+        scratch, scale,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, CHUNK=chunk, TREE=tree, num_warps=4, num_stages=2,
+        **pdl_args(q))
+    out = torch.empty_like(q)
+    _attn_combine_kernel[(B, n_kv, block_q)](part, ml, out, write_idx, T, H, G, n_kv, n_split, write_idx.stride(0),
+                                             scratch, D=D, BLOCK_Q=block_q, SPLITS=triton.next_power_of_2(n_split),
+                                             CHUNK=chunk, num_warps=1, **pdl_args(q))
+    return out

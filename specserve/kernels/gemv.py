@@ -1,0 +1,178 @@
+"""The skinny-matmul (GEMV) kernel and the start-up measurement that chooses it over cuBLAS."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from specserve.kernels import common
+from specserve.kernels.common import pdl_args, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from specserve.kernels.common import wait_for_previous
+
+log = logging.getLogger(__name__)
+
+# Decode multiplies 1-8 token rows by each weight, a verify up to 64, so a step is bound by how
+# fast the weights stream from HBM. cuBLAS reaches 60-90% of the copy bandwidth there depending on the shape; a
+# plain GEMV (each program owns a few output features over all of K) beats it on some shapes and
+# loses on others (benchmarks/gemv_sweep.py). So the choice is measured per weight shape and row
+# count when the runner starts (`tune_linear`), inside CUDA graphs over distinct weights of the
+# shape (as a decode step reads them, cold in L2), and `linear` follows it.
+
+GEMV_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts tuned (r rows use the tuning of the next one up)
+# Candidates (BLOCK_N, BLOCK_K, warps, stages) for one row, 2-8 rows and 9-64 rows (verify forwards:
+# a tree of 31 nodes is 32 rows): the best of the sweep (benchmarks/gemv_sweep.py, H200) per weight
+# shape, plus wider K blocks for long rows (down_proj).
+# (A vector-FMA variant for 2-8 rows, each weight tile times every row, does not beat cuBLAS there
+# by the 3% the tuner asks for on the H200, so it is not a candidate.)
+GEMV_CONFIGS = {1: ((8, 512, 4, 4), (8, 512, 8, 4), (8, 256, 4, 4), (8, 1024, 8, 4)),
+                2: ((32, 256, 4, 4), (64, 256, 4, 4), (32, 128, 4, 3)),
+                16: ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))}
+
+
+@dataclass
+class LinearTuning:
+    """What `tune_linear` chose per weight shape and row bucket. Every weight it measured holds
+    it (``w.linear_tuning``), so `linear` finds the choice from the weight alone and two models
+    in one process keep their own."""
+
+    gemv: dict[tuple, tuple | None] = field(default_factory=dict)  # (N, K, dtype, rows bucket) -> config; None: cuBLAS
+
+    def gemv_config(self, w: torch.Tensor, dtype: torch.dtype, rows: int) -> tuple | None:
+        """The GEMV config for `rows` rows of `dtype` times `w`, or None for cuBLAS."""
+        bucket = _rows_bucket(rows)
+        return self.gemv.get((w.shape[0], w.shape[1], dtype, bucket)) if bucket else None
+
+if triton is not None:
+
+    @triton.jit
+    def _gemv_tile(acc, w, x_ptr, offs_m, offs_k, kmask, M, K: tl.constexpr, ONE_ROW: tl.constexpr):
+        if ONE_ROW:  # vector FMAs and a row reduction
+            x = tl.load(x_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
+            return acc + tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        else:  # rows padded to BLOCK_M (at least 16) for the tensor cores
+            x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
+                        mask=(offs_m[:, None] < M) & kmask[None, :], other=0.0)
+            return acc + tl.dot(x, tl.trans(w))
+
+    @triton.jit(do_not_specialize=["M"])
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr):
+        pid = tl.program_id(0)
+        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        nmask = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        kmask = offs_k < K
+        # The weights do not depend on the kernel before: the first tile is read while it drains.
+        w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+        wait_for_previous(PDL)
+        if ONE_ROW:
+            acc = tl.zeros([BLOCK_N], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = _gemv_tile(acc, w, x_ptr, offs_m, offs_k, kmask, M, K, ONE_ROW)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < K
+            w = tl.load(w_ptr + offs_n[:, None] * K + offs_k[None, :], mask=nmask[:, None] & kmask[None, :], other=0.0)
+            acc = _gemv_tile(acc, w, x_ptr, offs_m, offs_k, kmask, M, K, ONE_ROW)
+        if ONE_ROW:
+            tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
+        else:
+            tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+                     mask=(offs_m[:, None] < M) & nmask[None, :])
+
+
+def gemv_triton(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
+    """x2 [M <= 64, K] (contiguous) @ w [N, K]^T with float32 accumulation."""
+    M, K = x2.shape
+    N = w.shape[0]
+    block_n, block_k, warps, stages = cfg
+    y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](x2, w, y, M, N, K, BLOCK_M=max(16, triton.next_power_of_2(M)),
+                                             BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1,
+                                             num_warps=warps, num_stages=stages, **pdl_args(x2))
+    return y
+
+
+def gemv_config_group(rows: int) -> int:
+    """The GEMV_CONFIGS key for a product of `rows` rows."""
+    return 1 if rows == 1 else 2 if rows <= 8 else 16
+
+
+def _rows_bucket(rows: int) -> int | None:
+    return next((b for b in GEMV_ROWS if rows <= b), None)
+
+
+def graph_us(fns, reps: int = 10) -> float:
+    """Microseconds per call of a CUDA graph that runs each of `fns` once."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1000 / reps / len(fns)
+
+
+@torch.inference_mode()
+def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
+    """Choose cuBLAS or a GEMV config for each weight shape and row bucket up to `max_rows`.
+    `weights`: every weight the model multiplies by (grouped by shape here; up to 8 of a shape
+    are timed in turn so the measurement streams from HBM as a real step does). Each of them
+    gets the resulting `LinearTuning` as ``w.linear_tuning``. Returns
+    {"NxK": {rows: (cuBLAS us, best Triton us, chosen)}} for logging."""
+    if not common.FUSED or triton is None or not weights or not weights[0].is_cuda:
+        return {}
+    tuning = LinearTuning()
+    by_shape: dict[tuple, list[torch.Tensor]] = {}
+    for w in weights:
+        w.linear_tuning = tuning
+        if w.dim() == 2 and w.is_contiguous() and w.dtype in (torch.bfloat16, torch.float16):
+            by_shape.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w)
+    report = {}
+    for i, ((N, K, dtype), ws) in enumerate(by_shape.items()):
+        # (one line per shape: on a cold Triton cache this phase compiles for a minute or so)
+        log.info("tuning linear kernels: shape %d of %d (%dx%d)", i + 1, len(by_shape), N, K)
+        ws = ws[:8]
+        for rows in (r for r in GEMV_ROWS if r <= max_rows):
+            x = torch.randn(rows, K, device=ws[0].device, dtype=dtype)
+            ref = F.linear(x, ws[0]).float()
+            t_cublas = graph_us([lambda w=w: F.linear(x, w) for w in ws])
+            best, t_best = None, t_cublas
+            for cfg in GEMV_CONFIGS[gemv_config_group(rows)]:
+                try:
+                    err = ((gemv_triton(x, ws[0], cfg).float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+                    t = graph_us([lambda w=w, c=cfg: gemv_triton(x, w, c) for w in ws]) if err <= 1e-2 else None
+                except Exception as e:  # a config this GPU or Triton cannot run: skip it, keep cuBLAS
+                    # (64-row tiles of the widest candidates need more shared memory than a GPU has:
+                    # expected, so not worth a warning at every start-up)
+                    level = logging.DEBUG if "out of resource" in str(e) else logging.WARNING
+                    log.log(level, "GEMV config %s for %dx%d at %d rows skipped: %s", cfg, N, K, rows, e)
+                    continue
+                if t is not None and t < t_best and t < 0.97 * t_cublas:  # the fastest clear win over cuBLAS
+                    best, t_best = cfg, t
+            tuning.gemv[(N, K, dtype, rows)] = best
+            report.setdefault(f"{N}x{K}", {})[rows] = (round(t_cublas, 1), round(t_best, 1), best)
+    # Each timing graph took a cuBLAS workspace in its own pool: hand that memory back now, or
+    # it stays reserved and the KV-cache plan (and `specserve check`'s estimate) is off by it.
+    torch.cuda.empty_cache()
+    return report
