@@ -406,9 +406,9 @@ def start_server(pair, *flags: str) -> tuple[subprocess.Popen, str]:
 
 
 def long_stream(url: str, first: threading.Event, lines: list[str]) -> None:
-    body = {"model": NAME, "prompt": "def main():", "max_tokens": 900, "temperature": 0, "ignore_eos": True,
+    body = {"model": NAME, "prompt": "def main():", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
             "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300,
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600,
                       headers={"Authorization": f"Bearer {KEY}"}) as r:
         for line in r.iter_lines():
             if line:
@@ -416,10 +416,10 @@ def long_stream(url: str, first: threading.Event, lines: list[str]) -> None:
                 first.set()
 
 
-@pytest.mark.parametrize("sig,grace", [(signal.SIGTERM, "120"), (signal.SIGINT, "0")])
+@pytest.mark.parametrize("sig,grace", [(signal.SIGTERM, "600"), (signal.SIGINT, "0")])
 def test_shutdown_drains_then_ends_the_rest_cleanly(http, pair, sig, grace):
     """First signal: admissions stop (503, /health not ready) and the running
-    stream goes on; with a 120 s grace it finishes normally, with 0 s it is
+    stream goes on; with a 600 s grace it finishes normally, with 0 s it is
     ended by an error event; [DONE] either way, exit status 0, no traceback."""
     proc, url = start_server(pair, "--shutdown-timeout", grace)
     try:
@@ -434,7 +434,7 @@ def test_shutdown_drains_then_ends_the_rest_cleanly(http, pair, sig, grace):
             r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1},
                            headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
             assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
-        t.join(300)
+        t.join(600)
         assert proc.wait(120) == 0
         out = proc.stdout.read()
     finally:
@@ -446,5 +446,5 @@ def test_shutdown_drains_then_ends_the_rest_cleanly(http, pair, sig, grace):
     if grace == "0":
         assert last["error"]["code"] == "shutdown" and "shutting down" in last["error"]["message"], last
     else:
-        assert last["choices"][0]["finish_reason"] == "length", last
+        assert last.get("choices", [{}])[0].get("finish_reason") == "length", last
     assert "Traceback" not in out and "CancelledError" not in out, out
