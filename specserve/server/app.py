@@ -479,7 +479,7 @@ def _check_prompt(ids: list[int], s: P.Sampling, llm, chat: bool, cfg: ServerCon
         return room if chat else min(cfg.completion_default_max_tokens, room)
     if s.max_tokens > room:
         raise P.bad(f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} tokens and "
-                    f"max_tokens asks for {s.max_tokens} more (at most {room})", "max_tokens",
+                    f"{s.max_tokens_field} asks for {P.show(s.max_tokens)} more (at most {room})", s.max_tokens_field,
                     "context_length_exceeded")
     return s.max_tokens
 

@@ -155,6 +155,7 @@ class Sampling:
     stream: bool
     include_usage: bool
     max_tokens: int | None  # None = as much as the context allows (chat) / 16 (completions)
+    max_tokens_field: str  # the name the client used: max_tokens or (chat) max_completion_tokens
     temperature: float
     top_p: float
     top_k: int
@@ -228,7 +229,7 @@ def parse_sampling(body: dict, chat: bool, max_n: int, vocab_size: int) -> Sampl
     ignore_eos = get("ignore_eos", False)  # extension
     if not isinstance(ignore_eos, bool):
         raise bad(f"ignore_eos must be a boolean, got {show(ignore_eos)}", "ignore_eos")
-    return Sampling(n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+    return Sampling(n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens, max_tokens_field=name,
                     temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
                     stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
 
