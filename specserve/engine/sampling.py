@@ -9,6 +9,7 @@ decoding draw independent numbers for drafting, acceptance and resampling.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -38,20 +39,38 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ValueError unless every field fits the batch tensors one step packs
+        (int64 and finite float32): a request that fails here must fail alone, at
+        admission, never inside a step it shares with others."""
+        if not _is_int64(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not 0 < self.top_p <= 1:
+        if not _is_finite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if not _is_int64(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer in 0..2**63-1 (0 = off), got {self.top_k!r}")
+        if self.seed is not None and not _is_int64(self.seed):
+            raise ValueError(f"seed must be an integer in -2**63..2**63-1, got {self.seed!r}")
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
+        if not all(_is_int64(t) for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be 64-bit integers, got {self.stop_token_ids!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+def _is_int64(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and -(2**63) <= v < 2**63
+
+
+def _is_finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import hmac
 import json
 import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, AsyncIterator
 
@@ -33,273 +33,433 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20  # larger bodies get 413
     retry_after_s: int = 1  # Retry-After on 429 (queue full) and 503 (loading)
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    metrics_no_auth: bool = False  # with an API key, /metrics answers without it (for scrapers)
+
+
+@dataclass
+class AppState:
+    """What every route needs: the engine loop, the metrics and the server's settings."""
+
+    loop: EngineLoop
+    metrics: Metrics
+    cfg: ServerConfig
+    info: dict[str, Any] = field(default_factory=dict)  # static configuration shown by /server_info
+    draining: bool = False  # shutting down: nothing new is admitted, running requests finish
+    _text: "TextLimits | None" = None
+
+    def text_limits(self, tokenizer) -> "TextLimits":
+        if self._text is None:  # computed once, in a worker thread (it reads the whole vocabulary)
+            self._text = TextLimits.of(tokenizer)
+        return self._text
+
+
+@dataclass
+class TextLimits:
+    """What the tokenizer implies before any text is tokenized."""
+
+    max_token_chars: int | None  # the longest vocabulary entry: a prompt of N tokens has <= N x this characters
+    end_of_turn_id: int | None  # the special token the chat template closes an assistant turn with
+
+    @classmethod
+    def of(cls, tokenizer) -> "TextLimits":
+        tok = getattr(tokenizer, "tok", None)  # the Hugging Face tokenizer inside specserve's wrapper
+        if tok is None:
+            return cls(None, None)
+        return cls(max(map(len, tok.get_vocab(with_added_tokens=True))), _end_of_turn_id(tokenizer, tok))
+
+
+def _end_of_turn_id(tokenizer, tok) -> int | None:
+    """Render a one-exchange conversation and read the special token right after
+    the assistant's text (<|im_end|>, <|eot_id|>, ...): chat replies stop there
+    even where generation_config.json does not list it as an EOS."""
+    probe = "specserve probe reply"
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
+                                              {"role": "assistant", "content": probe}], add_generation_prompt=False)
+    except Exception:  # no template, or one that refuses this conversation: nothing to learn
+        return None
+    after = text.partition(probe)[2].lstrip()
+    specials = sorted((t.content for t in tok.get_added_tokens_decoder().values() if t.special), key=len, reverse=True)
+    for content in specials:
+        if content and after.startswith(content):
+            return tok.token_to_id(content)
+    return None
 
 
 def create_app(loop: EngineLoop, metrics: Metrics, cfg: ServerConfig, info: dict[str, Any] | None = None) -> FastAPI:
     """`info` is static configuration shown by /server_info (engine config, flags)."""
     app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
-    app.state.loop, app.state.metrics, app.state.cfg = loop, metrics, cfg
-    info = info or {}
-
-    # ------------------------------------------------------------ errors
-    @app.exception_handler(P.APIError)
-    async def _api_error(request: Request, e: P.APIError):
-        metrics.reject(e.status)
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, e: StarletteHTTPException):
-        metrics.reject(e.status_code)
-        return JSONResponse(P.error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, e: Exception):
-        return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
-
-    # ------------------------------------------------------------ helpers
-    def auth(request: Request) -> None:
-        if cfg.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, token = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
-            raise P.APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                             code="invalid_api_key")
-
-    def ready_llm():
-        if loop.error:
-            raise P.APIError(503, f"engine unavailable: {loop.error}", code="engine_unavailable")
-        if not loop.ready.is_set():
-            raise P.APIError(503, "the model is still loading; retry shortly", code="model_loading",
-                             headers={"Retry-After": str(cfg.retry_after_s)})
-        return loop.llm
-
-    async def read_json(request: Request) -> dict:
-        limit = cfg.max_body_bytes
-        too_big = P.APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:
-            raise too_big
-        chunks, size = [], 0
-        async for chunk in request.stream():  # also bounds chunked bodies without a length
-            size += len(chunk)
-            if size > limit:
-                raise too_big
-            chunks.append(chunk)
-        try:
-            body = json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise P.bad(f"invalid JSON body: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise P.bad("the request body must be a JSON object")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise P.bad("model must be a string", "model")
-        if model is not None and model != cfg.served_model_name:
-            raise P.APIError(404, f"model {model!r} does not exist; this server serves {cfg.served_model_name!r}",
-                             "model", "model_not_found")
-        return body
-
-    def model_card() -> dict:
-        llm = loop.llm
-        card = {"id": cfg.served_model_name, "object": "model", "created": int(loop.started), "owned_by": "specserve"}
-        if llm is not None:
-            card["max_model_len"] = llm.engine.max_model_len
-        return card
-
-    # ------------------------------------------------------------ /v1
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
-
-    @v1.get("/models")
-    async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    @v1.get("/models/{model_id:path}")
-    async def model(model_id: str):
-        if model_id != cfg.served_model_name:
-            raise P.APIError(404, f"model {model_id!r} does not exist", "model", "model_not_found")
-        return model_card()
-
-    @v1.post("/completions")
-    async def completions(request: Request):
-        return await generate(request, chat=False)
-
-    @v1.post("/chat/completions")
-    async def chat_completions(request: Request):
-        return await generate(request, chat=True)
-
+    app.state.srv = AppState(loop, metrics, cfg, info or {})
+    app.add_exception_handler(P.APIError, _api_error)
+    app.add_exception_handler(StarletteHTTPException, _http_error)
+    app.add_exception_handler(Exception, _crash)
     app.include_router(v1)
-
-    async def generate(request: Request, chat: bool):
-        llm = ready_llm()
-        body = await read_json(request)
-        s = P.parse_sampling(body, chat, cfg.max_n)
-        if chat:
-            messages = P.parse_messages(body)
-            try:
-                text = llm.tokenizer.apply_chat_template(messages)
-            except Exception as e:  # no template, or the template refused (raise_exception)
-                raise P.bad(f"cannot apply the chat template: {e}", "messages") from None
-            prompts = [llm.tokenizer.encode(text)]
-        else:
-            prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p in P.parse_prompts(body)]
-        jobs_spec = []
-        for ids in prompts:
-            max_tokens = _check_prompt(ids, s, llm, chat, cfg)
-            jobs_spec.append((ids, max_tokens))
-        rid = P.new_id("chatcmpl" if chat else "cmpl")
-        aloop = asyncio.get_running_loop()
-        queue: asyncio.Queue[Event] = asyncio.Queue()
-
-        def sink(ev: Event) -> None:  # called from the engine thread
-            try:
-                aloop.call_soon_threadsafe(queue.put_nowait, ev)
-            except RuntimeError:  # event loop closed (shutdown)
-                pass
-
-        jobs = [Job(f"{rid}-{p * s.n + j}", p * s.n + j, ids, s.params_for(j, mt), sink)
-                for p, (ids, mt) in enumerate(jobs_spec) for j in range(s.n)]
-        if len(jobs) > loop.capacity:  # could never be admitted: retrying would not help, so not a 429
-            raise P.bad(f"this request needs {len(jobs)} sequences (prompts x n) but the server holds at most "
-                        f"{loop.capacity} at a time", "n")
-        try:
-            loop.submit(jobs)
-        except QueueFull as e:
-            raise P.APIError(429, f"server busy ({e}); retry later", code="queue_full",
-                             headers={"Retry-After": str(cfg.retry_after_s)}) from None
-        prompt_tokens = sum(len(ids) for ids, _ in jobs_spec)
-        ids_by_index = {j.index: j.seq_id for j in jobs}
-        if s.stream:
-            return StreamingResponse(
-                stream(rid, chat, s, queue, ids_by_index, prompt_tokens),
-                media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        return await collect(request, rid, chat, queue, ids_by_index, prompt_tokens)
-
-    async def collect(request, rid, chat, queue, ids_by_index, prompt_tokens):
-        texts = {i: [] for i in ids_by_index}
-        reasons: dict[int, str] = {}
-        completion_tokens = 0
-        next_check = time.monotonic() + DISCONNECT_POLL_S
-        try:
-            while len(reasons) < len(ids_by_index):
-                try:
-                    ev = await asyncio.wait_for(queue.get(), DISCONNECT_POLL_S)
-                except asyncio.TimeoutError:
-                    ev = None
-                if time.monotonic() >= next_check:
-                    if await request.is_disconnected():
-                        return None  # the finally block frees the sequences
-                    next_check = time.monotonic() + DISCONNECT_POLL_S
-                if ev is None:
-                    continue
-                if ev.kind == "error":
-                    raise P.APIError(ev.status, ev.message, code="generation_failed")
-                texts[ev.index].append(ev.text)
-                if ev.kind == "finish":
-                    reasons[ev.index] = ev.finish_reason
-                    completion_tokens += ev.completion_tokens
-        finally:
-            unfinished = [sid for i, sid in ids_by_index.items() if i not in reasons]
-            if unfinished:
-                loop.abort(unfinished)
-        make = P.chat_choice if chat else P.completion_choice
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": P.now(),
-                "model": cfg.served_model_name,
-                "choices": [make(i, "".join(texts[i]), reasons[i]) for i in sorted(ids_by_index)],
-                "usage": P.usage(prompt_tokens, completion_tokens)}
-
-    async def stream(rid, chat, s, queue, ids_by_index, prompt_tokens) -> AsyncIterator[str]:
-        created, name = P.now(), cfg.served_model_name
-        obj = "chat.completion.chunk" if chat else "text_completion"
-
-        def chunk(choices: list, **extra) -> str:
-            data = {"id": rid, "object": obj, "created": created, "model": name, "choices": choices, **extra}
-            return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
-
-        def choice(index: int, text: str | None, reason: str | None) -> dict:
-            if chat:
-                return P.chat_chunk_choice(index, {} if text is None else {"content": text}, reason)
-            return P.completion_choice(index, text or "", reason)
-
-        done: set[int] = set()
-        completion_tokens = 0
-        try:
-            if chat:  # the role comes first, as OpenAI sends it
-                for i in sorted(ids_by_index):
-                    yield chunk([P.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
-            while len(done) < len(ids_by_index):
-                ev = await queue.get()
-                if ev.kind == "error":
-                    err = P.error_body(ev.message, "server_error" if ev.status >= 500 else "invalid_request_error")
-                    yield f"data: {json.dumps(err)}\n\n"
-                    break
-                if ev.kind == "delta":
-                    yield chunk([choice(ev.index, ev.text, None)])
-                else:
-                    done.add(ev.index)
-                    completion_tokens += ev.completion_tokens
-                    yield chunk([choice(ev.index, ev.text or None, ev.finish_reason)])
-            else:
-                if s.include_usage:
-                    yield chunk([], usage=P.usage(prompt_tokens, completion_tokens))
-            yield "data: [DONE]\n\n"
-        finally:
-            # Client gone (the response task is cancelled) or error: free rows and KV now.
-            unfinished = [sid for i, sid in ids_by_index.items() if i not in done]
-            if unfinished:
-                loop.abort(unfinished)
-
-    # ------------------------------------------------------- operations
-    @app.get("/health")
-    async def health():
-        if loop.error:
-            return JSONResponse({"status": "error", "message": loop.error}, status_code=503)
-        if not loop.ready.is_set():
-            return JSONResponse({"status": "loading"}, status_code=503,
-                                headers={"Retry-After": str(cfg.retry_after_s)})
-        if not loop.thread.is_alive():
-            return JSONResponse({"status": "error", "message": "the engine thread stopped"}, status_code=503)
-        return {"status": "ok"}
-
-    @app.get("/metrics")
-    async def prometheus():
-        return PlainTextResponse(metrics.render(loop.snapshot()),
-                                 media_type="text/plain; version=0.0.4; charset=utf-8")
-
-    @app.get("/server_info")
-    async def server_info():
-        snap = loop.snapshot()
-        llm = loop.llm
-        engine = llm.engine if llm is not None else None
-        state = "error" if loop.error else ("ready" if loop.ready.is_set() else "loading")
-        with metrics.lock:
-            served = {"success": dict(metrics.success), "aborted": metrics.aborted,
-                      "rejected": dict(metrics.rejected), "prompt_tokens": metrics.prompt_tokens,
-                      "generation_tokens": metrics.generation_tokens}
-        return {
-            "state": state,
-            "error": loop.error,
-            "model": cfg.served_model_name,
-            "uptime_s": round(time.time() - loop.started, 3),
-            "load_seconds": loop.load_seconds,
-            "graph_capture_seconds": getattr(engine, "graph_seconds", None),
-            "max_model_len": getattr(engine, "max_model_len", None),
-            "config": _jsonable({**info, "server": {k: v for k, v in dataclasses.asdict(cfg).items()
-                                                    if k != "api_key"} | {"api_key_set": cfg.api_key is not None,
-                                                                          "queue_capacity": loop.capacity}}),
-            "versions": _versions(),
-            "kv": snap["kv"],
-            "idle_integrity": snap["idle_integrity"],
-            "requests": {"running": snap["running"], "waiting": snap["waiting"], "in_flight": loop.in_flight,
-                         **served},
-            "speculation": {"drafter": bool(engine is not None and engine.policy is not None),
-                            "last_k": snap["last_k"], "k_choices": snap["k_choices"],
-                            "acceptance_estimate": snap["acceptance_estimate"],
-                            "acceptance_estimate_tree": snap["acceptance_estimate_tree"], "since_start": snap["spec"]},
-            "tokens_generated": snap["tokens_generated"],
-        }
-
+    app.include_router(ops)
     return app
+
+
+def state(request: Request) -> AppState:
+    return request.app.state.srv
+
+
+# ---------------------------------------------------------------- errors
+async def _api_error(request: Request, e: P.APIError):
+    state(request).metrics.end(e.outcome, e.reason)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+
+async def _http_error(request: Request, e: StarletteHTTPException):
+    state(request).metrics.end("rejected", f"http_{e.status_code}")
+    return JSONResponse(P.error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
+
+
+async def _crash(request: Request, e: Exception):
+    state(request).metrics.end("failed", "internal_error")
+    return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
+
+
+# --------------------------------------------------------------- helpers
+def auth(request: Request) -> None:
+    cfg = state(request).cfg
+    if cfg.api_key is None:
+        return
+    given = request.headers.get("authorization", "")
+    scheme, _, token = given.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+        raise P.APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
+def metrics_auth(request: Request) -> None:
+    if not state(request).cfg.metrics_no_auth:
+        auth(request)
+
+
+def ready_llm(st: AppState):
+    loop = st.loop
+    if st.draining:
+        raise P.APIError(503, "the server is shutting down; send this request to another instance",
+                         code="shutting_down")
+    if loop.error:
+        raise P.APIError(503, f"engine unavailable: {loop.error}", code="engine_unavailable")
+    if not loop.ready.is_set():
+        raise P.APIError(503, "the model is still loading; retry shortly", code="model_loading",
+                         headers={"Retry-After": str(st.cfg.retry_after_s)})
+    return loop.llm
+
+
+async def read_body(request: Request, cfg: ServerConfig) -> bytes:
+    limit = cfg.max_body_bytes
+    too_big = P.APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_big
+    chunks, size = [], 0
+    async for chunk in request.stream():  # also bounds chunked bodies without a length
+        size += len(chunk)
+        if size > limit:
+            raise too_big
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_model(body: dict, cfg: ServerConfig) -> None:
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise P.bad("model must be a string", "model")
+    if model is not None and model != cfg.served_model_name:
+        raise P.APIError(404, f"model {P.show(model)} does not exist; this server serves {cfg.served_model_name!r}",
+                         "model", "model_not_found")
+
+
+def model_card(st: AppState) -> dict:
+    llm = st.loop.llm
+    card = {"id": st.cfg.served_model_name, "object": "model", "created": int(st.loop.started),
+            "owned_by": "specserve"}
+    if llm is not None:
+        card["max_model_len"] = llm.engine.max_model_len
+    return card
+
+
+# -------------------------------------------------------------------- /v1
+v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
+
+
+@v1.get("/models")
+async def models(request: Request):
+    return {"object": "list", "data": [model_card(state(request))]}
+
+
+@v1.get("/models/{model_id:path}")
+async def model(request: Request, model_id: str):
+    st = state(request)
+    if model_id != st.cfg.served_model_name:
+        raise P.APIError(404, f"model {model_id!r} does not exist", "model", "model_not_found")
+    return model_card(st)
+
+
+@v1.post("/completions")
+async def completions(request: Request):
+    return await generate(request, chat=False)
+
+
+@v1.post("/chat/completions")
+async def chat_completions(request: Request):
+    return await generate(request, chat=True)
+
+
+async def generate(request: Request, chat: bool):
+    st = state(request)
+    loop, cfg = st.loop, st.cfg
+    llm = ready_llm(st)
+    raw = await read_body(request, cfg)
+    # Parsing, validation and tokenization run in a worker thread: a megabyte of text
+    # must not stall the event loop that serves every other stream and /health.
+    s, jobs_spec = await asyncio.to_thread(prepare, st, llm, raw, chat)
+    rid = P.new_id("chatcmpl" if chat else "cmpl")
+    aloop = asyncio.get_running_loop()
+    queue: asyncio.Queue[Event] = asyncio.Queue()
+
+    def sink(ev: Event) -> None:  # called from the engine thread
+        try:
+            aloop.call_soon_threadsafe(queue.put_nowait, ev)
+        except RuntimeError:  # event loop closed (shutdown)
+            pass
+
+    jobs = [Job(f"{rid}-{p * s.n + j}", p * s.n + j, ids, params, sink)
+            for p, (ids, choice_params) in enumerate(jobs_spec) for j, params in enumerate(choice_params)]
+    if len(jobs) > loop.capacity:  # could never be admitted: retrying would not help, so not a 429
+        raise P.bad(f"this request needs {len(jobs)} sequences (prompts x n) but the server holds at most "
+                    f"{loop.capacity} at a time", "n")
+    try:
+        loop.submit(jobs)
+    except QueueFull as e:
+        raise P.APIError(429, f"server busy ({e}); retry later", code="queue_full",
+                         headers={"Retry-After": str(cfg.retry_after_s)}) from None
+    out = _Output(st, rid, chat, queue, {j.index: j.seq_id for j in jobs}, sum(len(ids) for ids, _ in jobs_spec))
+    if s.stream:
+        return StreamingResponse(stream(out, s.include_usage), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return await collect(request, out)
+
+
+def prepare(st: AppState, llm, raw: bytes, chat: bool) -> tuple[P.Sampling, list[tuple[list[int], list]]]:
+    """The body parsed and checked, its prompts tokenized: (options, [(prompt ids,
+    SamplingParams per choice)]). Everything cheap is checked before tokenizing."""
+    body = P.parse_body(raw)
+    check_model(body, st.cfg)
+    vocab = llm.engine.runner.model_cfg.vocab_size
+    s = P.parse_sampling(body, chat, st.cfg.max_n, vocab)
+    limits = st.text_limits(llm.tokenizer)
+    field_name = "messages" if chat else "prompt"
+    if chat:
+        messages = P.parse_messages(body)
+        _check_text_size(sum(len(m["content"]) for m in messages), llm, limits, field_name)
+        try:
+            text = llm.tokenizer.apply_chat_template(messages)
+        except Exception as e:  # no template, or the template refused (raise_exception)
+            raise P.bad(f"cannot apply the chat template: {e}", "messages") from None
+        _check_text_size(len(text), llm, limits, field_name)
+        prompts = [llm.tokenizer.encode(text)]
+        if limits.end_of_turn_id is not None and not s.ignore_eos:
+            s.stop_token_ids = [*s.stop_token_ids, limits.end_of_turn_id]
+    else:
+        raw_prompts = P.parse_prompts(body)
+        for p in raw_prompts:
+            if isinstance(p, str):
+                _check_text_size(len(p), llm, limits, field_name)
+        prompts = [p if isinstance(p, list) else llm.tokenizer.encode(p) for p in raw_prompts]
+    out = []
+    for ids in prompts:
+        max_tokens = _check_prompt(ids, s, llm, chat, st.cfg)
+        try:
+            out.append((ids, [s.params_for(j, max_tokens) for j in range(s.n)]))
+        except ValueError as e:  # protocol checks admit only packable values; this names any that slipped by
+            raise P.bad(f"invalid sampling parameters: {e}") from None
+    return s, out
+
+
+def _check_text_size(n: int, llm, limits: TextLimits, field_name: str) -> None:
+    """Refuse n characters of text that cannot fit the context whatever their
+    tokenization, without tokenizing them."""
+    limit = llm.engine.max_model_len
+    per_token = limits.max_token_chars or 0
+    if per_token and n > limit * per_token:
+        raise P.bad(f"the prompt has {n} characters, more than this model's {limit}-token context can hold; "
+                    f"shorten it", field_name, "context_length_exceeded")
+
+
+# ------------------------------------------------------------ responses
+@dataclass
+class _Output:
+    """One admitted request on its way out: where its events arrive and which sequences it owns."""
+
+    st: AppState
+    rid: str
+    chat: bool
+    queue: asyncio.Queue
+    ids_by_index: dict[int, str]  # choice index -> sequence id
+    prompt_tokens: int
+
+    def abort_unfinished(self, finished) -> None:
+        unfinished = [sid for i, sid in self.ids_by_index.items() if i not in finished]
+        if unfinished:
+            self.st.loop.abort(unfinished)
+
+
+async def collect(request: Request, out: _Output):
+    texts = {i: [] for i in out.ids_by_index}
+    reasons: dict[int, str] = {}
+    completion_tokens = 0
+    next_check = time.monotonic() + DISCONNECT_POLL_S
+    try:
+        while len(reasons) < len(out.ids_by_index):
+            try:
+                ev = await asyncio.wait_for(out.queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                ev = None
+            if time.monotonic() >= next_check:
+                if await request.is_disconnected():
+                    out.st.metrics.end("client_disconnect", "waiting")
+                    return None  # the finally block frees the sequences
+                next_check = time.monotonic() + DISCONNECT_POLL_S
+            if ev is None:
+                continue
+            if ev.kind == "error":
+                raise P.APIError(ev.status, ev.message, code=ev.reason, outcome="failed")
+            texts[ev.index].append(ev.text)
+            if ev.kind == "finish":
+                reasons[ev.index] = ev.finish_reason
+                completion_tokens += ev.completion_tokens
+    finally:
+        out.abort_unfinished(reasons)
+    out.st.metrics.end("finished", _request_finish_reason(reasons.values()))
+    make = P.chat_choice if out.chat else P.completion_choice
+    return {"id": out.rid, "object": "chat.completion" if out.chat else "text_completion", "created": P.now(),
+            "model": out.st.cfg.served_model_name,
+            "choices": [make(i, "".join(texts[i]), reasons[i]) for i in sorted(out.ids_by_index)],
+            "usage": P.usage(out.prompt_tokens, completion_tokens)}
+
+
+def _request_finish_reason(reasons) -> str:
+    """One reason per request for the metrics: "length" if any choice ran out of tokens."""
+    reasons = set(reasons)
+    return "length" if "length" in reasons else (min(reasons) if reasons else "stop")
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
+    created, name, chat = P.now(), out.st.cfg.served_model_name, out.chat
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    # With include_usage every chunk carries the key, null until the final usage-only chunk (as OpenAI).
+    pending_usage = {"usage": None} if include_usage else {}
+
+    def chunk(choices: list, **extra) -> str:
+        return _sse({"id": out.rid, "object": obj, "created": created, "model": name, "choices": choices,
+                     **(extra or pending_usage)})
+
+    def choice(index: int, text: str | None, reason: str | None) -> dict:
+        if chat:
+            return P.chat_chunk_choice(index, {} if text is None else {"content": text}, reason)
+        return P.completion_choice(index, text or "", reason)
+
+    reasons: dict[int, str] = {}
+    completion_tokens = 0
+    outcome = ("client_disconnect", "streaming")  # unless the stream reaches its end
+    try:
+        if chat:  # the role comes first, as OpenAI sends it
+            for i in sorted(out.ids_by_index):
+                yield chunk([P.chat_chunk_choice(i, {"role": "assistant", "content": ""}, None)])
+        while len(reasons) < len(out.ids_by_index):
+            ev = await out.queue.get()
+            if ev.kind == "error":
+                outcome = ("failed", ev.reason)
+                yield _sse(P.error_body(ev.message, "server_error" if ev.status >= 500 else "invalid_request_error",
+                                        code=ev.reason))
+                break
+            if ev.kind == "delta":
+                yield chunk([choice(ev.index, ev.text, None)])
+            else:
+                reasons[ev.index] = ev.finish_reason
+                completion_tokens += ev.completion_tokens
+                yield chunk([choice(ev.index, ev.text or None, ev.finish_reason)])
+        else:
+            outcome = ("finished", _request_finish_reason(reasons.values()))
+            if include_usage:
+                yield chunk([], usage=P.usage(out.prompt_tokens, completion_tokens))
+        yield "data: [DONE]\n\n"
+    except Exception:
+        outcome = ("failed", "internal_error")
+        raise
+    finally:
+        out.st.metrics.end(*outcome)
+        # Client gone (the response task is cancelled) or error: free rows and KV now.
+        out.abort_unfinished(reasons)
+
+
+# ------------------------------------------------------------ operations
+ops = APIRouter()
+
+
+@ops.get("/health")
+async def health(request: Request):
+    st = state(request)
+    loop = st.loop
+    if loop.error:
+        return JSONResponse({"status": "error", "message": loop.error}, status_code=503)
+    if st.draining:
+        return JSONResponse({"status": "shutting_down"}, status_code=503)
+    if not loop.ready.is_set():
+        return JSONResponse({"status": "loading"}, status_code=503, headers={"Retry-After": str(st.cfg.retry_after_s)})
+    if not loop.thread.is_alive():
+        return JSONResponse({"status": "error", "message": "the engine thread stopped"}, status_code=503)
+    return {"status": "ok"}
+
+
+@ops.get("/metrics", dependencies=[Depends(metrics_auth)])
+async def prometheus(request: Request):
+    st = state(request)
+    return PlainTextResponse(st.metrics.render(st.loop.snapshot()), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@ops.get("/server_info", dependencies=[Depends(auth)])
+async def server_info(request: Request):
+    st = state(request)
+    loop, metrics, cfg = st.loop, st.metrics, st.cfg
+    snap = loop.snapshot()
+    llm = loop.llm
+    engine = llm.engine if llm is not None else None
+    state_ = "error" if loop.error else ("shutting_down" if st.draining else
+                                         ("ready" if loop.ready.is_set() else "loading"))
+    with metrics.lock:
+        served = {"success": dict(metrics.success), "aborted": metrics.aborted,
+                  "prompt_tokens": metrics.prompt_tokens,
+                  "generation_tokens": metrics.generation_tokens}
+    server = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"}
+    return {
+        "state": state_,
+        "error": loop.error,
+        "model": cfg.served_model_name,
+        "uptime_s": round(time.time() - loop.started, 3),
+        "load_seconds": loop.load_seconds,
+        "graph_capture_seconds": getattr(engine, "graph_seconds", None),
+        "max_model_len": getattr(engine, "max_model_len", None),
+        "config": _jsonable({**st.info, "server": server | {"api_key_set": cfg.api_key is not None,
+                                                            "queue_capacity": loop.capacity}}),
+        "versions": _versions(),
+        "kv": snap["kv"],
+        "idle_integrity": snap["idle_integrity"],
+        "requests": {"running": snap["running"], "waiting": snap["waiting"], "in_flight": loop.in_flight,
+                     "ended": metrics.ended_by_outcome(), **served},
+        "speculation": {"drafter": bool(engine is not None and engine.policy is not None),
+                        "last_k": snap["last_k"], "k_choices": snap["k_choices"],
+                        "acceptance_estimate": snap["acceptance_estimate"],
+                        "acceptance_estimate_tree": snap["acceptance_estimate_tree"], "since_start": snap["spec"]},
+        "tokens_generated": snap["tokens_generated"],
+    }
 
 
 def _check_prompt(ids: list[int], s: P.Sampling, llm, chat: bool, cfg: ServerConfig) -> int:
@@ -319,7 +479,7 @@ def _check_prompt(ids: list[int], s: P.Sampling, llm, chat: bool, cfg: ServerCon
         return room if chat else min(cfg.completion_default_max_tokens, room)
     if s.max_tokens > room:
         raise P.bad(f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} tokens and "
-                    f"max_tokens asks for {s.max_tokens} more (at most {room})", "max_tokens",
+                    f"{s.max_tokens_field} asks for {P.show(s.max_tokens)} more (at most {room})", s.max_tokens_field,
                     "context_length_exceeded")
     return s.max_tokens
 

@@ -39,6 +39,7 @@ class Event:
     completion_tokens: int = 0
     message: str = ""
     status: int = 500  # HTTP status for an error event
+    reason: str = ""  # why an error event ended the sequence: engine_error, shutdown, invalid_request
 
 
 @dataclass
@@ -119,6 +120,12 @@ class EngineLoop:
             self._inbox.extend(("abort", s) for s in seq_ids)
             self._cv.notify()
 
+    def end_all(self, message: str) -> None:
+        """End every sequence in flight with a 503 error event (shutdown past its grace period)."""
+        with self._cv:
+            self._inbox.append(("end_all", message))
+            self._cv.notify()
+
     def snapshot(self) -> dict:
         with self._snap_lock:
             return self._snap
@@ -149,8 +156,10 @@ class EngineLoop:
             for kind, arg in cmds:
                 if kind == "add":
                     self._add(arg)
-                else:
+                elif kind == "abort":
                     self._abort(arg)
+                else:
+                    self._fail(list(self._tracks), arg, status=503, reason="shutdown")
             if engine.has_work():
                 try:
                     touched = engine.step()
@@ -160,17 +169,18 @@ class EngineLoop:
                 for seq in touched:
                     self._emit(seq)
             self._publish()
-        self._fail_all("the server is shutting down", status=503)
+        self._fail(list(self._tracks), "the server is shutting down", status=503, reason="shutdown")
         close = getattr(self.llm, "close", None)  # TP: stop the worker processes
         if close is not None:
             close()
 
     def _add(self, job: Job) -> None:
         try:
+            job.params.validate()  # parameters that cannot be packed would break the whole batch's step
             self.llm.engine.add_request(job.prompt_ids, job.params, seq_id=job.seq_id)
         except ValueError as e:
             self._done(job.seq_id)
-            job.sink(Event(job.index, "error", message=str(e), status=400))
+            job.sink(Event(job.index, "error", message=str(e), status=400, reason="invalid_request"))
             return
         self._tracks[job.seq_id] = _Track(job, self.llm.tokenizer)
         with self.metrics.lock:
@@ -225,28 +235,33 @@ class EngineLoop:
         job.sink(Event(job.index, "finish", text=delta, finish_reason=seq.finish_reason, completion_tokens=n))
 
     def _engine_failed(self, e: Exception) -> None:
-        """A step raised: fail every request, free their rows, and stay up only
-        if the engine is verifiably clean afterwards."""
+        """A step raised: fail the sequences that were in it (holding a row, or
+        just admitted to one), free their rows, and keep serving the waiting
+        ones only if the engine is verifiably clean afterwards. When no sequence
+        held a row, the step failed while admitting: then every sequence was in it."""
         log.error("engine step failed: %s\n%s", e, traceback.format_exc())
-        self._fail_all(f"engine error: {type(e).__name__}: {e}")
+        waiting = {seq.seq_id for seq in self.llm.engine.waiting}
+        in_step = [sid for sid in self._tracks if sid not in waiting] or list(self._tracks)
+        self._fail(in_step, f"engine error: {type(e).__name__}: {e}", status=500, reason="engine_error")
         try:
             self.llm.engine.check_idle_integrity()
         except Exception as e2:
             self.error = f"engine broken after a failed step: {e2}"
             log.error(self.error)
+            self._fail(list(self._tracks), self.error, status=500, reason="engine_error")
             if self.on_error:
                 self.on_error(self.error)
         self._publish()
 
-    def _fail_all(self, message: str, status: int = 500) -> None:
-        for seq_id, tr in list(self._tracks.items()):
+    def _fail(self, seq_ids: list[str], message: str, status: int, reason: str) -> None:
+        for seq_id in seq_ids:
+            tr = self._tracks.pop(seq_id)
             try:
                 self.llm.engine.abort(seq_id)
-            except Exception:
+            except Exception:  # the engine may be the thing that broke; the row is freed on the next check
                 pass
-            del self._tracks[seq_id]
             self._done(seq_id)
-            tr.job.sink(Event(tr.job.index, "error", message=message, status=status))
+            tr.job.sink(Event(tr.job.index, "error", message=message, status=status, reason=reason))
 
     def _publish(self) -> None:
         engine = self.llm.engine

@@ -51,16 +51,26 @@ class Metrics:
         self.lock = threading.Lock()
         self.success: dict[str, int] = {}  # finish reason -> count
         self.aborted = 0
-        self.rejected: dict[str, int] = {}  # HTTP status -> count
+        self.ended: dict[tuple[str, str], int] = {}  # (outcome, reason) -> requests
         self.prompt_tokens = 0
         self.generation_tokens = 0
         self.ttft = Histogram(TTFT_BUCKETS)
         self.tpot = Histogram(TPOT_BUCKETS)
         self.e2e = Histogram(E2E_BUCKETS)
 
-    def reject(self, status: int) -> None:
+    def end(self, outcome: str, reason: str) -> None:
+        """Count one ended generation request, exactly once: outcome is finished,
+        rejected (refused before it ran), failed (an error ended it) or
+        client_disconnect; reason is the finish reason or the error code."""
         with self.lock:
-            self.rejected[str(status)] = self.rejected.get(str(status), 0) + 1
+            self.ended[(outcome, reason)] = self.ended.get((outcome, reason), 0) + 1
+
+    def ended_by_outcome(self) -> dict[str, dict[str, int]]:
+        with self.lock:
+            out: dict[str, dict[str, int]] = {}
+            for (outcome, reason), n in sorted(self.ended.items()):
+                out.setdefault(outcome, {})[reason] = n
+            return out
 
     def render(self, snap: dict) -> str:
         """The full exposition; `snap` is the engine loop's latest snapshot."""
@@ -83,8 +93,10 @@ class Metrics:
                    [(f'{{finished_reason="{r}"}}', n) for r, n in sorted(self.success.items())] or [("", 0)])
             metric("request_aborted_total", "counter", "Sequences dropped because the client went away.",
                    [("", self.aborted)])
-            metric("request_rejected_total", "counter", "Requests refused, by HTTP status.",
-                   [(f'{{status="{s}"}}', n) for s, n in sorted(self.rejected.items())] or [("", 0)])
+            metric("request_ended_total", "counter",
+                   "Requests ended, each counted once, by outcome (finished, rejected, failed, client_disconnect) "
+                   "and reason (finish reason or error code).",
+                   [(f'{{outcome="{o}",reason="{r}"}}', n) for (o, r), n in sorted(self.ended.items())] or [("", 0)])
             metric("prompt_tokens_total", "counter", "Prompt tokens admitted.", [("", self.prompt_tokens)])
             metric("generation_tokens_total", "counter", "Tokens generated.", [("", self.generation_tokens)])
             for name, hist, help_text in (

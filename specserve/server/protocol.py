@@ -9,6 +9,7 @@ silently ignored.
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -19,14 +20,27 @@ from specserve.engine.sampling import SamplingParams
 
 MAX_STOP = 4  # as OpenAI
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_STOP_TOKEN_IDS = 64
+MAX_JSON_DEPTH = 32  # no request field nests deeper; deeper bodies are refused before anything walks them
+MAX_SEED = 2**63 - 1  # seeds travel to the device as int64
+# Beyond these the float32 sampling arithmetic overflows or underflows (logits / T, the top-p mass test).
+MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
+MIN_TOP_P = 1e-6
+# "developer" is OpenAI's newer name for "system"; templates know only the older one.
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None):
+                 headers: dict[str, str] | None = None, outcome: str = "rejected"):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
         self.headers = headers or {}
+        self.outcome = outcome  # for the metrics: "rejected" before a request runs, "failed" after
+
+    @property
+    def reason(self) -> str:
+        return self.code or f"http_{self.status}"
 
     def body(self) -> dict:
         return error_body(self.message, _ERROR_TYPES.get(self.status, "invalid_request_error"), self.param, self.code)
@@ -45,6 +59,62 @@ def bad(message: str, param: str | None = None, code: str | None = None) -> APIE
     return APIError(400, message, param, code)
 
 
+# ------------------------------------------------------------------ bodies
+def parse_body(raw: bytes) -> dict:
+    """The JSON object of a request body, refused with a 400 when it is not valid
+    JSON, nests deeper than MAX_JSON_DEPTH or holds text that is not valid Unicode."""
+    try:
+        body = json.loads(raw)
+    except RecursionError:
+        raise bad(f"the JSON body nests too deeply (at most {MAX_JSON_DEPTH} levels)", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise bad(f"invalid JSON body: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    _check_tree(body)
+    return body
+
+
+def _check_tree(body: dict) -> None:
+    """Walk the body without recursion: bounded depth, and every string encodable
+    as UTF-8 (JSON may carry lone surrogates such as \\ud800, which no tokenizer takes)."""
+    stack: list[tuple[Any, int, tuple]] = [(body, 1, ())]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise bad(f"{_path(path)} nests too deeply (at most {MAX_JSON_DEPTH} levels)", _param(path),
+                      "invalid_json")
+        items = value.items() if isinstance(value, dict) else enumerate(value)
+        for key, v in items:
+            for text in ((key, v) if isinstance(key, str) else (v,)):
+                if isinstance(text, str):
+                    try:
+                        text.encode("utf-8")
+                    except UnicodeEncodeError:
+                        where = _path((*path, key))
+                        raise bad(f"{where} contains a lone UTF-16 surrogate (e.g. \\ud800): send valid Unicode "
+                                  f"text", _param((*path, key)), "invalid_text") from None
+            if isinstance(v, (dict, list)):
+                stack.append((v, depth + 1, (*path, key)))
+
+
+def _path(path: tuple) -> str:
+    out = ""
+    for k in path:
+        out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
+    return out or "the body"
+
+
+def _param(path: tuple) -> str | None:
+    return path[0] if path and isinstance(path[0], str) else None
+
+
+def show(v: Any) -> str:
+    """A short repr for error messages: the offending value may be a megabyte long."""
+    r = repr(v)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
 # ------------------------------------------------------------------ fields
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -55,8 +125,9 @@ def _is_num(v: Any) -> bool:
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    if body.get("logprobs") not in (None, False) or body.get("top_logprobs") is not None:
-        raise bad("logprobs are not supported by this server", "logprobs", "unsupported_parameter")
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False):
+            raise bad(f"{name} is not supported by this server: leave it unset", name, "unsupported_parameter")
     if body.get("echo"):
         raise bad("echo is not supported by this server", "echo", "unsupported_parameter")
     if body.get("suffix"):
@@ -84,6 +155,7 @@ class Sampling:
     stream: bool
     include_usage: bool
     max_tokens: int | None  # None = as much as the context allows (chat) / 16 (completions)
+    max_tokens_field: str  # the name the client used: max_tokens or (chat) max_completion_tokens
     temperature: float
     top_p: float
     top_k: int
@@ -94,13 +166,15 @@ class Sampling:
 
     def params_for(self, choice: int, max_tokens: int) -> SamplingParams:
         # Distinct seeds make n > 1 choices differ when sampling; greedy ignores them.
-        seed = None if self.seed is None else self.seed + choice
+        seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=seed, stop=list(self.stop),
                               stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos)
 
 
-def parse_sampling(body: dict, chat: bool, max_n: int) -> Sampling:
+def parse_sampling(body: dict, chat: bool, max_n: int, vocab_size: int) -> Sampling:
+    """Every generation option range-checked, so that what reaches the engine can
+    always be packed into its batch tensors (int64, finite float32)."""
     _refuse_unsupported(body, chat)
 
     def get(name: str, default: Any) -> Any:
@@ -109,13 +183,13 @@ def parse_sampling(body: dict, chat: bool, max_n: int) -> Sampling:
 
     n = get("n", 1)
     if not _is_int(n) or not 1 <= n <= max_n:
-        raise bad(f"n must be an integer in 1..{max_n}, got {n!r}", "n")
+        raise bad(f"n must be an integer in 1..{max_n}, got {show(n)}", "n")
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
         raise bad("best_of is not supported (it must equal n)", "best_of", "unsupported_parameter")
     stream = get("stream", False)
     if not isinstance(stream, bool):
-        raise bad(f"stream must be a boolean, got {stream!r}", "stream")
+        raise bad(f"stream must be a boolean, got {show(stream)}", "stream")
     opts = get("stream_options", {})
     if not isinstance(opts, dict):
         raise bad("stream_options must be an object", "stream_options")
@@ -127,30 +201,35 @@ def parse_sampling(body: dict, chat: bool, max_n: int) -> Sampling:
     name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = body.get(name)
     if max_tokens is not None and (not _is_int(max_tokens) or max_tokens < 1):
-        raise bad(f"{name} must be a positive integer, got {max_tokens!r}", name)
+        raise bad(f"{name} must be a positive integer, got {show(max_tokens)}", name)
     temperature = get("temperature", 1.0)
-    if not _is_num(temperature) or temperature < 0:
-        raise bad(f"temperature must be a number >= 0, got {temperature!r}", "temperature")
+    if not _is_num(temperature) or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
+        raise bad(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+                  f"got {show(temperature)}", "temperature")
     top_p = get("top_p", 1.0)
-    if not _is_num(top_p) or not 0 < top_p <= 1:
-        raise bad(f"top_p must be a number in (0, 1], got {top_p!r}", "top_p")
+    if not _is_num(top_p) or not MIN_TOP_P <= top_p <= 1:
+        raise bad(f"top_p must be a number in [{MIN_TOP_P}, 1], got {show(top_p)}", "top_p")
     top_k = get("top_k", 0)  # extension; -1 (vLLM) and 0 both mean off
     if not _is_int(top_k) or top_k < -1:
-        raise bad(f"top_k must be an integer >= 0 (0 or -1 = off), got {top_k!r}", "top_k")
+        raise bad(f"top_k must be an integer >= 0 (0 or -1 = off), got {show(top_k)}", "top_k")
+    if top_k >= vocab_size:  # keeps the whole vocabulary: the same as no top-k
+        top_k = 0
     seed = body.get("seed")
-    if seed is not None and (not _is_int(seed) or not 0 <= seed < 2**62):
-        raise bad(f"seed must be a non-negative integer, got {seed!r}", "seed")
+    if seed is not None and (not _is_int(seed) or not 0 <= seed <= MAX_SEED):
+        raise bad(f"seed must be an integer in 0..{MAX_SEED}, got {show(seed)}", "seed")
     stop = get("stop", [])
     stop = [stop] if isinstance(stop, str) else stop
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
     stop_ids = get("stop_token_ids", [])  # extension
-    if not isinstance(stop_ids, list) or not all(_is_int(t) for t in stop_ids):
-        raise bad("stop_token_ids must be a list of integers", "stop_token_ids")
+    if (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS
+            or not all(_is_int(t) and 0 <= t < vocab_size for t in stop_ids)):
+        raise bad(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in 0..{vocab_size - 1}",
+                  "stop_token_ids")
     ignore_eos = get("ignore_eos", False)  # extension
     if not isinstance(ignore_eos, bool):
-        raise bad("ignore_eos must be a boolean", "ignore_eos")
-    return Sampling(n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens,
+        raise bad(f"ignore_eos must be a boolean, got {show(ignore_eos)}", "ignore_eos")
+    return Sampling(n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens, max_tokens_field=name,
                     temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
                     stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
 
@@ -184,6 +263,10 @@ def parse_messages(body: dict) -> list[dict]:
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        role = CHAT_ROLES.get(m["role"])
+        if role is None:
+            raise bad(f"messages[{i}].role {show(m['role'])} is not supported: use one of "
+                      f"{', '.join(CHAT_ROLES)}", "messages")
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             parts = []
@@ -196,7 +279,7 @@ def parse_messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({"role": m["role"], "content": content})
+        out.append({"role": role, "content": content})
     return out
 
 

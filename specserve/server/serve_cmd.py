@@ -36,7 +36,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (0 = any free port; the log says which)")
     p.add_argument("--api-key", default=envs.API_KEY.get(),
-                   help="require 'Authorization: Bearer KEY' on every /v1 route (default: $SPECSERVE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every /v1 route, /metrics and /server_info "
+                        "(default: $SPECSERVE_API_KEY)")
+    p.add_argument("--metrics-no-auth", action="store_true",
+                   help="with --api-key, let /metrics answer without the key (for scrapers); default: key required")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are ended "
+                        "with an error (default 30)")
     p.add_argument("--served-model-name", help="model id clients must use (default: the model directory's name)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="sequences that may wait for a KV row beyond --max-num-seqs; more get 429 (default 4x)")
@@ -109,6 +115,48 @@ def limit_malloc_arenas(n: int = 2) -> None:
         pass
 
 
+def draining_server_class():
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn with a drain before its own shutdown: the first SIGTERM/SIGINT
+        stops admissions (503, /health not ready) and lets running requests finish
+        for up to `grace` seconds, then ends the rest with an error event and
+        [DONE]; only then does uvicorn close the connections. A second signal ends
+        the rest at once, a third exits without waiting."""
+
+        def __init__(self, config, st, grace: float):
+            super().__init__(config)
+            self.st, self.grace = st, grace
+            self.deadline: float | None = None  # set by the first signal
+            self.ended_rest = False
+
+        def handle_exit(self, sig, frame) -> None:  # a signal handler: only sets flags
+            if self.deadline is None:
+                self.deadline = time.monotonic() + self.grace
+                self.st.draining = True
+            elif self.should_exit:
+                self.force_exit = True
+            else:
+                self.deadline = time.monotonic()
+
+        async def on_tick(self, counter: int) -> bool:
+            if self.deadline is not None and not self.should_exit:
+                loop = self.st.loop
+                if counter % 10 == 0 and loop.in_flight:
+                    log.info("shutting down: %d sequences still running (%.0f s left)", loop.in_flight,
+                             max(self.deadline - time.monotonic(), 0))
+                if not loop.in_flight:
+                    self.should_exit = True
+                elif time.monotonic() >= self.deadline and not self.ended_rest:
+                    self.ended_rest = True
+                    loop.end_all(f"the server is shutting down: the request did not finish within "
+                                 f"{self.grace:g} s")
+            return await super().on_tick(counter)
+
+    return DrainingServer
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -117,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.server.metrics import Metrics
 
     limit_malloc_arenas()
+    DrainingServer = draining_server_class()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
@@ -125,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"model directory {kw['model']!r} does not exist")
         engine_cfg = EngineConfig.from_kwargs(**kw)  # validate flags before binding or loading
         cls = llm_class(args.tp)
+        if args.shutdown_timeout < 0:
+            raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
         for name, v in (("--max-queue", args.max_queue), ("--max-n", args.max_n), ("--max-body-bytes", args.max_body_bytes)):
             if v is not None and v < (0 if name == "--max-queue" else 1):
                 raise ConfigError(f"{name} must be positive, got {v}")
@@ -138,8 +189,9 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     max_queue = args.max_queue if args.max_queue is not None else 4 * engine_cfg.max_num_seqs
     cfg = ServerConfig(served_model_name=args.served_model_name or Path(kw["model"]).resolve().name,
-                       api_key=args.api_key, max_n=args.max_n, max_body_bytes=args.max_body_bytes)
-    server: uvicorn.Server | None = None
+                       api_key=args.api_key, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
+                       metrics_no_auth=args.metrics_no_auth)
+    server: DrainingServer | None = None
 
     def build():
         t0 = time.perf_counter()
@@ -161,8 +213,8 @@ def run(args: argparse.Namespace) -> int:
     loop = EngineLoop(build, metrics, capacity=engine_cfg.max_num_seqs + max_queue, on_error=fatal)
     info = {"engine": {k: v for k, v in vars(engine_cfg).items()}, "tp": args.tp}
     app = create_app(loop, metrics, cfg, info)
-    server = uvicorn.Server(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                           timeout_keep_alive=30))
+    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
+                                           timeout_keep_alive=30), app.state.srv, args.shutdown_timeout)
     shown = f"[{host}]" if ":" in host else host
     print(f"specserve: listening on http://{shown}:{port} (model id {cfg.served_model_name!r}"
           f"{', API key required' if cfg.api_key else ''})", flush=True)
@@ -171,8 +223,6 @@ def run(args: argparse.Namespace) -> int:
     loop.start()
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises Ctrl-C after its graceful shutdown
-        pass
     finally:
         loop.stop()
     if loop.error:
