@@ -14,6 +14,7 @@ Messages on the driver connection (pickled dicts):
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import sys
@@ -132,7 +133,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
         ch.progress("graphs", "pretending to capture (SPECSERVE_TP_TEST_CAPTURE_HANG)")
         if rank == size - 1:
             time.sleep(3600)
-        cfg.cuda_graphs = False
+        cfg = dataclasses.replace(cfg, cuda_graphs=False)
     graphs = cfg.cuda_graphs and device.type == "cuda"
     if graphs:
         _patch_capture_mode(os.environ.get("SPECSERVE_CAPTURE_MODE", "thread_local"))
@@ -147,7 +148,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
             "type": "progress", "phase": "graphs", "text": f"captured graph {n}/{total} {'/'.join(map(str, key))} "
             f"batch {B}", "data": {"graph": [n, total, list(key), B]}}))
     engine = llm.engine
-    if engine.policy is not None and cfg.adaptive and size > 1:
+    if engine.policy is not None and cfg.spec.adaptive and size > 1:
         engine.policy.sync_choice = ps.broadcast_int
     if graphs:
         # Replay every graph once, all ranks together: a graph that captured but hangs on
@@ -160,7 +161,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
     ch.send({"type": "ready", "allreduce": backend, "graphs": len(r.graphs), "graph_seconds": engine.graph_seconds,
              "load_seconds": r.load_seconds, "startup_seconds": time.perf_counter() - t0,
              "max_model_len": engine.max_model_len, "rows": r.rows, "device": str(device), "dtype": str(r.dtype),
-             "kv_bytes": r.kv_bytes(), "has_drafter": r.drafter is not None,
+             "kv_bytes": r.kv.nbytes(), "has_drafter": r.drafter is not None,
              "draft_embedding": llm.draft_embedding, "stats": llm.light_stats()})
 
     while True:
@@ -185,7 +186,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
             elif op == "profile_summary":
                 reply = llm.profile_summary()
             elif op == "set_profile":  # per-cycle timing on/off (read by the engine every step)
-                engine.cfg.profile = bool(cmd["on"])
+                engine.profiling = bool(cmd["on"])
                 reply = None
             elif op == "check_idle":
                 try:
