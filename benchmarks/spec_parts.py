@@ -25,7 +25,7 @@ from gpu_engine import gpu_ms  # (this folder)
 from specserve.engine.engine import Engine
 from specserve.config import EngineConfig
 from specserve.engine.sampling import BatchSampling, SamplingParams
-from specserve.engine.speculative import accept_drafts
+from specserve.spec.verify import accept_drafts
 
 
 def _profiled(fn, reps: int):

@@ -257,95 +257,183 @@ def resolve_aux_layers(draft: DraftConfig, num_layers: int, convention: str = "s
     return ids
 
 
-@dataclass
+@dataclass(frozen=True)
+class SpecConfig:
+    """Speculative decoding: how many tokens to draft per cycle and in what shape."""
+
+    steps: int = 0  # K draft tokens per cycle; 0 = plain decoding
+    max_steps: int | None = None  # largest K the adaptive policy may use (default: steps)
+    adaptive: bool = False
+    topk: int = 1  # >1: a tree of drafts (the best `topk` branches kept at each depth)
+    tokens: int | None = None  # tree nodes verified per cycle (default: topk * K, at most 63)
+    tree_max_batch: int = 2  # larger batches draft chains: verifying a tree per sequence is compute-bound there
+    draft_position_extension: bool = False  # draft past the drafter's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if self.steps < 0 or self.steps > 16:
+            raise ConfigError(f"--spec-steps must be in 0..16, got {self.steps}")
+        if self.max_steps is None:
+            object.__setattr__(self, "max_steps", self.steps)
+        if self.max_steps < self.steps:
+            raise ConfigError("--max-spec-steps must be at least --spec-steps")
+        if not 1 <= self.topk <= 16:
+            raise ConfigError(f"--spec-topk must be in 1..16, got {self.topk}")
+        if self.topk > 1:
+            k_max = self.max_steps
+            if self.topk * max(k_max - 1, 0) > MAX_TREE_NODES:
+                raise ConfigError(f"--spec-topk {self.topk} with up to {k_max} steps needs "
+                                  f"{self.topk * (k_max - 1)} drafter tree slots; at most {MAX_TREE_NODES} "
+                                  f"are supported: lower --spec-topk or --spec-steps")
+            if self.tokens is not None and not 1 <= self.tokens <= MAX_TREE_NODES:
+                raise ConfigError(f"--spec-tokens must be in 1..{MAX_TREE_NODES}, got {self.tokens}")
+            if self.tree_max_batch < 1:
+                raise ConfigError(f"--spec-tree-max-batch must be at least 1, got {self.tree_max_batch}")
+        elif self.tokens is not None:
+            raise ConfigError("--spec-tokens sizes a tree of drafts: it needs --spec-topk > 1")
+
+    def cache_room(self, k_max: int) -> int:
+        """KV slots past a sequence's end that one cycle may write (`k_max`: the largest K, 0
+        without a drafter): K verify tokens for a chain; for a tree the most verify nodes or
+        drafter frontier slots (top-k per depth after the first)."""
+        if self.topk > 1 and k_max:
+            return max(k_max, self.tree_nodes(k_max), self.topk * (k_max - 1))
+        return k_max
+
+    def drafts_tree(self, B: int) -> bool:
+        """Whether a speculative cycle over B sequences drafts a tree (else a chain): small
+        batches only, since verifying a tree per sequence makes large batches compute-bound."""
+        return self.topk > 1 and B <= self.tree_max_batch
+
+    def tree_nodes(self, K: int) -> int:
+        """Draft tokens verified per cycle at depth K: K for a chain (top-k 1), else the best
+        `tokens` of the tree's candidates (top-k at depth 1, top-k of each kept branch after)."""
+        if self.topk == 1:
+            return K
+        candidates = self.topk + (K - 1) * self.topk ** 2
+        return min(candidates, self.tokens or self.topk * K, MAX_TREE_NODES)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism: how many ranks, their environment and collectives tuning."""
+
+    tp: int = 1
+    env: dict[str, str] = field(default_factory=dict)  # extra environment for the TP workers
+    nccl_profile: str = "default"
+    capture_timeout: float = 300.0  # seconds a worker's graph capture may stall before a restart without graphs
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ConfigError(f"--tp must be at least 1, got {self.tp}")
+
+
+class _Grouped:
+    """A flat name of a grouped setting, read through the group: `cfg.spec_steps` is
+    `cfg.spec.steps`; on the class, the group's default (`EngineConfig.spec_tree_max_batch`)."""
+
+    def __init__(self, group: str, key: str):
+        self.group, self.key = group, key
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            default = {"spec": SpecConfig, "parallel": ParallelConfig}[self.group].__dataclass_fields__[self.key].default
+            return None if default is dataclasses.MISSING else default
+        return getattr(getattr(obj, self.group), self.key)
+
+
+# The flat option names (CLI flags, `LLM(**kwargs)`, `EngineConfig(**kwargs)`) of the grouped
+# settings: flat name -> (group attribute, field name).
+_GROUPED = {
+    "spec_steps": ("spec", "steps"),
+    "max_spec_steps": ("spec", "max_steps"),
+    "adaptive": ("spec", "adaptive"),
+    "spec_topk": ("spec", "topk"),
+    "spec_tokens": ("spec", "tokens"),
+    "spec_tree_max_batch": ("spec", "tree_max_batch"),
+    "allow_draft_position_extension": ("spec", "draft_position_extension"),
+    "tp": ("parallel", "tp"),
+    "env": ("parallel", "env"),
+    "nccl_profile": ("parallel", "nccl_profile"),
+    "graph_capture_timeout": ("parallel", "capture_timeout"),
+}
+
+
+@dataclass(frozen=True, init=False)
 class EngineConfig:
-    """Settings of one engine instance (CLI flags and the Python API map onto these)."""
+    """Settings of one engine instance, frozen once built: engine-wide fields here, speculation in
+    `spec`, tensor parallelism in `parallel`. Built from the flat option names (as the CLI and
+    `LLM(**kwargs)` give them: `spec_steps`, `tp`, ...), which also read back (`cfg.spec_steps`);
+    `dataclasses.replace` makes a changed copy, flat names included."""
 
     model: str = str(DEMO_DIR)
     draft: str | None = None
     device: str = "auto"
     dtype: str = "auto"
-    spec_steps: int = 0  # K draft tokens per cycle; 0 = plain decoding
-    max_spec_steps: int | None = None  # largest K the adaptive policy may use (default: spec_steps)
-    adaptive: bool = False
-    spec_topk: int = 1  # >1: a tree of drafts (the best `spec_topk` branches kept at each depth)
-    spec_tokens: int | None = None  # tree nodes verified per cycle (default: spec_topk * K, at most 63)
-    spec_tree_max_batch: int = 2  # larger batches draft chains (H200, grown 8B pair: trees win at 1-2, lose at 4+)
     max_model_len: int | None = None
     max_num_seqs: int = 64
     prefill_chunk: int = 512
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] | None = None
     aux_layer_convention: str = "sglang"
-    allow_draft_position_extension: bool = False
     allow_pickle: bool = False
-    profile: bool = False
+    profile: bool = False  # per-cycle timing from the start (`Engine.profiling` switches it at run time)
     seed: int = 0
-    tp: int = 1
-    env: dict[str, str] = field(default_factory=dict)
-    nccl_profile: str = "default"
-    graph_capture_timeout: float = 300.0
+    spec: SpecConfig = SpecConfig()
+    parallel: ParallelConfig = ParallelConfig()
 
-    def __post_init__(self) -> None:
-        if self.spec_steps < 0 or self.spec_steps > 16:
-            raise ConfigError(f"--spec-steps must be in 0..16, got {self.spec_steps}")
-        if self.spec_steps and not self.draft:
+    def __init__(self, spec: SpecConfig | None = None, parallel: ParallelConfig | None = None, **options: Any):
+        groups = {"spec": {}, "parallel": {}}
+        for name in [n for n in options if n in _GROUPED]:
+            group, key = _GROUPED[name]
+            groups[group][key] = options.pop(name)
+        unknown = sorted(set(options) - {f.name for f in dataclasses.fields(self)})
+        if unknown:
+            raise TypeError(f"EngineConfig got unknown option(s): {', '.join(unknown)}")
+        for f in dataclasses.fields(self):
+            if f.name in ("spec", "parallel"):
+                continue
+            object.__setattr__(self, f.name, options.get(f.name, f.default))
+        spec = dataclasses.replace(spec, **groups["spec"]) if spec is not None else SpecConfig(**groups["spec"])
+        parallel = (dataclasses.replace(parallel, **groups["parallel"]) if parallel is not None
+                    else ParallelConfig(**groups["parallel"]))
+        object.__setattr__(self, "spec", spec)
+        object.__setattr__(self, "parallel", parallel)
+        self._validate()
+
+    def _validate(self) -> None:
+        if self.spec.steps and not self.draft:
             raise ConfigError("--spec-steps > 0 needs a drafter: pass --draft DIR")
-        if self.max_spec_steps is None:
-            self.max_spec_steps = self.spec_steps
-        if self.max_spec_steps < self.spec_steps:
-            raise ConfigError("--max-spec-steps must be at least --spec-steps")
-        if not 1 <= self.spec_topk <= 16:
-            raise ConfigError(f"--spec-topk must be in 1..16, got {self.spec_topk}")
-        if self.spec_topk > 1:
-            k_max = self.max_spec_steps
-            if self.spec_topk * max(k_max - 1, 0) > MAX_TREE_NODES:
-                raise ConfigError(f"--spec-topk {self.spec_topk} with up to {k_max} steps needs "
-                                  f"{self.spec_topk * (k_max - 1)} drafter tree slots; at most {MAX_TREE_NODES} "
-                                  f"are supported: lower --spec-topk or --spec-steps")
-            if self.spec_tokens is not None and not 1 <= self.spec_tokens <= MAX_TREE_NODES:
-                raise ConfigError(f"--spec-tokens must be in 1..{MAX_TREE_NODES}, got {self.spec_tokens}")
-            if self.spec_tree_max_batch < 1:
-                raise ConfigError(f"--spec-tree-max-batch must be at least 1, got {self.spec_tree_max_batch}")
-        elif self.spec_tokens is not None:
-            raise ConfigError("--spec-tokens sizes a tree of drafts: it needs --spec-topk > 1")
         if self.max_num_seqs < 1:
             raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
-        if self.tp < 1:
-            raise ConfigError(f"--tp must be at least 1, got {self.tp}")
 
-    def cache_room(self, k_max: int) -> int:
-        """KV slots past a sequence's end that one cycle may write (`k_max`: the largest K, 0
-        without a drafter): K verify tokens for a chain; for a tree the most verify nodes or
-        drafter frontier slots (top-k per depth after the first)."""
-        if self.spec_topk > 1 and k_max:
-            return max(k_max, self.tree_nodes(k_max), self.spec_topk * (k_max - 1))
-        return k_max
+    def flat(self) -> dict[str, Any]:
+        """Every setting under its flat option name: `EngineConfig(**cfg.flat()) == cfg`."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in ("spec", "parallel")}
+        out.update({name: getattr(self, name) for name in _GROUPED})
+        return out
 
-    def drafts_tree(self, B: int) -> bool:
-        """Whether a speculative cycle over B sequences drafts a tree (else a chain): small
-        batches only, since verifying a tree per sequence makes large batches compute-bound."""
-        return self.spec_topk > 1 and B <= self.spec_tree_max_batch
-
-    def tree_nodes(self, K: int) -> int:
-        """Draft tokens verified per cycle at depth K: K for a chain (top-k 1), else the best
-        `spec_tokens` of the tree's candidates (top-k at depth 1, top-k of each kept branch after)."""
-        if self.spec_topk == 1:
-            return K
-        candidates = self.spec_topk + (K - 1) * self.spec_topk ** 2
-        return min(candidates, self.spec_tokens or self.spec_topk * K, MAX_TREE_NODES)
+    @classmethod
+    def option_names(cls) -> set[str]:
+        """The flat option names `from_kwargs` takes."""
+        return {f.name for f in dataclasses.fields(cls) if f.name not in ("spec", "parallel")} | set(_GROUPED)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(kwargs) - names)
+        unknown = sorted(set(kwargs) - cls.option_names())
         if unknown:
             raise ConfigError(f"unknown engine option(s): {', '.join(unknown)}")
         return cls(**kwargs)
+
+
+for _name, (_group, _key) in _GROUPED.items():
+    setattr(EngineConfig, _name, _Grouped(_group, _key))
+for _name in ("cache_room", "drafts_tree", "tree_nodes"):  # spec methods, also read as `cfg.tree_nodes(K)`
+    setattr(EngineConfig, _name, _Grouped("spec", _name))
+del _name, _group, _key
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None):

@@ -9,9 +9,10 @@ import torch
 
 from specserve.config import ConfigError, DraftConfig, EngineConfig
 from specserve.engine.engine import Engine
-from specserve.engine.runner import DraftResult
+from specserve.engine.graphs import Graph, GraphKey
 from specserve.engine.sampling import STREAM_DRAFT, BatchSampling, SamplingParams, processed_probs, sample_from, uniform
-from specserve.engine.speculative import accept_drafts, emitted_tokens
+from specserve.spec.proposer import DraftResult
+from specserve.spec.verify import accept_drafts, emitted_tokens
 from tiny import make_drafter
 
 # A small vocabulary makes a random drafter agree with the target often enough
@@ -169,8 +170,8 @@ def test_accept_tree_follows_the_matching_branch():
     """Hand-built tree: root -> a(5) -> c(7); root -> b(6) -> d(8) -> e(9). The target's argmax
     is 6 at the root, 8 at b, 1 at d: b and d are accepted (2 tokens), the next token is 1, and
     the branch's verify rows are b = 2, d = 4."""
-    from specserve.engine.runner import TreeDraft
-    from specserve.engine.speculative import accept_tree
+    from specserve.spec.proposer import TreeDraft
+    from specserve.spec.verify import accept_tree
 
     tokens = torch.tensor([[5, 6, 7, 8, 9]])
     parents = torch.tensor([[0, 0, 1, 2, 4]])
@@ -230,6 +231,30 @@ def test_tree_on_gpu_with_cuda_graphs(pair, monkeypatch):
     torch.testing.assert_close(got, want, rtol=3e-2, atol=3e-2)
 
 
+def test_engine_config_groups_flat_options_and_is_frozen():
+    """Flat options (the CLI's names) land in their groups and read back under both names; a
+    built config cannot change (a running engine reads it): `dataclasses.replace` makes a copy."""
+    import dataclasses
+
+    from specserve.config import SpecConfig
+
+    cfg = EngineConfig.from_kwargs(model="x", draft="d", spec_steps=3, spec_topk=2, tp=2, env={"A": "1"})
+    assert cfg.spec == SpecConfig(steps=3, topk=2) and cfg.spec.max_steps == 3
+    assert cfg.parallel.tp == 2 and cfg.parallel.env == {"A": "1"}
+    assert (cfg.spec_steps, cfg.max_spec_steps, cfg.spec_topk, cfg.tp, cfg.env) == (3, 3, 2, 2, {"A": "1"})
+    assert cfg.tree_nodes(3) == cfg.spec.tree_nodes(3) == 6
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.cuda_graphs = False
+    eager = dataclasses.replace(cfg, cuda_graphs=False, spec_tree_max_batch=4)
+    assert not eager.cuda_graphs and eager.spec.tree_max_batch == 4 and cfg.cuda_graphs and cfg.spec_tree_max_batch == 2
+    assert EngineConfig(**cfg.flat()) == cfg
+    assert EngineConfig.spec_tree_max_batch == SpecConfig().tree_max_batch  # class-level defaults (CLI help)
+    with pytest.raises(ConfigError, match="unknown engine option"):
+        EngineConfig.from_kwargs(spec_stepz=3)
+    with pytest.raises(ConfigError, match="needs a drafter"):
+        EngineConfig(spec_steps=3)
+
+
 def test_rows_freed_and_reused_mid_batch(pair):
     """Sequences of different lengths finish at different steps; later ones keep the right KV."""
     target, draft = pair
@@ -246,6 +271,10 @@ def test_rows_freed_and_reused_mid_batch(pair):
         spec.step()
     spec.check_idle_integrity()
     assert [s.output_ids for s in seqs] == [s.output_ids for s in base]
+    from specserve.engine.protocol import ServingEngine  # what the server reads of any engine
+
+    members = [*ServingEngine.__annotations__, *(n for n, v in vars(ServingEngine).items() if callable(v))]
+    assert not [m for m in members if not m.startswith("_") and not hasattr(spec, m)]
 
 
 def test_drafter_position_limit_falls_back_to_plain_decoding(tmp_path, pair):
@@ -459,7 +488,7 @@ def test_sequence_ending_with_its_first_token(pair):
 
 def test_policy_with_seeded_costs_needs_no_exploration():
     """Start-up costs: the best K is chosen at once; acceptance and the learned offset move it."""
-    from specserve.engine.adaptive import SpecPolicy
+    from specserve.spec.policy import SpecPolicy
 
     policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=3)
     policy.seed_costs({(1, 0): 1.0, (1, 1): 1.1, (1, 2): 1.2, (1, 3): 1.3})
@@ -487,8 +516,7 @@ def test_policy_explores_out_of_a_bad_estimate():
     """The H200 batch-64 lock-in: seeds call K=2 cheap, live K=2 cycles are very slow, and the shared
     speculative offset then makes every K look worse than plain. Periodic exploration of the
     near-best K still finds K=1, whose live cost is fine, and the policy settles there."""
-    from specserve.engine import adaptive
-    from specserve.engine.adaptive import SpecPolicy
+    from specserve.spec.policy import EXPLORE_EVERY, SpecPolicy
 
     real = {0: 1.0, 1: 1.3, 2: 3.0, 3: 3.2}  # seconds per step/cycle as the engine would time them
     policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=3)
@@ -510,14 +538,14 @@ def test_policy_explores_out_of_a_bad_estimate():
     # Without a near-best alternative, no exploration: plain stays when speculation is hopeless.
     lone = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=1)
     lone.seed_costs({(1, 0): 1.0, (1, 1): 10.0})
-    assert {lone.choose(1) for _ in range(3 * adaptive.EXPLORE_EVERY)} == {0}
+    assert {lone.choose(1) for _ in range(3 * EXPLORE_EVERY)} == {0}
 
 
 def test_policy_judges_each_k_by_its_own_cycles():
     """H200 batch 16: K=8 cycles accept less per position than K=4 cycles (a cycle starts after the
     last rejection, harder text, more often with long drafts). Rates pooled from mostly-K=8 cycles
     made K=4 look worse than K=8 (2.8 vs 3.3 tokens) though it ran faster (1.93x vs 2.18x plain)."""
-    from specserve.engine.adaptive import SpecPolicy
+    from specserve.spec.policy import SpecPolicy
 
     k8 = [0] * 37 + [1] * 17 + [2] * 6 + [3] * 7 + [4] * 5 + [5] * 3 + [7] + [8] * 24  # 3.84 tokens per cycle
     k4 = [0] * 25 + [1] * 18 + [2] * 7 + [3] * 6 + [4] * 44  # 3.26 tokens per cycle
@@ -648,7 +676,7 @@ def test_prefill_through_the_staging_cache(pair, monkeypatch):
     write a one-row staging cache (the same graph serves every row), the KV is copied to the
     sequence's row, and generation equals that of the ordinary prefill, chains and trees, at
     rows other than 0 and prompt lengths padded within a bucket; so do the drafts (acceptance)."""
-    from specserve.engine.runner import ModelRunner, _Graph
+    from specserve.engine.runner import ModelRunner
 
     target, draft = pair
     prompts = [list(range(1, VOCAB - 1)) * 5] + _prompts(3, seed=21)  # lengths 50 (bucket 64) and 1-29
@@ -658,12 +686,12 @@ def test_prefill_through_the_staging_cache(pair, monkeypatch):
             m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
             engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
         r = engine.runner
-        assert r.stage_len == 80 and r.k_stage.shape[1] == 1 and r.k_all.shape[1] == 3
+        assert r.kv.stage_len == 80 and r.kv.k_stage.shape[1] == 1 and r.kv.k_all.shape[1] == 3
         for Tb in r.prefill_buckets:
             g = _EagerGraph(lambda Tb=Tb: r._prefill_body(Tb))
-            r.graphs[("prefill", Tb, 1)] = _Graph(g, g.outputs)
+            r.graphs[GraphKey("prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
             g = _EagerGraph(lambda Tb=Tb: r._drafter_prefill_body(Tb))
-            r.graphs[("drafter_prefill", Tb, 1)] = _Graph(g, g.outputs)
+            r.graphs[GraphKey("drafter_prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
         staged = []
         real_prefill = r.prefill
         monkeypatch.setattr(r, "prefill", lambda *a: (real_prefill(*a), staged.append(r._graph_prefilled))[0])
@@ -692,7 +720,7 @@ def test_prefill_graphs_equal_eager_prefill_on_gpu(pair):
     target, draft = pair
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=3))
     r = engine.runner
-    assert r.prefill_buckets and ("prefill", 64, 1) in r.graphs
+    assert r.prefill_buckets and GraphKey("prefill", 1, tokens=64) in r.graphs
     g = torch.Generator().manual_seed(5)
     for T, row in ((5, 2), (40, 1), (100, 0), (256, 2)):
         prompt = torch.randint(0, VOCAB - 1, (T,), generator=g).tolist()
@@ -700,15 +728,15 @@ def test_prefill_graphs_equal_eager_prefill_on_gpu(pair):
         drafter_kv = r.drafter.attention_modules()[0]
         got = [t.clone() for t in r.prefill(row, [prompt], [0])]
         assert r.drafter_prefill(row, nxt)
-        got += [c[:, row, :, :T].clone() for c in (r.k_all, r.v_all)]
+        got += [c[:, row, :, :T].clone() for c in (r.kv.k_all, r.kv.v_all)]
         got += [c[row, :, :T].clone() for c in (drafter_kv.k_cache, drafter_kv.v_cache)]
-        for c in (r.k_all[:, row], r.v_all[:, row], drafter_kv.k_cache[row], drafter_kv.v_cache[row]):
+        for c in (r.kv.k_all[:, row], r.kv.v_all[:, row], drafter_kv.k_cache[row], drafter_kv.v_cache[row]):
             c.zero_()
         graphs, r.graphs = r.graphs, {}  # no graph: the eager prefills
         want = list(r.prefill(row, [prompt], [0]))
         assert not r.drafter_prefill(row, nxt)
         r.drafter_extend(row, nxt[None], want[1], torch.arange(T, device="cuda")[None])
-        want += [c[:, row, :, :T] for c in (r.k_all, r.v_all)] + [c[row, :, :T] for c in (drafter_kv.k_cache, drafter_kv.v_cache)]
+        want += [c[:, row, :, :T] for c in (r.kv.k_all, r.kv.v_all)] + [c[row, :, :T] for c in (drafter_kv.k_cache, drafter_kv.v_cache)]
         r.graphs = graphs
         for a, b in zip(got, want):
             assert a.shape == b.shape

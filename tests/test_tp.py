@@ -126,6 +126,9 @@ def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
         while eng.has_work():
             eng.step()
         eng.check_idle_integrity()
+        # The server reads the view as it reads an in-process engine (`ServingEngine`).
+        assert not [m for m in _serving_members() if not hasattr(eng, m)]
+        assert eng.cfg.spec_topk == topk and len(eng.policy.acceptance(True)) == 3
     assert [o.token_ids for o in out_g] == [o.token_ids for o in ref_g]
     assert [o.token_ids for o in out_s] == [o.token_ids for o in ref_s]
     assert [o.spec["accepted_tokens"] for o in out_g] == [o.spec["accepted_tokens"] for o in ref_g]
@@ -135,6 +138,13 @@ def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     assert max(max(o.spec["accept_per_position"][1:]) for o in out_g) > 0  # beyond the first draft
     assert [s.output_ids for s in seqs] == [o.token_ids for o in ref_g[:2]]
     assert all(s.finish_reason == "length" for s in seqs)
+
+
+def _serving_members() -> list[str]:
+    from specserve.engine.protocol import ServingEngine
+
+    return [*ServingEngine.__annotations__,
+            *(n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_"))]
 
 
 @pytest.mark.slow

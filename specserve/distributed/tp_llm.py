@@ -39,8 +39,10 @@ from types import SimpleNamespace
 
 from specserve import envs
 from specserve.config import ConfigError, EngineConfig
-from specserve.engine.engine import Engine, Sequence, SpecStats, Status
+from specserve.engine.engine import Engine
+from specserve.engine.sequence import Sequence, SpecStats, Status
 from specserve.engine.llm import LLM, RequestOutput, demo_paths, prepare_requests
+from specserve.engine.protocol import ServingEngine
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
 
@@ -55,12 +57,8 @@ class WorkerLLM(LLM):
     def __init__(self, cfg: EngineConfig):
         self.config = cfg
         self.tokenizer = Tokenizer(cfg.model)
-        self._want_graphs = cfg.cuda_graphs
-        cfg.cuda_graphs = False
-        try:
-            self.engine = Engine(cfg, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit)
-        finally:
-            cfg.cuda_graphs = self._want_graphs
+        eager = dataclasses.replace(cfg, cuda_graphs=False)  # graphs come later, from `capture_graphs`
+        self.engine = Engine(eager, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit)
         self.draft_embedding = self._replicate_draft_embedding()
 
     def _replicate_draft_embedding(self) -> str:
@@ -95,19 +93,17 @@ class WorkerLLM(LLM):
         return "shared (vocab-parallel)"
 
     def capture_graphs(self, on_progress) -> None:
-        # The same graph families Engine.__init__ captures (engine.cfg is this cfg, now with graphs on).
+        """The graph families Engine.__init__ captures, for an engine built without them."""
         e = self.engine
-        spec = []
-        if e.runner.drafter is not None:
-            spec = list(range(1, e.runner.k_max + 1)) if self.config.adaptive else [self.config.spec_steps]
-        e.graph_seconds = e.runner.capture_graphs(spec, on_progress)
+        e.graph_seconds = e.runner.capture_graphs(e.spec_values, on_progress, enabled=self.config.cuda_graphs)
 
     def light_stats(self) -> dict:
         """Counters attached to every reply of rank 0 (cheap; no per-cycle profile)."""
         e = self.engine
         return {"totals": dataclasses.asdict(e.totals), "tokens_generated": e.tokens_generated, "last_k": e.last_k,
                 "choices": dict(e.policy.choices) if e.policy else None,
-                "acceptance": e.policy.acceptance() if e.policy else None, "kv_usage": e.kv_usage(),
+                "acceptance": e.policy.acceptance() if e.policy else None,
+                "acceptance_tree": e.policy.acceptance(True) if e.policy else None, "kv_usage": e.kv_usage(),
                 "n_running": e.n_running, "n_waiting": len(e.waiting), "free_rows": e.free_rows}
 
 
@@ -162,21 +158,21 @@ class TPLLM:
             raise ConfigError(f"model directory {model!r} does not exist (specserve loads local Hugging Face directories only)")
         kw = dict(engine_kwargs, env=dict(env or {}), nccl_profile=nccl_profile or "default")
         self.config = cfg = EngineConfig.from_kwargs(model=str(model), draft=draft, **kw)
-        if cfg.tp < 2:
+        if cfg.parallel.tp < 2:
             raise ConfigError("TPLLM needs tp >= 2; use LLM for a single process")
         self.device = device = resolve_device(cfg.device)
         if device.type == "cuda":
             import torch
 
             if device.index not in (None, 0):
-                raise ConfigError(f"--device {cfg.device} with --tp {cfg.tp}: TP workers use cuda:0..cuda:{cfg.tp - 1}; "
+                raise ConfigError(f"--device {cfg.device} with --tp {cfg.parallel.tp}: TP workers use cuda:0..cuda:{cfg.parallel.tp - 1}; "
                                   "select GPUs with CUDA_VISIBLE_DEVICES instead")
-            if torch.cuda.device_count() < cfg.tp:
-                raise ConfigError(f"--tp {cfg.tp} needs {cfg.tp} GPUs, {torch.cuda.device_count()} visible")
+            if torch.cuda.device_count() < cfg.parallel.tp:
+                raise ConfigError(f"--tp {cfg.parallel.tp} needs {cfg.parallel.tp} GPUs, {torch.cuda.device_count()} visible")
         self.model_cfg = self._check_divisible()
         self.tokenizer = Tokenizer(cfg.model)
-        self.nccl_profile = load_profile(cfg.nccl_profile)
-        self.wenv = build_worker_env(dict(os.environ), self.nccl_profile, cfg.env)
+        self.nccl_profile = load_profile(cfg.parallel.nccl_profile)
+        self.wenv = build_worker_env(dict(os.environ), self.nccl_profile, cfg.parallel.env)
         for note in self.wenv.notes:
             log.warning("[tp] %s", note)
         self.warnings: list[str] = []
@@ -186,7 +182,7 @@ class TPLLM:
         self._seqs: dict[str, Sequence] = {}
         self._ids = 0
         self._stats: dict = {}
-        base = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.name not in ("env", "nccl_profile")}
+        base = {k: v for k, v in cfg.flat().items() if k not in ("env", "nccl_profile")}
         graphs = cfg.cuda_graphs and graphs_possible(device)
         try:
             self._start(base, graphs, start_timeout)
@@ -204,7 +200,7 @@ class TPLLM:
     def _check_divisible(self):
         from specserve.config import ModelConfig
 
-        m, tp = ModelConfig.from_dir(self.config.model), self.config.tp
+        m, tp = ModelConfig.from_dir(self.config.model), self.config.parallel.tp
         for what, n in (("num_attention_heads", m.num_heads), ("num_key_value_heads", m.num_kv_heads),
                         ("intermediate_size", m.intermediate_size), ("vocab_size", m.vocab_size)):
             if n % tp:
@@ -214,7 +210,7 @@ class TPLLM:
     def _start(self, base: dict, graphs: bool, timeout: float) -> None:
         from specserve.distributed.group import WorkerGroup
 
-        self.group = group = WorkerGroup(self.config.tp, self.wenv)
+        self.group = group = WorkerGroup(self.config.parallel.tp, self.wenv)
 
         def on_progress(rank, msg):
             g = (msg.get("data") or {}).get("graph")
@@ -226,7 +222,7 @@ class TPLLM:
                 dev = f"cuda:{rank}" if self.device.type == "cuda" else "cpu"
                 conn.send({"type": "init", "mode": "engine", "engine": dict(base, cuda_graphs=graphs, device=dev),
                            "timeout_s": min(timeout, 600.0)})
-            ready = group.recv_all(timeout=timeout, stall_timeout=self.config.graph_capture_timeout if graphs else None,
+            ready = group.recv_all(timeout=timeout, stall_timeout=self.config.parallel.capture_timeout if graphs else None,
                                    what="start-up", on_progress=on_progress)
         except BaseException:
             group.kill()
@@ -234,7 +230,7 @@ class TPLLM:
         self.info = {k: v for k, v in ready[0].items() if k not in ("type", "stats")}
         self.info.update(graphs_enabled=graphs, nccl_profile=self.nccl_profile.name, env_notes=list(self.wenv.notes))
         self._stats = ready[0]["stats"]
-        log.info("[tp] %d workers ready: all-reduce %s, %d CUDA graphs, max_model_len %d", self.config.tp,
+        log.info("[tp] %d workers ready: all-reduce %s, %d CUDA graphs, max_model_len %d", self.config.parallel.tp,
                  self.info["allreduce"], self.info["graphs"], self.info["max_model_len"])
 
     # ------------------------------------------------------------------ API
@@ -363,19 +359,20 @@ class TPLLM:
 class _PolicyView:
     def __init__(self, stats: dict):
         self.choices = {int(k): v for k, v in (stats.get("choices") or {}).items()}
-        self._acc = stats.get("acceptance") or []
+        self._acc = {False: stats.get("acceptance") or [], True: stats.get("acceptance_tree") or []}
 
-    def acceptance(self) -> list[float]:
-        return list(self._acc)
+    def acceptance(self, tree: bool = False) -> list[float]:
+        return list(self._acc[tree])
 
 
-class TPEngineView:
-    """What callers read from `LLM.engine`, from rank 0's counters as of the last
-    reply (no extra round trip), plus add_request/step/abort/has_work for
-    step-wise driving. `profile` and `check_idle_integrity()` ask the workers."""
+class TPEngineView(ServingEngine):
+    """The `ServingEngine` over TP workers: counters from rank 0 as of the last reply (no extra
+    round trip); add_request/step/abort/has_work drive the workers; `profile` and
+    `check_idle_integrity()` ask them."""
 
     def __init__(self, llm: TPLLM):
         self._llm = llm
+        self.cfg = llm.config
         self.add_request, self.step, self.abort, self.has_work = llm.add_request, llm.step, llm.abort, llm.has_work
         info = llm.info
         self.max_model_len = info["max_model_len"]

@@ -153,7 +153,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
             "type": "progress", "phase": "graphs", "text": f"captured graph {n}/{total} {'/'.join(map(str, key))} "
             f"batch {B}", "data": {"graph": [n, total, list(key), B]}}))
     engine = llm.engine
-    if engine.policy is not None and cfg.adaptive and size > 1:
+    if engine.policy is not None and cfg.spec.adaptive and size > 1:
         engine.policy.sync_choice = ps.broadcast_int
     if graphs:
         # Replay every graph once, all ranks together: a graph that captured but hangs on
@@ -166,7 +166,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
     ch.send({"type": "ready", "allreduce": backend, "graphs": len(r.graphs), "graph_seconds": engine.graph_seconds,
              "load_seconds": r.load_seconds, "startup_seconds": time.perf_counter() - t0,
              "max_model_len": engine.max_model_len, "rows": r.rows, "device": str(device), "dtype": str(r.dtype),
-             "kv_bytes": r.kv_bytes(), "has_drafter": r.drafter is not None,
+             "kv_bytes": r.kv.nbytes(), "has_drafter": r.drafter is not None,
              "draft_embedding": llm.draft_embedding, "stats": llm.light_stats()})
 
     while True:
@@ -191,7 +191,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
             elif op == "profile_summary":
                 reply = llm.profile_summary()
             elif op == "set_profile":  # per-cycle timing on/off (read by the engine every step)
-                engine.cfg.profile = bool(cmd["on"])
+                engine.profiling = bool(cmd["on"])
                 reply = None
             elif op == "check_idle":
                 try:

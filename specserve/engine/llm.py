@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from specserve.config import DEMO_DIR, ConfigError, EngineConfig
-from specserve.engine.engine import Engine, Sequence
+from specserve.engine.engine import Engine
+from specserve.engine.sequence import Sequence
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
 

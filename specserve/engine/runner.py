@@ -1,5 +1,5 @@
-"""The model runner: owns the weights, the KV caches, the drafter's pending
-inputs and the CUDA graphs, and runs the four kinds of forward pass:
+"""The model runner: loads the weights, holds the graphs' static inputs and runs
+the four kinds of forward pass, eagerly or by CUDA graph replay:
 
 - prefill   (eager)  a chunk of prompt tokens for newly admitted sequences;
 - decode    (graph)  one token per running sequence;
@@ -15,27 +15,16 @@ branch that matches the target's own token (argmax or seeded draw) at each node,
 moves its KV into place and writes the drafter's next inputs: a cycle is two graph
 replays and one read of the results.
 
-KV layout: one slot ("row") per sequence, [rows, kv_heads, cache_len, head_dim]
-per layer, with running sequences kept in rows 0..B-1 so every graph reads a
-plain view of the cache (no gather). Fixed slots rather than paged blocks:
-without paged-attention kernels (no flash-attn/flashinfer on our GPUs) SDPA
-needs contiguous keys, static shapes suit CUDA graphs, and rewinding rejected
-drafts is just not advancing the length. The cost is memory reserved for
-max_model_len per slot, which `plan_kv` accounts for up front.
-
-cache_len = max_model_len + room + 1 (rounded up), room = K_max for chains (tree: the
-most verify nodes or drafter tree slots): draft and verify tokens of a sequence near
-its end may sit past max_model_len, and the last index is a scratch slot that padding
-tokens write to and no real query ever reads.
+KV memory lives in `kv_cache.KVCache` (layout and sizing there), the drafter's pending
+inputs in `spec.proposer.PendingInputs`, graph capture in `graphs`; acceptance and the
+tree's KV move are `spec.verify`'s, called from inside the tree-verify graph body.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -47,7 +36,6 @@ from specserve.config import (
     EngineConfig,
     ModelConfig,
     default_max_model_len,
-    prefill_stage_len,
     resolve_aux_layers,
 )
 from specserve.engine.sampling import (
@@ -59,46 +47,15 @@ from specserve.engine.sampling import (
     sample_tokens,
     uniform,
 )
+from specserve.engine.graphs import Graph, GraphKey, capture, default_graph_batch_sizes
+from specserve.engine.kv_cache import KVCache, cache_length
 from specserve.kernels.tree import tree_level
-from specserve.model.layers import ForwardContext, KVCacheAttention, pin_attributes
+from specserve.model.layers import ForwardContext, pin_attributes
 from specserve.model.loader import load_drafter, load_target, resolve_device, resolve_dtype
+from specserve.spec.proposer import PENDING_WIDTH, DraftResult, PendingInputs, TreeDraft
+from specserve.spec.verify import accept_tree, branch_inputs, move_branch_kv
 
 log = logging.getLogger("specserve.runner")
-
-PENDING_WIDTH = 16  # drafter inputs buffered per sequence while speculation is paused
-
-
-def default_graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
-    sizes = [b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256) if b < max_num_seqs]
-    return tuple(sizes + [max_num_seqs])
-
-
-@dataclass
-class TreeDraft:
-    """N draft nodes per sequence, parents before children. Verify row 0 is the root (the last
-    accepted token); node j sits in verify row j + 1."""
-
-    tokens: torch.Tensor  # [B, N] target ids
-    parents: torch.Tensor  # [B, N] verify row of each node's parent (0 = the root)
-    depth: torch.Tensor  # [B, N] 1..K
-    anc: torch.Tensor  # [B, N] int64, bit i set: node i is the node itself or one of its ancestors
-
-    def head(self, B: int, N: int) -> "TreeDraft":
-        """Views of the first B rows and N nodes."""
-        return TreeDraft(self.tokens[:B, :N], self.parents[:B, :N], self.depth[:B, :N], self.anc[:B, :N])
-
-
-@dataclass
-class DraftResult:
-    tokens: torch.Tensor  # [B, K] target ids
-    draft_ids: torch.Tensor | None  # [B, K] draft-vocab ids (sampling only)
-    probs: torch.Tensor | None  # [B, K, Vd] draft distributions (sampling only)
-    vocab_map: torch.Tensor | None = None  # [Vd] target id of each draft id
-
-
-class _Graph:
-    def __init__(self, graph, outputs):
-        self.graph, self.outputs = graph, outputs
 
 
 class ModelRunner:
@@ -114,16 +71,16 @@ class ModelRunner:
                 f"--max-model-len {self.max_model_len} exceeds the target's max_position_embeddings "
                 f"{self.model_cfg.max_position_embeddings}"
             )
-        self.k_max = cfg.max_spec_steps if self.draft_cfg else 0
-        self.topk = cfg.spec_topk if self.draft_cfg else 1
+        self.k_max = cfg.spec.max_steps if self.draft_cfg else 0
+        self.topk = cfg.spec.topk if self.draft_cfg else 1
         self.pending_width = max(PENDING_WIDTH, self.k_max + 1)
-        self.room = cfg.cache_room(self.k_max)  # slots past a sequence's end that a cycle may write
-        self.cache_len = -(-(self.max_model_len + self.room + 1) // 16) * 16
+        self.room = cfg.spec.cache_room(self.k_max)  # slots past a sequence's end that a cycle may write
+        self.cache_len = cache_length(self.max_model_len, self.room)
         self.scratch = self.cache_len - 1
         self.rows = cfg.max_num_seqs
         self.drafter_max_pos = None
         if self.draft_cfg is not None:
-            self.drafter_max_pos = None if cfg.allow_draft_position_extension else self.draft_cfg.max_position_embeddings
+            self.drafter_max_pos = None if cfg.spec.draft_position_extension else self.draft_cfg.max_position_embeddings
 
         t0 = time.perf_counter()
         self.target = load_target(cfg.model, self.device, self.dtype, self.cache_len, cfg.allow_pickle)
@@ -153,7 +110,7 @@ class ModelRunner:
         self.linear_tuning = self._tune_linear()
         self._allocate()
         self._tree_const: dict[int, dict[str, torch.Tensor]] = {}
-        self.graphs: dict[tuple, _Graph] = {}
+        self.graphs: dict[GraphKey, Graph] = {}
         self.graph_batch_sizes: tuple[int, ...] = ()
         self.graph_pool = None
 
@@ -178,22 +135,15 @@ class ModelRunner:
                     w.data = column_major_copy(w.data)
             report = tune_linear_cpu(weights)
         if report:
-            log.info("linear kernels tuned in %.1fs: %s", time.perf_counter() - t0, report)
+            log.info("linear kernels tuned in %.1fs: %d weight shapes, %d (shape, rows) timings (details at DEBUG)",
+                     time.perf_counter() - t0, len(report), sum(len(v) for v in report.values()))
+            log.debug("linear kernel timings per shape and rows: %s", report)
         return report
 
     # ------------------------------------------------------------------ memory
-    def kv_bytes(self) -> int:
-        return sum(a.k_cache.numel() * 2 * a.k_cache.element_size() for a in self._attn_modules())
-
-    def _attn_modules(self):
-        mods = list(self.target.attention_modules())
-        if self.drafter is not None:
-            mods += self.drafter.attention_modules()
-        return mods
-
     def _prefill_graph_buckets(self) -> tuple[int, ...]:
-        """Prompt lengths (padded up to these) prefilled by a CUDA graph: run eagerly, an 8B model's
-        ~450 kernel launches cost ~10 ms of host time, twice the GPU's work."""
+        """Prompt lengths (padded up to these) prefilled by a CUDA graph: run eagerly, a large
+        model's hundreds of kernel launches cost more host time than the GPU's work takes."""
         if not (self.device.type == "cuda" and self.cfg.cuda_graphs):
             return ()
         return tuple(b for b in PREFILL_GRAPH_TOKENS if b <= self.max_model_len and b // 2 < self.cfg.prefill_chunk)
@@ -204,51 +154,12 @@ class ModelRunner:
 
     def _allocate(self) -> None:
         self.prefill_buckets = self._prefill_graph_buckets()
-        needed = 0
-        for a in self._attn_modules():
-            needed += 2 * self.rows * a.num_kv_heads * self.cache_len * a.head_dim * torch.finfo(self.dtype).bits // 8
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.9)
-        else:
-            import psutil
-
-            budget = int(psutil.virtual_memory().available * 0.5)
-        if needed > budget:
-            raise ConfigError(
-                f"KV cache for {self.rows} sequences x {self.max_model_len} tokens needs {needed / 2**30:.2f} GiB, "
-                f"only {budget / 2**30:.2f} GiB is available; lower --max-num-seqs or --max-model-len"
-            )
-        # The target's layers share one K and one V tensor ([layer, row, kv_head, index, dim]), so
-        # moving a tree branch's KV into place is one copy for all layers, not one per layer.
-        t = list(self.target.attention_modules())
-        shape = (len(t), self.rows, t[0].num_kv_heads, self.cache_len, t[0].head_dim)
-        self.k_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.v_all = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        for i, a in enumerate(t):
-            a.k_cache, a.v_cache = self.k_all[i], self.v_all[i]
-        for a in self._attn_modules()[len(t):]:
-            shape = (self.rows, a.num_kv_heads, self.cache_len, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            a.v_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        # Prefill graphs write a staging cache of one row, as long as the longest bucket plus a
-        # scratch slot: one graph then serves every row (the KV is copied to the sequence's row
-        # after), and staging costs a prompt's KV, not a whole sequence's.
-        self.stage_len = prefill_stage_len(max(self.prefill_buckets, default=0))
-        self.stage_scratch = self.stage_len - 1
-        self.stage: dict[KVCacheAttention, tuple[torch.Tensor, torch.Tensor]] = {}
-        if self.prefill_buckets:
-            def staging(a, layers=()):
-                return torch.zeros(*layers, 1, a.num_kv_heads, self.stage_len, a.head_dim, dtype=self.dtype,
-                                   device=self.device)
-
-            self.k_stage, self.v_stage = staging(t[0], (len(t),)), staging(t[0], (len(t),))
-            self.stage = {a: (self.k_stage[i], self.v_stage[i]) for i, a in enumerate(t)}
-            self.stage.update({a: (staging(a), staging(a)) for a in self._attn_modules()[len(t):]})
+        self.kv = KVCache(self.target, self.drafter, self.rows, self.max_model_len, self.room, self.dtype, self.device,
+                          max(self.prefill_buckets, default=0))
+        self.pending: PendingInputs | None = None
         if self.drafter is not None:
-            H3 = 3 * self.model_cfg.hidden_size
-            self.pending_tok = torch.zeros(self.rows, self.pending_width, dtype=torch.long, device=self.device)
-            self.pending_feat = torch.zeros(self.rows, self.pending_width, H3, dtype=self.dtype, device=self.device)
+            self.pending = PendingInputs(self.rows, self.pending_width, 3 * self.model_cfg.hidden_size, self.dtype,
+                                         self.device)
         # Static inputs shared by all graphs (largest shapes; graphs read prefixes).
         W = max(self.room + 1, 1)
         self.s_ids = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
@@ -261,7 +172,7 @@ class ModelRunner:
         self.s_pos = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
         # Trees: the drafted tree (written by the draft graph, read by the verify graph) and the
         # verify inputs staged by the host.
-        N = self.cfg.tree_nodes(self.k_max) if self.topk > 1 else 0
+        N = self.cfg.spec.tree_nodes(self.k_max) if self.topk > 1 else 0
         self.tree = TreeDraft(*(torch.zeros(self.rows, N, dtype=torch.long, device=self.device) for _ in range(4)))
         self.s_root = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.s_pos0 = torch.zeros(self.rows, dtype=torch.long, device=self.device)
@@ -276,15 +187,9 @@ class ModelRunner:
         """Copy a sequence's KV (first `length` positions) and pending drafter inputs to another row."""
         if src == dst:
             return
-        n = min(length + self.room + 1, self.cache_len)
-        for cache in (self.k_all, self.v_all):  # every target layer at once
-            cache[:, dst, :, :n] = cache[:, src, :, :n]
-        for a in self.drafter.attention_modules() if self.drafter is not None else ():
-            a.k_cache[dst, :, :n] = a.k_cache[src, :, :n]
-            a.v_cache[dst, :, :n] = a.v_cache[src, :, :n]
+        self.kv.move_row(src, dst, length)
         if self.drafter is not None and pending:
-            self.pending_tok[dst, :pending] = self.pending_tok[src, :pending]
-            self.pending_feat[dst, :pending] = self.pending_feat[src, :pending]
+            self.pending.move_row(src, dst, pending)
 
     # ----------------------------------------------------------------- prefill
     @torch.inference_mode()
@@ -294,19 +199,18 @@ class ModelRunner:
         (None without a drafter)."""
         m, T = len(chunks), max(len(c) for c in chunks)
         Tb = self._prefill_bucket(T)
-        graph = self.graphs.get(("prefill", Tb, 1))
+        graph = self.graphs.get(GraphKey("prefill", 1, tokens=Tb))
         self._graph_prefilled = None
         if m == 1 and starts[0] == 0 and graph is not None:
             ids = torch.zeros(1, Tb, dtype=torch.long)
             ids[0, :T] = torch.tensor(chunks[0])
-            pos = torch.full((1, Tb), self.stage_scratch, dtype=torch.long)
+            pos = torch.full((1, Tb), self.kv.stage_scratch, dtype=torch.long)
             pos[0, :T] = torch.arange(T)
             self.s_pf_ids[:, :Tb].copy_(ids, non_blocking=True)
             self.s_pf_pos[:, :Tb].copy_(pos, non_blocking=True)
             self.s_pf_last.fill_(T - 1)
             graph.graph.replay()
-            for cache, staged in ((self.k_all, self.k_stage), (self.v_all, self.v_stage)):  # all layers at once
-                cache[:, row_start, :, :T] = staged[:, 0, :, :T]
+            self.kv.unstage_target(row_start, T)
             self._graph_prefilled = (row_start, T)
             logits, feats = graph.outputs
             return logits, (feats[:, :T] if feats is not None else None)
@@ -324,32 +228,19 @@ class ModelRunner:
         h_last = hidden[torch.arange(m, device=self.device), last]
         return self.target.logits(h_last), feats
 
-    @contextlib.contextmanager
-    def _staged(self, mods):
-        """The attention modules `mods` read and write their staging caches meanwhile (a graph
-        captured inside keeps doing so)."""
-        saved = [(a.k_cache, a.v_cache) for a in mods]
-        for a in mods:
-            a.k_cache, a.v_cache = self.stage[a]
-        try:
-            yield
-        finally:
-            for a, (k, v) in zip(mods, saved):
-                a.k_cache, a.v_cache = k, v
-
     def _prefill_body(self, Tb: int):
         """One prompt's first Tb tokens (padding at the staging scratch slot) in the staging cache;
         keys past the prompt are never seen (each query sees indices up to its own)."""
         ids, pos = self.s_pf_ids[:, :Tb], self.s_pf_pos[:, :Tb]
-        with self._staged(self.target.attention_modules()):
+        with self.kv.staged(self.target.attention_modules()):
             hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, Tb))
         return self.target.logits(hidden[0, self.s_pf_last]), feats
 
     def _drafter_prefill_body(self, Tb: int):
         """The drafter's KV for a graph-prefilled prompt (staging cache), from that graph's features."""
-        feats = self.graphs[("prefill", Tb, 1)].outputs[1]
-        pos = self._drafter_positions(self.s_pf_pos[:, :Tb], self.stage_scratch)
-        with self._staged(self.drafter.attention_modules()):
+        feats = self.graphs[GraphKey("prefill", 1, tokens=Tb)].outputs[1]
+        pos = self._drafter_positions(self.s_pf_pos[:, :Tb], self.kv.stage_scratch)
+        with self.kv.staged(self.drafter.attention_modules()):
             self.drafter(self.s_pf_tok[:, :Tb], feats, ForwardContext(0, pos, pos, Tb))
         return ()
 
@@ -359,15 +250,12 @@ class ModelRunner:
         token t+1: `tok` [T] on the device) by graph, copied to the row. False (nothing done) when
         the last prefill was not that one or no graph fits."""
         T = tok.shape[0]
-        graph = self.graphs.get(("drafter_prefill", self._prefill_bucket(T), 1))
+        graph = self.graphs.get(GraphKey("drafter_prefill", 1, tokens=self._prefill_bucket(T)))
         if self._graph_prefilled != (row, T) or graph is None:
             return False
         self.s_pf_tok[0, :T].copy_(tok)
         graph.graph.replay()
-        for a in self.drafter.attention_modules():
-            k, v = self.stage[a]
-            a.k_cache[row, :, :T] = k[0, :, :T]
-            a.v_cache[row, :, :T] = v[0, :, :T]
+        self.kv.unstage_drafter(row, T)
         return True
 
     def _rope_pos(self, pos: torch.Tensor) -> torch.Tensor:
@@ -441,7 +329,7 @@ class ModelRunner:
         row's last real entry."""
         d = self.drafter
         pos = self.s_pos[:B, : K + 1]
-        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], self._context(pos, pos))
+        out = d(self.pending.tok[:B, : K + 1], self.pending.feat[:B, : K + 1], self._context(pos, pos))
         rows = torch.arange(B, device=self.device)
         last = self.s_last[:B]
         g = out[rows, last].unsqueeze(1)  # [B, 1, H]
@@ -472,11 +360,11 @@ class ModelRunner:
         log-probability, the k best becoming the next frontier. Of all candidates the best N are
         verified. A child scores strictly below its parent, so the best N always include every
         selected node's ancestors."""
-        d, k, N = self.drafter, self.topk, self.cfg.tree_nodes(K)
+        d, k, N = self.drafter, self.topk, self.cfg.spec.tree_nodes(K)
         dev, scratch = self.device, self.scratch
         c = self._tree_constants(K)
         pos = self.s_pos[:B, : K + 1]
-        out = d(self.pending_tok[:B, : K + 1], self.pending_feat[:B, : K + 1], self._context(pos, pos))
+        out = d(self.pending.tok[:B, : K + 1], self.pending.feat[:B, : K + 1], self._context(pos, pos))
         rows = torch.arange(B, device=dev)
         last = self.s_last[:B]
         p_last = pos[rows, last]  # the last real entry; drafter tree slots follow it
@@ -555,9 +443,7 @@ class ModelRunner:
         inputs (feature, token) along the branch. Padding rows (pos0 at the scratch slot) write
         only there. Returns (accepted count, the branch's tokens then the next token, logits: float32
         when sampling, else the model's dtype)."""
-        from specserve.engine.speculative import accept_tree, emitted_tokens
-
-        N, dev, scratch = self.cfg.tree_nodes(K), self.device, self.scratch
+        N, dev, scratch = self.cfg.spec.tree_nodes(K), self.device, self.scratch
         tree = self.tree.head(B, N)
         pos0 = self.s_pos0[:B].unsqueeze(1)
         pad = pos0 == scratch
@@ -573,25 +459,14 @@ class ModelRunner:
                           per_node(self.s_seed), all_greedy=not sampling, filtered=filtered)
         pred = sample_tokens(logits, s, rope + 1)  # each node's token, keyed by the position it would fill
         n_acc, next_tok, path = accept_tree(pred, tree, K, self.s_enabled[:B])
-        # Move the branch's KV: depth d from index pos0 + path[d-1] to pos0 + d (reads before writes).
-        d = torch.arange(1, K + 1, device=dev)
-        dst = torch.where(pad, scratch, pos0 + d)
-        src = torch.where(d <= n_acc.unsqueeze(1), pos0 + path, dst)
-        rows = torch.arange(B, device=dev).unsqueeze(1)
-        for cache in (self.k_all, self.v_all):
-            cache[:, rows, :, dst] = cache[:, rows, :, src]
-        # Drafter inputs for the next cycle: (feature_j, token_j+1) for j = 0..a along the branch.
-        grid = emitted_tokens(tree.tokens.gather(1, (path - 1).clamp_min(0)), n_acc, next_tok)
-        feat_rows = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
-        feat = feats.gather(1, feat_rows.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
-        keep = pad.unsqueeze(-1)  # padding rows may belong to sequences still in prefill: untouched
-        self.pending_tok[:B, : K + 1] = torch.where(pad, self.pending_tok[:B, : K + 1], grid)
-        self.pending_feat[:B, : K + 1] = torch.where(keep, self.pending_feat[:B, : K + 1], feat)
+        move_branch_kv((self.kv.k_all, self.kv.v_all), pos0, pad, n_acc, path, K, scratch)
+        grid, feat = branch_inputs(tree, feats, n_acc, next_tok, path)
+        self.pending.set_cycle_except(B, pad, grid, feat)
         return n_acc, grid, logits
 
-    def _run(self, key: tuple, B: int, body):
-        """Replay the captured graph for this key's batch bucket, or run eagerly."""
-        g = self.graphs.get((*key, self._bucket(B)))
+    def _run(self, kind: str, B: int, body, K: int = 0, sampling: bool = False, filtered: bool = False):
+        """Replay the captured graph of this kind at B's batch bucket, or run eagerly."""
+        g = self.graphs.get(GraphKey(kind, self._bucket(B), K, 0, sampling, filtered))
         if g is None:
             return body(B)
         g.graph.replay()
@@ -611,7 +486,7 @@ class ModelRunner:
         self.s_ids[:B, 0].copy_(ids)
         self.s_pos[:B, 0].copy_(pos)
         self._fill_padding(B, 1)
-        return self._run(("decode",), B, self._decode_body)
+        return self._run("decode", B, self._decode_body)
 
     @torch.inference_mode()
     def draft(self, K: int, entry_pos: torch.Tensor, last_idx: torch.Tensor, s: BatchSampling) -> DraftResult:
@@ -623,8 +498,7 @@ class ModelRunner:
         if sampling:  # (greedy drafting reads no sampling parameters)
             self._set_sampling(B, s)
         # Sampling batches always take the filtering path: top-k 0 / top-p 1 rows pass through unchanged.
-        key = ("draft", K, sampling, sampling)
-        out = self._run(key, B, lambda b: self._draft_body(b, K, sampling, sampling))
+        out = self._run("draft", B, lambda b: self._draft_body(b, K, sampling, sampling), K, sampling, sampling)
         if self.graphs:
             # All graphs share one memory pool, so the verify replay that follows may reuse
             # this graph's output memory: take the (small) draft outputs out first.
@@ -640,7 +514,7 @@ class ModelRunner:
         self.s_ids[:B, :W].copy_(ids)
         self.s_pos[:B, :W].copy_(pos0.unsqueeze(1) + torch.arange(W, device=self.device))
         self._fill_padding(B, W)
-        return self._run(("verify", W - 1), B, lambda b: self._verify_body(b, W - 1))
+        return self._run("verify", B, lambda b: self._verify_body(b, W - 1), W - 1)
 
     @torch.inference_mode()
     def draft_tree(self, K: int, entry_pos: torch.Tensor, last_idx: torch.Tensor) -> TreeDraft:
@@ -650,8 +524,8 @@ class ModelRunner:
         self.s_pos[:B, : K + 1].copy_(entry_pos)
         self.s_last[:B].copy_(last_idx)
         self._fill_padding(B, K + 1)
-        self._run(("tree_draft", K), B, lambda b: self._tree_draft_body(b, K))
-        return self.tree.head(B, self.cfg.tree_nodes(K))
+        self._run("tree_draft", B, lambda b: self._tree_draft_body(b, K), K)
+        return self.tree.head(B, self.cfg.spec.tree_nodes(K))
 
     @torch.inference_mode()
     def verify_tree(self, K: int, root: torch.Tensor, pos0: torch.Tensor, enabled: torch.Tensor,
@@ -672,14 +546,14 @@ class ModelRunner:
             self.s_pos0[B:Bb] = self.scratch
             self.s_enabled[B:Bb] = False
         filtered = sampling and s.filtered
-        return self._run(("tree_verify", K, sampling, filtered), B,
-                         lambda b: self._tree_verify_body(b, K, sampling, filtered))
+        return self._run("tree_verify", B, lambda b: self._tree_verify_body(b, K, sampling, filtered), K, sampling,
+                         filtered)
 
     @torch.inference_mode()
     def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int = 5) -> dict:
         """Seconds per plain step (K=0) and per speculative cycle (K drafts + verify) at each batch
         size, timed on dummy rows whose context is half of max_model_len. Seeds the adaptive policy,
-        which then needs no live exploration of every K (that cost up to 11% in short runs).
+        which then needs no live exploration of every K (costly in short runs).
         The K values are timed in turn, `reps` rounds, and each takes its median: drift and a stray
         slow call (a shared CPU) hit every K alike instead of reordering them."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
@@ -697,7 +571,7 @@ class ModelRunner:
                 entry[:, 0] = ctx - 1
 
                 def cycle(K=K, entry=entry):
-                    if self.cfg.drafts_tree(B):  # greedy cycles as the engine runs them
+                    if self.cfg.spec.drafts_tree(B):  # greedy cycles as the engine runs them
                         self.draft_tree(K, entry, last)
                         self.verify_tree(K, ids, pos, on)
                         return
@@ -719,10 +593,11 @@ class ModelRunner:
 
     # ------------------------------------------------------------ CUDA graphs
     @torch.inference_mode()
-    def capture_graphs(self, spec_steps: list[int], on_progress=None) -> float:
-        """Capture decode, draft and verify graphs for every batch bucket,
-        largest first so smaller graphs reuse its memory pool."""
-        if self.device.type != "cuda" or not self.cfg.cuda_graphs:
+    def capture_graphs(self, spec_steps: list[int], on_progress=None, enabled: bool | None = None) -> float:
+        """Capture decode, draft and verify graphs for every batch bucket, largest first so smaller
+        graphs reuse its memory pool. `enabled` (default: the config's cuda_graphs) lets an engine
+        built without graphs capture them afterwards (the TP workers do, under a timeout)."""
+        if self.device.type != "cuda" or not (self.cfg.cuda_graphs if enabled is None else enabled):
             return 0.0
         t0 = time.perf_counter()
         sizes = self.cfg.graph_batch_sizes or default_graph_batch_sizes(self.rows)
@@ -731,43 +606,30 @@ class ModelRunner:
         # prompt prefills first: the largest activations, so the other graphs reuse their pool
         jobs = []
         for Tb in reversed(self.prefill_buckets):
-            jobs.append((("prefill", Tb), 1, lambda b, Tb=Tb: self._prefill_body(Tb)))
+            jobs.append((GraphKey("prefill", 1, tokens=Tb), lambda b, Tb=Tb: self._prefill_body(Tb)))
             if self.drafter is not None:  # (reads the prefill graph's features: captured after it)
-                jobs.append((("drafter_prefill", Tb), 1, lambda b, Tb=Tb: self._drafter_prefill_body(Tb)))
-        tree_buckets = {self._bucket(n) for n in range(1, max(sizes) + 1) if self.cfg.drafts_tree(n)}
+                jobs.append((GraphKey("drafter_prefill", 1, tokens=Tb), lambda b, Tb=Tb: self._drafter_prefill_body(Tb)))
+        tree_buckets = {self._bucket(n) for n in range(1, max(sizes) + 1) if self.cfg.spec.drafts_tree(n)}
         for B in sorted(sizes, reverse=True):
-            jobs.append((("decode",), B, self._decode_body))
+            jobs.append((GraphKey("decode", B), self._decode_body))
             for K in spec_steps:
                 if K <= 0:
                     continue
-                jobs.append((("verify", K), B, lambda b, K=K: self._verify_body(b, K)))
-                jobs.append((("draft", K, False, False), B, lambda b, K=K: self._draft_body(b, K, False, False)))
-                jobs.append((("draft", K, True, True), B, lambda b, K=K: self._draft_body(b, K, True, True)))
+                jobs.append((GraphKey("verify", B, K), lambda b, K=K: self._verify_body(b, K)))
+                jobs.append((GraphKey("draft", B, K), lambda b, K=K: self._draft_body(b, K, False, False)))
+                jobs.append((GraphKey("draft", B, K, sampling=True, filtered=True),
+                             lambda b, K=K: self._draft_body(b, K, True, True)))
                 if B in tree_buckets:
                     for flags in ((False, False), (True, False), (True, True)):  # greedy, sampled, filtered
-                        jobs.append((("tree_verify", K, *flags), B,
+                        jobs.append((GraphKey("tree_verify", B, K, 0, *flags),
                                      lambda b, K=K, f=flags: self._tree_verify_body(b, K, *f)))
-                    jobs.append((("tree_draft", K), B, lambda b, K=K: self._tree_draft_body(b, K)))
+                    jobs.append((GraphKey("tree_draft", B, K), lambda b, K=K: self._tree_draft_body(b, K)))
         # Padding state for capture: every row writes to the scratch slot.
         self.s_pos.fill_(self.scratch)
         self.s_pos0.fill_(self.scratch)
         self.s_ids.zero_()
         self.s_last.zero_()
         self.s_temp.fill_(1.0)
-        self.s_pf_pos.fill_(self.stage_scratch)
-        stream = torch.cuda.Stream(self.device)
-        for n, (key, B, body) in enumerate(jobs):
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                body(B)  # warm-up outside the graph (allocator, lazy init)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.graph_pool, stream=stream):
-                outputs = body(B)
-            if self.graph_pool is None:
-                self.graph_pool = graph.pool()
-            self.graphs[(*key, B)] = _Graph(graph, outputs)
-            if on_progress:
-                on_progress(n + 1, len(jobs), key, B)
-        torch.cuda.synchronize(self.device)
+        self.s_pf_pos.fill_(self.kv.stage_scratch)
+        self.graph_pool = capture(jobs, self.device, self.graphs, on_progress)
         return time.perf_counter() - t0

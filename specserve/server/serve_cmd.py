@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import logging
+import os
 import socket
 import sys
 import time
@@ -211,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
 
     metrics = Metrics()
     loop = EngineLoop(build, metrics, capacity=engine_cfg.max_num_seqs + max_queue, on_error=fatal)
-    info = {"engine": {k: v for k, v in vars(engine_cfg).items()}, "tp": args.tp}
+    info = {"engine": engine_cfg.flat(), "tp": args.tp}
     app = create_app(loop, metrics, cfg, info)
     server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
                                            timeout_keep_alive=30), app.state.srv, args.shutdown_timeout)

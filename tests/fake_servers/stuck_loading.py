@@ -11,7 +11,6 @@ import http.server
 import os
 import sys
 import threading
-import time
 
 p = argparse.ArgumentParser()
 p.add_argument("--port", type=int, required=True)

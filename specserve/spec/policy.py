@@ -6,9 +6,9 @@ produced, shrunk towards the model 1 + sum_{i<=K} prod_{j<=i} a_j, where a_j is 
 conditional acceptance rate at draft position j pooled over every K (tracked apart for
 tree cycles, which accept more per position than chains). The pooled model alone is
 biased towards long drafts: a cycle starts right after the previous one's rejection,
-where the text is harder to guess, more often the longer the drafts (H200 batch 16,
-first-position acceptance 0.75 with K=4, 0.63 with K=8), so rates learnt while running
-K=8 undervalue K=4 (policy ran K=8 at 1.93x plain where K=4 made 2.18x). The policy
+where the text is harder to guess, more often the longer the drafts, so rates learnt
+while running a long K undervalue a shorter one and would keep the policy on the long
+K where the shorter is faster. The policy
 picks the K with the highest expected tokens per second at the current batch size,
 K = 0 included, so speculation is used only where it pays.
 
@@ -23,9 +23,9 @@ every (bucket, K) is tried twice before the model trusts its numbers.
 Every EXPLORE_EVERY-th choice at a bucket runs the K with the stalest live cost
 among those within EXPLORE_WITHIN of the best (judged optimistically: a K not yet
 timed live by its start-up cost without the offset), so one bad estimate cannot
-lock the policy out of a better K for good (seen on an H200 at batch 64:
-a few slow K=6 cycles raised the shared offset until plain decoding looked best,
-and K=4, really 1.26x plain, was never tried again).
+lock the policy out of a better K for good: a few slow cycles of one K raise the
+shared offset of every speculative K, which can make plain decoding look best while
+another K would still beat it.
 """
 
 from __future__ import annotations
@@ -52,15 +52,15 @@ def bucket_sizes(max_batch: int) -> list[int]:
 
 class SpecPolicy:
     def __init__(self, cfg: EngineConfig, k_max: int):
-        self.fixed = None if cfg.adaptive else cfg.spec_steps
+        self.fixed = None if cfg.spec.adaptive else cfg.spec.steps
         self.k_max = k_max
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds per step, measured live
         self.tries: dict[tuple[int, int], int] = {}
         self.seeded: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds, from start-up
         self.offset: dict[tuple[int, bool], float] = {}  # (bucket, speculative?) -> live - seeded
         # Conditional acceptance per position, from a weak optimistic prior (Beta(2, 1)); kept apart
-        # for tree cycles (EngineConfig.drafts_tree), which accept more.
-        self.tree = cfg.drafts_tree
+        # for tree cycles (SpecConfig.drafts_tree), which accept more.
+        self.tree = cfg.spec.drafts_tree
         self.acc_hits = {mode: [2.0] * k_max for mode in (False, True)}
         self.acc_seen = {mode: [3.0] * k_max for mode in (False, True)}
         self.own_tokens: dict[tuple[bool, int], list[float]] = {}  # (tree?, K) -> [tokens, sequence-cycles]

@@ -9,14 +9,15 @@ p and q, which reduces the rule to "accept while argmax matches".
 
 Trees (`accept_tree`) are verified against the target's own token at every node
 (its argmax, or its seeded draw): a branch is accepted while its tokens equal
-those, which keeps greedy and sampled output exactly plain decoding's.
+those, which keeps greedy and sampled output exactly plain decoding's. The accepted
+branch's KV then moves into place (`move_branch_kv`) and its entries become the drafter's
+next inputs (`branch_inputs`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from specserve.engine.runner import DraftResult, TreeDraft
 from specserve.engine.sampling import (
     STREAM_ACCEPT,
     STREAM_TARGET,
@@ -26,6 +27,7 @@ from specserve.engine.sampling import (
     uniform,
 )
 from specserve.kernels.argmax import argmax
+from specserve.spec.proposer import DraftResult, TreeDraft
 
 
 def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, pos0: torch.Tensor,
@@ -92,3 +94,27 @@ def accept_tree(pred: torch.Tensor, tree: TreeDraft, K: int, enabled: torch.Tens
     at_level = on_branch.unsqueeze(1) & (tree.depth.unsqueeze(1) == levels.view(1, K, 1))  # [B, K, N]
     path_rows = torch.where(at_level.any(-1), at_level.int().argmax(-1) + 1, 0)
     return n_acc, next_tok, path_rows
+
+
+def move_branch_kv(caches, pos0: torch.Tensor, pad: torch.Tensor, n_acc: torch.Tensor, path: torch.Tensor,
+                   K: int, scratch: int) -> None:
+    """Move the accepted branch's KV in every target layer: depth d from index pos0 + path[d-1]
+    to pos0 + d (reads before writes). `caches`: the [layer, row, kv_head, index, dim] K and V
+    tensors; pos0 [B, 1]; padding rows (`pad`, pos0 at the scratch slot) write only there."""
+    dev = pos0.device
+    d = torch.arange(1, K + 1, device=dev)
+    dst = torch.where(pad, scratch, pos0 + d)
+    src = torch.where(d <= n_acc.unsqueeze(1), pos0 + path, dst)
+    rows = torch.arange(pos0.shape[0], device=dev).unsqueeze(1)
+    for cache in caches:
+        cache[:, rows, :, dst] = cache[:, rows, :, src]
+
+
+def branch_inputs(tree: TreeDraft, feats: torch.Tensor, n_acc: torch.Tensor, next_tok: torch.Tensor,
+                  path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's next inputs along the accepted branch: (feature_j, token_j+1) for j = 0..a.
+    Returns (tokens [B, K+1]: the branch then the next token, features [B, K+1, 3H])."""
+    grid = emitted_tokens(tree.tokens.gather(1, (path - 1).clamp_min(0)), n_acc, next_tok)
+    feat_rows = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
+    feat = feats.gather(1, feat_rows.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
+    return grid, feat

@@ -1,0 +1,159 @@
+"""Drafting: the drafter's pending inputs and the chain or tree draft of a cycle.
+
+The drafter reads (feature_t, token_t+1) entries: the target's EAGLE features at a
+position and the token that follows it. Entries the drafter has not yet seen wait in
+per-row pending buffers (`PendingInputs`): written by prefill, plain steps and verify,
+consumed by the next draft's extend. `Proposer` is what the engine calls: it turns a
+batch's bookkeeping into entry positions and queues the draft (a tree at batch sizes
+that draft trees, else a chain) through the runner's graphs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specserve.engine.sampling import BatchSampling, to_device
+
+PENDING_WIDTH = 16  # drafter inputs buffered per sequence while speculation is paused
+
+
+@dataclass
+class TreeDraft:
+    """N draft nodes per sequence, parents before children. Verify row 0 is the root (the last
+    accepted token); node j sits in verify row j + 1."""
+
+    tokens: torch.Tensor  # [B, N] target ids
+    parents: torch.Tensor  # [B, N] verify row of each node's parent (0 = the root)
+    depth: torch.Tensor  # [B, N] 1..K
+    anc: torch.Tensor  # [B, N] int64, bit i set: node i is the node itself or one of its ancestors
+
+    def head(self, B: int, N: int) -> "TreeDraft":
+        """Views of the first B rows and N nodes."""
+        return TreeDraft(self.tokens[:B, :N], self.parents[:B, :N], self.depth[:B, :N], self.anc[:B, :N])
+
+
+@dataclass
+class DraftResult:
+    tokens: torch.Tensor  # [B, K] target ids
+    draft_ids: torch.Tensor | None  # [B, K] draft-vocab ids (sampling only)
+    probs: torch.Tensor | None  # [B, K, Vd] draft distributions (sampling only)
+    vocab_map: torch.Tensor | None = None  # [Vd] target id of each draft id
+
+
+class PendingInputs:
+    """Per row, the drafter entries not yet fed to it: tokens [rows, width] and features
+    [rows, width, 3H], entry i of a row at sequence position (num_cached - pending + i)."""
+
+    def __init__(self, rows: int, width: int, feat_dim: int, dtype: torch.dtype, device: torch.device):
+        self.width = width
+        self.tok = torch.zeros(rows, width, dtype=torch.long, device=device)
+        self.feat = torch.zeros(rows, width, feat_dim, dtype=dtype, device=device)
+
+    def move_row(self, src: int, dst: int, n: int) -> None:
+        """Copy a row's first `n` entries to another row."""
+        self.tok[dst, :n] = self.tok[src, :n]
+        self.feat[dst, :n] = self.feat[src, :n]
+
+    def set_first(self, row: int, tok: torch.Tensor, feat: torch.Tensor) -> None:
+        """A prompt's last entry, left for its first cycle."""
+        self.tok[row, 0] = tok
+        self.feat[row, 0] = feat
+
+    def set_at(self, rows: torch.Tensor, at: torch.Tensor, tok: torch.Tensor, feat: torch.Tensor) -> None:
+        """A plain step's entries: row rows[b] at slot at[b] (device tensors, nothing read back)."""
+        self.tok[rows, at] = tok
+        self.feat[rows, at] = feat
+
+    def set_cycle(self, B: int, tok: torch.Tensor, feat: torch.Tensor) -> None:
+        """A chain cycle's entries for the next one: the first K + 1 slots of rows 0..B-1."""
+        W = tok.shape[1]
+        self.tok[:B, :W] = tok
+        self.feat[:B, :W] = feat
+
+    def set_cycle_except(self, B: int, pad: torch.Tensor, tok: torch.Tensor, feat: torch.Tensor) -> None:
+        """As `set_cycle`, leaving padding rows (`pad` [B, 1]) untouched: in a graph padded to its
+        batch bucket they may belong to sequences still in prefill."""
+        W = tok.shape[1]
+        self.tok[:B, :W] = torch.where(pad, self.tok[:B, :W], tok)
+        self.feat[:B, :W] = torch.where(pad.unsqueeze(-1), self.feat[:B, :W], feat)
+
+
+class Proposer:
+    """The engine's side of drafting: entry positions, feeding pending entries to the drafter and
+    queueing a cycle's draft. Every method takes and leaves device tensors (nothing read back), so
+    each can be queued ahead of the host (`overlap`)."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.device = runner.device
+        self.pending: PendingInputs = runner.pending
+        self.width = runner.pending.width
+        self.scratch = runner.scratch
+        # Drafting is skipped (acceptance forced to 0) where the drafter would pass its trained positions.
+        self.max_pos: int | None = runner.drafter_max_pos
+        self.drafts_tree = runner.cfg.spec.drafts_tree
+
+    def entry_positions(self, K: int, start: torch.Tensor, last: torch.Tensor) -> torch.Tensor:
+        """[B, K + 1] positions of each row's drafter entries: start .. start + last (none where
+        last is -1), the scratch slot after them."""
+        j = torch.arange(K + 1, device=self.device)
+        return torch.where(j <= last.unsqueeze(1), start.unsqueeze(1) + j, self.scratch)
+
+    def feed(self, B: int, width: int, start: torch.Tensor, fed: torch.Tensor, keep: int) -> None:
+        """Feed the drafter the first fed[b] of row b's pending entries (at positions start[b]..),
+        then move the `keep` entries after them to the front: one drafter forward and one gather
+        for all rows, since per-row copies cost two kernel launches per sequence."""
+        j = torch.arange(width, device=self.device)
+        pos = torch.where(j < fed.unsqueeze(1), start.unsqueeze(1) + j, self.scratch)
+        p = self.pending
+        self.runner.drafter_extend(0, p.tok[:B, :width], p.feat[:B, :width], pos)
+        src = (fed.unsqueeze(1) + j[:keep]).clamp(max=width - 1)  # rows with nothing fed keep theirs in place
+        p.tok[:B, :keep] = p.tok[:B, :width].gather(1, src)
+        feat = p.feat[:B, :width]
+        p.feat[:B, :keep] = feat.gather(1, src.unsqueeze(-1).expand(-1, -1, feat.shape[-1]))
+
+    def flush(self, seqs, keep: int) -> None:
+        """Feed the drafter all but the last `keep` pending entries of each row, then move those
+        `keep` entries to the front."""
+        start = to_device([s.num_cached - s.pending for s in seqs], self.device)
+        fed = to_device([max(s.pending - keep, 0) for s in seqs], self.device)
+        self.feed(len(seqs), self.width, start, fed, keep)
+        for s in seqs:
+            s.pending = min(s.pending, keep)
+
+    def draft(self, B: int, K: int, entry_pos: torch.Tensor, last_idx: torch.Tensor, sampling: BatchSampling):
+        """Queue a cycle's draft: a tree at batch sizes that draft trees, else a chain."""
+        if self.drafts_tree(B):
+            return self.runner.draft_tree(K, entry_pos, last_idx)
+        return self.runner.draft(K, entry_pos, last_idx, sampling)
+
+    def draft_batch(self, seqs, K: int, spec_ok: list[bool], sampling: BatchSampling):
+        """The draft of a cycle from the batch's bookkeeping: each row's pending entries, none for
+        rows past the drafter's positions (`spec_ok` False). Pending entries beyond K + 1 must be
+        flushed first."""
+        start = to_device([s.num_cached - s.pending for s in seqs], self.device)
+        last_idx = to_device([s.pending - 1 for s in seqs], self.device)
+        entries = to_device([s.pending - 1 if ok else -1 for s, ok in zip(seqs, spec_ok)], self.device)
+        return self.draft(len(seqs), K, self.entry_positions(K, start, entries), last_idx, sampling)
+
+    def prefill(self, row_start: int, seqs, chunks, starts, feats, done, first) -> None:
+        """Write the drafter's KV for a prefill chunk's (feature_t, token_t+1) entries; a
+        completed prompt also leaves its last entry pending for the first cycle."""
+        r = self.runner
+        m, T = len(seqs), max(len(c) for c in chunks)
+        tok = torch.zeros(m, T, dtype=torch.long)
+        pos = torch.full((m, T), self.scratch, dtype=torch.long)
+        first_of = dict(zip(done, first or []))
+        for i, seq in enumerate(seqs):
+            n = len(chunks[i])
+            nxt = [seq.token_at(t + 1) if t + 1 < len(seq.prompt_ids) else first_of[i] for t in range(starts[i], starts[i] + n)]
+            tok[i, :n] = torch.tensor(nxt)
+            pos[i, :n] = torch.arange(starts[i], starts[i] + n)
+        tok, pos = tok.to(self.device), pos.to(self.device)
+        if not (m == 1 and r.drafter_prefill(row_start, tok[0])):
+            r.drafter_extend(row_start, tok, feats, pos)
+        for i in done:
+            n = len(chunks[i])
+            self.pending.set_first(seqs[i].row, tok[i, n - 1], feats[i, n - 1])
