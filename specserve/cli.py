@@ -21,6 +21,7 @@ COMMANDS = {
     "nccl-tune": ("specserve.distributed.nccl_tune", "measure all-reduce latency per NCCL profile, write the best"),
     "train-draft": ("specserve.train.train_draft", "train an EAGLE-3 drafter for a target"),
     "grow": ("specserve.train.grow", "widen the demo pair to a larger, function-preserving shape"),
+    "convert-gguf": ("specserve.model.gguf", "write a GGUF checkpoint as a Hugging Face folder (safetensors)"),
 }
 
 

