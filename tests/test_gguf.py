@@ -259,3 +259,13 @@ def test_smollm2_greedy_tokens_equal_transformers():
         ref = hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(p):].tolist()
         assert out.token_ids == ref
+
+
+def test_check_reads_a_gguf_without_loading_it(tiny_gguf):
+    from specserve.ops.check import has_errors, run_checks
+
+    findings = run_checks(str(tiny_gguf), device="cpu")
+    assert not has_errors(findings), [x for x in findings if x.level == "error"]
+    by_code = {x.code: x.message for x in findings}
+    assert "1 GGUF file(s)" in by_code["target_weights"]
+    assert by_code["target_tokenizer"] == f"tiny.gguf: {VOCAB} tokens"
