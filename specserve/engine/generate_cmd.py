@@ -20,7 +20,8 @@ def device_name(text: str) -> str:
 
 def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True) -> None:
     """Flags shared by generate, bench and serve (serve adapts by default and offers --no-adaptive instead)."""
-    p.add_argument("--model", help="target model directory (default: the bundled demo target)")
+    p.add_argument("--model", help="target: a Hugging Face model directory, a .gguf file (or a folder holding one) "
+                   "or a known model name such as smollm2-135m-instruct (default: the bundled demo target)")
     p.add_argument("--draft", help="EAGLE-3 drafter directory (default with the demo target: the demo drafter)")
     p.add_argument("--spec-steps", type=int, default=None,
                    help="draft tokens per cycle K (default: 4 with a drafter, else 0 = plain decoding)")

@@ -1,5 +1,5 @@
 """Tokenizer from a local Hugging Face directory (tokenizer.json +
-tokenizer_config.json), with EOS ids, the chat template and incremental
+tokenizer_config.json) or a GGUF file's vocabulary, with EOS ids, the chat template and incremental
 detokenization for streaming."""
 
 from __future__ import annotations
@@ -14,29 +14,37 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         from tokenizers import Tokenizer as HFTokenizer
 
+        from specserve.model.gguf import find_gguf, hf_config, tokenizer_parts
+
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.exists():
-            raise ConfigError(f"{model_dir} has no tokenizer.json (a fast Hugging Face tokenizer is required)")
-        self.tok = HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        gguf_file = find_gguf(model_dir)
+        side_configs: list[dict] = []  # where EOS ids beyond the tokenizer's own eos_token are declared
+        if gguf_file is not None:
+            self.tok, self.config = tokenizer_parts(gguf_file)
+            side_configs.append(hf_config(gguf_file))
+        else:
+            path = model_dir / "tokenizer.json"
+            if not path.exists():
+                raise ConfigError(f"{model_dir} has no tokenizer.json (a fast Hugging Face tokenizer is required)")
+            self.tok = HFTokenizer.from_file(str(path))
+            cfg_path = model_dir / "tokenizer_config.json"
+            self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+            tmpl = model_dir / "chat_template.jinja"
+            if self.config.get("chat_template") is None and tmpl.exists():
+                self.config["chat_template"] = tmpl.read_text()
+            side_configs += [json.loads(p.read_text()) for p in (model_dir / "generation_config.json",
+                                                                  model_dir / "config.json") if p.exists()]
         self.chat_template = self.config.get("chat_template")
-        tmpl = model_dir / "chat_template.jinja"
-        if self.chat_template is None and tmpl.exists():
-            self.chat_template = tmpl.read_text()
         self.bos_token = self._token_text(self.config.get("bos_token"))
         self.eos_token = self._token_text(self.config.get("eos_token"))
         self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token is not None
         self.eos_token_ids: set[int] = set()
         if self.eos_token is not None and self.tok.token_to_id(self.eos_token) is not None:
             self.eos_token_ids.add(self.tok.token_to_id(self.eos_token))
-        for name in ("generation_config.json", "config.json"):
-            p = model_dir / name
-            if p.exists():
-                eos = json.loads(p.read_text()).get("eos_token_id")
-                if eos is not None:
-                    self.eos_token_ids.update(eos if isinstance(eos, list) else [eos])
+        for side in side_configs:
+            eos = side.get("eos_token_id")
+            if eos is not None:
+                self.eos_token_ids.update(eos if isinstance(eos, list) else [eos])
         self.vocab_size = self.tok.get_vocab_size()
 
     @staticmethod
