@@ -4,6 +4,7 @@ detokenization for streaming."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -61,6 +62,25 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def end_of_turn_id(self) -> int | None:
+        """The special token the chat template closes an assistant turn with (<|im_end|>,
+        <|eot_id|>, ...), read by rendering a one-exchange conversation: chat replies stop
+        there even where generation_config.json does not list it as an EOS."""
+        probe = "specserve probe reply"
+        try:
+            text = self.apply_chat_template([{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": probe}], add_generation_prompt=False)
+        except Exception:  # no template, or one that refuses this conversation: nothing to learn
+            return None
+        after = text.partition(probe)[2].lstrip()
+        specials = sorted((t.content for t in self.tok.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)
+        for content in specials:
+            if content and after.startswith(content):
+                return self.tok.token_to_id(content)
+        return None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:
