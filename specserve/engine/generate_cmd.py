@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-from specserve.config import ConfigError, EngineConfig
+from specserve.config import ConfigError, EngineConfig, check_max_num_seqs
 
 
 def device_name(text: str) -> str:
@@ -64,6 +64,8 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
     if model is None:
         model, demo_draft = demo_paths()
         draft = draft or demo_draft
+    if args.max_num_seqs is not None:  # checked here too: bench raises the count to its largest batch
+        check_max_num_seqs(args.max_num_seqs)
     K = args.spec_steps if args.spec_steps is not None else (4 if draft else 0)
     if K == 0 and not args.adaptive:
         draft = None
