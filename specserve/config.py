@@ -363,6 +363,12 @@ _GROUPED = {
 }
 
 
+def check_max_num_seqs(n: int) -> None:
+    """Every engine needs a KV row: a count below 1 is refused, never replaced by a default."""
+    if n < 1:
+        raise ConfigError(f"--max-num-seqs must be at least 1, got {n}")
+
+
 @dataclass(frozen=True, init=False)
 class EngineConfig:
     """Settings of one engine instance, frozen once built: engine-wide fields here, speculation in
@@ -408,8 +414,7 @@ class EngineConfig:
     def _validate(self) -> None:
         if self.spec.steps and not self.draft:
             raise ConfigError("--spec-steps > 0 needs a drafter: pass --draft DIR")
-        if self.max_num_seqs < 1:
-            raise ConfigError(f"--max-num-seqs must be at least 1, got {self.max_num_seqs}")
+        check_max_num_seqs(self.max_num_seqs)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.prefill_chunk < 1:

@@ -150,6 +150,13 @@ def test_config_errors_raised_by_a_command_are_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: --devices 9: no such GPU\n"
 
 
+@pytest.mark.parametrize("command", ["generate", "serve", "bench"])
+def test_max_num_seqs_zero_is_an_error_not_the_default(command, capsys):
+    args = [command, "--max-num-seqs", "0", "--device", "cpu"] + (["--prompt", "x"] if command == "generate" else [])
+    assert main(args) == 1
+    assert "--max-num-seqs must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_internal_errors_keep_their_traceback(monkeypatch):
     from specserve.ops import gpus
 

@@ -229,6 +229,7 @@ def test_openai_client_completions_chat_streaming(live, offline):
 
 
 # ------------------------------------------------------------------ the load
+@pytest.mark.slow
 def test_200_concurrent_streams_match_offline_and_free_all_kv(live, offline):
     n, max_tokens = 200, 16
     greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
@@ -530,6 +531,7 @@ def test_metrics_exposition_names_and_format(live):
 
 
 # ---------------------------------------------------------------------- CLI
+@pytest.mark.slow
 def test_cli_serve_subprocess_ready_then_clean_exit(http, pair, tmp_path):
     env = {**os.environ, "SPECSERVE_API_KEY": "cli-key"}
     cmd = [sys.executable, "-m", "specserve", "serve", "--model", pair[0], "--draft", pair[1], "--port", "0",

@@ -117,6 +117,7 @@ CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature",
                "model"]
 
 
+@pytest.mark.slow
 def test_fuzz_every_field_while_streams_run(live):
     """Every field of both schemas gets every hostile value while four streams
     run: each answer is a 200 or a 4xx naming the field, never a 5xx; the
@@ -416,6 +417,7 @@ def long_stream(url: str, first: threading.Event, lines: list[str]) -> None:
                 first.set()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig,grace", [(signal.SIGTERM, "600"), (signal.SIGINT, "0")])
 def test_shutdown_drains_then_ends_the_rest_cleanly(http, pair, sig, grace):
     """First signal: admissions stop (503, /health not ready) and the running

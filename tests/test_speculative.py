@@ -44,6 +44,7 @@ def _prompts(n, seed=0):
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_greedy_speculation_is_token_identical(pair, batch):
     target, draft = pair
@@ -75,6 +76,7 @@ def test_adaptive_speculation_is_token_identical(pair):
     assert all(abs(v) < wall for v in engine.policy.offset.values())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 3, 8])
 def test_tree_speculation_is_token_identical(pair, batch):
     """Greedy tree drafting (top-k branches per depth, the best N nodes verified under an ancestor
@@ -93,6 +95,7 @@ def test_tree_speculation_is_token_identical(pair, batch):
                 assert engine.totals.accepted > chain.totals.accepted
 
 
+@pytest.mark.slow
 def test_tree_with_adaptive_steps_and_sampled_rows(pair):
     """A tree engine under the adaptive policy stays lossless; batches above --spec-tree-max-batch
     switch to chains; sampled requests emit exactly plain sampling's tokens."""
@@ -145,6 +148,7 @@ def test_tree_with_adaptive_steps_and_sampled_rows(pair):
     assert [q.output_ids for q in seqs] == [base[i] if i % 2 else plain[i] for i in range(len(prompts))]
 
 
+@pytest.mark.slow
 def test_tree_up_to_max_model_len(pair):
     """Sequences that run into max_model_len mid-tree (verify nodes and drafter tree slots past the
     end land in the cache's extra room): greedy and sampled rows still equal plain decoding."""
@@ -255,6 +259,7 @@ def test_engine_config_groups_flat_options_and_is_frozen():
         EngineConfig(spec_steps=3)
 
 
+@pytest.mark.slow
 def test_rows_freed_and_reused_mid_batch(pair):
     """Sequences of different lengths finish at different steps; later ones keep the right KV."""
     target, draft = pair
@@ -277,6 +282,7 @@ def test_rows_freed_and_reused_mid_batch(pair):
     assert not [m for m in members if not m.startswith("_") and not hasattr(spec, m)]
 
 
+@pytest.mark.slow
 def test_drafter_position_limit_falls_back_to_plain_decoding(tmp_path, pair):
     target, _ = pair
     short = make_drafter(tmp_path / "short", target, draft_vocab=8, max_pos=24)
@@ -290,6 +296,7 @@ def test_drafter_position_limit_falls_back_to_plain_decoding(tmp_path, pair):
     assert out == base
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", ["specforge", "sglang", "eagle"])
 def test_drafter_layouts_load_and_stay_lossless(tmp_path, pair, layout):
     target, _ = pair
@@ -323,6 +330,7 @@ def test_drafter_errors_name_the_tensor(tmp_path, pair):
         Engine(EngineConfig(model=str(target), draft=str(d), spec_steps=2, device="cpu"))
 
 
+@pytest.mark.slow
 def test_sampled_speculation_is_reproducible_and_batch_independent(pair):
     target, draft = pair
     prompts = _prompts(4, seed=9)
@@ -400,6 +408,7 @@ def test_distribution_test_catches_a_wrong_rule():
     assert _tv(first, p0) > TV_BOUND
 
 
+@pytest.mark.slow
 def test_end_to_end_sampling_distribution(pair):
     """The second generated token (the first one produced by a speculative cycle)
     follows the target's exact marginal, computed by enumeration."""
@@ -427,6 +436,7 @@ def test_end_to_end_sampling_distribution(pair):
     assert _tv(torch.tensor(seconds), marginal) < 0.05  # n = 4000: exact sampler ~0.02
 
 
+@pytest.mark.slow
 def test_one_engine_switches_between_plain_fixed_and_adaptive(pair):
     """bench reuses one engine's weights and graphs for every setting."""
     target, draft = pair
@@ -447,6 +457,7 @@ def test_one_engine_switches_between_plain_fixed_and_adaptive(pair):
         engine.set_spec_steps(5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_plain_steps_queued_ahead_change_nothing(pair, temperature):
     """Plain decoding with the next step queued before the last is read (as on CUDA): the same
@@ -588,6 +599,7 @@ def test_plain_steps_queued_ahead_while_drafting(pair):
     assert base[0] == plain[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree", "sampled", "adaptive", "position-limit"])
 def test_drafts_queued_ahead_change_nothing(pair, tmp_path, mode):
     """Each cycle's draft queued behind the previous verify, from entries computed on the device
@@ -671,6 +683,7 @@ class _EagerGraph:
                 out.copy_(new)
 
 
+@pytest.mark.slow
 def test_prefill_through_the_staging_cache(pair, monkeypatch):
     """The prompt prefill that CUDA graphs run, played eagerly on the CPU: target and drafter
     write a one-row staging cache (the same graph serves every row), the KV is copied to the
@@ -765,6 +778,7 @@ def test_no_reference_fallbacks_on_gpu(pair, monkeypatch):
             assert calls == [], (kw, n, sorted(set(calls)))
 
 
+@pytest.mark.slow
 def test_generate_cli_with_a_tree(capsys):
     """`specserve generate --spec-topk/--spec-tokens` on the bundled pair: the same text as plain
     decoding, tree statistics in --json; inconsistent tree flags fail with a clear message."""

@@ -282,6 +282,7 @@ def test_crash_leaving_workers_behind(scenarios):
     assert len(pids) == 7 and survivors(pids) == []
 
 
+@pytest.mark.slow
 def test_slow_but_logging_server_is_never_killed(scenarios):
     s = launched(scenarios, "slow")
     assert s.rc == sup.EXIT_OK, "the slow server must not be killed"

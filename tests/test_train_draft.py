@@ -356,11 +356,13 @@ def test_cli_flags_map_onto_train_config():
     flag reaches its field."""
     import argparse
 
+    from specserve.train.train_draft_cmd import add_arguments
+
     p = argparse.ArgumentParser()
-    td.add_arguments(p)
-    assert td.TrainConfig.from_args(p.parse_args(["--target", "T", "--out", "O"])) == td.TrainConfig("T", "O")
+    add_arguments(p)
+    assert td.TrainConfig.from_args(p.parse_args(["--model", "T", "--out", "O"])) == td.TrainConfig("T", "O")
     got = td.TrainConfig.from_args(p.parse_args([
-        "--target", "T", "--out", "O", "--data", "D", "--max-minutes", "3", "--regen-prompt-len", "8,16",
+        "--model", "T", "--out", "O", "--data", "D", "--max-minutes", "3", "--regen-prompt-len", "8,16",
         "--aux-layer-ids", "0,1,2", "--no-bf16", "--eval-spec-steps", "2,5", "--from", "F"]))
     assert (got.data, got.minutes, got.regen_prompt_len, got.aux_layer_ids, got.bf16, got.eval_spec_steps,
             got.from_dir) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F")

@@ -7,8 +7,8 @@ settings as the engine, and are timed the same way (wall time of a batch).
 
 Each peer runs in a process of its own (`PeerProcess`): transformers compiles
 static-cache decoding on GPUs into CUDA graphs of torch.compile's own, and
-sharing a process with the engine's graphs corrupted the engine's outputs on an
-H200 (garbage token ids, device-side asserts; 2026-11-30). A separate process
+sharing a process with the engine's graphs corrupts the engine's outputs
+(garbage token ids, device-side asserts). A separate process
 also keeps the peer's memory and threads out of the engine's timings.
 """
 

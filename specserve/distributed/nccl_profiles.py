@@ -28,8 +28,8 @@ from specserve.config import ConfigError
 
 PRESETS: dict[str, dict[str, str]] = {
     "default": {},
-    # Latency over bandwidth for small decode all-reduces on PCIe boxes. Measured slower than
-    # `default` on 2 H200 with NVLink (31 us vs 22.7 us at 8 KB, 2026-11-30): measure, don't assume.
+    # Latency over bandwidth for small decode all-reduces on PCIe boxes. With NVLink it is slower
+    # than `default` at decode sizes: measure (`specserve nccl-tune`), don't assume.
     "pcie-low-latency": {
         "NCCL_PROTO": "LL",
         "NCCL_ALGO": "Ring",

@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-from specserve.config import ConfigError, EngineConfig
+from specserve.config import ConfigError, EngineConfig, check_max_num_seqs
 
 
 def device_name(text: str) -> str:
@@ -65,6 +65,8 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
     if model is None:
         model, demo_draft = demo_paths()
         draft = draft or demo_draft
+    if args.max_num_seqs is not None:  # checked here too: bench raises the count to its largest batch
+        check_max_num_seqs(args.max_num_seqs)
     K = args.spec_steps if args.spec_steps is not None else (4 if draft else 0)
     if K == 0 and not args.adaptive:
         draft = None
@@ -72,7 +74,7 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
               adaptive=bool(args.adaptive and draft), device=args.device, dtype=args.dtype,
               spec_topk=args.spec_topk if draft else 1, spec_tokens=args.spec_tokens if draft else None,
               spec_tree_max_batch=args.spec_tree_max_batch,
-              max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs or default_max_num_seqs,
+              max_model_len=args.max_model_len, max_num_seqs=default_max_num_seqs if args.max_num_seqs is None else args.max_num_seqs,
               cuda_graphs=not args.disable_cuda_graph, aux_layer_convention=args.aux_layer_convention,
               allow_draft_position_extension=args.allow_draft_position_extension,
               allow_pickle=args.allow_pickle, tp=args.tp)

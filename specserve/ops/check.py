@@ -61,13 +61,12 @@ MIB = 1024**2
 
 # Rough allowance per device beyond weights and KV: CUDA context (~0.5 GiB, not yet
 # counted in NVML's "used" before start-up), cuBLAS/SDPA workspaces, the shared pool of
-# the decode/draft/verify CUDA graphs and prefill activations. Measured figures should
-# replace it once the GPU runs report peak memory.
+# the decode/draft/verify CUDA graphs and prefill activations. It is an allowance, not a
+# measurement: peak-memory figures from GPU runs are what should set it.
 OVERHEAD_BYTES = 1 * GIB
 # The verify forward of the largest batch keeps logits and probabilities in fp32.
 LOGIT_COPIES = 3
 
-# Mirrors runner.py: the context length served when --max-model-len is not given.
 # Mirrors loader.DTYPES/resolve_dtype (tests assert they agree).
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2}
 # safetensors dtype tags -> bytes per element.
@@ -318,7 +317,7 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
             _check_target_tensors(f, tcfg, t_weights, model_dir)
     _check_target_tokenizer(f, model_dir, tcfg)
 
-    # ---- context length (mirrors runner.py)
+    # ---- context length (config.default_max_model_len, as the engine serves it)
     served = None
     if tcfg is not None:
         served = max_model_len or default_max_model_len(tcfg, dev_type)
@@ -562,7 +561,7 @@ def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, 
     room = k if room is None else room
     target_w = _weight_bytes(t_weights, elem, {"lm_head.weight"} if t.tie_word_embeddings else set())
     draft_w = _weight_bytes(d_weights, elem, set()) if d_weights is not None else 0
-    cache_len = -(-(max_model_len + room + 1) // 16) * 16  # runner.py: room for a cycle + a scratch slot
+    cache_len = -(-(max_model_len + room + 1) // 16) * 16  # as kv_cache.cache_length, without importing torch
     kv = 2 * t.num_layers * (t.num_kv_heads // tp if t.num_kv_heads % tp == 0 else t.num_kv_heads) \
         * t.head_dim * elem * cache_len * max_num_seqs
     pending = 0
@@ -598,7 +597,7 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
             avail = psutil.virtual_memory().available
         except Exception:
             return
-        if dev_type == "cpu" and est["kv"] > avail * 0.5:  # runner.py's CPU budget for the KV cache
+        if dev_type == "cpu" and est["kv"] > avail * 0.5:  # KVCache's CPU budget for the KV cache
             f.add("warning", "memory", f"device cpu: KV cache {_gib(est['kv'])} exceeds half the available RAM "
                   f"({_gib(avail * 0.5)}): the engine would refuse to start now (it caps the KV cache there); "
                   "lower --max-num-seqs or --max-model-len")

@@ -366,7 +366,7 @@ class ThreadTuner:
 
     On an idle 2-core machine 2 threads beat 1 by ~1.5x, but when other processes compete for the
     cores, 2 OpenMP threads keep waiting for each other at every barrier and a step can become 5-10x
-    slower than with 1 thread (measured here: 1,100 vs 150-300 tok/s at load 9). So every
+    slower than with 1 thread. So every
     ``every_s`` seconds the tuner runs ``trial`` real training steps with another thread count and
     keeps whichever count had the lower median step time. A trial is cut short as soon as one of
     its steps is clearly slower, and the pause between trials doubles (up to ``max_every_s``) after
@@ -728,8 +728,8 @@ def train_target(model, train_stream, val_stream, heldout_stream, *, minutes: fl
     """Train ``model`` in place.
 
     ``workers`` > 1: that many data-parallel processes (gloo, one intra-op thread each). On this
-    2-core machine two 1-thread workers beat one 2-thread process both idle and, by 2x, when other
-    processes compete for the cores (measured: 1,900 vs 900 tok/s at load 5).
+    2-core machine two 1-thread workers beat one 2-thread process both idle and, by about 2x, when
+    other processes compete for the cores.
     ``workers`` == 1: one process whose thread count ThreadTuner adapts between ``threads``.
     """
     import torch

@@ -18,9 +18,8 @@ Construction (every step is exact in real arithmetic):
   zeros; "all" uses powers of two (37 copies = 27 x 1/32 + 10 x 1/64), so
   every weight is non-zero but each product is added in 32 pieces. Both are
   exact in bf16 (the grown checkpoint holds the small one's values, moved
-  around); in bf16 compute "one" stays closer to the small model (CPU, demo
-  pair grown to 512 wide: free-running greedy agreement 81% against 77%,
-  teacher-forced 99.5% against 99.4%). Zero weights cost the same bytes and
+  around); in bf16 compute "one" stays closer to the small model (fewer
+  rounded additions per product). Zero weights cost the same bytes and
   time in dense kernels.
 * Heads (Hq -> a*Hq, Hkv -> b*Hkv, head_dim d -> d' = s*d): new query head h
   copies old head h // a, new KV head k copies old KV head k // b; the GQA
