@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -562,6 +563,39 @@ def test_policy_with_seeded_costs_needs_no_exploration():
     unseeded = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
     assert [unseeded.choose(4) for _ in range(1)] == [0]  # without seeds: exploration first
     assert unseeded.predicted_cost(4, 0) is None
+
+
+def test_startup_times_a_bounded_grid_and_logs_progress(pair, caplog):
+    """Adaptive start-up times a few (batch bucket, K) points, logging each, and seeds every
+    (bucket, K) pair from them."""
+    target, draft = pair
+    caplog.set_level(logging.INFO, logger="specserve.runner")
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=5,
+                                 adaptive=True, max_num_seqs=64))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("timing step costs: ")]
+    total = int(lines[0].split("/")[1].split()[0])
+    assert [int(m.split()[3].split("/")[0]) for m in lines] == list(range(1, total + 1))
+    assert total <= 12  # 3 buckets x (K = 0 and 3 K values); every pair would be 7 x 6
+    assert set(engine.policy.seeded) == {(b, K) for b in (1, 2, 4, 8, 16, 32, 64) for K in range(6)}
+
+
+def test_startup_grid_and_interpolation():
+    from specserve.spec.policy import interpolate_costs, startup_grid
+
+    buckets = [1, 2, 4, 8, 16, 32, 64]
+    assert startup_grid(buckets, [1, 2, 3, 4], lambda B: False) == ([1, 8, 64], [1, 3, 4])
+    assert startup_grid(buckets, [1, 2, 3, 4], lambda B: B <= 2)[0] == [1, 2, 8, 64]  # the largest tree bucket too
+    cost = lambda B, K: 1.0 + 0.5 * K + 0.01 * B * (K + 1)  # noqa: E731  bilinear: interpolation is exact
+    tb, tk = startup_grid(buckets, [1, 2, 3, 4], lambda B: False)
+    timed = {(B, K): cost(B, K) for B in tb for K in [0] + tk}
+    filled = interpolate_costs(timed, buckets, [0, 1, 2, 3, 4])
+    assert filled.keys() == {(B, K) for B in buckets for K in range(5)}
+    assert all(abs(filled[(B, K)] - cost(B, K)) < 1e-9 for B, K in filled)
+    # Tree buckets are interpolated among themselves: a chain bucket's cycle cost is not theirs.
+    tree = lambda B: B <= 2  # noqa: E731
+    timed = {(B, K): (10.0 if tree(B) and K else 1.0) * (1 + K) for B in (1, 2, 8, 64) for K in (0, 1, 3, 4)}
+    filled = interpolate_costs(timed, buckets, [0, 1, 2, 3, 4], tree)
+    assert filled[(4, 2)] == 3.0 and filled[(2, 2)] == 30.0 and filled[(4, 0)] == 1.0
 
 
 def test_policy_explores_out_of_a_bad_estimate():

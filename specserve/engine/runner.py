@@ -541,15 +541,19 @@ class ModelRunner:
                          filtered)
 
     @torch.inference_mode()
-    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int = 5) -> dict:
+    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int | None = None) -> dict:
         """Seconds per plain step (K=0) and per speculative cycle (K drafts + verify) at each batch
         size, timed on dummy rows whose context is half of max_model_len. Seeds the adaptive policy,
         which then needs no live exploration of every K (costly in short runs).
-        The K values are timed in turn, `reps` rounds, and each takes its median: drift and a stray
-        slow call (a shared CPU) hit every K alike instead of reordering them."""
+        The K values are timed in turn, `reps` rounds (default 5 on GPU, 3 on CPU, where a cycle is
+        slow and the live averages soon replace the seeds), and each takes its median: drift and a
+        stray slow call (a shared CPU) hit every K alike instead of reordering them. Logs each
+        (batch size, K) point as it starts."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        reps = reps or (5 if self.device.type == "cuda" else 3)
         ctx = min(self.max_model_len // 2, 256)
         costs = {}
+        total, done = len(batch_sizes) * (len(spec_steps) + 1), 0
         for B in batch_sizes:
             ids = torch.zeros(B, dtype=torch.long, device=self.device)
             pos = torch.full((B,), ctx, dtype=torch.long, device=self.device)
@@ -569,7 +573,9 @@ class ModelRunner:
                     d = self.draft(K, entry, last, greedy)
                     self.verify(torch.cat([ids.unsqueeze(1), d.tokens], 1), pos)
                 runs[K] = cycle
-            for fn in runs.values():
+            for K, fn in runs.items():
+                done += 1
+                log.info("timing step costs: %d/%d (batch %d, K=%d)", done, total, B, K)
                 fn()  # warm-up (first eager call, lazy allocations)
             times: dict[int, list[float]] = {K: [] for K in runs}
             for _ in range(reps):
