@@ -205,8 +205,7 @@ def test_tree_on_gpu_with_cuda_graphs(pair, monkeypatch):
     target, draft = pair
     prompts = _prompts(5, seed=41)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=5, device="cuda", dtype="float32")
-    # Trees at every batch size here (spec_tree_max_batch=5): above it chains draft, and sampled
-    # chains use rejection sampling, equal to plain sampling in distribution only.
+    # Trees at every batch size here (spec_tree_max_batch=5).
     tree_kw = dict(spec_steps=4, spec_topk=3, spec_tree_max_batch=5, max_num_seqs=5, device="cuda", dtype="float32")
     out, engine = _run(target, draft, prompts, GREEDY, **tree_kw)
     assert out == base and engine.runner.graphs and engine.totals.accepted > 0
@@ -364,6 +363,23 @@ def test_seeded_sampling_equals_plain_decoding(pair, mode, batch):
         engine.step()
     assert [s.output_ids for s in seqs] == plain
     assert engine.totals.accepted > 0
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_equals_plain_decoding_on_gpu(pair):
+    """On CUDA with graphs (float32): the sampled draft graphs (drafts over the target's noise) and
+    chain verification emit plain seeded decoding's tokens, at fixed K and under the adaptive policy."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target, draft = pair
+    prompts = _prompts(4, seed=43)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=8, max_tokens=40, seed=3, ignore_eos=True)
+    gpu = dict(max_num_seqs=4, device="cuda", dtype="float32")
+    plain, _ = _run(target, prompts=prompts, params=params, **gpu)
+    for kw in (dict(spec_steps=3), dict(spec_steps=0, max_spec_steps=4, adaptive=True)):
+        out, engine = _run(target, draft, prompts, params, **kw, **gpu)
+        assert out == plain and engine.runner.graphs, kw
+        assert engine.totals.accepted > 0 or kw.get("adaptive")  # (the policy may find plain steps best)
 
 
 # ---------------------------------------------------------------- distribution
