@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from specserve.config import ConfigError, DraftConfig, EngineConfig
 from specserve.engine.engine import Engine
 from specserve.engine.graphs import Graph, GraphKey
-from specserve.engine.sampling import STREAM_DRAFT, BatchSampling, SamplingParams, processed_probs, sample_from, uniform
+from specserve.engine.sampling import BatchSampling, SamplingParams, draft_noise, processed_probs, sample_from
 from specserve.spec.proposer import DraftResult
 from specserve.spec.verify import accept_drafts, emitted_tokens
 from tiny import make_drafter
@@ -208,8 +209,7 @@ def test_tree_on_gpu_with_cuda_graphs(pair, monkeypatch):
     target, draft = pair
     prompts = _prompts(5, seed=41)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=5, device="cuda", dtype="float32")
-    # Trees at every batch size here (spec_tree_max_batch=5): above it chains draft, and sampled
-    # chains use rejection sampling, equal to plain sampling in distribution only.
+    # Trees at every batch size here (spec_tree_max_batch=5).
     tree_kw = dict(spec_steps=4, spec_topk=3, spec_tree_max_batch=5, max_num_seqs=5, device="cuda", dtype="float32")
     out, engine = _run(target, draft, prompts, GREEDY, **tree_kw)
     assert out == base and engine.runner.graphs and engine.totals.accepted > 0
@@ -342,10 +342,59 @@ def test_sampled_speculation_is_reproducible_and_batch_independent(pair):
     assert a == c
 
 
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("mode", [f"chain-K{K}" for K in range(1, 6)] + ["tree", "adaptive"])
+def test_seeded_sampling_equals_plain_decoding(pair, mode, batch):
+    """A seeded sampled request emits plain seeded decoding's tokens whatever K (chains 1..5, a
+    tree, the adaptive policy switching K), alone or beside other requests (other seeds, greedy,
+    filtered sampling)."""
+    target, draft = pair
+    prompts = _prompts(batch, seed=41)
+    params = [SamplingParams(temperature=0.8, max_tokens=40, seed=7, ignore_eos=True),
+              SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_tokens=40, seed=11, ignore_eos=True),
+              GREEDY,
+              SamplingParams(temperature=1.0, max_tokens=25, seed=-3, ignore_eos=True)][:batch]
+    plain = [_run(target, prompts=[p], params=sp)[0][0] for p, sp in zip(prompts, params)]
+    kw = dict(max_num_seqs=batch)
+    if mode == "tree":
+        kw.update(spec_steps=3, spec_topk=3, spec_tree_max_batch=4)
+    elif mode == "adaptive":
+        kw.update(spec_steps=0, max_spec_steps=5, adaptive=True)
+    else:
+        kw.update(spec_steps=int(mode.removeprefix("chain-K")))
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", **kw))
+    if mode == "adaptive":  # every K, plain steps included, switching between cycles
+        steps = iter([5, 1, 0, 3, 2, 4, 4, 0, 1, 5, 2] * 40)
+        engine.policy.choose = lambda B: next(steps)
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_work():
+        engine.step()
+    assert [s.output_ids for s in seqs] == plain
+    assert engine.totals.accepted > 0
+
+
+@pytest.mark.gpu
+def test_seeded_sampling_equals_plain_decoding_on_gpu(pair):
+    """On CUDA with graphs (float32): the sampled draft graphs (drafts over the target's noise) and
+    chain verification emit plain seeded decoding's tokens, at fixed K and under the adaptive policy."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target, draft = pair
+    prompts = _prompts(4, seed=43)
+    params = SamplingParams(temperature=0.9, top_p=0.95, top_k=8, max_tokens=40, seed=3, ignore_eos=True)
+    gpu = dict(max_num_seqs=4, device="cuda", dtype="float32")
+    plain, _ = _run(target, prompts=prompts, params=params, **gpu)
+    for kw in (dict(spec_steps=3), dict(spec_steps=0, max_spec_steps=4, adaptive=True)):
+        out, engine = _run(target, draft, prompts, params, **kw, **gpu)
+        assert out == plain and engine.runner.graphs, kw
+        assert engine.totals.accepted > 0 or kw.get("adaptive")  # (the policy may find plain steps best)
+
+
 # ---------------------------------------------------------------- distribution
 def _speculative_first_tokens(p_logits, q_logits, n, K, vd_to_v, temperature=1.0, top_k=0, top_p=1.0, rule=None):
-    """Run the acceptance rule on n independent rows with fixed logits; returns the
-    first and (where the first draft was accepted) second emitted tokens."""
+    """Run the acceptance rule on n independent rows with fixed logits, drafts sampled as the
+    drafter samples them (over the target's noise at each position); returns the first and (where
+    the first draft was accepted) second emitted tokens, and the accepted counts."""
     V, Vd = p_logits.shape[-1], q_logits.shape[-1]
     s = BatchSampling(temperature=torch.full((n,), temperature), top_p=torch.full((n,), top_p),
                       top_k=torch.full((n,), top_k, dtype=torch.long), seed=torch.arange(n) * 7919 + 1,
@@ -354,12 +403,12 @@ def _speculative_first_tokens(p_logits, q_logits, n, K, vd_to_v, temperature=1.0
     q = processed_probs(q_logits.expand(n, K, Vd), expand(s.temperature, K), expand(s.top_p, K),
                         expand(s.top_k, K), s.filtered)
     pos0 = torch.full((n,), 5)
-    draft_ids = torch.stack([sample_from(q[:, i], uniform(s.seed, pos0 + 1 + i, STREAM_DRAFT, Vd)) for i in range(K)], 1)
-    draft = DraftResult(vd_to_v[draft_ids], draft_ids, q, vd_to_v)
+    draft_ids = torch.stack([sample_from(q[:, i], draft_noise(s.seed, pos0 + 1 + i, vd_to_v)) for i in range(K)], 1)
+    draft = DraftResult(vd_to_v[draft_ids])
     logits = p_logits.expand(n, K + 1, V)
     n_acc, nxt = (rule or accept_drafts)(logits, draft, s, pos0, torch.ones(n, dtype=torch.bool))
     emitted = emitted_tokens(draft.tokens, n_acc, nxt)
-    return emitted[:, 0], emitted[n_acc >= 1, 1], s
+    return emitted[:, 0], emitted[n_acc >= 1, 1], n_acc
 
 
 def _tv(samples, probs):
@@ -383,25 +432,45 @@ def test_speculative_sampling_matches_target_distribution(case):
         vd_to_v = torch.arange(V)
     q_logits = torch.randn(K, len(vd_to_v), generator=g) * 1.5
     kw = dict(temperature=0.7, top_k=6, top_p=0.9) if case == "top-k+top-p+temperature" else {}
-    first, second, s = _speculative_first_tokens(p_logits, q_logits, n, K, vd_to_v, **kw)
-    t = torch.full((K + 1,), kw.get("temperature", 1.0))
-    p = processed_probs(p_logits, t, torch.full((K + 1,), kw.get("top_p", 1.0)),
-                        torch.full((K + 1,), kw.get("top_k", 0), dtype=torch.long), bool(kw))
+    first, second, n_acc = _speculative_first_tokens(p_logits, q_logits, n, K, vd_to_v, **kw)
+    t, top_p = torch.full((K + 1,), kw.get("temperature", 1.0)), torch.full((K + 1,), kw.get("top_p", 1.0))
+    top_k = torch.full((K + 1,), kw.get("top_k", 0), dtype=torch.long)
+    p = processed_probs(p_logits, t, top_p, top_k, bool(kw))
     assert _tv(first, p[0]) < TV_BOUND
     assert len(second) > 2000 and _tv(second, p[1]) < TV_BOUND + 0.01
+    # Coupled draws agree at least (1 - TV) / (1 + TV) of the time (TV between draft and target).
+    q = torch.zeros(V).scatter(0, vd_to_v, processed_probs(q_logits, t[:K], top_p[:K], top_k[:K], bool(kw))[0])
+    tv = 0.5 * (p[0] - q).abs().sum().item()
+    assert (n_acc >= 1).float().mean().item() > (1 - tv) / (1 + tv) - 0.02
+
+
+@pytest.mark.parametrize("subvocab", [False, True])
+def test_drafts_drawn_over_the_targets_noise_agree_with_it(subvocab):
+    """A drafter whose distribution is the target's (restricted to its draft vocabulary) draws the
+    target's own token wherever that token lies in the draft vocabulary: all drafts accepted with
+    the full vocabulary; with a sub-vocabulary, exactly the rows whose target draw it holds."""
+    g = torch.Generator().manual_seed(1)
+    V, K, n = 12, 4, 4000
+    p_logits = torch.randn(1, V, generator=g).expand(K + 1, V) * 1.5
+    vd_to_v = torch.tensor([0, 1, 3, 4, 6, 7, 9, 11]) if subvocab else torch.arange(V)
+    first, _, n_acc = _speculative_first_tokens(p_logits, p_logits[:K, vd_to_v], n, K, vd_to_v)
+    if subvocab:
+        assert torch.equal(n_acc >= 1, torch.isin(first, vd_to_v))
+        assert 0 < (n_acc >= 1).float().mean() < 1
+    else:
+        assert bool((n_acc == K).all())
 
 
 def test_distribution_test_catches_a_wrong_rule():
-    """Negative control: resampling from p (instead of the residual) after a rejection is biased."""
+    """Negative control: keeping the first draft unchecked emits the drafter's distribution."""
     g = torch.Generator().manual_seed(0)
     V, K, n = 12, 3, 20000
     p_logits = torch.randn(K + 1, V, generator=g) * 1.5
     q_logits = torch.randn(K, V, generator=g) * 1.5
 
     def wrong(logits, draft, s, pos0, enabled):
-        n_acc, _ = accept_drafts(logits, draft, s, pos0, enabled)
-        p = processed_probs(logits[:, 0], s.temperature, s.top_p, s.top_k, False)
-        return n_acc, sample_from(p, uniform(s.seed, pos0 + 99, 1, V))
+        n_acc, nxt = accept_drafts(logits, draft, s, pos0, enabled)
+        return n_acc.clamp_min(1), nxt
 
     first, _, _ = _speculative_first_tokens(p_logits, q_logits, n, K, torch.arange(V), rule=wrong)
     p0 = processed_probs(p_logits[:1], torch.ones(1), torch.ones(1), torch.zeros(1, dtype=torch.long), False)[0]
@@ -521,6 +590,39 @@ def test_policy_with_seeded_costs_needs_no_exploration():
     unseeded = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
     assert [unseeded.choose(4) for _ in range(1)] == [0]  # without seeds: exploration first
     assert unseeded.predicted_cost(4, 0) is None
+
+
+def test_startup_times_a_bounded_grid_and_logs_progress(pair, caplog):
+    """Adaptive start-up times a few (batch bucket, K) points, logging each, and seeds every
+    (bucket, K) pair from them."""
+    target, draft = pair
+    caplog.set_level(logging.INFO, logger="specserve.runner")
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=5,
+                                 adaptive=True, max_num_seqs=64))
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("timing step costs: ")]
+    total = int(lines[0].split("/")[1].split()[0])
+    assert [int(m.split()[3].split("/")[0]) for m in lines] == list(range(1, total + 1))
+    assert total <= 12  # 3 buckets x (K = 0 and 3 K values); every pair would be 7 x 6
+    assert set(engine.policy.seeded) == {(b, K) for b in (1, 2, 4, 8, 16, 32, 64) for K in range(6)}
+
+
+def test_startup_grid_and_interpolation():
+    from specserve.spec.policy import interpolate_costs, startup_grid
+
+    buckets = [1, 2, 4, 8, 16, 32, 64]
+    assert startup_grid(buckets, [1, 2, 3, 4], lambda B: False) == ([1, 8, 64], [1, 3, 4])
+    assert startup_grid(buckets, [1, 2, 3, 4], lambda B: B <= 2)[0] == [1, 2, 8, 64]  # the largest tree bucket too
+    cost = lambda B, K: 1.0 + 0.5 * K + 0.01 * B * (K + 1)  # noqa: E731  bilinear: interpolation is exact
+    tb, tk = startup_grid(buckets, [1, 2, 3, 4], lambda B: False)
+    timed = {(B, K): cost(B, K) for B in tb for K in [0] + tk}
+    filled = interpolate_costs(timed, buckets, [0, 1, 2, 3, 4])
+    assert filled.keys() == {(B, K) for B in buckets for K in range(5)}
+    assert all(abs(filled[(B, K)] - cost(B, K)) < 1e-9 for B, K in filled)
+    # Tree buckets are interpolated among themselves: a chain bucket's cycle cost is not theirs.
+    tree = lambda B: B <= 2  # noqa: E731
+    timed = {(B, K): (10.0 if tree(B) and K else 1.0) * (1 + K) for B in (1, 2, 8, 64) for K in (0, 1, 3, 4)}
+    filled = interpolate_costs(timed, buckets, [0, 1, 2, 3, 4], tree)
+    assert filled[(4, 2)] == 3.0 and filled[(2, 2)] == 30.0 and filled[(4, 0)] == 1.0
 
 
 def test_policy_explores_out_of_a_bad_estimate():

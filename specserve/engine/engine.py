@@ -23,7 +23,7 @@ from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens, to_device
 from specserve.engine.sequence import Sequence, SpecStats, Status
 from specserve.spec.overlap import Launched, Overlap, host_lists
-from specserve.spec.policy import SpecPolicy, bucket_sizes
+from specserve.spec.policy import SpecPolicy, bucket_sizes, interpolate_costs, startup_grid
 from specserve.spec.proposer import Proposer
 from specserve.spec.verify import accept_drafts, emitted_tokens
 
@@ -64,7 +64,9 @@ class Engine(ServingEngine):
         self.spec_values = spec_values
         self.policy = SpecPolicy(cfg, self.runner.k_max) if self.runner.drafter is not None else None
         if self.policy is not None and cfg.spec.adaptive:
-            self.policy.seed_costs(self.runner.measure_step_costs(bucket_sizes(self.runner.rows), spec_values))
+            buckets = bucket_sizes(self.runner.rows)
+            timed = self.runner.measure_step_costs(*startup_grid(buckets, spec_values, cfg.spec.drafts_tree))
+            self.policy.seed_costs(interpolate_costs(timed, buckets, [0] + spec_values, cfg.spec.drafts_tree))
         self.last_k = cfg.spec.steps if self.runner.drafter is not None else 0
 
     @property

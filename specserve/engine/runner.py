@@ -39,13 +39,12 @@ from specserve.config import (
     resolve_aux_layers,
 )
 from specserve.engine.sampling import (
-    STREAM_DRAFT,
     BatchSampling,
     SamplingParams,
+    draft_noise,
     processed_probs,
     sample_from,
     sample_tokens,
-    uniform,
 )
 from specserve.engine.graphs import Graph, GraphKey, capture, default_graph_batch_sizes
 from specserve.engine.kv_cache import KVCache, cache_length
@@ -101,8 +100,10 @@ class ModelRunner:
                     f"drafter vocab_size {self.draft_cfg.vocab_size} differs from the target's {self.model_cfg.vocab_size}"
                 )
         self.load_seconds = time.perf_counter() - t0
+        self.draft_targets = None  # [Vd] the target id of each draft id
         if self.drafter is not None:
             self.drafter.fuse_projections(column_major=self.device.type == "cpu")
+            self.draft_targets = self.drafter.to_target_ids(torch.arange(self.drafter.d2t.shape[0], device=self.device))
         if self.device.type == "cpu":  # eager Python on every forward there
             for m in (self.target, self.drafter):
                 if m is not None:
@@ -316,12 +317,13 @@ class ModelRunner:
         return self.target.logits(hidden), feats
 
     def _pick_draft(self, logits: torch.Tensor, entry_pos: torch.Tensor, sampling: bool, filtered: bool):
+        """The drafter's token (draft id) from its logits [B, Vd]: the argmax, or with `sampling` its
+        race over the noise the target's draw at that position uses (`draft_noise`)."""
         if not sampling:
-            return logits.argmax(-1), None
-        probs = processed_probs(logits, self.s_temp[: logits.shape[0]], self.s_top_p[: logits.shape[0]],
-                                self.s_top_k[: logits.shape[0]], filtered)
-        u = uniform(self.s_seed[: logits.shape[0]], entry_pos + 2, STREAM_DRAFT, logits.shape[-1])
-        return sample_from(probs, u), probs
+            return logits.argmax(-1)
+        B = logits.shape[0]
+        probs = processed_probs(logits, self.s_temp[:B], self.s_top_p[:B], self.s_top_k[:B], filtered)
+        return sample_from(probs, draft_noise(self.s_seed[:B], entry_pos + 2, self.draft_targets))
 
     def _draft_body(self, B: int, K: int, sampling: bool, filtered: bool):
         """Extend over the pending entries (width K+1, padded), then K-1 steps.
@@ -336,21 +338,15 @@ class ModelRunner:
         # Position of the last real entry, then of each draft step (padding rows stay at the scratch index).
         p = pos[rows, last].unsqueeze(1) + torch.arange(K, device=self.device)
         p = p.clamp(max=self.scratch)
-        tokens, draft_ids, probs = [], [], []
+        tokens = []
         for i in range(K):
             # The draft chosen now is the token at sequence position p + 2 (entry p predicts p + 2).
-            did, q = self._pick_draft(d.logits(g[:, 0], upcast=sampling), p[:, i], sampling, filtered)
-            tid = d.to_target_ids(did)
+            tid = d.to_target_ids(self._pick_draft(d.logits(g[:, 0], upcast=sampling), p[:, i], sampling, filtered))
             tokens.append(tid)
-            draft_ids.append(did)
-            probs.append(q)
             if i + 1 < K:
                 step_pos = p[:, i + 1: i + 2]
                 g = d(tid.unsqueeze(1), g, self._context(step_pos, step_pos))
-        toks = torch.stack(tokens, 1)
-        if not sampling:
-            return (toks,)
-        return toks, torch.stack(draft_ids, 1), torch.stack(probs, 1)
+        return (torch.stack(tokens, 1),)
 
     def _tree_draft_body(self, B: int, K: int):
         """Greedy tree drafting (EAGLE-2 style). Extend over the pending entries as a chain does;
@@ -499,14 +495,9 @@ class ModelRunner:
             self._set_sampling(B, s)
         # Sampling batches always take the filtering path: top-k 0 / top-p 1 rows pass through unchanged.
         out = self._run("draft", B, lambda b: self._draft_body(b, K, sampling, sampling), K, sampling, sampling)
-        if self.graphs:
-            # All graphs share one memory pool, so the verify replay that follows may reuse
-            # this graph's output memory: take the (small) draft outputs out first.
-            out = tuple(o.clone() for o in out)
-        if not sampling:
-            return DraftResult(out[0], None, None)
-        vocab_map = torch.arange(self.drafter.d2t.shape[0], device=self.device) + self.drafter.d2t
-        return DraftResult(out[0], out[1], out[2], vocab_map)
+        # All graphs share one memory pool, so the verify replay that follows may reuse this
+        # graph's output memory: take the (small) draft tokens out first.
+        return DraftResult(out[0].clone() if self.graphs else out[0])
 
     @torch.inference_mode()
     def verify(self, ids: torch.Tensor, pos0: torch.Tensor):
@@ -550,15 +541,19 @@ class ModelRunner:
                          filtered)
 
     @torch.inference_mode()
-    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int = 5) -> dict:
+    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int | None = None) -> dict:
         """Seconds per plain step (K=0) and per speculative cycle (K drafts + verify) at each batch
         size, timed on dummy rows whose context is half of max_model_len. Seeds the adaptive policy,
         which then needs no live exploration of every K (costly in short runs).
-        The K values are timed in turn, `reps` rounds, and each takes its median: drift and a stray
-        slow call (a shared CPU) hit every K alike instead of reordering them."""
+        The K values are timed in turn, `reps` rounds (default 5 on GPU, 3 on CPU, where a cycle is
+        slow and the live averages soon replace the seeds), and each takes its median: drift and a
+        stray slow call (a shared CPU) hit every K alike instead of reordering them. Logs each
+        (batch size, K) point as it starts."""
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        reps = reps or (5 if self.device.type == "cuda" else 3)
         ctx = min(self.max_model_len // 2, 256)
         costs = {}
+        total, done = len(batch_sizes) * (len(spec_steps) + 1), 0
         for B in batch_sizes:
             ids = torch.zeros(B, dtype=torch.long, device=self.device)
             pos = torch.full((B,), ctx, dtype=torch.long, device=self.device)
@@ -578,7 +573,9 @@ class ModelRunner:
                     d = self.draft(K, entry, last, greedy)
                     self.verify(torch.cat([ids.unsqueeze(1), d.tokens], 1), pos)
                 runs[K] = cycle
-            for fn in runs.values():
+            for K, fn in runs.items():
+                done += 1
+                log.info("timing step costs: %d/%d (batch %d, K=%d)", done, total, B, K)
                 fn()  # warm-up (first eager call, lazy allocations)
             times: dict[int, list[float]] = {K: [] for K in runs}
             for _ in range(reps):

@@ -2,9 +2,15 @@
 
 Random numbers come from a counter-based hash of (seed, token position,
 stream, vocabulary index) instead of a stateful generator: a seeded request
-then produces the same tokens whatever else shares its batch, every draw is a
-plain tensor op (no host sync, CUDA-graph safe), and speculative and plain
-decoding draw independent numbers for drafting, acceptance and resampling.
+then produces the same tokens whatever else shares its batch, and every draw is a
+plain tensor op (no host sync, CUDA-graph safe).
+
+Speculative decoding draws exactly what plain decoding draws: the target's token at
+position t is always the exponential race over the noise of (seed, t, STREAM_TARGET),
+and a draft token is kept only where it equals that draw ("target-only" verification),
+so a seeded request's output does not depend on K, the batch or the drafter. The
+drafter races its own distribution over the same noise (`draft_noise`): where its
+distribution is close to the target's, both races pick the same token.
 """
 
 from __future__ import annotations
@@ -16,9 +22,7 @@ import torch
 
 from specserve.kernels.argmax import argmax
 
-STREAM_TARGET = 1  # plain sampling, residual and bonus tokens
-STREAM_DRAFT = 2  # the drafter's proposals
-STREAM_ACCEPT = 3  # the uniform of the acceptance test
+STREAM_TARGET = 1  # every sampled token, and (coupled) the drafter's proposals
 
 _M32 = 0xFFFFFFFF
 
@@ -80,13 +84,15 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return (x >> 16) ^ x
 
 
-def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, width: int) -> torch.Tensor:
-    """Uniform floats in (0, 1), shape [*seeds.shape, width], a pure function of
-    (seed, position, stream, column)."""
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, columns: int | torch.Tensor) -> torch.Tensor:
+    """Uniform floats in (0, 1), shape [*seeds.shape, C], a pure function of (seed, position,
+    stream, column): columns 0..C-1 for an int `columns`, else the ids in the 1-D tensor."""
     # Hash the position before adding the stream so (pos, stream) pairs never alias linearly.
     key = _mix32((_mix32(positions.long() & _M32) + stream * 0x632BE5AB) & _M32)
     key = _mix32((seeds.long() & _M32) ^ key)
-    cols = _mix32(torch.arange(width, device=seeds.device, dtype=torch.long) * 0x27D4EB2D & _M32)
+    if isinstance(columns, int):
+        columns = torch.arange(columns, device=seeds.device, dtype=torch.long)
+    cols = _mix32(columns.long() * 0x27D4EB2D & _M32)
     h = _mix32((key.unsqueeze(-1) + cols) & _M32)
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
@@ -117,6 +123,13 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Exponential race: argmax(p / E) with E = -log(u) draws index i with probability p_i."""
     return (probs / (-torch.log(u))).argmax(-1)
+
+
+def draft_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_map: torch.Tensor) -> torch.Tensor:
+    """The drafter's noise at draft id j: the target's noise at target id vocab_map[j] for the same
+    (seed, position). A draft race over it picks the target's own draw whenever the two
+    distributions agree up to scale on the draft vocabulary and that draw lies in it."""
+    return uniform(seeds, positions, STREAM_TARGET, vocab_map)
 
 
 def to_device(values, device: torch.device, dtype: torch.dtype = torch.long) -> torch.Tensor:

@@ -14,7 +14,8 @@ K = 0 included, so speculation is used only where it pays.
 
 Costs per (batch bucket, K): once a K has run at a bucket, a moving average of
 its live step times; before that, the start-up measurement (`seed_costs`: the
-runner times plain steps and K-cycles on dummy rows) plus a learned offset for
+runner times plain steps and K-cycles on dummy rows at a few buckets and K,
+`startup_grid`, and `interpolate_costs` fills in the rest) plus a learned offset for
 what that timing cannot see (host bookkeeping, longer contexts), one per bucket
 for plain steps and one for speculative cycles, moving averages of (measured -
 seeded). Without seeded costs (e.g. a test that skips the start-up measurement)
@@ -48,6 +49,45 @@ def _bucket(B: int) -> int:
 def bucket_sizes(max_batch: int) -> list[int]:
     """One batch size per bucket up to `max_batch` (the largest bucket measured at `max_batch`)."""
     return sorted({min(_bucket(B), max_batch) for B in range(1, max_batch + 1)})
+
+
+def startup_grid(buckets: list[int], spec_steps: list[int], drafts_tree) -> tuple[list[int], list[int]]:
+    """The batch sizes and K values (> 0) timed at start-up: the smallest, middle (geometrically)
+    and largest bucket, plus the largest that drafts trees (tree cycles cost unlike chains); the
+    smallest, middle and largest K. Timing every pair takes minutes on a small CPU, and live
+    timings replace these seeds anyway; `interpolate_costs` fills in the rest."""
+    trees = [b for b in buckets if drafts_tree(b)]
+    picked_b = {buckets[0], buckets[len(buckets) // 2], buckets[-1]} | ({trees[-1]} if trees else set())
+    ks = sorted(spec_steps)
+    picked_k = {ks[0], ks[len(ks) // 2], ks[-1]} if ks else set()
+    return sorted(picked_b), sorted(picked_k)
+
+
+def _interpolate(x: int, known: dict[int, float]) -> float:
+    """Piecewise-linear through the known points, constant past the ends."""
+    xs = sorted(known)
+    if x <= xs[0] or x >= xs[-1]:
+        return known[xs[0] if x <= xs[0] else xs[-1]]
+    hi = next(i for i, v in enumerate(xs) if v >= x)
+    x0, x1 = xs[hi - 1], xs[hi]
+    return known[x0] + (known[x1] - known[x0]) * (x - x0) / (x1 - x0)
+
+
+def interpolate_costs(timed: dict[tuple[int, int], float], buckets: list[int], ks: list[int],
+                      drafts_tree=lambda B: False) -> dict[tuple[int, int], float]:
+    """Seconds for every (bucket, K) from those timed: linear in K at each timed bucket, then
+    linear in the batch size at each K. Tree and chain buckets are interpolated apart (K = 0
+    across all), since a tree cycle's cost does not lie on the chains' line."""
+    by_b: dict[int, dict[int, float]] = {}
+    for (B, K), sec in timed.items():
+        by_b.setdefault(B, {})[K] = sec
+    full_k = {B: {K: _interpolate(K, known) for K in ks} for B, known in by_b.items()}
+    out = {}
+    for B in buckets:
+        for K in ks:
+            same = [b for b in full_k if K == 0 or drafts_tree(b) == drafts_tree(B)] or list(full_k)
+            out[(B, K)] = timed.get((B, K), _interpolate(B, {b: full_k[b][K] for b in same}))
+    return out
 
 
 class SpecPolicy:

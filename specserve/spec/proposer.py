@@ -37,9 +37,6 @@ class TreeDraft:
 @dataclass
 class DraftResult:
     tokens: torch.Tensor  # [B, K] target ids
-    draft_ids: torch.Tensor | None  # [B, K] draft-vocab ids (sampling only)
-    probs: torch.Tensor | None  # [B, K, Vd] draft distributions (sampling only)
-    vocab_map: torch.Tensor | None = None  # [Vd] target id of each draft id
 
 
 class PendingInputs:

@@ -1,32 +1,23 @@
 """Verification: which drafted tokens the target accepts, and the token that follows.
 
-Standard speculative rejection sampling (Leviathan et al. / Chen et al.): draft
-token d with draft probability q(d) is accepted with probability
-min(1, p(d) / q(d)); at the first rejection the next token is drawn from
-normalize(max(0, p - q)); if all K are accepted a bonus token is drawn from p.
-The output distribution is exactly the target's. Greedy requests use one-hot
-p and q, which reduces the rule to "accept while argmax matches".
+Chains and trees are both verified "target-only": the target's token at every
+verified position is its own argmax or seeded draw, exactly as plain decoding draws
+it there (`sample_tokens`, keyed by the position the token would fill), and a draft
+token is accepted while it equals that token. Every emitted token is then the
+target's own, so the output distribution is the target's and a seeded request emits
+what plain decoding emits, whatever K, the batch or the drafter. Acceptance comes
+from coupling: the drafter samples over the same noise (`sampling.draft_noise`), so
+its draw agrees with the target's wherever their distributions are close.
 
-Trees (`accept_tree`) are verified against the target's own token at every node
-(its argmax, or its seeded draw): a branch is accepted while its tokens equal
-those, which keeps greedy and sampled output exactly plain decoding's. The accepted
-branch's KV then moves into place (`move_branch_kv`) and its entries become the drafter's
-next inputs (`branch_inputs`).
+For trees (`accept_tree`) the accepted branch's KV then moves into place
+(`move_branch_kv`) and its entries become the drafter's next inputs (`branch_inputs`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from specserve.engine.sampling import (
-    STREAM_ACCEPT,
-    STREAM_TARGET,
-    BatchSampling,
-    processed_probs,
-    sample_from,
-    uniform,
-)
-from specserve.kernels.argmax import argmax
+from specserve.engine.sampling import BatchSampling, sample_tokens
 from specserve.spec.proposer import DraftResult, TreeDraft
 
 
@@ -34,36 +25,16 @@ def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, po
                   enabled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, K+1, V] from the verify forward over [last, d1..dK] at
     positions pos0..pos0+K. Returns (accepted count [B], next token [B]).
-    Rows with `enabled` False accept nothing: their next token comes from p."""
-    B, W, V = logits.shape
+    Rows with `enabled` False accept nothing: their next token is the target's at pos0 + 1."""
+    B, W, _ = logits.shape
     K = W - 1
-    d = draft.tokens  # [B, K] target ids
-    if s.all_greedy:
-        pred = argmax(logits)  # [B, K+1]
-        ok = (pred[:, :K] == d) & enabled.unsqueeze(1)
-        n_acc = ok.long().cumprod(1).sum(1)
-        return n_acc, pred.gather(1, n_acc.unsqueeze(1)).squeeze(1)
-
     expand = lambda t: t.unsqueeze(1).expand(B, W)  # noqa: E731
-    p = processed_probs(logits, expand(s.temperature), expand(s.top_p), expand(s.top_k), s.filtered)  # [B, K+1, V]
-    q_d = draft.probs.gather(-1, draft.draft_ids.unsqueeze(-1)).squeeze(-1)  # [B, K]
-    p_d = p[:, :K].gather(-1, d.unsqueeze(-1)).squeeze(-1)
-    positions = pos0.unsqueeze(1) + torch.arange(1, K + 1, device=pos0.device)  # where each d_i would sit
-    u = uniform(s.seed.unsqueeze(1).expand(B, K), positions, STREAM_ACCEPT, 1).squeeze(-1)
-    ok = (u * q_d <= p_d) & enabled.unsqueeze(1)
+    per_pos = BatchSampling(expand(s.temperature), expand(s.top_p), expand(s.top_k), expand(s.seed),
+                            s.all_greedy, s.filtered)
+    pred = sample_tokens(logits, per_pos, expand(pos0) + torch.arange(1, W + 1, device=pos0.device))  # [B, K+1]
+    ok = (pred[:, :K] == draft.tokens) & enabled.unsqueeze(1)
     n_acc = ok.long().cumprod(1).sum(1)
-
-    # Residual at the first rejection (or p itself for the bonus / disabled rows).
-    rows = torch.arange(B, device=logits.device)
-    p_at = p[rows, n_acc]  # [B, V]
-    idx = n_acc.clamp(max=K - 1)
-    q_at = torch.zeros_like(p_at).scatter_add_(1, draft.vocab_map.expand(B, -1), draft.probs[rows, idx])
-    rejected = (n_acc < K) & enabled
-    residual = torch.where(rejected.unsqueeze(1), (p_at - q_at).clamp_min(0), p_at)
-    mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_at)
-    u_next = uniform(s.seed, pos0 + n_acc + 1, STREAM_TARGET, V)
-    return n_acc, sample_from(residual, u_next)
+    return n_acc, pred.gather(1, n_acc.unsqueeze(1)).squeeze(1)
 
 
 def emitted_tokens(drafts: torch.Tensor, n_acc: torch.Tensor, next_tok: torch.Tensor) -> torch.Tensor:
