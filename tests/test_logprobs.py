@@ -124,3 +124,37 @@ def test_logprobs_out_of_range_is_refused():
     for bad in (-1, 21, 2.5, True):
         with pytest.raises(ValueError, match="logprobs must be"):
             SamplingParams(logprobs=bad)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [{"spec_steps": 3}, {"spec_steps": 3, "spec_topk": 4, "spec_tree_max_batch": 4}])
+def test_gpu_graphs_report_what_plain_graphs_report(demo_pair, spec):
+    """On CUDA with graphs and work queued ahead: a speculating engine's log-probabilities equal a
+    plain engine's for the same greedy tokens (bf16: small tolerance), batch 1 and 3 mixed with
+    requests that do not ask; graphs exist for every step kind used."""
+    target, draft = demo_pair
+    from specserve.engine.llm import LLM
+
+    prompts = ["def add(a, b):", "import os\n", "class Stack:\n    def __init__(self):"]
+    asks = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, logprobs=5)
+    silent = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(target, device="cuda", max_num_seqs=3, max_model_len=512)
+    spec_llm = LLM(target, draft, device="cuda", max_num_seqs=3, max_model_len=512, **spec)
+    assert plain.engine.runner.graphs and spec_llm.engine.runner.graphs
+    for batch in (1, 3):
+        params = [asks, silent, asks][:batch]
+        a = plain.generate(prompts[:batch], params)
+        b = spec_llm.generate(prompts[:batch], params)
+        assert spec_llm.engine.totals.accepted > 0
+        for x, y, p in zip(a, b, params):
+            if p.logprobs is None:
+                assert x.logprobs is None and y.logprobs is None
+                continue
+            n = next((i for i, (s, t) in enumerate(zip(x.token_ids, y.token_ids)) if s != t), len(x.token_ids))
+            assert n >= 8, "greedy outputs diverge too early to compare"
+            assert len(y.logprobs) == len(y.token_ids)
+            for i in range(n):
+                assert y.logprobs[i].token == y.token_ids[i]
+                assert abs(x.logprobs[i].logprob - y.logprobs[i].logprob) < 0.05, i
+                vals = [lp for _, lp in y.logprobs[i].top]
+                assert vals == sorted(vals, reverse=True) and len(vals) == 5
