@@ -16,7 +16,7 @@ import torch
 from specserve.engine.llm import LLM, SamplingParams
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_server import HAVE_HTTP, NAME, PROMPTS, Live, http, pair, serve_kwargs  # noqa: E402,F401
+from test_server import NAME, PROMPTS, Live, http, pair, serve_kwargs  # noqa: E402,F401
 
 TOL = 1e-4
 
