@@ -7,7 +7,7 @@
 # alternate A, B, A, B ... (ROUNDS pairs) so drift of the machine falls on both. ab.json lists, per config
 # and batch size, the median tok/s of each side over all its repeats and the ratio B/A.
 set -u
-. benchmarks/gpu_env.sh
+. benchmarks/gpu_env.sh >/dev/null 2>&1
 W=/tmp/specserve-grown
 [ -d .ab/specserve ] || { echo "no .ab/specserve: see the header of this script"; exit 2; }
 date -u
@@ -15,12 +15,13 @@ date -u
 CONFIGS=${CONFIGS:-baseline eagle3:steps=5 eagle3:steps=8,topk=4,tokens=31 eagle3:adaptive,steps=8,topk=4,tokens=31}
 B_JSON_FLAG=${B_JSON_FLAG:---out}  # the old tree writes its JSON with --json FILE
 for r in $(seq 1 ${ROUNDS:-1}); do
-  for side in A B; do
+  for side in ${SIDES:-A B}; do
     if [ $side = A ]; then tree=$PWD/.ab; flag=--json; else tree=$PWD; flag=$B_JSON_FLAG; fi
     echo "== round $r side $side"
-    PYTHONPATH=$tree:${PYTHONPATH} timeout ${BENCH_TIMEOUT:-200} python3 -m specserve bench --model $W --draft $W/draft \
+    # run from inside the tree: `python -m` puts the working directory first on sys.path
+    (cd $tree && PYTHONPATH=$tree:${PYTHONPATH} timeout ${BENCH_TIMEOUT:-200} python3 -m specserve bench --model $W --draft $W/draft \
       --configs $CONFIGS --batch-sizes ${BATCHES:-1 16 64} --num-prompts 2 --max-tokens 64 --warmup 2 \
-      --repeats ${REPEATS:-4} --peers --no-progress $flag "$OUT/bench-$side-$r.json" 2>&1 | grep -v -i warn | tail -4
+      --repeats ${REPEATS:-4} --peers --no-progress $flag "$OUT/bench-$side-$r.json") 2>&1 | grep -v -i warn | tail -4
   done
 done
 python3 - "$OUT" <<'PY'

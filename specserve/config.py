@@ -101,6 +101,11 @@ class ModelConfig:
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
+        from specserve.model.gguf import find_gguf, model_config
+
+        gguf_file = find_gguf(model_dir)  # a GGUF file carries its config in its metadata
+        if gguf_file is not None:
+            return model_config(gguf_file)
         path = Path(model_dir) / "config.json"
         return cls.from_hf_dict(read_json(path), path)
 

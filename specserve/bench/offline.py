@@ -349,7 +349,9 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
             "warmup": args.warmup, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
             "seed": args.seed, "max_model_len": base_kw["max_model_len"], "device": device,
             "profile": bool(args.profile), "torch_threads": torch.get_num_threads(), "calibration": calibration,
-            "prompts": {"path": str(args.prompts or "bundled"), "count": len(prompts),
+            "prompts": {"path": str(args.prompts or ("--dataset" if getattr(args, "dataset", None) else "bundled")),
+                        "count": len(prompts),
+                        "datasets": getattr(args, "dataset", None),
                         "categories": {c: categories.count(c) for c in cats},
                         "mean_prompt_tokens": round(statistics.fmean(len(p) for p in prompt_ids), 1)},
         },
@@ -421,10 +423,11 @@ def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: l
 
 
 def _encode(tok, p: dict) -> list[int]:
-    if p["prompt"] is not None:
-        ids = tok.encode(p["prompt"])
-    elif tok.chat_template:
+    # A row may carry both (HumanEval): chat models get the turn, others the raw prompt.
+    if p["messages"] is not None and tok.chat_template:
         ids = tok.encode(tok.apply_chat_template(p["messages"]))
+    elif p["prompt"] is not None:
+        ids = tok.encode(p["prompt"])
     else:  # no template: a plain transcript
         ids = tok.encode("".join(f"{m['role']}: {m['content']}\n" for m in p["messages"]) + "assistant:")
     if not ids:

@@ -90,8 +90,11 @@ def _read_cfg(path: Path) -> dict:
 
 
 def model_identity(model_dir: str, dtype: str | None = None) -> dict:
-    p = Path(model_dir)
-    cfg = _read_cfg(p)
+    from specserve.model.gguf import find_gguf, hf_config
+
+    gguf_file = find_gguf(model_dir)  # a GGUF's config is its metadata
+    p = gguf_file or Path(model_dir)
+    cfg = hf_config(gguf_file) if gguf_file else _read_cfg(p)
     return {"path": str(p.resolve()), "name": p.resolve().name, "preset": _preset(p, cfg),
             "grown_from": cfg.get("grown_from"), "architecture": (cfg.get("architectures") or [None])[0],
             "num_layers": cfg.get("num_hidden_layers"), "hidden_size": cfg.get("hidden_size"),
@@ -166,6 +169,37 @@ def category_table(r: dict) -> tuple[list[str], list[list[str]]]:
              _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
              _yes(x["matches_baseline"], x.get("match_rate"))]
             for x in r["by_category"] if x["available"]]
+    return head, rows
+
+
+def dataset_table(r: dict, names: list[str]) -> dict:
+    """The EAGLE-3 paper's table: per config and batch size, speedup and acceptance length (tau) on each
+    dataset and their mean over the datasets that have a value."""
+    cells = {(x["config"], x["batch_size"], x["category"]): x for x in r["by_category"] if x["available"]}
+    rows = []
+    for x in r["results"]:
+        if not x["available"] or x["config"] == "baseline":
+            continue
+        per = {}
+        for name in names:
+            c = cells.get((x["config"], x["batch_size"], Path(name).stem if name.endswith(".jsonl") else name))
+            per[name] = {"speedup": c and c["speedup"], "accept_length": c and c["accept_length"]}
+        mean = {k: (sum(v) / len(v) if v else None)
+                for k in ("speedup", "accept_length")
+                for v in [[d[k] for d in per.values() if d[k] is not None]]}
+        rows.append({"config": x["config"], "batch_size": x["batch_size"], "datasets": per, "mean": mean})
+    return {"names": list(names), "temperature": r["settings"]["temperature"], "rows": rows}
+
+
+def paper_table(r: dict) -> tuple[list[str], list[list[str]]]:
+    names = r["datasets"]["names"]
+    head = ["config", "batch", *(f"{n} {k}" for n in [*names, "mean"] for k in ("speedup", "tau"))]
+    rows = []
+    for x in r["datasets"]["rows"]:
+        cells = [*(x["datasets"][n] for n in names), x["mean"]]
+        rows.append([x["config"], str(x["batch_size"]),
+                     *(v for c in cells for v in (_f(c["speedup"], ".2f") + ("x" if c["speedup"] is not None else ""),
+                                                  _f(c["accept_length"], ".2f")))])
     return head, rows
 
 
@@ -275,6 +309,9 @@ def render_text(r: dict) -> str:
         return "\n".join(out)
     out += ["", _text_table(*main_table(r)), *summary_lines(r), "", "per category:",
             _text_table(*category_table(r))]
+    if r.get("datasets"):
+        out += ["", f"per dataset (temperature {r['datasets']['temperature']}; tau = acceptance length):",
+                _text_table(*paper_table(r))]
     if r.get("cost_model"):
         out += ["", "cost model (from --profile):", _text_table(*cost_table(r))]
     notes = _notes(r)
@@ -293,6 +330,10 @@ def render_markdown(r: dict) -> str:
              "after the first, per request. speedup: median over repeats of the paired ratio to baseline at "
              "the same batch size. =greedy: every output token-identical to plain greedy decoding (else the share of outputs that are)."), "",
             "## Per category", "", _md_table(*category_table(r)), ""]
+    if r.get("datasets"):
+        out += ["## Per dataset", "", f"temperature {r['datasets']['temperature']}; speedup over plain decoding and "
+                "acceptance length tau (tokens per target forward) on each dataset, and their mean.", "",
+                _md_table(*paper_table(r)), ""]
     if r.get("cost_model"):
         out += ["## Cost model", "", _md_table(*cost_table(r)), ""]
     notes = _notes(r)

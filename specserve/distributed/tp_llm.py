@@ -45,6 +45,7 @@ from specserve.engine.llm import LLM, RequestOutput, demo_paths, prepare_request
 from specserve.engine.protocol import ServingEngine
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
+from specserve.model.gguf import find_gguf, require_model
 
 log = logging.getLogger("specserve.tp")
 
@@ -155,8 +156,10 @@ class TPLLM:
             model, demo_draft = demo_paths()
             if draft is None and engine_kwargs.get("spec_steps", 0):
                 draft = demo_draft
-        if not Path(model).is_dir():
-            raise ConfigError(f"model directory {model!r} does not exist (specserve loads local Hugging Face directories only)")
+        if find_gguf(str(model)) is not None:
+            raise ConfigError(f"--tp shards safetensors checkpoints; convert {model} first "
+                              "(specserve convert-gguf IN.gguf OUT_DIR) and pass --model OUT_DIR")
+        require_model(str(model))
         kw = dict(engine_kwargs, env=dict(env or {}), nccl_profile=nccl_profile or "default")
         self.config = cfg = EngineConfig.from_kwargs(model=str(model), draft=draft, **kw)
         if cfg.parallel.tp < 2:

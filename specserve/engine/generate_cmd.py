@@ -20,7 +20,8 @@ def device_name(text: str) -> str:
 
 def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True) -> None:
     """Flags shared by generate, bench and serve (serve adapts by default and offers --no-adaptive instead)."""
-    p.add_argument("--model", help="target model directory (default: the bundled demo target)")
+    p.add_argument("--model", help="target: a Hugging Face model directory, a .gguf file (or a folder holding one) "
+                   "or a known model name such as smollm2-135m-instruct (default: the bundled demo target)")
     p.add_argument("--draft", help="EAGLE-3 drafter directory (default with the demo target: the demo drafter)")
     p.add_argument("--spec-steps", type=int, default=None,
                    help="draft tokens per cycle K (default: 4 with a drafter, else 0 = plain decoding)")
@@ -97,6 +98,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
     p.add_argument("--profile", action="store_true", help="time draft/verify/accept per cycle")
+    p.add_argument("--chat", action="store_true",
+                   help="send each prompt as a user turn through the model's chat template; the reply ends at the "
+                        "template's end-of-turn token")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
@@ -115,7 +119,17 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    ids = llm.encode_prompts(args.prompt)
+    if args.chat:
+        tok = llm.tokenizer
+        try:
+            ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in args.prompt]
+        except (ConfigError, ValueError) as e:
+            print(f"error: --chat: {e}", file=sys.stderr)
+            return 1
+        if tok.end_of_turn_id is not None and not args.ignore_eos:
+            params.stop_token_ids = [*params.stop_token_ids, tok.end_of_turn_id]
+    else:
+        ids = llm.encode_prompts(args.prompt)
     limit = llm.engine.max_model_len
     for n, p in enumerate(ids, 1):
         if len(p) >= limit:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from specserve.config import DEMO_DIR, ConfigError, EngineConfig
+from specserve.config import DEMO_DIR, EngineConfig
 from specserve.engine.engine import Engine
 from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sequence import Sequence
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
+from specserve.model.gguf import require_model
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "demo_paths"]
 
@@ -65,8 +65,7 @@ class LLM:
             model, demo_draft = demo_paths()
             if draft is None and engine_kwargs.get("spec_steps", 0):
                 draft = demo_draft
-        if not Path(model).is_dir():
-            raise ConfigError(f"model directory {model!r} does not exist (specserve loads local Hugging Face directories only)")
+        require_model(str(model))
         self.config = EngineConfig.from_kwargs(model=str(model), draft=draft, **engine_kwargs)
         self.tokenizer = Tokenizer(self.config.model)
         self.engine = Engine(self.config, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit,

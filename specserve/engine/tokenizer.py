@@ -1,9 +1,10 @@
 """Tokenizer from a local Hugging Face directory (tokenizer.json +
-tokenizer_config.json), with EOS ids, the chat template and incremental
+tokenizer_config.json) or a GGUF file's vocabulary, with EOS ids, the chat template and incremental
 detokenization for streaming."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -14,29 +15,37 @@ class Tokenizer:
     def __init__(self, model_dir: str | Path):
         from tokenizers import Tokenizer as HFTokenizer
 
+        from specserve.model.gguf import find_gguf, hf_config, tokenizer_parts
+
         model_dir = Path(model_dir)
-        path = model_dir / "tokenizer.json"
-        if not path.exists():
-            raise ConfigError(f"{model_dir} has no tokenizer.json (a fast Hugging Face tokenizer is required)")
-        self.tok = HFTokenizer.from_file(str(path))
-        cfg_path = model_dir / "tokenizer_config.json"
-        self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+        gguf_file = find_gguf(model_dir)
+        side_configs: list[dict] = []  # where EOS ids beyond the tokenizer's own eos_token are declared
+        if gguf_file is not None:
+            self.tok, self.config = tokenizer_parts(gguf_file)
+            side_configs.append(hf_config(gguf_file))
+        else:
+            path = model_dir / "tokenizer.json"
+            if not path.exists():
+                raise ConfigError(f"{model_dir} has no tokenizer.json (a fast Hugging Face tokenizer is required)")
+            self.tok = HFTokenizer.from_file(str(path))
+            cfg_path = model_dir / "tokenizer_config.json"
+            self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+            tmpl = model_dir / "chat_template.jinja"
+            if self.config.get("chat_template") is None and tmpl.exists():
+                self.config["chat_template"] = tmpl.read_text()
+            side_configs += [json.loads(p.read_text()) for p in (model_dir / "generation_config.json",
+                                                                  model_dir / "config.json") if p.exists()]
         self.chat_template = self.config.get("chat_template")
-        tmpl = model_dir / "chat_template.jinja"
-        if self.chat_template is None and tmpl.exists():
-            self.chat_template = tmpl.read_text()
         self.bos_token = self._token_text(self.config.get("bos_token"))
         self.eos_token = self._token_text(self.config.get("eos_token"))
         self.add_bos = bool(self.config.get("add_bos_token", False)) and self.bos_token is not None
         self.eos_token_ids: set[int] = set()
         if self.eos_token is not None and self.tok.token_to_id(self.eos_token) is not None:
             self.eos_token_ids.add(self.tok.token_to_id(self.eos_token))
-        for name in ("generation_config.json", "config.json"):
-            p = model_dir / name
-            if p.exists():
-                eos = json.loads(p.read_text()).get("eos_token_id")
-                if eos is not None:
-                    self.eos_token_ids.update(eos if isinstance(eos, list) else [eos])
+        for side in side_configs:
+            eos = side.get("eos_token_id")
+            if eos is not None:
+                self.eos_token_ids.update(eos if isinstance(eos, list) else [eos])
         self.vocab_size = self.tok.get_vocab_size()
         self._added = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()}
         self._byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
@@ -53,7 +62,11 @@ class Tokenizer:
                 table = _unicode_to_byte()
                 got = bytes(table[c] for c in self.tok.id_to_token(token_id) or "")
             else:
-                got = self.decode([token_id], skip_special_tokens=False).encode()
+                piece = self.tok.id_to_token(token_id) or ""
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
+                    got = bytes([int(piece[3:5], 16)])
+                else:
+                    got = self.decode([token_id], skip_special_tokens=False).encode()
             self._bytes[token_id] = got
         return got
 
@@ -71,6 +84,25 @@ class Tokenizer:
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @functools.cached_property
+    def end_of_turn_id(self) -> int | None:
+        """The special token the chat template closes an assistant turn with (<|im_end|>,
+        <|eot_id|>, ...), read by rendering a one-exchange conversation: chat replies stop
+        there even where generation_config.json does not list it as an EOS."""
+        probe = "specserve probe reply"
+        try:
+            text = self.apply_chat_template([{"role": "user", "content": "hi"},
+                                             {"role": "assistant", "content": probe}], add_generation_prompt=False)
+        except Exception:  # no template, or one that refuses this conversation: nothing to learn
+            return None
+        after = text.partition(probe)[2].lstrip()
+        specials = sorted((t.content for t in self.tok.get_added_tokens_decoder().values() if t.special),
+                          key=len, reverse=True)
+        for content in specials:
+            if content and after.startswith(content):
+                return self.tok.token_to_id(content)
+        return None
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if not self.chat_template:

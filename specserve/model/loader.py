@@ -128,13 +128,16 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
                 allow_pickle: bool = False) -> "CausalLM":
     from specserve.model.transformer import CausalLM
 
+    from specserve.model.gguf import find_gguf, iter_hf_tensors
+
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    files = checkpoint_files(model_dir, allow_pickle)
+    gguf_file = find_gguf(model_dir)
+    tensors = iter_hf_tensors(gguf_file) if gguf_file else iter_tensors(checkpoint_files(model_dir, allow_pickle))
     with _build_on(device, dtype):
         model = CausalLM(cfg, max_positions)
     # Tied models may still ship lm_head.weight (transformers writes it): drop it.
-    weights = ((n, t) for n, t in iter_tensors(files) if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
+    weights = ((n, t) for n, t in tensors if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
     _fill(model, model.hf_weight_map(), weights, str(model_dir))
     return model.eval().requires_grad_(False)
 

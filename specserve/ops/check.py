@@ -53,6 +53,8 @@ from specserve.config import (
     read_json,
     resolve_aux_layers,
 )
+from specserve.model.gguf import find_gguf, tensor_shapes
+from specserve.model.gguf import vocab as gguf_vocab
 
 GIB = 1024**3
 MIB = 1024**2
@@ -160,6 +162,11 @@ class _Weights:
 
 def _read_weights(f: _Findings, code: str, model_dir: Path, allow_pickle: bool, what: str) -> _Weights | None:
     try:
+        gguf_file = find_gguf(model_dir)
+        if gguf_file is not None:
+            # Every tensor is dequantized into the compute dtype on load: count it as a float tensor.
+            shapes = {name: ("F32", shape) for name, (_, shape) in tensor_shapes(gguf_file).items()}
+            return _Weights([gguf_file], shapes, gguf_file.stat().st_size)
         files = checkpoint_files(model_dir, allow_pickle)
         disk = sum(p.stat().st_size for p in files)
         if files[0].suffix != ".safetensors":
@@ -300,7 +307,8 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
               f"target {tcfg.architecture}: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, "
               f"{tcfg.num_heads} heads / {tcfg.num_kv_heads} KV heads, vocab {tcfg.vocab_size}, "
               f"max_position_embeddings {tcfg.max_position_embeddings}, dtype {tcfg.dtype}")
-        quant = read_json(model_dir / "config.json").get("quantization_config")
+        # GGUF quantization is undone on load; a config.json that declares one is not.
+        quant = None if find_gguf(model_dir) else read_json(model_dir / "config.json").get("quantization_config")
         if quant:
             method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
             f.add("error", "dtype", f"{model_dir}: quantized checkpoint (quant_method {method!r}) is not supported; "
@@ -358,13 +366,24 @@ def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: 
             f.add("error", "target_weights", f"{model_dir}: {name} is {_shape(w.tensors[name][1])} but config.json "
                   f"says {_shape(want)} (vocab_size {t.vocab_size}, hidden_size {t.hidden_size})")
     skip = {"lm_head.weight"} if t.tie_word_embeddings else set()
-    f.add("ok", "target_weights", f"target weights: {len(w.files)} safetensors file(s), "
+    kind = "GGUF" if w.files[0].suffix == ".gguf" else "safetensors"
+    f.add("ok", "target_weights", f"target weights: {len(w.files)} {kind} file(s), "
           f"{_count(w.numel(skip))} parameters")
+
+
+def _tokenizer_file(model_dir: Path) -> Path:
+    """Where a checkpoint's vocabulary lives: its GGUF file, else tokenizer.json."""
+    try:
+        return find_gguf(model_dir) or model_dir / "tokenizer.json"
+    except ConfigError:  # already reported for the target's config
+        return model_dir / "tokenizer.json"
 
 
 def _vocab(path: Path) -> dict[str, int]:
     from tokenizers import Tokenizer as HFTokenizer
 
+    if path.suffix == ".gguf":
+        return gguf_vocab(path)
     try:
         return HFTokenizer.from_file(str(path)).get_vocab(with_added_tokens=True)
     except Exception as e:  # tokenizers raises a bare Exception on a bad file
@@ -372,7 +391,7 @@ def _vocab(path: Path) -> dict[str, int]:
 
 
 def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None) -> None:
-    path = model_dir / "tokenizer.json"
+    path = _tokenizer_file(model_dir)
     if not path.exists():
         f.add("error", "target_tokenizer", f"{model_dir} has no tokenizer.json (a fast Hugging Face tokenizer is "
               "required: save one with transformers' AutoTokenizer.from_pretrained(...).save_pretrained(dir))")
@@ -387,7 +406,7 @@ def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None
         f.add("error", "target_tokenizer", f"{path} has token ids up to {top} but the model's vocab_size is "
               f"{t.vocab_size}: tokenizer and model do not belong together")
         return
-    f.add("ok", "target_tokenizer", f"tokenizer.json: {len(vocab)} tokens")
+    f.add("ok", "target_tokenizer", f"{path.name}: {len(vocab)} tokens")
 
 
 def _check_tp(f: _Findings, t: ModelConfig, tp: int) -> None:
@@ -498,7 +517,7 @@ def _check_positions(f: _Findings, t: ModelConfig, d: DraftConfig, served: int, 
 
 
 def _check_draft_tokenizer(f: _Findings, model_dir: Path, draft_dir: Path, t: ModelConfig) -> None:
-    d_path, t_path = draft_dir / "tokenizer.json", model_dir / "tokenizer.json"
+    d_path, t_path = draft_dir / "tokenizer.json", _tokenizer_file(model_dir)
     if not d_path.exists():
         f.add("info", "tokenizer_match", "drafter has no tokenizer.json: vocabularies compared by size only")
         return

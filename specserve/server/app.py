@@ -65,25 +65,7 @@ class TextLimits:
         tok = getattr(tokenizer, "tok", None)  # the Hugging Face tokenizer inside specserve's wrapper
         if tok is None:
             return cls(None, None)
-        return cls(max(map(len, tok.get_vocab(with_added_tokens=True))), _end_of_turn_id(tokenizer, tok))
-
-
-def _end_of_turn_id(tokenizer, tok) -> int | None:
-    """Render a one-exchange conversation and read the special token right after
-    the assistant's text (<|im_end|>, <|eot_id|>, ...): chat replies stop there
-    even where generation_config.json does not list it as an EOS."""
-    probe = "specserve probe reply"
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"},
-                                              {"role": "assistant", "content": probe}], add_generation_prompt=False)
-    except Exception:  # no template, or one that refuses this conversation: nothing to learn
-        return None
-    after = text.partition(probe)[2].lstrip()
-    specials = sorted((t.content for t in tok.get_added_tokens_decoder().values() if t.special), key=len, reverse=True)
-    for content in specials:
-        if content and after.startswith(content):
-            return tok.token_to_id(content)
-    return None
+        return cls(max(map(len, tok.get_vocab(with_added_tokens=True))), tokenizer.end_of_turn_id)
 
 
 def create_app(loop: EngineLoop, metrics: Metrics, cfg: ServerConfig, info: dict[str, Any] | None = None) -> FastAPI:

@@ -26,6 +26,7 @@ from specserve import envs
 from specserve.cli import port_number
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.generate_cmd import add_engine_arguments, engine_kwargs
+from specserve.model.gguf import require_model
 
 log = logging.getLogger("specserve.server")
 
@@ -171,8 +172,7 @@ def run(args: argparse.Namespace) -> int:
                         stream=sys.stderr)
     try:
         kw = serve_engine_kwargs(args)
-        if not Path(kw["model"]).is_dir():
-            raise ConfigError(f"model directory {kw['model']!r} does not exist")
+        require_model(str(kw["model"]))
         engine_cfg = EngineConfig.from_kwargs(**kw)  # validate flags before binding or loading
         cls = llm_class(args.tp)
         if args.shutdown_timeout < 0:

