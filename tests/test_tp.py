@@ -140,6 +140,28 @@ def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     assert all(s.finish_reason == "length" for s in seqs)
 
 
+@pytest.mark.slow
+def test_tp2_step_wise_logprobs_equal_tp1(pair):
+    """Driven step by step (as the server drives it), the TP view carries each token's
+    log-probabilities from the workers: those of one process, within all-reduce rounding."""
+    from specserve.distributed.tp_llm import TPLLM
+
+    target, draft = pair
+    spec = dict(spec_steps=3)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+    ref = _tp1(target, draft, params, **spec)[:2]
+    with TPLLM(model=str(target), draft=str(draft), tp=2, **ENGINE, **spec) as llm:
+        eng = llm.engine
+        seqs = [eng.add_request(p, params) for p in llm.encode_prompts(PROMPTS[:2])]
+        while eng.has_work():
+            eng.step()
+    for s, r in zip(seqs, ref):
+        assert s.output_ids == r.token_ids and len(s.logprobs) == len(r.logprobs) == 16
+        for a, b in zip(s.logprobs, r.logprobs):
+            assert a.token == b.token and abs(a.logprob - b.logprob) < 1e-4
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
 def _serving_members() -> list[str]:
     from specserve.engine.protocol import ServingEngine
 

@@ -116,8 +116,9 @@ def outputs_digest(obj) -> str:
 
 
 def seq_snapshot(s: Sequence) -> dict:
-    return {"seq_id": s.seq_id, "new_tokens": list(s.new_tokens), "finish_reason": s.finish_reason,
-            "spec": dataclasses.asdict(s.spec)}
+    new_logprobs = s.logprobs[len(s.output_ids) - len(s.new_tokens):] if s.logprobs is not None else None
+    return {"seq_id": s.seq_id, "new_tokens": list(s.new_tokens), "new_logprobs": new_logprobs,
+            "finish_reason": s.finish_reason, "spec": dataclasses.asdict(s.spec)}
 
 
 # ------------------------------------------------------------------ driver side
@@ -320,6 +321,8 @@ class TPLLM:
         params = self._seeded(params)
         self._request({"op": "add", "prompt_ids": list(prompt_ids), "params": params, "seq_id": seq_id}, "add_request")
         seq = Sequence(seq_id, list(prompt_ids), params, params.seed)
+        if params.logprobs is not None:
+            seq.logprobs = []
         self._seqs[seq_id] = seq
         return seq
 
@@ -338,6 +341,8 @@ class TPLLM:
                 continue
             seq.new_tokens = snap["new_tokens"]
             seq.output_ids.extend(seq.new_tokens)
+            if seq.logprobs is not None:
+                seq.logprobs.extend(snap["new_logprobs"])
             if seq.new_tokens and seq.first_token_time is None:
                 seq.first_token_time = now
             seq.spec = SpecStats(**snap["spec"])

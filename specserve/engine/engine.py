@@ -17,6 +17,7 @@ from collections import deque
 import torch
 
 from specserve.config import EngineConfig
+from specserve.engine.logprobs import LogprobBatch, TokenLogprob
 from specserve.engine.profiling import Mark
 from specserve.engine.protocol import ServingEngine
 from specserve.engine.runner import ModelRunner
@@ -50,6 +51,7 @@ class Engine(ServingEngine):
         self.profile: list[dict] = []  # per speculative cycle: draft/verify/accept spans, while `profiling`
         self.profiling = cfg.profile  # a runtime switch: `cfg` stays as the engine was built
         self._sampling_cache: tuple[tuple, BatchSampling] | None = None
+        self._logprob_cache: tuple[tuple, list[int]] | None = None
         # When the last decode step ended, while decoding runs back to back (None after a prefill or
         # a pause). Step costs for the adaptive policy run from there: the wall time per step as the
         # user sees it, the same for plain steps queued ahead (whose GPU time overlaps the previous
@@ -121,6 +123,8 @@ class Engine(ServingEngine):
             raise ValueError(f"request id {seq_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         seq = Sequence(seq_id, list(prompt_ids), params, seed)
+        if params.logprobs is not None:
+            seq.logprobs = []
         self.by_id[seq_id] = seq
         self.waiting.append(seq)
         return seq
@@ -191,12 +195,16 @@ class Engine(ServingEngine):
             budget -= take
         logits, feats = self.runner.prefill(self.n_running, chunks, starts)
         done = [i for i, s in enumerate(seqs) if s.prefilled + len(chunks[i]) == len(s.prompt_ids)]
-        first = None
+        first, lps = None, {}
         if done:
             params = [seqs[i].params for i in done]
             sampling = BatchSampling.build(params, [seqs[i].seed for i in done], self.device)
             pos = to_device([len(seqs[i].prompt_ids) for i in done], self.device)
-            first = sample_tokens(logits[done], sampling, pos).tolist()
+            logits = logits[done]
+            first_t = sample_tokens(logits, sampling, pos)
+            lp = self._logprobs([seqs[i] for i in done], logits, first_t)
+            first = first_t.tolist()
+            lps = self._read_logprobs([seqs[i] for i in done], lp)
         for i, seq in enumerate(seqs):
             seq.prefilled += len(chunks[i])
             seq.num_cached = seq.prefilled
@@ -208,7 +216,7 @@ class Engine(ServingEngine):
             seq.status = Status.RUNNING
             seq.first_token_time = time.perf_counter()
             seq.pending = 1 if self.drafting else 0
-            self._append(seq, [first[j]])
+            self._append(seq, [first[j]], lps.get(j))
             finished_prefill.append(seq)
         # Completed prompts are the first rows of the prefill block: they join the running prefix.
         self.n_running += len(done)
@@ -235,6 +243,24 @@ class Engine(ServingEngine):
             self._sampling_cache = (key, built)
         return self._sampling_cache[1]
 
+    def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor,
+                  path: torch.Tensor | None = None) -> LogprobBatch | None:
+        """Log-probabilities of the emitted tokens for the rows of `seqs` whose requests ask for
+        them (see LogprobBatch for the arguments); None, at the cost of a cached lookup, when none do."""
+        key = tuple(s.serial for s in seqs)
+        if self._logprob_cache is None or self._logprob_cache[0] != key:
+            self._logprob_cache = (key, [b for b, s in enumerate(seqs) if s.params.logprobs is not None])
+        rows = self._logprob_cache[1]
+        if not rows:
+            return None
+        return LogprobBatch(logits, tokens, rows, max(seqs[b].params.logprobs for b in rows), path)
+
+    @staticmethod
+    def _read_logprobs(seqs: list[Sequence], batch: LogprobBatch | None) -> dict[int, list[TokenLogprob]]:
+        if batch is None:
+            return {}
+        return batch.read([seqs[b].params.logprobs for b in batch.rows])
+
     def _launch_plain(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
                       pending_at: torch.Tensor | None = None) -> Launched:
         """Queue one plain decode step (ids/pos on the device) and the copy of its tokens to the host.
@@ -242,10 +268,11 @@ class Engine(ServingEngine):
         at slots `pending_at`, on the device, before any later step can overwrite the features."""
         logits, feats = self.runner.decode(ids, pos)
         tokens = sample_tokens(logits, self._sampling(seqs), pos + 1)
+        lp = self._logprobs(seqs, logits, tokens)
         if pending_at is not None:
             rows = torch.arange(len(seqs), device=self.device)
             self.proposer.pending.set_at(rows, pending_at, tokens, feats[:, 0])
-        return Launched(list(seqs), tokens, pos, host_lists(self.device, tokens), pending_at)
+        return Launched(list(seqs), tokens, pos, host_lists(self.device, tokens), pending_at, lp)
 
     def _plain_step(self, seqs: list[Sequence], t_start: float) -> list[Sequence]:
         """One token per sequence. On CUDA the next step is queued before this step's tokens are
@@ -261,13 +288,14 @@ class Engine(ServingEngine):
             # still hold for the sequences that kept running: their KV rows moved with them. Not so
             # while drafting: rows moved without that step's drafter inputs, so it is dropped (it
             # wrote nothing a later step does not rewrite).
-            kept = [] if drafting else [(s, t) for s, t in zip(ahead.seqs, ahead.token_list())
+            kept = [] if drafting else [(b, s, t) for b, (s, t) in enumerate(zip(ahead.seqs, ahead.token_list()))
                                         if s.status == Status.RUNNING and s.finish_reason is None]
-            for seq, tok in kept:
+            lps = self._read_logprobs(ahead.seqs, ahead.logprobs) if kept else {}
+            for b, seq, tok in kept:
                 seq.num_cached += 1
-                self._append(seq, [tok])
+                self._append(seq, [tok], lps.get(b))
             if kept:
-                return [seq for seq, _ in kept]
+                return [seq for _, seq, _ in kept]
             ahead = None
         if ahead is not None:
             cur = ahead
@@ -279,11 +307,12 @@ class Engine(ServingEngine):
         if ov.may_queue_plain(seqs, not (self.waiting or self.n_prefill), drafting):
             ov.plain = self._launch_plain(seqs, cur.tokens, cur.pos + 1, cur.pending_at + 1 if drafting else None)
         new = cur.token_list()
-        for seq, tok in zip(seqs, new):
+        lps = self._read_logprobs(seqs, cur.logprobs)
+        for b, (seq, tok) in enumerate(zip(seqs, new)):
             seq.num_cached += 1
             if drafting:
                 seq.pending += 1
-            self._append(seq, [tok])
+            self._append(seq, [tok], lps.get(b))
         if drafting and max(s.pending for s in seqs) >= self.proposer.width:
             self.proposer.flush(seqs, keep=1)
         if self.policy:
@@ -322,9 +351,10 @@ class Engine(ServingEngine):
             marks = marks + [Mark(self.device) for _ in range(3)]
             marks[2].record()
         if tree:  # acceptance, KV move and the drafter's next inputs happen in the verify graph
-            n_acc, grid, _ = r.verify_tree(K, last, pos0, enabled, sampling)
+            n_acc, grid, logits, path = r.verify_tree(K, last, pos0, enabled, sampling)
             if prof:
                 marks[3].record()
+            lp = self._logprobs(seqs, logits, grid, path)
         else:
             logits, feats = r.verify(torch.cat([last.unsqueeze(1), draft.tokens], 1), pos0)
             if prof:
@@ -332,12 +362,14 @@ class Engine(ServingEngine):
             n_acc, next_tok = accept_drafts(logits, draft, sampling, pos0, enabled)
             grid = emitted_tokens(draft.tokens, n_acc, next_tok)  # also the drafter's next input tokens
             pr.pending.set_cycle(B, grid, feats)
+            lp = self._logprobs(seqs, logits, grid)
         if prof:
             marks[4].record()
         results = host_lists(self.device, n_acc, grid)
         kept = ov.queue_draft(seqs, K, n_acc, pos0, sampling, not (self.waiting or self.n_prefill), self.policy, pr,
                               prof)
         acc_list, grid_list = results()  # the one host sync of the cycle
+        lps = self._read_logprobs(seqs, lp)
         for b, seq in enumerate(seqs):
             a = acc_list[b]
             if spec_ok[b]:
@@ -345,7 +377,7 @@ class Engine(ServingEngine):
                 self.totals.record(K, a)
             seq.num_cached += a + 1
             seq.pending = min(a + 1, kept)
-            self._append(seq, grid_list[b][: a + 1])
+            self._append(seq, grid_list[b][: a + 1], lps.get(b))
         if self.policy:
             self.policy.observe_cost(B, K, time.perf_counter() - t_start)
             self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if spec_ok[b]], B)
@@ -355,11 +387,14 @@ class Engine(ServingEngine):
         return list(seqs)
 
     # ------------------------------------------------------------ finishing
-    def _append(self, seq: Sequence, tokens: list[int]) -> None:
-        """Append accepted tokens, stopping at EOS, stop ids/strings, max_tokens or max_model_len."""
+    def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
+        """Append accepted tokens (with their log-probabilities, when the request asks), stopping at
+        EOS, stop ids/strings, max_tokens or max_model_len."""
         p = seq.params
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             seq.output_ids.append(tok)
+            if seq.logprobs is not None:
+                seq.logprobs.append(logprobs[i])
             seq.new_tokens.append(tok)
             self.tokens_generated += 1
             if not p.ignore_eos and tok in self.eos_token_ids:

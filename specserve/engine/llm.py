@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from specserve.config import DEMO_DIR, EngineConfig
 from specserve.engine.engine import Engine
+from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sequence import Sequence
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
@@ -36,6 +37,7 @@ class RequestOutput:
     spec: dict = field(default_factory=dict)
     ttft_s: float | None = None
     latency_s: float | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token of token_ids, when SamplingParams.logprobs is set
 
 
 def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -105,6 +107,7 @@ class LLM:
             finish_reason=s.finish_reason, spec=s.spec.as_dict() if self.engine.runner.drafter is not None else {},
             ttft_s=(s.first_token_time - s.arrival) if s.first_token_time else None,
             latency_s=(s.finish_time - s.arrival) if s.finish_time else None,
+            logprobs=list(s.logprobs) if s.logprobs is not None else None,
         )
 
     def profile_summary(self) -> dict:

@@ -438,7 +438,7 @@ class ModelRunner:
         the accepted branch's KV moved to indices pos0 + 1.. in every layer; the drafter's next
         inputs (feature, token) along the branch. Padding rows (pos0 at the scratch slot) write
         only there. Returns (accepted count, the branch's tokens then the next token, logits: float32
-        when sampling, else the model's dtype)."""
+        when sampling, else the model's dtype, the branch's verify rows by depth)."""
         N, dev, scratch = self.cfg.spec.tree_nodes(K), self.device, self.scratch
         tree = self.tree.head(B, N)
         pos0 = self.s_pos0[:B].unsqueeze(1)
@@ -458,7 +458,7 @@ class ModelRunner:
         move_branch_kv((self.kv.k_all, self.kv.v_all), pos0, pad, n_acc, path, K, scratch)
         grid, feat = branch_inputs(tree, feats, n_acc, next_tok, path)
         self.pending.set_cycle_except(B, pad, grid, feat)
-        return n_acc, grid, logits
+        return n_acc, grid, logits, path
 
     def _run(self, kind: str, B: int, body, K: int = 0, sampling: bool = False, filtered: bool = False):
         """Replay the captured graph of this kind at B's batch bucket, or run eagerly."""
@@ -524,7 +524,7 @@ class ModelRunner:
         """Verify the tree `draft_tree` left, rooted at token `root` at index `pos0` per row, and
         keep its accepted branch (see _tree_verify_body); rows not `enabled` accept nothing; `s`:
         the batch's sampling (None or all greedy: argmax). Returns (accepted count [B], the branch
-        then the next token [B, K+1], logits)."""
+        then the next token [B, K+1], logits [B, N+1, V], the branch's verify rows by depth [B, K])."""
         B = root.shape[0]
         sampling = s is not None and not s.all_greedy
         if sampling:

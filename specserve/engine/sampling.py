@@ -26,6 +26,8 @@ STREAM_TARGET = 1  # every sampled token, and (coupled) the drafter's proposals
 
 _M32 = 0xFFFFFFFF
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (OpenAI's chat limit)
+
 
 @dataclass
 class SamplingParams:
@@ -39,6 +41,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # Report each emitted token's log-probability and this many most likely alternatives
+    # (0..MAX_TOP_LOGPROBS); None: report nothing. See engine.logprobs.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -63,6 +68,8 @@ class SamplingParams:
             raise ValueError(f"stop must be a list of strings, got {self.stop!r}")
         if not all(_is_int64(t) for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be 64-bit integers, got {self.stop_token_ids!r}")
+        if self.logprobs is not None and not (_is_int64(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 from enum import Enum
 
+from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sampling import SamplingParams
 
 
@@ -71,6 +72,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     new_tokens: list[int] = field(default_factory=list)  # produced by the last step
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asks (params.logprobs)
     serial: int = field(default_factory=itertools.count().__next__)  # unique per engine process, never reused
 
     @property

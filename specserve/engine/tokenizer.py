@@ -47,6 +47,28 @@ class Tokenizer:
             if eos is not None:
                 self.eos_token_ids.update(eos if isinstance(eos, list) else [eos])
         self.vocab_size = self.tok.get_vocab_size()
+        self._added = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()}
+        self._byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
+        self._bytes: dict[int, bytes] = {}
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for: byte-level BPE tokens may hold part of a UTF-8
+        character, which decoding the token alone would turn into U+FFFD."""
+        got = self._bytes.get(token_id)
+        if got is None:
+            if token_id in self._added:
+                got = self._added[token_id].encode()
+            elif self._byte_level:
+                table = _unicode_to_byte()
+                got = bytes(table[c] for c in self.tok.id_to_token(token_id) or "")
+            else:
+                piece = self.tok.id_to_token(token_id) or ""
+                if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):  # byte fallback
+                    got = bytes([int(piece[3:5], 16)])
+                else:
+                    got = self.decode([token_id], skip_special_tokens=False).encode()
+            self._bytes[token_id] = got
+        return got
 
     @staticmethod
     def _token_text(tok) -> str | None:
@@ -97,6 +119,20 @@ class Tokenizer:
 
 def _raise(message: str):
     raise ValueError(message)
+
+
+_BYTE_TABLE: dict[str, int] = {}
+
+
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE's alphabet back to bytes: printable Latin-1 bytes stand for themselves,
+    the other 68 bytes for code points 256.. in byte order."""
+    if not _BYTE_TABLE:
+        printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+        others = [b for b in range(256) if b not in printable]
+        _BYTE_TABLE.update({chr(b): b for b in printable})
+        _BYTE_TABLE.update({chr(256 + i): b for i, b in enumerate(others)})
+    return _BYTE_TABLE
 
 
 class IncrementalDecoder:

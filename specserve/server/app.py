@@ -218,7 +218,8 @@ async def generate(request: Request, chat: bool):
     except QueueFull as e:
         raise P.APIError(429, f"server busy ({e}); retry later", code="queue_full",
                          headers={"Retry-After": str(cfg.retry_after_s)}) from None
-    out = _Output(st, rid, chat, queue, {j.index: j.seq_id for j in jobs}, sum(len(ids) for ids, _ in jobs_spec))
+    out = _Output(st, rid, chat, queue, {j.index: j.seq_id for j in jobs}, sum(len(ids) for ids, _ in jobs_spec),
+                  llm.tokenizer if s.logprobs is not None else None)
     if s.stream:
         return StreamingResponse(stream(out, s.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -282,6 +283,12 @@ class _Output:
     queue: asyncio.Queue
     ids_by_index: dict[int, str]  # choice index -> sequence id
     prompt_tokens: int
+    logprobs_tokenizer: Any = None  # set when the request asks for log-probabilities
+
+    def logprob_writers(self) -> dict[int, P.LogprobWriter]:
+        if self.logprobs_tokenizer is None:
+            return {}
+        return {i: P.LogprobWriter(self.logprobs_tokenizer, self.chat) for i in self.ids_by_index}
 
     def abort_unfinished(self, finished) -> None:
         unfinished = [sid for i, sid in self.ids_by_index.items() if i not in finished]
@@ -291,6 +298,7 @@ class _Output:
 
 async def collect(request: Request, out: _Output):
     texts = {i: [] for i in out.ids_by_index}
+    logprobs = {i: [] for i in out.ids_by_index}
     reasons: dict[int, str] = {}
     completion_tokens = 0
     next_check = time.monotonic() + DISCONNECT_POLL_S
@@ -310,6 +318,7 @@ async def collect(request: Request, out: _Output):
             if ev.kind == "error":
                 raise P.APIError(ev.status, ev.message, code=ev.reason, outcome="failed")
             texts[ev.index].append(ev.text)
+            logprobs[ev.index].extend(ev.logprobs or ())
             if ev.kind == "finish":
                 reasons[ev.index] = ev.finish_reason
                 completion_tokens += ev.completion_tokens
@@ -317,9 +326,11 @@ async def collect(request: Request, out: _Output):
         out.abort_unfinished(reasons)
     out.st.metrics.end("finished", _request_finish_reason(reasons.values()))
     make = P.chat_choice if out.chat else P.completion_choice
+    writers = out.logprob_writers()
+    choices = [make(i, "".join(texts[i]), reasons[i], writers[i].piece(logprobs[i]) if writers else None)
+               for i in sorted(out.ids_by_index)]
     return {"id": out.rid, "object": "chat.completion" if out.chat else "text_completion", "created": P.now(),
-            "model": out.st.cfg.served_model_name,
-            "choices": [make(i, "".join(texts[i]), reasons[i]) for i in sorted(out.ids_by_index)],
+            "model": out.st.cfg.served_model_name, "choices": choices,
             "usage": P.usage(out.prompt_tokens, completion_tokens)}
 
 
@@ -343,10 +354,13 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
         return _sse({"id": out.rid, "object": obj, "created": created, "model": name, "choices": choices,
                      **(extra or pending_usage)})
 
-    def choice(index: int, text: str | None, reason: str | None) -> dict:
+    writers = out.logprob_writers()
+
+    def choice(ev: Event, text: str | None, reason: str | None) -> dict:
+        lp = writers[ev.index].piece(ev.logprobs or []) if writers else None
         if chat:
-            return P.chat_chunk_choice(index, {} if text is None else {"content": text}, reason)
-        return P.completion_choice(index, text or "", reason)
+            return P.chat_chunk_choice(ev.index, {} if text is None else {"content": text}, reason, lp)
+        return P.completion_choice(ev.index, text or "", reason, lp)
 
     reasons: dict[int, str] = {}
     completion_tokens = 0
@@ -363,11 +377,11 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
                                         code=ev.reason))
                 break
             if ev.kind == "delta":
-                yield chunk([choice(ev.index, ev.text, None)])
+                yield chunk([choice(ev, ev.text, None)])
             else:
                 reasons[ev.index] = ev.finish_reason
                 completion_tokens += ev.completion_tokens
-                yield chunk([choice(ev.index, ev.text or None, ev.finish_reason)])
+                yield chunk([choice(ev, ev.text or None, ev.finish_reason)])
         else:
             outcome = ("finished", _request_finish_reason(reasons.values()))
             if include_usage:

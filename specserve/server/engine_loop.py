@@ -40,6 +40,7 @@ class Event:
     message: str = ""
     status: int = 500  # HTTP status for an error event
     reason: str = ""  # why an error event ended the sequence: engine_error, shutdown, invalid_request
+    logprobs: list | None = None  # TokenLogprob of the tokens since the last event, when the request asks
 
 
 @dataclass
@@ -64,6 +65,7 @@ class _Track:
         # Text that could be the start of a stop string is held back until it cannot be.
         self.holdback = max((len(s) for s in job.params.stop), default=1) - 1
         self.first_seen = False
+        self.logprobs_sent = 0  # output tokens whose log-probabilities went out with an event
 
 
 class EngineLoop:
@@ -215,7 +217,8 @@ class EngineLoop:
             if safe > len(tr.sent) and text.startswith(tr.sent):
                 delta = text[len(tr.sent):safe]
                 tr.sent += delta
-                job.sink(Event(job.index, "delta", text=delta, completion_tokens=len(seq.output_ids)))
+                job.sink(Event(job.index, "delta", text=delta, completion_tokens=len(seq.output_ids),
+                               logprobs=self._new_logprobs(tr, seq)))
             return
         # Finished: the full text, cut at a stop string, exactly as LLM.generate returns it.
         text = self.llm.tokenizer.decode(seq.output_ids)
@@ -232,7 +235,18 @@ class EngineLoop:
             m.e2e.observe(now - job.received)
             if n > 1 and seq.first_token_time is not None:
                 m.tpot.observe((seq.finish_time - seq.first_token_time) / (n - 1))
-        job.sink(Event(job.index, "finish", text=delta, finish_reason=seq.finish_reason, completion_tokens=n))
+        job.sink(Event(job.index, "finish", text=delta, finish_reason=seq.finish_reason, completion_tokens=n,
+                       logprobs=self._new_logprobs(tr, seq)))
+
+    @staticmethod
+    def _new_logprobs(tr: _Track, seq) -> list | None:
+        """Log-probabilities not yet sent: those of every token since the last event, so the
+        events of a sequence carry each token's once, whatever text was held back."""
+        if seq.logprobs is None:
+            return None
+        new = seq.logprobs[tr.logprobs_sent:]
+        tr.logprobs_sent = len(seq.logprobs)
+        return new
 
     def _engine_failed(self, e: Exception) -> None:
         """A step raised: fail the sequences that were in it (holding a row, or

@@ -3,12 +3,17 @@
 Validation is explicit (no pydantic models) so that every refusal is a 4xx in
 OpenAI's error shape naming the offending parameter, never a 422 or a 500.
 Unknown fields are ignored, as clients send many optional ones; fields we
-cannot honour (logprobs, echo, penalties, tools, ...) are refused rather than
+cannot honour (echo, penalties, tools, ...) are refused rather than
 silently ignored.
+
+Log-probabilities (completions `logprobs: int`, chat `logprobs: true` + `top_logprobs`)
+are the target's raw distribution at temperature 1 (engine.logprobs), one entry per
+generated token, including the tokens of a matched stop string that the text leaves out.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import time
@@ -16,13 +21,15 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from specserve.engine.sampling import SamplingParams
+from specserve.engine.logprobs import TokenLogprob
+from specserve.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
 MAX_STOP = 4  # as OpenAI
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_STOP_TOKEN_IDS = 64
 MAX_JSON_DEPTH = 32  # no request field nests deeper; deeper bodies are refused before anything walks them
 MAX_SEED = 2**63 - 1  # seeds travel to the device as int64
+MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's /v1/completions
 # Beyond these the float32 sampling arithmetic overflows or underflows (logits / T, the top-p mass test).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
 MIN_TOP_P = 1e-6
@@ -125,11 +132,9 @@ def _is_num(v: Any) -> bool:
 
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
-    for name in ("logprobs", "top_logprobs"):
-        if body.get(name) not in (None, False):
-            raise bad(f"{name} is not supported by this server: leave it unset", name, "unsupported_parameter")
     if body.get("echo"):
-        raise bad("echo is not supported by this server", "echo", "unsupported_parameter")
+        raise bad("echo is not supported by this server (prompt tokens get no log-probabilities): leave it unset",
+                  "echo", "unsupported_parameter")
     if body.get("suffix"):
         raise bad("suffix is not supported by this server", "suffix", "unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -163,13 +168,40 @@ class Sampling:
     stop: list[str]
     stop_token_ids: list[int]
     ignore_eos: bool
+    logprobs: int | None = None  # alternatives per token with log-probabilities (None: none reported)
 
     def params_for(self, choice: int, max_tokens: int) -> SamplingParams:
         # Distinct seeds make n > 1 choices differ when sampling; greedy ignores them.
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=seed, stop=list(self.stop),
-                              stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos)
+                              stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
+                              logprobs=self.logprobs)
+
+
+def parse_logprobs(body: dict, chat: bool) -> int | None:
+    """How many alternatives per token to report with log-probabilities; None: no log-probabilities."""
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise bad("top_logprobs belongs to chat completions; /v1/completions takes logprobs: <0..5>",
+                      "top_logprobs")
+        k = body.get("logprobs")
+        if k is not None and (not _is_int(k) or not 0 <= k <= MAX_COMPLETION_LOGPROBS):
+            raise bad(f"logprobs must be an integer in 0..{MAX_COMPLETION_LOGPROBS} (alternatives per token), "
+                      f"got {show(k)}", "logprobs")
+        return k
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad(f"logprobs must be a boolean for chat completions (top_logprobs sets the alternatives), "
+                  f"got {show(on)}", "logprobs")
+    k = body.get("top_logprobs")
+    if k is None:
+        return 0 if on else None
+    if not _is_int(k) or not 0 <= k <= MAX_TOP_LOGPROBS:
+        raise bad(f"top_logprobs must be an integer in 0..{MAX_TOP_LOGPROBS}, got {show(k)}", "top_logprobs")
+    if not on:
+        raise bad("top_logprobs needs logprobs: true", "top_logprobs")
+    return k
 
 
 def parse_sampling(body: dict, chat: bool, max_n: int, vocab_size: int) -> Sampling:
@@ -231,7 +263,7 @@ def parse_sampling(body: dict, chat: bool, max_n: int, vocab_size: int) -> Sampl
         raise bad(f"ignore_eos must be a boolean, got {show(ignore_eos)}", "ignore_eos")
     return Sampling(n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens, max_tokens_field=name,
                     temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
-                    stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos)
+                    stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=parse_logprobs(body, chat))
 
 
 def parse_prompts(body: dict) -> list[str | list[int]]:
@@ -297,14 +329,58 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def completion_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 
-def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None) -> dict:
-    return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+class LogprobWriter:
+    """One choice's log-probabilities in OpenAI's shapes, fed in order, a step's tokens at a time
+    (streaming sends each piece with its chunk). Completions' `text_offset` counts characters of
+    the generated tokens' text before each token."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer, self.chat = tokenizer, chat
+        self.chars = 0
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("ignore")
+
+    def _token(self, token_id: int) -> tuple[str, bytes]:
+        raw = self.tokenizer.token_bytes(token_id)
+        try:
+            return raw.decode("utf-8"), raw
+        except UnicodeDecodeError:  # part of a character: named by its bytes, as OpenAI does
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), raw
+
+    def piece(self, entries: list[TokenLogprob]) -> dict:
+        return self._chat(entries) if self.chat else self._completion(entries)
+
+    def _chat(self, entries: list[TokenLogprob]) -> dict:
+        def item(token_id: int, logprob: float) -> dict:
+            text, raw = self._token(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(raw)}
+
+        content = [{**item(e.token, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]
+        return {"content": content, "refusal": None}
+
+    def _completion(self, entries: list[TokenLogprob]) -> dict:
+        tokens, offsets, tops = [], [], []
+        for e in entries:
+            text, raw = self._token(e.token)
+            tokens.append(text)
+            offsets.append(self.chars)
+            self.chars += len(self._utf8.decode(raw))
+            # The sampled token is always listed, so a dict may hold one more than asked (as OpenAI).
+            top = {self._token(t)[0]: lp for t, lp in e.top}
+            top.setdefault(text, e.logprob)
+            tops.append(top)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
+                "text_offset": offsets}
+

@@ -44,6 +44,7 @@ class Launched:
     pos: torch.Tensor  # [B] positions of the step's input tokens
     read: Callable[[], list[list[int]]]  # waits for the tokens' host copy (`host_lists`)
     pending_at: torch.Tensor | None = None  # [B] drafter-input slot each token was written to (drafting)
+    logprobs: object = None  # engine.logprobs.LogprobBatch of the rows whose requests ask for them
 
     def token_list(self) -> list[int]:
         return self.read()[0]
