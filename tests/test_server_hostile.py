@@ -157,11 +157,22 @@ def test_fuzz_every_field_while_streams_run(live):
 def test_top_k_above_the_vocabulary_means_no_top_k(live):
     plain = live.post("/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8,
                                                "temperature": 0.8, "seed": 5})
-    for top_k in (4096, 2**63, 10**30):
+    for top_k in (4096, 2**63 - 1):
         r = live.post("/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8,
                                                "temperature": 0.8, "seed": 5, "top_k": top_k})
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"], top_k
+    for top_k in (2**63, 10**30):  # beyond int64: no integer option can carry it
+        r = live.post("/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "top_k": top_k})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
+
+
+@pytest.mark.parametrize("name,value", [("min_p", 0.1), ("min_p", float("nan")), ("min_p", "x"),
+                                        ("repetition_penalty", 1.2), ("typical_p", 0.5)])
+def test_sampling_options_of_other_servers_are_refused_not_ignored(live, name, value):
+    r = raw_post(live, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 1, name: value})
+    assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
+    assert live.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1, "min_p": 0}).status_code == 200
 
 
 def test_a_failing_engine_step_fails_only_the_requests_in_it(small):

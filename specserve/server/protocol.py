@@ -28,7 +28,7 @@ MAX_STOP = 4  # as OpenAI
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_STOP_TOKEN_IDS = 64
 MAX_JSON_DEPTH = 32  # no request field nests deeper; deeper bodies are refused before anything walks them
-MAX_SEED = 2**63 - 1  # seeds travel to the device as int64
+MAX_SEED = 2**63 - 1  # seeds (and any integer option) travel to the device as int64
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's /v1/completions
 # Beyond these the float32 sampling arithmetic overflows or underflows (logits / T, the top-p mass test).
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
@@ -143,6 +143,11 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
             raise bad(f"{name} is not supported (only 0)", name, "unsupported_parameter")
     if body.get("logit_bias"):
         raise bad("logit_bias is not supported", "logit_bias", "unsupported_parameter")
+    # sampling extensions of other servers: ignoring one would silently change what is sampled
+    for name, neutral in (("min_p", 0), ("repetition_penalty", 1), ("typical_p", 1)):
+        v = body.get(name)
+        if v is not None and (not _is_num(v) or v != neutral):
+            raise bad(f"{name} is not supported (only {neutral}, its neutral value)", name, "unsupported_parameter")
     for name in ("tools", "functions", "tool_choice", "function_call"):
         if body.get(name) not in (None, "none", []):
             raise bad(f"{name} is not supported: this server generates plain text", name, "unsupported_parameter")
@@ -242,8 +247,8 @@ def parse_sampling(body: dict, chat: bool, max_n: int, vocab_size: int) -> Sampl
     if not _is_num(top_p) or not MIN_TOP_P <= top_p <= 1:
         raise bad(f"top_p must be a number in [{MIN_TOP_P}, 1], got {show(top_p)}", "top_p")
     top_k = get("top_k", 0)  # extension; -1 (vLLM) and 0 both mean off
-    if not _is_int(top_k) or top_k < -1:
-        raise bad(f"top_k must be an integer >= 0 (0 or -1 = off), got {show(top_k)}", "top_k")
+    if not _is_int(top_k) or not -1 <= top_k <= MAX_SEED:
+        raise bad(f"top_k must be an integer in 0..{MAX_SEED} (0 or -1 = off), got {show(top_k)}", "top_k")
     if top_k >= vocab_size:  # keeps the whole vocabulary: the same as no top-k
         top_k = 0
     seed = body.get("seed")
