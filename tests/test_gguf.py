@@ -269,3 +269,17 @@ def test_check_reads_a_gguf_without_loading_it(tiny_gguf):
     by_code = {x.code: x.message for x in findings}
     assert "1 GGUF file(s)" in by_code["target_weights"]
     assert by_code["target_tokenizer"] == f"tiny.gguf: {VOCAB} tokens"
+
+
+def test_the_hf_bench_peer_loads_a_gguf(tiny_gguf):
+    """bench's transformers peer reads a GGUF target too (transformers dequantizes it), and its
+    greedy tokens equal specserve's on the same file."""
+    from specserve.bench.peers import HFPeer
+    from specserve.engine.llm import LLM, SamplingParams
+
+    prompt = [1, 5, 9, 3]
+    peer = HFPeer("hf", str(tiny_gguf), "cpu", torch.float32, 6, 0.0, True, set())
+    got = peer.run([prompt], [SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)]).tokens[0]
+    llm = LLM(model=str(tiny_gguf), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=1)
+    want = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
+    assert got == want

@@ -45,6 +45,17 @@ class _Clock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
+
+def _load_hf(auto_cls, model: str, dtype):
+    """transformers' model for `model`: a Hugging Face folder, or a GGUF file (also by known name),
+    which transformers dequantizes itself."""
+    from specserve.model.gguf import find_gguf
+
+    gguf = find_gguf(model)
+    if gguf is not None:
+        return auto_cls.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
+    return auto_cls.from_pretrained(model, dtype=dtype)
+
 class HFPeer:
     kind = "peer"
 
@@ -66,12 +77,12 @@ class HFPeer:
         self.max_cache_len = max_cache_len
         self._static: dict[int, object] = {}
         t0 = time.perf_counter()
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(self.device).eval()
+        self.model = _load_hf(AutoModelForCausalLM, model_dir, dtype).to(self.device).eval()
         self.assistant = None
         self.details: dict = {"transformers": transformers.__version__, "torch_threads": torch.get_num_threads()}
         if name == "hf-assisted":
             if peer_draft:
-                self.assistant = AutoModelForCausalLM.from_pretrained(peer_draft, dtype=dtype).to(self.device).eval()
+                self.assistant = _load_hf(AutoModelForCausalLM, peer_draft, dtype).to(self.device).eval()
                 self.details["method"] = f"assistant_model={peer_draft}"
             else:
                 self.details["method"] = f"prompt_lookup_num_tokens={PROMPT_LOOKUP_TOKENS}"
