@@ -1010,7 +1010,9 @@ def validate(drafter, target, path, tok, eos_id, steps, draft_ids, max_len, batc
     docs = split_long(tokenize_records(read_records(path, eos_id), tok, eos_id), max_len)
     gen = torch.Generator().manual_seed(1234)
     """Per-step top-1 agreement and the greedy acceptance length it implies (`chain_acceptance`)
-    on held-out data: (agreement per step, acceptance length)."""
+    on held-out data: (agreement per step, acceptance length). The length is the engine's only
+    where the held-out text is the target's own greedy output (regenerated); on other text it
+    scores drafts against the target's predictions of someone else's tokens."""
     hits = [0.0] * steps
     n = [0] * steps
     accepted, bases = [0] * steps, 0
