@@ -148,6 +148,58 @@ def test_ttt_forward_matches_cached_drafting(tmp_path):
                 torch.testing.assert_close(outs[k][:, b + k], g[:, 0], rtol=1e-4, atol=1e-4)
 
 
+def test_chain_acceptance_is_what_greedy_verification_accepts(tmp_path):
+    """The acceptance the trainer reports must be what the engine accepts: at every base b of a
+    target-greedy sequence, draft K tokens feeding back the drafter's own tokens and outputs
+    (as a draft cycle does) and count the leading drafts equal to the target's next tokens.
+    Teacher-forced per-step accuracy overstates it: a later step can hit after a miss. The
+    target has rope theta 1e5 (as SmolLM2), which the drafter's config must carry."""
+    target_dir = make_target(tmp_path / "t", vocab=96, hidden=64, layers=4, rope_theta=100000.0)
+    draft_dir = make_drafter(tmp_path / "d", target_dir, layout="sglang", draft_vocab=64)
+    dcfg = DraftConfig.from_dir(draft_dir)
+    assert dcfg.rope_theta == 100000.0
+    tgt = td.FrozenTarget(str(target_dir), CPU, torch.float32, 64, resolve_aux_layers(dcfg, 4))
+    dr = load_drafter(draft_dir, tgt.model, CPU, torch.float32, 64)
+    # Two-way heads: target and drafter each pick token 2 or 4 (draft ids 2 and 4) by the sign of
+    # one projection (rows picked so that greedy text mixes both and the two agree about half
+    # the time), so chains of every length occur.
+    with torch.no_grad():
+        for head, r in ((tgt.model.lm_head.weight, 6), (dr.lm_head.weight, 0)):
+            row = head[r].clone()
+            head.zero_()
+            head[2], head[4] = row, -row
+    L, K = 48, 3
+    ids = torch.tensor([[7]])
+    with torch.no_grad():
+        while ids.shape[1] < L:
+            _, hidden = tgt(ids)
+            ids = torch.cat([ids, tgt.logits(hidden[:, -1]).argmax(-1, keepdim=True)], 1)
+        feats, hidden = tgt(ids)
+        greedy = tgt.logits(hidden[0]).argmax(-1)  # greedy[p]: the target's token after position p
+        _, accs, _, (accepted, bases) = td.ttt_loss(dr, tgt, ids, torch.tensor([L]), feats, hidden, K,
+                                                    td.draft_vocab_ids(dr))
+    attn = dr.midlayer.self_attn.attn
+    attn.k_cache = torch.zeros(1, attn.num_kv_heads, 64, attn.head_dim)
+    attn.v_cache = torch.zeros_like(attn.k_cache)
+    want, n = [0] * K, 0
+    with torch.inference_mode():
+        for b in range(L - K):  # entries 0..L-2; a base counts when its K steps are entries too
+            pos = torch.arange(b + 1).view(1, -1)
+            g = dr(ids[:, 1:b + 2], feats[:, :b + 1], ForwardContext(0, pos, pos, b + 1))[:, -1:]
+            n += 1
+            for k in range(K):
+                tok = dr.to_target_ids(dr.logits(g[:, 0]).argmax(-1))
+                if int(tok) != int(greedy[b + k + 1]):
+                    break
+                want[k] += 1
+                p = torch.tensor([[b + k + 1]])
+                g = dr(tok.view(1, 1), g, ForwardContext(0, p, p, b + k + 2))
+    assert (accepted, bases) == (want, n)
+    assert 0 < want[K - 1] < want[0] < n, want
+    assert accs[1] > want[1] / n and accs[2] > want[2] / n, (accs, want, n)
+    assert td.accept_length(want, n) == round(1 + sum(want) / n, 4)
+
+
 def test_draft_vocab_selection():
     docs = [[5, 5, 5, 9, 9, 2], [7, 5, 9]]
     ids = td.select_draft_vocab(docs, vocab_size=12, n=3, always={0})

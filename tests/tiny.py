@@ -73,7 +73,7 @@ def make_drafter(out: Path, target_dir: Path, layout: str = "specforge", draft_v
         t["embed_tokens.weight"] = r(V, H)
     cfg = {"hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
            "rms_norm_eps": 1e-6, "vocab_size": V, "draft_vocab_size": Vd, "max_position_embeddings": max_pos,
-           "rope_theta": tcfg.get("rope_theta", 10000.0), "torch_dtype": "float32", "hidden_act": "silu"}
+           "rope_theta": (tcfg.get("rope_parameters") or tcfg).get("rope_theta", 10000.0), "torch_dtype": "float32", "hidden_act": "silu"}
     if layout == "eagle":
         cfg |= {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
         t = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in t.items()}

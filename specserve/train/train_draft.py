@@ -303,10 +303,30 @@ def ttt_forward(drafter, feats: torch.Tensor, next_ids: torch.Tensor, steps: int
     return outs
 
 
+def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor) -> tuple[list[int], int]:
+    """What greedy verification accepts of the chain drafted at every base position.
+
+    hits[k] [B, T]: step k at index t (the chain based at t - k) drafts the target's own next
+    token. Draft k of the chain based at b is accepted iff steps 0..k all hit; while they do, the
+    teacher-forced input tokens are the drafted ones, so on a target-greedy sequence this is
+    exactly what the engine accepts in a cycle based at b. Per-step accuracy is not: a step can
+    hit after an earlier miss, which the engine never sees. real [B, T]: the scored entries; a
+    base counts when its whole chain lies among them. Returns (accepted drafts per chain
+    position, bases counted)."""
+    K = len(hits)
+    bases = real & F.pad(real[:, K - 1:], (0, K - 1), value=False)
+    ok = bases
+    accepted = []
+    for k, h in enumerate(hits):
+        ok = ok & F.pad(h[:, k:], (0, k), value=False)  # step k of the chain based at b sits at b + k
+        accepted.append(int(ok.sum()))
+    return accepted, int(bases.sum())
+
+
 def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Tensor, feats: torch.Tensor,
              hidden: torch.Tensor, steps: int, draft_ids: torch.Tensor, autocast_dtype=None):
-    """Loss and per-step accuracy of one padded batch: ids [B, L], lengths [B], the target's
-    features [B, L, 3H] and final hidden [B, L, H] for those ids."""
+    """Loss, per-step accuracy (and its counts) and `chain_acceptance` of one padded batch:
+    ids [B, L], lengths [B], the target's features [B, L, 3H] and final hidden [B, L, H]."""
     B, L = ids.shape
     T = L - 1  # drafter entries t = 0..L-2: (f_t, x[t+1]) -> the target's distribution at t+1
     feats = feats[:, :T]
@@ -321,7 +341,7 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
         outs = ttt_forward(drafter, feats, ids[:, 1:], steps)
     total = 0.0
     norm = 0.0
-    accs, counts = [], []
+    accs, counts, hits = [], [], []
     for k, out in enumerate(outs):
         mask = real & (t_idx.view(1, -1) >= k)
         n = int(mask.sum())
@@ -333,10 +353,11 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
         total = total + w * (ce * mask).sum() / max(n, 1)
         norm += w
         with torch.no_grad():
-            pred = draft_ids[logits_d.argmax(-1)]  # draft id -> target id
-            accs.append(float(((pred == tgt_top) & mask).sum()) / max(n, 1))
+            hit = draft_ids[logits_d.argmax(-1)] == tgt_top  # draft id -> target id
+            hits.append(hit)
+            accs.append(float((hit & mask).sum()) / max(n, 1))
             counts.append(n)
-    return total / norm, accs, counts
+    return total / norm, accs, counts, chain_acceptance(hits, real)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -674,8 +695,10 @@ class TrainResult:
     minutes_regenerate: float
     minutes_train: float
     final_loss: float
-    final_acc: list[float]
+    final_acc: list[float]  # per-step top-1 agreement, teacher-forced (overstates what a chain keeps)
+    final_accept_length: float | None = None  # what greedy verification accepts of these drafts (plus 1)
     val_acc: list[float] | None = None
+    val_accept_length: float | None = None
     eval: list[dict] = field(default_factory=list)
 
 
@@ -895,7 +918,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
     bar = tqdm(total=planned, initial=step, desc="train-draft", unit="step", dynamic_ncols=True,
                disable=not config.progress,
                mininterval=2.0 if sys.stderr.isatty() else 30.0)
-    ema_loss, ema_acc = None, None
+    ema_loss, ema_acc, ema_tau = None, None, None
     t_loop = time.time() - train_seconds
     last_ck = start_step = step
     while step < planned:
@@ -916,7 +939,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
             g["lr"] = cur
         t_step = time.perf_counter()
         ids, lengths, feats, hidden = cache.batch(idx)
-        loss, accs, _ = ttt_loss(drafter, target, ids, lengths, feats, hidden, config.ttt_steps, draft_ids_dev, autocast)
+        loss, accs, _, (acc_k, bases) = ttt_loss(drafter, target, ids, lengths, feats, hidden, config.ttt_steps, draft_ids_dev, autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == start_step:  # a forward-only op in the graph would silently freeze what lies before it
@@ -932,11 +955,14 @@ def train_draft(config: TrainConfig) -> TrainResult:
         lv = loss.item()
         ema_loss = lv if ema_loss is None else 0.95 * ema_loss + 0.05 * lv
         ema_acc = accs if ema_acc is None else [0.95 * e + 0.05 * a for e, a in zip(ema_acc, accs)]
+        tau = accept_length(acc_k, bases)
+        ema_tau = tau if ema_tau is None else 0.95 * ema_tau + 0.05 * tau
         if train_budget and step >= 5:  # time-bound: show the projected number of steps
             rate = step / max(time.time() - t_loop, 1e-9)
             bar.total = min(planned, max(step + 1, int(step + rate * (train_deadline - time.time()))))
         bar.update(1)
-        bar.set_postfix_str(f"loss {ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in ema_acc) + f" lr {cur:.1e}",
+        bar.set_postfix_str(f"loss {ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in ema_acc)
+                            + f" tau {ema_tau:.2f} lr {cur:.1e}",
                             refresh=False)
         if config.checkpoint_every and step - last_ck >= config.checkpoint_every and step < planned:
             save_checkpoint(ck_dir, drafter, opt, {
@@ -950,16 +976,19 @@ def train_draft(config: TrainConfig) -> TrainResult:
     # 5. save -------------------------------------------------------------------------------
     drafter.eval()
     save_drafter(drafter, cfg, out)
-    val_acc = None
+    val_acc = val_tau = None
     if config.val_data:
-        val_acc = validate(drafter, target, config.val_data, tok, eos_id, config.ttt_steps, draft_ids_dev, max_len,
-                           config.batch_tokens)
-        log("validation top-1 agreement per step: " + " ".join(f"{a:.3f}" for a in val_acc))
+        val_acc, val_tau = validate(drafter, target, config.val_data, tok, eos_id, config.ttt_steps, draft_ids_dev,
+                                    max_len, config.batch_tokens)
+        log("validation top-1 agreement per step: " + " ".join(f"{a:.3f}" for a in val_acc)
+            + f"; greedy acceptance length {val_tau:.3f}")
     res = TrainResult(out_dir=str(out), steps=step, samples=len(samples), tokens=n_tokens, regenerated=n_regen,
                       draft_vocab=int(draft_ids.numel()), draft_vocab_coverage=round(coverage, 4),
                       minutes_regenerate=round(minutes_regen, 2), minutes_train=round(minutes_train, 2),
                       final_loss=round(ema_loss or float("nan"), 4),
-                      final_acc=[round(a, 4) for a in (ema_acc or [])], val_acc=val_acc)
+                      final_acc=[round(a, 4) for a in (ema_acc or [])],
+                      final_accept_length=round(ema_tau, 4) if ema_tau is not None else None,
+                      val_acc=val_acc, val_accept_length=val_tau)
     del target
     if config.eval_prompts:
         prompts = read_prompts(config.eval_prompts)
@@ -980,16 +1009,29 @@ def train_draft(config: TrainConfig) -> TrainResult:
 def validate(drafter, target, path, tok, eos_id, steps, draft_ids, max_len, batch_tokens, max_batches: int = 8):
     docs = split_long(tokenize_records(read_records(path, eos_id), tok, eos_id), max_len)
     gen = torch.Generator().manual_seed(1234)
+    """Per-step top-1 agreement and the greedy acceptance length it implies (`chain_acceptance`)
+    on held-out data: (agreement per step, acceptance length). The length is the engine's only
+    where the held-out text is the target's own greedy output (regenerated); on other text it
+    scores drafts against the target's predictions of someone else's tokens."""
     hits = [0.0] * steps
     n = [0] * steps
+    accepted, bases = [0] * steps, 0
     for idx in make_batches(docs, batch_tokens, gen)[:max_batches]:
         ids, lengths = collate(docs, idx, target.device)
         feats, hidden = target(ids)
-        _, accs, counts = ttt_loss(drafter, target, ids, lengths, feats.float(), hidden.float(), steps, draft_ids)
+        _, accs, counts, (acc_k, b) = ttt_loss(drafter, target, ids, lengths, feats.float(), hidden.float(), steps,
+                                               draft_ids)
         for k in range(steps):
             hits[k] += accs[k] * counts[k]
             n[k] += counts[k]
-    return [round(h / max(c, 1), 4) for h, c in zip(hits, n)]
+            accepted[k] += acc_k[k]
+        bases += b
+    return [round(h / max(c, 1), 4) for h, c in zip(hits, n)], accept_length(accepted, bases)
+
+
+def accept_length(accepted: list[int], bases: int) -> float:
+    """Tokens per verify cycle: the target's own token plus the accepted drafts."""
+    return round(1 + sum(accepted) / max(bases, 1), 4)
 
 
 # ---------------------------------------------------------------------------------------------
