@@ -89,7 +89,8 @@ def hf_run(model, ids: list[int], new_tokens: int, cache: str) -> float:
 
 
 def profile_decode(llm, ids: list[int], steps: int) -> dict:
-    """Per decode step: self CPU ms per op (and input shapes for products), and the rest."""
+    """Per forward (`steps` decode steps and the prompt's prefill): self CPU ms per op (input shapes
+    for products), and the wall time per decode step that no op accounts for (Python, bookkeeping)."""
     from torch.profiler import ProfilerActivity, profile
 
     from specserve import SamplingParams
@@ -100,18 +101,18 @@ def profile_decode(llm, ids: list[int], steps: int) -> dict:
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         out = llm.generate([ids], sp)[0]
     wall_ms = (out.latency_s - out.ttft_s) * 1e3 / steps
-    # Only decode steps: ops are attributed per step by dividing by the step count; the prefill's
-    # share is small against `steps` decode steps and is reported with them.
+    # The prefill is profiled with the decode steps (one forward of `steps + 1`): its share is
+    # small and shows apart in the product shapes (prompt-length rows).
     rows = []
     for e in prof.key_averages(group_by_input_shape=True):
         if e.self_cpu_time_total <= 0:
             continue
         shapes = e.input_shapes if e.key in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
                                              "mkldnn::_linear_pointwise") else ""
-        rows.append({"op": e.key, "shapes": str(shapes) if shapes else "", "calls_per_step": e.count / (steps + 1),
-                     "self_ms_per_step": e.self_cpu_time_total / 1e3 / (steps + 1)})
-    rows.sort(key=lambda r: -r["self_ms_per_step"])
-    in_ops = sum(r["self_ms_per_step"] for r in rows)
+        rows.append({"op": e.key, "shapes": str(shapes) if shapes else "", "calls_per_forward": e.count / (steps + 1),
+                     "self_ms_per_forward": e.self_cpu_time_total / 1e3 / (steps + 1)})
+    rows.sort(key=lambda r: -r["self_ms_per_forward"])
+    in_ops = sum(r["self_ms_per_forward"] for r in rows)
     return {"step_wall_ms": round(wall_ms, 3), "ops_ms": round(in_ops, 3),
             "outside_ops_ms": round(wall_ms - in_ops, 3),
             "ops": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows[:25]]}
