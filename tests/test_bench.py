@@ -609,7 +609,7 @@ def test_bench_per_dataset_table(monkeypatch, pair, tmp_path):
     rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--dataset", str(a), str(b),
                                "--configs", "baseline", "eagle3:steps=2", "--batch-sizes", "1", "--max-tokens", "8",
                                "--repeats", "1", "--warmup", "0", "--no-progress", "--device", "cpu",
-                               "--json", str(out), "--markdown", str(tmp_path / "ds.md")])
+                               "--out", str(out), "--markdown", str(tmp_path / "ds.md")])
     assert rc == 0
     doc = json.loads(out.read_text())
     validate(doc)
