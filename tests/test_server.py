@@ -573,7 +573,7 @@ def test_cli_refuses_bad_setups_before_loading(http, pair, capsys):
     p = argparse.ArgumentParser()
     serve_cmd.add_arguments(p)
     assert serve_cmd.run(p.parse_args(["--model", "/nonexistent/model", "--port", "0"])) == 1
-    assert "does not exist" in capsys.readouterr().err
+    assert "neither a Hugging Face model directory" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------------- GPU
