@@ -51,7 +51,6 @@ class Engine(ServingEngine):
         self.profile: list[dict] = []  # per speculative cycle: draft/verify/accept spans, while `profiling`
         self.profiling = cfg.profile  # a runtime switch: `cfg` stays as the engine was built
         self._sampling_cache: tuple[tuple, BatchSampling] | None = None
-        self._logprob_cache: tuple[tuple, list[int]] | None = None
         # When the last decode step ended, while decoding runs back to back (None after a prefill or
         # a pause). Step costs for the adaptive policy run from there: the wall time per step as the
         # user sees it, the same for plain steps queued ahead (whose GPU time overlaps the previous
@@ -246,11 +245,9 @@ class Engine(ServingEngine):
     def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor,
                   path: torch.Tensor | None = None) -> LogprobBatch | None:
         """Log-probabilities of the emitted tokens for the rows of `seqs` whose requests ask for
-        them (see LogprobBatch for the arguments); None, at the cost of a cached lookup, when none do."""
-        key = tuple(s.serial for s in seqs)
-        if self._logprob_cache is None or self._logprob_cache[0] != key:
-            self._logprob_cache = (key, [b for b, s in enumerate(seqs) if s.params.logprobs is not None])
-        rows = self._logprob_cache[1]
+        them (see LogprobBatch for the arguments); None when none do. (Finding the rows costs what a
+        cache key of the batch would: one pass over it.)"""
+        rows = [b for b, s in enumerate(seqs) if s.params.logprobs is not None]
         if not rows:
             return None
         return LogprobBatch(logits, tokens, rows, max(seqs[b].params.logprobs for b in rows), path)
