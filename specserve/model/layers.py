@@ -252,6 +252,16 @@ class ForwardContext:
             self._rows = torch.arange(self.row_start, self.row_start + B, device=self.write_idx.device).unsqueeze(1)
         return self._rows
 
+    def store(self, cache: torch.Tensor, values: torch.Tensor) -> None:
+        """Write values [B, T, heads, dim] into a cache at each token's cache index. Every attention
+        layer writes its cache through here, so the cache layout is known in one place."""
+        cache[self.cache_rows(), :, self.write_idx] = values.to(cache.dtype)
+
+    def cached(self, cache: torch.Tensor) -> torch.Tensor:
+        """The cache's keys [0, kv_len) of this forward's sequences, [B, heads, kv_len, dim]."""
+        B = self.write_idx.shape[0]
+        return cache[self.row_start: self.row_start + B, :, : self.kv_len]
+
 
 class KVCacheAttention(HotPathModule):
     """Scaled dot-product attention over a slot-per-sequence KV cache with GQA."""
@@ -298,15 +308,13 @@ class KVCacheAttention(HotPathModule):
         return x * cos + x.roll(x.shape[-1] // 2, -1) * sin
 
     def _store(self, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext) -> None:
-        rows = ctx.cache_rows()
-        self.k_cache[rows, :, ctx.write_idx] = k.to(self.k_cache.dtype)
-        self.v_cache[rows, :, ctx.write_idx] = v.to(self.v_cache.dtype)
+        ctx.store(self.k_cache, k)
+        ctx.store(self.v_cache, v)
 
     def _attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """SDPA of rotated q [B, T, H, D] over the cached keys [0, kv_len) (keys already written)."""
         B, T = q.shape[:2]
-        rows = slice(ctx.row_start, ctx.row_start + B)
-        keys, values = self.k_cache[rows, :, : ctx.kv_len], self.v_cache[rows, :, : ctx.kv_len]
+        keys, values = ctx.cached(self.k_cache), ctx.cached(self.v_cache)
         # [B, T, H, D] -> [B, Hkv, G*T, D] so each KV head is read once for its whole group
         # (a plain view for one token).
         Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
