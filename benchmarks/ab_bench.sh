@@ -4,9 +4,11 @@
 #   rm -rf .ab && mkdir .ab && git archive REV specserve | tar -x -C .ab
 #   bash benchmarks/ab_bench.sh            (results under $OUT: bench-N-SIDE.json, ab.json, log, host.log)
 # Both trees bench the same grown 8B pair (grown once, by the checkout) with the same configs, one process
-# per run, in the order ORDER. A later run on a fresh machine is faster than an earlier one (the host
-# settles for minutes after the grow step), so the default order A B B A puts the same mean position on
-# each side: a drift linear in time cancels in the ratio of the geometric means of each side's runs.
+# per run, in the order ORDER. At batch 16 and 64 the figures spread from pass to pass and shift with a
+# run's place in the call (the grow step also leaves its output as dirty pages, hence the sync), so the
+# default order A B B A gives both sides the same mean place: a drift linear in time cancels in the
+# ratio of the geometric means of each side's runs. Plan the call from what one run costs: its loading
+# (two engines for the default configs) plus one pass per warm-up and repeat.
 # Knobs (environment): ORDER, PROMPTS (per category), TOKENS, WARMUP, REPEATS, CONFIGS, BATCHES,
 # BENCH_TIMEOUT (seconds per run). ab.json lists, per config and batch size, each run's median tok/s and
 # the ratio B/A of the geometric means of the run medians.
@@ -35,7 +37,7 @@ for side in ${ORDER:-A B B A}; do
   if [ $side = A ]; then tree=$PWD/.ab; flag=--json; else tree=$PWD; flag=--out; fi
   echo "== run $n side $side $(date -u +%T)"
   # run from inside the tree: `python -m` puts the working directory first on sys.path
-  (cd $tree && PYTHONPATH=$tree:${PYTHONPATH} timeout ${BENCH_TIMEOUT:-150} python3 -m specserve bench --model $W \
+  (cd $tree && PYTHONPATH=$tree:${PYTHONPATH} timeout ${BENCH_TIMEOUT:-200} python3 -m specserve bench --model $W \
     --draft $W/draft --configs $CONFIGS --batch-sizes ${BATCHES:-1 16 64} --num-prompts ${PROMPTS:-2} \
     --max-tokens ${TOKENS:-64} --warmup ${WARMUP:-1} --repeats ${REPEATS:-2} --peers --no-progress \
     $flag "$OUT/bench-$n-$side.json") 2>&1 | grep -v -i warn | tail -3
