@@ -39,7 +39,7 @@ for side in ${ORDER:-A B B A}; do
   # run from inside the tree: `python -m` puts the working directory first on sys.path
   (cd $tree && PYTHONPATH=$tree:${PYTHONPATH} timeout ${BENCH_TIMEOUT:-200} python3 -m specserve bench --model $W \
     --draft $W/draft --configs $CONFIGS --batch-sizes ${BATCHES:-1 16 64} --num-prompts ${PROMPTS:-2} \
-    --max-tokens ${TOKENS:-64} --warmup ${WARMUP:-1} --repeats ${REPEATS:-2} --peers --no-progress \
+    --max-tokens ${TOKENS:-64} --warmup ${WARMUP:-1} --repeats ${REPEATS:-3} --peers --no-progress \
     $flag "$OUT/bench-$n-$side.json") 2>&1 | grep -v -i warn | tail -3
 done
 python3 - "$OUT" <<'PY'
