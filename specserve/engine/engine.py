@@ -125,10 +125,6 @@ class Engine(ServingEngine):
                 f"prompt has {len(prompt_ids)} tokens; max_model_len is {self.max_model_len} "
                 f"(room is needed for at least one new token)"
             )
-        if not self.scheduler.fits_ever(len(prompt_ids)):
-            pool = self.scheduler.pool
-            raise ValueError(f"prompt has {len(prompt_ids)} tokens; the KV pool holds {pool.usable * pool.block_size} "
-                             f"tokens in all: raise --kv-cache-tokens (or --gpu-memory-utilization) or shorten the prompt")
         seq_id = seq_id or f"seq-{next(self._ids)}"
         if seq_id in self.by_id:
             raise ValueError(f"request id {seq_id!r} is already in use")
@@ -227,12 +223,13 @@ class Engine(ServingEngine):
             seq.num_cached = seq.prefilled
         if self.drafting:
             self.proposer.prefill(self.n_running, seqs, chunks, starts, feats, done, first)
+        for seq in seqs:
+            self.scheduler.prefilled(seq)
         finished_prefill = []
         for j, i in enumerate(done):
             seq = seqs[i]
             seq.status = Status.RUNNING
             seq.pending = 1 if self.drafting else 0
-            self.scheduler.prefilled(seq)
             if not seq.resumed:
                 seq.first_token_time = time.perf_counter()
                 self._append(seq, [first[j]], lps.get(fresh.index(i)))

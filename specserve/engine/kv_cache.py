@@ -52,6 +52,10 @@ def plan_blocks(cfg, rows: int, max_model_len: int, room: int, block_bytes: int,
     if cfg.kv_cache_tokens is not None:
         n = -(-cfg.kv_cache_tokens // bs)
         why = f"--kv-cache-tokens {cfg.kv_cache_tokens}"
+        one = (row_blocks(max_model_len, room, bs) - 1) * bs
+        if n * bs < one:
+            raise ConfigError(f"{why} holds less than one sequence of --max-model-len {max_model_len} (with room for "
+                              f"speculation: {one} tokens); raise --kv-cache-tokens or lower --max-model-len")
     elif cfg.gpu_memory_utilization is not None:
         if device.type != "cuda":
             raise ConfigError("--gpu-memory-utilization sizes the KV pool on a GPU; on CPU use --kv-cache-tokens")

@@ -30,10 +30,6 @@ class Scheduler:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-min(n_tokens, self.max_len) // self.kv.block_size)
 
-    def fits_ever(self, n_tokens: int) -> bool:
-        """Whether a prompt of n tokens can be admitted into an otherwise empty pool."""
-        return self.blocks_for(n_tokens + self.margin) <= self.pool.usable
-
     def admit(self, seq: Sequence, row: int) -> bool:
         """Give `seq` its prefix-cache hit and the blocks for the rest of its prefill; False (nothing
         changed) when the pool cannot."""
@@ -53,8 +49,9 @@ class Scheduler:
         return True
 
     def prefilled(self, seq: Sequence) -> None:
-        """A prefill completed: its full blocks become findable by content."""
-        self.pool.register(seq.blocks, seq.tokens(0, seq.prefill_len))
+        """After a prefill chunk: the blocks it completed become findable by content (those whose
+        next token is in the prefill too), so a long prompt's blocks serve later arrivals at once."""
+        self.pool.register(seq.blocks, seq.tokens(0, min(seq.prefilled + 1, seq.prefill_len)))
 
     def grow(self, seq: Sequence) -> bool:
         """Blocks up to the sequence's length plus the margin; False when the pool has too few."""
