@@ -182,3 +182,21 @@ def test_pool_sizes_are_checked(pair):
         Engine(EngineConfig(model=str(target), device="cpu", gpu_memory_utilization=0.5))
     with pytest.raises(ConfigError, match="not both"):
         EngineConfig(model=str(target), kv_cache_tokens=4096, gpu_memory_utilization=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+def test_paged_kernels_on_gpu(pair, mode):
+    """CUDA graphs and the Triton kernels reading block tables (bfloat16): blocks of 4 tokens emit
+    one block per row's tokens, and the prefix cache changes nothing."""
+    prompts = _prompts(8, seed=31)
+    params = _params(8)
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=8)
+    slot = _drain(_engine(pair, mode, kv_block_size=256, **kw), prompts, params)
+    assert _drain(_engine(pair, mode, kv_block_size=4, **kw), prompts, params) == slot
+    shared = _prompts(1, seed=3, lo=40, hi=41)[0]
+    prompts = [shared + t for t in _prompts(6, seed=4, lo=1, hi=20)]
+    off = _drain(_engine(pair, mode, kv_block_size=8, **kw), prompts, params[:6], waves=2)
+    engine = _engine(pair, mode, kv_block_size=8, prefix_cache=True, **kw)
+    assert _drain(engine, prompts, params[:6], waves=2) == off
+    assert engine.kv_usage()["prefix_hit_tokens"] > 0

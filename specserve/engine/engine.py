@@ -113,6 +113,16 @@ class Engine(ServingEngine):
             self.scheduler.pool.clear_cache()
         self.policy.fixed = K
 
+    def set_prefix_cache(self, on: bool) -> None:
+        """Turn prefix caching on or off on an idle engine (bench compares both this way); turning
+        it off forgets every cached block."""
+        if self.has_work():
+            raise RuntimeError("set_prefix_cache needs an idle engine")
+        pool = self.scheduler.pool
+        if not on:
+            pool.clear_cache()
+        pool.prefix_cache = on
+
     # ------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> Sequence:
         if not prompt_ids:
