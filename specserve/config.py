@@ -383,6 +383,10 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     prefill_chunk: int = 512
+    kv_block_size: int = 16  # tokens per KV block
+    kv_cache_tokens: int | None = None  # KV pool size in tokens (None: see gpu_memory_utilization)
+    gpu_memory_utilization: float | None = None  # GPU: size the pool to this fraction of memory (None: max_num_seqs x max_model_len)
+    prefix_cache: bool = False  # share full prompt blocks across requests by content
     cuda_graphs: bool = True
     graph_batch_sizes: tuple[int, ...] | None = None
     aux_layer_convention: str = "sglang"
@@ -419,6 +423,14 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if not 1 <= self.kv_block_size <= 4096:
+            raise ConfigError(f"--kv-block-size must be 1..4096 tokens, got {self.kv_block_size}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:
+            raise ConfigError(f"--kv-cache-tokens must be at least 1, got {self.kv_cache_tokens}")
+        if self.gpu_memory_utilization is not None and not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ConfigError(f"--gpu-memory-utilization must be within 0.05..0.99, got {self.gpu_memory_utilization}")
+        if self.kv_cache_tokens is not None and self.gpu_memory_utilization is not None:
+            raise ConfigError("give --kv-cache-tokens or --gpu-memory-utilization, not both")
 
     def flat(self) -> dict[str, Any]:
         """Every setting under its flat option name: `EngineConfig(**cfg.flat()) == cfg`."""

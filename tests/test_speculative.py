@@ -801,7 +801,7 @@ def test_prefill_through_the_staging_cache(pair, monkeypatch):
             m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
             engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
         r = engine.runner
-        assert r.kv.stage_len == 80 and r.kv.k_stage.shape[1] == 1 and r.kv.k_all.shape[1] == 3
+        assert r.kv.stage_len == 80 and r.kv.k_stage.shape[1] == 1 and r.kv.table.shape[0] == 3
         for Tb in r.prefill_buckets:
             g = _EagerGraph(lambda Tb=Tb: r._prefill_body(Tb))
             r.graphs[GraphKey("prefill", 1, tokens=Tb)] = Graph(g, g.outputs)

@@ -82,3 +82,14 @@ def all_ranks_agree(ok: bool) -> bool:
     t = torch.tensor([1 if ok else 0], dtype=torch.long)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL_GROUP)
     return bool(t.item())
+
+
+def min_over_ranks(value: int) -> int:
+    """The smallest of every rank's integer (sizes each rank must agree on, e.g. the KV pool)."""
+    if _TP_SIZE == 1:
+        return value
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.long)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL_GROUP)
+    return int(t.item())

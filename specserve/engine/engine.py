@@ -22,6 +22,7 @@ from specserve.engine.profiling import Mark
 from specserve.engine.protocol import ServingEngine
 from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens, to_device
+from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, SpecStats, Status
 from specserve.spec.overlap import Launched, Overlap, host_lists
 from specserve.spec.policy import SpecPolicy, bucket_sizes, interpolate_costs, startup_grid
@@ -56,6 +57,11 @@ class Engine(ServingEngine):
         # user sees it, the same for plain steps queued ahead (whose GPU time overlaps the previous
         # step's host work) and for speculative cycles (which may first wait for a dropped queued step).
         self._decode_end: float | None = None
+        r = self.runner
+        # Blocks a running sequence holds past its length: two cycles' writes (a draft may be queued
+        # behind a verify) and a plain step queued ahead.
+        self.scheduler = Scheduler(r.kv, cfg.prefix_cache, margin=2 * (r.room + 1) + 1,
+                                   max_len=r.cache_len - r.block_size)
         self.proposer = Proposer(self.runner) if self.runner.drafter is not None else None
         self.overlap = Overlap(self.device, self.max_model_len, self.runner.pending_width)
         spec_values = []
@@ -103,7 +109,19 @@ class Engine(ServingEngine):
         if K is None and not self.cfg.spec.adaptive:
             raise ValueError("adaptive speculation needs an engine built with adaptive=True")
         self.overlap.clear()
+        if (K == 0) != (self.policy.fixed == 0):  # cached blocks hold drafter KV only while drafting
+            self.scheduler.pool.clear_cache()
         self.policy.fixed = K
+
+    def set_prefix_cache(self, on: bool) -> None:
+        """Turn prefix caching on or off on an idle engine (bench compares both this way); turning
+        it off forgets every cached block."""
+        if self.has_work():
+            raise RuntimeError("set_prefix_cache needs an idle engine")
+        pool = self.scheduler.pool
+        if not on:
+            pool.clear_cache()
+        pool.prefix_cache = on
 
     # ------------------------------------------------------------- requests
     def add_request(self, prompt_ids: list[int], params: SamplingParams, seq_id: str | None = None) -> Sequence:
@@ -174,8 +192,11 @@ class Engine(ServingEngine):
 
     def _admit(self) -> None:
         while self.waiting and self.free_rows > 0:
+            row = self.n_running + self.n_prefill
+            if not self.scheduler.admit(self.waiting[0], row):
+                break  # first come, first served: later arrivals wait too
             seq = self.waiting.popleft()
-            seq.row = self.n_running + self.n_prefill
+            seq.row = row
             seq.status = Status.PREFILL
             self.rows[seq.row] = seq
             self.n_prefill += 1
@@ -185,37 +206,43 @@ class Engine(ServingEngine):
         chunks, starts, seqs = [], [], []
         for row in range(self.n_running, self.n_running + self.n_prefill):
             seq = self.rows[row]
-            take = min(len(seq.prompt_ids) - seq.prefilled, budget)
+            take = min(seq.prefill_len - seq.prefilled, budget)
             if take <= 0:
                 break
-            chunks.append(seq.prompt_ids[seq.prefilled: seq.prefilled + take])
+            chunks.append(seq.tokens(seq.prefilled, seq.prefilled + take))
             starts.append(seq.prefilled)
             seqs.append(seq)
             budget -= take
         logits, feats = self.runner.prefill(self.n_running, chunks, starts)
-        done = [i for i, s in enumerate(seqs) if s.prefilled + len(chunks[i]) == len(s.prompt_ids)]
-        first, lps = None, {}
-        if done:
-            params = [seqs[i].params for i in done]
-            sampling = BatchSampling.build(params, [seqs[i].seed for i in done], self.device)
-            pos = to_device([len(seqs[i].prompt_ids) for i in done], self.device)
-            logits = logits[done]
+        done = [i for i, s in enumerate(seqs) if s.prefilled + len(chunks[i]) == s.prefill_len]
+        # A resumed sequence (preempted earlier) already has the token its prefill ends at.
+        fresh = [i for i in done if not seqs[i].resumed]
+        first, lps = [seqs[i].last_token for i in done], {}
+        if fresh:
+            params = [seqs[i].params for i in fresh]
+            sampling = BatchSampling.build(params, [seqs[i].seed for i in fresh], self.device)
+            pos = to_device([seqs[i].prefill_len for i in fresh], self.device)
+            logits = logits[fresh]
             first_t = sample_tokens(logits, sampling, pos)
-            lp = self._logprobs([seqs[i] for i in done], logits, first_t)
-            first = first_t.tolist()
-            lps = self._read_logprobs([seqs[i] for i in done], lp)
+            lp = self._logprobs([seqs[i] for i in fresh], logits, first_t)
+            lps = self._read_logprobs([seqs[i] for i in fresh], lp)
+            for j, tok in zip(fresh, first_t.tolist()):
+                first[done.index(j)] = tok
         for i, seq in enumerate(seqs):
             seq.prefilled += len(chunks[i])
             seq.num_cached = seq.prefilled
         if self.drafting:
             self.proposer.prefill(self.n_running, seqs, chunks, starts, feats, done, first)
+        for seq in seqs:
+            self.scheduler.prefilled(seq)
         finished_prefill = []
         for j, i in enumerate(done):
             seq = seqs[i]
             seq.status = Status.RUNNING
-            seq.first_token_time = time.perf_counter()
             seq.pending = 1 if self.drafting else 0
-            self._append(seq, [first[j]], lps.get(j))
+            if not seq.resumed:
+                seq.first_token_time = time.perf_counter()
+                self._append(seq, [first[j]], lps.get(fresh.index(i)))
             finished_prefill.append(seq)
         # Completed prompts are the first rows of the prefill block: they join the running prefix.
         self.n_running += len(done)
@@ -223,7 +250,26 @@ class Engine(ServingEngine):
         return finished_prefill
 
     # -------------------------------------------------------------- decode
+    def _reserve_blocks(self) -> None:
+        """Every running sequence holds blocks for its next writes; when the pool runs short, the
+        most recently arrived running sequence is preempted (see engine.scheduler)."""
+        i = 0
+        while i < self.n_running:
+            if self.scheduler.grow(self.rows[i]):
+                i += 1
+                continue
+            victim = max(self.rows[: self.n_running], key=lambda s: s.serial)
+            log.info("KV pool full: preempting %s (%d tokens) to recompute later", victim.seq_id, victim.total_len)
+            self._vacate(victim.row)
+            self.scheduler.preempt(victim)
+            victim.status = Status.WAITING
+            self.waiting.appendleft(victim)
+            i = 0
+
     def _decode(self) -> list[Sequence]:
+        self._reserve_blocks()
+        if not self.n_running:
+            return []
         seqs = self.rows[: self.n_running]
         ov = self.overlap
         chosen, ov.chosen = ov.chosen, None
@@ -418,32 +464,40 @@ class Engine(ServingEngine):
             seq.status = Status.FINISHED
 
     def _release_finished(self) -> None:
-        """Free the rows of finished sequences, keeping running rows a prefix
-        and the prefill block right behind it (their KV moves with them)."""
+        """Free the rows and blocks of finished sequences, keeping running rows a prefix and the
+        prefill block right behind it."""
         for row in range(self.n_running + self.n_prefill - 1, -1, -1):
             seq = self.rows[row]
             if seq is None or seq.finish_reason is None:
                 continue
             seq.status = Status.FINISHED
-            seq.row = -1
-            if row < self.n_running:
-                last = self.n_running - 1
-                self._move(last, row)
-                # Pull the prefill block down by one to close the gap it leaves.
-                for src in range(self.n_running, self.n_running + self.n_prefill):
-                    self._move(src, src - 1)
-                self.n_running -= 1
-            else:
-                for src in range(row + 1, self.n_running + self.n_prefill):
-                    self._move(src, src - 1)
-                self.n_prefill -= 1
-            self.rows[self.n_running + self.n_prefill] = None
+            self._vacate(row)
+            self.scheduler.release(seq)
+
+    def _vacate(self, row: int) -> None:
+        """Take the sequence at `row` out of the row table, moving others to keep it compact."""
+        seq = self.rows[row]
+        seq.row = -1
+        if row < self.n_running:
+            last = self.n_running - 1
+            self._move(last, row)
+            # Pull the prefill block down by one to close the gap it leaves.
+            for src in range(self.n_running, self.n_running + self.n_prefill):
+                self._move(src, src - 1)
+            self.n_running -= 1
+        else:
+            for src in range(row + 1, self.n_running + self.n_prefill):
+                self._move(src, src - 1)
+            self.n_prefill -= 1
+        end = self.n_running + self.n_prefill
+        self.rows[end] = None
+        self.runner.kv.set_row(end, [])
 
     def _move(self, src: int, dst: int) -> None:
         if src == dst:
             return
         seq = self.rows[src]
-        self.runner.move_row(src, dst, seq.num_cached, seq.pending)
+        self.runner.move_row(src, dst, seq.pending)
         self.rows[dst] = seq
         self.rows[src] = None
         seq.row = dst
@@ -451,11 +505,17 @@ class Engine(ServingEngine):
     # ---------------------------------------------------------------- stats
     def kv_usage(self) -> dict:
         used = self.n_running + self.n_prefill
-        return {"rows_total": self.runner.rows, "rows_used": used, "usage": used / self.runner.rows,
-                "tokens_cached": sum(s.num_cached for s in self.rows[:used] if s)}
+        pool = self.scheduler.pool
+        return {"rows_total": self.runner.rows, "rows_used": used, "usage": pool.used() / pool.usable,
+                "tokens_cached": sum(s.num_cached for s in self.rows[:used] if s),
+                "preemptions": self.scheduler.preemptions, **pool.stats()}
 
     def check_idle_integrity(self) -> None:
-        """When idle every row must be free; raises if a row leaked."""
+        """When idle every row is free, no block is referenced, the free and cached lists cover the
+        pool exactly once and the block table points nowhere; raises AssertionError otherwise."""
         leaked = [i for i, s in enumerate(self.rows) if s is not None]
         if leaked or self.n_running or self.n_prefill:
             raise AssertionError(f"KV rows still held while idle: {leaked}")
+        self.scheduler.pool.check_idle()
+        if bool((self.runner.kv.table != 0).any()):
+            raise AssertionError("block table rows still point at blocks while idle")

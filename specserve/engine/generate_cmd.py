@@ -41,7 +41,18 @@ def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True)
     p.add_argument("--max-model-len", type=int,
                    help="longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=None,
-                   help="KV slots = most sequences in flight (default: the number of prompts; serve: 64)")
+                   help="most sequences in flight (default: the number of prompts; serve: 64)")
+    p.add_argument("--kv-block-size", type=int, default=EngineConfig.kv_block_size,
+                   help=f"tokens per KV block (default {EngineConfig.kv_block_size})")
+    p.add_argument("--kv-cache-tokens", type=int, default=None,
+                   help="KV pool size in tokens (default: --gpu-memory-utilization when serving on a GPU, "
+                        "else --max-num-seqs x --max-model-len)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="GPU: size the KV pool so weights, activations, graphs and KV use this fraction of the GPU's "
+                        "memory (serve's default on a GPU: 0.9)")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="compute every prompt in full (default: serve shares full prompt blocks across requests; "
+                        "generate and bench do not)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run every forward eagerly")
     p.add_argument("--aux-layer-convention", default="sglang", choices=["sglang", "vllm"],
                    help="how the drafter's eagle_aux_hidden_state_layer_ids are read: 'sglang' = layer outputs "
@@ -77,7 +88,8 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
               max_model_len=args.max_model_len, max_num_seqs=default_max_num_seqs if args.max_num_seqs is None else args.max_num_seqs,
               cuda_graphs=not args.disable_cuda_graph, aux_layer_convention=args.aux_layer_convention,
               allow_draft_position_extension=args.allow_draft_position_extension,
-              allow_pickle=args.allow_pickle, tp=args.tp)
+              allow_pickle=args.allow_pickle, tp=args.tp, kv_block_size=args.kv_block_size,
+              kv_cache_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
     if args.adaptive and not draft:
         kw["adaptive"] = False
     from specserve.distributed.nccl_profiles import load_profile, parse_env_args

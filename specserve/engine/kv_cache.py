@@ -1,61 +1,117 @@
 """KV memory: the one place that allocates and moves attention caches.
 
-Layout: one slot ("row") per sequence, [rows, kv_heads, cache_len, head_dim] per layer,
-with running sequences kept in rows 0..B-1 so every graph reads a plain view of the
-cache (no gather). Fixed slots rather than paged blocks: without paged-attention kernels
-SDPA needs contiguous keys, static shapes suit CUDA graphs, and rewinding rejected drafts
-is just not advancing the length. The cost is memory reserved for max_model_len per slot,
-which the budget check here accounts for up front.
+Layout: paged. Every attention layer's cache is a pool of fixed-size blocks, [block, kv_head,
+block_size, head_dim]; a sequence's row of the block table ([rows, max_blocks], on the device,
+an input of every graph) lists its blocks, so index i of row r lives in block table[r, i //
+block_size]. The target and the drafter use the same block ids (one table), so a prefix hit
+covers the drafter's KV too. Running sequences keep rows 0..B-1 of the table; moving a sequence
+to another row copies its table row, not its KV. Block 0 is the null block (see block_pool).
 
-cache_len = max_model_len + room + 1 (rounded up), room = K_max for chains (tree: the
-most verify nodes or drafter tree slots): draft and verify tokens of a sequence near its
-end may sit past max_model_len, and the last index is a scratch slot that padding tokens
-write to and no real query ever reads.
+Row length = max_model_len + room + 1 indices rounded up to whole blocks, plus one block whose
+entry is always the null block: its last index is the scratch slot that padding tokens write to
+and no real query ever reads; room = K_max for chains (tree: the most verify nodes or drafter
+tree slots), since a cycle's draft and verify tokens may sit past a sequence's end.
 
-Prefill graphs write a staging cache of one row, as long as the longest prefill bucket
-plus a scratch slot: one graph then serves every row (the KV is copied to the sequence's
-row after), and staging costs a prompt's KV, not a whole sequence's.
+The pool's size: `kv_cache_tokens`, or on a GPU what `gpu_memory_utilization` leaves after
+the weights and a warm-up forward (with an allowance for the graphs), or by default room for
+every row at max_model_len (`plan_blocks`).
+
+Prefill graphs write a staging cache of one row (contiguous, no table), as long as the longest
+prefill bucket plus a scratch slot: one graph then serves every row (the KV is copied into the
+sequence's blocks after), and staging costs a prompt's KV, not a whole sequence's.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import torch
 
 from specserve.config import ConfigError, prefill_stage_len
+from specserve.engine.block_pool import NULL_BLOCK
 from specserve.model.layers import KVCacheAttention
 
+log = logging.getLogger("specserve.kv")
 
-def cache_length(max_model_len: int, room: int) -> int:
-    """KV slots per row: the sequence, `room` slots a cycle may write past its end, the scratch slot."""
-    return -(-(max_model_len + room + 1) // 16) * 16
+
+def row_blocks(max_model_len: int, room: int, block_size: int) -> int:
+    """Block-table columns per row: the sequence and its room, then the null column."""
+    return -(-(max_model_len + room + 1) // block_size) + 1
+
+
+def bytes_per_block(target, drafter, block_size: int, dtype: torch.dtype) -> int:
+    mods = list(target.attention_modules()) + (list(drafter.attention_modules()) if drafter is not None else [])
+    return sum(2 * a.num_kv_heads * a.head_dim * block_size * torch.finfo(dtype).bits // 8 for a in mods)
+
+
+def plan_blocks(cfg, rows: int, max_model_len: int, room: int, block_bytes: int, device: torch.device,
+                activation_bytes: int = 0) -> int:
+    """Blocks in the pool (the null block included); see the module's doc."""
+    bs = cfg.kv_block_size
+    if cfg.kv_cache_tokens is not None:
+        n = -(-cfg.kv_cache_tokens // bs)
+        why = f"--kv-cache-tokens {cfg.kv_cache_tokens}"
+        one = (row_blocks(max_model_len, room, bs) - 1) * bs
+        if n * bs < one:
+            raise ConfigError(f"{why} holds less than one sequence of --max-model-len {max_model_len} (with room for "
+                              f"speculation: {one} tokens); raise --kv-cache-tokens or lower --max-model-len")
+    elif cfg.gpu_memory_utilization is not None:
+        if device.type != "cuda":
+            raise ConfigError("--gpu-memory-utilization sizes the KV pool on a GPU; on CPU use --kv-cache-tokens")
+        _, total = torch.cuda.mem_get_info(device)
+        graphs = max(activation_bytes, 512 * 2**20) if cfg.cuda_graphs else 0
+        budget = cfg.gpu_memory_utilization * total - torch.cuda.memory_allocated(device) - activation_bytes - graphs
+        n = int(budget // block_bytes)
+        why = (f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB after "
+               f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB of weights, {activation_bytes / 2**30:.2f} GiB "
+               f"of activations and {graphs / 2**30:.2f} GiB for graphs")
+        if n < row_blocks(max_model_len, room, bs):
+            raise ConfigError(f"{why} leaves room for {max(n, 0) * bs} KV tokens, less than one sequence of "
+                              f"--max-model-len {max_model_len}; raise --gpu-memory-utilization or lower --max-model-len")
+    else:
+        n = rows * (row_blocks(max_model_len, room, bs) - 1)
+        why = f"{rows} sequences x {max_model_len} tokens (--max-num-seqs x --max-model-len)"
+    needed = (n + 1) * block_bytes
+    if device.type == "cuda":
+        budget = int(torch.cuda.mem_get_info(device)[0] * 0.95)
+    else:
+        import psutil
+
+        budget = int(psutil.virtual_memory().available * 0.5)
+    if needed > budget:
+        raise ConfigError(f"KV cache for {why} needs {needed / 2**30:.2f} GiB, only {budget / 2**30:.2f} GiB is "
+                          f"available; lower --kv-cache-tokens, --max-num-seqs or --max-model-len")
+    log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB) for %s", n, bs, n * bs, needed / 2**30, why)
+    return n + 1
 
 
 class KVCache:
-    """The target's and the drafter's KV caches (set into their attention modules) and the
-    prefill graphs' staging caches. `k_all`/`v_all` hold every target layer in one tensor
-    ([layer, row, kv_head, index, dim]), so moving a row or a tree branch is one copy for all
+    """The target's and the drafter's block pools (set into their attention modules), the block
+    table, and the prefill graphs' staging caches. `k_all`/`v_all` hold every target layer in one
+    tensor ([layer, block, kv_head, offset, dim]), so moving a tree branch is one copy for all
     layers, not one per layer."""
 
     def __init__(self, target, drafter, rows: int, max_model_len: int, room: int, dtype: torch.dtype,
-                 device: torch.device, stage_tokens: int):
+                 device: torch.device, stage_tokens: int, block_size: int, num_blocks: int):
         self.target_mods = list(target.attention_modules())
         self.drafter_mods = list(drafter.attention_modules()) if drafter is not None else []
         self.rows, self.room, self.dtype, self.device = rows, room, dtype, device
-        self.cache_len = cache_length(max_model_len, room)
+        self.block_size, self.num_blocks = block_size, num_blocks
+        self.max_blocks = row_blocks(max_model_len, room, block_size)
+        self.cache_len = self.max_blocks * block_size
         self.scratch = self.cache_len - 1
-        self._check_budget(max_model_len)
         t = self.target_mods
-        shape = (len(t), rows, t[0].num_kv_heads, self.cache_len, t[0].head_dim)
+        shape = (len(t), num_blocks, t[0].num_kv_heads, block_size, t[0].head_dim)
         self.k_all = torch.zeros(shape, dtype=dtype, device=device)
         self.v_all = torch.zeros(shape, dtype=dtype, device=device)
         for i, a in enumerate(t):
             a.k_cache, a.v_cache = self.k_all[i], self.v_all[i]
         for a in self.drafter_mods:
-            shape = (rows, a.num_kv_heads, self.cache_len, a.head_dim)
+            shape = (num_blocks, a.num_kv_heads, block_size, a.head_dim)
             a.k_cache = torch.zeros(shape, dtype=dtype, device=device)
             a.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.table = torch.full((rows, self.max_blocks), NULL_BLOCK, dtype=torch.long, device=device)
         # Staging for prompts of up to `stage_tokens` tokens (0: no prefill graphs, no staging).
         self.stage_len = prefill_stage_len(stage_tokens)
         self.stage_scratch = self.stage_len - 1
@@ -68,36 +124,27 @@ class KVCache:
             self.stage = {a: (self.k_stage[i], self.v_stage[i]) for i, a in enumerate(t)}
             self.stage.update({a: (staging(a), staging(a)) for a in self.drafter_mods})
 
-    def _check_budget(self, max_model_len: int) -> None:
-        needed = 0
-        for a in self.target_mods + self.drafter_mods:
-            needed += 2 * self.rows * a.num_kv_heads * self.cache_len * a.head_dim * torch.finfo(self.dtype).bits // 8
-        if self.device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(self.device)
-            budget = int(free * 0.9)
-        else:
-            import psutil
-
-            budget = int(psutil.virtual_memory().available * 0.5)
-        if needed > budget:
-            raise ConfigError(
-                f"KV cache for {self.rows} sequences x {max_model_len} tokens needs {needed / 2**30:.2f} GiB, "
-                f"only {budget / 2**30:.2f} GiB is available; lower --max-num-seqs or --max-model-len"
-            )
-
     def nbytes(self) -> int:
-        """Bytes of the target's and the drafter's KV caches (staging not included)."""
+        """Bytes of the target's and the drafter's block pools (staging not included)."""
         return sum(a.k_cache.numel() * 2 * a.k_cache.element_size() for a in self.target_mods + self.drafter_mods)
 
-    def move_row(self, src: int, dst: int, length: int) -> None:
-        """Copy a sequence's KV (its first `length` positions and the room a cycle writes past them)
-        to another row, target and drafter."""
-        n = min(length + self.room + 1, self.cache_len)
-        for cache in (self.k_all, self.v_all):  # every target layer at once
-            cache[:, dst, :, :n] = cache[:, src, :, :n]
-        for a in self.drafter_mods:
-            a.k_cache[dst, :, :n] = a.k_cache[src, :, :n]
-            a.v_cache[dst, :, :n] = a.v_cache[src, :, :n]
+    def set_row(self, row: int, blocks: list[int]) -> None:
+        """Row `row` of the block table lists `blocks`, the null block after them."""
+        n = len(blocks)
+        if n >= self.max_blocks:
+            raise AssertionError(f"{n} blocks do not fit a row of {self.max_blocks - 1}")
+        line = torch.full((self.max_blocks,), NULL_BLOCK, dtype=torch.long)
+        line[:n] = torch.tensor(blocks, dtype=torch.long)
+        self.table[row].copy_(line, non_blocking=True)
+
+    def move_row(self, src: int, dst: int) -> None:
+        """A sequence moves to another row: its table row goes with it (its KV stays put)."""
+        self.table[dst] = self.table[src]
+
+    def slots(self, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of indices 0..n-1 of a row."""
+        idx = torch.arange(n, device=self.device)
+        return self.table[row, idx // self.block_size], idx % self.block_size
 
     @contextlib.contextmanager
     def staged(self, mods):
@@ -113,13 +160,15 @@ class KVCache:
                 a.k_cache, a.v_cache = k, v
 
     def unstage_target(self, row: int, T: int) -> None:
-        """Copy a staged prompt's first T positions of target KV to `row` (all layers at once)."""
+        """Copy a staged prompt's first T positions of target KV into `row`'s blocks (all layers at once)."""
+        block, offset = self.slots(row, T)
         for cache, staged in ((self.k_all, self.k_stage), (self.v_all, self.v_stage)):
-            cache[:, row, :, :T] = staged[:, 0, :, :T]
+            cache[:, block, :, offset] = staged[:, 0, :, :T].permute(2, 0, 1, 3)
 
     def unstage_drafter(self, row: int, T: int) -> None:
-        """Copy a staged prompt's first T positions of drafter KV to `row`."""
+        """Copy a staged prompt's first T positions of drafter KV into `row`'s blocks."""
+        block, offset = self.slots(row, T)
         for a in self.drafter_mods:
             k, v = self.stage[a]
-            a.k_cache[row, :, :T] = k[0, :, :T]
-            a.v_cache[row, :, :T] = v[0, :, :T]
+            a.k_cache[block, :, offset] = k[0, :, :T].transpose(0, 1)
+            a.v_cache[block, :, offset] = v[0, :, :T].transpose(0, 1)

@@ -47,7 +47,8 @@ from specserve.engine.sampling import (
     sample_tokens,
 )
 from specserve.engine.graphs import Graph, GraphKey, capture, default_graph_batch_sizes
-from specserve.engine.kv_cache import KVCache, cache_length
+from specserve.distributed.parallel_state import min_over_ranks
+from specserve.engine.kv_cache import KVCache, bytes_per_block, plan_blocks, row_blocks
 from specserve.kernels.tree import tree_level
 from specserve.model.layers import ForwardContext, pin_attributes
 from specserve.model.loader import load_drafter, load_target, resolve_device, resolve_dtype
@@ -74,7 +75,8 @@ class ModelRunner:
         self.topk = cfg.spec.topk if self.draft_cfg else 1
         self.pending_width = max(PENDING_WIDTH, self.k_max + 1)
         self.room = cfg.spec.cache_room(self.k_max)  # slots past a sequence's end that a cycle may write
-        self.cache_len = cache_length(self.max_model_len, self.room)
+        self.block_size = cfg.kv_block_size
+        self.cache_len = row_blocks(self.max_model_len, self.room, self.block_size) * self.block_size
         self.scratch = self.cache_len - 1
         self.rows = cfg.max_num_seqs
         self.drafter_max_pos = None
@@ -153,10 +155,42 @@ class ModelRunner:
         """The prefill graph length a T-token prompt is padded to (None: longer than any)."""
         return next((b for b in self.prefill_buckets if T <= b), None)
 
+    def _activation_bytes(self) -> int:
+        """GPU memory a prefill chunk's forward takes beyond the weights, measured on a warm-up
+        forward over a one-block-per-token scratch cache (only when the pool is sized from free memory)."""
+        if self.device.type != "cuda" or self.cfg.gpu_memory_utilization is None:
+            return 0
+        T = min(self.cfg.prefill_chunk, self.max_model_len)
+        bs = self.block_size
+        n = -(-T // bs) + 1
+        mods = list(self.target.attention_modules())
+        saved = [(a.k_cache, a.v_cache) for a in mods]
+        for a in mods:
+            a.k_cache = torch.zeros(n, a.num_kv_heads, bs, a.head_dim, dtype=self.dtype, device=self.device)
+            a.v_cache = torch.zeros_like(a.k_cache)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        table = torch.arange(n, device=self.device).unsqueeze(0)
+        pos = torch.arange(T, device=self.device).unsqueeze(0)
+        with torch.inference_mode():
+            hidden, _ = self.target(torch.zeros(1, T, dtype=torch.long, device=self.device),
+                                    ForwardContext(0, pos, pos, T, block_table=table, block_size=bs))
+            self.target.logits(hidden[:, -1])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        for a, (k, v) in zip(mods, saved):
+            a.k_cache, a.v_cache = k, v
+        return peak
+
     def _allocate(self) -> None:
         self.prefill_buckets = self._prefill_graph_buckets()
+        block_bytes = bytes_per_block(self.target, self.drafter, self.block_size, self.dtype)
+        num_blocks = plan_blocks(self.cfg, self.rows, self.max_model_len, self.room, block_bytes, self.device,
+                                 self._activation_bytes())
+        num_blocks = min_over_ranks(num_blocks)  # every TP rank's engine must take the same decisions
         self.kv = KVCache(self.target, self.drafter, self.rows, self.max_model_len, self.room, self.dtype, self.device,
-                          max(self.prefill_buckets, default=0))
+                          max(self.prefill_buckets, default=0), self.block_size, num_blocks)
         self.pending: PendingInputs | None = None
         if self.drafter is not None:
             self.pending = PendingInputs(self.rows, self.pending_width, 3 * self.model_cfg.hidden_size, self.dtype,
@@ -184,11 +218,11 @@ class ModelRunner:
         self.s_top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.s_seed = torch.zeros(self.rows, dtype=torch.long, device=self.device)
 
-    def move_row(self, src: int, dst: int, length: int, pending: int) -> None:
-        """Copy a sequence's KV (first `length` positions) and pending drafter inputs to another row."""
+    def move_row(self, src: int, dst: int, pending: int) -> None:
+        """Move a sequence (its block-table row and pending drafter inputs) to another row."""
         if src == dst:
             return
-        self.kv.move_row(src, dst, length)
+        self.kv.move_row(src, dst)
         if self.drafter is not None and pending:
             self.pending.move_row(src, dst, pending)
 
@@ -224,7 +258,8 @@ class ModelRunner:
             last[i] = max(len(c) - 1, 0)
         ids, pos, last = ids.to(self.device), pos.to(self.device), last.to(self.device)
         kv_len = max(s + len(c) for c, s in zip(chunks, starts))
-        ctx = ForwardContext(row_start, self._rope_pos(pos), pos, kv_len)
+        ctx = ForwardContext(row_start, self._rope_pos(pos), pos, kv_len, block_table=self.kv.table,
+                             block_size=self.block_size)
         hidden, feats = self.target(ids, ctx)
         h_last = hidden[torch.arange(m, device=self.device), last]
         return self.target.logits(h_last), feats
@@ -299,12 +334,13 @@ class ModelRunner:
         a Python pass over them is cheaper than tensor ops. When every query sits at the last key
         read (decode, draft steps), no mask is built."""
         base, anc = tree if tree is not None else (None, None)
+        paged = {"block_table": self.kv.table, "block_size": self.block_size}
         if self.device.type == "cuda":
-            return ForwardContext(row_start, rope_pos, pos, self.cache_len, tree_base=base, tree_anc=anc)
+            return ForwardContext(row_start, rope_pos, pos, self.cache_len, tree_base=base, tree_anc=anc, **paged)
         flat = pos.reshape(-1).tolist()
         kv_len = max((p for p in flat if p != self.scratch), default=0) + 1
         return ForwardContext(row_start, rope_pos, pos, kv_len, full_view=tree is None and min(flat) >= kv_len - 1,
-                              tree_base=base, tree_anc=anc)
+                              tree_base=base, tree_anc=anc, **paged)
 
     def _decode_body(self, B: int):
         ids, pos = self.s_ids[:B, :1], self.s_pos[:B, :1]
@@ -455,7 +491,8 @@ class ModelRunner:
                           per_node(self.s_seed), all_greedy=not sampling, filtered=filtered)
         pred = sample_tokens(logits, s, rope + 1)  # each node's token, keyed by the position it would fill
         n_acc, next_tok, path = accept_tree(pred, tree, K, self.s_enabled[:B])
-        move_branch_kv((self.kv.k_all, self.kv.v_all), pos0, pad, n_acc, path, K, scratch)
+        move_branch_kv((self.kv.k_all, self.kv.v_all), self.kv.table[:B], self.block_size, pos0, pad, n_acc, path, K,
+                       scratch)
         grid, feat = branch_inputs(tree, feats, n_acc, next_tok, path)
         self.pending.set_cycle_except(B, pad, grid, feat)
         return n_acc, grid, logits, path

@@ -63,7 +63,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING
     row: int = -1
-    prefilled: int = 0  # prompt tokens already through the target
+    prefilled: int = 0  # tokens of `prefill_len` already through the target (or found in the prefix cache)
+    prefill_len: int = 0  # tokens a prefill computes: the prompt, or after a preemption all but the last token
+    blocks: list[int] = field(default_factory=list)  # KV blocks, in order (see engine.scheduler)
     num_cached: int = 0  # tokens with target KV
     pending: int = 0  # drafter inputs waiting (see spec.proposer.PendingInputs)
     finish_reason: str | None = None
@@ -74,6 +76,21 @@ class Sequence:
     new_tokens: list[int] = field(default_factory=list)  # produced by the last step
     logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asks (params.logprobs)
     serial: int = field(default_factory=itertools.count().__next__)  # unique per engine process, never reused
+
+    def __post_init__(self):
+        self.prefill_len = self.prefill_len or len(self.prompt_ids)
+
+    @property
+    def resumed(self) -> bool:
+        """Preempted and prefilled again: its prefill ends at a token it already has."""
+        return self.prefill_len > len(self.prompt_ids)
+
+    def tokens(self, start: int, end: int) -> list[int]:
+        """Tokens start..end-1 of prompt + output."""
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        return (self.prompt_ids + self.output_ids)[start:end]
 
     @property
     def last_token(self) -> int:

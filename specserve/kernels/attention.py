@@ -12,12 +12,13 @@ if triton is not None:
 
     from specserve.kernels.common import wait_for_previous
 
-    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch"])
-    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, tbase_ptr, anc_ptr, o_ptr, ml_ptr,
+    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch",
+                                   "bt_stride"])
+    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, tbase_ptr, anc_ptr, bt_ptr, o_ptr, ml_ptr,
                              T, H, G, n_kv, n_split, widx_stride, anc_stride, length, row_start, scratch, scale,
-                             c_row, c_head, c_pos,
+                             bt_stride, c_row, c_head, c_pos,
                              D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
-                             TREE: tl.constexpr, PDL: tl.constexpr):
+                             TREE: tl.constexpr, BS: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr):
         # Program (b, kv head, split): the G*T queries of one KV head of one sequence against keys
         # [split * CHUNK, (split + 1) * CHUNK), cut at the last key any of them may see.
         # TREE: keys at or past the row's tree base are seen only where the query's ancestor bit is set.
@@ -39,14 +40,19 @@ if triton is not None:
         m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
-        base = (row_start + b).to(tl.int64) * c_row + kvh * c_head
+        row = (row_start + b).to(tl.int64)
+        base = row * c_row + kvh * c_head
         lo = sp * CHUNK
         hi = tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
         for step in range(0, CHUNK, BLOCK_N):  # blocks past `hi` are skipped
             if lo + step < hi:
                 offs_n = lo + step + tl.arange(0, BLOCK_N)
                 kmask = offs_n < hi
-                kv_off = base + offs_n[:, None] * c_pos + offs_d[None, :]
+                if PAGED:  # each key's block from the row's block table
+                    block = tl.load(bt_ptr + row * bt_stride + offs_n // BS, mask=kmask, other=0).to(tl.int64)
+                    kv_off = (block * c_row + kvh * c_head + (offs_n % BS) * c_pos)[:, None] + offs_d[None, :]
+                else:
+                    kv_off = base + offs_n[:, None] * c_pos + offs_d[None, :]
                 k = tl.load(kc_ptr + kv_off, mask=kmask[:, None], other=0.0)
                 s = tl.dot(q, tl.trans(k)) * scale
                 seen = (offs_n[None, :] <= limit[:, None]) & kmask[None, :]
@@ -117,14 +123,17 @@ def _sm_count(device: torch.device) -> int:
 
 
 def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scratch: int, scale: float,
-                           sm_count: int | None = None, tree_base=None, tree_anc=None) -> torch.Tensor:
+                           sm_count: int | None = None, tree_base=None, tree_anc=None, block_table=None,
+                           block_size: int = 0) -> torch.Tensor:
     """Attention of q [B, T, H, D] over rows row_start.. of the caches, query (b, t) seeing keys
     0..write_idx[b, t] (flash-decoding: the keys are split into chunks that run in parallel,
     then merged); with a tree, keys from tree_base[b] on only where bit key - tree_base[b] of
-    tree_anc[b, t] is set (see ForwardContext). Reads only as far as the longest query of a row
-    reaches, not the whole cache."""
+    tree_anc[b, t] is set (see ForwardContext); with a `block_table` the caches are block pools
+    (see ForwardContext). Reads only as far as the longest query of a row reaches, not the whole cache."""
     B, T, H, D = q.shape
-    n_kv, length = k_cache.shape[1], k_cache.shape[2]
+    paged = block_table is not None
+    n_kv = k_cache.shape[1]
+    length = block_table.shape[1] * block_size if paged else k_cache.shape[2]
     G = H // n_kv
     sm_count = sm_count or _sm_count(q.device)
     block_q = max(16, triton.next_power_of_2(G * T))
@@ -136,11 +145,13 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
     ml = torch.empty(B * n_kv * n_split * block_q, 2, dtype=torch.float32, device=q.device)
     tree = tree_anc is not None
     _attn_partial_kernel[(B, n_kv, n_split)](
-        q, k_cache, v_cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx, part, ml,
+        q, k_cache, v_cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx,
+        block_table if paged else write_idx, part, ml,
         T, H, G, n_kv, n_split, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start,
-        scratch, scale,
+        scratch, scale, block_table.stride(0) if paged else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, CHUNK=chunk, TREE=tree, num_warps=4, num_stages=2,
+        D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, CHUNK=chunk, TREE=tree, BS=block_size if paged else 1,
+        PAGED=paged, num_warps=4, num_stages=2,
         **pdl_args(q))
     out = torch.empty_like(q)
     _attn_combine_kernel[(B, n_kv, block_q)](part, ml, out, write_idx, T, H, G, n_kv, n_split, write_idx.stride(0),

@@ -48,10 +48,10 @@ if triton is not None:
 
     # Integers that change from request to request (row, token count, strides of the position
     # buffers) are not specialized on: each new value class would compile again while serving.
-    @triton.jit(do_not_specialize=["T", "idx_stride", "row_start"])
-    def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, cos_ptr, sin_ptr, pos_ptr, widx_ptr, kc_ptr, vc_ptr,
-                        T, H, q_stride, k_stride, v_stride, idx_stride, row_start, c_row, c_head, c_pos,
-                        HALF: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["T", "idx_stride", "row_start", "bt_stride"])
+    def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, cos_ptr, sin_ptr, pos_ptr, widx_ptr, kc_ptr, vc_ptr, bt_ptr,
+                        T, H, q_stride, k_stride, v_stride, idx_stride, row_start, bt_stride, c_row, c_head, c_pos,
+                        HALF: tl.constexpr, BS: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr):
         tok = tl.program_id(0)
         head = tl.program_id(1)
         dt = q_ptr.dtype.element_ty
@@ -72,7 +72,13 @@ if triton is not None:
         else:
             kh = head - H
             o1, o2 = _rotate(k_ptr + tok * k_stride + kh * 2 * HALF, c1, c2, s1, s2, offs, HALF, dt)
-            slot = ((row_start + tok // T) * c_row + kh * c_head + tl.load(widx_ptr + idx) * c_pos).to(tl.int64)
+            w = tl.load(widx_ptr + idx)
+            row = row_start + tok // T
+            if PAGED:  # index w of the row lives in block table[row, w // BS] at offset w % BS
+                block = tl.load(bt_ptr + row * bt_stride + w // BS)
+                slot = (block * c_row + kh * c_head + (w % BS) * c_pos).to(tl.int64)
+            else:
+                slot = (row * c_row + kh * c_head + w * c_pos).to(tl.int64)
             cdt = kc_ptr.dtype.element_ty
             tl.store(kc_ptr + slot + offs, o1.to(cdt))
             tl.store(kc_ptr + slot + HALF + offs, o2.to(cdt))
@@ -112,12 +118,16 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
-def rope_store_kv_ref(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx):
+def rope_store_kv_ref(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx,
+                      block_table=None, block_size: int = 0):
     q, k = apply_rope(q, k, cos, sin, positions)
     B = q.shape[0]
-    b_idx = torch.arange(B, device=q.device).unsqueeze(1) + row_start
-    k_cache[b_idx, :, write_idx] = k.to(k_cache.dtype)
-    v_cache[b_idx, :, write_idx] = v.to(v_cache.dtype)
+    block = torch.arange(B, device=q.device).unsqueeze(1) + row_start
+    offset = write_idx
+    if block_table is not None:
+        block, offset = block_table[block, write_idx // block_size], write_idx % block_size
+    k_cache[block, :, offset] = k.to(k_cache.dtype)
+    v_cache[block, :, offset] = v.to(v_cache.dtype)
     return q
 
 
@@ -166,24 +176,32 @@ def _token_stride(t: torch.Tensor) -> int:
     return t.stride(1) if t.shape[1] > 1 else t.stride(0)
 
 
-def rope_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx) -> torch.Tensor:
-    """Rotary embedding of q [B, T, H, D] and k [B, T, Hkv, D]; k and v are written into rows
-    row_start.. of the caches [rows, Hkv, len, D] at ``write_idx`` [B, T]. Returns rotated q."""
+def rope_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx, block_table=None,
+                  block_size: int = 0) -> torch.Tensor:
+    """Rotary embedding of q [B, T, H, D] and k [B, T, Hkv, D]; k and v are written for rows
+    row_start.. at cache index ``write_idx`` [B, T]: caches [rows, Hkv, len, D], or with a
+    `block_table` [rows, blocks] pools [blocks, Hkv, block_size, D]. Returns rotated q."""
     D = q.shape[-1]
     if (use_triton(q, k, v) and D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2
             and all(_tokens_strided(t) for t in (q, k, v)) and k_cache.stride() == v_cache.stride()
             and k_cache.stride(3) == 1 and positions.stride() == write_idx.stride() and write_idx.stride(1) == 1):
-        return rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx)
-    return rope_store_kv_ref(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx)
+        return rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx,
+                                    block_table, block_size)
+    return rope_store_kv_ref(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx, block_table,
+                             block_size)
 
 
-def rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx):
+def rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx,
+                         block_table=None, block_size: int = 0):
     B, T, H, D = q.shape
     q_out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
+    paged = block_table is not None
     _rope_kv_kernel[(B * T, H + k.shape[2])](
-        q, k, v, q_out, cos, sin, positions, write_idx, k_cache, v_cache,
+        q, k, v, q_out, cos, sin, positions, write_idx, k_cache, v_cache, block_table if paged else write_idx,
         T, H, _token_stride(q), _token_stride(k), _token_stride(v), write_idx.stride(0), row_start,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=D // 2, num_warps=1,
+        block_table.stride(0) if paged else 0,
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=D // 2, BS=block_size if paged else 1,
+        PAGED=paged, num_warps=1,
         enable_fp_fusion=False, **pdl_args(q))  # a fused multiply-add would skip the reference's rounding of each product
     return q_out
 

@@ -203,6 +203,11 @@ class ForwardContext:
     positional rule makes rejecting draft tokens free (rewind the length) and
     lets padding tokens write to a scratch region past `max_model_len`.
 
+    With a `block_table` ([rows, blocks] int64) the cache is paged: a cache is a pool of blocks
+    [block, kv_head, block_size, dim] and index i of row r lives in block block_table[r, i //
+    block_size] at offset i % block_size. Without one, a cache is one block per row
+    ([row, kv_head, index, dim]), which is how training and checks use a plain cache.
+
     A tree of drafts adds a second rule: keys at or past `tree_base[b]` (the tree's first slot)
     are visible only where bit (key - tree_base[b]) of `tree_anc[b, t]` is set, i.e. to the
     query's ancestors in the tree and itself. Rope positions then differ from cache indices
@@ -216,7 +221,10 @@ class ForwardContext:
     full_view: bool = False  # every query sees all kv_len keys: attention needs no mask
     tree_base: torch.Tensor | None = None  # [B] first tree slot of each row
     tree_anc: torch.Tensor | None = None  # [B, T] int64: tree slots the query sees, as bits
+    block_table: torch.Tensor | None = None  # [rows, blocks] int64 (paged caches), see above
+    block_size: int = 0
     _bias: dict = field(default_factory=dict)
+    _at: tuple | None = None
     _rope: dict = field(default_factory=dict)
     _rows: torch.Tensor | None = None
 
@@ -252,19 +260,43 @@ class ForwardContext:
             self._rows = torch.arange(self.row_start, self.row_start + B, device=self.write_idx.device).unsqueeze(1)
         return self._rows
 
+    def write_at(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) [B, T] where each token's cache index lives (once per forward)."""
+        if self._at is None:
+            rows = self.cache_rows()
+            if self.block_table is None:
+                self._at = (rows, self.write_idx)
+            else:
+                bs = self.block_size
+                self._at = (self.block_table[rows, self.write_idx // bs], self.write_idx % bs)
+        return self._at
+
     def store(self, cache: torch.Tensor, values: torch.Tensor) -> None:
         """Write values [B, T, heads, dim] into a cache at each token's cache index. Every attention
         layer writes its cache through here, so the cache layout is known in one place."""
-        cache[self.cache_rows(), :, self.write_idx] = values.to(cache.dtype)
+        block, offset = self.write_at()
+        cache[block, :, offset] = values.to(cache.dtype)
 
     def cached(self, cache: torch.Tensor) -> torch.Tensor:
-        """The cache's keys [0, kv_len) of this forward's sequences, [B, heads, kv_len, dim]."""
+        """The cache's keys [0, kv_len) of this forward's sequences, [B, heads, kv_len, dim]
+        (a view without paging, else the row's blocks gathered)."""
         B = self.write_idx.shape[0]
-        return cache[self.row_start: self.row_start + B, :, : self.kv_len]
+        if self.block_table is None:
+            return cache[self.row_start: self.row_start + B, :, : self.kv_len]
+        n = -(-self.kv_len // self.block_size)
+        blocks = cache[self.block_table[self.row_start: self.row_start + B, :n]]  # [B, n, heads, bs, dim]
+        H, D = cache.shape[1], cache.shape[3]
+        return blocks.transpose(1, 2).reshape(B, H, n * self.block_size, D)[:, :, : self.kv_len]
+
+    def cache_length(self, cache: torch.Tensor) -> int:
+        """Indices per row (the last one is the scratch slot padding tokens write to)."""
+        if self.block_table is None:
+            return cache.shape[2]
+        return self.block_table.shape[1] * self.block_size
 
 
 class KVCacheAttention(HotPathModule):
-    """Scaled dot-product attention over a slot-per-sequence KV cache with GQA."""
+    """Scaled dot-product attention over the KV cache (paged or one block per row) with GQA."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
         super().__init__()
@@ -273,7 +305,7 @@ class KVCacheAttention(HotPathModule):
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
-        self.k_cache: torch.Tensor | None = None  # [rows, kv_heads, length, head_dim], set by the runner
+        self.k_cache: torch.Tensor | None = None  # [blocks, kv_heads, block_size, head_dim], set by the runner
         self.v_cache: torch.Tensor | None = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
@@ -281,12 +313,13 @@ class KVCacheAttention(HotPathModule):
         """Rotates q and k, writes k and v into the cache, attends (q [B, T, H, D], k/v [B, T, Hkv, D])."""
         if q.is_cuda:
             q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
-                              ctx.row_start, ctx.write_idx)
+                              ctx.row_start, ctx.write_idx, ctx.block_table, ctx.block_size)
             if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # decode/verify/draft: reads only the filled part
                 B, T = q.shape[:2]
-                scratch = self.k_cache.shape[2] - 1  # the runner's padding slot
+                scratch = ctx.cache_length(self.k_cache) - 1  # the runner's padding slot
                 out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
-                                             self.scale, tree_base=ctx.tree_base, tree_anc=ctx.tree_anc)
+                                             self.scale, tree_base=ctx.tree_base, tree_anc=ctx.tree_anc,
+                                             block_table=ctx.block_table, block_size=ctx.block_size)
                 return out.view(B, T, self.num_heads * self.head_dim)
             return self._attend(q, ctx)
         q, k = self._rotate(q, ctx, rope), self._rotate(k, ctx, rope)

@@ -597,6 +597,13 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
             avail = psutil.virtual_memory().available
         except Exception:
             return
+        per_token = est["kv"] // (max_num_seqs * est["cache_len"])
+        if dev_type == "cpu" and per_token:
+            tokens = int(avail * 0.5 // per_token)
+            f.add("info", "kv_capacity", f"device cpu: KV {per_token} bytes per token; half the available RAM holds "
+                  f"~{tokens} tokens = {tokens // est['cache_len']} sequences of {served} tokens (--kv-cache-tokens "
+                  f"sets the pool)", kv_tokens=tokens, sequences_fit=tokens // est["cache_len"],
+                  kv_bytes_per_token=per_token)
         if dev_type == "cpu" and est["kv"] > avail * 0.5:  # KVCache's CPU budget for the KV cache
             f.add("warning", "memory", f"device cpu: KV cache {_gib(est['kv'])} exceeds half the available RAM "
                   f"({_gib(avail * 0.5)}): the engine would refuse to start now (it caps the KV cache there); "
@@ -612,11 +619,17 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
         usable = min(free, total * util)
         head = f"GPU {g.index} ({g.name}): needs ~{_gib(est['total'])}"
         room = f"{_gib(usable)} usable (free {_gib(free)} of {_gib(total)}, --gpu-memory-utilization {util})"
+        left = usable - est["fixed"]
+        fit = int(left // est["per_seq"]) if left > 0 else 0
+        per_token = est["kv"] // (max_num_seqs * est["cache_len"])
+        pool = int(max(left, 0) // per_token) if per_token else 0
+        f.add("info", "kv_capacity", f"GPU {g.index}: KV {per_token} bytes per token; a pool sized by "
+              f"--gpu-memory-utilization {util} holds ~{pool} tokens = {fit} sequences of {served} tokens at once "
+              f"(serve admits by free blocks: shorter sequences fit more)", gpu=g.index, kv_tokens=pool,
+              sequences_fit=fit, kv_bytes_per_token=per_token)
         if est["total"] <= usable:
             f.add("ok", "memory", f"{head}, {room}", gpu=g.index, usable=int(usable))
             continue
-        left = usable - est["fixed"]
-        fit = int(left // est["per_seq"]) if left > 0 else 0
         if fit >= 1:
             way = (f"at most {fit} sequences of {served} tokens fit: lower --max-num-seqs to {min(fit, max_num_seqs)}"
                    f" or --max-model-len, or raise --tp")
@@ -644,8 +657,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from specserve.engine.generate_cmd import add_engine_arguments
 
     add_engine_arguments(p)
-    p.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                   help="fraction of each GPU's total memory the server may use (default 0.9)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of lines")
     p.add_argument("--quiet", action="store_true", help="print only errors, warnings and the summary")
 
@@ -654,7 +665,7 @@ def run(args: argparse.Namespace) -> int:
     from specserve.engine.generate_cmd import engine_kwargs
 
     kw = engine_kwargs(args)
-    findings = check_engine_kwargs(kw, args.gpu_memory_utilization)
+    findings = check_engine_kwargs(kw, args.gpu_memory_utilization or 0.9)
     if args.json:
         n_err = sum(x.level == "error" for x in findings)
         print(json.dumps({"ok": n_err == 0, "errors": n_err, "warnings": sum(x.level == "warning" for x in findings),

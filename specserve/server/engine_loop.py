@@ -310,7 +310,10 @@ class EngineLoop:
 
 
 def _empty_snapshot() -> dict:
-    return {"running": 0, "waiting": 0, "kv": {"rows_total": 0, "rows_used": 0, "usage": 0.0, "tokens_cached": 0},
+    return {"running": 0, "waiting": 0, "kv": {"rows_total": 0, "rows_used": 0, "usage": 0.0, "tokens_cached": 0,
+                                          "preemptions": 0, "blocks_total": 0, "blocks_used": 0, "blocks_free": 0,
+                                          "blocks_cached": 0, "block_size": 0, "prefix_cache": False,
+                                          "prefix_hit_tokens": 0, "prefix_queried_tokens": 0, "prefix_evictions": 0},
             "spec": {"cycles": 0, "drafted": 0, "accepted": 0, "accepted_per_pos": [], "drafted_per_pos": [],
                      "accept_length_mean": None, "accept_per_position": []},
             "last_k": 0, "k_choices": {}, "acceptance_estimate": [], "acceptance_estimate_tree": None,

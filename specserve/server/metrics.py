@@ -83,12 +83,23 @@ class Metrics:
                 out.append(f"specserve:{name}{labels} {_num(value)}")
 
         with self.lock:
-            metric("num_requests_running", "gauge", "Sequences holding a KV row (prefill or decode).",
+            metric("num_requests_running", "gauge", "Sequences holding KV (prefill or decode).",
                    [("", snap["running"])])
-            metric("num_requests_waiting", "gauge", "Sequences accepted but not yet holding a KV row.",
+            metric("num_requests_waiting", "gauge", "Sequences accepted but not yet holding KV.",
                    [("", snap["waiting"])])
-            metric("kv_cache_usage_perc", "gauge", "Fraction of KV rows in use (1 = full).",
-                   [("", snap["kv"]["usage"])])
+            kv = snap["kv"]
+            metric("kv_cache_usage_perc", "gauge", "Fraction of KV blocks held by sequences (1 = full).",
+                   [("", kv["usage"])])
+            metric("kv_blocks_used", "gauge", "KV blocks held by sequences.", [("", kv["blocks_used"])])
+            metric("kv_blocks_free", "gauge", "KV blocks free or holding cached prefixes nobody uses.",
+                   [("", kv["blocks_total"] - kv["blocks_used"])])
+            metric("kv_blocks_cached", "gauge", "KV blocks findable by the prefix cache.", [("", kv["blocks_cached"])])
+            metric("prefix_cache_queries_total", "counter", "Prompt tokens looked up in the prefix cache.",
+                   [("", kv["prefix_queried_tokens"])])
+            metric("prefix_cache_hits_total", "counter", "Prompt tokens found in the prefix cache (not recomputed).",
+                   [("", kv["prefix_hit_tokens"])])
+            metric("num_preemptions_total", "counter", "Running sequences preempted (recomputed later) for KV blocks.",
+                   [("", kv["preemptions"])])
             metric("request_success_total", "counter", "Finished requests (sequences) by finish reason.",
                    [(f'{{finished_reason="{r}"}}', n) for r, n in sorted(self.success.items())] or [("", 0)])
             metric("request_aborted_total", "counter", "Sequences dropped because the client went away.",

@@ -59,7 +59,21 @@ def serve_engine_kwargs(args: argparse.Namespace) -> dict:
     """Engine kwargs for serving: adaptive speculation (max K = --spec-steps)
     unless --no-adaptive or K = 0."""
     args.adaptive = not args.no_adaptive and args.spec_steps != 0
-    return engine_kwargs(args, default_max_num_seqs=64)
+    kw = engine_kwargs(args, default_max_num_seqs=64)
+    kw["prefix_cache"] = not args.no_prefix_cache
+    if kw["kv_cache_tokens"] is None and kw["gpu_memory_utilization"] is None and _on_gpu(kw["device"]):
+        kw["gpu_memory_utilization"] = 0.9
+    return kw
+
+
+def _on_gpu(device: str) -> bool:
+    if device.startswith("cuda"):
+        return True
+    if device != "auto":
+        return False
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def preflight(kw: dict) -> bool:

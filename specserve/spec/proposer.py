@@ -145,7 +145,7 @@ class Proposer:
         first_of = dict(zip(done, first or []))
         for i, seq in enumerate(seqs):
             n = len(chunks[i])
-            nxt = [seq.token_at(t + 1) if t + 1 < len(seq.prompt_ids) else first_of[i] for t in range(starts[i], starts[i] + n)]
+            nxt = [seq.token_at(t + 1) if t + 1 < seq.prefill_len else first_of[i] for t in range(starts[i], starts[i] + n)]
             tok[i, :n] = torch.tensor(nxt)
             pos[i, :n] = torch.arange(starts[i], starts[i] + n)
         tok, pos = tok.to(self.device), pos.to(self.device)

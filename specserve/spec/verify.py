@@ -67,18 +67,21 @@ def accept_tree(pred: torch.Tensor, tree: TreeDraft, K: int, enabled: torch.Tens
     return n_acc, next_tok, path_rows
 
 
-def move_branch_kv(caches, pos0: torch.Tensor, pad: torch.Tensor, n_acc: torch.Tensor, path: torch.Tensor,
-                   K: int, scratch: int) -> None:
+def move_branch_kv(caches, table: torch.Tensor, block_size: int, pos0: torch.Tensor, pad: torch.Tensor,
+                   n_acc: torch.Tensor, path: torch.Tensor, K: int, scratch: int) -> None:
     """Move the accepted branch's KV in every target layer: depth d from index pos0 + path[d-1]
-    to pos0 + d (reads before writes). `caches`: the [layer, row, kv_head, index, dim] K and V
-    tensors; pos0 [B, 1]; padding rows (`pad`, pos0 at the scratch slot) write only there."""
+    to pos0 + d (reads before writes). `caches`: the [layer, block, kv_head, offset, dim] K and V
+    pools, `table` the batch's block-table rows; pos0 [B, 1]; padding rows (`pad`, pos0 at the
+    scratch slot) write only there."""
     dev = pos0.device
     d = torch.arange(1, K + 1, device=dev)
     dst = torch.where(pad, scratch, pos0 + d)
     src = torch.where(d <= n_acc.unsqueeze(1), pos0 + path, dst)
     rows = torch.arange(pos0.shape[0], device=dev).unsqueeze(1)
+    dst_block, dst_off = table[rows, dst // block_size], dst % block_size
+    src_block, src_off = table[rows, src // block_size], src % block_size
     for cache in caches:
-        cache[:, rows, :, dst] = cache[:, rows, :, src]
+        cache[:, dst_block, :, dst_off] = cache[:, src_block, :, src_off]
 
 
 def branch_inputs(tree: TreeDraft, feats: torch.Tensor, n_acc: torch.Tensor, next_tok: torch.Tensor,

@@ -1,0 +1,202 @@
+"""Paged KV: block tables equal one block per row, prefix caching equals recomputing, eviction,
+preemption by recompute, and the pool's bookkeeping when idle."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from specserve.config import ConfigError, EngineConfig
+from specserve.engine.block_pool import BlockPool
+from specserve.engine.engine import Engine
+from specserve.engine.sampling import SamplingParams
+
+VOCAB = 12
+MODES = {"plain": {}, "chain": dict(spec_steps=3),
+         "tree": dict(spec_steps=3, spec_topk=3, spec_tree_max_batch=8)}
+
+
+@pytest.fixture(scope="module")
+def pair(make_pair):
+    return make_pair(vocab=VOCAB, hidden=32, layers=4, heads=2, kv_heads=1, draft={"draft_vocab": 8})
+
+
+def _engine(pair, mode, **kw):
+    target, draft = pair
+    kw.setdefault("max_model_len", 128)
+    return Engine(EngineConfig(model=str(target), draft=str(draft) if mode != "plain" else None, device="cpu",
+                               **MODES[mode], **kw))
+
+
+def _drain(engine, prompts, params, waves=1):
+    """Submit the prompts in `waves` groups, each run to completion before the next."""
+    seqs, n = [], -(-len(prompts) // waves)
+    for w in range(waves):
+        seqs += [engine.add_request(p, sp) for p, sp in zip(prompts[w * n:(w + 1) * n], params[w * n:(w + 1) * n])]
+        while engine.has_work():
+            engine.step()
+    engine.check_idle_integrity()
+    return [s.output_ids for s in seqs]
+
+
+def _prompts(n, seed, lo=1, hi=60):
+    g = random.Random(seed)
+    return [[g.randrange(VOCAB - 1) for _ in range(g.randrange(lo, hi))] for _ in range(n)]
+
+
+def _params(n, max_tokens=30):
+    """Greedy and seeded sampled requests side by side."""
+    kinds = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+             SamplingParams(temperature=0.9, max_tokens=max_tokens, seed=5, ignore_eos=True),
+             SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, seed=17, ignore_eos=True)]
+    return [kinds[i % 3] for i in range(n)]
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_small_blocks_equal_one_block_per_row(pair, mode):
+    """Blocks of 4 tokens (many per sequence, every step crossing block edges somewhere) give the
+    tokens of one block per sequence (the layout of a slot cache), batch 1 and 8, mixed lengths,
+    greedy and seeded sampling."""
+    for batch in (1, 8):
+        prompts = _prompts(batch, seed=batch)
+        params = _params(batch)
+        slot = _drain(_engine(pair, mode, max_num_seqs=batch, kv_block_size=256), prompts, params)
+        paged_engine = _engine(pair, mode, max_num_seqs=batch, kv_block_size=4)
+        assert paged_engine.runner.kv.max_blocks > 8
+        assert _drain(paged_engine, prompts, params) == slot, (mode, batch)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_prefix_cache_on_equals_off(pair, mode):
+    """Requests sharing a 40-token prefix (and one repeating a prompt exactly): with the prefix
+    cache, the later ones skip the shared blocks (target and drafter) and still emit the same tokens."""
+    shared = _prompts(1, seed=3, lo=40, hi=41)[0]
+    prompts = [shared + t for t in _prompts(5, seed=4, lo=1, hi=20)] + [shared + [1]]
+    prompts.append(prompts[0])
+    params = _params(len(prompts))
+    off = _drain(_engine(pair, mode, max_num_seqs=4, kv_block_size=8), prompts, params, waves=2)
+    engine = _engine(pair, mode, max_num_seqs=4, kv_block_size=8, prefix_cache=True)
+    on = _drain(engine, prompts, params, waves=2)
+    assert on == off
+    kv = engine.kv_usage()
+    # the second wave's three requests find the shared prefix's whole blocks (a block's key holds
+    # the token after it, so the prefix's last block serves shared + [1] only if a first-wave prompt went on with 1)
+    assert kv["prefix_hit_tokens"] >= 3 * 40 - 8 and kv["prefix_queried_tokens"] == sum(map(len, prompts))
+    if mode != "plain":
+        assert engine.totals.accepted > 0
+
+
+def test_hit_rate_is_the_same_with_speculation(pair):
+    shared = _prompts(1, seed=8, lo=50, hi=51)[0]
+    prompts = [shared + t for t in _prompts(8, seed=9, lo=1, hi=10)]
+    params = _params(len(prompts), max_tokens=10)
+    hits = []
+    for mode in MODES:
+        engine = _engine(pair, mode, max_num_seqs=2, kv_block_size=8, prefix_cache=True)
+        _drain(engine, prompts, params, waves=4)
+        hits.append(engine.kv_usage()["prefix_hit_tokens"])
+    assert hits[0] > 0 and len(set(hits)) == 1, hits
+
+
+def test_eviction_under_pressure(pair):
+    """A pool too small to keep every prefix: cached blocks are evicted (least recently used) and
+    a later hit still finds only valid blocks."""
+    prompts = _prompts(12, seed=11, lo=30, hi=60)
+    prompts += prompts[:3]  # come back to early prefixes after the pool has turned over
+    params = _params(len(prompts), max_tokens=12)
+    kw = dict(max_num_seqs=2, kv_block_size=8, max_model_len=96, kv_cache_tokens=256)
+    off = _drain(_engine(pair, "chain", **kw), prompts, params, waves=len(prompts))
+    engine = _engine(pair, "chain", prefix_cache=True, **kw)
+    assert _drain(engine, prompts, params, waves=len(prompts)) == off
+    kv = engine.kv_usage()
+    assert kv["prefix_evictions"] > 0 and kv["blocks_total"] == 32
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_preemption_recomputes_and_continues_exactly(pair, mode):
+    """Four long generations in a pool that holds about two: sequences are preempted mid-decode,
+    recomputed later, and every one emits the tokens it emits with room to spare."""
+    prompts = _prompts(4, seed=13, lo=5, hi=15)
+    params = _params(4, max_tokens=45)
+    roomy = _drain(_engine(pair, mode, max_num_seqs=4, kv_block_size=8, max_model_len=64), prompts, params)
+    engine = _engine(pair, mode, max_num_seqs=4, kv_block_size=8, max_model_len=64, kv_cache_tokens=96,
+                     prefix_cache=True)
+    assert _drain(engine, prompts, params) == roomy
+    assert engine.kv_usage()["preemptions"] > 0
+
+
+def test_random_workload_leaves_the_pool_whole(pair):
+    """Random arrivals, lengths, aborts and sampling over a small pool with prefix caching: when
+    idle no block is referenced and every block is free or cached exactly once (checked by
+    check_idle_integrity), and the table points nowhere."""
+    g = random.Random(21)
+    engine = _engine(pair, "chain", max_num_seqs=3, kv_block_size=4, max_model_len=64, kv_cache_tokens=160,
+                     prefix_cache=True)
+    base = _prompts(3, seed=22, lo=8, hi=20)
+    live = []
+    for step in range(120):
+        if g.random() < 0.3:
+            p = g.choice(base)[: g.randrange(1, 20)] + _prompts(1, seed=step, lo=1, hi=12)[0]
+            live.append(engine.add_request(p, _params(3, max_tokens=g.randrange(1, 30))[step % 3]))
+        if live and g.random() < 0.05:
+            engine.abort(g.choice(live).seq_id)
+        if engine.has_work():
+            engine.step()
+    while engine.has_work():
+        engine.step()
+    engine.check_idle_integrity()
+    kv = engine.kv_usage()
+    assert kv["blocks_used"] == 0 and kv["prefix_hit_tokens"] > 0
+
+
+def test_block_pool_keys_refcounts_and_lru():
+    pool = BlockPool(num_blocks=6, block_size=2, prefix_cache=True)
+    a = pool.allocate(3)
+    tokens = [1, 2, 3, 4, 5, 6]
+    pool.register(a, tokens)
+    # whole blocks followed by a token: [1,2] (next 3) and [3,4] (next 5); [5,6] has no next token
+    assert pool.match(tokens) == a[:2] and pool.match([1, 2, 3, 4, 9]) == a[:1]
+    assert pool.match([1, 2, 3, 4]) == a[:1]  # the block [3,4] is keyed with its next token 5
+    assert pool.match([7, 2, 3]) == []
+    pool.release(a)
+    assert pool.available() == 5 and len(pool.evictable) == 2
+    pool.acquire(pool.match(tokens))
+    assert pool.refs[a[0]] == 1 and len(pool.evictable) == 0
+    pool.release(a[:2])
+    b = pool.allocate(4)  # 3 free, then the least recently used cached block: the tail [3,4]
+    assert a[1] in b and a[0] not in b and pool.evictions == 1
+    assert pool.match(tokens) == a[:1]
+    pool.release(b)
+    pool.check_idle()
+    with pytest.raises(AssertionError):
+        pool.release([b[0]])
+
+
+def test_pool_sizes_are_checked(pair):
+    target, _ = pair
+    with pytest.raises(ConfigError, match="less than one sequence"):
+        Engine(EngineConfig(model=str(target), device="cpu", max_model_len=128, kv_cache_tokens=64))
+    with pytest.raises(ConfigError, match="on CPU use --kv-cache-tokens"):
+        Engine(EngineConfig(model=str(target), device="cpu", gpu_memory_utilization=0.5))
+    with pytest.raises(ConfigError, match="not both"):
+        EngineConfig(model=str(target), kv_cache_tokens=4096, gpu_memory_utilization=0.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", list(MODES))
+def test_paged_kernels_on_gpu(pair, mode):
+    """CUDA graphs and the Triton kernels reading block tables (bfloat16): blocks of 4 tokens emit
+    one block per row's tokens, and the prefix cache changes nothing."""
+    prompts = _prompts(8, seed=31)
+    params = _params(8)
+    kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=8)
+    slot = _drain(_engine(pair, mode, kv_block_size=256, **kw), prompts, params)
+    assert _drain(_engine(pair, mode, kv_block_size=4, **kw), prompts, params) == slot
+    shared = _prompts(1, seed=3, lo=40, hi=41)[0]
+    prompts = [shared + t for t in _prompts(6, seed=4, lo=1, hi=20)]
+    off = _drain(_engine(pair, mode, kv_block_size=8, **kw), prompts, params[:6], waves=2)
+    engine = _engine(pair, mode, kv_block_size=8, prefix_cache=True, **kw)
+    assert _drain(engine, prompts, params[:6], waves=2) == off
+    assert engine.kv_usage()["prefix_hit_tokens"] > 0
