@@ -26,8 +26,8 @@ def pair(make_pair):
 def _engine(pair, mode, **kw):
     target, draft = pair
     kw.setdefault("max_model_len", 128)
-    return Engine(EngineConfig(model=str(target), draft=str(draft) if mode != "plain" else None, device="cpu",
-                               **MODES[mode], **kw))
+    kw.setdefault("device", "cpu")
+    return Engine(EngineConfig(model=str(target), draft=str(draft) if mode != "plain" else None, **MODES[mode], **kw))
 
 
 def _drain(engine, prompts, params, waves=1):

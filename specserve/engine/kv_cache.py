@@ -135,6 +135,8 @@ class KVCache:
             raise AssertionError(f"{n} blocks do not fit a row of {self.max_blocks - 1}")
         line = torch.full((self.max_blocks,), NULL_BLOCK, dtype=torch.long)
         line[:n] = torch.tensor(blocks, dtype=torch.long)
+        if self.device.type == "cuda":  # from pinned memory: a pageable copy would wait for the stream
+            line = line.pin_memory()
         self.table[row].copy_(line, non_blocking=True)
 
     def move_row(self, src: int, dst: int) -> None:

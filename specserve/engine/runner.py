@@ -218,6 +218,16 @@ class ModelRunner:
         self.s_top_k = torch.zeros(self.rows, dtype=torch.long, device=self.device)
         self.s_seed = torch.zeros(self.rows, dtype=torch.long, device=self.device)
 
+    def reserve_every_row(self) -> None:
+        """Give row r blocks for a whole max_model_len sequence of its own, for callers that drive
+        the runner without the engine's scheduler (lockstep regeneration); needs the default pool
+        size (rows x max_model_len)."""
+        per_row = self.kv.max_blocks - 1
+        if self.kv.num_blocks < self.rows * per_row + 1:
+            raise ValueError("reserve_every_row needs a pool of rows x max_model_len tokens")
+        for r in range(self.rows):
+            self.kv.set_row(r, list(range(1 + r * per_row, 1 + (r + 1) * per_row)))
+
     def move_row(self, src: int, dst: int, pending: int) -> None:
         """Move a sequence (its block-table row and pending drafter inputs) to another row."""
         if src == dst:

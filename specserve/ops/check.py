@@ -555,27 +555,34 @@ def _weight_bytes(w: _Weights, elem: int, skip: set[str]) -> int:
 
 def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, d_weights: _Weights | None,
                     max_model_len: int, max_num_seqs: int, k: int, tp: int, elem: int,
-                    cuda_graphs: bool = True, room: int | None = None, tree_rows: int = 0) -> dict[str, int]:
+                    cuda_graphs: bool = True, room: int | None = None, tree_rows: int = 0,
+                    block_size: int = 16) -> dict[str, int]:
     """Bytes per device: weights, KV cache, other (overhead allowance), total. `room`: KV slots past
     a sequence's end (EngineConfig.cache_room; default k), `tree_rows`: verify rows of tree batches."""
     room = k if room is None else room
     target_w = _weight_bytes(t_weights, elem, {"lm_head.weight"} if t.tie_word_embeddings else set())
     draft_w = _weight_bytes(d_weights, elem, set()) if d_weights is not None else 0
-    cache_len = -(-(max_model_len + room + 1) // 16) * 16  # as kv_cache.cache_length, without importing torch
+    # The default pool, as kv_cache.plan_blocks (without importing torch): every row's blocks for
+    # max_model_len + room + 1 indices, the null block, and a null column per row.
+    bs = block_size
+    row = -(-(max_model_len + room + 1) // bs)
+    cache_len = (row + 1) * bs
+    pool = (row * max_num_seqs + 1) * bs
     kv = 2 * t.num_layers * (t.num_kv_heads // tp if t.num_kv_heads % tp == 0 else t.num_kv_heads) \
-        * t.head_dim * elem * cache_len * max_num_seqs
+        * t.head_dim * elem * pool
     pending = 0
     if d is not None:
-        kv += 2 * d.num_kv_heads * d.head_dim * elem * cache_len * max_num_seqs
+        kv += 2 * d.num_kv_heads * d.head_dim * elem * pool
         pending = max_num_seqs * max(16, k + 1) * 3 * t.hidden_size * elem  # drafter inputs buffered per row
     logits = LOGIT_COPIES * max(max_num_seqs * (k + 1), tree_rows) * t.vocab_size * 4
     fixed_other = OVERHEAD_BYTES if cuda_graphs else OVERHEAD_BYTES // 2
     if cuda_graphs:  # the prompt-prefill graphs' one-row staging cache (runner._allocate; at most this long)
-        fixed_other += kv // (max_num_seqs * cache_len) * prefill_stage_len(min(PREFILL_GRAPH_TOKENS[-1], max_model_len))
+        fixed_other += kv // pool * prefill_stage_len(min(PREFILL_GRAPH_TOKENS[-1], max_model_len))
     other = fixed_other + logits + pending
     weights = target_w // tp + draft_w
     # Everything but weights and the fixed allowance grows linearly with max_num_seqs.
     return {"weights": weights, "kv": kv, "other": other, "total": weights + kv + other, "cache_len": cache_len,
+            "kv_per_token": kv // pool,
             "fixed": weights + fixed_other, "per_seq": (kv + logits + pending) // max_num_seqs}
 
 
@@ -597,7 +604,7 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
             avail = psutil.virtual_memory().available
         except Exception:
             return
-        per_token = est["kv"] // (max_num_seqs * est["cache_len"])
+        per_token = est["kv_per_token"]
         if dev_type == "cpu" and per_token:
             tokens = int(avail * 0.5 // per_token)
             f.add("info", "kv_capacity", f"device cpu: KV {per_token} bytes per token; half the available RAM holds "
@@ -621,7 +628,7 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
         room = f"{_gib(usable)} usable (free {_gib(free)} of {_gib(total)}, --gpu-memory-utilization {util})"
         left = usable - est["fixed"]
         fit = int(left // est["per_seq"]) if left > 0 else 0
-        per_token = est["kv"] // (max_num_seqs * est["cache_len"])
+        per_token = est["kv_per_token"]
         pool = int(max(left, 0) // per_token) if per_token else 0
         f.add("info", "kv_capacity", f"GPU {g.index}: KV {per_token} bytes per token; a pool sized by "
               f"--gpu-memory-utilization {util} holds ~{pool} tokens = {fit} sequences of {served} tokens at once "

@@ -424,6 +424,7 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
                   max(len(prompts[i]) for i in todo) + max_new + 1)
     runner = ModelRunner(EngineConfig(model=target_dir, device=device, max_num_seqs=B, max_model_len=max_len,
                                       graph_batch_sizes=(B,), seed=seed))
+    runner.reserve_every_row()
     runner.capture_graphs([])
     dev = runner.device
     gen = torch.Generator(device=dev).manual_seed(seed)
