@@ -412,7 +412,7 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
     graph on a GPU) until every row has ended. There is no per-sequence scheduling, which is what
     made the engine's continuous batching slow here (host bookkeeping for 1024 sequences per step).
     At `deadline` the batch in flight is kept as far as it got (rows with 16+ new tokens). Each
-    finished batch is appended to `save_to` as {"i", "ids"} lines, and prompts already there are
+    finished batch is appended to `save_to` as {"i", "ids", "prompt"} lines, and prompts already there are
     skipped, so an interrupted run resumes where it stopped."""
 
     def result():
