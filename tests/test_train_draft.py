@@ -112,7 +112,10 @@ def test_tokenize_chat_prompt_and_split(tiny_pair):
     assert chat_prompt(Record(messages=msgs[1:]), tok) is None  # nothing to answer
     [plain] = tokenize_records([Record(text="x = 1")], tok, 0)
     assert plain[-1] == 0  # documents end with EOS, like the pre-training stream
-    assert split_long([list(range(20))], 8, min_len=4) == [list(range(8)), list(range(8, 16)), list(range(16, 20))]
+    assert split_long([list(range(20))], 8, min_len=4) == ([list(range(8)), list(range(8, 16)), list(range(16, 20))],
+                                                           [0, 0, 0])
+    # a sample's scored start follows it into its pieces; a piece of prompt alone is dropped
+    assert split_long([list(range(20))], 8, [10], min_len=4) == ([list(range(8, 16)), list(range(16, 20))], [2, 0])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -176,7 +179,7 @@ def test_chain_acceptance_is_what_greedy_verification_accepts(tmp_path):
             ids = torch.cat([ids, tgt.logits(hidden[:, -1]).argmax(-1, keepdim=True)], 1)
         feats, hidden = tgt(ids)
         greedy = tgt.logits(hidden[0]).argmax(-1)  # greedy[p]: the target's token after position p
-        _, accs, _, (accepted, bases) = td.ttt_loss(dr, tgt, ids, torch.tensor([L]), feats, hidden, K,
+        _, accs, _, (accepted, bases) = td.ttt_loss(dr, tgt, ids, torch.tensor([L]), torch.tensor([0]), feats, hidden, K,
                                                     td.draft_vocab_ids(dr))
     attn = dr.midlayer.self_attn.attn
     attn.k_cache = torch.zeros(1, attn.num_kv_heads, 64, attn.head_dim)
@@ -198,6 +201,72 @@ def test_chain_acceptance_is_what_greedy_verification_accepts(tmp_path):
     assert 0 < want[K - 1] < want[0] < n, want
     assert accs[1] > want[1] / n and accs[2] > want[2] / n, (accs, want, n)
     assert td.accept_length(want, n) == round(1 + sum(want) / n, 4)
+
+
+def test_ttt_loss_scores_only_the_response(tmp_path):
+    """With a sample's response starting at token s, the loss and the acceptance figures read
+    only chains based at entries >= s - 1: what the target predicts at the prompt's earlier
+    positions changes nothing, what it predicts at the first drafted response token does."""
+    target_dir = make_target(tmp_path / "t", vocab=96, hidden=64, layers=4)
+    draft_dir = make_drafter(tmp_path / "d", target_dir, layout="sglang", draft_vocab=64)
+    tgt = td.FrozenTarget(str(target_dir), CPU, torch.float32, 64, resolve_aux_layers(DraftConfig.from_dir(draft_dir), 4))
+    dr = load_drafter(draft_dir, tgt.model, CPU, torch.float32, 64)
+    torch.manual_seed(0)
+    L, s, K = 24, 10, 3
+    ids = torch.randint(0, 96, (1, L))
+    feats, hidden = tgt(ids)
+    args = (torch.tensor([L]), torch.tensor([s]))
+
+    def loss(h):
+        with torch.no_grad():
+            out, _, counts, (_, bases) = td.ttt_loss(dr, tgt, ids, *args, feats, h, K, td.draft_vocab_ids(dr))
+        return float(out), counts, bases
+
+    base, counts, bases = loss(hidden)
+    assert counts == [L - s - k for k in range(K)] and bases == L - s - K + 1
+    prompt_changed = hidden.clone()
+    prompt_changed[:, 1:s] = torch.randn_like(prompt_changed[:, 1:s]) * 5  # entries 0..s-2
+    assert loss(prompt_changed)[0] == pytest.approx(base, abs=1e-6)
+    reply_changed = hidden.clone()
+    reply_changed[:, s] = torch.randn_like(reply_changed[:, s]) * 5  # entry s-1: the first chain
+    assert abs(loss(reply_changed)[0] - base) > 1e-4
+
+
+def test_chat_template_compiled_once(tiny_pair, monkeypatch):
+    """Regeneration renders every conversation of the data: the template is compiled once per
+    tokenizer, not once per render (which cost ~6 ms a conversation, minutes over ShareGPT)."""
+    import jinja2
+
+    from specserve.engine.tokenizer import Tokenizer
+
+    _, target = tiny_pair
+    tok = Tokenizer(target)
+    compiled = []
+    real = jinja2.Environment.from_string
+    monkeypatch.setattr(jinja2.Environment, "from_string", lambda env, src: compiled.append(src) or real(env, src))
+    texts = [tok.apply_chat_template([{"role": "user", "content": f"q{i}"}]) for i in range(3)]
+    assert len(compiled) == 1 and [t.count("q") for t in texts] == [1, 1, 1] and "q2" in texts[2]
+
+
+def test_eval_prompts_chat_records(tiny_pair, tmp_path):
+    """--eval-prompts: a "messages" line is a chat turn, answered through the target's chat
+    template and stopped at its end of turn; a "prompt" line is continued as it is."""
+    from specserve.engine.tokenizer import Tokenizer
+
+    root, target = tiny_pair
+    f = tmp_path / "p.jsonl"
+    msgs = [{"role": "user", "content": "def f(x):"}]
+    f.write_text(json.dumps({"messages": msgs}) + "\n" + json.dumps({"prompt": "import os"}) + "\n")
+    assert td.read_prompts(f) == [msgs, "import os"]
+    f.write_text(json.dumps({"messages": [{"role": "user"}]}) + "\n")
+    with pytest.raises(DataError, match=r"p.jsonl:1: messages\[0\] must be an object with string"):
+        td.read_prompts(f)
+    d = root / "d-eval"
+    td.train_draft(td.TrainConfig(str(target), str(d), str(root / "data.txt"), max_steps=0, draft_vocab=200,
+                                  device="cpu", progress=False))
+    tok = Tokenizer(target)
+    r = td.measure_acceptance(str(target), str(d), [msgs, "def f(x):"], 3, 16, "cpu")
+    assert r["prompt_tokens"] == len(tok.encode(tok.apply_chat_template(msgs))) + len(tok.encode("def f(x):"))
 
 
 def test_draft_vocab_selection():
@@ -343,16 +412,17 @@ def test_regenerate_equals_engine_greedy(tiny_pair, texts, tmp_path):
     llm = LLM(model=str(target), device="cpu", max_num_seqs=4)
     ref = [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=40, temperature=0.0))]
     save = tmp_path / "regen.jsonl"
-    got = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, eos, save)
+    got, starts = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, eos, save)
     assert got == [p + r for p, r in zip(prompts, ref)]
+    assert starts == [len(p) for p in prompts]
     # resume: drop two finished records; only those two are generated again
     lines = save.read_text().splitlines()
     save.write_text("\n".join(lines[:-2]) + "\n")
     again = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, eos, save)
-    assert again == got and len(save.read_text().splitlines()) == len(prompts)
+    assert again == (got, starts) and len(save.read_text().splitlines()) == len(prompts)
     # EOS ends a row: with the most frequent first token declared EOS, rows stop right after it
     stop = max(set(x[0] for x in ref), key=[x[0] for x in ref].count)
-    cut = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, {stop})
+    cut, _ = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, {stop})
     assert cut == [p + (r[: r.index(stop) + 1] if stop in r else r) for p, r in zip(prompts, ref)]
 
 
@@ -370,10 +440,13 @@ def test_regenerate_chat_records(tiny_pair, tmp_path):
                          keep_checkpoint=True))
     assert res.regenerated == 5
     tok = Tokenizer(target)
-    samples = td._load_samples(tmp_path / "d" / "checkpoint" / "regenerated.jsonl")
+    samples, starts = td._load_samples(tmp_path / "d" / "checkpoint" / "regenerated.jsonl")
     texts = [tok.decode(x, skip_special_tokens=False) for x in samples]
     assert all(t.startswith("<|im_start|>user\nwrite function") and "<|im_start|>assistant\n" in t for t in texts)
     assert all(len(x) > len(tok.encode(tok.apply_chat_template(c[:1]))) for x, c in zip(samples, convs))
+    # the loss starts at each reply: the prompt's rendering ends right before it
+    assert [tok.decode(x[:b], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+            for x, b in zip(samples, starts)] == [True] * 5
 
 
 def test_cli_errors(tiny_pair, capsys):

@@ -37,7 +37,7 @@ class Record:
     source: str = ""
 
 
-def _check_messages(msgs, where: str) -> list[dict]:
+def check_messages(msgs, where: str) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
         raise DataError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
     for i, m in enumerate(msgs):
@@ -60,7 +60,7 @@ def read_jsonl(path: Path) -> list[Record]:
             if not isinstance(obj, dict):
                 raise DataError(f"{where}: each line must be a JSON object with \"text\" or \"messages\"")
             if "messages" in obj:
-                out.append(Record(messages=_check_messages(obj["messages"], where), source=where))
+                out.append(Record(messages=check_messages(obj["messages"], where), source=where))
             elif "text" in obj:
                 if not isinstance(obj["text"], str):
                     raise DataError(f"{where}: \"text\" must be a string")
@@ -159,13 +159,18 @@ def chat_prompt(record: Record, tokenizer) -> list[int] | None:
     return tokenizer.encode(tokenizer.apply_chat_template(msgs[:cut], add_generation_prompt=True))
 
 
-def split_long(docs: list[list[int]], max_len: int, min_len: int = 8) -> list[list[int]]:
+def split_long(docs: list[list[int]], max_len: int, starts: list[int] | None = None,
+               min_len: int = 8) -> tuple[list[list[int]], list[int]]:
     """Cut documents into pieces of at most max_len tokens (each piece starts at position 0
-    when trained, like a fresh request)."""
-    out = []
-    for d in docs:
+    when trained, like a fresh request). starts[i]: the first of document i's tokens that the
+    loss scores (a regenerated sample's response; the prompt before it is context only; default 0).
+    Returns the pieces and each piece's own start."""
+    out, out_starts = [], []
+    for n, d in enumerate(docs):
+        s = starts[n] if starts is not None else 0
         for i in range(0, len(d), max_len):
             piece = d[i:i + max_len]
-            if len(piece) >= min_len:
+            if len(piece) >= min_len and s - i < len(piece):
                 out.append(piece)
-    return out
+                out_starts.append(max(0, s - i))
+    return out, out_starts

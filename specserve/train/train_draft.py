@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, default_aux_layers, resolve_aux_layers
-from specserve.train.data import DataError, chat_prompt, read_records, split_long, tokenize_records
+from specserve.train.data import DataError, check_messages, chat_prompt, read_records, split_long, tokenize_records
 
 STEP_WEIGHT = 0.8  # loss weight of unroll step k is STEP_WEIGHT**k
 CHECKPOINT = "checkpoint"
@@ -105,8 +105,8 @@ class FeatureCache:
     features, fp32 final hidden) while they fit in `limit_bytes`: later epochs then skip the
     target forward, which on CPU costs about as much as the drafter's own step."""
 
-    def __init__(self, target: FrozenTarget, samples: list[list[int]], limit_bytes: int):
-        self.target, self.samples = target, samples
+    def __init__(self, target: FrozenTarget, samples: list[list[int]], starts: list[int], limit_bytes: int):
+        self.target, self.samples, self.starts = target, samples, starts
         H = target.cfg.hidden_size
         self.per_token = 3 * H * 2 + H * 4
         self.limit = limit_bytes
@@ -114,14 +114,14 @@ class FeatureCache:
         self.store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def batch(self, idx: list[int]):
-        """(ids [B, L], lengths [B], features [B, L, 3H] fp32, hidden [B, L, H] fp32)."""
+        """(ids [B, L], lengths [B], starts [B], features [B, L, 3H] fp32, hidden [B, L, H] fp32)."""
         dev = self.target.device
-        ids, lengths = collate(self.samples, idx, dev)
+        ids, lengths, starts = collate(self.samples, self.starts, idx, dev)
         if all(i in self.store for i in idx):
             L = ids.shape[1]
             f = torch.stack([F.pad(self.store[i][0], (0, 0, 0, L - self.store[i][0].shape[0])) for i in idx])
             h = torch.stack([F.pad(self.store[i][1], (0, 0, 0, L - self.store[i][1].shape[0])) for i in idx])
-            return ids, lengths, f.to(dev, torch.float32), h.to(dev, torch.float32)
+            return ids, lengths, starts, f.to(dev, torch.float32), h.to(dev, torch.float32)
         feats, hidden = self.target(ids)
         feats = feats.to(torch.bfloat16)  # as cached: the same numbers in every epoch (and after --resume)
         for r, i in enumerate(idx):
@@ -129,7 +129,7 @@ class FeatureCache:
             if i not in self.store and self.used + n * self.per_token <= self.limit:
                 self.store[i] = (feats[r, :n].cpu(), hidden[r, :n].to("cpu", torch.float32))
                 self.used += n * self.per_token
-        return ids, lengths, feats.float(), hidden.float()
+        return ids, lengths, starts, feats.float(), hidden.float()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -323,10 +323,16 @@ def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor) -> tuple[list
     return accepted, int(bases.sum())
 
 
-def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Tensor, feats: torch.Tensor,
-             hidden: torch.Tensor, steps: int, draft_ids: torch.Tensor, autocast_dtype=None):
+def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
+             feats: torch.Tensor, hidden: torch.Tensor, steps: int, draft_ids: torch.Tensor, autocast_dtype=None):
     """Loss, per-step accuracy (and its counts) and `chain_acceptance` of one padded batch:
-    ids [B, L], lengths [B], the target's features [B, L, 3H] and final hidden [B, L, H]."""
+    ids [B, L], lengths [B], starts [B] (the first scored token of each row), the target's
+    features [B, L, 3H] and final hidden [B, L, H].
+
+    Only chains the engine drafts are scored: a chain based at entry b drafts x[b+2..], and the
+    engine's first chain of a request is based at the prompt's last entry (start - 1), whose
+    draft is the response's second token. Earlier entries are attention context only: scoring
+    them would teach the drafter to predict the user's text instead of the target's."""
     B, L = ids.shape
     T = L - 1  # drafter entries t = 0..L-2: (f_t, x[t+1]) -> the target's distribution at t+1
     feats = feats[:, :T]
@@ -335,7 +341,8 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
     tgt_p = torch.softmax(tgt.index_select(-1, draft_ids), dim=-1)  # renormalized over the draft vocab
     del tgt
     t_idx = torch.arange(T, device=ids.device)
-    real = t_idx.view(1, -1) < (lengths.view(-1, 1) - 1)
+    first = (starts.view(-1, 1) - 1).clamp(min=0)
+    real = (t_idx.view(1, -1) < (lengths.view(-1, 1) - 1)) & (t_idx.view(1, -1) >= first)
     amp = (lambda: torch.autocast(ids.device.type, dtype=autocast_dtype)) if autocast_dtype else contextlib.nullcontext
     with amp():
         outs = ttt_forward(drafter, feats, ids[:, 1:], steps)
@@ -343,7 +350,7 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
     norm = 0.0
     accs, counts, hits = [], [], []
     for k, out in enumerate(outs):
-        mask = real & (t_idx.view(1, -1) >= k)
+        mask = real & (t_idx.view(1, -1) >= first + k)  # step k at t belongs to the chain based at t - k
         n = int(mask.sum())
         with amp():
             logits_d = drafter.logits(out)  # float32 out; the head matmul runs in bf16 under autocast
@@ -396,16 +403,22 @@ def cut_prompts(docs: list[list[int]], n: int, lo: int, hi: int, nl: torch.Tenso
 
 def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, temperature: float, seed: int,
                        device: str, batch: int, deadline: float | None, eos: set[int], save_to: Path | None = None,
-                       threads: int | None = None) -> list[list[int]]:
-    """prompt + the target's own continuation (up to and including its first EOS) for each prompt.
+                       threads: int | None = None) -> tuple[list[list[int]], list[int]]:
+    """prompt + the target's own continuation (up to and including its first EOS) for each prompt,
+    and each sample's prompt length (where its response, the part the loss scores, starts).
 
     The prompts run in lockstep batches of `batch`, sorted by length so a batch's prompts are
     about equally long: one prefill, then one decode step for the whole batch per token (a CUDA
     graph on a GPU) until every row has ended. There is no per-sequence scheduling, which is what
     made the engine's continuous batching slow here (host bookkeeping for 1024 sequences per step).
     At `deadline` the batch in flight is kept as far as it got (rows with 16+ new tokens). Each
-    finished batch is appended to `save_to` as {"i", "ids"} lines, and prompts already there are
+    finished batch is appended to `save_to` as {"i", "ids", "prompt"} lines, and prompts already there are
     skipped, so an interrupted run resumes where it stopped."""
+
+    def result():
+        order = sorted(done)
+        return [done[i] for i in order], [len(prompts[i]) for i in order]
+
     from tqdm import tqdm
 
     from specserve.engine.runner import ModelRunner
@@ -418,7 +431,7 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
                 done[rec["i"]] = rec["ids"]
     todo = sorted((i for i in range(len(prompts)) if i not in done), key=lambda i: len(prompts[i]))
     if not todo or (deadline is not None and time.time() >= deadline):
-        return [done[i] for i in sorted(done)]
+        return result()
     B = min(batch, len(todo))
     max_len = min(ModelConfig.from_dir(target_dir).max_position_embeddings,
                   max(len(prompts[i]) for i in todo) + max_new + 1)
@@ -472,39 +485,41 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
                 done[i] = list(prompts[i]) + ids[:end]
                 kept += 1
                 if f:
-                    f.write(json.dumps({"i": i, "ids": done[i]}) + "\n")
+                    f.write(json.dumps({"i": i, "ids": done[i], "prompt": len(prompts[i])}) + "\n")
             bar.update(kept)
             if cut or (deadline is not None and time.time() > deadline):
                 bar.write(f"[train-draft] regeneration time is up: {len(done)} of {len(prompts)} prompts"
                           + (f" (the last {kept} cut short)" if cut else ""))
                 break
     bar.close()
-    return [done[i] for i in sorted(done)]
+    return result()
 
 
-def _load_samples(path: Path) -> list[list[int]]:
-    """Samples as saved for --resume: token lists, or {"i", "ids"} records (regenerated) in prompt order."""
+def _load_samples(path: Path) -> tuple[list[list[int]], list[int]]:
+    """Samples as saved for --resume, and where each one's scored tokens start: token lists
+    (all scored), or {"i", "ids", "prompt"} records (regenerated; the response scored) in prompt order."""
     recs = [json.loads(ln) for ln in path.read_text().splitlines() if ln.strip()]
     if recs and isinstance(recs[0], dict):
-        return [r["ids"] for r in sorted(recs, key=lambda r: r["i"])]
-    return recs
+        recs = sorted(recs, key=lambda r: r["i"])
+        return [r["ids"] for r in recs], [r["prompt"] for r in recs]
+    return recs, [0] * len(recs)
 
 
 def _prepare_samples(data, tok, eos, eos_id, rng, target_dir, regenerate, regen_prompts, regen_max_tokens,
                      regen_temperature, regen_prompt_len, regen_batch, max_len, seed, device, ck_dir: Path,
                      resume: bool, regen_deadline, threads=None):
-    """Training samples (token-id lists), the file they are kept in for --resume, and how
-    many were regenerated."""
+    """Training samples (token-id lists), where each one's scored tokens start, the file they
+    are kept in for --resume, and how many were regenerated."""
     records = read_records(data, eos_id)
     ck_dir.mkdir(parents=True, exist_ok=True)
     if not regenerate:
-        docs = split_long(tokenize_records(records, tok, eos_id), max_len)
+        docs, starts = split_long(tokenize_records(records, tok, eos_id), max_len)
         if not docs:
             raise DataError(f"--data {data}: no record has 8 or more tokens")
         log(f"data: {len(records)} records, {sum(map(len, docs)):,} tokens from {data}")
         data_file = ck_dir / "samples.jsonl"
         data_file.write_text("".join(json.dumps(s) + "\n" for s in docs))
-        return docs, str(data_file), 0
+        return docs, starts, str(data_file), 0
     chat = [r for r in records if r.messages is not None]
     plain = tokenize_records([r for r in records if r.messages is None], tok, eos_id)
     prompts = [p for p in (chat_prompt(r, tok) for r in chat) if p]
@@ -527,11 +542,11 @@ def _prepare_samples(data, tok, eos, eos_id, rng, target_dir, regenerate, regen_
         regen_file.write_text("")
     log(f"data: {len(records)} records from {data}; regenerating {len(prompts)} prompts x up to "
         f"{regen_max_tokens} new tokens (temperature {regen_temperature}, batch {regen_batch})")
-    samples = regenerate_samples(target_dir, prompts, regen_max_tokens, regen_temperature, seed, device, regen_batch,
+    samples, starts = regenerate_samples(target_dir, prompts, regen_max_tokens, regen_temperature, seed, device, regen_batch,
                                  regen_deadline, eos, regen_file, threads)
     if not samples:
         raise DataError("regeneration produced no samples (time budget too small?)")
-    return samples, str(regen_file), len(samples)
+    return samples, starts, str(regen_file), len(samples)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -558,20 +573,24 @@ def make_batches(samples: list[list[int]], batch_tokens: int, gen: torch.Generat
     return [batches[i] for i in perm]
 
 
-def collate(samples: list[list[int]], idx: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+def collate(samples: list[list[int]], starts: list[int], idx: list[int], device) -> tuple[torch.Tensor, ...]:
+    """(ids [B, L] zero-padded, lengths [B], starts [B]) of the samples idx."""
     L = max(len(samples[i]) for i in idx)
     ids = torch.zeros(len(idx), L, dtype=torch.long)
     for r, i in enumerate(idx):
         ids[r, :len(samples[i])] = torch.tensor(samples[i])
-    return ids.to(device), torch.tensor([len(samples[i]) for i in idx], device=device)
+    return (ids.to(device), torch.tensor([len(samples[i]) for i in idx], device=device),
+            torch.tensor([starts[i] for i in idx], device=device))
 
 
 # ---------------------------------------------------------------------------------------------
 # Evaluation with the engine
 # ---------------------------------------------------------------------------------------------
 
-def read_prompts(path: str | Path) -> list[str]:
-    """Prompts from a .jsonl ("prompt" or "text" per line) or a text file (one per line)."""
+def read_prompts(path: str | Path) -> list[str | list[dict]]:
+    """Prompts from a .jsonl or a text file (one per line). A .jsonl line holds a "prompt" (or
+    "text") string, continued as it is, or a chat "messages" list, which `measure_acceptance`
+    renders through the target's chat template: the bench's rule for its prompt files."""
     path = Path(path)
     if not path.exists():
         raise DataError(f"--eval-prompts {path}: no such file")
@@ -584,9 +603,12 @@ def read_prompts(path: str | Path) -> list[str]:
                 obj = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{path}:{n}: not valid JSON ({e.msg})") from None
+            if isinstance(obj, dict) and "messages" in obj:
+                out.append(check_messages(obj["messages"], f"{path}:{n}"))
+                continue
             text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
             if not isinstance(text, str):
-                raise DataError(f"{path}:{n}: needs a string \"prompt\" (or \"text\")")
+                raise DataError(f"{path}:{n}: needs a string \"prompt\" (or \"text\") or a chat \"messages\" list")
             out.append(text)
         else:
             out.append(line)
@@ -597,17 +619,31 @@ def read_prompts(path: str | Path) -> list[str]:
 
 def measure_acceptance(target_dir: str, draft_dir: str, prompts, spec_steps: int = 4, max_tokens: int = 128,
                        device: str = "auto") -> dict:
-    """Greedy acceptance length over all speculative cycles of all prompts (one batch)."""
+    """Greedy acceptance length over all speculative cycles of all prompts (one batch). Chat
+    prompts (message lists) go through the target's chat template and stop at its end of turn,
+    as `specserve generate` and the server answer them."""
     from specserve.engine.llm import LLM, SamplingParams
 
     n = len(prompts)
     llm = LLM(model=target_dir, draft=draft_dir, spec_steps=spec_steps, device=device, max_num_seqs=n)
+    tok = llm.tokenizer
+    stop = [tok.end_of_turn_id] if tok.end_of_turn_id is not None else []
+    reqs, params = [], []
+    for p in prompts:
+        chat = not isinstance(p, str)
+        if chat:
+            try:
+                p = tok.encode(tok.apply_chat_template(p))
+            except ConfigError as e:
+                raise DataError(f"--eval-prompts has chat \"messages\" but {e}") from None
+        reqs.append(p)
+        params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop if chat else []))
     t0 = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    outs = llm.generate(reqs, params)
     secs = time.perf_counter() - t0
     tot = llm.engine.totals
     return {"spec_steps": spec_steps, "prompts": n, "max_tokens": max_tokens,
-            "tokens": sum(len(o.token_ids) for o in outs), "cycles": tot.cycles,
+            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs), "tokens": sum(len(o.token_ids) for o in outs), "cycles": tot.cycles,
             "accept_length_mean": tot.accept_length, "accept_per_position": tot.accept_per_position,
             "seconds": round(secs, 2)}
 
@@ -804,6 +840,8 @@ def train_draft(config: TrainConfig) -> TrainResult:
 
     tok = Tokenizer(config.target_dir)
     eos = set(tok.eos_token_ids) | set(tcfg.eos_token_ids)
+    if tok.end_of_turn_id is not None:  # a regenerated chat reply ends with its turn, as a served one does
+        eos.add(tok.end_of_turn_id)
     # the document separator: the tokenizer's EOS token, else the config's first EOS id
     eos_id = tok.tok.token_to_id(tok.eos_token) if tok.eos_token else None
     if eos_id is None and eos:
@@ -824,20 +862,22 @@ def train_draft(config: TrainConfig) -> TrainResult:
     t0 = time.time()
     n_regen = 0
     if state is not None:
-        samples = _load_samples(Path(state["data_file"]))
+        samples, starts = _load_samples(Path(state["data_file"]))
         data_file, n_regen = state["data_file"], state.get("regenerated", 0)
     else:
-        samples, data_file, n_regen = _prepare_samples(
+        samples, starts, data_file, n_regen = _prepare_samples(
             config.data, tok, eos, eos_id, rng, config.target_dir, config.regenerate, config.regen_prompts,
             config.regen_max_tokens, config.regen_temperature, config.regen_prompt_len, config.regen_batch, max_len,
             config.seed, config.device, ck_dir, config.resume,
             t_start + config.regen_share * (deadline - t_start) if deadline else None, config.threads)
-    samples = split_long(samples, max_len)
+    samples, starts = split_long(samples, max_len, starts)
     if not samples:
         raise DataError("no training samples of at least 8 tokens")
     minutes_regen = (time.time() - t0) / 60
     n_tokens = sum(map(len, samples))
-    log(f"training samples: {len(samples)} ({n_tokens:,} tokens), {n_regen} regenerated in {minutes_regen:.1f} min")
+    scored = [s[b:] for s, b in zip(samples, starts)]  # the tokens the drafter is trained to predict
+    log(f"training samples: {len(samples)} ({n_tokens:,} tokens, {sum(map(len, scored)):,} scored), "
+        f"{n_regen} regenerated in {minutes_regen:.1f} min")
 
     # 3. target, drafter, vocabulary --------------------------------------------------------
     tdtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
@@ -871,7 +911,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
         if state is not None:
             draft_ids = state["draft_ids"]
         else:
-            draft_ids = select_draft_vocab(samples, tcfg.vocab_size, config.draft_vocab or min(32000, tcfg.vocab_size), eos)
+            draft_ids = select_draft_vocab(scored, tcfg.vocab_size, config.draft_vocab or min(32000, tcfg.vocab_size), eos)
         if config.draft_intermediate is not None and config.draft_intermediate < 1:
             raise ConfigError(f"--draft-intermediate must be positive, got {config.draft_intermediate}")
         cfg = drafter_config(tcfg, draft_ids, captured, intermediate=config.draft_intermediate)
@@ -880,13 +920,13 @@ def train_draft(config: TrainConfig) -> TrainResult:
     if drafter.embed_tokens is None:
         drafter.target_embed = target.model.embed_tokens
     counts = torch.zeros(tcfg.vocab_size, dtype=torch.long)
-    for s in samples:
-        counts += torch.bincount(torch.tensor(s), minlength=tcfg.vocab_size)
+    for s in scored:
+        counts += torch.bincount(torch.tensor(s, dtype=torch.long), minlength=tcfg.vocab_size)
     coverage = float(counts[draft_ids].sum()) / max(int(counts.sum()), 1)
-    log(f"draft vocabulary {draft_ids.numel()} of {tcfg.vocab_size} ids, covering {coverage:.1%} of training tokens; "
+    log(f"draft vocabulary {draft_ids.numel()} of {tcfg.vocab_size} ids, covering {coverage:.1%} of scored tokens; "
         f"aux layers (captured inputs) {list(captured)}")
     draft_ids_dev = draft_ids.to(dev)
-    cache = FeatureCache(target, samples, feature_cache_bytes(dev, config.feature_cache_gb))
+    cache = FeatureCache(target, samples, starts, feature_cache_bytes(dev, config.feature_cache_gb))
 
     params = [p for p in drafter.parameters() if p.requires_grad]
     lr = config.lr if config.lr is not None else 5e-5 if config.from_dir else 1e-3
@@ -939,8 +979,9 @@ def train_draft(config: TrainConfig) -> TrainResult:
         for g in opt.param_groups:
             g["lr"] = cur
         t_step = time.perf_counter()
-        ids, lengths, feats, hidden = cache.batch(idx)
-        loss, accs, _, (acc_k, bases) = ttt_loss(drafter, target, ids, lengths, feats, hidden, config.ttt_steps, draft_ids_dev, autocast)
+        ids, lengths, starts_b, feats, hidden = cache.batch(idx)
+        loss, accs, _, (acc_k, bases) = ttt_loss(drafter, target, ids, lengths, starts_b, feats, hidden,
+                                                 config.ttt_steps, draft_ids_dev, autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         if step == start_step:  # a forward-only op in the graph would silently freeze what lies before it
@@ -1008,7 +1049,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
 
 @torch.no_grad()
 def validate(drafter, target, path, tok, eos_id, steps, draft_ids, max_len, batch_tokens, max_batches: int = 8):
-    docs = split_long(tokenize_records(read_records(path, eos_id), tok, eos_id), max_len)
+    docs, starts = split_long(tokenize_records(read_records(path, eos_id), tok, eos_id), max_len)
     gen = torch.Generator().manual_seed(1234)
     """Per-step top-1 agreement and the greedy acceptance length it implies (`chain_acceptance`)
     on held-out data: (agreement per step, acceptance length). The length is the engine's only
@@ -1018,9 +1059,9 @@ def validate(drafter, target, path, tok, eos_id, steps, draft_ids, max_len, batc
     n = [0] * steps
     accepted, bases = [0] * steps, 0
     for idx in make_batches(docs, batch_tokens, gen)[:max_batches]:
-        ids, lengths = collate(docs, idx, target.device)
+        ids, lengths, starts_b = collate(docs, starts, idx, target.device)
         feats, hidden = target(ids)
-        _, accs, counts, (acc_k, b) = ttt_loss(drafter, target, ids, lengths, feats.float(), hidden.float(), steps,
+        _, accs, counts, (acc_k, b) = ttt_loss(drafter, target, ids, lengths, starts_b, feats.float(), hidden.float(), steps,
                                                draft_ids)
         for k in range(steps):
             hits[k] += accs[k] * counts[k]
