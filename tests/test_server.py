@@ -531,6 +531,29 @@ def test_metrics_exposition_names_and_format(live):
     assert KEY not in json.dumps(info)
 
 
+def test_prefix_cache_through_the_server(live):
+    """serve caches prompt blocks by default: a repeated long prompt is found in the cache (the
+    counters say so), answers the same, and the pool is whole again when the server is idle."""
+    client = live.client()
+    prompt = "def fibonacci(n):\n    " + "a, b = b, a + b  # step\n    " * 12
+    before = live.get("/metrics").text
+    outs = [client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+            for _ in range(2)]
+    after = live.get("/metrics").text
+    assert outs[0] == outs[1]
+    hits = metric(after, "specserve:prefix_cache_hits_total") - metric(before, "specserve:prefix_cache_hits_total")
+    queried = (metric(after, "specserve:prefix_cache_queries_total")
+               - metric(before, "specserve:prefix_cache_queries_total"))
+    assert hits >= 64 and queried > hits
+    for name in ("kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "num_preemptions_total"):
+        assert f"specserve:{name} " in after, name
+    deadline = time.time() + 60
+    while (info := live.info())["idle_integrity"] != "ok":
+        assert time.time() < deadline, info["idle_integrity"]
+        time.sleep(0.1)
+    assert info["kv"]["prefix_cache"] is True and info["kv"]["blocks_used"] == 0 and info["kv"]["blocks_cached"] > 0
+
+
 # ---------------------------------------------------------------------- CLI
 @pytest.mark.slow
 def test_cli_serve_subprocess_ready_then_clean_exit(http, pair, tmp_path):
