@@ -1,0 +1,200 @@
+"""Tensor parallelism across nodes, on CPU: two "nodes" on 127.0.0.1, each its own
+launcher process (`specserve generate|serve --nnodes 2 --node-rank R`) with its own
+worker, joined in one gloo group. Output equals one process; every worker of both
+nodes reports the environment; a node that dies or never joins ends the other."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+
+from specserve.config import ConfigError, ParallelConfig
+from specserve.engine.llm import LLM
+from specserve.engine.sampling import SamplingParams
+from specserve.ops.process_tree import ProcessTree
+from test_tp import PROMPTS, make_lagging_drafter  # prompts on which the lagging drafter is accepted
+
+ENGINE = ["--device", "cpu", "--max-model-len", "96", "--disable-cuda-graph"]
+WAIT = 180  # generous: five agents share two cores
+
+
+@pytest.fixture(scope="module")
+def pair(make_pair):
+    return make_pair(vocab=4096, hidden=64, layers=4, heads=4, kv_heads=2, tokenizer="demo",
+                     drafter=make_lagging_drafter)
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P+1 free (the store and node 0's channel)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _node(command: str, rank: int, port: int, extra: list[str], env: dict | None = None, timeout: float = 60):
+    args = [sys.executable, "-m", "specserve", command, "--tp", "2", "--nnodes", "2", "--node-rank", str(rank),
+            "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", str(timeout), *ENGINE, *extra]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _finish(*procs: subprocess.Popen) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, e = p.communicate()
+        out.append((p.returncode, o, e))
+    return out
+
+
+def _generate_args(target, draft, extra=()) -> list[str]:
+    args = ["--model", str(target), "--max-tokens", "24", "--ignore-eos", "--json", *extra]
+    if draft is not None:
+        args += ["--draft", str(draft), "--spec-steps", "3"]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    return args
+
+
+# ------------------------------------------------------------------ flags (no processes)
+def test_bad_node_flags_are_one_line_errors():
+    cases = [
+        (dict(tp=2, nnodes=2), "--nnodes 2 needs --dist-init-addr HOST:PORT"),
+        (dict(tp=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank 2 is out of range for --nnodes 2"),
+        (dict(tp=3, nnodes=2, dist_init_addr="h:1"), "--tp 3 is not divisible by --nnodes 2"),
+        (dict(tp=2, nnodes=2, dist_init_addr="10.0.0.1"), "expected HOST:PORT"),
+        (dict(tp=2, nnodes=2, dist_init_addr="h:65535"), "port must be 1..65534"),
+        (dict(tp=2, nnodes=2, dist_init_addr=":29500"), "expected HOST:PORT"),
+        (dict(tp=2, dist_init_addr="h:1"), "only used with --nnodes > 1"),
+        (dict(tp=2, nnodes=0), "--nnodes must be at least 1"),
+        (dict(tp=2, nnodes=2, dist_init_addr="h:1", dist_timeout=0), "--dist-timeout must be positive"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace("+", r"\+")) as e:
+            ParallelConfig(**kw)
+        assert "\n" not in str(e.value)
+    assert ParallelConfig(tp=4, nnodes=2, node_rank=1, dist_init_addr="[::1]:29500").local_tp == 2
+
+
+def test_cli_reports_a_bad_address_before_loading(capsys):
+    from specserve.cli import main
+
+    assert main(["generate", "--prompt", "x", "--tp", "2", "--nnodes", "2", "--dist-init-addr", "nohost"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --dist-init-addr 'nohost': expected HOST:PORT, e.g. 10.0.0.1:29500"
+
+
+# ------------------------------------------------------------------ two nodes
+@pytest.mark.slow
+def test_two_nodes_equal_one_process_and_every_worker_reports_env(pair):
+    target, draft = pair
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_model_len=96,
+              max_num_seqs=4).generate(PROMPTS, greedy)
+    plain = LLM(model=str(target), device="cpu", max_model_len=96, max_num_seqs=4).generate(PROMPTS, greedy)
+    assert [o.token_ids for o in ref] == [o.token_ids for o in plain]  # speculation does not change greedy output
+    port = _free_port_pair()
+    args = _generate_args(target, draft, ["--env", "SPECSERVE_TEST_MARK=mn-7"])
+    node1 = _node("generate", 1, port, args)
+    node0 = _node("generate", 0, port, args)
+    (c0, out0, err0), (c1, _, err1) = _finish(node0, node1)
+    assert c0 == 0, err0
+    assert c1 == 0, err1  # the headless node exits by itself when node 0 is done
+    outs = [json.loads(line) for line in out0.splitlines()]
+    assert [o["token_ids"] for o in outs] == [o.token_ids for o in ref]
+    assert [o["stats"]["accepted_tokens"] for o in outs] == [o.spec["accepted_tokens"] for o in ref]
+    assert sum(o["stats"]["accepted_tokens"] for o in outs) > 5  # drafts really were accepted across nodes
+    # Each worker read its environment from /proc/self/environ and reported it to node 0.
+    lines = [line for line in err0.splitlines() if " env: " in line]
+    for rank, node in ((0, 0), (1, 1)):
+        mine = [line for line in lines if f"worker {rank}{' (node 1)' if node else ' (node 0)'} (pid" in line]
+        assert len(mine) == 1, lines
+        assert "SPECSERVE_TEST_MARK=mn-7" in mine[0] and "NCCL_NVLS_ENABLE=0" in mine[0]
+    assert "node 0 finished" in err1
+
+
+@pytest.mark.slow
+def test_an_nccl_variable_only_on_node_1_fails_start_up_naming_node_worker_and_variable(pair):
+    target, _ = pair
+    port = _free_port_pair()
+    args = _generate_args(target, None)
+    node1 = _node("generate", 1, port, args, env={"NCCL_ALGO": "Tree"})
+    node0 = _node("generate", 0, port, args)
+    (c0, _, err0), (c1, _, err1) = _finish(node0, node1)
+    assert c0 == 1 and c1 == 1
+    assert "node 0 ended after an error (start-up failed on node 0: the nodes' environments differ" in err1
+    assert "node 1 worker 1 (pid" in err0 and "NCCL_ALGO='Tree' is set there but not on node 0's workers" in err0
+
+
+@pytest.mark.slow
+def test_a_node_that_never_joins_fails_within_the_timeout():
+    port = _free_port_pair()
+    t0 = time.monotonic()
+    (c0, _, err0), = _finish(_node("generate", 0, port, ["--prompt", "x"], timeout=4))
+    assert c0 == 1 and "node(s) [1] did not join within --dist-timeout 4 s" in err0
+    (c1, _, err1), = _finish(_node("generate", 1, port, ["--prompt", "x"], timeout=4))
+    assert c1 == 1 and f"cannot reach node 0 at 127.0.0.1:{port + 1}" in err1
+    assert time.monotonic() - t0 < WAIT
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("node 0 never became healthy")
+
+
+@pytest.mark.slow
+def test_killing_node_1_ends_node_0_with_no_process_left(pair):
+    target, _ = pair
+    port, http = _free_port_pair(), _free_port_pair()
+    args = ["--model", str(target), "--max-num-seqs", "2", "--skip-check"]
+    node1 = _node("serve", 1, port, args, timeout=60)
+    node0 = _node("serve", 0, port, [*args, "--port", str(http)], timeout=60)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{http}", node0, time.monotonic() + WAIT)
+        trees = [ProcessTree(node0.pid), ProcessTree(node1.pid)]
+        members = list({p.pid: p for t in trees for p in t.members()}.values())  # both trees share our session
+        workers = [p for p in members if "specserve.distributed.worker" in " ".join(p.cmdline())]
+        assert len(workers) == 2  # one worker on each node
+        node1.send_signal(signal.SIGKILL)  # no cleanup code runs on node 1
+        _, err0 = node0.communicate(timeout=WAIT)
+        assert node0.returncode == 1
+        assert "node 1 (" in err0 and "went away" in err0
+        gone, alive = psutil.wait_procs(members, timeout=30)
+        alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
