@@ -54,6 +54,9 @@ from specserve.config import ConfigError, ParallelConfig, parse_dist_addr
 log = logging.getLogger("specserve.tp")
 
 BEAT_S = 1.0  # heartbeat period on every control connection
+# A headless node logs its state this often: its liveness for a supervisor that judges hangs
+# from log silence (`specserve launch`, whose default stall timeout is far longer).
+STATUS_EVERY_S = 60.0
 _DEFAULT_KEY = b"specserve-multinode"
 
 
@@ -353,6 +356,7 @@ def run_node(par: ParallelConfig) -> int:
     procs: dict[int, list] = {}  # group id -> Popen of this node's workers
     silence_s = min(30.0, par.dist_timeout)
     last_heard, next_beat = time.monotonic(), 0.0
+    next_status = time.monotonic() + STATUS_EVERY_S
     code, why = 1, ""
     failed: str | None = None  # why node 0 ended this node's latest group, if not in order
 
@@ -368,6 +372,11 @@ def run_node(par: ParallelConfig) -> int:
             if now >= next_beat:
                 next_beat = now + BEAT_S
                 ctl.send({"op": "beat"})
+            if now >= next_status:
+                next_status = now + STATUS_EVERY_S
+                alive = {gid: sum(p.poll() is None for p in ps) for gid, ps in procs.items()}
+                log.info("status: node 0 heard %.1f s ago; workers alive per group: %s", now - last_heard,
+                         alive or "none (waiting for node 0)")
             if ctl.poll(0.25):
                 msg = ctl.recv()
                 last_heard = time.monotonic()

@@ -55,6 +55,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True)
     p.add_argument("--nccl-profile", default="default",
                    help="NCCL settings for the TP workers: a preset (default, pcie-low-latency) or a profile file "
                         "written by `specserve nccl-tune`")
+    add_node_arguments(p)
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that spread the --tp ranks over machines (engine commands and nccl-tune)."""
     p.add_argument("--nnodes", type=int, default=1,
                    help="machines the --tp ranks are spread over, tp / nnodes on each (default 1)")
     p.add_argument("--node-rank", type=int, default=0,
