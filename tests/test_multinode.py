@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import urllib.request
 
 import psutil
 import pytest
+import torch
 
 from specserve.config import ConfigError, ParallelConfig
 from specserve.engine.llm import LLM
@@ -220,3 +222,27 @@ def test_nccl_tune_across_two_nodes(tmp_path):
     rows = [line.split() for line in out0.splitlines() if line.strip() and not line.startswith("#")]
     assert [int(row[1]) for row in rows] == [64, 512] and all(float(row[5]) > 0 for row in rows)
     assert json.loads(out.read_text())["measured"]["tp"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_nodes_on_two_gpus_with_nccl_and_graphs_equal_one_gpu(pair):
+    """Two "nodes" of one GPU each (CUDA_VISIBLE_DEVICES 0 and 1): NCCL across them, CUDA graphs."""
+    target, draft = pair
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(model=str(target), draft=str(draft), spec_steps=3, device="cuda", dtype="float32", max_model_len=96,
+              max_num_seqs=4).generate(PROMPTS, greedy)
+    port = _free_port_pair()
+    args = _generate_args(target, draft)
+    gpu = ["--device", "cuda", "--dtype", "float32", "--max-model-len", "96"]
+    procs = []
+    for rank in (1, 0):
+        cmd = [sys.executable, "-m", "specserve", "generate", "--tp", "2", "--nnodes", "2", "--node-rank", str(rank),
+               "--dist-init-addr", f"127.0.0.1:{port}", *gpu, *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}))
+    (c1, _, err1), (c0, out0, err0) = _finish(*procs)
+    assert c0 == 0, err0
+    assert c1 == 0, err1
+    assert [json.loads(line)["token_ids"] for line in out0.splitlines()] == [o.token_ids for o in ref]
+    assert re.search(r"workers ready: all-reduce nccl, [1-9]\d* CUDA graphs", err0), err0
