@@ -162,7 +162,15 @@ class Cluster:
         except Exception as e:  # noqa: BLE001 - a busy port or an address not on this machine
             raise ConfigError(f"--dist-init-addr {self.addr}: node 0 cannot open the rendezvous store on port "
                               f"{self.port} ({e}); run node 0 on {self.host} with a free port") from None
-        self.listener = socket.create_server((self.host, self.port + 1), backlog=256, reuse_port=False)
+        # Every interface, as the store listens: HOST may name an address this machine only reaches
+        # through another (a hostname that /etc/hosts maps to 127.0.1.1, a NAT).
+        dual = socket.has_dualstack_ipv6()
+        try:
+            self.listener = socket.create_server(("", self.port + 1), family=socket.AF_INET6 if dual else socket.AF_INET,
+                                                 backlog=256, dualstack_ipv6=dual)
+        except OSError as e:
+            raise ConfigError(f"--dist-init-addr {self.addr}: node 0 cannot listen on port {self.port + 1} ({e}); "
+                              "PORT and PORT+1 must both be free") from None
         self.listener.settimeout(0.25)
         try:
             self._join()
@@ -295,6 +303,8 @@ class Cluster:
                     return
 
     def _lose(self, reason: str) -> None:
+        if self.lost:  # already ended (node 0 shutting down closes the connections too)
+            return
         self.lost = reason
         log.error("[tp] %s: ending the group", reason)
         for cb in list(self.on_lost):
@@ -423,6 +433,11 @@ def run_node(par: ParallelConfig) -> int:
     finally:
         for gid in list(procs):
             stop(gid)
+        if code:
+            try:  # node 0 names the reason instead of only seeing the connection close
+                ctl.send({"op": "error", "error": why})
+            except OSError:
+                pass
         ctl.close()
     if code:
         print(f"error: node {node}: {why}; stopped this node's workers", file=sys.stderr)

@@ -100,7 +100,7 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
 
     kw["env"] = parse_env_args(getattr(args, "env", None))  # ConfigError on a bad KEY=VALUE
     kw["nccl_profile"] = getattr(args, "nccl_profile", None) or "default"
-    if args.tp > 1:
+    if args.tp > 1 and not args.node_rank:  # a headless node applies node 0's profile, not its own file
         load_profile(kw["nccl_profile"])  # a missing profile file fails before any weight loads
     return kw
 
