@@ -151,6 +151,37 @@ def test_an_nccl_variable_only_on_node_1_fails_start_up_naming_node_worker_and_v
 
 
 @pytest.mark.slow
+def test_nodes_started_with_different_tp_both_refuse(pair):
+    target, _ = pair
+    port = _free_port_pair()
+    node1 = subprocess.Popen([sys.executable, "-m", "specserve", "generate", "--tp", "4", "--nnodes", "2", "--node-rank",
+                              "1", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "60", *ENGINE,
+                              "--prompt", "x"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node0 = _node("generate", 0, port, _generate_args(target, None))
+    (c0, _, err0), (c1, _, err1) = _finish(node0, node1)
+    want = "node 1 was started with --tp 4 --nnodes 2, node 0 with --tp 2 --nnodes 2"
+    assert c0 == 1 and want in err0
+    assert c1 == 1 and f"node 0 refused this node: {want}" in err1
+
+
+@pytest.mark.slow
+def test_bench_runs_one_group_per_config_on_the_same_nodes(pair, tmp_path):
+    """bench starts a group per config: node 1 starts its workers again for each."""
+    target, draft = pair
+    port = _free_port_pair()
+    args = ["--model", str(target), "--draft", str(draft), "--configs", "baseline", "eagle3:steps=2",
+            "--batch-sizes", "1", "--num-prompts", "1", "--max-tokens", "8", "--repeats", "1", "--warmup", "0"]
+    node1 = _node("bench", 1, port, args)
+    node0 = _node("bench", 0, port, [*args, "--out", str(tmp_path / "b.json")])
+    (c0, _, err0), (c1, _, err1) = _finish(node0, node1)
+    assert c0 == 0, err0
+    assert c1 == 0, err1
+    assert "started workers [1] for group 1" in err1 and "started workers [1] for group 2" in err1
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert [r["config"] for r in result["results"]] == ["baseline", "eagle3:steps=2"]
+
+
+@pytest.mark.slow
 def test_a_node_that_never_joins_fails_within_the_timeout():
     port = _free_port_pair()
     t0 = time.monotonic()
