@@ -256,7 +256,8 @@ class WorkerGroup:
                     raise err
             if timeout is not None and now - t_start > timeout:
                 ranks = sorted(pending.values())
-                raise WorkerError(f"TP worker(s) {ranks} did not answer within {timeout:.0f} s during {what} "
+                nodes = f" on node(s) {sorted({r // self.local for r in ranks})}" if self.cluster is not None else ""
+                raise WorkerError(f"TP worker(s) {ranks}{nodes} did not answer within {timeout:.0f} s during {what} "
                                   f"(last steps: {[self.last_progress[r] for r in ranks]})")
         return out  # type: ignore[return-value]
 

@@ -1,7 +1,8 @@
 """A tensor-parallel worker process: `python -m specserve.distributed.worker`.
 
-Started by `WorkerGroup` (specserve.distributed.group) with an explicit
-environment. In order, before anything else: die with the parent, read the
+Started by `WorkerGroup` (specserve.distributed.group), or on another node by
+that node's launcher (specserve.distributed.multinode), with an explicit
+environment and a connection to the driver (a socketpair, or TCP to node 0). In order, before anything else: die with the parent, read the
 environment the kernel gave us (/proc/self/environ) and report it. Then, on the
 driver's word: join the process group, set up collectives, and run either an
 engine (SPMD: every rank runs the same requests in the same order; rank 0
