@@ -326,10 +326,50 @@ class ParallelConfig:
     env: dict[str, str] = field(default_factory=dict)  # extra environment for the TP workers
     nccl_profile: str = "default"
     capture_timeout: float = 300.0  # seconds a worker's graph capture may stall before a restart without graphs
+    nnodes: int = 1  # machines the tp ranks are spread over (tp / nnodes workers on each)
+    node_rank: int = 0  # this machine's place: 0 drives the step (HTTP, generate, bench), the others are headless
+    dist_init_addr: str | None = None  # HOST:PORT of node 0, reachable from every node (PORT and PORT+1 are used)
+    dist_timeout: float = 300.0  # seconds for a node to join and for any collective across nodes
 
     def __post_init__(self) -> None:
         if self.tp < 1:
             raise ConfigError(f"--tp must be at least 1, got {self.tp}")
+        if self.nnodes < 1:
+            raise ConfigError(f"--nnodes must be at least 1, got {self.nnodes}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ConfigError(f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes} "
+                              f"(0..{self.nnodes - 1}; node 0 drives, the others are headless)")
+        if self.dist_timeout <= 0:
+            raise ConfigError(f"--dist-timeout must be positive seconds, got {self.dist_timeout}")
+        if self.nnodes == 1:
+            if self.dist_init_addr is not None:
+                raise ConfigError("--dist-init-addr is only used with --nnodes > 1 (one node needs no address)")
+            return
+        if self.dist_init_addr is None:
+            raise ConfigError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT: node 0's address, "
+                              "reachable from every node")
+        parse_dist_addr(self.dist_init_addr)
+        if self.tp % self.nnodes:
+            raise ConfigError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}: every node runs "
+                              "tp / nnodes workers")
+
+    @property
+    def local_tp(self) -> int:
+        """Workers on each node."""
+        return self.tp // self.nnodes
+
+
+def parse_dist_addr(text: str) -> tuple[str, int]:
+    """`--dist-init-addr HOST:PORT` (IPv6 as [ADDR]:PORT) -> (host, port). PORT is the
+    rendezvous store and PORT+1 node 0's channel to the other nodes' launchers."""
+    host, sep, port = text.rpartition(":")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not sep or not host or not port.isdigit():
+        raise ConfigError(f"--dist-init-addr {text!r}: expected HOST:PORT, e.g. 10.0.0.1:29500")
+    if not 1 <= int(port) <= 65534:
+        raise ConfigError(f"--dist-init-addr {text!r}: port must be 1..65534 (PORT and PORT+1 are used)")
+    return host, int(port)
 
 
 class _Grouped:
@@ -360,6 +400,10 @@ _GROUPED = {
     "env": ("parallel", "env"),
     "nccl_profile": ("parallel", "nccl_profile"),
     "graph_capture_timeout": ("parallel", "capture_timeout"),
+    "nnodes": ("parallel", "nnodes"),
+    "node_rank": ("parallel", "node_rank"),
+    "dist_init_addr": ("parallel", "dist_init_addr"),
+    "dist_timeout": ("parallel", "dist_timeout"),
 }
 
 

@@ -84,6 +84,8 @@ TP_DRAFT_EMBED = _var("SPECSERVE_TP_DRAFT_EMBED", str, "replicated",
 CAPTURE_MODE = _var("SPECSERVE_CAPTURE_MODE", str, "thread_local",
                     "CUDA graph capture error mode in TP workers: thread_local, global or relaxed",
                     choices=("thread_local", "global", "relaxed"))
+DIST_KEY = _var("SPECSERVE_DIST_KEY", str, None,
+                "shared secret authenticating the connections between nodes (--nnodes > 1); the same on every node")
 API_KEY = _var("SPECSERVE_API_KEY", str, None,
                "default of `serve --api-key`: the bearer token every /v1 route requires")
 

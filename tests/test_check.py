@@ -349,6 +349,11 @@ def test_tp_needs_enough_gpus(capsys, pair, fake_gpus):
     rc, out = cli(capsys, "--model", str(pair[0]), "--tp", "2")
     assert rc == 1
     assert "ERROR: --tp 2 needs 2 GPUs; 1 visible" in out
+    # Spread over two machines, each needs tp / nnodes GPUs.
+    rc, out = cli(capsys, "--model", str(pair[0]), "--tp", "2", "--nnodes", "2", "--dist-init-addr", "h:29500")
+    assert rc == 0 and "GPUs; " not in out
+    rc, out = cli(capsys, "--model", str(pair[0]), "--tp", "4", "--nnodes", "2", "--dist-init-addr", "h:29500")
+    assert rc == 1 and "ERROR: --tp 4 needs 2 GPUs on each of the 2 nodes; 1 visible" in out
 
 
 def test_memory_cli_error_line(capsys, pair, fake_gpus):

@@ -473,6 +473,8 @@ def test_clean_exit_and_no_torch(tmp_path):
     (["python", "-m", "sglang.launch_server", "--model-path", "m"], "http://127.0.0.1:30000/health"),
     (["python", "-m", "sglang.launch_server", "--port", "31000"], "http://127.0.0.1:31000/health"),
     (["python", "my_server.py"], None),
+    (["specserve", "serve", "--nnodes", "2", "--node-rank", "1", "--port", "8000"], None),  # headless: no HTTP
+    (["specserve", "serve", "--node-rank=0", "--port", "9000"], "http://127.0.0.1:9000/health"),
 ])
 def test_infer_health_url(cmd, url):
     assert sup.infer_health_url(cmd)[0] == url

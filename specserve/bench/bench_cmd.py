@@ -263,6 +263,12 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         _check_args(args)
+        if not args.url:
+            from specserve.engine.generate_cmd import engine_kwargs, headless_node
+
+            code = headless_node(engine_kwargs(args))
+            if code is not None:
+                return code
         if args.dataset:
             from specserve.bench.datasets import load_dataset
 

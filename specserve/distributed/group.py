@@ -90,63 +90,108 @@ def _popen(args, **kw) -> subprocess.Popen:
 WORKER_ARGS = ("-m", "specserve.distributed.worker")  # the interpreter arguments that start one worker
 
 
-class WorkerGroup:
-    """N worker processes (`python -m specserve.distributed.worker`)."""
+def spawn_worker(base_env: dict[str, str], rank: int, local_rank: int, size: int, fd: int,
+                 master: tuple[str, int]) -> subprocess.Popen:
+    """Start one worker: `base_env` plus its place in the group; `fd` is its end of the
+    connection to the driver, `master` the rendezvous store."""
+    env = dict(base_env)
+    env.update({
+        envs.TP_RANK.name: str(rank), envs.TP_SIZE.name: str(size),
+        envs.TP_FD.name: str(fd), envs.TP_PARENT_PID.name: str(os.getpid()),
+        "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
+        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(size),
+        "PYTHONUNBUFFERED": "1",
+    })
+    # Worker stdout goes to our stderr: `generate --json` keeps a clean stdout.
+    return _popen([sys.executable, *WORKER_ARGS], env=worker_env_hook(env, rank), pass_fds=(fd,), stdout=2,
+                  stdin=subprocess.DEVNULL, close_fds=True)
 
-    def __init__(self, size: int, wenv: WorkerEnv, hello_timeout: float = 60.0):
+
+class WorkerGroup:
+    """N worker processes (`python -m specserve.distributed.worker`): all on this machine, or
+    with a `cluster` (specserve.distributed.multinode) the first `cluster.local` here and the
+    others started by the other nodes' launchers (`procs` holds None for those)."""
+
+    def __init__(self, size: int, wenv: WorkerEnv, hello_timeout: float = 60.0, cluster=None, profile=None,
+                 explicit: dict[str, str] | None = None):
         import torch.distributed as dist
 
-        self.size, self.wenv = size, wenv
-        self.procs: list[subprocess.Popen] = []
+        self.size, self.wenv, self.cluster = size, wenv, cluster
+        self.procs: list[subprocess.Popen | None] = []
         self.conns: list[Connection] = []
         self.env_reports: list[dict] = []
         self.last_progress: list[str] = [""] * size
         self.closed = False
-        # The rendezvous store lives in the driver on an OS-chosen port: no fixed ports, no races.
-        self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+        self.lost: str | None = None  # why the group ended from outside (a lost node)
+        self.on_lost = None  # callback(reason), called on the monitor thread
+        if cluster is None:
+            self.local, self.group_id = size, 0
+            # The rendezvous store lives in the driver on an OS-chosen port: no fixed ports, no races.
+            self.store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+            master = ("127.0.0.1", self.store.port)
+        else:
+            self.local, self.group_id, self.store = cluster.local, cluster.new_group_id(), cluster.store
+            master = (cluster.host, cluster.port)
+        # Every group has its own keys in the store: one store serves a driver's successive groups.
+        self.store_prefix = f"group{self.group_id}/"
         try:
-            for rank in range(size):
-                self._spawn(rank)
+            for rank in range(self.local):
+                ours, theirs = socket.socketpair()
+                self.procs.append(spawn_worker(self.wenv.env, rank, rank, size, theirs.fileno(), master))
+                theirs.close()
+                self.conns.append(Connection(ours.detach()))
+            if cluster is not None:
+                cluster.on_lost.append(self._node_lost)
+                remote = cluster.spawn_remote(self.group_id, profile, explicit or {}, self._check_lost)
+                for rank in range(self.local, size):
+                    self.procs.append(None)
+                    self.conns.append(remote[rank])
             self._hello(hello_timeout)
-        except BaseException:
-            self.kill()
+        except BaseException as e:
+            self.kill(f"start-up failed on node 0: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
             raise
 
-    # ----------------------------------------------------------- start-up
-    def _spawn(self, rank: int) -> None:
-        ours, theirs = socket.socketpair()
-        env = dict(self.wenv.env)
-        env.update({
-            envs.TP_RANK.name: str(rank), envs.TP_SIZE.name: str(self.size),
-            envs.TP_FD.name: str(theirs.fileno()), envs.TP_PARENT_PID.name: str(os.getpid()),
-            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(self.store.port),
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(self.size),
-            "PYTHONUNBUFFERED": "1",
-        })
-        # Worker stdout goes to our stderr: `generate --json` keeps a clean stdout.
-        proc = _popen([sys.executable, *WORKER_ARGS], env=worker_env_hook(env, rank),
-                      pass_fds=(theirs.fileno(),), stdout=2, stdin=subprocess.DEVNULL, close_fds=True)
-        theirs.close()
-        self.procs.append(proc)
-        self.conns.append(Connection(ours.detach()))
+    def who(self, rank: int) -> str:
+        """A worker's name in messages (with its node when there are several)."""
+        return f"TP worker {rank}" + (f" (node {rank // self.local})" if self.cluster is not None else "")
 
+    def _node_lost(self, reason: str) -> None:
+        self.lost = reason
+        self.kill(reason)
+        if self.on_lost is not None:
+            self.on_lost(reason)
+
+    def _check_lost(self) -> None:
+        if self.lost:
+            raise WorkerError(f"the TP group ended: {self.lost}")
+
+    # ----------------------------------------------------------- start-up
     def _hello(self, timeout: float) -> None:
         reports = self.recv_all(timeout=timeout, what="start-up (hello)")
         problems = []
+        multi = self.cluster is not None
         for rank, msg in enumerate(reports):
             seen = msg["environ"]
+            name = f"node {rank // self.local} worker {rank}" if multi else f"worker {rank}"
             for k, want in self.wenv.requested.items():
                 got = seen.get(k)
                 if got != want:
-                    problems.append(f"worker {rank} (pid {msg['pid']}): {k} should be {want!r} but the worker sees "
-                                    f"{'<unset>' if got is None else repr(got)}")
+                    problems.append(f"{name} (pid {msg['pid']}): {k} should be {want!r}{' (as on node 0)' if multi else ''} "
+                                    f"but the worker sees {'<unset>' if got is None else repr(got)}")
+            for k in sorted(seen):
+                if k.startswith(SHOWN_PREFIXES) and k not in self.wenv.requested:
+                    problems.append(f"{name} (pid {msg['pid']}): {k}={seen[k]!r} is set there but not on node 0's "
+                                    "workers")
             shown = {k: v for k, v in sorted(seen.items()) if k.startswith(SHOWN_PREFIXES) or k in self.wenv.requested}
-            self.env_reports.append({"rank": rank, "pid": msg["pid"], "env": shown})
+            self.env_reports.append({"rank": rank, "node": rank // self.local, "pid": msg["pid"], "env": shown})
         if problems:
-            raise WorkerError("a requested environment variable did not reach a TP worker (is a wrapper, sudo or a "
-                              "container entrypoint resetting the environment?):\n  " + "\n  ".join(problems))
+            why = ("the nodes' environments differ (every worker must see node 0's NCCL settings; unset or "
+                   "align them on the other nodes):" if multi else
+                   "a requested environment variable did not reach a TP worker (is a wrapper, sudo or a "
+                   "container entrypoint resetting the environment?):")
+            raise WorkerError(why + "\n  " + "\n  ".join(problems))
         for r in self.env_reports:
-            log.info("[tp] worker %d (pid %d) env: %s", r["rank"], r["pid"],
+            log.info("[tp] %s (pid %d) env: %s", self.who(r["rank"]).removeprefix("TP "), r["pid"],
                      " ".join(f"{k}={v}" for k, v in r["env"].items()) or "(no NCCL_* variables)")
 
     # ----------------------------------------------------------- messages
@@ -171,6 +216,7 @@ class WorkerGroup:
         out: list[dict | None] = [None] * self.size
         pending = {c: r for r, c in enumerate(self.conns)}
         while pending:
+            self._check_lost()
             for c in wait(list(pending), timeout=0.25):
                 rank = pending[c]
                 try:
@@ -190,26 +236,28 @@ class WorkerGroup:
                     if msg.get("kind") == "ConfigError":  # a checkpoint/setting problem: the same clear message
                         from specserve.config import ConfigError
 
-                        raise ConfigError(f"TP worker {rank}: {msg['error'].split(': ', 1)[-1]}")
-                    err = WorkerError(f"TP worker {rank} failed during {what}: {msg['error']}\n{msg.get('traceback', '')}")
+                        raise ConfigError(f"{self.who(rank)}: {msg['error'].split(': ', 1)[-1]}")
+                    err = WorkerError(f"{self.who(rank)} failed during {what}: {msg['error']}\n{msg.get('traceback', '')}")
                     err.phase = phase[rank]
                     raise err
                 out[rank] = msg
                 del pending[c]
             now = time.monotonic()
             for c, rank in list(pending.items()):
-                if self.procs[rank].poll() is not None:
+                proc = self.procs[rank]
+                if proc is not None and proc.poll() is not None:
                     self._raise_dead(rank, phase[rank])
                 limit = stall_timeout if phase[rank] in stall_phases else init_timeout if phase[rank] == "init" else None
                 if limit is not None and now - last_heard[rank] > limit:
                     err = PhaseTimeout(
-                        f"TP worker {rank} made no progress for {limit:.0f} s during {phase[rank]} "
+                        f"{self.who(rank)} made no progress for {limit:.0f} s during {phase[rank]} "
                         f"(last step: {self.last_progress[rank] or 'none'})", rank, self.last_progress[rank])
                     err.phase = phase[rank]
                     raise err
             if timeout is not None and now - t_start > timeout:
                 ranks = sorted(pending.values())
-                raise WorkerError(f"TP worker(s) {ranks} did not answer within {timeout:.0f} s during {what} "
+                nodes = f" on node(s) {sorted({r // self.local for r in ranks})}" if self.cluster is not None else ""
+                raise WorkerError(f"TP worker(s) {ranks}{nodes} did not answer within {timeout:.0f} s during {what} "
                                   f"(last steps: {[self.last_progress[r] for r in ranks]})")
         return out  # type: ignore[return-value]
 
@@ -218,30 +266,42 @@ class WorkerGroup:
         return self.recv_all(**kw)
 
     def _raise_dead(self, rank: int, phase: str = ""):
+        self._check_lost()
         proc = self.procs[rank]
-        try:
-            code = proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            code = None
-        err = WorkerError(f"TP worker {rank} (pid {proc.pid}) exited unexpectedly (exit code {code}); "
-                          f"last step: {self.last_progress[rank] or 'none'}")
+        if proc is None:
+            err = WorkerError(f"{self.who(rank)} closed its connection (the worker exited or its node went away); "
+                              f"last step: {self.last_progress[rank] or 'none'}")
+        else:
+            try:
+                code = proc.wait(timeout=2)
+            except subprocess.TimeoutExpired:
+                code = None
+            err = WorkerError(f"{self.who(rank)} (pid {proc.pid}) exited unexpectedly (exit code {code}); "
+                              f"last step: {self.last_progress[rank] or 'none'}")
         err.phase = phase
         raise err
 
     # ----------------------------------------------------------- shutdown
     def pids(self) -> list[int]:
-        return [p.pid for p in self.procs]
+        """This machine's workers (the other nodes' launchers own theirs)."""
+        return [p.pid for p in self.procs if p is not None]
 
-    def kill(self) -> None:
-        """SIGKILL every worker now and reap them (a hung NCCL call cannot be interrupted politely)."""
-        for p in self.procs:
+    def kill(self, reason: str | None = "node 0 stopped the group after an error") -> None:
+        """SIGKILL every worker now and reap them (a hung NCCL call cannot be interrupted politely);
+        the other nodes' launchers stop theirs and log `reason` (None: an orderly end)."""
+        local = [p for p in self.procs if p is not None]
+        for p in local:
             if p.poll() is None:
                 p.kill()
-        for p in self.procs:
+        for p in local:
             try:
                 p.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 log.error("[tp] worker pid %d did not exit after SIGKILL", p.pid)
+        if self.cluster is not None:
+            self.cluster.stop_remote(self.group_id, reason)
+            if self._node_lost in self.cluster.on_lost:
+                self.cluster.on_lost.remove(self._node_lost)
         self._close_conns()
 
     def close(self, timeout: float = 10.0) -> None:
@@ -249,13 +309,14 @@ class WorkerGroup:
             return
         self.closed = True
         try:
-            if all(p.poll() is None for p in self.procs):
+            if not self.lost and all(p is None or p.poll() is None for p in self.procs):
                 self.request({"op": "shutdown"}, timeout=timeout, what="shutdown")
                 for p in self.procs:
-                    p.wait(timeout=timeout)
+                    if p is not None:
+                        p.wait(timeout=timeout)
         except (WorkerError, subprocess.TimeoutExpired, OSError):
             pass
-        self.kill()
+        self.kill(reason=None)
 
     def _close_conns(self) -> None:
         for c in self.conns:

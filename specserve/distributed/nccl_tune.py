@@ -30,7 +30,9 @@ _DTYPE_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tp", type=int, required=True, help="number of ranks (GPUs)")
+    from specserve.engine.generate_cmd import add_node_arguments  # torch-free
+
+    p.add_argument("--tp", type=int, required=True, help="number of ranks (GPUs), over all nodes")
     p.add_argument("--model", help="read --hidden from this model's config.json")
     p.add_argument("--hidden", type=int, default=None, help="hidden size (default: from --model, else 4096)")
     p.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS),
@@ -52,6 +54,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", metavar="FILE",
                    help="write the best profile to FILE (JSON, for --nccl-profile FILE); without it nothing is written")
     p.add_argument("--json", action="store_true", help="also print all measurements as one JSON object")
+    add_node_arguments(p)
 
 
 # ------------------------------------------------------------------ worker side
@@ -125,10 +128,10 @@ def run_worker(ch, rank: int, size: int, msg: dict) -> None:
     from specserve.distributed.worker import init_distributed
     from specserve.model.loader import DTYPES
 
-    device = torch.device(f"cuda:{rank}" if msg["device"] == "cuda" else "cpu")
+    device = torch.device(f"cuda:{rank % msg['local']}" if msg["device"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_distributed(rank, size, device, 300.0)
+    init_distributed(rank, size, device, msg["timeout_s"], msg["store_prefix"])
     dtype = DTYPES[msg["dtype"]]
     info = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "nccl_version": _nccl_version() if device.type == "cuda" else None,
@@ -168,7 +171,7 @@ def _hidden_from(args) -> int:
     return 4096
 
 
-def _measure_profile(profile, args, device: str, backends: list[str], hidden: int, log) -> dict:
+def _measure_profile(profile, args, device: str, backends: list[str], hidden: int, log, par) -> dict:
     """All measurements for one profile: {(backend, mode): rows | 'hung' | 'failed: ...'}, info."""
     from specserve.distributed.group import PhaseTimeout, WorkerError, WorkerGroup
     from specserve.distributed.nccl_profiles import build_worker_env, parse_env_args
@@ -181,7 +184,13 @@ def _measure_profile(profile, args, device: str, backends: list[str], hidden: in
     # Graphs are measured after every eager number, nccl first: a hang then costs the least.
     todo = {b: (["eager", "graph"] if device == "cuda" else ["eager"]) for b in backends}
     while any(todo.values()):
-        group = WorkerGroup(args.tp, wenv)
+        if par.nnodes > 1:
+            from specserve.distributed.multinode import Cluster
+
+            group = WorkerGroup(args.tp, wenv, cluster=Cluster.get(par), profile=profile,
+                                explicit=parse_env_args(args.env))
+        else:
+            group = WorkerGroup(args.tp, wenv)
         per_rank: dict = {}
 
         def on_progress(rank, msg):
@@ -205,7 +214,8 @@ def _measure_profile(profile, args, device: str, backends: list[str], hidden: in
         for conn in group.conns:
             conn.send({"type": "init", "mode": "tune", "device": device, "dtype": args.dtype, "hidden": hidden,
                        "tokens": args.tokens, "iters": args.iters, "runs": args.runs, "backends": order,
-                       "modes": modes})
+                       "modes": modes, "local": group.local, "store_prefix": group.store_prefix,
+                       "timeout_s": par.dist_timeout})
         try:
             group.recv_all(timeout=900, stall_timeout=args.graph_timeout, stall_phases=("graphs",), what="nccl-tune",
                            on_progress=on_progress)
@@ -261,6 +271,7 @@ def _score(res: dict, backend: str, decode_tokens: int) -> tuple[float, str] | N
 
 
 def run(args: argparse.Namespace) -> int:
+    from specserve.config import ParallelConfig
     from specserve.distributed.nccl_profiles import PRESETS, load_profile, parse_env_args, write_profile
 
     def log(s: str) -> None:
@@ -271,6 +282,12 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--tp must be at least 2 (an all-reduce needs two ranks)")
         if any(t < 1 for t in args.tokens):
             raise ConfigError("--tokens must be positive")
+        par = ParallelConfig(tp=args.tp, nnodes=args.nnodes, node_rank=args.node_rank,
+                             dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout)
+        if par.node_rank:  # a headless node: its workers measure when node 0 asks
+            from specserve.distributed.multinode import run_node
+
+            return run_node(par)
         hidden = _hidden_from(args)
         device = args.device
         if device == "auto":
@@ -280,8 +297,9 @@ def run(args: argparse.Namespace) -> int:
         if device.startswith("cuda"):
             import torch
 
-            if torch.cuda.device_count() < args.tp:
-                raise ConfigError(f"--tp {args.tp} needs {args.tp} GPUs, {torch.cuda.device_count()} visible")
+            if torch.cuda.device_count() < par.local_tp:
+                where = f" on each of the {par.nnodes} nodes" if par.nnodes > 1 else ""
+                raise ConfigError(f"--tp {args.tp} needs {par.local_tp} GPUs{where}, {torch.cuda.device_count()} visible")
             device = "cuda"
         elif device != "cpu":
             raise ConfigError(f"--device must be cuda, cpu or auto, got {device!r}")
@@ -302,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     best = None
     for prof in profiles:
         log(f"[nccl-tune] profile {prof.name}: {' '.join(f'{k}={v}' for k, v in prof.env.items()) or '(NCCL defaults)'}")
-        m = _measure_profile(prof, args, device, backends, hidden, log)
+        m = _measure_profile(prof, args, device, backends, hidden, log, par)
         report.setdefault("info", m["info"])
         for b in backends:
             lines += _fmt_table(prof.name, b, m["results"], hidden, args.dtype, args.tp) + [""]

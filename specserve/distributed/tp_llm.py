@@ -15,7 +15,10 @@ command to all workers; they take identical decisions because the engine is
 deterministic given the same requests and seeds (the driver gives each request
 an explicit seed) and the one timing-based decision, the adaptive K, is rank
 0's choice broadcast to all (SpecPolicy.sync_choice). Rank 0 answers; the
-others send a digest of their results, which must match.
+others send a digest of their results, which must match. With `nnodes` > 1 the
+ranks are spread over machines (specserve.distributed.multinode): this process
+is node 0's driver, worker r runs on node r // (tp / nnodes) as cuda:r % (tp /
+nnodes), and everything else is the same.
 
 CUDA graphs with collectives are guarded: a capture probe, the engine's
 captures and one replay of every graph run while the driver watches each
@@ -146,7 +149,7 @@ class TPLLM:
 
     def __init__(self, model: str | None = None, draft: str | None = None, env: dict | None = None,
                  nccl_profile: str | None = None, on_graph_progress=None, start_timeout: float = 3600.0,
-                 **engine_kwargs):
+                 on_group_lost=None, **engine_kwargs):
         from specserve.distributed.group import PhaseTimeout, WorkerError
         from specserve.distributed.nccl_profiles import build_worker_env, load_profile
         from specserve.model.loader import resolve_device
@@ -162,17 +165,23 @@ class TPLLM:
         require_model(str(model))
         kw = dict(engine_kwargs, env=dict(env or {}), nccl_profile=nccl_profile or "default")
         self.config = cfg = EngineConfig.from_kwargs(model=str(model), draft=draft, **kw)
-        if cfg.parallel.tp < 2:
+        par = cfg.parallel
+        if par.tp < 2:
             raise ConfigError("TPLLM needs tp >= 2; use LLM for a single process")
+        if par.node_rank != 0:
+            raise ConfigError(f"--node-rank {par.node_rank} runs headless (specserve.distributed.multinode.run_node); "
+                              "only node 0 drives the workers")
         self.device = device = resolve_device(cfg.device)
         if device.type == "cuda":
             import torch
 
+            local = par.local_tp
             if device.index not in (None, 0):
-                raise ConfigError(f"--device {cfg.device} with --tp {cfg.parallel.tp}: TP workers use cuda:0..cuda:{cfg.parallel.tp - 1}; "
+                raise ConfigError(f"--device {cfg.device} with --tp {par.tp}: TP workers use cuda:0..cuda:{local - 1}; "
                                   "select GPUs with CUDA_VISIBLE_DEVICES instead")
-            if torch.cuda.device_count() < cfg.parallel.tp:
-                raise ConfigError(f"--tp {cfg.parallel.tp} needs {cfg.parallel.tp} GPUs, {torch.cuda.device_count()} visible")
+            if torch.cuda.device_count() < local:
+                where = f" on each of the {par.nnodes} nodes" if par.nnodes > 1 else ""
+                raise ConfigError(f"--tp {par.tp} needs {local} GPUs{where}, {torch.cuda.device_count()} visible")
         self.model_cfg = self._check_divisible()
         self.tokenizer = Tokenizer(cfg.model)
         self.nccl_profile = load_profile(cfg.parallel.nccl_profile)
@@ -182,11 +191,14 @@ class TPLLM:
         self.warnings: list[str] = []
         self.group = None
         self._on_graph = on_graph_progress
+        self._on_group_lost = on_group_lost
         self._broken: str | None = None
         self._seqs: dict[str, Sequence] = {}
         self._ids = 0
         self._stats: dict = {}
-        base = {k: v for k, v in cfg.flat().items() if k not in ("env", "nccl_profile")}
+        # The workers' engines are single-process engines inside the group: no node or profile settings.
+        base = {k: v for k, v in cfg.flat().items()
+                if k not in ("env", "nccl_profile", "nnodes", "node_rank", "dist_init_addr", "dist_timeout")}
         graphs = cfg.cuda_graphs and graphs_possible(device)
         try:
             self._start(base, graphs, start_timeout)
@@ -214,7 +226,18 @@ class TPLLM:
     def _start(self, base: dict, graphs: bool, timeout: float) -> None:
         from specserve.distributed.group import WorkerGroup
 
-        self.group = group = WorkerGroup(self.config.parallel.tp, self.wenv)
+        par = self.config.parallel
+        if par.nnodes > 1:
+            from specserve.distributed.multinode import Cluster
+
+            cluster = Cluster.get(par)  # the other nodes join here (bounded by --dist-timeout)
+            self.group = group = WorkerGroup(par.tp, self.wenv, cluster=cluster, profile=self.nccl_profile,
+                                             explicit=par.env)
+            group.on_lost = self._group_lost
+            pg_timeout = par.dist_timeout
+        else:
+            self.group = group = WorkerGroup(par.tp, self.wenv)
+            pg_timeout = min(timeout, 600.0)
 
         def on_progress(rank, msg):
             g = (msg.get("data") or {}).get("graph")
@@ -223,9 +246,9 @@ class TPLLM:
 
         try:
             for rank, conn in enumerate(group.conns):
-                dev = f"cuda:{rank}" if self.device.type == "cuda" else "cpu"
+                dev = f"cuda:{rank % group.local}" if self.device.type == "cuda" else "cpu"
                 conn.send({"type": "init", "mode": "engine", "engine": dict(base, cuda_graphs=graphs, device=dev),
-                           "timeout_s": min(timeout, 600.0)})
+                           "timeout_s": pg_timeout, "store_prefix": group.store_prefix})
             ready = group.recv_all(timeout=timeout, stall_timeout=self.config.parallel.capture_timeout if graphs else None,
                                    what="start-up", on_progress=on_progress)
         except BaseException:
@@ -236,6 +259,12 @@ class TPLLM:
         self._stats = ready[0]["stats"]
         log.info("[tp] %d workers ready: all-reduce %s, %d CUDA graphs, max_model_len %d", self.config.parallel.tp,
                  self.info["allreduce"], self.info["graphs"], self.info["max_model_len"])
+
+    def _group_lost(self, reason: str) -> None:
+        """A node went away (monitor thread): the group is over; the caller may end the process."""
+        self._broken = reason
+        if self._on_group_lost is not None:
+            self._on_group_lost(reason)
 
     # ------------------------------------------------------------------ API
     def worker_env(self) -> list[dict]:

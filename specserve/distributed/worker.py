@@ -1,7 +1,8 @@
 """A tensor-parallel worker process: `python -m specserve.distributed.worker`.
 
-Started by `WorkerGroup` (specserve.distributed.group) with an explicit
-environment. In order, before anything else: die with the parent, read the
+Started by `WorkerGroup` (specserve.distributed.group), or on another node by
+that node's launcher (specserve.distributed.multinode), with an explicit
+environment and a connection to the driver (a socketpair, or TCP to node 0). In order, before anything else: die with the parent, read the
 environment the kernel gave us (/proc/self/environ) and report it. Then, on the
 driver's word: join the process group, set up collectives, and run either an
 engine (SPMD: every rank runs the same requests in the same order; rank 0
@@ -73,7 +74,9 @@ class Channel:
         self.conn.send({"type": "progress", "phase": phase, "text": text, "time": time.time()})
 
 
-def init_distributed(rank: int, size: int, device, timeout_s: float) -> None:
+def init_distributed(rank: int, size: int, device, timeout_s: float, store_prefix: str = "") -> None:
+    """Join the group through the driver's store (under `store_prefix`: the driver's group);
+    `timeout_s` bounds the rendezvous and every collective."""
     import datetime
 
     import torch.distributed as dist
@@ -82,6 +85,8 @@ def init_distributed(rank: int, size: int, device, timeout_s: float) -> None:
 
     timeout = datetime.timedelta(seconds=timeout_s)
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timeout=timeout)
+    if store_prefix:
+        store = dist.PrefixStore(store_prefix, store)
     # gloo for CPU tensors (control messages) everywhere; NCCL for CUDA tensors on GPUs.
     backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
@@ -134,7 +139,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     ch.progress("init", f"joining the process group ({'gloo' if device.type == 'cpu' else 'nccl + gloo'})")
-    init_distributed(rank, size, device, msg["timeout_s"])
+    init_distributed(rank, size, device, msg["timeout_s"], msg["store_prefix"])
     mcfg = ModelConfig.from_dir(cfg.model)
     from specserve.model.loader import resolve_dtype
 

@@ -66,6 +66,21 @@ def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True)
     p.add_argument("--nccl-profile", default="default",
                    help="NCCL settings for the TP workers: a preset (default, pcie-low-latency) or a profile file "
                         "written by `specserve nccl-tune`")
+    add_node_arguments(p)
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    """The flags that spread the --tp ranks over machines (engine commands and nccl-tune)."""
+    p.add_argument("--nnodes", type=int, default=1,
+                   help="machines the --tp ranks are spread over, tp / nnodes on each (default 1)")
+    p.add_argument("--node-rank", type=int, default=0,
+                   help="this machine's index: 0 serves / generates / benchmarks and drives every step; "
+                        "1..nnodes-1 run their workers headless for node 0 (default 0)")
+    p.add_argument("--dist-init-addr", metavar="HOST:PORT",
+                   help="with --nnodes > 1: node 0's address as every node reaches it (PORT: rendezvous, "
+                        "PORT+1: node 0's channel to the other nodes)")
+    p.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds for every node to join, and for any collective across nodes (default 300)")
 
 
 def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> dict:
@@ -88,7 +103,8 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
               max_model_len=args.max_model_len, max_num_seqs=default_max_num_seqs if args.max_num_seqs is None else args.max_num_seqs,
               cuda_graphs=not args.disable_cuda_graph, aux_layer_convention=args.aux_layer_convention,
               allow_draft_position_extension=args.allow_draft_position_extension,
-              allow_pickle=args.allow_pickle, tp=args.tp, kv_block_size=args.kv_block_size,
+              allow_pickle=args.allow_pickle, tp=args.tp, nnodes=args.nnodes, node_rank=args.node_rank,
+              dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout, kv_block_size=args.kv_block_size,
               kv_cache_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
     if args.adaptive and not draft:
         kw["adaptive"] = False
@@ -96,9 +112,19 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
 
     kw["env"] = parse_env_args(getattr(args, "env", None))  # ConfigError on a bad KEY=VALUE
     kw["nccl_profile"] = getattr(args, "nccl_profile", None) or "default"
-    if args.tp > 1:
+    if args.tp > 1 and not args.node_rank:  # a headless node applies node 0's profile, not its own file
         load_profile(kw["nccl_profile"])  # a missing profile file fails before any weight loads
     return kw
+
+
+def headless_node(kw: dict) -> int | None:
+    """With --node-rank N > 0 this machine only runs node N's workers for node 0 (which sends
+    them the engine settings) until node 0 ends: the exit code. None on node 0."""
+    if not kw.get("node_rank"):
+        return None
+    from specserve.distributed.multinode import run_node
+
+    return run_node(EngineConfig.from_kwargs(**kw).parallel)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,6 +151,9 @@ def run(args: argparse.Namespace) -> int:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.seed, stop=args.stop, ignore_eos=args.ignore_eos)
         kw = engine_kwargs(args, default_max_num_seqs=max(len(args.prompt), 1))
+        code = headless_node(kw)
+        if code is not None:
+            return code
         if args.tp > 1:
             from specserve.distributed.tp_llm import TPLLM as LLMClass  # workers, one per GPU/rank
         else:

@@ -227,8 +227,8 @@ def _resolve_device(device: str, f: _Findings):
     return "cpu", None
 
 
-def _rank_gpus(q, device: str, tp: int):
-    """The NVML GPUs the TP ranks will use (CUDA_VISIBLE_DEVICES order), or an error string."""
+def _rank_gpus(q, device: str, tp: int, nnodes: int = 1):
+    """The NVML GPUs this machine's TP ranks will use (CUDA_VISIBLE_DEVICES order), or an error string."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     gpus = q.gpus
     if visible is not None:
@@ -245,10 +245,11 @@ def _rank_gpus(q, device: str, tp: int):
             chosen.append(match[0])
         gpus = chosen
     first = int(device.split(":", 1)[1]) if ":" in device else 0
-    need = gpus[first:first + tp]
-    if len(need) < tp:
-        where = f" from cuda:{first}" if first else ""
-        return f"--tp {tp} needs {tp} GPUs{where}; {len(gpus)} visible"
+    local = max(1, tp // nnodes)
+    need = gpus[first:first + local]
+    if len(need) < local:
+        where = (f" from cuda:{first}" if first else "") + (f" on each of the {nnodes} nodes" if nnodes > 1 else "")
+        return f"--tp {tp} needs {local} GPUs{where}; {len(gpus)} visible"
     return need
 
 
@@ -258,8 +259,9 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
                allow_draft_position_extension: bool = False, aux_layer_convention: str = "sglang",
                device: str = "auto", dtype: str = "auto", allow_pickle: bool = False,
                cuda_graphs: bool = True, spec_topk: int = 1, spec_tokens: int | None = None,
-               spec_tree_max_batch: int = EngineConfig.spec_tree_max_batch) -> list[Finding]:
-    """Validate a target (and optional EAGLE-3 drafter) without loading weights.
+               spec_tree_max_batch: int = EngineConfig.spec_tree_max_batch, nnodes: int = 1) -> list[Finding]:
+    """Validate a target (and optional EAGLE-3 drafter) without loading weights (`nnodes`: the
+    tp ranks are spread over that many machines, so this one needs tp / nnodes GPUs).
 
     `spec_steps` is the largest K the engine may use (max_spec_steps); default 4 with a
     drafter, else 0. Returns findings in check order; `has_errors` says whether to refuse.
@@ -345,7 +347,7 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
     if tcfg is not None and t_weights is not None and settings_ok and served is not None:
         _check_memory(f, tcfg, draft_cfg, t_weights, d_weights, served, max_num_seqs, spec_steps if draft_cfg else 0,
                       tp, dtype, dev_type, device, gpu_query, gpu_memory_utilization, cuda_graphs,
-                      room if draft_cfg else 0, tree_rows if draft_cfg else 0)
+                      room if draft_cfg else 0, tree_rows if draft_cfg else 0, nnodes)
     return list(f)
 
 
@@ -588,7 +590,7 @@ def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, 
 
 def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, d_weights: _Weights | None,
                   served: int, max_num_seqs: int, k: int, tp: int, dtype: str, dev_type: str, device: str, q,
-                  util: float, cuda_graphs: bool, room: int, tree_rows: int) -> None:
+                  util: float, cuda_graphs: bool, room: int, tree_rows: int, nnodes: int) -> None:
     cdtype = _compute_dtype(dtype, t.dtype, dev_type)
     est = estimate_memory(t, d, t_weights, d_weights, served, max_num_seqs, k, tp, DTYPE_BYTES[cdtype], cuda_graphs,
                           room, tree_rows)
@@ -616,7 +618,7 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
                   f"({_gib(avail * 0.5)}): the engine would refuse to start now (it caps the KV cache there); "
                   "lower --max-num-seqs or --max-model-len")
         return
-    gpus = _rank_gpus(q, device, tp)
+    gpus = _rank_gpus(q, device, tp, nnodes)
     if isinstance(gpus, str):
         f.add("error", "memory", gpus)
         return
@@ -656,7 +658,8 @@ def check_engine_kwargs(kw: dict[str, Any], gpu_memory_utilization: float = 0.9)
         aux_layer_convention=kw.get("aux_layer_convention", "sglang"), device=kw.get("device", "auto"),
         dtype=kw.get("dtype", "auto"), allow_pickle=kw.get("allow_pickle", False),
         cuda_graphs=kw.get("cuda_graphs", True), spec_topk=kw.get("spec_topk", 1), spec_tokens=kw.get("spec_tokens"),
-        spec_tree_max_batch=kw.get("spec_tree_max_batch", EngineConfig.spec_tree_max_batch))
+        spec_tree_max_batch=kw.get("spec_tree_max_batch", EngineConfig.spec_tree_max_batch),
+        nnodes=kw.get("nnodes", 1))
 
 
 # -------------------------------------------------------------------------- CLI

@@ -313,10 +313,18 @@ class HealthPoller(threading.Thread):
 
 
 def infer_health_url(cmd: list[str]) -> tuple[str | None, str]:
-    """Health URL from `--port`/`--host` in CMD, or a known server's default port."""
+    """Health URL from `--port`/`--host` in CMD, or a known server's default port; none for a
+    headless node of a multi-node server (`--node-rank N`, N > 0: no HTTP, a status line a minute)."""
     port: str | None = None
     host: str | None = None
     for i, tok in enumerate(cmd):
+        rank = None
+        if tok == "--node-rank" and i + 1 < len(cmd):
+            rank = cmd[i + 1]
+        elif tok.startswith("--node-rank="):
+            rank = tok.partition("=")[2]
+        if rank not in (None, "", "0"):
+            return None, f"a headless node (--node-rank {rank}) serves no HTTP"
         for flag in ("--port", "--host"):
             val = None
             if tok == flag and i + 1 < len(cmd):

@@ -188,6 +188,10 @@ def run(args: argparse.Namespace) -> int:
         kw = serve_engine_kwargs(args)
         require_model(str(kw["model"]))
         engine_cfg = EngineConfig.from_kwargs(**kw)  # validate flags before binding or loading
+        if engine_cfg.parallel.node_rank:  # a headless node: no HTTP, node 0 drives its workers
+            from specserve.distributed.multinode import run_node
+
+            return run_node(engine_cfg.parallel)
         cls = llm_class(args.tp)
         if args.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
@@ -215,6 +219,8 @@ def run(args: argparse.Namespace) -> int:
         if "on_graph_progress" in inspect.signature(cls.__init__).parameters:
             extra["on_graph_progress"] = lambda n, total, key, B: log.info("captured graph %d/%d %s batch %d",
                                                                          n, total, key, B)
+        if "on_group_lost" in inspect.signature(cls.__init__).parameters:
+            extra["on_group_lost"] = group_lost
         llm = cls(**kw, **extra)
         log.info("ready in %.1f s (graph capture %.1f s); serving %r", time.perf_counter() - t0,
                  llm.engine.graph_seconds, cfg.served_model_name)
@@ -223,6 +229,10 @@ def run(args: argparse.Namespace) -> int:
     def fatal(message: str) -> None:
         if server is not None:
             server.should_exit = True
+
+    def group_lost(reason: str) -> None:  # another node went away: the workers are gone, so is serving
+        loop.error = f"the multi-node group ended: {reason}"
+        fatal(loop.error)
 
     metrics = Metrics()
     loop = EngineLoop(build, metrics, capacity=engine_cfg.max_num_seqs + max_queue, on_error=fatal)

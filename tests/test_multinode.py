@@ -1,0 +1,279 @@
+"""Tensor parallelism across nodes, on CPU: two "nodes" on 127.0.0.1, each its own
+launcher process (`specserve generate|serve --nnodes 2 --node-rank R`) with its own
+worker, joined in one gloo group. Output equals one process; every worker of both
+nodes reports the environment; a node that dies or never joins ends the other."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import psutil
+import pytest
+import torch
+
+from specserve.config import ConfigError, ParallelConfig
+from specserve.engine.llm import LLM
+from specserve.engine.sampling import SamplingParams
+from specserve.ops.process_tree import ProcessTree
+from test_tp import PROMPTS, make_lagging_drafter  # prompts on which the lagging drafter is accepted
+
+ENGINE = ["--device", "cpu", "--max-model-len", "96", "--disable-cuda-graph"]
+WAIT = 180  # generous: five agents share two cores
+
+
+@pytest.fixture(scope="module")
+def pair(make_pair):
+    return make_pair(vocab=4096, hidden=64, layers=4, heads=4, kv_heads=2, tokenizer="demo",
+                     drafter=make_lagging_drafter)
+
+
+def _free_port_pair() -> int:
+    """A port P with P and P+1 free (the store and node 0's channel)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port >= 65535:
+            continue
+        try:
+            with socket.socket() as a, socket.socket() as b:
+                a.bind(("127.0.0.1", port))
+                b.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def _node(command: str, rank: int, port: int, extra: list[str], env: dict | None = None, timeout: float = 60):
+    args = [sys.executable, "-m", "specserve", command, "--tp", "2", "--nnodes", "2", "--node-rank", str(rank),
+            "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", str(timeout), *ENGINE, *extra]
+    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, **(env or {})})
+
+
+def _finish(*procs: subprocess.Popen) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=WAIT)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            o, e = p.communicate()
+        out.append((p.returncode, o, e))
+    return out
+
+
+def _generate_args(target, draft, extra=()) -> list[str]:
+    args = ["--model", str(target), "--max-tokens", "24", "--ignore-eos", "--json", *extra]
+    if draft is not None:
+        args += ["--draft", str(draft), "--spec-steps", "3"]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    return args
+
+
+# ------------------------------------------------------------------ flags (no processes)
+def test_bad_node_flags_are_one_line_errors():
+    cases = [
+        (dict(tp=2, nnodes=2), "--nnodes 2 needs --dist-init-addr HOST:PORT"),
+        (dict(tp=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank 2 is out of range for --nnodes 2"),
+        (dict(tp=3, nnodes=2, dist_init_addr="h:1"), "--tp 3 is not divisible by --nnodes 2"),
+        (dict(tp=2, nnodes=2, dist_init_addr="10.0.0.1"), "expected HOST:PORT"),
+        (dict(tp=2, nnodes=2, dist_init_addr="h:65535"), "port must be 1..65534"),
+        (dict(tp=2, nnodes=2, dist_init_addr=":29500"), "expected HOST:PORT"),
+        (dict(tp=2, dist_init_addr="h:1"), "only used with --nnodes > 1"),
+        (dict(tp=2, nnodes=0), "--nnodes must be at least 1"),
+        (dict(tp=2, nnodes=2, dist_init_addr="h:1", dist_timeout=0), "--dist-timeout must be positive"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(ConfigError, match=msg.replace("(", r"\(").replace("+", r"\+")) as e:
+            ParallelConfig(**kw)
+        assert "\n" not in str(e.value)
+    assert ParallelConfig(tp=4, nnodes=2, node_rank=1, dist_init_addr="[::1]:29500").local_tp == 2
+
+
+def test_cli_reports_a_bad_address_before_loading(capsys):
+    from specserve.cli import main
+
+    assert main(["generate", "--prompt", "x", "--tp", "2", "--nnodes", "2", "--dist-init-addr", "nohost"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --dist-init-addr 'nohost': expected HOST:PORT, e.g. 10.0.0.1:29500"
+
+
+# ------------------------------------------------------------------ two nodes
+@pytest.mark.slow
+def test_two_nodes_equal_one_process_and_every_worker_reports_env(pair):
+    target, draft = pair
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_model_len=96,
+              max_num_seqs=4).generate(PROMPTS, greedy)
+    port = _free_port_pair()
+    args = _generate_args(target, draft, ["--env", "SPECSERVE_TEST_MARK=mn-7"])
+    node1 = _node("generate", 1, port, args)
+    node0 = _node("generate", 0, port, [*args, "--nccl-profile", "pcie-low-latency"])  # node 0's choice only
+    (c0, out0, err0), (c1, _, err1) = _finish(node0, node1)
+    assert c0 == 0, err0
+    assert c1 == 0, err1  # the headless node exits by itself when node 0 is done
+    outs = [json.loads(line) for line in out0.splitlines()]
+    assert [o["token_ids"] for o in outs] == [o.token_ids for o in ref]
+    assert [o["stats"]["accepted_tokens"] for o in outs] == [o.spec["accepted_tokens"] for o in ref]
+    assert sum(o["stats"]["accepted_tokens"] for o in outs) > 5  # drafts really were accepted across nodes
+    # Each worker read its environment from /proc/self/environ and reported it to node 0.
+    lines = [line for line in err0.splitlines() if " env: " in line]
+    for rank, node in ((0, 0), (1, 1)):
+        mine = [line for line in lines if f"worker {rank}{' (node 1)' if node else ' (node 0)'} (pid" in line]
+        assert len(mine) == 1, lines
+        assert "SPECSERVE_TEST_MARK=mn-7" in mine[0] and "NCCL_NVLS_ENABLE=0" in mine[0]
+        assert "NCCL_PROTO=LL" in mine[0] and "NCCL_ALGO=Ring" in mine[0]  # node 0's profile, on both nodes
+    assert "node 0 finished" in err1
+
+
+@pytest.mark.slow
+def test_an_nccl_variable_only_on_node_1_fails_start_up_naming_node_worker_and_variable(pair):
+    target, _ = pair
+    port = _free_port_pair()
+    args = _generate_args(target, None)
+    node1 = _node("generate", 1, port, args, env={"NCCL_ALGO": "Tree"})
+    node0 = _node("generate", 0, port, args)
+    (c0, _, err0), (c1, _, err1) = _finish(node0, node1)
+    assert c0 == 1 and c1 == 1
+    assert "node 0 ended after an error (start-up failed on node 0: the nodes' environments differ" in err1
+    assert "node 1 worker 1 (pid" in err0 and "NCCL_ALGO='Tree' is set there but not on node 0's workers" in err0
+
+
+@pytest.mark.slow
+def test_nodes_started_with_different_tp_both_refuse(pair):
+    target, _ = pair
+    port = _free_port_pair()
+    node1 = subprocess.Popen([sys.executable, "-m", "specserve", "generate", "--tp", "4", "--nnodes", "2", "--node-rank",
+                              "1", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "60", *ENGINE,
+                              "--prompt", "x"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node0 = _node("generate", 0, port, _generate_args(target, None))
+    (c0, _, err0), (c1, _, err1) = _finish(node0, node1)
+    want = "node 1 was started with --tp 4 --nnodes 2, node 0 with --tp 2 --nnodes 2"
+    assert c0 == 1 and want in err0
+    assert c1 == 1 and f"node 0 refused this node: {want}" in err1
+
+
+@pytest.mark.slow
+def test_bench_runs_one_group_per_config_on_the_same_nodes(pair, tmp_path):
+    """bench starts a group per config: node 1 starts its workers again for each."""
+    target, draft = pair
+    port = _free_port_pair()
+    args = ["--model", str(target), "--draft", str(draft), "--configs", "baseline", "eagle3:steps=2",
+            "--batch-sizes", "1", "--num-prompts", "1", "--max-tokens", "8", "--repeats", "1", "--warmup", "0"]
+    node1 = _node("bench", 1, port, args)
+    node0 = _node("bench", 0, port, [*args, "--out", str(tmp_path / "b.json")])
+    (c0, _, err0), (c1, _, err1) = _finish(node0, node1)
+    assert c0 == 0, err0
+    assert c1 == 0, err1
+    assert "started workers [1] for group 1" in err1 and "started workers [1] for group 2" in err1
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert [r["config"] for r in result["results"]] == ["baseline", "eagle3:steps=2"]
+
+
+@pytest.mark.slow
+def test_a_node_that_never_joins_fails_within_the_timeout():
+    port = _free_port_pair()
+    t0 = time.monotonic()
+    (c0, _, err0), = _finish(_node("generate", 0, port, ["--prompt", "x"], timeout=4))
+    assert c0 == 1 and "node(s) [1] did not join within --dist-timeout 4 s" in err0
+    (c1, _, err1), = _finish(_node("generate", 1, port, ["--prompt", "x"], timeout=4))
+    assert c1 == 1 and f"cannot reach node 0 at 127.0.0.1:{port + 1}" in err1
+    assert time.monotonic() - t0 < WAIT
+
+
+def _wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError("node 0 never became healthy")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("killed", [1, 0])
+def test_killing_one_node_ends_the_other_with_no_process_left(pair, killed):
+    target, _ = pair
+    port, http = _free_port_pair(), _free_port_pair()
+    args = ["--model", str(target), "--max-num-seqs", "2", "--skip-check"]
+    node1 = _node("serve", 1, port, args, timeout=60)
+    node0 = _node("serve", 0, port, [*args, "--port", str(http)], timeout=60)
+    try:
+        _wait_healthy(f"http://127.0.0.1:{http}", node0, time.monotonic() + WAIT)
+        trees = [ProcessTree(node0.pid), ProcessTree(node1.pid)]
+        members = list({p.pid: p for t in trees for p in t.members()}.values())  # both trees share our session
+        workers = [p for p in members if "specserve.distributed.worker" in " ".join(p.cmdline())]
+        assert len(workers) == 2  # one worker on each node
+        victim, other = (node1, node0) if killed == 1 else (node0, node1)
+        victim.send_signal(signal.SIGKILL)  # no cleanup code runs on the killed node
+        _, err = other.communicate(timeout=WAIT)
+        assert other.returncode == 1
+        if killed == 1:
+            assert "node 1 (" in err and "went away" in err
+        else:
+            assert "error: node 1: lost node 0 at 127.0.0.1" in err and "stopped this node's workers" in err
+        gone, alive = psutil.wait_procs(members, timeout=30)
+        alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+        assert not alive, f"left behind: {[p.pid for p in alive]}"
+    finally:
+        for p in (node0, node1):
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+
+
+@pytest.mark.slow
+def test_nccl_tune_across_two_nodes(tmp_path):
+    port = _free_port_pair()
+    out = tmp_path / "best.json"
+    tune = [sys.executable, "-m", "specserve", "nccl-tune", "--tp", "2", "--nnodes", "2", "--dist-init-addr",
+            f"127.0.0.1:{port}", "--dist-timeout", "60", "--hidden", "64", "--tokens", "1", "8", "--iters", "10",
+            "--runs", "3", "--device", "cpu"]
+    node1 = subprocess.Popen([*tune, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node0 = subprocess.Popen([*tune, "--node-rank", "0", "--out", str(out)], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    (c0, out0, err0), (c1, _, err1) = _finish(node0, node1)
+    assert c0 == 0, err0
+    assert c1 == 0, err1
+    rows = [line.split() for line in out0.splitlines() if line.strip() and not line.startswith("#")]
+    assert [int(row[1]) for row in rows] == [64, 512] and all(float(row[5]) > 0 for row in rows)
+    assert json.loads(out.read_text())["measured"]["tp"] == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_nodes_on_two_gpus_with_nccl_and_graphs_equal_one_gpu(pair):
+    """Two "nodes" of one GPU each (CUDA_VISIBLE_DEVICES 0 and 1): NCCL across them, CUDA graphs."""
+    target, draft = pair
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ref = LLM(model=str(target), draft=str(draft), spec_steps=3, device="cuda", dtype="float32", max_model_len=96,
+              max_num_seqs=4).generate(PROMPTS, greedy)
+    port = _free_port_pair()
+    args = _generate_args(target, draft)
+    gpu = ["--device", "cuda", "--dtype", "float32", "--max-model-len", "96"]
+    procs = []
+    for rank in (1, 0):
+        cmd = [sys.executable, "-m", "specserve", "generate", "--tp", "2", "--nnodes", "2", "--node-rank", str(rank),
+               "--dist-init-addr", f"127.0.0.1:{port}", *gpu, *args]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}))
+    (c1, _, err1), (c0, out0, err0) = _finish(*procs)
+    assert c0 == 0, err0
+    assert c1 == 0, err1
+    assert [json.loads(line)["token_ids"] for line in out0.splitlines()] == [o.token_ids for o in ref]
+    assert re.search(r"workers ready: all-reduce nccl, [1-9]\d* CUDA graphs", err0), err0
