@@ -154,13 +154,6 @@ class VocabParallelEmbedding(HotPathModule):
         return all_reduce(out)
 
 
-class VocabParallelHead(ColumnParallelLinear):
-    """The LM head: vocab split across ranks, logits gathered."""
-
-    def __init__(self, dim: int, vocab: int):
-        super().__init__(dim, [vocab], bias=False, gather_output=True)
-
-
 class RotaryEmbedding(nn.Module):
     """cos/sin tables (float32) for every position up to `max_positions`, gathered per token."""
 
@@ -329,10 +322,15 @@ class KVCacheAttention(HotPathModule):
 
 
 class SwiGLU(HotPathModule):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, quant=None, prefix: str = ""):
+        """`quant` (a model.quant.QuantConfig) and `prefix` (the Hugging Face module name, `...mlp.`)
+        make int4 those projections the checkpoint stores as int4."""
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
+        from specserve.model.int4_linear import column_linear, row_linear  # (it builds on this module)
+
+        self.hf_names = ([prefix + "gate_proj", prefix + "up_proj"], [prefix + "down_proj"])
+        self.gate_up_proj = column_linear(quant, self.hf_names[0], hidden, [intermediate, intermediate], bias=bias)
+        self.down_proj = row_linear(quant, self.hf_names[1][0], intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))

@@ -50,7 +50,6 @@ from specserve.config import (
     default_max_model_len,
     draft_tensor_name,
     prefill_stage_len,
-    read_json,
     resolve_aux_layers,
 )
 from specserve.model.gguf import find_gguf, tensor_shapes
@@ -74,6 +73,7 @@ ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
             "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}  # what the loader can cast to the compute dtype
 DRAFT_INT_TENSORS = {"d2t", "t2d"}
+INT4_SUFFIXES = (".weight_packed", ".weight_zero_point", ".weight_shape")  # a target's int4 linears' integer tensors
 MAX_HEADER = 100 * MIB  # safetensors' own limit
 
 _PREFIX = {"error": "ERROR", "warning": "WARNING", "info": "info", "ok": "ok"}
@@ -306,12 +306,6 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
               f"target {tcfg.architecture}: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, "
               f"{tcfg.num_heads} heads / {tcfg.num_kv_heads} KV heads, vocab {tcfg.vocab_size}, "
               f"max_position_embeddings {tcfg.max_position_embeddings}, dtype {tcfg.dtype}")
-        # GGUF quantization is undone on load; a config.json that declares one is not.
-        quant = None if find_gguf(model_dir) else read_json(model_dir / "config.json").get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-            f.add("error", "dtype", f"{model_dir}: quantized checkpoint (quant_method {method!r}) is not supported; "
-                  "use a float32/float16/bfloat16 checkpoint")
         t_weights = _read_weights(f, "target_weights", model_dir, allow_pickle, "target")
         if t_weights is not None and t_weights.tensors is not None:
             _check_target_tensors(f, tcfg, t_weights, model_dir)
@@ -350,11 +344,11 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
 
 
 def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: Path) -> None:
-    bad = _unsupported_dtypes(w, set())
+    bad = _unsupported_dtypes(w, {n for n in w.tensors if n.endswith(INT4_SUFFIXES)} if t.quant else set())
     if bad:
         what = "; ".join(f"{tag} ({len(n)} tensors, e.g. {n[0]})" for tag, n in sorted(bad.items()))
         f.add("error", "dtype", f"target weights in unsupported dtypes: {what}; supported: F32, F16, BF16 "
-              "(quantized checkpoints are not supported)")
+              "(quantized: compressed-tensors pack-quantized int4, declared in quantization_config)")
     want = (t.vocab_size, t.hidden_size)
     names = ["model.embed_tokens.weight"] + ([] if t.tie_word_embeddings else ["lm_head.weight"])
     for name in names:
@@ -366,8 +360,17 @@ def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: 
                   f"says {_shape(want)} (vocab_size {t.vocab_size}, hidden_size {t.hidden_size})")
     skip = {"lm_head.weight"} if t.tie_word_embeddings else set()
     kind = "GGUF" if w.files[0].suffix == ".gguf" else "safetensors"
+    packed = {n: s for n, (_, s) in w.tensors.items() if n.endswith(".weight_packed")}
+    skip |= {n for n in w.tensors if n.endswith(INT4_SUFFIXES)} | {n[: -len("_packed")] + "_scale" for n in packed}
+    params = w.numel(skip) + sum(math.prod(s) * 8 for s in packed.values())  # eight int4 weights a word
+    int4 = ""
+    if packed:
+        scales = sum(math.prod(w.tensors[n[: -len("_packed")] + "_scale"][1]) for n in packed
+                     if n[: -len("_packed")] + "_scale" in w.tensors)
+        int4 = (f" ({len(packed)} int4 linears: {_count(8 * sum(math.prod(s) for s in packed.values()))} weights in "
+                f"{_gib(4 * sum(math.prod(s) for s in packed.values()))} of words, {_count(scales)} scales)")
     f.add("ok", "target_weights", f"target weights: {len(w.files)} {kind} file(s), "
-          f"{_count(w.numel(skip))} parameters")
+          f"{_count(params)} parameters{int4}")
 
 
 def _tokenizer_file(model_dir: Path) -> Path:
@@ -547,9 +550,12 @@ def _compute_dtype(dtype: str, config_dtype: str, dev_type: str) -> str:
 
 
 def _weight_bytes(w: _Weights, elem: int, skip: set[str]) -> int:
+    """Bytes the loaded weights take: floats (int4 scales too) in the compute dtype, int4 words as
+    stored, int4 zero points unpacked to a byte each (eight per stored word)."""
     if w.tensors is None:
         return w.disk_bytes  # pickles: no header; take the file size
-    return sum(math.prod(s) * (elem if tag in FLOAT_TAGS else ST_BYTES.get(tag, 1))
+    return sum(math.prod(s) * (elem if tag in FLOAT_TAGS else 8 if name.endswith(".weight_zero_point")
+                               else ST_BYTES.get(tag, 1))
                for name, (tag, s) in w.tensors.items() if name not in skip)
 
 
