@@ -106,8 +106,9 @@ def test_int4_checkpoint_loads_packed_and_equals_its_twin(int4_pair):
 
 
 def _generate(model, prompts, draft=None, **kw):
-    engine = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device="cpu",
-                                 max_num_seqs=len(prompts), **kw))
+    kw.setdefault("device", "cpu")
+    engine = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, max_num_seqs=len(prompts),
+                                 **kw))
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_work():
@@ -131,6 +132,78 @@ def test_int4_greedy_equals_twin_and_speculation_is_lossless(int4_pair, tmp_path
         assert out == base, f"K={K}"
         accepted += engine.totals.accepted
     assert accepted > 0  # drafts were really accepted, not only rejected
+
+
+def test_int4_shards_add_up_to_the_whole_product(monkeypatch):
+    """Under TP 2, the column shards' outputs side by side and the row shards' partial sums
+    are the unsplit layer's product (stacked shards, zero points, biases and all)."""
+    import specserve.model.int4_linear as mod
+
+    g = torch.Generator().manual_seed(4)
+    fmt = Int4Weights(group_size=32, symmetric=False)
+    sizes, K = [64, 32, 32], 128
+    ckpt = []
+    for n in sizes:
+        q, scale, zero = quantize_int4(torch.randn(n, K, generator=g), 32, symmetric=False)
+        ckpt.append({"weight_packed": pack_int4(q), "weight_scale": scale, "weight_zero_point": pack_int4(zero, dim=-2),
+                     "weight_shape": torch.tensor([n, K]), "bias": torch.randn(n, generator=g)})
+
+    def build(split, tp, rank):
+        monkeypatch.setattr(mod, "tp_size", lambda: tp)
+        monkeypatch.setattr(mod, "tp_rank", lambda: rank)
+        shards = sizes if split == "column" else sizes[:1]
+        m = Int4Linear(K, shards, fmt, split, bias=True)
+        for shard, tensors in enumerate(ckpt[: len(shards)]):
+            for name, (t, s) in m.hf_tensors("x", shard).items():
+                t.weight_loader(t, tensors[name[2:]], s)
+        return m
+
+    x = torch.randn(3, K, generator=g)
+    monkeypatch.setattr(mod, "all_reduce", lambda y: y)
+    whole = build("column", 1, 0)(x)
+    parts = [build("column", 2, r)(x) for r in (0, 1)]  # each rank: its half of q, of k and of v
+    halves = [torch.cat([p.split([32, 16, 16], -1)[i] for p in parts], -1) for i in range(3)]
+    torch.testing.assert_close(torch.cat(halves, -1), whole)
+    whole = build("row", 1, 0)(x)
+    rows = [build("row", 2, r) for r in (0, 1)]
+    partial = sum(m(x[:, r * 64:(r + 1) * 64]) - m.bias for r, m in enumerate(rows))
+    torch.testing.assert_close(partial + rows[0].bias, whole, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_tp2_int4_equals_tp1(tmp_path):
+    import shutil
+
+    from specserve.config import DEMO_DIR
+    from specserve.distributed.tp_llm import TPLLM
+    from specserve.engine.llm import LLM
+
+    src = make_target(tmp_path / "src", vocab=4096, hidden=64, layers=2, heads=4, kv_heads=2)
+    q, _ = make_int4_pair(src, tmp_path / "int4", tmp_path / "twin", 32, False)
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # TPLLM needs one
+        shutil.copy(DEMO_DIR / f, q / f)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = dict(device="cpu", max_num_seqs=4, max_model_len=96)
+    ref = LLM(model=str(q), **engine).generate(PROMPTS, greedy)
+    with TPLLM(model=str(q), tp=2, **engine) as llm:
+        out = llm.generate(PROMPTS, greedy)
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+@pytest.mark.gpu
+def test_int4_on_gpu_equals_twin_and_speculation_is_lossless(int4_pair, tmp_path):
+    """bf16 on the GPU: the reference product's dequantized weights are the twin's bf16 weights
+    exactly; greedy speculation with CUDA graphs equals plain decoding on the int4 target."""
+    q, twin, _ = int4_pair
+    cuda = torch.device("cuda")
+    ours, ref = load_target(q, cuda, torch.bfloat16, 64), load_target(twin, cuda, torch.bfloat16, 64)
+    for (name, m), (_, r) in zip(ours.named_modules(), ref.named_modules()):
+        if isinstance(m, Int4Linear):
+            assert torch.equal(dequantize_int4(m.weight_packed, m.weight_scale, m.weight_zero_point), r.weight), name
+    base, _ = _generate(q, PROMPTS, device="cuda")
+    draft = make_drafter(tmp_path / "draft", q, draft_vocab=8)
+    out, engine = _generate(q, PROMPTS, draft, spec_steps=3, device="cuda")
+    assert out == base and engine.totals.cycles > 0
 
 
 def test_transformers_reads_our_checkpoint_as_we_do(tmp_path):

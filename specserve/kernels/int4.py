@@ -16,13 +16,9 @@ import torch
 import torch.nn.functional as F
 
 PACK = 8  # int4 values per int32 word
-_SHIFTS: dict[torch.device, torch.Tensor] = {}
-
-
-def _shifts(device: torch.device) -> torch.Tensor:
-    if device not in _SHIFTS:
-        _SHIFTS[device] = torch.arange(0, 32, 4, dtype=torch.int32, device=device)
-    return _SHIFTS[device]
+# Bit offsets of a word's values, as Python ints: no device tensor to create, so a CUDA graph
+# may capture the reference product as well.
+SHIFTS = range(0, 32, 4)
 
 
 def pack_int4(q: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -34,7 +30,8 @@ def pack_int4(q: torch.Tensor, dim: int = -1) -> torch.Tensor:
     pad = -q.shape[-1] % PACK
     if pad:
         q = F.pad(q, (0, pad))
-    words = (q.view(*q.shape[:-1], -1, PACK) << _shifts(q.device).to(torch.int64)).sum(-1)
+    values = q.view(*q.shape[:-1], -1, PACK)
+    words = sum(values[..., i] << shift for i, shift in enumerate(SHIFTS))
     words = torch.where(words >= 2**31, words - 2**32, words)  # the top nibble sets the sign bit
     return words.to(torch.int32).movedim(-1, dim).contiguous()
 
@@ -44,7 +41,7 @@ def unpack_int4(words: torch.Tensor, size: int, dim: int = -1) -> torch.Tensor:
     if words.dtype != torch.int32:
         raise ValueError(f"packed int4 words must be int32, got {words.dtype}")
     w = words.movedim(dim, -1)
-    nibbles = (w.unsqueeze(-1) >> _shifts(w.device)) & 0xF  # (an arithmetic shift: the mask drops the sign)
+    nibbles = torch.stack([(w >> shift) & 0xF for shift in SHIFTS], -1)  # (arithmetic shifts: the mask drops the sign)
     return (nibbles.flatten(-2)[..., :size] - 8).to(torch.int8).movedim(-1, dim)
 
 
