@@ -24,7 +24,10 @@ Rules worth knowing:
   (KV heads split across ranks; the drafter's one layer whole) + a rough overhead
   allowance (OVERHEAD_BYTES for the CUDA context, cuBLAS workspaces and the shared CUDA
   graph pool, plus the verify forward's fp32 logits buffers), compared with
-  min(free, total * --gpu-memory-utilization) of each GPU the ranks will use.
+  min(free, total * --gpu-memory-utilization) of each GPU the ranks will use. int4 linears
+  count their int32 words as stored, their scales in the compute dtype and their zero points
+  at a byte each. Where weights and overhead alone do not fit, it names the smallest --tp
+  whose share would.
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ MIB = 1024**2
 # the decode/draft/verify CUDA graphs and prefill activations. It is an allowance, not a
 # measurement: peak-memory figures from GPU runs are what should set it.
 OVERHEAD_BYTES = 1 * GIB
+MAX_TP_SUGGESTED = 64  # the largest TP degree the memory check proposes
 # The verify forward of the largest batch keeps logits and probabilities in fp32.
 LOGIT_COPIES = 3
 
@@ -411,11 +415,16 @@ def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None
     f.add("ok", "target_tokenizer", f"{path.name}: {len(vocab)} tokens")
 
 
+def _tp_sizes(t: ModelConfig) -> dict[str, int]:
+    """The sizes a TP degree must divide."""
+    return {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
+            "intermediate_size": t.intermediate_size}
+
+
 def _check_tp(f: _Findings, t: ModelConfig, tp: int) -> None:
     if tp <= 1:
         return
-    sizes = {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
-             "intermediate_size": t.intermediate_size}
+    sizes = _tp_sizes(t)
     bad = [f"{k} {v}" for k, v in sizes.items() if v % tp]
     if bad:
         ok = [n for n in range(2, 9) if all(v % n == 0 for v in sizes.values())]
@@ -617,19 +626,28 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
         free = (g.memory_total_mib - g.memory_used_mib) * MIB
         usable = min(free, total * util)
         head = f"GPU {g.index} ({g.name}): needs ~{_gib(est['total'])}"
-        room = f"{_gib(usable)} usable (free {_gib(free)} of {_gib(total)}, --gpu-memory-utilization {util})"
+        avail = f"{_gib(usable)} usable (free {_gib(free)} of {_gib(total)}, --gpu-memory-utilization {util})"
         if est["total"] <= usable:
-            f.add("ok", "memory", f"{head}, {room}", gpu=g.index, usable=int(usable))
+            f.add("ok", "memory", f"{head}, {avail}", gpu=g.index, usable=int(usable))
             continue
         left = usable - est["fixed"]
         fit = int(left // est["per_seq"]) if left > 0 else 0
+        needed = None
         if fit >= 1:
             way = (f"at most {fit} sequences of {served} tokens fit: lower --max-num-seqs to {min(fit, max_num_seqs)}"
                    f" or --max-model-len, or raise --tp")
         else:
-            way = "weights and overhead alone do not fit: raise --tp, free the GPU, or use larger GPUs"
-        f.add("error", "memory", f"{head} ({parts}), more than {room}; {way}", gpu=g.index, usable=int(usable),
-              max_num_seqs_fit=fit)
+            # The smallest TP degree whose share of the weights leaves room for one sequence here.
+            elem = DTYPE_BYTES[cdtype]
+            needed = next((n for n in range(tp + 1, MAX_TP_SUGGESTED + 1)
+                           if all(v % n == 0 for v in _tp_sizes(t).values())
+                           and estimate_memory(t, d, t_weights, d_weights, served, 1, k, n, elem, cuda_graphs, room,
+                                               0)["total"] <= usable), None)
+            more = (f"it needs at least {needed} GPUs of this size (--tp {needed})" if needed else
+                    f"no --tp up to {MAX_TP_SUGGESTED} makes it fit on GPUs of this size")
+            way = f"weights and overhead alone do not fit: {more}; or free the GPU, or use larger GPUs"
+        f.add("error", "memory", f"{head} ({parts}), more than {avail}; {way}", gpu=g.index, usable=int(usable),
+              max_num_seqs_fit=fit, gpus_needed=needed)
 
 
 def check_engine_kwargs(kw: dict[str, Any], gpu_memory_utilization: float = 0.9) -> list[Finding]:
