@@ -248,6 +248,8 @@ def _ct(weights=INT4, fmt="pack-quantized", **group):
     (_ct({**INT4, "strategy": "block"}), "strategy 'block'"),
     (_ct({**INT4, "group_size": 20}), "group size 20"),
     (_ct({**INT4, "actorder": "group"}), "actorder 'group'"),
+    (_ct({**INT4, "actorder": "dynamic"}), "actorder 'dynamic'"),
+    (_ct(targets=None), "targets None"),
     ({**_ct(), "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparse compression (sparsity_config 'sparse-24-bitmask')"),
     ({**_ct(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "quantized KV cache"),
 ])
@@ -255,6 +257,12 @@ def test_unsupported_schemes_are_named(quant, named):
     with pytest.raises(ConfigError, match="is not supported") as e:
         ModelConfig.from_hf_dict({**BASE, "quantization_config": quant})
     assert named in str(e.value)
+
+
+def test_static_activation_order_loads_as_plain_groups():
+    """actorder "static" ("weight") only changed the calibration order: no permutation is stored."""
+    cfg = ModelConfig.from_hf_dict({**BASE, "quantization_config": _ct({**INT4, "actorder": "static"})})
+    assert cfg.quant.linear("model.layers.0.mlp.up_proj") == Int4Weights(group_size=32, symmetric=True)
 
 
 def test_targets_and_ignore_match_as_compressed_tensors_does():

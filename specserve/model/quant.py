@@ -91,8 +91,8 @@ def _weights(args: Any, where: str) -> Int4Weights:
     strategy = args.get("strategy")
     if args.get("dynamic"):
         _refuse(where, "dynamic weight quantization")
-    if args.get("actorder") == "group":  # the checkpoint would carry a g_idx permutation per linear
-        _refuse(where, "activation-ordered groups (actorder 'group', a weight_g_idx per layer)")
+    if args.get("actorder") in ("group", "dynamic", True):  # a g_idx permutation per linear ("static" has none)
+        _refuse(where, f"activation-ordered groups (actorder {args['actorder']!r}: a weight_g_idx per layer)")
     if strategy == "group":
         size = args.get("group_size")
         if not isinstance(size, int) or size < 8 or size % 8:
@@ -128,9 +128,9 @@ def parse_quantization_config(q: Any, where: str) -> QuantConfig:
                             "weights)")
         if group.get("input_activations") or group.get("output_activations"):
             _refuse(gwhere, "activation quantization (only weight-only W4A16 runs)")
-        targets = group.get("targets") or []
-        if not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
-            _refuse(gwhere, f"targets {targets!r}")
+        targets = group.get("targets")
+        if not targets or not isinstance(targets, list) or not all(isinstance(t, str) for t in targets):
+            _refuse(gwhere, f"a scheme with targets {targets!r} (a list of module classes or names is needed)")
         groups.append((tuple(targets), _weights(group.get("weights"), gwhere)))
     if not groups:
         _refuse(where, "a compressed-tensors config without config_groups")
