@@ -328,9 +328,16 @@ class SwiGLU(HotPathModule):
         super().__init__()
         from specserve.model.int4_linear import column_linear, row_linear  # (it builds on this module)
 
-        self.hf_names = ([prefix + "gate_proj", prefix + "up_proj"], [prefix + "down_proj"])
-        self.gate_up_proj = column_linear(quant, self.hf_names[0], hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = row_linear(quant, self.hf_names[1][0], intermediate, hidden, bias=bias)
+        self.gate_up_proj = column_linear(quant, [prefix + "gate_proj", prefix + "up_proj"], hidden,
+                                          [intermediate, intermediate], bias=bias)
+        self.down_proj = row_linear(quant, prefix + "down_proj", intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+    def hf_weights(self, prefix: str) -> dict[str, tuple[torch.Tensor, int]]:
+        """Hugging Face tensor names under `prefix` (".../mlp.") -> (our tensor, shard)."""
+        from specserve.model.int4_linear import linear_tensors
+
+        return {**linear_tensors(self.gate_up_proj, [prefix + "gate_proj", prefix + "up_proj"]),
+                **linear_tensors(self.down_proj, [prefix + "down_proj"])}

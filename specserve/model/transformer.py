@@ -24,6 +24,9 @@ from specserve.model.layers import (
 )
 
 
+QKV = ("q_proj", "k_proj", "v_proj")  # the Hugging Face modules stacked into qkv_proj
+
+
 class SelfAttention(HotPathModule):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, prefix: str):
         """`prefix`: the Hugging Face module name (`model.layers.0.self_attn.`)."""
@@ -33,10 +36,9 @@ class SelfAttention(HotPathModule):
         self.kv_heads = _divide(cfg.num_kv_heads, tp, "num_key_value_heads")
         self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.hf_names = ([prefix + n for n in ("q_proj", "k_proj", "v_proj")], [prefix + "o_proj"])
-        self.qkv_proj = column_linear(cfg.quant, self.hf_names[0], cfg.hidden_size, [q_size, kv_size, kv_size],
-                                      bias=cfg.qkv_bias)
-        self.o_proj = row_linear(cfg.quant, self.hf_names[1][0], q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = column_linear(cfg.quant, [prefix + n for n in QKV], cfg.hidden_size,
+                                      [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
+        self.o_proj = row_linear(cfg.quant, prefix + "o_proj", q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -59,10 +61,20 @@ class SelfAttention(HotPathModule):
             q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
+    def hf_weights(self, prefix: str) -> dict[str, tuple[torch.Tensor, int | None]]:
+        """Hugging Face tensor names under `prefix` (".../self_attn.") -> (our tensor, shard)."""
+        out = {**linear_tensors(self.qkv_proj, [prefix + n for n in QKV]),
+               **linear_tensors(self.o_proj, [prefix + "o_proj"])}
+        if self.q_norm is not None:
+            out[prefix + "q_norm.weight"] = (self.q_norm.weight, None)
+            out[prefix + "k_norm.weight"] = (self.k_norm.weight, None)
+        return out
+
 
 class DecoderLayer(HotPathModule):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, prefix: str):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, index: int):
         super().__init__()
+        prefix = f"model.layers.{index}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, rope, prefix + "self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -91,7 +103,7 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, f"model.layers.{i}.") for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else column_linear(
             cfg.quant, ["lm_head"], cfg.hidden_size, [cfg.vocab_size], gather_output=True)  # vocab split, logits gathered
@@ -128,14 +140,8 @@ class CausalLM(nn.Module):
             out.update(linear_tensors(self.lm_head, ["lm_head"]))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = layer.self_attn
-            out.update(linear_tensors(a.qkv_proj, a.hf_names[0]))
-            out.update(linear_tensors(a.o_proj, a.hf_names[1]))
-            if a.q_norm is not None:
-                out[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, None)
-                out[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, None)
-            out.update(linear_tensors(layer.mlp.gate_up_proj, layer.mlp.hf_names[0]))
-            out.update(linear_tensors(layer.mlp.down_proj, layer.mlp.hf_names[1]))
+            out.update(layer.self_attn.hf_weights(p + "self_attn."))
+            out.update(layer.mlp.hf_weights(p + "mlp."))
             out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, None)
             out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
         return out
