@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from specserve.model.quant import QuantConfig, parse_quantization_config
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
@@ -98,6 +100,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     path: str = ""
+    quant: QuantConfig | None = None  # which linears hold int4 weights (None: all float)
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -136,6 +139,7 @@ class ModelConfig:
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         is_qwen2 = arch == "Qwen2ForCausalLM"
+        quant = cfg.get("quantization_config")
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -159,6 +163,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             path=str(path.parent),
+            quant=parse_quantization_config(quant, str(path)) if quant is not None else None,
         )
 
 

@@ -327,6 +327,19 @@ def test_memory_too_small_suggests_what_fits(pair, fake_gpus):
     assert check.has_errors(bad)
 
 
+def test_memory_names_how_many_gpus_the_model_needs(pair, fake_gpus, monkeypatch):
+    monkeypatch.setattr(check, "OVERHEAD_BYTES", 0)  # else the fixed allowance, the same on every GPU, dominates
+    fake_gpus((0, 81920))
+    run = dict(device="auto", max_num_seqs=1, max_model_len=512)
+    total = {tp: next(f for f in check.run_checks(str(pair[0]), str(pair[1]), tp=tp, **run)
+                      if f.code == "memory_estimate").data["total"] for tp in (1, 2)}
+    assert total[2] < total[1]
+    fake_gpus((0, (total[1] + total[2]) / 2 / 0.9 / 2**20))  # room for TP 2's share, not for the whole model
+    (err,) = [f for f in check.run_checks(str(pair[0]), str(pair[1]), **run) if f.code == "memory"]
+    assert err.level == "error" and err.data["gpus_needed"] == 2
+    assert "it needs at least 2 GPUs of this size (--tp 2)" in err.message
+
+
 def test_memory_busy_gpu_and_visible_devices(pair, fake_gpus, monkeypatch):
     fake_gpus((0, 81920), (81000, 81920))  # GPU 1 almost full (another process)
     assert not check.has_errors(check.run_checks(str(pair[0]), device="auto"))

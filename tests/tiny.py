@@ -86,3 +86,51 @@ def make_drafter(out: Path, target_dir: Path, layout: str = "specforge", draft_v
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
     return out
+
+
+def linear_modules(tensors: dict) -> list[str]:
+    """The Hugging Face Linear modules of a Llama/Qwen checkpoint (the projections and lm_head)."""
+    return sorted(n[: -len(".weight")] for n in tensors if n.endswith("_proj.weight") or n == "lm_head.weight")
+
+
+def make_int4_pair(src: Path, out: Path, twin: Path, group_size: int | None = 32, symmetric: bool = True,
+                   ignore: tuple[str, ...] = ("lm_head",)) -> tuple[Path, Path]:
+    """From the float checkpoint `src`: `out`, its linears (but `ignore`'s) quantized to int4 and
+    written as compressed-tensors pack-quantized stores them; `twin`, the same model with those
+    weights dequantized into plain float32 tensors."""
+    import re
+
+    from safetensors.torch import load_file
+
+    from specserve.kernels.int4 import pack_int4, quantize_int4
+
+    tensors = load_file(src / "model.safetensors")
+    cfg = json.loads((src / "config.json").read_text())
+    packed, plain = dict(tensors), dict(tensors)
+    for m in linear_modules(tensors):
+        if any(re.match(p[3:], m) if p.startswith("re:") else p == m for p in ignore):
+            continue
+        w = packed.pop(f"{m}.weight")
+        q, scale, zero = quantize_int4(w.to(torch.bfloat16), group_size, symmetric)  # bf16 scales, as real checkpoints
+        v = q.float().unflatten(-1, (scale.shape[-1], -1))
+        if zero is not None:
+            v = v - zero.float().unsqueeze(-1)
+        plain[f"{m}.weight"] = (v * scale.float().unsqueeze(-1)).flatten(-2)
+        packed[f"{m}.weight_packed"] = pack_int4(q)
+        packed[f"{m}.weight_scale"] = scale
+        packed[f"{m}.weight_shape"] = torch.tensor(w.shape)
+        if zero is not None:
+            packed[f"{m}.weight_zero_point"] = pack_int4(zero, dim=-2)
+    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "dynamic": False, "actorder": None,
+               "block_structure": None, "observer": "minmax", "observer_kwargs": {},
+               "strategy": "group" if group_size else "channel", "group_size": group_size}
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                           "output_activations": None, "format": "pack-quantized"}},
+             "ignore": list(ignore), "kv_cache_scheme": None, "global_compression_ratio": None,
+             "sparsity_config": {}, "transform_config": {}}
+    for d, t, c in ((out, packed, {**cfg, "quantization_config": quant}), (twin, plain, cfg)):
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "config.json").write_text(json.dumps(c, indent=2))
+        save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
+    return out, twin

@@ -154,13 +154,6 @@ class VocabParallelEmbedding(HotPathModule):
         return all_reduce(out)
 
 
-class VocabParallelHead(ColumnParallelLinear):
-    """The LM head: vocab split across ranks, logits gathered."""
-
-    def __init__(self, dim: int, vocab: int):
-        super().__init__(dim, [vocab], bias=False, gather_output=True)
-
-
 class RotaryEmbedding(nn.Module):
     """cos/sin tables (float32) for every position up to `max_positions`, gathered per token."""
 
@@ -362,10 +355,22 @@ class KVCacheAttention(HotPathModule):
 
 
 class SwiGLU(HotPathModule):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False):
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, quant=None, prefix: str = ""):
+        """`quant` (a model.quant.QuantConfig) and `prefix` (the Hugging Face module name, `...mlp.`)
+        make int4 those projections the checkpoint stores as int4."""
         super().__init__()
-        self.gate_up_proj = ColumnParallelLinear(hidden, [intermediate, intermediate], bias=bias)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias=bias)
+        from specserve.model.int4_linear import column_linear, row_linear  # (it builds on this module)
+
+        self.gate_up_proj = column_linear(quant, [prefix + "gate_proj", prefix + "up_proj"], hidden,
+                                          [intermediate, intermediate], bias=bias)
+        self.down_proj = row_linear(quant, prefix + "down_proj", intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_mul(self.gate_up_proj(x)))
+
+    def hf_weights(self, prefix: str) -> dict[str, tuple[torch.Tensor, int]]:
+        """Hugging Face tensor names under `prefix` (".../mlp.") -> (our tensor, shard)."""
+        from specserve.model.int4_linear import linear_tensors
+
+        return {**linear_tensors(self.gate_up_proj, [prefix + "gate_proj", prefix + "up_proj"]),
+                **linear_tensors(self.down_proj, [prefix + "down_proj"])}

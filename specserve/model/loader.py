@@ -87,7 +87,8 @@ def _fill(module: nn.Module, weight_map: dict, tensors: Iterator[tuple[str, torc
             continue
         param, shard = weight_map[name]
         loader = getattr(param, "weight_loader", None)
-        value = tensor.to(param.dtype) if param.dtype.is_floating_point else tensor.to(param.dtype)
+        # Float tensors arrive in the model's dtype; integer ones as stored, for their loaders to check.
+        value = tensor.to(param.dtype) if param.dtype.is_floating_point else tensor
         try:
             if loader is None:
                 if param.shape != value.shape:

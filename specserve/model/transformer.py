@@ -11,31 +11,34 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import tp_size
+from specserve.model.int4_linear import column_linear, linear_tensors, row_linear
 from specserve.model.layers import (
-    ColumnParallelLinear,
     ForwardContext,
     HotPathModule,
     KVCacheAttention,
     RMSNorm,
     RotaryEmbedding,
-    RowParallelLinear,
     SwiGLU,
     VocabParallelEmbedding,
-    VocabParallelHead,
     _divide,
 )
 
 
+QKV = ("q_proj", "k_proj", "v_proj")  # the Hugging Face modules stacked into qkv_proj
+
+
 class SelfAttention(HotPathModule):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, prefix: str):
+        """`prefix`: the Hugging Face module name (`model.layers.0.self_attn.`)."""
         super().__init__()
         tp = tp_size()
         self.heads = _divide(cfg.num_heads, tp, "num_attention_heads")
         self.kv_heads = _divide(cfg.num_kv_heads, tp, "num_key_value_heads")
         self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = ColumnParallelLinear(cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=cfg.o_bias)
+        self.qkv_proj = column_linear(cfg.quant, [prefix + n for n in QKV], cfg.hidden_size,
+                                      [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
+        self.o_proj = row_linear(cfg.quant, prefix + "o_proj", q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -58,14 +61,25 @@ class SelfAttention(HotPathModule):
             q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
+    def hf_weights(self, prefix: str) -> dict[str, tuple[torch.Tensor, int | None]]:
+        """Hugging Face tensor names under `prefix` (".../self_attn.") -> (our tensor, shard)."""
+        out = {**linear_tensors(self.qkv_proj, [prefix + n for n in QKV]),
+               **linear_tensors(self.o_proj, [prefix + "o_proj"])}
+        if self.q_norm is not None:
+            out[prefix + "q_norm.weight"] = (self.q_norm.weight, None)
+            out[prefix + "k_norm.weight"] = (self.k_norm.weight, None)
+        return out
+
 
 class DecoderLayer(HotPathModule):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, index: int):
         super().__init__()
+        prefix = f"model.layers.{index}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rope)
+        self.self_attn = SelfAttention(cfg, rope, prefix + "self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, quant=cfg.quant,
+                          prefix=prefix + "mlp.")
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """h: the previous sub-layer's output (the embeddings for layer 0), residual: the stream
@@ -89,9 +103,10 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else VocabParallelHead(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = None if cfg.tie_word_embeddings else column_linear(
+            cfg.quant, ["lm_head"], cfg.hidden_size, [cfg.vocab_size], gather_output=True)  # vocab split, logits gathered
         self.aux_layers: tuple[int, ...] = ()
 
     def attention_modules(self) -> list[KVCacheAttention]:
@@ -122,27 +137,11 @@ class CausalLM(nn.Module):
         out: dict[str, tuple[nn.Parameter, int | None]] = {"model.embed_tokens.weight": (self.embed_tokens.weight, None)}
         out["model.norm.weight"] = (self.norm.weight, None)
         if self.lm_head is not None:
-            out["lm_head.weight"] = (self.lm_head.weight, None)
+            out.update(linear_tensors(self.lm_head, ["lm_head"]))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = layer.self_attn
-            for shard, name in enumerate(("q_proj", "k_proj", "v_proj")):
-                out[p + f"self_attn.{name}.weight"] = (a.qkv_proj.weight, shard)
-                if a.qkv_proj.bias is not None:
-                    out[p + f"self_attn.{name}.bias"] = (a.qkv_proj.bias, shard)
-            out[p + "self_attn.o_proj.weight"] = (a.o_proj.weight, None)
-            if a.o_proj.bias is not None:
-                out[p + "self_attn.o_proj.bias"] = (a.o_proj.bias, None)
-            if a.q_norm is not None:
-                out[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, None)
-                out[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, None)
-            for shard, name in enumerate(("gate_proj", "up_proj")):
-                out[p + f"mlp.{name}.weight"] = (layer.mlp.gate_up_proj.weight, shard)
-                if layer.mlp.gate_up_proj.bias is not None:
-                    out[p + f"mlp.{name}.bias"] = (layer.mlp.gate_up_proj.bias, shard)
-            out[p + "mlp.down_proj.weight"] = (layer.mlp.down_proj.weight, None)
-            if layer.mlp.down_proj.bias is not None:
-                out[p + "mlp.down_proj.bias"] = (layer.mlp.down_proj.bias, None)
+            out.update(layer.self_attn.hf_weights(p + "self_attn."))
+            out.update(layer.mlp.hf_weights(p + "mlp."))
             out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, None)
             out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
         return out

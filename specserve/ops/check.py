@@ -24,7 +24,10 @@ Rules worth knowing:
   (KV heads split across ranks; the drafter's one layer whole) + a rough overhead
   allowance (OVERHEAD_BYTES for the CUDA context, cuBLAS workspaces and the shared CUDA
   graph pool, plus the verify forward's fp32 logits buffers), compared with
-  min(free, total * --gpu-memory-utilization) of each GPU the ranks will use.
+  min(free, total * --gpu-memory-utilization) of each GPU the ranks will use. int4 linears
+  count their int32 words as stored, their scales in the compute dtype and their zero points
+  at a byte each. Where weights and overhead alone do not fit, it names the smallest --tp
+  whose share would.
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ from specserve.config import (
     default_max_model_len,
     draft_tensor_name,
     prefill_stage_len,
-    read_json,
     resolve_aux_layers,
 )
 from specserve.model.gguf import find_gguf, tensor_shapes
@@ -64,6 +66,7 @@ MIB = 1024**2
 # the decode/draft/verify CUDA graphs and prefill activations. It is an allowance, not a
 # measurement: peak-memory figures from GPU runs are what should set it.
 OVERHEAD_BYTES = 1 * GIB
+MAX_TP_SUGGESTED = 64  # the largest TP degree the memory check proposes
 # The verify forward of the largest batch keeps logits and probabilities in fp32.
 LOGIT_COPIES = 3
 
@@ -74,6 +77,7 @@ ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
             "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
 FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}  # what the loader can cast to the compute dtype
 DRAFT_INT_TENSORS = {"d2t", "t2d"}
+INT4_SUFFIXES = (".weight_packed", ".weight_zero_point", ".weight_shape")  # a target's int4 linears' integer tensors
 MAX_HEADER = 100 * MIB  # safetensors' own limit
 
 _PREFIX = {"error": "ERROR", "warning": "WARNING", "info": "info", "ok": "ok"}
@@ -308,12 +312,6 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
               f"target {tcfg.architecture}: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, "
               f"{tcfg.num_heads} heads / {tcfg.num_kv_heads} KV heads, vocab {tcfg.vocab_size}, "
               f"max_position_embeddings {tcfg.max_position_embeddings}, dtype {tcfg.dtype}")
-        # GGUF quantization is undone on load; a config.json that declares one is not.
-        quant = None if find_gguf(model_dir) else read_json(model_dir / "config.json").get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-            f.add("error", "dtype", f"{model_dir}: quantized checkpoint (quant_method {method!r}) is not supported; "
-                  "use a float32/float16/bfloat16 checkpoint")
         t_weights = _read_weights(f, "target_weights", model_dir, allow_pickle, "target")
         if t_weights is not None and t_weights.tensors is not None:
             _check_target_tensors(f, tcfg, t_weights, model_dir)
@@ -352,11 +350,11 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
 
 
 def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: Path) -> None:
-    bad = _unsupported_dtypes(w, set())
+    bad = _unsupported_dtypes(w, {n for n in w.tensors if n.endswith(INT4_SUFFIXES)} if t.quant else set())
     if bad:
         what = "; ".join(f"{tag} ({len(n)} tensors, e.g. {n[0]})" for tag, n in sorted(bad.items()))
         f.add("error", "dtype", f"target weights in unsupported dtypes: {what}; supported: F32, F16, BF16 "
-              "(quantized checkpoints are not supported)")
+              "(quantized: compressed-tensors pack-quantized int4, declared in quantization_config)")
     want = (t.vocab_size, t.hidden_size)
     names = ["model.embed_tokens.weight"] + ([] if t.tie_word_embeddings else ["lm_head.weight"])
     for name in names:
@@ -368,8 +366,17 @@ def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: 
                   f"says {_shape(want)} (vocab_size {t.vocab_size}, hidden_size {t.hidden_size})")
     skip = {"lm_head.weight"} if t.tie_word_embeddings else set()
     kind = "GGUF" if w.files[0].suffix == ".gguf" else "safetensors"
+    packed = {n: s for n, (_, s) in w.tensors.items() if n.endswith(".weight_packed")}
+    skip |= {n for n in w.tensors if n.endswith(INT4_SUFFIXES)} | {n[: -len("_packed")] + "_scale" for n in packed}
+    params = w.numel(skip) + sum(math.prod(s) * 8 for s in packed.values())  # eight int4 weights a word
+    int4 = ""
+    if packed:
+        scales = sum(math.prod(w.tensors[n[: -len("_packed")] + "_scale"][1]) for n in packed
+                     if n[: -len("_packed")] + "_scale" in w.tensors)
+        int4 = (f" ({len(packed)} int4 linears: {_count(8 * sum(math.prod(s) for s in packed.values()))} weights in "
+                f"{_gib(4 * sum(math.prod(s) for s in packed.values()))} of words, {_count(scales)} scales)")
     f.add("ok", "target_weights", f"target weights: {len(w.files)} {kind} file(s), "
-          f"{_count(w.numel(skip))} parameters")
+          f"{_count(params)} parameters{int4}")
 
 
 def _tokenizer_file(model_dir: Path) -> Path:
@@ -410,11 +417,16 @@ def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None
     f.add("ok", "target_tokenizer", f"{path.name}: {len(vocab)} tokens")
 
 
+def _tp_sizes(t: ModelConfig) -> dict[str, int]:
+    """The sizes a TP degree must divide."""
+    return {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
+            "intermediate_size": t.intermediate_size}
+
+
 def _check_tp(f: _Findings, t: ModelConfig, tp: int) -> None:
     if tp <= 1:
         return
-    sizes = {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
-             "intermediate_size": t.intermediate_size}
+    sizes = _tp_sizes(t)
     bad = [f"{k} {v}" for k, v in sizes.items() if v % tp]
     if bad:
         ok = [n for n in range(2, 9) if all(v % n == 0 for v in sizes.values())]
@@ -549,9 +561,12 @@ def _compute_dtype(dtype: str, config_dtype: str, dev_type: str) -> str:
 
 
 def _weight_bytes(w: _Weights, elem: int, skip: set[str]) -> int:
+    """Bytes the loaded weights take: floats (int4 scales too) in the compute dtype, int4 words as
+    stored, int4 zero points unpacked to a byte each (eight per stored word)."""
     if w.tensors is None:
         return w.disk_bytes  # pickles: no header; take the file size
-    return sum(math.prod(s) * (elem if tag in FLOAT_TAGS else ST_BYTES.get(tag, 1))
+    return sum(math.prod(s) * (elem if tag in FLOAT_TAGS else 8 if name.endswith(".weight_zero_point")
+                               else ST_BYTES.get(tag, 1))
                for name, (tag, s) in w.tensors.items() if name not in skip)
 
 
@@ -627,7 +642,7 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
         free = (g.memory_total_mib - g.memory_used_mib) * MIB
         usable = min(free, total * util)
         head = f"GPU {g.index} ({g.name}): needs ~{_gib(est['total'])}"
-        room = f"{_gib(usable)} usable (free {_gib(free)} of {_gib(total)}, --gpu-memory-utilization {util})"
+        avail = f"{_gib(usable)} usable (free {_gib(free)} of {_gib(total)}, --gpu-memory-utilization {util})"
         left = usable - est["fixed"]
         fit = int(left // est["per_seq"]) if left > 0 else 0
         per_token = est["kv_per_token"]
@@ -637,15 +652,24 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
               f"(serve admits by free blocks: shorter sequences fit more)", gpu=g.index, kv_tokens=pool,
               sequences_fit=fit, kv_bytes_per_token=per_token)
         if est["total"] <= usable:
-            f.add("ok", "memory", f"{head}, {room}", gpu=g.index, usable=int(usable))
+            f.add("ok", "memory", f"{head}, {avail}", gpu=g.index, usable=int(usable))
             continue
+        needed = None
         if fit >= 1:
             way = (f"at most {fit} sequences of {served} tokens fit: lower --max-num-seqs to {min(fit, max_num_seqs)}"
                    f" or --max-model-len, or raise --tp")
         else:
-            way = "weights and overhead alone do not fit: raise --tp, free the GPU, or use larger GPUs"
-        f.add("error", "memory", f"{head} ({parts}), more than {room}; {way}", gpu=g.index, usable=int(usable),
-              max_num_seqs_fit=fit)
+            # The smallest TP degree whose share of the weights leaves room for one sequence here.
+            elem = DTYPE_BYTES[cdtype]
+            needed = next((n for n in range(tp + 1, MAX_TP_SUGGESTED + 1)
+                           if all(v % n == 0 for v in _tp_sizes(t).values())
+                           and estimate_memory(t, d, t_weights, d_weights, served, 1, k, n, elem, cuda_graphs, room,
+                                               0)["total"] <= usable), None)
+            more = (f"it needs at least {needed} GPUs of this size (--tp {needed})" if needed else
+                    f"no --tp up to {MAX_TP_SUGGESTED} makes it fit on GPUs of this size")
+            way = f"weights and overhead alone do not fit: {more}; or free the GPU, or use larger GPUs"
+        f.add("error", "memory", f"{head} ({parts}), more than {avail}; {way}", gpu=g.index, usable=int(usable),
+              max_num_seqs_fit=fit, gpus_needed=needed)
 
 
 def check_engine_kwargs(kw: dict[str, Any], gpu_memory_utilization: float = 0.9) -> list[Finding]:
