@@ -89,8 +89,8 @@ def test_rope_config_spellings_agree():
     v4 = ModelConfig.from_hf_dict({**base, "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_ROPE)})
     v5 = ModelConfig.from_hf_dict({**base, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}})
     assert (v4.rope_theta, v4.rope_scaling) == (v5.rope_theta, v5.rope_scaling) == (500000.0, {**LLAMA3_ROPE})
-    with pytest.raises(ConfigError, match="rope type 'yarn' is not supported"):
-        ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}})
+    with pytest.raises(ConfigError, match="rope type 'longrope' is not supported"):
+        ModelConfig.from_hf_dict({**base, "rope_scaling": {"rope_type": "longrope", "factor": 2.0}})
 
 
 def test_unknown_architecture_is_named(tmp_path):

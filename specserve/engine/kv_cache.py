@@ -1,6 +1,7 @@
 """KV memory: the one place that allocates and moves attention caches.
 
-Layout: one slot ("row") per sequence, [rows, kv_heads, cache_len, head_dim] per layer,
+Layout: one slot ("row") per sequence, [rows, kv_heads, cache_len, head_dim] per layer (V:
+v_dim last; a module declaring v_dim 0, latent attention, gets no V cache),
 with running sequences kept in rows 0..B-1 so every graph reads a plain view of the
 cache (no gather). Fixed slots rather than paged blocks: without paged-attention kernels
 SDPA needs contiguous keys, static shapes suit CUDA graphs, and rewinding rejected drafts
@@ -36,7 +37,7 @@ class KVCache:
     """The target's and the drafter's KV caches (set into their attention modules) and the
     prefill graphs' staging caches. `k_all`/`v_all` hold every target layer in one tensor
     ([layer, row, kv_head, index, dim]), so moving a row or a tree branch is one copy for all
-    layers, not one per layer."""
+    layers, not one per layer. `v_all` is None when the target's attention keeps no V cache."""
 
     def __init__(self, target, drafter, rows: int, max_model_len: int, room: int, dtype: torch.dtype,
                  device: torch.device, stage_tokens: int):
@@ -47,31 +48,36 @@ class KVCache:
         self.scratch = self.cache_len - 1
         self._check_budget(max_model_len)
         t = self.target_mods
-        shape = (len(t), rows, t[0].num_kv_heads, self.cache_len, t[0].head_dim)
-        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_all, self.v_all = self._pair(t[0], rows, self.cache_len, (len(t),))
         for i, a in enumerate(t):
-            a.k_cache, a.v_cache = self.k_all[i], self.v_all[i]
+            a.k_cache, a.v_cache = self.k_all[i], self.v_all[i] if self.v_all is not None else None
         for a in self.drafter_mods:
-            shape = (rows, a.num_kv_heads, self.cache_len, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            a.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            a.k_cache, a.v_cache = self._pair(a, rows, self.cache_len)
         # Staging for prompts of up to `stage_tokens` tokens (0: no prefill graphs, no staging).
         self.stage_len = prefill_stage_len(stage_tokens)
         self.stage_scratch = self.stage_len - 1
-        self.stage: dict[KVCacheAttention, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.stage: dict[KVCacheAttention, tuple[torch.Tensor, torch.Tensor | None]] = {}
         if stage_tokens:
-            def staging(a, layers=()):
-                return torch.zeros(*layers, 1, a.num_kv_heads, self.stage_len, a.head_dim, dtype=dtype, device=device)
+            self.k_stage, self.v_stage = self._pair(t[0], 1, self.stage_len, (len(t),))
+            self.stage = {a: (self.k_stage[i], self.v_stage[i] if self.v_stage is not None else None)
+                          for i, a in enumerate(t)}
+            self.stage.update({a: self._pair(a, 1, self.stage_len) for a in self.drafter_mods})
 
-            self.k_stage, self.v_stage = staging(t[0], (len(t),)), staging(t[0], (len(t),))
-            self.stage = {a: (self.k_stage[i], self.v_stage[i]) for i, a in enumerate(t)}
-            self.stage.update({a: (staging(a), staging(a)) for a in self.drafter_mods})
+    def _pair(self, a: KVCacheAttention, rows: int, length: int, layers: tuple[int, ...] = ()):
+        """Zeroed (K, V) caches shaped for attention module `a` (V None where a.v_dim is 0)."""
+        def cache(dim):
+            return torch.zeros(*layers, rows, a.num_kv_heads, length, dim, dtype=self.dtype, device=self.device)
+
+        return cache(a.head_dim), cache(a.v_dim) if a.v_dim else None
+
+    def target_caches(self) -> tuple[torch.Tensor, ...]:
+        """The all-layer target caches ([layer, row, kv_head, index, dim]) that exist: K, and V."""
+        return tuple(c for c in (self.k_all, self.v_all) if c is not None)
 
     def _check_budget(self, max_model_len: int) -> None:
         needed = 0
         for a in self.target_mods + self.drafter_mods:
-            needed += 2 * self.rows * a.num_kv_heads * self.cache_len * a.head_dim * torch.finfo(self.dtype).bits // 8
+            needed += self.rows * a.num_kv_heads * self.cache_len * (a.head_dim + a.v_dim) * torch.finfo(self.dtype).bits // 8
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.9)
@@ -87,13 +93,14 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of the target's and the drafter's KV caches (staging not included)."""
-        return sum(a.k_cache.numel() * 2 * a.k_cache.element_size() for a in self.target_mods + self.drafter_mods)
+        return sum(c.numel() * c.element_size() for a in self.target_mods + self.drafter_mods
+                   for c in (a.k_cache, a.v_cache) if c is not None)
 
     def move_row(self, src: int, dst: int, length: int) -> None:
         """Copy a sequence's KV (its first `length` positions and the room a cycle writes past them)
         to another row, target and drafter."""
         n = min(length + self.room + 1, self.cache_len)
-        for cache in (self.k_all, self.v_all):  # every target layer at once
+        for cache in self.target_caches():  # every target layer at once
             cache[:, dst, :, :n] = cache[:, src, :, :n]
         for a in self.drafter_mods:
             a.k_cache[dst, :, :n] = a.k_cache[src, :, :n]
@@ -115,7 +122,8 @@ class KVCache:
     def unstage_target(self, row: int, T: int) -> None:
         """Copy a staged prompt's first T positions of target KV to `row` (all layers at once)."""
         for cache, staged in ((self.k_all, self.k_stage), (self.v_all, self.v_stage)):
-            cache[:, row, :, :T] = staged[:, 0, :, :T]
+            if cache is not None:
+                cache[:, row, :, :T] = staged[:, 0, :, :T]
 
     def unstage_drafter(self, row: int, T: int) -> None:
         """Copy a staged prompt's first T positions of drafter KV to `row`."""

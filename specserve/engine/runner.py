@@ -455,7 +455,7 @@ class ModelRunner:
                           per_node(self.s_seed), all_greedy=not sampling, filtered=filtered)
         pred = sample_tokens(logits, s, rope + 1)  # each node's token, keyed by the position it would fill
         n_acc, next_tok, path = accept_tree(pred, tree, K, self.s_enabled[:B])
-        move_branch_kv((self.kv.k_all, self.kv.v_all), pos0, pad, n_acc, path, K, scratch)
+        move_branch_kv(self.kv.target_caches(), pos0, pad, n_acc, path, K, scratch)
         grid, feat = branch_inputs(tree, feats, n_acc, next_tok, path)
         self.pending.set_cycle_except(B, pad, grid, feat)
         return n_acc, grid, logits, path
@@ -595,6 +595,9 @@ class ModelRunner:
         graphs reuse its memory pool. `enabled` (default: the config's cuda_graphs) lets an engine
         built without graphs capture them afterwards (the TP workers do, under a timeout)."""
         if self.device.type != "cuda" or not (self.cfg.cuda_graphs if enabled is None else enabled):
+            return 0.0
+        if not self.target.graph_safe:
+            log.warning("%s: no CUDA graphs (its MoE layers run the eager reference path)", self.model_cfg.architecture)
             return 0.0
         t0 = time.perf_counter()
         sizes = self.cfg.graph_batch_sizes or default_graph_batch_sizes(self.rows)

@@ -1,7 +1,9 @@
-"""The target model: Llama, Qwen2 and Qwen3 decoders in one implementation.
+"""The target model: Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 decoders in one implementation.
 
-The three differ only in q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3)
-and their configs' spelling, which `ModelConfig` normalizes.
+The dense three differ only in q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3)
+and their configs' spelling, which `ModelConfig` normalizes. Qwen3-MoE is Qwen3 with
+routed experts in place of most MLPs (`moe.MoE`); DeepSeek-V3 adds latent attention
+(`mla.MLASelfAttention`) and shared experts.
 """
 
 from __future__ import annotations
@@ -9,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.config import ModelConfig
+from specserve.config import ConfigError, ModelConfig
 from specserve.distributed.parallel_state import tp_size
+from specserve.model.mla import MLASelfAttention
+from specserve.model.moe import MoE
 from specserve.model.layers import (
     ColumnParallelLinear,
     ForwardContext,
@@ -58,14 +62,32 @@ class SelfAttention(HotPathModule):
             q, k = self.q_norm(q), self.k_norm(k)
         return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
+    def hf_weights(self, prefix: str) -> dict[str, tuple[nn.Parameter, int | None]]:
+        """Hugging Face tensor names under `prefix` (".../self_attn.") -> (parameter, shard)."""
+        out: dict[str, tuple[nn.Parameter, int | None]] = {}
+        for shard, name in enumerate(("q_proj", "k_proj", "v_proj")):
+            out[prefix + f"{name}.weight"] = (self.qkv_proj.weight, shard)
+            if self.qkv_proj.bias is not None:
+                out[prefix + f"{name}.bias"] = (self.qkv_proj.bias, shard)
+        out[prefix + "o_proj.weight"] = (self.o_proj.weight, None)
+        if self.o_proj.bias is not None:
+            out[prefix + "o_proj.bias"] = (self.o_proj.bias, None)
+        if self.q_norm is not None:
+            out[prefix + "q_norm.weight"] = (self.q_norm.weight, None)
+            out[prefix + "k_norm.weight"] = (self.k_norm.weight, None)
+        return out
+
 
 class DecoderLayer(HotPathModule):
-    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rope)
+        self.self_attn = MLASelfAttention(cfg, rope) if cfg.mla is not None else SelfAttention(cfg, rope)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        if cfg.moe is not None and index not in cfg.moe.dense_layers:
+            self.mlp = MoE(cfg.hidden_size, cfg.moe)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """h: the previous sub-layer's output (the embeddings for layer 0), residual: the stream
@@ -86,13 +108,22 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
+        if (cfg.mla is not None or cfg.moe is not None) and tp_size() > 1:
+            raise ConfigError(f"{cfg.architecture} does not support tensor parallelism yet: run it with --tp 1")
         self.cfg = cfg
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
+        self.rope = RotaryEmbedding(rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else VocabParallelHead(cfg.hidden_size, cfg.vocab_size)
         self.aux_layers: tuple[int, ...] = ()
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a forward can be captured in a CUDA graph: the MoE reference path's expert loop
+        depends on the routing, so a model with routed experts cannot."""
+        return not any(isinstance(layer.mlp, MoE) for layer in self.layers)
 
     def attention_modules(self) -> list[KVCacheAttention]:
         return [layer.self_attn.attn for layer in self.layers]
@@ -125,24 +156,8 @@ class CausalLM(nn.Module):
             out["lm_head.weight"] = (self.lm_head.weight, None)
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
-            a = layer.self_attn
-            for shard, name in enumerate(("q_proj", "k_proj", "v_proj")):
-                out[p + f"self_attn.{name}.weight"] = (a.qkv_proj.weight, shard)
-                if a.qkv_proj.bias is not None:
-                    out[p + f"self_attn.{name}.bias"] = (a.qkv_proj.bias, shard)
-            out[p + "self_attn.o_proj.weight"] = (a.o_proj.weight, None)
-            if a.o_proj.bias is not None:
-                out[p + "self_attn.o_proj.bias"] = (a.o_proj.bias, None)
-            if a.q_norm is not None:
-                out[p + "self_attn.q_norm.weight"] = (a.q_norm.weight, None)
-                out[p + "self_attn.k_norm.weight"] = (a.k_norm.weight, None)
-            for shard, name in enumerate(("gate_proj", "up_proj")):
-                out[p + f"mlp.{name}.weight"] = (layer.mlp.gate_up_proj.weight, shard)
-                if layer.mlp.gate_up_proj.bias is not None:
-                    out[p + f"mlp.{name}.bias"] = (layer.mlp.gate_up_proj.bias, shard)
-            out[p + "mlp.down_proj.weight"] = (layer.mlp.down_proj.weight, None)
-            if layer.mlp.down_proj.bias is not None:
-                out[p + "mlp.down_proj.bias"] = (layer.mlp.down_proj.bias, None)
+            out.update(layer.self_attn.hf_weights(p + "self_attn."))
+            out.update(layer.mlp.hf_weights(p + "mlp."))
             out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, None)
             out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
         return out
