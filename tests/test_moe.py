@@ -168,3 +168,65 @@ def test_unsupported_routing_is_named():
            "scoring_func": "softmax"}
     with pytest.raises(ConfigError, match="scoring_func 'softmax' with topk_method 'group_limited_greedy' is not"):
         ModelConfig.from_hf_dict(cfg)
+
+
+def _kimi_pair(root, moe_pair):
+    """moe_pair's target rewritten as a Kimi-K2.5 checkpoint (text model under language_model., a
+    vision tower beside it) allowing 262144 positions, and a drafter trained to 131072: the seeds' case."""
+    from safetensors.torch import load_file, save_file
+    from tokenizers import Tokenizer, models
+
+    target, _ = moe_pair
+    kimi = root / "kimi"
+    kimi.mkdir()
+    tensors = {"language_model." + k: v for k, v in load_file(target / "model.safetensors").items()}
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.zeros(64, 3)
+    save_file(tensors, kimi / "model.safetensors")
+    text = json.loads((target / "config.json").read_text()) | {"max_position_embeddings": 262144}
+    (kimi / "config.json").write_text(json.dumps(kimi_k25_config(text)))
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(12)}, unk_token="t0")).save(str(kimi / "tokenizer.json"))
+    return kimi, make_drafter(root / "draft", target, layout="sglang", aux_ids=[1, 2, 3], max_pos=131072)
+
+
+def test_check_reports_the_seeds_case_before_reading_weights(tmp_path, moe_pair, monkeypatch):
+    import safetensors
+
+    from specserve.model import loader
+    from specserve.ops import check
+
+    kimi, draft = _kimi_pair(tmp_path, moe_pair)
+
+    def no_weights(*a, **k):
+        raise AssertionError("check read tensor data")
+
+    monkeypatch.setattr(safetensors, "safe_open", no_weights)
+    monkeypatch.setattr(loader, "iter_tensors", no_weights)
+    found = check.run_checks(str(kimi), str(draft), device="cpu", max_num_seqs=1, max_model_len=262144)
+    errors = [f for f in found if f.level == "error"]
+    assert [f.code for f in errors] == ["draft_positions"], check.format_report(found)
+    (err,) = errors
+    assert err.data == {"served": 262144, "draft_max": 131072, "target_max": 262144}
+    assert "context length 262144" in err.message and "max_position_embeddings 131072" in err.message
+    assert "--max-model-len 131072" in err.message and "--allow-draft-position-extension" in err.message
+    ok = {f.code: f.message for f in check.run_checks(str(kimi), str(draft), device="cpu", max_num_seqs=1)}
+    assert "the target allows 262144: past 131072" in ok["draft_positions"]
+    assert "8 routed experts (3 per token, sigmoid routing, shared experts) in 3 layers" in ok["target_config"]
+    assert "in routed experts, all loaded" in ok["target_weights"]
+
+
+def test_check_estimate_matches_what_the_engine_allocates(moe_pair):
+    """Weights (every expert) and the latent KV cache as the runner really holds them."""
+    from specserve.engine.runner import ModelRunner
+    from specserve.ops import check
+
+    target, draft = moe_pair
+    kw = dict(device="cpu", spec_steps=3, max_num_seqs=2, max_model_len=100, cuda_graphs=False)
+    runner = ModelRunner(EngineConfig(model=str(target), draft=str(draft), **kw))
+    found = check.run_checks(str(target), str(draft), **kw)
+    est = next(f for f in found if f.code == "memory_estimate").data
+    assert est["kv"] == runner.kv.nbytes()
+    target_bytes = sum(p.numel() * p.element_size() for p in runner.target.parameters())
+    drafter_bytes = sum(p.numel() * p.element_size() for n, p in runner.drafter.named_parameters(remove_duplicate=False)
+                        if not n.startswith("target_embed."))
+    drafter_bytes += sum(b.numel() * b.element_size() for n, b in runner.drafter.named_buffers() if n in ("d2t", "t2d"))
+    assert est["weights"] == target_bytes + drafter_bytes

@@ -20,8 +20,10 @@ Rules worth knowing:
   drafting (a performance cliff), so that is an ERROR naming both numbers and both ways
   out; with --allow-draft-position-extension it is a WARNING. A drafter whose limit
   merely differs from the target's is fine.
-- memory per device = weights / TP (the drafter is replicated on every rank) + KV cache
-  (KV heads split across ranks; the drafter's one layer whole) + a rough overhead
+- memory per device = weights / TP (the drafter is replicated on every rank; every routed
+  expert of an MoE target counts, as all are loaded) + KV cache (KV heads split across
+  ranks; latent attention caches one latent of kv_lora_rank + rope dims per token and
+  layer, no V; the drafter's one layer whole) + a rough overhead
   allowance (OVERHEAD_BYTES for the CUDA context, cuBLAS workspaces and the shared CUDA
   graph pool, plus the verify forward's fp32 logits buffers), compared with
   min(free, total * --gpu-memory-utilization) of each GPU the ranks will use.
@@ -50,7 +52,6 @@ from specserve.config import (
     default_max_model_len,
     draft_tensor_name,
     prefill_stage_len,
-    read_json,
     resolve_aux_layers,
 )
 from specserve.model.gguf import find_gguf, tensor_shapes
@@ -302,17 +303,12 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
         f.add("error", "target_config", str(e))
     t_weights = None
     if tcfg is not None:
-        f.add("ok", "target_config",
-              f"target {tcfg.architecture}: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, "
-              f"{tcfg.num_heads} heads / {tcfg.num_kv_heads} KV heads, vocab {tcfg.vocab_size}, "
+        f.add("ok", "target_config", f"target {tcfg.architecture}: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, "
+              f"{_attention_words(tcfg)}, vocab {tcfg.vocab_size}, "
               f"max_position_embeddings {tcfg.max_position_embeddings}, dtype {tcfg.dtype}")
-        # GGUF quantization is undone on load; a config.json that declares one is not.
-        quant = None if find_gguf(model_dir) else read_json(model_dir / "config.json").get("quantization_config")
-        if quant:
-            method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
-            f.add("error", "dtype", f"{model_dir}: quantized checkpoint (quant_method {method!r}) is not supported; "
-                  "use a float32/float16/bfloat16 checkpoint")
         t_weights = _read_weights(f, "target_weights", model_dir, allow_pickle, "target")
+        if t_weights is not None and t_weights.tensors is not None:
+            t_weights = _text_model_tensors(tcfg, t_weights)
         if t_weights is not None and t_weights.tensors is not None:
             _check_target_tensors(f, tcfg, t_weights, model_dir)
     _check_target_tokenizer(f, model_dir, tcfg)
@@ -349,6 +345,32 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
     return list(f)
 
 
+def _attention_words(t: ModelConfig) -> str:
+    words = f"{t.num_heads} heads / {t.num_kv_heads} KV heads"
+    if t.mla is not None:
+        words = (f"{t.num_heads} heads of latent attention (kv_lora_rank {t.mla.kv_lora_rank}, "
+                 f"rope dims {t.mla.qk_rope_head_dim}, q_lora_rank {t.mla.q_lora_rank})")
+    if t.moe is not None:
+        m = t.moe
+        words += (f", {m.num_experts} routed experts ({m.top_k} per token, {m.scoring} routing"
+                  f"{', shared experts' if m.shared_intermediate_size else ''}) in "
+                  f"{t.num_layers - len(m.dense_layers)} layers")
+    return words
+
+
+def _text_model_tensors(t: ModelConfig, w: _Weights) -> _Weights:
+    """The tensors the engine loads, named as it names them: a wrapper's text model (its prefix
+    removed) without the tensors it skips (vision tower, multi-token-prediction layers)."""
+    if not (t.tensor_prefix or t.skip_prefixes):
+        return w
+    kept = {}
+    for name, v in w.tensors.items():
+        text = name[len(t.tensor_prefix):] if t.tensor_prefix and name.startswith(t.tensor_prefix) else name
+        if not any(name.startswith(p) or text.startswith(p) for p in t.skip_prefixes):
+            kept[text] = v
+    return _Weights(w.files, kept, w.disk_bytes)
+
+
 def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: Path) -> None:
     bad = _unsupported_dtypes(w, set())
     if bad:
@@ -366,8 +388,10 @@ def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: 
                   f"says {_shape(want)} (vocab_size {t.vocab_size}, hidden_size {t.hidden_size})")
     skip = {"lm_head.weight"} if t.tie_word_embeddings else set()
     kind = "GGUF" if w.files[0].suffix == ".gguf" else "safetensors"
+    experts = sum(math.prod(shape) for name, (_, shape) in w.tensors.items() if ".mlp.experts." in name)
+    of_which = f" ({_count(experts)} of them in routed experts, all loaded)" if experts else ""
     f.add("ok", "target_weights", f"target weights: {len(w.files)} {kind} file(s), "
-          f"{_count(w.numel(skip))} parameters")
+          f"{_count(w.numel(skip))} parameters{of_which}")
 
 
 def _tokenizer_file(model_dir: Path) -> Path:
@@ -410,6 +434,9 @@ def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None
 
 def _check_tp(f: _Findings, t: ModelConfig, tp: int) -> None:
     if tp <= 1:
+        return
+    if t.mla is not None or t.moe is not None:
+        f.add("error", "tp", f"--tp {tp}: {t.architecture} does not support tensor parallelism yet; use --tp 1")
         return
     sizes = {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
              "intermediate_size": t.intermediate_size}
@@ -501,8 +528,12 @@ def _check_positions(f: _Findings, t: ModelConfig, d: DraftConfig, served: int, 
         source = (f"default: min(target max_position_embeddings {t.max_position_embeddings}, "
                   f"{DEFAULT_MAX_MODEL_LEN[dev_type]} on {dev_type})")
     if served <= limit:
+        beyond = ""
+        if limit < t.max_position_embeddings:  # fine now; says what serving the target's full context takes
+            beyond = (f" (the target allows {t.max_position_embeddings}: past {limit}, serving needs "
+                      "--allow-draft-position-extension)")
         f.add("ok", "draft_positions", f"context length {served} ({source}) within the drafter's "
-              f"max_position_embeddings {limit}")
+              f"max_position_embeddings {limit}{beyond}")
         return
     if allow_extension:
         f.add("warning", "draft_positions", f"context length {served} exceeds the drafter's max_position_embeddings "
@@ -562,8 +593,8 @@ def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, 
     target_w = _weight_bytes(t_weights, elem, {"lm_head.weight"} if t.tie_word_embeddings else set())
     draft_w = _weight_bytes(d_weights, elem, set()) if d_weights is not None else 0
     cache_len = -(-(max_model_len + room + 1) // 16) * 16  # as kv_cache.cache_length, without importing torch
-    kv = 2 * t.num_layers * (t.num_kv_heads // tp if t.num_kv_heads % tp == 0 else t.num_kv_heads) \
-        * t.head_dim * elem * cache_len * max_num_seqs
+    heads, k_dim, v_dim = t.kv_cache_dims()  # latent attention: one latent "head", no V
+    kv = t.num_layers * (heads // tp if heads % tp == 0 else heads) * (k_dim + v_dim) * elem * cache_len * max_num_seqs
     pending = 0
     if d is not None:
         kv += 2 * d.num_kv_heads * d.head_dim * elem * cache_len * max_num_seqs
