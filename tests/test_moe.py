@@ -230,3 +230,38 @@ def test_check_estimate_matches_what_the_engine_allocates(moe_pair):
                         if not n.startswith("target_embed."))
     drafter_bytes += sum(b.numel() * b.element_size() for n, b in runner.drafter.named_buffers() if n in ("d2t", "t2d"))
     assert est["weights"] == target_bytes + drafter_bytes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_moe"])
+def test_tp2_ep2_equals_tp1(tmp_path, arch):
+    """Two gloo ranks (attention heads split, routed experts sharded 4 + 4) give TP1's greedy
+    tokens, plain and speculative."""
+    import shutil
+
+    from specserve.config import DEMO_DIR
+    from specserve.distributed.tp_llm import TPLLM
+    from specserve.engine.llm import LLM
+
+    target = make_moe_target(tmp_path / "target", arch=arch, vocab=4096)
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # text prompts, as TPLLM takes them
+        shutil.copy(DEMO_DIR / f, target / f)
+    draft = make_drafter(tmp_path / "draft", target, layout="sglang", aux_ids=[1, 2, 3])
+    prompts = ["def add(a, b):", "import os\n", "class Stack:"]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    engine = dict(device="cpu", max_num_seqs=3, max_model_len=96)
+    for spec in ({}, {"draft": str(draft), "spec_steps": 3}):
+        ref = LLM(model=str(target), **engine, **spec).generate(prompts, greedy)
+        with TPLLM(model=str(target), tp=2, **engine, **spec) as llm:
+            out = llm.generate(prompts, greedy)
+        assert [o.token_ids for o in out] == [o.token_ids for o in ref], spec
+
+
+def test_check_tp_names_the_experts(moe_pair):
+    from specserve.ops import check
+
+    target, _ = moe_pair
+    (ok,) = [f for f in check.run_checks(str(target), device="cpu", tp=2) if f.code == "tp"]
+    assert ok.level == "ok" and "routed experts" in ok.message and "num_key_value_heads" not in ok.message
+    (err,) = [f for f in check.run_checks(str(target), device="cpu", tp=3) if f.code == "tp"]
+    assert err.level == "error" and "routed experts 8" in err.message

@@ -145,7 +145,7 @@ class ModelRunner:
     def _prefill_graph_buckets(self) -> tuple[int, ...]:
         """Prompt lengths (padded up to these) prefilled by a CUDA graph: run eagerly, a large
         model's hundreds of kernel launches cost more host time than the GPU's work takes."""
-        if not (self.device.type == "cuda" and self.cfg.cuda_graphs):
+        if not (self.device.type == "cuda" and self.cfg.cuda_graphs and self.target.graph_safe):
             return ()
         return tuple(b for b in PREFILL_GRAPH_TOKENS if b <= self.max_model_len and b // 2 < self.cfg.prefill_chunk)
 

@@ -6,6 +6,9 @@ head's key (W_UK) and value (W_UV); instead every forward absorbs them:
 q_nope . (W_UK c) = (W_UK^T q_nope) . c, and softmax(..) (W_UV c) = W_UV (softmax(..) c), so
 attention runs over the latent itself with queries [W_UK^T q_nope, q_rot] and the latent as the
 value, and W_UV maps its output to the heads' values.
+
+Under tensor parallelism the heads are split across ranks (q_b_proj / q_proj and kv_b_proj by
+head, o_proj by input); the latent projection and the latent cache are whole on every rank.
 """
 
 from __future__ import annotations
@@ -14,13 +17,17 @@ import torch
 from torch import nn
 
 from specserve.config import ModelConfig
+from specserve.distributed.parallel_state import tp_rank, tp_size
 from specserve.model.layers import (
+    ColumnParallelLinear,
     ForwardContext,
     HotPathModule,
     KVCacheAttention,
     ReplicatedLinear,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
+    _divide,
 )
 
 # The reference normalises the q and kv latents with this epsilon whatever rms_norm_eps says.
@@ -56,19 +63,19 @@ class MLASelfAttention(HotPathModule):
     def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
         super().__init__()
         m = cfg.mla
-        H, hidden = cfg.num_heads, cfg.hidden_size
+        H, hidden = _divide(cfg.num_heads, tp_size(), "num_attention_heads"), cfg.hidden_size
         self.heads, self.nope, self.rope_dim, self.latent, self.v_dim = (
             H, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim)
         qk = self.nope + self.rope_dim
         if m.q_lora_rank is None:
             self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
-            self.q_proj = ReplicatedLinear(hidden, H * qk)
+            self.q_proj = ColumnParallelLinear(hidden, [cfg.num_heads * qk])
             q_out = self.q_proj
         else:
             self.q_proj = None
             self.q_a_proj = ReplicatedLinear(hidden, m.q_lora_rank, bias=cfg.o_bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ReplicatedLinear(m.q_lora_rank, H * qk)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [cfg.num_heads * qk])
             q_out = self.q_b_proj
         self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.latent + self.rope_dim, bias=cfg.o_bias)
         self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
@@ -76,7 +83,7 @@ class MLASelfAttention(HotPathModule):
         # linear tuning, which re-lays out 2-D weights, leaves it as it is).
         self.kv_b = nn.Parameter(torch.empty(H, self.nope + self.v_dim, self.latent))
         self.kv_b.weight_loader = self._load_kv_b
-        self.o_proj = ReplicatedLinear(H * self.v_dim, hidden, bias=cfg.o_bias)
+        self.o_proj = RowParallelLinear(cfg.num_heads * self.v_dim, hidden, bias=cfg.o_bias)
         if m.rope_interleave:
             # Rope pairs are adjacent in the checkpoint ((x0, x1), (x2, x3)...); storing the rope rows
             # of q and k evens-then-odds makes them the rotate-half pairs (x_i, x_i+R/2) of the usual
@@ -84,7 +91,7 @@ class MLASelfAttention(HotPathModule):
             R = self.rope_dim
             pairs = torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2)])
             q_rows = torch.cat([torch.arange(self.nope), self.nope + pairs])
-            q_rows = (torch.arange(H).unsqueeze(1) * qk + q_rows).flatten()
+            q_rows = (torch.arange(cfg.num_heads).unsqueeze(1) * qk + q_rows).flatten()
             kv_rows = torch.cat([torch.arange(self.latent), self.latent + pairs])
             q_out.weight.weight_loader = _rows_permuted(q_out.weight.weight_loader, q_rows)
             for p in self.kv_a_proj_with_mqa.parameters():
@@ -93,10 +100,10 @@ class MLASelfAttention(HotPathModule):
         self.attn = LatentAttention(H, self.latent, self.rope_dim, m.softmax_scale)
 
     def _load_kv_b(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
-        want = (self.heads * (self.nope + self.v_dim), self.latent)
+        want = (self.heads * tp_size() * (self.nope + self.v_dim), self.latent)
         if tuple(loaded.shape) != want:
             raise ValueError(f"expected shape {want}, checkpoint has {tuple(loaded.shape)}")
-        param.data.copy_(loaded.view(param.shape))
+        param.data.copy_(loaded.view(-1, *param.shape[1:]).narrow(0, tp_rank() * self.heads, self.heads))
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x.shape

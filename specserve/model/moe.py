@@ -5,6 +5,10 @@ weights, and shared experts (DeepSeek-V3) see every token.
 This is the PyTorch reference path, run on the CPU and, unfused, on the GPU: tokens are grouped by
 expert and each expert that any token chose runs once over its tokens. Its loop depends on the
 routing, so a forward through it cannot be captured in a CUDA graph.
+
+Under tensor parallelism the routed experts are sharded over the ranks (expert parallelism: rank r
+holds a contiguous 1/tp of them); every rank routes every token, runs the chosen experts it holds,
+and the partial sums are all-reduced. Shared experts are split like a dense MLP.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import torch
 from torch import nn
 
 from specserve.config import MoEConfig
+from specserve.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from specserve.kernels.linear import linear
 from specserve.kernels.norm import silu_mul
 from specserve.model.layers import HotPathModule, SwiGLU
@@ -46,11 +51,15 @@ def route_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, tor
     return weights.to(logits.dtype), ids
 
 
-def _expert_loader(width: int | None = None):
-    """Loads one expert's tensor into a stacked [E, rows, cols] weight: shard (expert, part) puts it
-    at rows part*width.. of that expert (gate then up in one [2I, H] block); shard `expert`, whole."""
+def _expert_loader(first: int, width: int | None = None):
+    """Loads one expert's tensor into a stacked [E_local, rows, cols] weight holding experts first..:
+    shard (expert, part) puts it at rows part*width.. of that expert (gate then up in one [2I, H]
+    block), shard `expert` whole; experts another rank holds are passed over."""
     def load(param: torch.Tensor, loaded: torch.Tensor, shard) -> None:
         expert, part = shard if isinstance(shard, tuple) else (shard, None)
+        expert -= first
+        if not 0 <= expert < param.shape[0]:
+            return
         target = param.data[expert] if part is None else param.data[expert].narrow(0, part * width, width)
         if target.shape != loaded.shape:
             raise ValueError(f"expected shape {tuple(target.shape)} for expert {expert}, checkpoint has "
@@ -67,15 +76,17 @@ class MoE(HotPathModule):
         super().__init__()
         self.m = m
         E, inter = m.num_experts, m.intermediate_size
+        local = E // tp_size()  # (CausalLM refuses experts that do not divide evenly)
+        self.first = tp_rank() * local
         # DeepSeek-V3 routes in float32 whatever the model's dtype (its reference keeps the router
         # and the bias in float32); Qwen3-MoE routes in the model's dtype.
         router_dtype = torch.float32 if m.scoring == "sigmoid" else None
         self.gate = nn.Parameter(torch.empty(E, hidden, dtype=router_dtype))
         self.score_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32)) if m.scoring == "sigmoid" else None
-        self.w13 = nn.Parameter(torch.empty(E, 2 * inter, hidden))
-        self.w13.weight_loader = _expert_loader(inter)
-        self.w2 = nn.Parameter(torch.empty(E, hidden, inter))
-        self.w2.weight_loader = _expert_loader()
+        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden))
+        self.w13.weight_loader = _expert_loader(self.first, inter)
+        self.w2 = nn.Parameter(torch.empty(local, hidden, inter))
+        self.w2.weight_loader = _expert_loader(self.first)
         self.shared = SwiGLU(hidden, m.shared_intermediate_size) if m.shared_intermediate_size else None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,11 +101,14 @@ class MoE(HotPathModule):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         out = torch.zeros_like(x)
-        # Tokens sorted by expert: each chosen expert runs once over the tokens that chose it.
+        # Tokens sorted by expert: each chosen expert held here runs once over the tokens that chose it.
         for e in ids.unique().tolist():
+            if not 0 <= e - self.first < self.w13.shape[0]:
+                continue
             tok, slot = (ids == e).nonzero(as_tuple=True)
-            y = linear(silu_mul(linear(x[tok], self.w13[e])), self.w2[e])
+            y = linear(silu_mul(linear(x[tok], self.w13[e - self.first])), self.w2[e - self.first])
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
+        out = all_reduce(out)
         if self.shared is not None:
             out = out + self.shared(x)
         return out.view(shape)

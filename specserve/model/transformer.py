@@ -108,8 +108,9 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
-        if (cfg.mla is not None or cfg.moe is not None) and tp_size() > 1:
-            raise ConfigError(f"{cfg.architecture} does not support tensor parallelism yet: run it with --tp 1")
+        if cfg.moe is not None and cfg.moe.num_experts % tp_size():
+            raise ConfigError(f"{cfg.architecture}: {cfg.moe.num_experts} routed experts do not shard evenly over "
+                              f"--tp {tp_size()} ranks")
         self.cfg = cfg
         rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
         self.rope = RotaryEmbedding(rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)

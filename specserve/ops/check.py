@@ -435,18 +435,21 @@ def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None
 def _check_tp(f: _Findings, t: ModelConfig, tp: int) -> None:
     if tp <= 1:
         return
-    if t.mla is not None or t.moe is not None:
-        f.add("error", "tp", f"--tp {tp}: {t.architecture} does not support tensor parallelism yet; use --tp 1")
-        return
     sizes = {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
              "intermediate_size": t.intermediate_size}
+    if t.moe is not None:  # experts are sharded over the ranks, shared experts split like an MLP
+        sizes |= {"routed experts": t.moe.num_experts, "moe_intermediate_size": t.moe.intermediate_size}
+        if t.moe.shared_intermediate_size:
+            sizes["shared experts' intermediate size"] = t.moe.shared_intermediate_size
+    if t.mla is not None:  # the latent is whole on every rank
+        del sizes["num_key_value_heads"]
     bad = [f"{k} {v}" for k, v in sizes.items() if v % tp]
     if bad:
         ok = [n for n in range(2, 9) if all(v % n == 0 for v in sizes.values())]
         f.add("error", "tp", f"--tp {tp}: {', '.join(bad)} not divisible by {tp} "
               f"(TP sizes up to 8 that divide all: {', '.join(map(str, ok)) or 'none'})", not_divisible=bad)
     else:
-        f.add("ok", "tp", f"--tp {tp}: heads, KV heads, vocab and intermediate size divide evenly")
+        f.add("ok", "tp", f"--tp {tp}: {', '.join(sizes)} divide evenly")
 
 
 def _check_pair(f: _Findings, t: ModelConfig, d: DraftConfig, w: _Weights | None, draft_dir: Path,
