@@ -74,8 +74,9 @@ def moe_pair(tmp_path_factory):
 
 
 def _generate(target, draft, prompts, **kw):
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft) if draft else None, device="cpu",
-                                 max_num_seqs=len(prompts), **kw))
+    kw.setdefault("device", "cpu")
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft) if draft else None, max_num_seqs=len(prompts),
+                                 **kw))
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_work():
         engine.step()
@@ -265,3 +266,18 @@ def test_check_tp_names_the_experts(moe_pair):
     assert ok.level == "ok" and "routed experts" in ok.message and "num_key_value_heads" not in ok.message
     (err,) = [f for f in check.run_checks(str(target), device="cpu", tp=3) if f.code == "tp"]
     assert err.level == "error" and "routed experts 8" in err.message
+
+
+@pytest.mark.gpu
+def test_moe_target_on_gpu_greedy_and_speculation(moe_pair):
+    """On CUDA (no graphs: the MoE reference path) the tiny DeepSeek-V3 target decodes in float32
+    as on the CPU, speculation there equals plain decoding, and bf16 runs."""
+    target, draft = moe_pair
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (5, 13, 2)]
+    base, engine = _generate(target, None, prompts, device="cuda", dtype="float32")
+    assert not engine.runner.graphs
+    assert base == _generate(target, None, prompts)[0]
+    assert _generate(target, draft, prompts, device="cuda", dtype="float32", spec_steps=3)[0] == base
+    out, _ = _generate(target, draft, prompts, device="cuda", dtype="bfloat16", spec_steps=3)
+    assert [len(o) for o in out] == [GREEDY.max_tokens] * 3
