@@ -20,6 +20,8 @@ ARCHS = {
     "llama-tied": dict(arch="llama", tie_word_embeddings=True),
     "qwen2": dict(arch="qwen2"),
     "qwen3": dict(arch="qwen3"),
+    "qwen3-yarn": dict(arch="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                   "original_max_position_embeddings": 16}),
 }
 
 
