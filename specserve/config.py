@@ -202,7 +202,8 @@ def _unwrap_text_config(cfg: dict[str, Any], path: Path) -> tuple[dict[str, Any]
     """A multimodal wrapper's text model: (its config, the prefix of its tensors, the prefixes of the
     tensors to skip); a plain text config comes back as it is."""
     archs = cfg.get("architectures") or []
-    wrapper = archs[0] if archs and archs[0] in WRAPPER_ARCHITECTURES else WRAPPER_MODEL_TYPES.get(cfg.get("model_type"))
+    wrapper = archs[0] if archs and archs[0] in WRAPPER_ARCHITECTURES else None
+    wrapper = wrapper or WRAPPER_MODEL_TYPES.get(cfg.get("model_type"))
     if wrapper is None:
         return cfg, "", ()
     text = cfg.get("text_config")

@@ -77,7 +77,8 @@ class KVCache:
     def _check_budget(self, max_model_len: int) -> None:
         needed = 0
         for a in self.target_mods + self.drafter_mods:
-            needed += self.rows * a.num_kv_heads * self.cache_len * (a.head_dim + a.v_dim) * torch.finfo(self.dtype).bits // 8
+            per_token = a.num_kv_heads * (a.head_dim + a.v_dim) * torch.finfo(self.dtype).bits // 8
+            needed += self.rows * self.cache_len * per_token
         if self.device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = int(free * 0.9)

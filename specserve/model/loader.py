@@ -137,17 +137,16 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     gguf_file = find_gguf(model_dir)
     skipped: set[str] = set()
 
-    def keep(name: str) -> bool:
+    def text_name(name: str) -> str:  # the text model's tensors, named as in a text-only checkpoint
+        return name[len(cfg.tensor_prefix):] if cfg.tensor_prefix and name.startswith(cfg.tensor_prefix) else name
+
+    def keep(name: str) -> bool:  # not a tensor the text model skips (a vision tower, MTP layers)
         hit = next((p for p in cfg.skip_prefixes if name.startswith(p) or text_name(name).startswith(p)), None)
         if hit is not None:
             skipped.add(hit)
         return hit is None
 
-    def text_name(name: str) -> str:  # the text model's tensors, named as in a text-only checkpoint
-        return name[len(cfg.tensor_prefix):] if cfg.tensor_prefix and name.startswith(cfg.tensor_prefix) else name
-
-    files = None if gguf_file else checkpoint_files(model_dir, allow_pickle)
-    tensors = iter_hf_tensors(gguf_file) if gguf_file else iter_tensors(files, keep)
+    tensors = iter_hf_tensors(gguf_file) if gguf_file else iter_tensors(checkpoint_files(model_dir, allow_pickle), keep)
     with _build_on(device, dtype):
         model = CausalLM(cfg, max_positions)
     # Tied models may still ship lm_head.weight (transformers writes it): drop it.

@@ -13,8 +13,6 @@ from torch import nn
 
 from specserve.config import ConfigError, ModelConfig
 from specserve.distributed.parallel_state import tp_size
-from specserve.model.mla import MLASelfAttention
-from specserve.model.moe import MoE
 from specserve.model.layers import (
     ColumnParallelLinear,
     ForwardContext,
@@ -28,6 +26,8 @@ from specserve.model.layers import (
     VocabParallelHead,
     _divide,
 )
+from specserve.model.mla import MLASelfAttention
+from specserve.model.moe import MoE
 
 
 class SelfAttention(HotPathModule):

@@ -303,8 +303,8 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
         f.add("error", "target_config", str(e))
     t_weights = None
     if tcfg is not None:
-        f.add("ok", "target_config", f"target {tcfg.architecture}: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, "
-              f"{_attention_words(tcfg)}, vocab {tcfg.vocab_size}, "
+        f.add("ok", "target_config", f"target {tcfg.architecture}: {tcfg.num_layers} layers, "
+              f"hidden {tcfg.hidden_size}, {_attention_words(tcfg)}, vocab {tcfg.vocab_size}, "
               f"max_position_embeddings {tcfg.max_position_embeddings}, dtype {tcfg.dtype}")
         t_weights = _read_weights(f, "target_weights", model_dir, allow_pickle, "target")
         if t_weights is not None and t_weights.tensors is not None:
