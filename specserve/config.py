@@ -17,9 +17,19 @@ from typing import Any
 
 from specserve.model.quant import QuantConfig, parse_quantization_config
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM",
+                           "Qwen3MoeForCausalLM")
+# Multimodal wrappers whose `text_config` holds a supported text model: architecture -> the text
+# model's tensor prefix in the checkpoint and the prefixes of the tensors it does not use (vision).
+WRAPPER_ARCHITECTURES = {
+    "KimiK25ForConditionalGeneration": ("language_model.", ("vision_tower.", "mm_projector.")),
+    "Kimi_K25ForConditionalGeneration": ("language_model.", ("vision_tower.", "mm_projector.")),
+}
+WRAPPER_MODEL_TYPES = {"kimi_k25": "KimiK25ForConditionalGeneration"}
+# Model types that are DeepSeek-V3 text models under another name.
+DEEPSEEK_V3_MODEL_TYPES = ("deepseek_v3", "kimi_k2")
 DRAFT_ARCHITECTURES = ("LlamaForCausalLMEagle3", "LlamaForCausalLM")
-SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear", "yarn")
 DEMO_DIR = Path(__file__).resolve().parent / "assets" / "demo"
 # Default --max-model-len when none is given: min(target's max_position_embeddings, this).
 DEFAULT_MAX_MODEL_LEN = {"cuda": 4096, "cpu": 1024}
@@ -75,9 +85,149 @@ def _rope_from_hf(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any
     return theta, scaling
 
 
+def _describe_quantization(q: Any) -> str:
+    """A quantization_config in words: method, format, bits and grouping (e.g. "compressed-tensors
+    pack-quantized int4 group 32")."""
+    if not isinstance(q, dict):
+        return repr(q)
+    words = [str(q.get("quant_method", "unknown method"))]
+    words += [str(q[k]) for k in ("format", "fmt") if q.get(k)]
+    for group in (q.get("config_groups") or {}).values():
+        w = group.get("weights") or {} if isinstance(group, dict) else {}
+        if w:
+            words.append(f"{w.get('type', '')}{w.get('num_bits', '')}")
+            if w.get("group_size"):
+                words.append(f"group {w['group_size']}")
+    if q.get("bits"):
+        words.append(f"{q['bits']}-bit")
+    if q.get("weight_block_size"):
+        words.append("block " + "x".join(str(b) for b in q["weight_block_size"]))
+    return " ".join(words)
+
+
+def _refuse_quantized_experts(q: Any, arch: str, path: Path) -> None:
+    """Quantized weights load for dense targets only: experts and latent attention need their own
+    int4 loaders, and loading them as floats would be wrong weights."""
+    method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
+    raise ConfigError(f"{path}: quantization_config (quant_method {method!r}): {_describe_quantization(q)} "
+                      f"is not supported yet for {arch} (int4 weights load for dense Llama/Qwen targets); "
+                      "use a float32/float16/bfloat16 checkpoint")
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V3): keys and values are expanded per head from one
+    normalised latent of kv_lora_rank dims per token, plus qk_rope_head_dims of a shared rotated key."""
+
+    q_lora_rank: int | None  # None: q is one projection of the hidden state
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # rope pairs are adjacent dims (x0, x1), (x2, x3)... in the checkpoint
+    softmax_scale: float  # qk_head_dim^-0.5, times YaRN's mscale(factor, mscale_all_dim)^2
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """Routed experts replacing the MLP of the layers not in `dense_layers`."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # of each routed expert
+    scoring: str  # "sigmoid" (DeepSeek-V3, grouped top-k with a selection bias) | "softmax" (Qwen3-MoE)
+    norm_topk_prob: bool
+    routed_scaling_factor: float
+    n_group: int
+    topk_group: int
+    shared_intermediate_size: int  # 0: no shared experts
+    dense_layers: tuple[int, ...]
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _mla_from_hf(cfg: dict[str, Any], scaling: dict[str, Any] | None, path: Path) -> MLAConfig:
+    need = lambda k: _need(cfg, k, path)  # noqa: E731
+    nope, rope = int(need("qk_nope_head_dim")), int(need("qk_rope_head_dim"))
+    scale = (nope + rope) ** -0.5
+    if scaling and scaling.get("mscale_all_dim"):
+        m = _yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
+        scale *= m * m
+    q_lora = cfg.get("q_lora_rank")
+    return MLAConfig(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(need("kv_lora_rank")),
+                     qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(need("v_head_dim")),
+                     rope_interleave=bool(cfg.get("rope_interleave", True)), softmax_scale=scale)
+
+
+def _moe_from_hf(cfg: dict[str, Any], arch: str, layers: int, path: Path) -> MoEConfig:
+    need = lambda k: _need(cfg, k, path)  # noqa: E731
+    if arch == "DeepseekV3ForCausalLM":
+        scoring = cfg.get("scoring_func", "sigmoid")
+        method = cfg.get("topk_method", "noaux_tc")
+        if (scoring, method) != ("sigmoid", "noaux_tc"):
+            raise ConfigError(f"{path}: DeepseekV3 routing scoring_func {scoring!r} with topk_method {method!r} is "
+                              "not supported; supported: scoring_func 'sigmoid' with topk_method 'noaux_tc'")
+        experts = int(need("n_routed_experts"))
+        dense = tuple(range(min(int(cfg.get("first_k_dense_replace") or 0), layers)))
+        shared = int(cfg.get("n_shared_experts") or 0) * int(need("moe_intermediate_size"))
+        n_group = int(cfg.get("n_group") or 1)
+        topk_group = int(cfg.get("topk_group") or n_group)
+        scaling_factor = float(cfg.get("routed_scaling_factor", 1.0))
+    else:  # Qwen3MoeForCausalLM
+        scoring = "softmax"
+        experts = int(cfg.get("num_experts") or need("num_local_experts"))
+        step = int(cfg.get("decoder_sparse_step") or 1)
+        only = set(cfg.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(layers) if i in only or experts == 0 or (i + 1) % step)
+        shared, n_group, topk_group, scaling_factor = 0, 1, 1, 1.0
+    top_k = int(need("num_experts_per_tok"))
+    if experts % n_group or not 1 <= topk_group <= n_group:
+        raise ConfigError(f"{path}: n_routed_experts {experts} must split into n_group {n_group} groups, of which "
+                          f"topk_group {topk_group} are kept (1 <= topk_group <= n_group)")
+    if not 1 <= top_k <= experts // n_group * topk_group:
+        raise ConfigError(f"{path}: num_experts_per_tok {top_k} must be in 1..{experts // n_group * topk_group} "
+                          f"(the experts of the topk_group {topk_group} kept groups)")
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=int(need("moe_intermediate_size")),
+                     scoring=scoring, norm_topk_prob=bool(cfg.get("norm_topk_prob", scoring == "sigmoid")),
+                     routed_scaling_factor=scaling_factor, n_group=n_group, topk_group=topk_group,
+                     shared_intermediate_size=shared, dense_layers=dense)
+
+
+def _need(cfg: dict[str, Any], key: str, path: Path) -> Any:
+    if key not in cfg or cfg[key] is None:
+        raise ConfigError(f"{path}: required key {key!r} is missing")
+    return cfg[key]
+
+
+def _unwrap_text_config(cfg: dict[str, Any], path: Path) -> tuple[dict[str, Any], str, tuple[str, ...]]:
+    """A multimodal wrapper's text model: (its config, the prefix of its tensors, the prefixes of the
+    tensors to skip); a plain text config comes back as it is."""
+    archs = cfg.get("architectures") or []
+    wrapper = archs[0] if archs and archs[0] in WRAPPER_ARCHITECTURES else None
+    wrapper = wrapper or WRAPPER_MODEL_TYPES.get(cfg.get("model_type"))
+    if wrapper is None:
+        return cfg, "", ()
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise ConfigError(f"{path}: {wrapper} needs a text_config object holding its language model's config")
+    text = dict(text)
+    if cfg.get("quantization_config") and not text.get("quantization_config"):
+        text["quantization_config"] = cfg["quantization_config"]  # Kimi keeps it at the top level
+    if not text.get("architectures") and text.get("model_type", "deepseek_v3") in DEEPSEEK_V3_MODEL_TYPES:
+        text["architectures"] = ["DeepseekV3ForCausalLM"]
+    for key in ("eos_token_id", "bos_token_id"):  # wrappers may keep the special tokens at the top level
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    prefix, skip = WRAPPER_ARCHITECTURES[wrapper]
+    return text, prefix, skip
+
+
 @dataclass(frozen=True)
 class ModelConfig:
-    """The target transformer's shape, normalized across Llama, Qwen2 and Qwen3."""
+    """The target transformer's shape, normalized across Llama, Qwen2, Qwen3, Qwen3-MoE and
+    DeepSeek-V3 (and the Kimi-K2/K2.5 configs that wrap it)."""
 
     architecture: str
     vocab_size: int
@@ -101,6 +251,17 @@ class ModelConfig:
     bos_token_id: int | None
     path: str = ""
     quant: QuantConfig | None = None  # which linears hold int4 weights (None: all float)
+    mla: MLAConfig | None = None  # latent attention instead of GQA
+    moe: MoEConfig | None = None  # routed experts instead of the MLP (except in moe.dense_layers)
+    tensor_prefix: str = ""  # the text model's tensors are named with this prefix (multimodal wrappers)
+    skip_prefixes: tuple[str, ...] = ()  # checkpoint tensors the text model does not use (vision, MTP layers)
+
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, key dims, value dims) of one layer's KV cache per token: latent attention caches
+        one normalised latent plus the rotated key dims, and no values."""
+        if self.mla is not None:
+            return 1, self.mla.kv_lora_rank + self.mla.qk_rope_head_dim, 0
+        return self.num_kv_heads, self.head_dim, self.head_dim
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> "ModelConfig":
@@ -115,6 +276,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict[str, Any], path: Path | str = "config.json") -> "ModelConfig":
         path = Path(path)
+        cfg, prefix, skip = _unwrap_text_config(cfg, path)
         archs = cfg.get("architectures") or []
         arch = archs[0] if archs else None
         if arch not in SUPPORTED_ARCHITECTURES:
@@ -125,9 +287,7 @@ class ModelConfig:
             raise ConfigError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
 
         def need(key: str) -> Any:
-            if key not in cfg:
-                raise ConfigError(f"{path}: required key {key!r} is missing")
-            return cfg[key]
+            return _need(cfg, key, path)
 
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
@@ -136,16 +296,28 @@ class ModelConfig:
         if heads % kv_heads:
             raise ConfigError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
         theta, scaling = _rope_from_hf(cfg, path)
+        layers = int(need("num_hidden_layers"))
+        mla = moe = None
+        if arch == "DeepseekV3ForCausalLM":
+            mla = _mla_from_hf(cfg, scaling, path)
+            head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+            # Multi-token-prediction layers follow the decoder's; speculation here is EAGLE-3's.
+            mtp = int(cfg.get("num_nextn_predict_layers") or 0)
+            skip = skip + tuple(f"model.layers.{layers + i}." for i in range(mtp))
+        if arch in ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM"):
+            moe = _moe_from_hf(cfg, arch, layers, path)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         quant = cfg.get("quantization_config")
+        if quant is not None and (mla is not None or moe is not None):
+            _refuse_quantized_experts(quant, arch, path)
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
             hidden_size=hidden,
             intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
             head_dim=head_dim,
@@ -158,12 +330,16 @@ class ModelConfig:
             qkv_bias=is_qwen2 or bool(cfg.get("attention_bias", False)),
             o_bias=(not is_qwen2) and bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"),
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             path=str(path.parent),
             quant=parse_quantization_config(quant, str(path)) if quant is not None else None,
+            mla=mla,
+            moe=moe,
+            tensor_prefix=prefix,
+            skip_prefixes=skip,
         )
 
 
@@ -518,6 +694,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None):
     factor = float(scaling.get("factor", 1.0))
     if kind == "linear":
         return inv / factor
+    if kind == "yarn":
+        return _yarn_inv_freq(inv, head_dim, theta, factor, scaling)
     # llama3: low frequencies are divided by `factor`, high ones kept, a smooth blend between.
     low = float(scaling.get("low_freq_factor", 1.0))
     high = float(scaling.get("high_freq_factor", 4.0))
@@ -528,6 +706,41 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None):
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
     return torch.where(medium, blended, scaled)
+
+
+def _yarn_inv_freq(inv, head_dim: int, theta: float, factor: float, scaling: dict[str, Any]):
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are divided
+    by `factor`, those turning more than beta_fast times are kept, with a linear ramp between."""
+    import torch
+
+    old_ctx = float(scaling["original_max_position_embeddings"])
+    fast, slow = float(scaling.get("beta_fast") or 32), float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times
+        return head_dim * math.log(old_ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp
+    return (inv / factor) * (1 - keep) + inv * keep
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor YaRN applies to cos and sin (so to q.k twice): attention_factor if given, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) with both set, else mscale(factor)."""
+    if not scaling or scaling["rope_type"] != "yarn":
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    factor = float(scaling["factor"])
+    if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+        return _yarn_mscale(factor, float(scaling["mscale"])) / _yarn_mscale(factor, float(scaling["mscale_all_dim"]))
+    return _yarn_mscale(factor, 1.0)
 
 
 def default_max_model_len(cfg: ModelConfig, device_type: str) -> int:

@@ -36,6 +36,47 @@ def make_target(out: Path, arch: str = "llama", vocab: int = 96, hidden: int = 6
     return out
 
 
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+        "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+
+
+def make_moe_target(out: Path, arch: str = "deepseek_v3", vocab: int = 96, hidden: int = 64, layers: int = 4,
+                    experts: int = 8, seed: int = 0, **extra) -> Path:
+    """A random transformers MoE model (DeepseekV3ForCausalLM with YaRN rope, or
+    Qwen3MoeForCausalLM), layer 0 dense, saved with save_pretrained. The router is sharpened and
+    DeepSeek's selection bias made non-zero, so routing (and the bias's part in it) shows."""
+    import transformers
+
+    torch.manual_seed(seed)
+    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, moe_intermediate_size=hidden // 2,
+              num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=512,
+              eos_token_id=vocab - 1, bos_token_id=None, pad_token_id=None)
+    if arch == "deepseek_v3":
+        kw |= dict(num_key_value_heads=4, n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=3,
+                   n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=32,
+                   q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, num_mtp_layers=0,
+                   rope_parameters=dict(YARN))
+        cfg, cls = transformers.DeepseekV3Config(**(kw | extra)), transformers.DeepseekV3ForCausalLM
+    elif arch == "qwen3_moe":
+        kw |= dict(num_key_value_heads=2, head_dim=16, num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True,
+                   decoder_sparse_step=1, mlp_only_layers=[0])
+        cfg, cls = transformers.Qwen3MoeConfig(**(kw | extra)), transformers.Qwen3MoeForCausalLM
+    else:
+        raise ValueError(arch)
+    model = cls(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.mul_(20.0)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.2)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    return out
+
+
 def make_drafter(out: Path, target_dir: Path, layout: str = "specforge", draft_vocab: int | None = None,
                  seed: int = 1, max_pos: int = 512, with_embedding: bool = False,
                  aux_ids: list[int] | None = None) -> Path:
@@ -134,3 +175,30 @@ def make_int4_pair(src: Path, out: Path, twin: Path, group_size: int | None = 32
         (d / "config.json").write_text(json.dumps(c, indent=2))
         save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
     return out, twin
+
+
+@torch.inference_mode()
+def assert_decode_matches(model_dir: Path, hf, prompt_len: int = 21, steps: int = 32) -> None:
+    """Our target's logits equal transformers' `hf` (float32) for a random prompt's prefill, then
+    for each of `steps` greedy decode steps."""
+    from specserve.model.layers import ForwardContext
+    from specserve.model.loader import load_target
+
+    length = prompt_len + steps + 8
+    ours = load_target(model_dir, torch.device("cpu"), torch.float32, length)
+    for a in ours.attention_modules():
+        a.k_cache = torch.zeros(1, a.num_kv_heads, length, a.head_dim)
+        a.v_cache = torch.zeros(1, a.num_kv_heads, length, a.v_dim) if a.v_dim else None
+    torch.manual_seed(0)
+    ids = torch.randint(0, ours.cfg.vocab_size, (1, prompt_len))
+    pos = torch.arange(prompt_len).unsqueeze(0)
+    hidden, _ = ours(ids, ForwardContext(0, pos, pos, prompt_len))
+    ref = hf(ids, use_cache=True)
+    torch.testing.assert_close(ours.logits(hidden), ref.logits, rtol=1e-4, atol=1e-4)
+    cache, token = ref.past_key_values, ref.logits[:, -1].argmax(-1, keepdim=True)
+    for step in range(steps):
+        p = torch.tensor([[prompt_len + step]])
+        hidden, _ = ours(token, ForwardContext(0, p, p, prompt_len + step + 1))
+        ref = hf(token, past_key_values=cache, use_cache=True)
+        torch.testing.assert_close(ours.logits(hidden)[:, -1], ref.logits[:, -1], rtol=1e-4, atol=1e-4)
+        cache, token = ref.past_key_values, ref.logits[:, -1].argmax(-1, keepdim=True)

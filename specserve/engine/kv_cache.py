@@ -42,7 +42,7 @@ def row_blocks(max_model_len: int, room: int, block_size: int) -> int:
 
 def bytes_per_block(target, drafter, block_size: int, dtype: torch.dtype) -> int:
     mods = list(target.attention_modules()) + (list(drafter.attention_modules()) if drafter is not None else [])
-    return sum(2 * a.num_kv_heads * a.head_dim * block_size * torch.finfo(dtype).bits // 8 for a in mods)
+    return sum(a.num_kv_heads * (a.head_dim + a.v_dim) * block_size * torch.finfo(dtype).bits // 8 for a in mods)
 
 
 def plan_blocks(cfg, rows: int, max_model_len: int, room: int, block_bytes: int, device: torch.device,
@@ -90,7 +90,8 @@ class KVCache:
     """The target's and the drafter's block pools (set into their attention modules), the block
     table, and the prefill graphs' staging caches. `k_all`/`v_all` hold every target layer in one
     tensor ([layer, block, kv_head, offset, dim]), so moving a tree branch is one copy for all
-    layers, not one per layer."""
+    layers, not one per layer. A module whose `v_dim` is 0 (latent attention: its values are part
+    of the cached latent) gets no V cache, and `v_all` is None."""
 
     def __init__(self, target, drafter, rows: int, max_model_len: int, room: int, dtype: torch.dtype,
                  device: torch.device, stage_tokens: int, block_size: int, num_blocks: int):
@@ -102,31 +103,38 @@ class KVCache:
         self.cache_len = self.max_blocks * block_size
         self.scratch = self.cache_len - 1
         t = self.target_mods
-        shape = (len(t), num_blocks, t[0].num_kv_heads, block_size, t[0].head_dim)
-        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
-        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k_all, self.v_all = self._pair(t[0], num_blocks, block_size, (len(t),))
         for i, a in enumerate(t):
-            a.k_cache, a.v_cache = self.k_all[i], self.v_all[i]
+            a.k_cache, a.v_cache = self.k_all[i], self.v_all[i] if self.v_all is not None else None
         for a in self.drafter_mods:
-            shape = (num_blocks, a.num_kv_heads, block_size, a.head_dim)
-            a.k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            a.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            a.k_cache, a.v_cache = self._pair(a, num_blocks, block_size)
         self.table = torch.full((rows, self.max_blocks), NULL_BLOCK, dtype=torch.long, device=device)
         # Staging for prompts of up to `stage_tokens` tokens (0: no prefill graphs, no staging).
         self.stage_len = prefill_stage_len(stage_tokens)
         self.stage_scratch = self.stage_len - 1
         self.stage: dict[KVCacheAttention, tuple[torch.Tensor, torch.Tensor]] = {}
         if stage_tokens:
-            def staging(a, layers=()):
-                return torch.zeros(*layers, 1, a.num_kv_heads, self.stage_len, a.head_dim, dtype=dtype, device=device)
+            self.k_stage, self.v_stage = self._pair(t[0], 1, self.stage_len, (len(t),))
+            self.stage = {a: (self.k_stage[i], self.v_stage[i] if self.v_stage is not None else None)
+                          for i, a in enumerate(t)}
+            self.stage.update({a: self._pair(a, 1, self.stage_len) for a in self.drafter_mods})
 
-            self.k_stage, self.v_stage = staging(t[0], (len(t),)), staging(t[0], (len(t),))
-            self.stage = {a: (self.k_stage[i], self.v_stage[i]) for i, a in enumerate(t)}
-            self.stage.update({a: (staging(a), staging(a)) for a in self.drafter_mods})
+    def _pair(self, a: KVCacheAttention, blocks: int, length: int, layers: tuple[int, ...] = ()):
+        """Zeroed (K, V) caches of `blocks` blocks of `length` for attention module `a` (V None
+        where a.v_dim is 0)."""
+        def cache(dim):
+            return torch.zeros(*layers, blocks, a.num_kv_heads, length, dim, dtype=self.dtype, device=self.device)
+
+        return cache(a.head_dim), cache(a.v_dim) if a.v_dim else None
+
+    def target_caches(self) -> tuple[torch.Tensor, ...]:
+        """The all-layer target pools that exist ([layer, block, kv_head, offset, dim]): K, and V."""
+        return tuple(c for c in (self.k_all, self.v_all) if c is not None)
 
     def nbytes(self) -> int:
         """Bytes of the target's and the drafter's block pools (staging not included)."""
-        return sum(a.k_cache.numel() * 2 * a.k_cache.element_size() for a in self.target_mods + self.drafter_mods)
+        return sum(c.numel() * c.element_size() for a in self.target_mods + self.drafter_mods
+                   for c in (a.k_cache, a.v_cache) if c is not None)
 
     def set_row(self, row: int, blocks: list[int]) -> None:
         """Row `row` of the block table lists `blocks`, the null block after them."""
@@ -165,7 +173,8 @@ class KVCache:
         """Copy a staged prompt's first T positions of target KV into `row`'s blocks (all layers at once)."""
         block, offset = self.slots(row, T)
         for cache, staged in ((self.k_all, self.k_stage), (self.v_all, self.v_stage)):
-            cache[:, block, :, offset] = staged[:, 0, :, :T].permute(2, 0, 1, 3)
+            if cache is not None:
+                cache[:, block, :, offset] = staged[:, 0, :, :T].permute(2, 0, 1, 3)
 
     def unstage_drafter(self, row: int, T: int) -> None:
         """Copy a staged prompt's first T positions of drafter KV into `row`'s blocks."""

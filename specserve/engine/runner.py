@@ -147,7 +147,7 @@ class ModelRunner:
     def _prefill_graph_buckets(self) -> tuple[int, ...]:
         """Prompt lengths (padded up to these) prefilled by a CUDA graph: run eagerly, a large
         model's hundreds of kernel launches cost more host time than the GPU's work takes."""
-        if not (self.device.type == "cuda" and self.cfg.cuda_graphs):
+        if not (self.device.type == "cuda" and self.cfg.cuda_graphs and self.target.graph_safe):
             return ()
         return tuple(b for b in PREFILL_GRAPH_TOKENS if b <= self.max_model_len and b // 2 < self.cfg.prefill_chunk)
 
@@ -167,7 +167,8 @@ class ModelRunner:
         saved = [(a.k_cache, a.v_cache) for a in mods]
         for a in mods:
             a.k_cache = torch.zeros(n, a.num_kv_heads, bs, a.head_dim, dtype=self.dtype, device=self.device)
-            a.v_cache = torch.zeros_like(a.k_cache)
+            a.v_cache = (torch.zeros(n, a.num_kv_heads, bs, a.v_dim, dtype=self.dtype, device=self.device)
+                         if a.v_dim else None)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
@@ -501,7 +502,7 @@ class ModelRunner:
                           per_node(self.s_seed), all_greedy=not sampling, filtered=filtered)
         pred = sample_tokens(logits, s, rope + 1)  # each node's token, keyed by the position it would fill
         n_acc, next_tok, path = accept_tree(pred, tree, K, self.s_enabled[:B])
-        move_branch_kv((self.kv.k_all, self.kv.v_all), self.kv.table[:B], self.block_size, pos0, pad, n_acc, path, K,
+        move_branch_kv(self.kv.target_caches(), self.kv.table[:B], self.block_size, pos0, pad, n_acc, path, K,
                        scratch)
         grid, feat = branch_inputs(tree, feats, n_acc, next_tok, path)
         self.pending.set_cycle_except(B, pad, grid, feat)
@@ -642,6 +643,9 @@ class ModelRunner:
         graphs reuse its memory pool. `enabled` (default: the config's cuda_graphs) lets an engine
         built without graphs capture them afterwards (the TP workers do, under a timeout)."""
         if self.device.type != "cuda" or not (self.cfg.cuda_graphs if enabled is None else enabled):
+            return 0.0
+        if not self.target.graph_safe:
+            log.warning("%s: no CUDA graphs (its MoE layers run the eager reference path)", self.model_cfg.architecture)
             return 0.0
         t0 = time.perf_counter()
         sizes = self.cfg.graph_batch_sizes or default_graph_batch_sizes(self.rows)

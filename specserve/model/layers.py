@@ -159,13 +159,14 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        from specserve.config import rope_inv_freq
+        from specserve.config import rope_attention_factor, rope_inv_freq
 
         inv_freq = rope_inv_freq(head_dim, theta, scaling).to(torch.float32)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        factor = rope_attention_factor(scaling)  # YaRN scales the tables themselves
+        self.register_buffer("cos", emb.cos() * factor, persistent=False)
+        self.register_buffer("sin", emb.sin() * factor, persistent=False)
         self._tables: dict = {}
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor):
@@ -296,10 +297,11 @@ class KVCacheAttention(HotPathModule):
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
+        self.v_dim = head_dim  # dims per token per head of the V cache; 0: the module keeps no V cache
         self.group = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
         self.k_cache: torch.Tensor | None = None  # [blocks, kv_heads, block_size, head_dim], set by the runner
-        self.v_cache: torch.Tensor | None = None
+        self.v_cache: torch.Tensor | None = None  # [blocks, kv_heads, block_size, v_dim]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
                 rope: RotaryEmbedding) -> torch.Tensor:
@@ -339,19 +341,22 @@ class KVCacheAttention(HotPathModule):
 
     def _attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """SDPA of rotated q [B, T, H, D] over the cached keys [0, kv_len) (keys already written)."""
+        return self._sdpa(q, ctx.cached(self.k_cache), ctx.cached(self.v_cache), ctx)
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q [B, T, H, D] over keys [B, Hkv, kv_len, D] and values [B, Hkv, kv_len, Dv] -> [B, T, H * Dv]."""
         B, T = q.shape[:2]
-        keys, values = ctx.cached(self.k_cache), ctx.cached(self.v_cache)
         # [B, T, H, D] -> [B, Hkv, G*T, D] so each KV head is read once for its whole group
         # (a plain view for one token).
-        Hkv, G, D = self.num_kv_heads, self.group, self.head_dim
+        Hkv, G, D, Dv = self.num_kv_heads, self.group, q.shape[-1], values.shape[-1]
         if T == 1:
             qg = q.view(B, Hkv, G, D)
         else:
             qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
         out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_bias(G, q.dtype), scale=self.scale)
         if T > 1:
-            out = out.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4)
-        return out.reshape(B, T, self.num_heads * D)
+            out = out.view(B, Hkv, G, T, Dv).permute(0, 3, 1, 2, 4)
+        return out.reshape(B, T, self.num_heads * Dv)
 
 
 class SwiGLU(HotPathModule):

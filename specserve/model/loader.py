@@ -48,7 +48,8 @@ def resolve_dtype(dtype: str, config_dtype: str, device: torch.device) -> torch.
     return DTYPES[dtype]
 
 
-def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_tensors(files: list[Path], keep=lambda name: True) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every tensor whose name `keep` accepts (the others are not read)."""
     from safetensors import safe_open
 
     for i, f in enumerate(files):
@@ -56,10 +57,11 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
         if f.suffix == ".safetensors":
             with safe_open(str(f), framework="pt", device="cpu") as st:
                 for name in st.keys():
-                    yield name, st.get_tensor(name)
+                    if keep(name):
+                        yield name, st.get_tensor(name)
         else:
             state = torch.load(f, map_location="cpu", weights_only=True)
-            yield from state.items()
+            yield from ((n, t) for n, t in state.items() if keep(n))
 
 
 def tensor_names(files: list[Path]) -> set[str]:
@@ -134,12 +136,26 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     gguf_file = find_gguf(model_dir)
-    tensors = iter_hf_tensors(gguf_file) if gguf_file else iter_tensors(checkpoint_files(model_dir, allow_pickle))
+    skipped: set[str] = set()
+
+    def text_name(name: str) -> str:  # the text model's tensors, named as in a text-only checkpoint
+        return name[len(cfg.tensor_prefix):] if cfg.tensor_prefix and name.startswith(cfg.tensor_prefix) else name
+
+    def keep(name: str) -> bool:  # not a tensor the text model skips (a vision tower, MTP layers)
+        hit = next((p for p in cfg.skip_prefixes if name.startswith(p) or text_name(name).startswith(p)), None)
+        if hit is not None:
+            skipped.add(hit)
+        return hit is None
+
+    tensors = iter_hf_tensors(gguf_file) if gguf_file else iter_tensors(checkpoint_files(model_dir, allow_pickle), keep)
     with _build_on(device, dtype):
         model = CausalLM(cfg, max_positions)
     # Tied models may still ship lm_head.weight (transformers writes it): drop it.
-    weights = ((n, t) for n, t in tensors if not (cfg.tie_word_embeddings and n == "lm_head.weight"))
-    _fill(model, model.hf_weight_map(), weights, str(model_dir))
+    weights = ((n, t) for n, t in tensors if not (cfg.tie_word_embeddings and text_name(n) == "lm_head.weight"))
+    _fill(model, model.hf_weight_map(), weights, str(model_dir), rename=text_name)
+    if skipped:
+        log.info("%s: skipped the checkpoint's tensors under %s (not part of the %s text model)", model_dir,
+                 ", ".join(sorted(skipped)), cfg.architecture)
     return model.eval().requires_grad_(False)
 
 

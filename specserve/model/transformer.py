@@ -1,7 +1,9 @@
-"""The target model: Llama, Qwen2 and Qwen3 decoders in one implementation.
+"""The target model: Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 decoders in one implementation.
 
-The three differ only in q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3)
-and their configs' spelling, which `ModelConfig` normalizes.
+The dense three differ only in q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3)
+and their configs' spelling, which `ModelConfig` normalizes. Qwen3-MoE is Qwen3 with
+routed experts in place of most MLPs (`moe.MoE`); DeepSeek-V3 adds latent attention
+(`mla.MLASelfAttention`) and shared experts.
 """
 
 from __future__ import annotations
@@ -9,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.config import ModelConfig
+from specserve.config import ConfigError, ModelConfig
 from specserve.distributed.parallel_state import tp_size
 from specserve.model.int4_linear import column_linear, linear_tensors, row_linear
 from specserve.model.layers import (
@@ -22,6 +24,8 @@ from specserve.model.layers import (
     VocabParallelEmbedding,
     _divide,
 )
+from specserve.model.mla import MLASelfAttention
+from specserve.model.moe import MoE
 
 
 QKV = ("q_proj", "k_proj", "v_proj")  # the Hugging Face modules stacked into qkv_proj
@@ -76,10 +80,16 @@ class DecoderLayer(HotPathModule):
         super().__init__()
         prefix = f"model.layers.{index}."
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rope, prefix + "self_attn.")
+        if cfg.mla is not None:
+            self.self_attn = MLASelfAttention(cfg, rope)
+        else:
+            self.self_attn = SelfAttention(cfg, rope, prefix + "self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, quant=cfg.quant,
-                          prefix=prefix + "mlp.")
+        if cfg.moe is not None and index not in cfg.moe.dense_layers:
+            self.mlp = MoE(cfg.hidden_size, cfg.moe)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, quant=cfg.quant,
+                              prefix=prefix + "mlp.")
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """h: the previous sub-layer's output (the embeddings for layer 0), residual: the stream
@@ -100,14 +110,24 @@ class CausalLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
+        if cfg.moe is not None and cfg.moe.num_experts % tp_size():
+            raise ConfigError(f"{cfg.architecture}: {cfg.moe.num_experts} routed experts do not shard evenly over "
+                              f"--tp {tp_size()} ranks")
         self.cfg = cfg
-        self.rope = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
+        self.rope = RotaryEmbedding(rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else column_linear(
             cfg.quant, ["lm_head"], cfg.hidden_size, [cfg.vocab_size], gather_output=True)  # vocab split, logits gathered
         self.aux_layers: tuple[int, ...] = ()
+
+    @property
+    def graph_safe(self) -> bool:
+        """Whether a forward can be captured in a CUDA graph: the MoE reference path's expert loop
+        depends on the routing, so a model with routed experts cannot."""
+        return not any(isinstance(layer.mlp, MoE) for layer in self.layers)
 
     def attention_modules(self) -> list[KVCacheAttention]:
         return [layer.self_attn.attn for layer in self.layers]

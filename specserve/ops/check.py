@@ -20,8 +20,10 @@ Rules worth knowing:
   drafting (a performance cliff), so that is an ERROR naming both numbers and both ways
   out; with --allow-draft-position-extension it is a WARNING. A drafter whose limit
   merely differs from the target's is fine.
-- memory per device = weights / TP (the drafter is replicated on every rank) + KV cache
-  (KV heads split across ranks; the drafter's one layer whole) + a rough overhead
+- memory per device = weights / TP (the drafter is replicated on every rank; every routed
+  expert of an MoE target counts, as all are loaded) + KV cache (KV heads split across
+  ranks; latent attention caches one latent of kv_lora_rank + rope dims per token and
+  layer, no V; the drafter's one layer whole) + a rough overhead
   allowance (OVERHEAD_BYTES for the CUDA context, cuBLAS workspaces and the shared CUDA
   graph pool, plus the verify forward's fp32 logits buffers), compared with
   min(free, total * --gpu-memory-utilization) of each GPU the ranks will use. int4 linears
@@ -308,11 +310,12 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
         f.add("error", "target_config", str(e))
     t_weights = None
     if tcfg is not None:
-        f.add("ok", "target_config",
-              f"target {tcfg.architecture}: {tcfg.num_layers} layers, hidden {tcfg.hidden_size}, "
-              f"{tcfg.num_heads} heads / {tcfg.num_kv_heads} KV heads, vocab {tcfg.vocab_size}, "
+        f.add("ok", "target_config", f"target {tcfg.architecture}: {tcfg.num_layers} layers, "
+              f"hidden {tcfg.hidden_size}, {_attention_words(tcfg)}, vocab {tcfg.vocab_size}, "
               f"max_position_embeddings {tcfg.max_position_embeddings}, dtype {tcfg.dtype}")
         t_weights = _read_weights(f, "target_weights", model_dir, allow_pickle, "target")
+        if t_weights is not None and t_weights.tensors is not None:
+            t_weights = _text_model_tensors(tcfg, t_weights)
         if t_weights is not None and t_weights.tensors is not None:
             _check_target_tensors(f, tcfg, t_weights, model_dir)
     _check_target_tokenizer(f, model_dir, tcfg)
@@ -349,6 +352,32 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
     return list(f)
 
 
+def _attention_words(t: ModelConfig) -> str:
+    words = f"{t.num_heads} heads / {t.num_kv_heads} KV heads"
+    if t.mla is not None:
+        words = (f"{t.num_heads} heads of latent attention (kv_lora_rank {t.mla.kv_lora_rank}, "
+                 f"rope dims {t.mla.qk_rope_head_dim}, q_lora_rank {t.mla.q_lora_rank})")
+    if t.moe is not None:
+        m = t.moe
+        words += (f", {m.num_experts} routed experts ({m.top_k} per token, {m.scoring} routing"
+                  f"{', shared experts' if m.shared_intermediate_size else ''}) in "
+                  f"{t.num_layers - len(m.dense_layers)} layers")
+    return words
+
+
+def _text_model_tensors(t: ModelConfig, w: _Weights) -> _Weights:
+    """The tensors the engine loads, named as it names them: a wrapper's text model (its prefix
+    removed) without the tensors it skips (vision tower, multi-token-prediction layers)."""
+    if not (t.tensor_prefix or t.skip_prefixes):
+        return w
+    kept = {}
+    for name, v in w.tensors.items():
+        text = name[len(t.tensor_prefix):] if t.tensor_prefix and name.startswith(t.tensor_prefix) else name
+        if not any(name.startswith(p) or text.startswith(p) for p in t.skip_prefixes):
+            kept[text] = v
+    return _Weights(w.files, kept, w.disk_bytes)
+
+
 def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: Path) -> None:
     bad = _unsupported_dtypes(w, {n for n in w.tensors if n.endswith(INT4_SUFFIXES)} if t.quant else set())
     if bad:
@@ -375,8 +404,10 @@ def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: 
                      if n[: -len("_packed")] + "_scale" in w.tensors)
         int4 = (f" ({len(packed)} int4 linears: {_count(8 * sum(math.prod(s) for s in packed.values()))} weights in "
                 f"{_gib(4 * sum(math.prod(s) for s in packed.values()))} of words, {_count(scales)} scales)")
+    experts = sum(math.prod(shape) for name, (_, shape) in w.tensors.items() if ".mlp.experts." in name)
+    of_which = f" ({_count(experts)} of them in routed experts, all loaded)" if experts else ""
     f.add("ok", "target_weights", f"target weights: {len(w.files)} {kind} file(s), "
-          f"{_count(params)} parameters{int4}")
+          f"{_count(params)} parameters{of_which}{int4}")
 
 
 def _tokenizer_file(model_dir: Path) -> Path:
@@ -419,8 +450,15 @@ def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None
 
 def _tp_sizes(t: ModelConfig) -> dict[str, int]:
     """The sizes a TP degree must divide."""
-    return {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
-            "intermediate_size": t.intermediate_size}
+    sizes = {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
+             "intermediate_size": t.intermediate_size}
+    if t.moe is not None:  # experts are sharded over the ranks, shared experts split like an MLP
+        sizes |= {"routed experts": t.moe.num_experts, "moe_intermediate_size": t.moe.intermediate_size}
+        if t.moe.shared_intermediate_size:
+            sizes["shared experts' intermediate size"] = t.moe.shared_intermediate_size
+    if t.mla is not None:  # the latent is whole on every rank
+        del sizes["num_key_value_heads"]
+    return sizes
 
 
 def _check_tp(f: _Findings, t: ModelConfig, tp: int) -> None:
@@ -433,7 +471,7 @@ def _check_tp(f: _Findings, t: ModelConfig, tp: int) -> None:
         f.add("error", "tp", f"--tp {tp}: {', '.join(bad)} not divisible by {tp} "
               f"(TP sizes up to 8 that divide all: {', '.join(map(str, ok)) or 'none'})", not_divisible=bad)
     else:
-        f.add("ok", "tp", f"--tp {tp}: heads, KV heads, vocab and intermediate size divide evenly")
+        f.add("ok", "tp", f"--tp {tp}: {', '.join(sizes)} divide evenly")
 
 
 def _check_pair(f: _Findings, t: ModelConfig, d: DraftConfig, w: _Weights | None, draft_dir: Path,
@@ -515,8 +553,12 @@ def _check_positions(f: _Findings, t: ModelConfig, d: DraftConfig, served: int, 
         source = (f"default: min(target max_position_embeddings {t.max_position_embeddings}, "
                   f"{DEFAULT_MAX_MODEL_LEN[dev_type]} on {dev_type})")
     if served <= limit:
+        beyond = ""
+        if limit < t.max_position_embeddings:  # fine now; says what serving the target's full context takes
+            beyond = (f" (the target allows {t.max_position_embeddings}: past {limit}, serving needs "
+                      "--allow-draft-position-extension)")
         f.add("ok", "draft_positions", f"context length {served} ({source}) within the drafter's "
-              f"max_position_embeddings {limit}")
+              f"max_position_embeddings {limit}{beyond}")
         return
     if allow_extension:
         f.add("warning", "draft_positions", f"context length {served} exceeds the drafter's max_position_embeddings "
@@ -585,8 +627,8 @@ def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, 
     row = -(-(max_model_len + room + 1) // bs)
     cache_len = (row + 1) * bs
     pool = (row * max_num_seqs + 1) * bs
-    kv = 2 * t.num_layers * (t.num_kv_heads // tp if t.num_kv_heads % tp == 0 else t.num_kv_heads) \
-        * t.head_dim * elem * pool
+    heads, k_dim, v_dim = t.kv_cache_dims()  # latent attention: one latent "head", no V
+    kv = t.num_layers * (heads // tp if heads % tp == 0 else heads) * (k_dim + v_dim) * elem * pool
     pending = 0
     if d is not None:
         kv += 2 * d.num_kv_heads * d.head_dim * elem * pool

@@ -1,0 +1,134 @@
+"""Multi-head latent attention (DeepSeek-V3, Kimi-K2), weight-absorbed, over a latent KV cache.
+
+Per token and layer the cache holds one "head": the normalised kv_lora_rank latent c and the
+rotated shared key k_rot (qk_rope_head_dim), and no values. kv_b_proj would expand c into each
+head's key (W_UK) and value (W_UV); instead every forward absorbs them:
+q_nope . (W_UK c) = (W_UK^T q_nope) . c, and softmax(..) (W_UV c) = W_UV (softmax(..) c), so
+attention runs over the latent itself with queries [W_UK^T q_nope, q_rot] and the latent as the
+value, and W_UV maps its output to the heads' values.
+
+Under tensor parallelism the heads are split across ranks (q_b_proj / q_proj and kv_b_proj by
+head, o_proj by input); the latent projection and the latent cache are whole on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specserve.config import ModelConfig
+from specserve.distributed.parallel_state import tp_rank, tp_size
+from specserve.model.layers import (
+    ColumnParallelLinear,
+    ForwardContext,
+    HotPathModule,
+    KVCacheAttention,
+    ReplicatedLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    _divide,
+)
+
+# The reference normalises the q and kv latents with this epsilon whatever rms_norm_eps says.
+LATENT_NORM_EPS = 1e-6
+
+
+class LatentAttention(KVCacheAttention):
+    """Attention of H absorbed query heads over a one-head latent cache (latent + rope dims), whose
+    first `latent_dim` dims also serve as the values: the module keeps no V cache (v_dim 0)."""
+
+    def __init__(self, num_heads: int, latent_dim: int, rope_dim: int, scale: float):
+        super().__init__(num_heads, 1, latent_dim + rope_dim)
+        self.v_dim = 0
+        self.latent_dim = latent_dim
+        self.scale = scale
+
+    def forward(self, q: torch.Tensor, latent: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """q [B, T, H, latent + rope] (absorbed, rotated), latent [B, T, 1, latent + rope] -> [B, T, H * latent]."""
+        ctx.store(self.k_cache, latent)
+        keys = ctx.cached(self.k_cache)
+        return self._sdpa(q, keys, keys[..., : self.latent_dim], ctx)
+
+
+def _rows_permuted(loader, rows: torch.Tensor):
+    """A weight loader that stores the checkpoint's rows in the order `rows`."""
+    def load(param, loaded, shard=None):
+        loader(param, loaded.index_select(0, rows.to(loaded.device)), shard)
+
+    return load
+
+
+class MLASelfAttention(HotPathModule):
+    def __init__(self, cfg: ModelConfig, rope: RotaryEmbedding):
+        super().__init__()
+        m = cfg.mla
+        H, hidden = _divide(cfg.num_heads, tp_size(), "num_attention_heads"), cfg.hidden_size
+        self.heads, self.nope, self.rope_dim, self.latent, self.v_dim = (
+            H, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim)
+        qk = self.nope + self.rope_dim
+        if m.q_lora_rank is None:
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+            self.q_proj = ColumnParallelLinear(hidden, [cfg.num_heads * qk])
+            q_out = self.q_proj
+        else:
+            self.q_proj = None
+            self.q_a_proj = ReplicatedLinear(hidden, m.q_lora_rank, bias=cfg.o_bias)
+            self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [cfg.num_heads * qk])
+            q_out = self.q_b_proj
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.latent + self.rope_dim, bias=cfg.o_bias)
+        self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
+        # kv_b_proj as [H, nope + v, latent]: W_UK = [:, :nope], W_UV = [:, nope:] (3-D, so the
+        # linear tuning, which re-lays out 2-D weights, leaves it as it is).
+        self.kv_b = nn.Parameter(torch.empty(H, self.nope + self.v_dim, self.latent))
+        self.kv_b.weight_loader = self._load_kv_b
+        self.o_proj = RowParallelLinear(cfg.num_heads * self.v_dim, hidden, bias=cfg.o_bias)
+        if m.rope_interleave:
+            # Rope pairs are adjacent in the checkpoint ((x0, x1), (x2, x3)...); storing the rope rows
+            # of q and k evens-then-odds makes them the rotate-half pairs (x_i, x_i+R/2) of the usual
+            # rope, for q and k alike, so q.k is unchanged.
+            R = self.rope_dim
+            pairs = torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2)])
+            q_rows = torch.cat([torch.arange(self.nope), self.nope + pairs])
+            q_rows = (torch.arange(cfg.num_heads).unsqueeze(1) * qk + q_rows).flatten()
+            kv_rows = torch.cat([torch.arange(self.latent), self.latent + pairs])
+            q_out.weight.weight_loader = _rows_permuted(q_out.weight.weight_loader, q_rows)
+            for p in self.kv_a_proj_with_mqa.parameters():
+                p.weight_loader = _rows_permuted(p.weight_loader, kv_rows)
+        self.rope = rope
+        self.attn = LatentAttention(H, self.latent, self.rope_dim, m.softmax_scale)
+
+    def _load_kv_b(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
+        want = (self.heads * tp_size() * (self.nope + self.v_dim), self.latent)
+        if tuple(loaded.shape) != want:
+            raise ValueError(f"expected shape {want}, checkpoint has {tuple(loaded.shape)}")
+        param.data.copy_(loaded.view(-1, *param.shape[1:]).narrow(0, tp_rank() * self.heads, self.heads))
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        B, T, _ = x.shape
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_nope, q_rot = q.view(B, T, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
+        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope_dim], dim=-1)
+        q_rot = KVCacheAttention._rotate(q_rot, ctx, self.rope)
+        k_rot = KVCacheAttention._rotate(k_rot.unsqueeze(2), ctx, self.rope)
+        latent = torch.cat([self.kv_a_layernorm(c).unsqueeze(2), k_rot], dim=-1)
+        q_latent = torch.einsum("bthn,hnl->bthl", q_nope, self.kv_b[:, : self.nope])
+        out = self.attn(torch.cat([q_latent, q_rot], dim=-1), latent, ctx)
+        v = torch.einsum("bthl,hvl->bthv", out.view(B, T, self.heads, self.latent), self.kv_b[:, self.nope:])
+        return self.o_proj(v.reshape(B, T, self.heads * self.v_dim))
+
+    def hf_weights(self, prefix: str) -> dict[str, tuple[nn.Parameter, int | None]]:
+        """Hugging Face tensor names under `prefix` (".../self_attn.") -> (parameter, shard)."""
+        mods = {"q_proj": self.q_proj, "q_a_proj": self.q_a_proj, "q_a_layernorm": self.q_a_layernorm,
+                "q_b_proj": self.q_b_proj,
+                "kv_a_proj_with_mqa": self.kv_a_proj_with_mqa, "kv_a_layernorm": self.kv_a_layernorm,
+                "o_proj": self.o_proj}
+        out: dict[str, tuple[nn.Parameter, int | None]] = {prefix + "kv_b_proj.weight": (self.kv_b, None)}
+        for name, mod in mods.items():
+            if mod is not None:
+                out.update({f"{prefix}{name}.{p}": (t, None) for p, t in mod.named_parameters()})
+        return out
