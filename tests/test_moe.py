@@ -42,10 +42,10 @@ def test_latent_attention_caches_only_the_latent(checkpoint):
     engine = Engine(EngineConfig(model=str(d), device="cpu", max_num_seqs=2, max_model_len=64))
     kv = engine.runner.kv
     if cfg.mla is None:
-        assert kv.v_all is not None and kv.k_all.shape[2:] == (2, kv.cache_len, 16)
+        assert kv.v_all is not None and kv.k_all.shape[2:] == (2, kv.block_size, 16)
         return
-    # one head of kv_lora_rank 32 + rope 16 dims per token per layer, no V cache
-    assert kv.k_all.shape == (4, 2, 1, kv.cache_len, 48) and kv.v_all is None
+    # blocks of one head of kv_lora_rank 32 + rope 16 dims per token per layer, no V cache
+    assert kv.k_all.shape == (4, kv.num_blocks, 1, kv.block_size, 48) and kv.v_all is None
     assert kv.nbytes() == kv.k_all.numel() * 4
 
 
