@@ -193,7 +193,7 @@ class Engine(ServingEngine):
     def _admit(self) -> None:
         while self.waiting and self.free_rows > 0:
             row = self.n_running + self.n_prefill
-            if not self.scheduler.admit(self.waiting[0], row):
+            if not self.scheduler.admit(self.waiting[0], row, self.n_running):
                 break  # first come, first served: later arrivals wait too
             seq = self.waiting.popleft()
             seq.row = row

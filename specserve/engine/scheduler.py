@@ -3,7 +3,7 @@ holds, and preemption when blocks run out.
 
 Policy: first come, first served. A sequence is admitted when a row is free and the pool can
 give the blocks of its whole prompt plus one cycle's room (`margin`), after whatever the prefix
-cache already holds. While decoding, each sequence holds blocks up to its length plus the margin
+cache already holds, and still keep a block per running sequence for its growth. While decoding, each sequence holds blocks up to its length plus the margin
 (two cycles' writes, since a draft may be queued behind a verify), taken just before the step;
 a cycle's rejected drafts were written inside that margin, so they cost no blocks. When a
 running sequence needs a block and none is left, the most recently arrived running sequence
@@ -30,14 +30,15 @@ class Scheduler:
     def blocks_for(self, n_tokens: int) -> int:
         return -(-min(n_tokens, self.max_len) // self.kv.block_size)
 
-    def admit(self, seq: Sequence, row: int) -> bool:
+    def admit(self, seq: Sequence, row: int, running: int) -> bool:
         """Give `seq` its prefix-cache hit and the blocks for the rest of its prefill; False (nothing
-        changed) when the pool cannot."""
+        changed) when the pool cannot. One block per running sequence (`running`) stays free for
+        their growth, so an admission does not at once preempt a sequence already decoding."""
         tokens = seq.tokens(0, seq.prefill_len)
         hit = self.pool.match(tokens)
         need = self.blocks_for(seq.prefill_len + self.margin) - len(hit)
         idle_hits = sum(1 for b in hit if self.pool.refs[b] == 0)  # counted in available() but not takeable
-        if need > self.pool.available() - idle_hits:
+        if need + running > self.pool.available() - idle_hits:
             return False
         self.pool.acquire(hit)
         seq.blocks = hit + self.pool.allocate(need)
