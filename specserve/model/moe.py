@@ -110,7 +110,7 @@ class MoE(HotPathModule):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
-        if self.graph_safe and use_triton(x, self.w13, self.w2):
+        if use_triton(x, self.w13, self.w2) and self.graph_safe:
             out = fused_experts(x, weights, ids, self.w13, self.w2, self.first)
         else:
             out = self.experts_ref(x, weights, ids)
