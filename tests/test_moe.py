@@ -270,14 +270,19 @@ def test_check_tp_names_the_experts(moe_pair):
 
 @pytest.mark.gpu
 def test_moe_target_on_gpu_greedy_and_speculation(moe_pair):
-    """On CUDA (no graphs: the MoE reference path) the tiny DeepSeek-V3 target decodes in float32
-    as on the CPU, speculation there equals plain decoding, and bf16 runs."""
+    """On CUDA the tiny DeepSeek-V3 target runs its experts fused and is captured in CUDA graphs;
+    in float32 it decodes as on the CPU and as eagerly, speculation (chain and tree, graphs
+    too) equals plain decoding, and bf16 runs."""
     target, draft = moe_pair
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 11, (n,), generator=g).tolist() for n in (5, 13, 2)]
     base, engine = _generate(target, None, prompts, device="cuda", dtype="float32")
-    assert not engine.runner.graphs
+    assert engine.runner.target.graph_safe and engine.runner.graphs
     assert base == _generate(target, None, prompts)[0]
-    assert _generate(target, draft, prompts, device="cuda", dtype="float32", spec_steps=3)[0] == base
+    assert _generate(target, None, prompts, device="cuda", dtype="float32", cuda_graphs=False)[0] == base
+    for spec in (dict(spec_steps=3), dict(spec_steps=3, spec_topk=2)):
+        out, engine = _generate(target, draft, prompts, device="cuda", dtype="float32", **spec)
+        assert engine.runner.graphs and out == base, spec
+        assert engine.totals.accepted > 0
     out, _ = _generate(target, draft, prompts, device="cuda", dtype="bfloat16", spec_steps=3)
     assert [len(o) for o in out] == [GREEDY.max_tokens] * 3

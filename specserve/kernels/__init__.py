@@ -12,6 +12,7 @@ graph. The modules here do each of those in one, split by kind:
                   as far as its last visible key (flash-decoding: chunks in parallel, then merged);
 - ``argmax``      a row's argmax split into chunks side by side;
 - ``tree``        one depth of greedy tree drafting;
+- ``moe``         routed experts fused: pairs sorted by expert, two grouped GEMMs (CUDA-graph safe);
 - ``gemv``        the skinny-matmul kernel and its GPU tuner;
 - ``cpu_linear``  column-major CPU weights and the oneDNN tuner;
 - ``linear``      the product every layer calls, following what the tuners chose (``LinearTuning``);

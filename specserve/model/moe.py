@@ -2,9 +2,12 @@
 routing, or Qwen3-MoE's softmax), the chosen SwiGLU experts' outputs are summed with the routing
 weights, and shared experts (DeepSeek-V3) see every token.
 
-This is the PyTorch reference path, run on the CPU and, unfused, on the GPU: tokens are grouped by
-expert and each expert that any token chose runs once over its tokens. Its loop depends on the
-routing, so a forward through it cannot be captured in a CUDA graph.
+On the GPU the routed experts run fused (`kernels.moe.fused_experts`: pairs sorted by expert,
+two grouped GEMMs), with fixed shapes and no host synchronisation, so a forward can be captured
+in a CUDA graph; the routing is torch ops that never wait on the GPU either. The CPU runs the
+PyTorch reference, which is also the fused path's test oracle: tokens are grouped by expert and
+each expert that any token chose runs once over its tokens. Its loop depends on the routing, so
+it cannot be captured.
 
 Under tensor parallelism the routed experts are sharded over the ranks (expert parallelism: rank r
 holds a contiguous 1/tp of them); every rank routes every token, runs the chosen experts it holds,
@@ -18,7 +21,9 @@ from torch import nn
 
 from specserve.config import MoEConfig
 from specserve.distributed.parallel_state import all_reduce, tp_rank, tp_size
+from specserve.kernels.common import use_triton
 from specserve.kernels.linear import linear
+from specserve.kernels.moe import fused_experts, fused_experts_supported
 from specserve.kernels.norm import silu_mul
 from specserve.model.layers import HotPathModule, SwiGLU
 
@@ -96,10 +101,26 @@ class MoE(HotPathModule):
             return route_grouped_sigmoid(logits, self.score_bias, self.m)
         return route_softmax(logits, self.m)
 
+    @property
+    def graph_safe(self) -> bool:
+        """Whether `forward` takes the fused path, which a CUDA graph can capture."""
+        return fused_experts_supported(self.w13, self.w2)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
+        if use_triton(x, self.w13, self.w2) and self.graph_safe:
+            out = fused_experts(x, weights, ids, self.w13, self.w2, self.first)
+        else:
+            out = self.experts_ref(x, weights, ids)
+        out = all_reduce(out)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.view(shape)
+
+    def experts_ref(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The routed experts held here for tokens x [N, hidden] routed (weights, ids) [N, k]."""
         out = torch.zeros_like(x)
         # Tokens sorted by expert: each chosen expert held here runs once over the tokens that chose it.
         for e in ids.unique().tolist():
@@ -108,10 +129,7 @@ class MoE(HotPathModule):
             tok, slot = (ids == e).nonzero(as_tuple=True)
             y = linear(silu_mul(linear(x[tok], self.w13[e - self.first])), self.w2[e - self.first])
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
-        out = all_reduce(out)
-        if self.shared is not None:
-            out = out + self.shared(x)
-        return out.view(shape)
+        return out
 
     def hf_weights(self, prefix: str) -> dict[str, tuple[nn.Parameter, object]]:
         """Hugging Face tensor names under `prefix` (".../mlp.") -> (parameter, shard)."""

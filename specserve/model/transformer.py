@@ -125,9 +125,9 @@ class CausalLM(nn.Module):
 
     @property
     def graph_safe(self) -> bool:
-        """Whether a forward can be captured in a CUDA graph: the MoE reference path's expert loop
-        depends on the routing, so a model with routed experts cannot."""
-        return not any(isinstance(layer.mlp, MoE) for layer in self.layers)
+        """Whether a forward can be captured in a CUDA graph: not through the MoE reference path,
+        whose expert loop depends on the routing (MoE layers capture where they run fused)."""
+        return all(layer.mlp.graph_safe for layer in self.layers if isinstance(layer.mlp, MoE))
 
     def attention_modules(self) -> list[KVCacheAttention]:
         return [layer.self_attn.attn for layer in self.layers]

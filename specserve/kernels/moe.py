@@ -1,0 +1,168 @@
+"""Fused routed experts: every (token, chosen expert) pair through its expert's SwiGLU in two
+grouped GEMMs, with fixed shapes and no host synchronisation, so an MoE forward can be captured
+in a CUDA graph.
+
+- ``align_pairs``  sorts the N x top_k pairs by expert into blocks of BLOCK_M rows, each expert's
+                   run padded to whole blocks, and names each block's expert. The buffers are
+                   sized for the worst case (every held expert chosen), so their shapes depend
+                   only on N, top_k, the expert count and BLOCK_M: blocks no pair fills are
+                   marked with the expert count and their programs exit at once.
+- ``fused_experts`` gate_up with silu(gate) * up fused (one kernel), then down times the routing
+                   weight (a second), then the top_k rows of each token summed.
+
+Roundings follow the reference (`model.moe.MoE`): each product is accumulated in float32 and
+rounded to the model's dtype where `linear` rounds, silu and the routing weight are applied as
+the reference applies them, and only the final sum of a token's top_k contributions is taken in
+float32 and rounded once (the reference adds them one expert at a time in the model's dtype).
+float32 products use IEEE float32 on the tensor cores, not TF32, so float32 runs match the
+reference to the order of a float32 sum.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specserve.kernels import common
+from specserve.kernels.common import pdl_args, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from specserve.kernels.common import wait_for_previous
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, h_ptr, pairs_ptr, block_expert_ptr, P, E,
+                        H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        # Program (block, n): BLOCK_M pairs of one expert times BLOCK_N gate and up features each.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        wait_for_previous(PDL)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= E:  # a block past the last pair
+            return
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pair < P  # padding rows hold P
+        tok = (pair // TOP_K).to(tl.int64)
+        pair = pair.to(tl.int64)  # (pair * hidden outgrows int32 on long prefill chunks)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < I
+        w = w_ptr + e.to(tl.int64) * (2 * I * H)
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < H
+            a = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            wmask = kmask[:, None] & nmask[None, :]
+            wg = tl.load(w + offs_n[None, :] * H + offs_k[:, None], mask=wmask, other=0.0)
+            wu = tl.load(w + (I + offs_n[None, :]) * H + offs_k[:, None], mask=wmask, other=0.0)
+            acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+        dt = h_ptr.dtype.element_ty
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(h_ptr + pair[:, None] * I + offs_n[None, :], (s * u).to(dt), mask=valid[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _down_kernel(h_ptr, w_ptr, rw_ptr, out_ptr, pairs_ptr, block_expert_ptr, P, E,
+                     H: tl.constexpr, I: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+        # Program (block, n): BLOCK_M pairs of one expert times BLOCK_N output features, each row
+        # scaled by its routing weight.
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        wait_for_previous(PDL)
+        e = tl.load(block_expert_ptr + pid_m)
+        if e >= E:
+            return
+        pair = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = pair < P
+        pair = pair.to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < H
+        w = w_ptr + e.to(tl.int64) * (H * I)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < I
+            a = tl.load(h_ptr + pair[:, None] * I + offs_k[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            b = tl.load(w + offs_n[None, :] * I + offs_k[:, None], mask=kmask[:, None] & nmask[None, :], other=0.0)
+            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+        dt = out_ptr.dtype.element_ty
+        y = acc.to(dt).to(tl.float32)
+        rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        tl.store(out_ptr + pair[:, None] * H + offs_n[None, :], (y * rw[:, None]).to(dt),
+                 mask=valid[:, None] & nmask[None, :])
+
+
+MIN_DIM = 16  # tl.dot's smallest tile: experts narrower than this take the reference path
+
+
+def fused_experts_supported(w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether `fused_experts` serves these stacked expert weights (gate/up [E, 2I, H], down
+    [E, H, I]): CUDA tensors of a float dtype with Triton and the fused kernels on. A model
+    whose MoE layers all pass can be captured in a CUDA graph."""
+    return (common.FUSED and triton is not None and w13.is_cuda and w13.dtype in (torch.float32, torch.float16,
+                                                                                  torch.bfloat16)
+            and min(w2.shape[1], w2.shape[2]) >= MIN_DIM)
+
+
+def block_m_for(pairs: int, experts: int) -> int:
+    """Rows per block: the tensor cores' smallest tile while experts see a few pairs each
+    (decode, verify, short prefills), wider once each sees many."""
+    per_expert = pairs / experts
+    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+
+
+def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sorts the pairs of expert ids [N, top_k] (global ids; this rank holds experts
+    first..first+experts-1) by expert into blocks of `block_m` rows. Returns (pairs
+    [blocks * block_m] int32: pair index token * top_k + slot, N * top_k on padding rows;
+    block_expert [blocks] int32: the local expert of each block, `experts` past the last). Pairs
+    routed to experts another rank holds are left out. Torch ops only, none waiting on the GPU."""
+    P = ids.numel()
+    blocks = min(P, experts) + -(-P // block_m)  # each chosen expert wastes under one block
+    local = ids.reshape(-1).long() - first
+    local = torch.where((local >= 0) & (local < experts), local, experts)  # others' experts: one more bucket
+    counts = torch.zeros(experts + 1, dtype=torch.long, device=ids.device).scatter_add_(0, local,
+                                                                                       torch.ones_like(local))
+    padded = (counts[:experts] + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = torch.argsort(local, stable=True)
+    sorted_e = local[order]
+    rank = torch.arange(P, device=ids.device) - (counts.cumsum(0) - counts)[sorted_e]
+    held = sorted_e < experts
+    starts = torch.cat([ends.new_zeros(1), ends])  # starts[e] for e < experts; starts[experts] unused
+    dest = torch.where(held, starts[sorted_e] + rank, blocks * block_m)  # not held: a slot cut off below
+    pairs = torch.full((blocks * block_m + 1,), P, dtype=torch.int32, device=ids.device)
+    pairs.scatter_(0, dest, order.int())
+    block_expert = torch.searchsorted(ends, torch.arange(blocks, device=ids.device) * block_m, right=True)
+    return pairs[:-1], block_expert.int()
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                  w2: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """sum over k of weights[:, k] * expert_{ids[:, k]}(x) for x [N, H]; w13 [E, 2I, H] (gate
+    rows then up rows) and w2 [E, H, I] hold experts first..first+E-1, pairs routed elsewhere
+    contribute zero (the other ranks add them). Returns [N, H] in x's dtype."""
+    N, H = x.shape
+    E, I = w2.shape[0], w2.shape[2]
+    top_k = ids.shape[1]
+    P = N * top_k
+    block_m = block_m_for(P, E)
+    pairs, block_expert = align_pairs(ids, E, first, block_m)
+    blocks = block_expert.numel()
+    x = x.contiguous()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit inputs)
+    block_n, block_k = 64, 64
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(blocks, triton.cdiv(I, block_n))](
+        x, w13, h, pairs, block_expert, P, E, H=H, I=I, TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=precision, num_warps=4, **pdl_args(x))
+    out = torch.zeros(P, H, dtype=x.dtype, device=x.device)  # rows of pairs held elsewhere stay zero
+    _down_kernel[(blocks, triton.cdiv(H, block_n))](
+        h, w2, weights.contiguous(), out, pairs, block_expert, P, E, H=H, I=I, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_K=block_k, PRECISION=precision, num_warps=4, **pdl_args(x))
+    return out.view(N, top_k, H).sum(1, dtype=torch.float32).to(x.dtype)

@@ -1,0 +1,128 @@
+"""The fused routed experts (specserve/kernels/moe.py) against the MoE reference path.
+
+Without a GPU the kernels run in Triton's interpreter (shapes kept tiny: it is slow); on one they
+run compiled. The reference is `MoE.forward` on the CPU (its expert loop) or `MoE.experts_ref`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these kernels in "
+                                     "its interpreter on CPU)")
+from specserve.config import MoEConfig  # noqa: E402
+from specserve.kernels.moe import align_pairs, fused_experts  # noqa: E402
+from specserve.model.moe import MoE  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+HIDDEN, INTER = 32, 16
+# float32 against the CPU reference: sums in another order (on a GPU, other kernels' orders too)
+F32 = dict(rtol=1e-5, atol=1e-5) if DEV == "cpu" else dict(rtol=1e-4, atol=1e-4)
+# (routing, experts, top_k, groups, groups kept): DeepSeek-style grouped sigmoid with a selection
+# bias, Qwen-style softmax; 2 of 8 and 8 of 16 experts
+ROUTINGS = {"sigmoid-2of8": ("sigmoid", 8, 2, 4, 2), "sigmoid-8of16": ("sigmoid", 16, 8, 4, 2),
+            "softmax-2of8": ("softmax", 8, 2, 1, 1), "softmax-8of16": ("softmax", 16, 8, 1, 1)}
+
+
+def _moe(routing: str, shared: bool = True, seed: int = 0) -> MoE:
+    scoring, E, k, groups, kept = ROUTINGS[routing]
+    m = MoEConfig(num_experts=E, top_k=k, intermediate_size=INTER, scoring=scoring, norm_topk_prob=True,
+                  routed_scaling_factor=2.5 if scoring == "sigmoid" else 1.0, n_group=groups, topk_group=kept,
+                  shared_intermediate_size=INTER if shared else 0, dense_layers=())
+    moe = MoE(HIDDEN, m)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return moe.requires_grad_(False)
+
+
+def _fused_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
+    """MoE.forward with the routed experts fused (what it runs on CUDA)."""
+    weights, ids = moe.route(x)
+    return fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first) + moe.shared(x)
+
+
+@pytest.mark.parametrize("routing", list(ROUTINGS))
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_fused_moe_equals_reference(routing, tokens):
+    moe = _moe(routing)
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    want = moe(x)  # on the CPU: the reference loop
+    got = _fused_forward(moe.to(DEV), x.to(DEV)).cpu()
+    torch.testing.assert_close(got, want, **F32)
+
+
+def test_align_pads_each_chosen_expert_to_whole_blocks_and_skips_empty_ones():
+    ids = torch.tensor([[0, 3], [3, 5], [0, 3]])  # experts 1, 2, 4, 6, 7: no pairs
+    pairs, block_expert = align_pairs(ids.to(DEV), experts=8, first=0, block_m=16)
+    P = ids.numel()
+    assert block_expert.shape == (min(P, 8) + 1,) and pairs.shape == (block_expert.numel() * 16,)
+    assert block_expert.tolist() == [0, 3, 5, 8, 8, 8, 8]  # 8: no expert, the programs exit
+    rows = pairs.view(-1, 16).cpu()
+    assert rows[0, :2].tolist() == [0, 4] and rows[1, :3].tolist() == [1, 2, 5] and rows[2, :1].tolist() == [3]
+    assert (rows[0, 2:] == P).all() and (rows[1, 3:] == P).all() and (rows[2, 1:] == P).all() and (rows[3:] == P).all()
+
+
+def test_experts_without_tokens_and_experts_held_elsewhere_contribute_nothing():
+    """Routing that leaves most experts idle (one gets every token) equals the reference; with
+    experts 4..7 held here (expert parallelism), pairs routed to 0..3 add zero."""
+    moe = _moe("sigmoid-2of8", shared=False)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, HIDDEN, generator=g)
+    ids = torch.tensor([[6, 1], [6, 2], [1, 6], [6, 5], [2, 6]])
+    weights = torch.rand(5, 2, generator=g)
+    want = moe.experts_ref(x, weights, ids)
+    w13, w2 = moe.w13.to(DEV), moe.w2.to(DEV)
+    got = fused_experts(x.to(DEV), weights.to(DEV), ids.to(DEV), w13, w2).cpu()
+    torch.testing.assert_close(got, want, **F32)
+    elsewhere = moe.experts_ref(x, weights.masked_fill(ids < 4, 0.0), ids)
+    got = fused_experts(x.to(DEV), weights.to(DEV), ids.to(DEV), w13[4:], w2[4:], first=4).cpu()
+    torch.testing.assert_close(got, elsewhere, **F32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEV == "cpu", reason="Triton's interpreter multiplies bf16 tiles wrongly (tl.dot); checked on the GPU"))])
+def test_fused_moe_in_16_bit(dtype):
+    """To within a few 16-bit steps of the reference loop run in that dtype on the same device and
+    routing (a router in 16 bits may break near-ties differently on another device): the
+    reference adds a token's top_k contributions one at a time in the dtype, the kernel sums them
+    in float32."""
+    moe = _moe("softmax-8of16", shared=False).to(DEV, dtype)
+    x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(7)).to(DEV, dtype)
+    weights, ids = moe.route(x)
+    want = moe.experts_ref(x, weights, ids).float()
+    got = fused_experts(x, weights, ids, moe.w13, moe.w2).float()
+    step = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_moe_forward_takes_the_fused_path_on_cuda(monkeypatch):
+    moe = _moe("sigmoid-8of16").to("cuda")
+    assert moe.graph_safe and not _moe("sigmoid-8of16").graph_safe
+    monkeypatch.setattr(MoE, "experts_ref", lambda *a: pytest.fail("the reference loop ran on CUDA"))
+    x = torch.randn(4, HIDDEN, device="cuda")
+    with torch.inference_mode():
+        assert moe(x).shape == x.shape
+
+
+@pytest.mark.gpu
+def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
+    """Captured once, the MoE forward (routing, alignment, both kernels) follows new inputs and
+    their new routing on every replay."""
+    moe = _moe("sigmoid-8of16").to("cuda")
+    ref = _moe("sigmoid-8of16")
+    x = torch.randn(17, HIDDEN, device="cuda")
+    with torch.inference_mode():
+        moe(x)  # compiles the kernels outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = moe(x)
+        for seed in range(3):
+            new = torch.randn(17, HIDDEN, generator=torch.Generator().manual_seed(seed))
+            x.copy_(new)
+            graph.replay()
+            torch.testing.assert_close(out.cpu(), ref(new), **F32)
