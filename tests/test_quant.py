@@ -12,10 +12,10 @@ from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 from specserve.model.int4_linear import Int4Linear
-from specserve.model.layers import ColumnParallelLinear, ForwardContext, RowParallelLinear
+from specserve.model.layers import ColumnParallelLinear, RowParallelLinear
 from specserve.model.loader import load_target
 from specserve.model.quant import Int4Weights, parse_quantization_config
-from tiny import make_drafter, make_int4_pair, make_target
+from tiny import assert_logits_match, make_drafter, make_int4_pair, make_target, with_cache
 
 CPU = torch.device("cpu")
 # (group size, symmetric, ignore): the scheme, an asymmetric one with a `re:` ignore, per channel
@@ -34,13 +34,6 @@ def int4_pair(request, tmp_path_factory):
     src = make_target(root / "src", vocab=12, hidden=64, layers=3, heads=4, kv_heads=2)
     q, twin = make_int4_pair(src, root / "int4", root / "twin", group, symmetric, ignore)
     return q, twin, request.param
-
-
-def _with_cache(model, length: int = 64):
-    for a in model.attention_modules():
-        a.k_cache = torch.zeros(1, a.num_kv_heads, length, a.head_dim)
-        a.v_cache = torch.zeros_like(a.k_cache)
-    return model
 
 
 # --------------------------------------------------------------------- packing
@@ -81,7 +74,7 @@ def test_dequantize_matches_compressed_tensors(group, symmetric):
 @torch.inference_mode()
 def test_int4_checkpoint_loads_packed_and_equals_its_twin(int4_pair):
     q, twin, scheme = int4_pair
-    ours, ref = _with_cache(load_target(q, CPU, torch.float32, 64)), _with_cache(load_target(twin, CPU, torch.float32, 64))
+    ours, ref = with_cache(load_target(q, CPU, torch.float32, 64)), with_cache(load_target(twin, CPU, torch.float32, 64))
     layer = ours.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
     assert isinstance(ours.lm_head, ColumnParallelLinear)  # ignored: stays float
@@ -91,18 +84,7 @@ def test_int4_checkpoint_loads_packed_and_equals_its_twin(int4_pair):
     gate_up = layer.mlp.gate_up_proj
     assert gate_up.weight_packed.dtype == torch.int32 and gate_up.weight_packed.shape == (256, 8)
     assert not any(p.dim() == 2 and p.shape == (256, 64) for p in ours.parameters())
-    g = torch.Generator().manual_seed(2)
-    ids, pos = torch.randint(0, 11, (1, 13), generator=g), torch.arange(13).unsqueeze(0)
-    h, _ = ours(ids, ForwardContext(0, pos, pos, 13))
-    h_ref, _ = ref(ids, ForwardContext(0, pos, pos, 13))
-    torch.testing.assert_close(ours.logits(h), ref.logits(h_ref), rtol=1e-5, atol=1e-5)
-    token = ours.logits(h)[:, -1].argmax(-1, keepdim=True)
-    for step in range(8):
-        p = torch.tensor([[13 + step]])
-        a, _ = ours(token, ForwardContext(0, p, p, 14 + step))
-        b, _ = ref(token, ForwardContext(0, p, p, 14 + step))
-        torch.testing.assert_close(ours.logits(a), ref.logits(b), rtol=1e-5, atol=1e-5)
-        token = ours.logits(a)[:, -1].argmax(-1, keepdim=True)
+    assert_logits_match(ours, ref, 11)
 
 
 def _generate(model, prompts, draft=None, **kw):

@@ -18,6 +18,26 @@ from specserve.model.layers import ColumnParallelLinear, HotPathModule, RowParal
 from specserve.model.quant import Int4Weights, QuantConfig
 
 
+def check_int32(t: torch.Tensor) -> None:
+    if t.dtype != torch.int32:
+        raise ValueError(f"packed int4 tensors are int32, checkpoint has {t.dtype}")
+
+
+def check_float(t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        raise ValueError(f"scales are floats, checkpoint has {t.dtype}")
+
+
+def unpack_zero_points(loaded: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
+    """A module's zero points as checkpoints store them (int32 words along the output dimension,
+    [ceil(rows/8), groups]) -> int8 [rows, groups], ready to stack and shard by row."""
+    check_int32(loaded)
+    if tuple(loaded.shape) != (-(-rows // PACK), groups):
+        raise ValueError(f"expected packed zero points of shape {(-(-rows // PACK), groups)}, "
+                         f"checkpoint has {tuple(loaded.shape)}")
+    return unpack_int4(loaded, rows, dim=-2)
+
+
 class Int4Linear(HotPathModule):
     """y = x W^T + b for an int4 W [out, in]. `split` "column": output features split across
     ranks, several Hugging Face modules stacked (`shard_sizes`, as ColumnParallelLinear);
@@ -92,28 +112,18 @@ class Int4Linear(HotPathModule):
             loaded = loaded.narrow(1, tp_rank() * local, local)
         buf.narrow(0, self.offsets[shard], size).copy_(loaded)
 
-    @staticmethod
-    def _int32(t: torch.Tensor) -> None:
-        if t.dtype != torch.int32:
-            raise ValueError(f"packed int4 tensors are int32, checkpoint has {t.dtype}")
-
     def _load_packed(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
-        self._int32(loaded)
+        check_int32(loaded)
         self._place(param, loaded, shard or 0, PACK)
 
     def _load_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
-        if not loaded.is_floating_point():
-            raise ValueError(f"scales are floats, checkpoint has {loaded.dtype}")
+        check_float(loaded)
         self._place(param, loaded, shard or 0, self.group)
 
     def _load_zero(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
-        self._int32(loaded)
         shard = shard or 0
-        rows, groups = self.shard_sizes[shard], 1 if self.group is None else self.in_features // self.group
-        if tuple(loaded.shape) != (-(-rows // PACK), groups):
-            raise ValueError(f"expected packed zero points of shape {(-(-rows // PACK), groups)}, "
-                             f"checkpoint has {tuple(loaded.shape)}")
-        self._place(param, unpack_int4(loaded, rows, dim=-2), shard, self.group)
+        rows = self.shard_sizes[shard]
+        self._place(param, unpack_zero_points(loaded, rows, self.fmt.groups(self.in_features)), shard, self.group)
 
     def _load_shape(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
         shard = shard or 0

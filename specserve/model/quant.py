@@ -76,10 +76,31 @@ class QuantConfig:
         if len(set(found)) > 1:
             from specserve.config import ConfigError
 
-            parts = ", ".join(f"{n.rsplit('.', 1)[-1]} {f.describe() if f else 'float'}" for n, f in zip(names, found))
+            parts = ", ".join(f"{n.rsplit('.', 1)[-1]} {_describe(f)}" for n, f in zip(names, found))
             raise ConfigError(f"{names[0].rsplit('.', 1)[0]}: {parts} in quantization_config; they run as one fused "
                               "product, so they must be quantized alike")
         return found[0]
+
+    def experts(self, prefix: str, num_experts: int) -> Int4Weights | None:
+        """The one format of a layer's routed experts (`prefix`: `model.layers.1.mlp.`): each
+        projection of every expert is stacked into one tensor, so they must all agree."""
+        names = [f"{prefix}experts.{e}.{p}" for e in range(num_experts) for p in EXPERT_PROJECTIONS]
+        first = self.linear(names[0])
+        odd = next((n for n in names[1:] if self.linear(n) != first), None)
+        if odd is not None:
+            from specserve.config import ConfigError
+
+            raise ConfigError(f"{prefix}experts: {names[0]} is {_describe(first)} but {odd} is "
+                              f"{_describe(self.linear(odd))} in quantization_config; a layer's routed experts are "
+                              "stacked into one weight per projection, so they must be quantized alike")
+        return first
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # each routed expert's Hugging Face linears
+
+
+def _describe(fmt: Int4Weights | None) -> str:
+    return fmt.describe() if fmt is not None else "float"
 
 
 def _weights(args: Any, where: str) -> Int4Weights:
