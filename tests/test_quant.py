@@ -70,6 +70,59 @@ def test_dequantize_matches_compressed_tensors(group, symmetric):
     assert (ours.float() - w.float()).abs().max() < 0.2 * w.float().abs().max()  # and it is w, roughly
 
 
+# ------------------------------------------------------------- W4A16 kernel
+KERNEL_CASES = [  # (rows, N, K, group, symmetric, bias): one row, the dot path, per channel, ragged blocks
+    (1, 24, 96, 32, True, False), (1, 40, 320, 32, False, True), (5, 72, 64, None, False, True),
+    (17, 20, 272, 16, True, False), (64, 8, 32, None, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:3])) + f"-g{c[3]}-{'sym' if c[4] else 'asym'}")
+def test_int4_gemv_kernel_equals_the_reference(case, dtype):
+    """The Triton W4A16 kernel (on CPU: Triton's interpreter) against `int4_linear`."""
+    pytest.importorskip("triton")
+    from specserve.kernels.int4 import int4_gemv_triton, int4_linear
+
+    rows, N, K, group, symmetric, bias = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(rows * N + K)
+    q, scale, zero = quantize_int4(torch.randn(N, K, generator=g), group, symmetric)
+    packed, scale = pack_int4(q).to(dev), scale.to(dev, dtype)
+    zero = zero.to(dev) if zero is not None else None
+    x = torch.randn(rows, K, generator=g).to(dev, dtype)
+    b = torch.randn(N, generator=g).to(dev, dtype) if bias else None
+    got, want = int4_gemv_triton(x, packed, scale, zero, b), int4_linear(x, packed, scale, zero, b)
+    assert got.shape == want.shape and got.dtype == dtype
+    # Only the order of the float32 sum differs (then, in float16, one rounding step at most).
+    tol = {torch.float32: 1e-5, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -7}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item())
+
+
+def test_int4_linear_runs_the_kernel_for_decode_rows_only(monkeypatch):
+    """Int4Linear's product goes through the kernel where Triton serves (forced here on the CPU,
+    in the interpreter) for up to 64 rows; more rows run the dequantizing reference."""
+    pytest.importorskip("triton")
+    import specserve.kernels.int4 as k
+
+    calls = []
+    kernel = k.int4_gemv_triton
+    monkeypatch.setattr(k, "use_triton", lambda *t: True)
+    monkeypatch.setattr(k, "int4_gemv_triton", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    g = torch.Generator().manual_seed(5)
+    layer = Int4Linear(64, [48], Int4Weights(group_size=32, symmetric=False), "column", bias=True)
+    q, scale, zero = quantize_int4(torch.randn(48, 64, generator=g), 32, symmetric=False)
+    layer.weight_packed.copy_(pack_int4(q))
+    layer.weight_scale.copy_(scale)
+    layer.weight_zero_point.copy_(zero)
+    layer.bias.data.normal_(generator=g)
+    for shape in ((2, 3, 64), (1, 65, 64)):
+        x = torch.randn(*shape, generator=g)
+        want = k.int4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_zero_point, layer.bias)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    assert calls == [6]  # the 65-row product did not launch it
+
+
 # ---------------------------------------------------------------- the models
 @torch.inference_mode()
 def test_int4_checkpoint_loads_packed_and_equals_its_twin(int4_pair):

@@ -3,8 +3,8 @@ between those and float linears per Hugging Face module (`column_linear`, `row_l
 
 `Int4Linear` holds the packed words, scales and zero points of `kernels.int4` as buffers (not
 parameters: nothing tunes or re-lays them out as float weights) and shards them under tensor
-parallelism like its float counterparts. Its product is `kernels.int4.int4_linear`, the one
-place a GPU W4A16 kernel plugs in.
+parallelism like its float counterparts. Its product is `kernels.int4.int4_matmul`: the W4A16
+Triton kernel on CUDA for decode and verify rows, the dequantizing reference otherwise.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
-from specserve.kernels.int4 import PACK, int4_linear, unpack_int4
+from specserve.kernels.int4 import PACK, int4_matmul, unpack_int4
 from specserve.model.layers import ColumnParallelLinear, HotPathModule, RowParallelLinear, _divide
 from specserve.model.quant import Int4Weights, QuantConfig
 
@@ -145,9 +145,9 @@ class Int4Linear(HotPathModule):
     # ------------------------------------------------------------------ product
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split == "row":
-            y = all_reduce(int4_linear(x, self.weight_packed, self.weight_scale, self.weight_zero_point))
+            y = all_reduce(int4_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point))
             return y + self.bias if self.bias is not None else y
-        y = int4_linear(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.bias)
+        y = int4_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.bias)
         return all_gather_last_dim(y) if self.gather_output else y
 
 
