@@ -305,7 +305,7 @@ class ModelConfig:
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         quant = cfg.get("quantization_config")
-        quant = parse_quantization_config(quant, str(path)) if quant is not None else None
+        quant = parse_quantization_config(quant, str(path), prefix) if quant is not None else None
         if quant is not None and (mla is not None or moe is not None):
             _check_quantized_moe(quant, mla, moe, layers, path)
         return cls(

@@ -64,6 +64,30 @@ def test_int4_moe_loads_packed_experts_and_equals_its_twin(moe_int4_pair):
     assert_logits_match(ours, ref, 11, steps=6)
 
 
+def test_kimi_k25_wrapped_int4_checkpoint_loads_its_text_model(moe_int4_pair, tmp_path):
+    """The Kimi-K2.5 layout: the text model under language_model., a vision tower beside it, the
+    quantization_config at the top level naming modules with the prefix: loads as the plain one."""
+    from test_moe import kimi_k25_config
+
+    q, _, scheme = moe_int4_pair
+    if scheme != "kimi":
+        pytest.skip("Kimi wraps a DeepSeek-V3 text model")
+    tensors = {"language_model." + k: v for k, v in load_file(q / "model.safetensors").items()}
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.zeros(4, 3)
+    save_file(tensors, tmp_path / "model.safetensors")
+    text = json.loads((q / "config.json").read_text())
+    quant = text.pop("quantization_config")
+    quant["ignore"] = ["language_model.lm_head", *quant["ignore"][1:], "re:.*vision_tower.*"]
+    (tmp_path / "config.json").write_text(json.dumps({**kimi_k25_config(text), "quantization_config": quant}))
+    plain, wrapped = (load_target(d, CPU, torch.float32, 64) for d in (q, tmp_path))
+    assert isinstance(wrapped.lm_head, ColumnParallelLinear)  # ignored by its prefixed name
+    state = dict(wrapped.named_buffers())
+    for n, b in plain.named_buffers():
+        assert torch.equal(b, state[n]), n
+    for (n, p), (_, w) in zip(plain.named_parameters(), wrapped.named_parameters()):
+        assert torch.equal(p, w), n
+
+
 @pytest.mark.slow
 def test_int4_moe_greedy_equals_twin_and_speculation_is_lossless(moe_int4_pair, tmp_path):
     q, twin, _ = moe_int4_pair

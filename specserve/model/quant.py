@@ -58,15 +58,19 @@ class QuantConfig:
 
     groups: tuple[tuple[tuple[str, ...], Int4Weights], ...]
     ignore: tuple[str, ...]
+    # A multimodal wrapper's text-model prefix (`language_model.`): its config names modules as
+    # the checkpoint does, with the prefix, where specserve asks for the text model's names.
+    prefix: str = ""
 
     def linear(self, name: str) -> Int4Weights | None:
         """The int4 format of the Hugging Face linear module `name` (`model.layers.0.mlp.up_proj`,
         `lm_head`), or None where it stays float. Targets name a module class (`Linear`) or the
         module itself; the first group that targets it wins, as in compressed-tensors."""
-        if any(_match(name, p) for p in self.ignore):
+        names = (name, self.prefix + name) if self.prefix else (name,)
+        if any(_match(n, p) for n in names for p in self.ignore):
             return None
         for targets, weights in self.groups:
-            if any(t == "Linear" or _match(name, t) for t in targets):
+            if any(t == "Linear" or _match(n, t) for n in names for t in targets):
                 return weights
         return None
 
@@ -126,8 +130,9 @@ def _weights(args: Any, where: str) -> Int4Weights:
     return Int4Weights(group_size=group, symmetric=bool(args.get("symmetric", True)))
 
 
-def parse_quantization_config(q: Any, where: str) -> QuantConfig:
-    """`quantization_config` of a config.json -> QuantConfig, or a ConfigError naming the scheme."""
+def parse_quantization_config(q: Any, where: str, prefix: str = "") -> QuantConfig:
+    """`quantization_config` of a config.json -> QuantConfig, or a ConfigError naming the scheme.
+    `prefix`: the text model's tensor prefix in a multimodal wrapper (QuantConfig.prefix)."""
     if not isinstance(q, dict):
         _refuse(where, f"quantization_config {q!r}")
     method = q.get("quant_method")
@@ -166,4 +171,4 @@ def parse_quantization_config(q: Any, where: str) -> QuantConfig:
     ignore = q.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         _refuse(where, f"ignore list {ignore!r}")
-    return QuantConfig(groups=tuple(groups), ignore=tuple(ignore))
+    return QuantConfig(groups=tuple(groups), ignore=tuple(ignore), prefix=prefix)
