@@ -91,9 +91,9 @@ class Int4Experts(nn.Module):
         rows, groups = rows_per_part * parts, fmt.groups(in_features)
         place = _expert_loader(first, rows_per_part)
         self.register_buffer("packed", torch.empty(local, rows, in_features // PACK, dtype=torch.int32))
-        self.packed.weight_loader = lambda p, t, shard: (check_int32(t), place(p, t, shard))
+        self.packed.weight_loader = _checked(check_int32, place)
         self.register_buffer("scale", torch.empty(local, rows, groups))
-        self.scale.weight_loader = lambda p, t, shard: (check_float(t), place(p, t, shard))
+        self.scale.weight_loader = _checked(check_float, place)
         if fmt.symmetric:
             self.zero = None
         else:
@@ -103,7 +103,7 @@ class Int4Experts(nn.Module):
         # stored (like Int4Linear's), so loaded and checkpoint bytes agree.
         want = [rows_per_part, in_features]
         self.register_buffer("shape", torch.zeros(local, 2 * parts, dtype=torch.int64), persistent=False)
-        self.shape.weight_loader = lambda p, t, shard: (_check_shape(t, want), _expert_loader(first, 2)(p, t, shard))
+        self.shape.weight_loader = _checked(lambda t: _check_shape(t, want), _expert_loader(first, 2))
 
     def hf_tensors(self, name: str, shard) -> dict[str, tuple[torch.Tensor, object]]:
         """Checkpoint tensor names of Hugging Face module `name` (one expert's projection) -> (our tensor, shard)."""
@@ -117,6 +117,15 @@ class Int4Experts(nn.Module):
         """Local expert(s) `expert` dequantized to float weights [(E,) rows, in_features]."""
         zero = self.zero[expert] if self.zero is not None else None
         return dequantize_int4(self.packed[expert], self.scale[expert], zero, dtype)
+
+
+def _checked(check, place):
+    """A weight loader that runs `check` (it raises) on the checkpoint's tensor, then `place`s it."""
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard) -> None:
+        check(loaded)
+        place(param, loaded, shard)
+
+    return load
 
 
 def _check_shape(loaded: torch.Tensor, want: list[int]) -> None:
@@ -153,8 +162,8 @@ class MoE(HotPathModule):
             if m.shared_intermediate_size else None
 
     def expert_weights(self, expert: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Local expert `expert`'s (gate/up [2I, H], down [H, I]) as float weights in `dtype`
-        (default the model's): the stored parameters themselves, or int4 dequantized."""
+        """Local expert `expert`'s (gate/up [2I, H], down [H, I]) as float weights: float experts'
+        parameters themselves, or int4 experts dequantized into `dtype` (default the model's)."""
         return self._weights(expert, dtype)
 
     def experts_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
