@@ -85,33 +85,28 @@ def _rope_from_hf(cfg: dict[str, Any], path: Path) -> tuple[float, dict[str, Any
     return theta, scaling
 
 
-def _describe_quantization(q: Any) -> str:
-    """A quantization_config in words: method, format, bits and grouping (e.g. "compressed-tensors
-    pack-quantized int4 group 32")."""
-    if not isinstance(q, dict):
-        return repr(q)
-    words = [str(q.get("quant_method", "unknown method"))]
-    words += [str(q[k]) for k in ("format", "fmt") if q.get(k)]
-    for group in (q.get("config_groups") or {}).values():
-        w = group.get("weights") or {} if isinstance(group, dict) else {}
-        if w:
-            words.append(f"{w.get('type', '')}{w.get('num_bits', '')}")
-            if w.get("group_size"):
-                words.append(f"group {w['group_size']}")
-    if q.get("bits"):
-        words.append(f"{q['bits']}-bit")
-    if q.get("weight_block_size"):
-        words.append("block " + "x".join(str(b) for b in q["weight_block_size"]))
-    return " ".join(words)
-
-
-def _refuse_quantized_experts(q: Any, arch: str, path: Path) -> None:
-    """Quantized weights load for dense targets only: experts and latent attention need their own
-    int4 loaders, and loading them as floats would be wrong weights."""
-    method = q.get("quant_method", "?") if isinstance(q, dict) else "?"
-    raise ConfigError(f"{path}: quantization_config (quant_method {method!r}): {_describe_quantization(q)} "
-                      f"is not supported yet for {arch} (int4 weights load for dense Llama/Qwen targets); "
-                      "use a float32/float16/bfloat16 checkpoint")
+def _check_quantized_moe(quant: QuantConfig, mla: MLAConfig | None, moe: MoEConfig | None, layers: int,
+                         path: Path) -> None:
+    """What of a quantized DeepSeek-V3 / Qwen3-MoE target may be int4, checked before any weight
+    is read: routed experts (alike within a layer), shared experts, dense MLPs and Qwen3-MoE's
+    attention may; latent-attention projections and routers load as float only."""
+    mla_names = (("q_proj",) if mla is None or mla.q_lora_rank is None else ("q_a_proj", "q_b_proj")) + (
+        "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    for i in range(layers):
+        prefix = f"model.layers.{i}."
+        for name in (prefix + "self_attn." + n for n in mla_names) if mla is not None else ():
+            if (fmt := quant.linear(name)) is not None:
+                raise ConfigError(f"{path}: {name} is {fmt.describe()} in quantization_config; latent-attention "
+                                  "projections load as float only (int4 checkpoints such as Kimi-K2.5 keep them "
+                                  "bf16, listing 're:.*self_attn.*' in ignore)")
+        if moe is None or i in moe.dense_layers:
+            continue
+        quant.experts(prefix + "mlp.", moe.num_experts)
+        # Qwen3-MoE's router is an nn.Linear, so a `Linear` target covers it unless ignored;
+        # DeepSeek-V3's is a plain weight no quantizer touches.
+        if moe.scoring == "softmax" and (fmt := quant.linear(prefix + "mlp.gate")) is not None:
+            raise ConfigError(f"{path}: the router {prefix}mlp.gate is {fmt.describe()} in quantization_config; "
+                              "routers load as float only (quantizing tools list them in ignore: 're:.*mlp.gate$')")
 
 
 @dataclass(frozen=True)
@@ -310,8 +305,9 @@ class ModelConfig:
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))
         is_qwen2 = arch == "Qwen2ForCausalLM"
         quant = cfg.get("quantization_config")
+        quant = parse_quantization_config(quant, str(path), prefix) if quant is not None else None
         if quant is not None and (mla is not None or moe is not None):
-            _refuse_quantized_experts(quant, arch, path)
+            _check_quantized_moe(quant, mla, moe, layers, path)
         return cls(
             architecture=arch,
             vocab_size=int(need("vocab_size")),
@@ -335,7 +331,7 @@ class ModelConfig:
             eos_token_ids=eos_ids,
             bos_token_id=cfg.get("bos_token_id"),
             path=str(path.parent),
-            quant=parse_quantization_config(quant, str(path)) if quant is not None else None,
+            quant=quant,
             mla=mla,
             moe=moe,
             tensor_prefix=prefix,

@@ -1,5 +1,5 @@
 """MoE targets against transformers: DeepSeek-V3 (latent attention, grouped sigmoid routing,
-shared experts, YaRN) and Qwen3-MoE; speculation on them; Kimi configs; quantized configs refused."""
+shared experts, YaRN) and Qwen3-MoE; speculation on them; Kimi configs; quantized latent attention refused."""
 
 from __future__ import annotations
 
@@ -109,7 +109,8 @@ KIMI_TEXT = {
 }
 INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-                                                                        "symmetric": True, "group_size": 32}}},
+                                                                        "symmetric": True, "strategy": "group",
+                                                                        "group_size": 32}}},
         "ignore": ["lm_head"]}
 
 
@@ -155,12 +156,12 @@ def test_kimi_k25_checkpoint_loads_its_text_model(tmp_path, checkpoint):
 
 
 @pytest.mark.parametrize("where", ["top", "text_config"])
-def test_quantization_config_is_refused_with_its_scheme(tmp_path, where):
+def test_quantized_latent_attention_is_refused_wherever_the_config_sits(tmp_path, where):
     text = dict(KIMI_TEXT)
     cfg = kimi_k25_config(text)
     (cfg if where == "top" else text)["quantization_config"] = INT4
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="compressed-tensors pack-quantized int4 group 32 is not supported yet"):
+    with pytest.raises(ConfigError, match="q_a_proj is int4 group 32, symmetric in quantization_config; latent-attention"):
         ModelConfig.from_dir(tmp_path)
 
 

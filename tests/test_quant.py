@@ -12,10 +12,10 @@ from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
 from specserve.model.int4_linear import Int4Linear
-from specserve.model.layers import ColumnParallelLinear, ForwardContext, RowParallelLinear
+from specserve.model.layers import ColumnParallelLinear, RowParallelLinear
 from specserve.model.loader import load_target
 from specserve.model.quant import Int4Weights, parse_quantization_config
-from tiny import make_drafter, make_int4_pair, make_target
+from tiny import assert_logits_match, make_drafter, make_int4_pair, make_target, with_cache
 
 CPU = torch.device("cpu")
 # (group size, symmetric, ignore): the issue's scheme, an asymmetric one with a `re:` ignore, per channel
@@ -34,13 +34,6 @@ def int4_pair(request, tmp_path_factory):
     src = make_target(root / "src", vocab=12, hidden=64, layers=3, heads=4, kv_heads=2)
     q, twin = make_int4_pair(src, root / "int4", root / "twin", group, symmetric, ignore)
     return q, twin, request.param
-
-
-def _with_cache(model, length: int = 64):
-    for a in model.attention_modules():
-        a.k_cache = torch.zeros(1, a.num_kv_heads, length, a.head_dim)
-        a.v_cache = torch.zeros_like(a.k_cache)
-    return model
 
 
 # --------------------------------------------------------------------- packing
@@ -77,11 +70,64 @@ def test_dequantize_matches_compressed_tensors(group, symmetric):
     assert (ours.float() - w.float()).abs().max() < 0.2 * w.float().abs().max()  # and it is w, roughly
 
 
+# ------------------------------------------------------------- W4A16 kernel
+KERNEL_CASES = [  # (rows, N, K, group, symmetric, bias): one row, the dot path, per channel, ragged blocks
+    (1, 24, 96, 32, True, False), (1, 40, 320, 32, False, True), (5, 72, 64, None, False, True),
+    (17, 20, 272, 16, True, False), (64, 8, 32, None, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:3])) + f"-g{c[3]}-{'sym' if c[4] else 'asym'}")
+def test_int4_gemv_kernel_equals_the_reference(case, dtype):
+    """The Triton W4A16 kernel (on CPU: Triton's interpreter) against `int4_linear`."""
+    pytest.importorskip("triton")
+    from specserve.kernels.int4 import int4_gemv_triton, int4_linear
+
+    rows, N, K, group, symmetric, bias = case
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(rows * N + K)
+    q, scale, zero = quantize_int4(torch.randn(N, K, generator=g), group, symmetric)
+    packed, scale = pack_int4(q).to(dev), scale.to(dev, dtype)
+    zero = zero.to(dev) if zero is not None else None
+    x = torch.randn(rows, K, generator=g).to(dev, dtype)
+    b = torch.randn(N, generator=g).to(dev, dtype) if bias else None
+    got, want = int4_gemv_triton(x, packed, scale, zero, b), int4_linear(x, packed, scale, zero, b)
+    assert got.shape == want.shape and got.dtype == dtype
+    # Only the order of the float32 sum differs (then, in float16, one rounding step at most).
+    tol = {torch.float32: 1e-5, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -7}[dtype]
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item())
+
+
+def test_int4_linear_runs_the_kernel_for_decode_rows_only(monkeypatch):
+    """Int4Linear's product goes through the kernel where Triton serves (forced here on the CPU,
+    in the interpreter) for up to 64 rows; more rows run the dequantizing reference."""
+    pytest.importorskip("triton")
+    import specserve.kernels.int4 as k
+
+    calls = []
+    kernel = k.int4_gemv_triton
+    monkeypatch.setattr(k, "use_triton", lambda *t: True)
+    monkeypatch.setattr(k, "int4_gemv_triton", lambda *a: calls.append(a[0].shape[0]) or kernel(*a))
+    g = torch.Generator().manual_seed(5)
+    layer = Int4Linear(64, [48], Int4Weights(group_size=32, symmetric=False), "column", bias=True)
+    q, scale, zero = quantize_int4(torch.randn(48, 64, generator=g), 32, symmetric=False)
+    layer.weight_packed.copy_(pack_int4(q))
+    layer.weight_scale.copy_(scale)
+    layer.weight_zero_point.copy_(zero)
+    layer.bias.data.normal_(generator=g)
+    for shape in ((2, 3, 64), (1, 65, 64)):
+        x = torch.randn(*shape, generator=g)
+        want = k.int4_linear(x, layer.weight_packed, layer.weight_scale, layer.weight_zero_point, layer.bias)
+        torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+    assert calls == [6]  # the 65-row product did not launch it
+
+
 # ---------------------------------------------------------------- the models
 @torch.inference_mode()
 def test_int4_checkpoint_loads_packed_and_equals_its_twin(int4_pair):
     q, twin, scheme = int4_pair
-    ours, ref = _with_cache(load_target(q, CPU, torch.float32, 64)), _with_cache(load_target(twin, CPU, torch.float32, 64))
+    ours, ref = with_cache(load_target(q, CPU, torch.float32, 64)), with_cache(load_target(twin, CPU, torch.float32, 64))
     layer = ours.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
     assert isinstance(ours.lm_head, ColumnParallelLinear)  # ignored: stays float
@@ -91,18 +137,7 @@ def test_int4_checkpoint_loads_packed_and_equals_its_twin(int4_pair):
     gate_up = layer.mlp.gate_up_proj
     assert gate_up.weight_packed.dtype == torch.int32 and gate_up.weight_packed.shape == (256, 8)
     assert not any(p.dim() == 2 and p.shape == (256, 64) for p in ours.parameters())
-    g = torch.Generator().manual_seed(2)
-    ids, pos = torch.randint(0, 11, (1, 13), generator=g), torch.arange(13).unsqueeze(0)
-    h, _ = ours(ids, ForwardContext(0, pos, pos, 13))
-    h_ref, _ = ref(ids, ForwardContext(0, pos, pos, 13))
-    torch.testing.assert_close(ours.logits(h), ref.logits(h_ref), rtol=1e-5, atol=1e-5)
-    token = ours.logits(h)[:, -1].argmax(-1, keepdim=True)
-    for step in range(8):
-        p = torch.tensor([[13 + step]])
-        a, _ = ours(token, ForwardContext(0, p, p, 14 + step))
-        b, _ = ref(token, ForwardContext(0, p, p, 14 + step))
-        torch.testing.assert_close(ours.logits(a), ref.logits(b), rtol=1e-5, atol=1e-5)
-        token = ours.logits(a)[:, -1].argmax(-1, keepdim=True)
+    assert_logits_match(ours, ref, 11)
 
 
 def _generate(model, prompts, draft=None, **kw):

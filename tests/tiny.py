@@ -130,8 +130,17 @@ def make_drafter(out: Path, target_dir: Path, layout: str = "specforge", draft_v
 
 
 def linear_modules(tensors: dict) -> list[str]:
-    """The Hugging Face Linear modules of a Llama/Qwen checkpoint (the projections and lm_head)."""
-    return sorted(n[: -len(".weight")] for n in tensors if n.endswith("_proj.weight") or n == "lm_head.weight")
+    """The Hugging Face Linear modules of a checkpoint: the projections (routed and shared
+    experts' too), DeepSeek-V3's kv_a_proj_with_mqa, lm_head."""
+    return sorted(n[: -len(".weight")] for n in tensors
+                  if n.endswith(("_proj.weight", "_proj_with_mqa.weight")) or n == "lm_head.weight")
+
+
+# Kimi-K2.5's ignore list: only the routed experts are int4 (attention, shared experts, the dense
+# first layer's MLP and lm_head stay bf16).
+KIMI_IGNORE = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*")
+# A Qwen3-MoE quantized by llm-compressor: everything but the routers and lm_head.
+QWEN3_MOE_IGNORE = ("lm_head", "re:.*mlp.gate$")
 
 
 def make_int4_pair(src: Path, out: Path, twin: Path, group_size: int | None = 32, symmetric: bool = True,
@@ -175,6 +184,34 @@ def make_int4_pair(src: Path, out: Path, twin: Path, group_size: int | None = 32
         (d / "config.json").write_text(json.dumps(c, indent=2))
         save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
     return out, twin
+
+
+def with_cache(model, length: int = 64):
+    """`model` (a CausalLM) with a plain contiguous KV cache of `length` positions per layer."""
+    for a in model.attention_modules():
+        a.k_cache = torch.zeros(1, a.num_kv_heads, length, a.head_dim)
+        a.v_cache = torch.zeros(1, a.num_kv_heads, length, a.v_dim) if a.v_dim else None
+    return model
+
+
+@torch.inference_mode()
+def assert_logits_match(ours, ref, vocab: int, prompt_len: int = 13, steps: int = 8) -> None:
+    """Two CausalLMs (caches from `with_cache`) give the same float32 logits for a random prompt's
+    prefill, then for each of `steps` greedy decode steps."""
+    from specserve.model.layers import ForwardContext
+
+    g = torch.Generator().manual_seed(2)
+    ids, pos = torch.randint(0, vocab, (1, prompt_len), generator=g), torch.arange(prompt_len).unsqueeze(0)
+    h, _ = ours(ids, ForwardContext(0, pos, pos, prompt_len))
+    h_ref, _ = ref(ids, ForwardContext(0, pos, pos, prompt_len))
+    torch.testing.assert_close(ours.logits(h), ref.logits(h_ref), rtol=1e-5, atol=1e-5)
+    token = ours.logits(h)[:, -1].argmax(-1, keepdim=True)
+    for step in range(steps):
+        p = torch.tensor([[prompt_len + step]])
+        a, _ = ours(token, ForwardContext(0, p, p, prompt_len + step + 1))
+        b, _ = ref(token, ForwardContext(0, p, p, prompt_len + step + 1))
+        torch.testing.assert_close(ours.logits(a), ref.logits(b), rtol=1e-5, atol=1e-5)
+        token = ours.logits(a)[:, -1].argmax(-1, keepdim=True)
 
 
 @torch.inference_mode()

@@ -3,8 +3,8 @@ between those and float linears per Hugging Face module (`column_linear`, `row_l
 
 `Int4Linear` holds the packed words, scales and zero points of `kernels.int4` as buffers (not
 parameters: nothing tunes or re-lays them out as float weights) and shards them under tensor
-parallelism like its float counterparts. Its product is `kernels.int4.int4_linear`, the one
-place a GPU W4A16 kernel plugs in.
+parallelism like its float counterparts. Its product is `kernels.int4.int4_matmul`: the W4A16
+Triton kernel on CUDA for decode and verify rows, the dequantizing reference otherwise.
 """
 
 from __future__ import annotations
@@ -13,9 +13,29 @@ import torch
 from torch import nn
 
 from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
-from specserve.kernels.int4 import PACK, int4_linear, unpack_int4
+from specserve.kernels.int4 import PACK, int4_matmul, unpack_int4
 from specserve.model.layers import ColumnParallelLinear, HotPathModule, RowParallelLinear, _divide
 from specserve.model.quant import Int4Weights, QuantConfig
+
+
+def check_int32(t: torch.Tensor) -> None:
+    if t.dtype != torch.int32:
+        raise ValueError(f"packed int4 tensors are int32, checkpoint has {t.dtype}")
+
+
+def check_float(t: torch.Tensor) -> None:
+    if not t.is_floating_point():
+        raise ValueError(f"scales are floats, checkpoint has {t.dtype}")
+
+
+def unpack_zero_points(loaded: torch.Tensor, rows: int, groups: int) -> torch.Tensor:
+    """A module's zero points as checkpoints store them (int32 words along the output dimension,
+    [ceil(rows/8), groups]) -> int8 [rows, groups], ready to stack and shard by row."""
+    check_int32(loaded)
+    if tuple(loaded.shape) != (-(-rows // PACK), groups):
+        raise ValueError(f"expected packed zero points of shape {(-(-rows // PACK), groups)}, "
+                         f"checkpoint has {tuple(loaded.shape)}")
+    return unpack_int4(loaded, rows, dim=-2)
 
 
 class Int4Linear(HotPathModule):
@@ -92,28 +112,18 @@ class Int4Linear(HotPathModule):
             loaded = loaded.narrow(1, tp_rank() * local, local)
         buf.narrow(0, self.offsets[shard], size).copy_(loaded)
 
-    @staticmethod
-    def _int32(t: torch.Tensor) -> None:
-        if t.dtype != torch.int32:
-            raise ValueError(f"packed int4 tensors are int32, checkpoint has {t.dtype}")
-
     def _load_packed(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
-        self._int32(loaded)
+        check_int32(loaded)
         self._place(param, loaded, shard or 0, PACK)
 
     def _load_scale(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
-        if not loaded.is_floating_point():
-            raise ValueError(f"scales are floats, checkpoint has {loaded.dtype}")
+        check_float(loaded)
         self._place(param, loaded, shard or 0, self.group)
 
     def _load_zero(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
-        self._int32(loaded)
         shard = shard or 0
-        rows, groups = self.shard_sizes[shard], 1 if self.group is None else self.in_features // self.group
-        if tuple(loaded.shape) != (-(-rows // PACK), groups):
-            raise ValueError(f"expected packed zero points of shape {(-(-rows // PACK), groups)}, "
-                             f"checkpoint has {tuple(loaded.shape)}")
-        self._place(param, unpack_int4(loaded, rows, dim=-2), shard, self.group)
+        rows = self.shard_sizes[shard]
+        self._place(param, unpack_zero_points(loaded, rows, self.fmt.groups(self.in_features)), shard, self.group)
 
     def _load_shape(self, param: torch.Tensor, loaded: torch.Tensor, shard: int | None = None) -> None:
         shard = shard or 0
@@ -135,9 +145,9 @@ class Int4Linear(HotPathModule):
     # ------------------------------------------------------------------ product
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.split == "row":
-            y = all_reduce(int4_linear(x, self.weight_packed, self.weight_scale, self.weight_zero_point))
+            y = all_reduce(int4_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point))
             return y + self.bias if self.bias is not None else y
-        y = int4_linear(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.bias)
+        y = int4_matmul(x, self.weight_packed, self.weight_scale, self.weight_zero_point, self.bias)
         return all_gather_last_dim(y) if self.gather_output else y
 
 

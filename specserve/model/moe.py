@@ -12,6 +12,10 @@ it cannot be captured.
 Under tensor parallelism the routed experts are sharded over the ranks (expert parallelism: rank r
 holds a contiguous 1/tp of them); every rank routes every token, runs the chosen experts it holds,
 and the partial sums are all-reduced. Shared experts are split like a dense MLP.
+
+Routed experts are float parameters or, in compressed-tensors int4 checkpoints, `Int4Experts`:
+each expert's packed words and scales stacked as they are stored, dequantized per chosen expert.
+`expert_weights` / `experts_weights` give either as float weights.
 """
 
 from __future__ import annotations
@@ -19,13 +23,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specserve.config import MoEConfig
+from specserve.config import ConfigError, MoEConfig
 from specserve.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from specserve.kernels.common import use_triton
+from specserve.kernels.int4 import PACK, dequantize_int4
 from specserve.kernels.linear import linear
 from specserve.kernels.moe import fused_experts, fused_experts_supported
 from specserve.kernels.norm import silu_mul
+from specserve.model.int4_linear import check_float, check_int32, unpack_zero_points
 from specserve.model.layers import HotPathModule, SwiGLU
+from specserve.model.quant import Int4Weights, QuantConfig
 
 
 def route_grouped_sigmoid(logits: torch.Tensor, bias: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, torch.Tensor]:
@@ -74,25 +81,106 @@ def _expert_loader(first: int, width: int | None = None):
     return load
 
 
-class MoE(HotPathModule):
-    """Router, routed experts (stacked: gate/up [E, 2I, H], down [E, H, I]) and shared experts."""
+class Int4Experts(nn.Module):
+    """One projection of this rank's routed experts in int4, stacked: packed words [E_local,
+    rows, K/8], scales [E_local, rows, G] and, when asymmetric, zero points unpacked to int8
+    [E_local, rows, G]. Each expert stacks `parts` Hugging Face modules of `rows_per_part` rows
+    (gate then up: 2 of I; down: 1 of H) over `in_features` input columns."""
 
-    def __init__(self, hidden: int, m: MoEConfig):
+    def __init__(self, local: int, first: int, rows_per_part: int, parts: int, in_features: int, fmt: Int4Weights):
+        super().__init__()
+        group = fmt.group_size or in_features
+        if in_features % group or in_features % PACK:
+            raise ConfigError(f"int4 experts with {in_features} input features do not split into whole groups of "
+                              f"{group} and words of {PACK}")
+        rows, groups = rows_per_part * parts, fmt.groups(in_features)
+        place = _expert_loader(first, rows_per_part)
+        self.register_buffer("packed", torch.empty(local, rows, in_features // PACK, dtype=torch.int32))
+        self.packed.weight_loader = _checked(check_int32, place)
+        self.register_buffer("scale", torch.empty(local, rows, groups))
+        self.scale.weight_loader = _checked(check_float, place)
+        if fmt.symmetric:
+            self.zero = None
+        else:
+            self.register_buffer("zero", torch.empty(local, rows, groups, dtype=torch.int8))
+            self.zero.weight_loader = lambda p, t, shard: place(p, unpack_zero_points(t, rows_per_part, groups), shard)
+        # The [out, in] each module says it unpacks to, checked against the config and kept as
+        # stored (like Int4Linear's), so loaded and checkpoint bytes agree.
+        want = [rows_per_part, in_features]
+        self.register_buffer("shape", torch.zeros(local, 2 * parts, dtype=torch.int64), persistent=False)
+        self.shape.weight_loader = _checked(lambda t: _check_shape(t, want), _expert_loader(first, 2))
+
+    def hf_tensors(self, name: str, shard) -> dict[str, tuple[torch.Tensor, object]]:
+        """Checkpoint tensor names of Hugging Face module `name` (one expert's projection) -> (our tensor, shard)."""
+        out = {f"{name}.weight_packed": (self.packed, shard), f"{name}.weight_scale": (self.scale, shard),
+               f"{name}.weight_shape": (self.shape, shard)}
+        if self.zero is not None:
+            out[f"{name}.weight_zero_point"] = (self.zero, shard)
+        return out
+
+    def weight(self, expert: int | slice, dtype: torch.dtype) -> torch.Tensor:
+        """Local expert(s) `expert` dequantized to float weights [(E,) rows, in_features]."""
+        zero = self.zero[expert] if self.zero is not None else None
+        return dequantize_int4(self.packed[expert], self.scale[expert], zero, dtype)
+
+
+def _checked(check, place):
+    """A weight loader that runs `check` (it raises) on the checkpoint's tensor, then `place`s it."""
+    def load(param: torch.Tensor, loaded: torch.Tensor, shard) -> None:
+        check(loaded)
+        place(param, loaded, shard)
+
+    return load
+
+
+def _check_shape(loaded: torch.Tensor, want: list[int]) -> None:
+    if loaded.tolist() != want:
+        raise ValueError(f"weight_shape is {loaded.tolist()}, the config implies {want}")
+
+
+class MoE(HotPathModule):
+    """Router, routed experts (stacked: gate/up [E, 2I, H], down [E, H, I], float or int4) and
+    shared experts. `quant` and `prefix` (the Hugging Face module name, `...mlp.`) make int4 the
+    experts the checkpoint stores as int4."""
+
+    def __init__(self, hidden: int, m: MoEConfig, quant: QuantConfig | None = None, prefix: str = ""):
         super().__init__()
         self.m = m
         E, inter = m.num_experts, m.intermediate_size
-        local = E // tp_size()  # (CausalLM refuses experts that do not divide evenly)
+        self.local = local = E // tp_size()  # (CausalLM refuses experts that do not divide evenly)
         self.first = tp_rank() * local
         # DeepSeek-V3 routes in float32 whatever the model's dtype (its reference keeps the router
         # and the bias in float32); Qwen3-MoE routes in the model's dtype.
         router_dtype = torch.float32 if m.scoring == "sigmoid" else None
         self.gate = nn.Parameter(torch.empty(E, hidden, dtype=router_dtype))
         self.score_bias = nn.Parameter(torch.zeros(E, dtype=torch.float32)) if m.scoring == "sigmoid" else None
-        self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden))
-        self.w13.weight_loader = _expert_loader(self.first, inter)
-        self.w2 = nn.Parameter(torch.empty(local, hidden, inter))
-        self.w2.weight_loader = _expert_loader(self.first)
-        self.shared = SwiGLU(hidden, m.shared_intermediate_size) if m.shared_intermediate_size else None
+        self.int4 = quant.experts(prefix, E) if quant is not None else None
+        if self.int4 is None:
+            self.w13 = nn.Parameter(torch.empty(local, 2 * inter, hidden))
+            self.w13.weight_loader = _expert_loader(self.first, inter)
+            self.w2 = nn.Parameter(torch.empty(local, hidden, inter))
+            self.w2.weight_loader = _expert_loader(self.first)
+        else:
+            self.w13 = Int4Experts(local, self.first, inter, 2, hidden, self.int4)
+            self.w2 = Int4Experts(local, self.first, hidden, 1, inter, self.int4)
+        self.shared = SwiGLU(hidden, m.shared_intermediate_size, quant=quant, prefix=prefix + "shared_experts.") \
+            if m.shared_intermediate_size else None
+
+    def expert_weights(self, expert: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Local expert `expert`'s (gate/up [2I, H], down [H, I]) as float weights: float experts'
+        parameters themselves, or int4 experts dequantized into `dtype` (default the model's)."""
+        return self._weights(expert, dtype)
+
+    def experts_weights(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every local expert's (gate/up [E_local, 2I, H], down [E_local, H, I]) as float weights,
+        as `expert_weights`; int4 experts are dequantized all at once, a full float copy."""
+        return self._weights(slice(None), dtype)
+
+    def _weights(self, expert: int | slice, dtype: torch.dtype | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.int4 is None:
+            return self.w13[expert], self.w2[expert]
+        dtype = dtype or self.w13.scale.dtype
+        return self.w13.weight(expert, dtype), self.w2.weight(expert, dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [N, k], expert ids [N, k]) for tokens x [N, hidden]."""
@@ -103,14 +191,15 @@ class MoE(HotPathModule):
 
     @property
     def graph_safe(self) -> bool:
-        """Whether `forward` takes the fused path, which a CUDA graph can capture."""
-        return fused_experts_supported(self.w13, self.w2)
+        """Whether `forward` takes the fused path, which a CUDA graph can capture (float experts only:
+        int4 experts take the reference loop)."""
+        return self.int4 is None and fused_experts_supported(self.w13, self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
-        if use_triton(x, self.w13, self.w2) and self.graph_safe:
+        if self.graph_safe and use_triton(x, self.w13, self.w2):
             out = fused_experts(x, weights, ids, self.w13, self.w2, self.first)
         else:
             out = self.experts_ref(x, weights, ids)
@@ -124,10 +213,11 @@ class MoE(HotPathModule):
         out = torch.zeros_like(x)
         # Tokens sorted by expert: each chosen expert held here runs once over the tokens that chose it.
         for e in ids.unique().tolist():
-            if not 0 <= e - self.first < self.w13.shape[0]:
+            if not 0 <= e - self.first < self.local:
                 continue
             tok, slot = (ids == e).nonzero(as_tuple=True)
-            y = linear(silu_mul(linear(x[tok], self.w13[e - self.first])), self.w2[e - self.first])
+            w13, w2 = self.expert_weights(e - self.first, x.dtype)
+            y = linear(silu_mul(linear(x[tok], w13)), w2)
             out.index_add_(0, tok, (y * weights[tok, slot, None]).to(out.dtype))
         return out
 
@@ -138,9 +228,14 @@ class MoE(HotPathModule):
             out[prefix + "gate.e_score_correction_bias"] = (self.score_bias, None)
         for e in range(self.m.num_experts):
             p = f"{prefix}experts.{e}."
-            out[p + "gate_proj.weight"] = (self.w13, (e, 0))
-            out[p + "up_proj.weight"] = (self.w13, (e, 1))
-            out[p + "down_proj.weight"] = (self.w2, e)
+            if self.int4 is None:
+                out[p + "gate_proj.weight"] = (self.w13, (e, 0))
+                out[p + "up_proj.weight"] = (self.w13, (e, 1))
+                out[p + "down_proj.weight"] = (self.w2, e)
+            else:
+                out.update(self.w13.hf_tensors(p + "gate_proj", (e, 0)))
+                out.update(self.w13.hf_tensors(p + "up_proj", (e, 1)))
+                out.update(self.w2.hf_tensors(p + "down_proj", e))
         if self.shared is not None:
             out.update(self.shared.hf_weights(prefix + "shared_experts."))
         return out

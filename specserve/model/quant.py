@@ -58,15 +58,19 @@ class QuantConfig:
 
     groups: tuple[tuple[tuple[str, ...], Int4Weights], ...]
     ignore: tuple[str, ...]
+    # A multimodal wrapper's text-model prefix (`language_model.`): its config names modules as
+    # the checkpoint does, with the prefix, where specserve asks for the text model's names.
+    prefix: str = ""
 
     def linear(self, name: str) -> Int4Weights | None:
         """The int4 format of the Hugging Face linear module `name` (`model.layers.0.mlp.up_proj`,
         `lm_head`), or None where it stays float. Targets name a module class (`Linear`) or the
         module itself; the first group that targets it wins, as in compressed-tensors."""
-        if any(_match(name, p) for p in self.ignore):
+        names = (name, self.prefix + name) if self.prefix else (name,)
+        if any(_match(n, p) for n in names for p in self.ignore):
             return None
         for targets, weights in self.groups:
-            if any(t == "Linear" or _match(name, t) for t in targets):
+            if any(t == "Linear" or _match(n, t) for n in names for t in targets):
                 return weights
         return None
 
@@ -76,10 +80,31 @@ class QuantConfig:
         if len(set(found)) > 1:
             from specserve.config import ConfigError
 
-            parts = ", ".join(f"{n.rsplit('.', 1)[-1]} {f.describe() if f else 'float'}" for n, f in zip(names, found))
+            parts = ", ".join(f"{n.rsplit('.', 1)[-1]} {_describe(f)}" for n, f in zip(names, found))
             raise ConfigError(f"{names[0].rsplit('.', 1)[0]}: {parts} in quantization_config; they run as one fused "
                               "product, so they must be quantized alike")
         return found[0]
+
+    def experts(self, prefix: str, num_experts: int) -> Int4Weights | None:
+        """The one format of a layer's routed experts (`prefix`: `model.layers.1.mlp.`): each
+        projection of every expert is stacked into one tensor, so they must all agree."""
+        names = [f"{prefix}experts.{e}.{p}" for e in range(num_experts) for p in EXPERT_PROJECTIONS]
+        first = self.linear(names[0])
+        odd = next((n for n in names[1:] if self.linear(n) != first), None)
+        if odd is not None:
+            from specserve.config import ConfigError
+
+            raise ConfigError(f"{prefix}experts: {names[0]} is {_describe(first)} but {odd} is "
+                              f"{_describe(self.linear(odd))} in quantization_config; a layer's routed experts are "
+                              "stacked into one weight per projection, so they must be quantized alike")
+        return first
+
+
+EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")  # each routed expert's Hugging Face linears
+
+
+def _describe(fmt: Int4Weights | None) -> str:
+    return fmt.describe() if fmt is not None else "float"
 
 
 def _weights(args: Any, where: str) -> Int4Weights:
@@ -105,8 +130,9 @@ def _weights(args: Any, where: str) -> Int4Weights:
     return Int4Weights(group_size=group, symmetric=bool(args.get("symmetric", True)))
 
 
-def parse_quantization_config(q: Any, where: str) -> QuantConfig:
-    """`quantization_config` of a config.json -> QuantConfig, or a ConfigError naming the scheme."""
+def parse_quantization_config(q: Any, where: str, prefix: str = "") -> QuantConfig:
+    """`quantization_config` of a config.json -> QuantConfig, or a ConfigError naming the scheme.
+    `prefix`: the text model's tensor prefix in a multimodal wrapper (QuantConfig.prefix)."""
     if not isinstance(q, dict):
         _refuse(where, f"quantization_config {q!r}")
     method = q.get("quant_method")
@@ -145,4 +171,4 @@ def parse_quantization_config(q: Any, where: str) -> QuantConfig:
     ignore = q.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(p, str) for p in ignore):
         _refuse(where, f"ignore list {ignore!r}")
-    return QuantConfig(groups=tuple(groups), ignore=tuple(ignore))
+    return QuantConfig(groups=tuple(groups), ignore=tuple(ignore), prefix=prefix)

@@ -86,7 +86,7 @@ class DecoderLayer(HotPathModule):
             self.self_attn = SelfAttention(cfg, rope, prefix + "self_attn.")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.moe is not None and index not in cfg.moe.dense_layers:
-            self.mlp = MoE(cfg.hidden_size, cfg.moe)
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.quant, prefix + "mlp.")
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, quant=cfg.quant,
                               prefix=prefix + "mlp.")
