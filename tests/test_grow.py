@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import make_drafter, make_target
+from tiny import assert_decode_matches, make_drafter, make_moe_target, make_target
 
 from specserve.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, default_aux_layers, resolve_aux_layers
 from specserve.engine.engine import Engine
@@ -317,3 +317,19 @@ def test_grow_on_cuda_matches_cpu(tmp_path, pair):
         assert a.keys() == b.keys()
         for k in a.keys() - random:
             assert torch.equal(a[k], b[k]), k
+
+
+def test_mixtral_matches_transformers(tmp_path):
+    """The architecture grown MoE targets use: distinct random experts and a sharpened router, so
+    expert naming (w1/w3/w2 = gate/up/down) and routing both show in the logits."""
+    import transformers
+
+    d = make_moe_target(tmp_path / "mixtral", arch="mixtral")
+    cfg = ModelConfig.from_dir(d)
+    assert cfg.moe.hf_block == "block_sparse_moe" and cfg.moe.norm_topk_prob and not cfg.moe.dense_layers
+    assert not cfg.qk_norm
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert_decode_matches(d, hf, prompt_len=20, steps=16)
+    raw = json.loads((d / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"sliding_window=64\) is not supported; set it to null"):
+        ModelConfig.from_hf_dict(raw | {"sliding_window": 64}, d / "config.json")

@@ -404,7 +404,7 @@ def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: 
                      if n[: -len("_packed")] + "_scale" in w.tensors)
         int4 = (f" ({len(packed)} int4 linears: {_count(8 * sum(math.prod(s) for s in packed.values()))} weights in "
                 f"{_gib(4 * sum(math.prod(s) for s in packed.values()))} of words, {_count(scales)} scales)")
-    experts = sum(math.prod(shape) for name, (_, shape) in w.tensors.items() if ".mlp.experts." in name)
+    experts = sum(math.prod(shape) for name, (_, shape) in w.tensors.items() if ".experts." in name)
     of_which = f" ({_count(experts)} of them in routed experts, all loaded)" if experts else ""
     f.add("ok", "target_weights", f"target weights: {len(w.files)} {kind} file(s), "
           f"{_count(params)} parameters{of_which}{int4}")
