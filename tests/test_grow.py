@@ -146,9 +146,9 @@ def test_drafter_logits_match(pair):
     torch.testing.assert_close(logits[1], logits[0], atol=2e-4, rtol=1e-4)
 
 
-def engine_trace(model, draft, prompts, K: int):
+def engine_trace(model, draft, prompts, K: int, device: str = "cpu"):
     """Greedy outputs and, per sequence, the number of tokens each step produced."""
-    eng = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device="cpu", dtype="float32",
+    eng = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device=device, dtype="float32",
                               spec_steps=K, max_model_len=128, max_num_seqs=len(prompts)))
     seqs = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in prompts]
     steps = {s.seq_id: [] for s in seqs}
@@ -426,3 +426,18 @@ def test_moe_presets_and_flags(tmp_path, pair, capsys):
                                       "--force"])) == 0
     assert json.loads(capsys.readouterr().out)["shape"]["experts"] == 4
     assert ModelConfig.from_dir(tmp_path / "o").moe.num_experts == 4
+
+
+@pytest.mark.gpu
+def test_moe_grow_on_cuda_greedy_and_speculation(tmp_path, pair):
+    """Built on the GPU and run there through the MoE path (float32): the small pair's tokens and acceptances."""
+    small = pair[0]
+    big = tmp_path / "big"
+    G.grow(small, big, MOE_SHAPE, draft_dir=small / "draft", dtype="float32", device="cuda")
+
+    plain_small, _, _ = engine_trace(small, None, PROMPTS, K=0, device="cuda")
+    plain_big, _, _ = engine_trace(big, None, PROMPTS, K=0, device="cuda")
+    spec_small, steps_small, _ = engine_trace(small, small / "draft", PROMPTS, K=3, device="cuda")
+    spec_big, steps_big, _ = engine_trace(big, big / "draft", PROMPTS, K=3, device="cuda")
+    assert plain_big == plain_small == spec_big == spec_small
+    assert steps_big == steps_small and max(map(max, steps_big)) > 1  # the same drafts accepted, some
