@@ -18,7 +18,8 @@ from typing import Any
 from specserve.model.quant import QuantConfig, parse_quantization_config
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM",
-                           "Qwen3MoeForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+MOE_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Multimodal wrappers whose `text_config` holds a supported text model: architecture -> the text
 # model's tensor prefix in the checkpoint and the prefixes of the tensors it does not use (vision).
 WRAPPER_ARCHITECTURES = {
@@ -130,13 +131,14 @@ class MoEConfig:
     num_experts: int
     top_k: int
     intermediate_size: int  # of each routed expert
-    scoring: str  # "sigmoid" (DeepSeek-V3, grouped top-k with a selection bias) | "softmax" (Qwen3-MoE)
+    scoring: str  # "sigmoid" (DeepSeek-V3, grouped top-k with a selection bias) | "softmax" (Qwen3-MoE, Mixtral)
     norm_topk_prob: bool
     routed_scaling_factor: float
     n_group: int
     topk_group: int
     shared_intermediate_size: int  # 0: no shared experts
     dense_layers: tuple[int, ...]
+    hf_block: str = "mlp"  # the checkpoint's name of the layer's MoE block: "mlp" | "block_sparse_moe" (Mixtral)
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
@@ -158,25 +160,29 @@ def _mla_from_hf(cfg: dict[str, Any], scaling: dict[str, Any] | None, path: Path
 
 def _moe_from_hf(cfg: dict[str, Any], arch: str, layers: int, path: Path) -> MoEConfig:
     need = lambda k: _need(cfg, k, path)  # noqa: E731
+    shared, n_group, topk_group, scaling_factor, dense, block = 0, 1, 1, 1.0, (), "mlp"
     if arch == "DeepseekV3ForCausalLM":
         scoring = cfg.get("scoring_func", "sigmoid")
         method = cfg.get("topk_method", "noaux_tc")
         if (scoring, method) != ("sigmoid", "noaux_tc"):
             raise ConfigError(f"{path}: DeepseekV3 routing scoring_func {scoring!r} with topk_method {method!r} is "
                               "not supported; supported: scoring_func 'sigmoid' with topk_method 'noaux_tc'")
-        experts = int(need("n_routed_experts"))
+        experts, inter = int(need("n_routed_experts")), int(need("moe_intermediate_size"))
         dense = tuple(range(min(int(cfg.get("first_k_dense_replace") or 0), layers)))
-        shared = int(cfg.get("n_shared_experts") or 0) * int(need("moe_intermediate_size"))
+        shared = int(cfg.get("n_shared_experts") or 0) * inter
         n_group = int(cfg.get("n_group") or 1)
         topk_group = int(cfg.get("topk_group") or n_group)
         scaling_factor = float(cfg.get("routed_scaling_factor", 1.0))
+        norm = bool(cfg.get("norm_topk_prob", True))
+    elif arch == "MixtralForCausalLM":  # every layer routed; the chosen weights are always renormalised
+        scoring, norm, block = "softmax", True, "block_sparse_moe"
+        experts, inter = int(need("num_local_experts")), int(need("intermediate_size"))
     else:  # Qwen3MoeForCausalLM
-        scoring = "softmax"
-        experts = int(cfg.get("num_experts") or need("num_local_experts"))
+        scoring, norm = "softmax", bool(cfg.get("norm_topk_prob", False))
+        experts, inter = int(cfg.get("num_experts") or need("num_local_experts")), int(need("moe_intermediate_size"))
         step = int(cfg.get("decoder_sparse_step") or 1)
         only = set(cfg.get("mlp_only_layers") or ())
         dense = tuple(i for i in range(layers) if i in only or experts == 0 or (i + 1) % step)
-        shared, n_group, topk_group, scaling_factor = 0, 1, 1, 1.0
     top_k = int(need("num_experts_per_tok"))
     if experts % n_group or not 1 <= topk_group <= n_group:
         raise ConfigError(f"{path}: n_routed_experts {experts} must split into n_group {n_group} groups, of which "
@@ -184,10 +190,9 @@ def _moe_from_hf(cfg: dict[str, Any], arch: str, layers: int, path: Path) -> MoE
     if not 1 <= top_k <= experts // n_group * topk_group:
         raise ConfigError(f"{path}: num_experts_per_tok {top_k} must be in 1..{experts // n_group * topk_group} "
                           f"(the experts of the topk_group {topk_group} kept groups)")
-    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=int(need("moe_intermediate_size")),
-                     scoring=scoring, norm_topk_prob=bool(cfg.get("norm_topk_prob", scoring == "sigmoid")),
+    return MoEConfig(num_experts=experts, top_k=top_k, intermediate_size=inter, scoring=scoring, norm_topk_prob=norm,
                      routed_scaling_factor=scaling_factor, n_group=n_group, topk_group=topk_group,
-                     shared_intermediate_size=shared, dense_layers=dense)
+                     shared_intermediate_size=shared, dense_layers=dense, hf_block=block)
 
 
 def _need(cfg: dict[str, Any], key: str, path: Path) -> Any:
@@ -221,7 +226,7 @@ def _unwrap_text_config(cfg: dict[str, Any], path: Path) -> tuple[dict[str, Any]
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The target transformer's shape, normalized across Llama, Qwen2, Qwen3, Qwen3-MoE and
+    """The target transformer's shape, normalized across Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral and
     DeepSeek-V3 (and the Kimi-K2/K2.5 configs that wrap it)."""
 
     architecture: str
@@ -280,6 +285,9 @@ class ModelConfig:
             )
         if cfg.get("use_sliding_window"):
             raise ConfigError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
+        if arch == "MixtralForCausalLM" and cfg.get("sliding_window") is not None:
+            raise ConfigError(f"{path}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
+                              "supported; set it to null for full attention")
 
         def need(key: str) -> Any:
             return _need(cfg, key, path)
@@ -299,7 +307,7 @@ class ModelConfig:
             # Multi-token-prediction layers follow the decoder's; speculation here is EAGLE-3's.
             mtp = int(cfg.get("num_nextn_predict_layers") or 0)
             skip = skip + tuple(f"model.layers.{layers + i}." for i in range(mtp))
-        if arch in ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM"):
+        if arch in MOE_ARCHITECTURES:
             moe = _moe_from_hf(cfg, arch, layers, path)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(int(e) for e in (eos if isinstance(eos, list) else [eos] if eos is not None else []))

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import make_drafter, make_target
+from tiny import assert_decode_matches, make_drafter, make_moe_target, make_target
 
 from specserve.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, default_aux_layers, resolve_aux_layers
 from specserve.engine.engine import Engine
@@ -17,8 +17,13 @@ from specserve.engine.sampling import SamplingParams
 from specserve.model.layers import ForwardContext
 from specserve.model.loader import load_drafter, load_target
 from specserve.train import grow as G
+from specserve.train.shapes import PRESETS
 
 CPU = torch.device("cpu")
+# The MoE grow: SHAPE's attention with 6 experts of 160 units (the MLP's 128 copied once or twice), top-2;
+# the drafter's MLP keeps SHAPE's 300.
+MOE_SHAPE = G.Shape(hidden=128, layers=12, heads=8, kv_heads=4, head_dim=64, intermediate=300, experts=6, top_k=2,
+                    expert_intermediate=160)
 # hidden x3 (non-power-of-two split), heads x2, KV heads x2, head_dim x4 (16 -> 64), layers x2,
 # MLP 128 -> 300 (units copied 2 or 3 times).
 SHAPE = G.Shape(hidden=192, layers=12, heads=8, kv_heads=4, head_dim=64, intermediate=300)
@@ -141,9 +146,9 @@ def test_drafter_logits_match(pair):
     torch.testing.assert_close(logits[1], logits[0], atol=2e-4, rtol=1e-4)
 
 
-def engine_trace(model, draft, prompts, K: int):
+def engine_trace(model, draft, prompts, K: int, device: str = "cpu"):
     """Greedy outputs and, per sequence, the number of tokens each step produced."""
-    eng = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device="cpu", dtype="float32",
+    eng = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device=device, dtype="float32",
                               spec_steps=K, max_model_len=128, max_num_seqs=len(prompts)))
     seqs = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in prompts]
     steps = {s.seq_id: [] for s in seqs}
@@ -157,8 +162,10 @@ PROMPTS = [[5, 17, 3, 88, 40], [9, 60, 22, 71, 14, 2, 33, 8], [1, 2, 3, 4], [50,
 
 
 @pytest.mark.slow
-def test_speculative_run_identical(pair):
-    small, big, _ = pair
+@pytest.mark.parametrize("grown", ["pair", "moe_pair"])
+def test_speculative_run_identical(grown, request):
+    """The grown pair (dense, or with routed experts) drafts and accepts exactly what the small pair does."""
+    small, big, _ = request.getfixturevalue(grown)
     tok_s, steps_s, spec_s = engine_trace(small, small / "draft", PROMPTS, K=3)
     tok_b, steps_b, spec_b = engine_trace(big, big / "draft", PROMPTS, K=3)
     plain_b, _, _ = engine_trace(big, None, PROMPTS, K=0)
@@ -317,3 +324,120 @@ def test_grow_on_cuda_matches_cpu(tmp_path, pair):
         assert a.keys() == b.keys()
         for k in a.keys() - random:
             assert torch.equal(a[k], b[k]), k
+
+
+def test_mixtral_matches_transformers(tmp_path):
+    """The architecture grown MoE targets use: distinct random experts and a sharpened router, so
+    expert naming (w1/w3/w2 = gate/up/down) and routing both show in the logits."""
+    import transformers
+
+    d = make_moe_target(tmp_path / "mixtral", arch="mixtral")
+    cfg = ModelConfig.from_dir(d)
+    assert cfg.moe.hf_block == "block_sparse_moe" and cfg.moe.norm_topk_prob and not cfg.moe.dense_layers
+    assert not cfg.qk_norm
+    hf = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    assert_decode_matches(d, hf, prompt_len=20, steps=16)
+    raw = json.loads((d / "config.json").read_text())
+    with pytest.raises(ConfigError, match=r"sliding_window=64\) is not supported; set it to null"):
+        ModelConfig.from_hf_dict(raw | {"sliding_window": 64}, d / "config.json")
+
+
+@pytest.fixture(scope="module")
+def moe_pair(pair, tmp_path_factory):
+    small = pair[0]
+    big = tmp_path_factory.mktemp("grow_moe") / "big"
+    summary = G.grow(small, big, MOE_SHAPE, draft_dir=small / "draft", dtype="float32", device="cpu")
+    return small, big, summary
+
+
+def test_moe_target_config_and_experts(moe_pair):
+    small, big, _ = moe_pair
+    cfg = ModelConfig.from_dir(big)
+    assert cfg.architecture == "MixtralForCausalLM" and not cfg.qk_norm
+    assert (cfg.moe.num_experts, cfg.moe.top_k, cfg.moe.intermediate_size) == (6, 2, 160)
+    assert DraftConfig.from_dir(big / "draft").intermediate_size == 300
+    t = load_file(str(big / "model.safetensors"))
+    layer_map = json.loads((big / "config.json").read_text())["grow_layer_map"]
+    kept, identity = layer_map.index(0), layer_map.index(-1)
+    p = f"model.layers.{kept}.block_sparse_moe."
+    for e in range(1, 6):  # a kept layer's experts are one MLP; its router is not uniform
+        for w in ("w1", "w2", "w3"):
+            assert torch.equal(t[f"{p}experts.{e}.{w}.weight"], t[f"{p}experts.0.{w}.weight"])
+    assert t[p + "gate.weight"].shape == (6, 128) and t[p + "gate.weight"].std() > 0
+    q = f"model.layers.{identity}.block_sparse_moe.experts."
+    assert not torch.equal(t[q + "0.w1.weight"], t[q + "1.w1.weight"])  # real, distinct data to read
+    assert all(not t[f"{q}{e}.w2.weight"].any() for e in range(6))  # but nothing written to the stream
+
+
+def test_moe_target_logits_and_greedy_match_the_small_target(moe_pair):
+    """Random routing, identical experts: each prompt's logits (prefill and cached decode) are the small model's."""
+    small, big, _ = moe_pair
+    for ids in ([5, 17, 3, 88, 41, 9, 60, 22, 71, 14, 2, 33], [1, 2, 3, 4, 5, 6], [50, 51, 52, 90, 11, 0, 7]):
+        _, a, _ = run_target(small, ids)
+        model, b, _ = run_target(big, ids)
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+    # the router spreads the tokens over the experts (so a wrong expert would show in the logits)
+    x = torch.randn(32, 128)
+    chosen = model.layers[json.loads((big / "config.json").read_text())["grow_layer_map"].index(0)].mlp.route(x)[1]
+    assert len(chosen.unique()) == 6
+
+
+def test_moe_target_matches_transformers_mixtral(moe_pair):
+    import transformers
+
+    small, big, _ = moe_pair
+    hf = transformers.AutoModelForCausalLM.from_pretrained(big, dtype=torch.float32).eval()
+    assert type(hf).__name__ == "MixtralForCausalLM"
+    assert_decode_matches(big, hf, prompt_len=12, steps=8)
+    ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 22, 71, 14]])
+    small_hf = transformers.AutoModelForCausalLM.from_pretrained(small, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf(ids).logits, small_hf(ids).logits, atol=2e-4, rtol=1e-4)
+
+
+def test_moe_presets_and_flags(tmp_path, pair, capsys):
+    from specserve.config import DEMO_DIR
+    from specserve.train import grow_cmd
+
+    demo = ModelConfig.from_dir(DEMO_DIR)
+    shape = PRESETS["qwen3-moe-30b-a3b"]
+    G.check_shape("target", demo.num_heads, demo.num_kv_heads, demo.head_dim, demo.hidden_size,
+                  demo.intermediate_size, shape, shape.target_intermediate)  # the demo grows into it
+    assert (shape.experts, shape.top_k, shape.target_intermediate) == (128, 8, 768)
+    p = argparse.ArgumentParser()
+    grow_cmd.add_arguments(p)
+    parse = lambda *a: grow_cmd.shape_from_args(p.parse_args([*a, "--out", "x"]))  # noqa: E731
+    assert parse("--preset", "qwen3-moe-30b-a3b", "--moe", "0") == G.Shape(2048, 48, 32, 4, 128, 6144)
+    assert parse("--preset", "llama3-8b", "--moe", "8", "--moe-top-k", "2").target_intermediate == 14336
+    with pytest.raises(ConfigError, match="--moe-intermediate must be positive"):
+        parse("--preset", "llama3-8b", "--moe", "8", "--moe-intermediate", "0")
+    small = pair[0]
+    base = ["--model", str(small), "--no-draft", "--hidden", "128", "--layers", "8", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "16", "--intermediate", "128", "--dtype", "float32", "--device", "cpu"]
+    for extra, error in ((["--moe", "4", "--moe-top-k", "5"], "--moe-top-k 5 must be in 1..4"),
+                         (["--moe", "4"], "--moe-top-k 0 must be in 1..4"),
+                         (["--moe-top-k", "2"], "give --moe a positive expert count"),
+                         (["--moe", "4", "--moe-top-k", "2", "--moe-intermediate", "64"],
+                          "intermediate size 64 is smaller than the source's 128")):
+        assert grow_cmd.run(p.parse_args([*base, *extra, "--out", str(tmp_path / "o"), "--force"])) == 1
+        assert error in capsys.readouterr().err
+    assert grow_cmd.run(p.parse_args([*base, "--moe", "4", "--moe-top-k", "2", "--out", str(tmp_path / "o"),
+                                      "--force"])) == 0
+    assert json.loads(capsys.readouterr().out)["shape"]["experts"] == 4
+    assert ModelConfig.from_dir(tmp_path / "o").moe.num_experts == 4
+
+
+@pytest.mark.gpu
+def test_moe_grow_on_cuda_greedy_and_speculation(tmp_path, pair):
+    """Built on the GPU and run there through the MoE path (float32): the small pair's tokens and acceptances."""
+    small = pair[0]
+    big = tmp_path / "big"
+    G.grow(small, big, MOE_SHAPE, draft_dir=small / "draft", dtype="float32", device="cuda")
+
+    plain_small, _, _ = engine_trace(small, None, PROMPTS, K=0, device="cuda")
+    plain_big, _, _ = engine_trace(big, None, PROMPTS, K=0, device="cuda")
+    spec_small, steps_small, _ = engine_trace(small, small / "draft", PROMPTS, K=3, device="cuda")
+    spec_big, steps_big, _ = engine_trace(big, big / "draft", PROMPTS, K=3, device="cuda")
+    assert plain_big == plain_small == spec_big == spec_small
+    assert steps_big == steps_small and max(map(max, steps_big)) > 1  # the same drafts accepted, some

@@ -42,8 +42,8 @@ YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 
 
 def make_moe_target(out: Path, arch: str = "deepseek_v3", vocab: int = 96, hidden: int = 64, layers: int = 4,
                     experts: int = 8, seed: int = 0, **extra) -> Path:
-    """A random transformers MoE model (DeepseekV3ForCausalLM with YaRN rope, or
-    Qwen3MoeForCausalLM), layer 0 dense, saved with save_pretrained. The router is sharpened and
+    """A random transformers MoE model (DeepseekV3ForCausalLM with YaRN rope, Qwen3MoeForCausalLM,
+    both with layer 0 dense, or MixtralForCausalLM), saved with save_pretrained. The router is sharpened and
     DeepSeek's selection bias made non-zero, so routing (and the bias's part in it) shows."""
     import transformers
 
@@ -61,6 +61,11 @@ def make_moe_target(out: Path, arch: str = "deepseek_v3", vocab: int = 96, hidde
         kw |= dict(num_key_value_heads=2, head_dim=16, num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True,
                    decoder_sparse_step=1, mlp_only_layers=[0])
         cfg, cls = transformers.Qwen3MoeConfig(**(kw | extra)), transformers.Qwen3MoeForCausalLM
+    elif arch == "mixtral":
+        kw |= dict(num_key_value_heads=2, head_dim=16, num_local_experts=experts, num_experts_per_tok=2,
+                   intermediate_size=hidden // 2, sliding_window=None)
+        kw.pop("moe_intermediate_size")
+        cfg, cls = transformers.MixtralConfig(**(kw | extra)), transformers.MixtralForCausalLM
     else:
         raise ValueError(arch)
     model = cls(cfg).eval()

@@ -63,6 +63,10 @@ def route_softmax(logits: torch.Tensor, m: MoEConfig) -> tuple[torch.Tensor, tor
     return weights.to(logits.dtype), ids
 
 
+# Checkpoint names of each expert's (gate, up, down) projections, by the MoE block's name.
+EXPERT_TENSORS = {"mlp": ("gate_proj", "up_proj", "down_proj"), "block_sparse_moe": ("w1", "w3", "w2")}
+
+
 def _expert_loader(first: int, width: int | None = None):
     """Loads one expert's tensor into a stacked [E_local, rows, cols] weight holding experts first..:
     shard (expert, part) puts it at rows part*width.. of that expert (gate then up in one [2I, H]
@@ -222,20 +226,22 @@ class MoE(HotPathModule):
         return out
 
     def hf_weights(self, prefix: str) -> dict[str, tuple[nn.Parameter, object]]:
-        """Hugging Face tensor names under `prefix` (".../mlp.") -> (parameter, shard)."""
+        """Hugging Face tensor names under `prefix` (".../mlp." or, Mixtral, ".../block_sparse_moe.") ->
+        (parameter, shard)."""
         out: dict[str, tuple[nn.Parameter, object]] = {prefix + "gate.weight": (self.gate, None)}
         if self.score_bias is not None:
             out[prefix + "gate.e_score_correction_bias"] = (self.score_bias, None)
+        gate, up, down = EXPERT_TENSORS[self.m.hf_block]
         for e in range(self.m.num_experts):
             p = f"{prefix}experts.{e}."
             if self.int4 is None:
-                out[p + "gate_proj.weight"] = (self.w13, (e, 0))
-                out[p + "up_proj.weight"] = (self.w13, (e, 1))
-                out[p + "down_proj.weight"] = (self.w2, e)
+                out[p + gate + ".weight"] = (self.w13, (e, 0))
+                out[p + up + ".weight"] = (self.w13, (e, 1))
+                out[p + down + ".weight"] = (self.w2, e)
             else:
-                out.update(self.w13.hf_tensors(p + "gate_proj", (e, 0)))
-                out.update(self.w13.hf_tensors(p + "up_proj", (e, 1)))
-                out.update(self.w2.hf_tensors(p + "down_proj", e))
+                out.update(self.w13.hf_tensors(p + gate, (e, 0)))
+                out.update(self.w13.hf_tensors(p + up, (e, 1)))
+                out.update(self.w2.hf_tensors(p + down, e))
         if self.shared is not None:
             out.update(self.shared.hf_weights(prefix + "shared_experts."))
         return out

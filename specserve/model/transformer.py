@@ -1,8 +1,9 @@
-"""The target model: Llama, Qwen2, Qwen3, Qwen3-MoE and DeepSeek-V3 decoders in one implementation.
+"""The target model: Llama, Qwen2, Qwen3, Qwen3-MoE, Mixtral and DeepSeek-V3 decoders in one implementation.
 
 The dense three differ only in q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3)
 and their configs' spelling, which `ModelConfig` normalizes. Qwen3-MoE is Qwen3 with
-routed experts in place of most MLPs (`moe.MoE`); DeepSeek-V3 adds latent attention
+routed experts in place of most MLPs (`moe.MoE`), Mixtral is Llama with routed experts in
+every layer; DeepSeek-V3 adds latent attention
 (`mla.MLASelfAttention`) and shared experts.
 """
 
@@ -161,7 +162,8 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             out.update(layer.self_attn.hf_weights(p + "self_attn."))
-            out.update(layer.mlp.hf_weights(p + "mlp."))
+            block = layer.mlp.m.hf_block if isinstance(layer.mlp, MoE) else "mlp"
+            out.update(layer.mlp.hf_weights(f"{p}{block}."))
             out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, None)
             out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
         return out

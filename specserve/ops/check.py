@@ -402,13 +402,13 @@ def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: 
     if packed:
         scales = sum(math.prod(w.tensors[n[: -len("_packed")] + "_scale"][1]) for n in packed
                      if n[: -len("_packed")] + "_scale" in w.tensors)
-        expert_words = [math.prod(s) for n, s in packed.items() if ".mlp.experts." in n]
+        expert_words = [math.prod(s) for n, s in packed.items() if ".experts." in n]
         in_experts = f", {len(expert_words)} of them in routed experts" if expert_words else ""
         int4 = (f" ({len(packed)} int4 linears{in_experts}: {_count(8 * sum(math.prod(s) for s in packed.values()))} "
                 f"weights in {_gib(4 * sum(math.prod(s) for s in packed.values()))} of words, {_count(scales)} scales)")
     # Weights, not stored elements: an int4 expert's packed word holds eight, its scales and shapes none.
-    experts = sum(math.prod(shape) for name, (_, shape) in w.tensors.items() if ".mlp.experts." in name
-                  and name not in skip) + sum(math.prod(s) * 8 for n, s in packed.items() if ".mlp.experts." in n)
+    experts = sum(math.prod(shape) for name, (_, shape) in w.tensors.items() if ".experts." in name
+                  and name not in skip) + sum(math.prod(s) * 8 for n, s in packed.items() if ".experts." in n)
     of_which = f" ({_count(experts)} of them in routed experts, all loaded)" if experts else ""
     f.add("ok", "target_weights", f"target weights: {len(w.files)} {kind} file(s), "
           f"{_count(params)} parameters{of_which}{int4}")

@@ -45,6 +45,15 @@ Construction (every step is exact in real arithmetic):
   writes the new stream, q/k/v read two duplicated halves, heads and MLP as in
   the target; d2t/t2d are unchanged.
 
+Experts (`Shape.experts` > 0): the target becomes a Mixtral model (Llama attention, a
+softmax router whose top-k weights are renormalised to sum to 1). Every expert of a
+kept layer is that layer's grown MLP, so whichever k experts the (random) router
+picks, their weighted sum is the MLP's output; only the weights' rounding (their sum
+is 1 to within a rounding error) separates it from the dense model. The router is
+random so that tokens spread over the experts as a real model's do. An identity
+layer's experts are random with zero down projections. Qwen3-MoE is not a target:
+its attention always applies RMSNorm to q and k, which the small Llama does not.
+
 Vocabulary: by default it stays the small model's (4096 for the demo, against
 128256 for Llama-3-8B), so the grown "8B" has ~7.0B parameters and reads ~1 GB
 less per decode step for its LM head (~14.0 GB bf16 against 16.06 GB).
@@ -180,14 +189,17 @@ def place_rows(w: torch.Tensor, new: torch.Tensor, old: torch.Tensor, n_rows: in
 
 
 # ------------------------------------------------------------------ validation and layer placement
-def check_shape(what: str, heads: int, kv_heads: int, d: int, hidden: int, inter: int, shape: Shape) -> None:
+def check_shape(what: str, heads: int, kv_heads: int, d: int, hidden: int, inter: int, shape: Shape,
+                new_inter: int | None = None) -> None:
+    """new_inter: the grown MLP's width (default shape.intermediate)."""
+    new_inter = shape.intermediate if new_inter is None else new_inter
     problems = []
     for name, old, new in (("hidden size", hidden, shape.hidden), ("attention heads", heads, shape.heads),
                            ("KV heads", kv_heads, shape.kv_heads), ("head_dim", d, shape.head_dim)):
         if new < old or new % old:
             problems.append(f"{name} {new} is not a multiple of the source's {old}")
-    if inter > shape.intermediate:
-        problems.append(f"intermediate size {shape.intermediate} is smaller than the source's {inter}")
+    if inter > new_inter:
+        problems.append(f"intermediate size {new_inter} is smaller than the source's {inter}")
     if d % 2:
         problems.append(f"source head_dim {d} is odd (rotary pairs need an even head_dim)")
     if shape.heads % shape.kv_heads:
@@ -294,6 +306,20 @@ def _prepare_out(out: Path, force: bool) -> None:
 
 
 # ------------------------------------------------------------------ the target
+def as_experts(layer: dict[str, torch.Tensor], shape: Shape, rand, identity: bool) -> dict[str, torch.Tensor]:
+    """The layer's tensors with its dense MLP replaced by a random router and shape.experts experts:
+    copies of that MLP (the renormalised top-k weights sum to 1, so any choice of experts sums
+    back to it), or for an identity layer random gate/up with the zero down projection."""
+    gate, up, down = (layer.pop(f"mlp.{n}_proj.weight") for n in ("gate", "up", "down"))
+    p = "block_sparse_moe."
+    layer[p + "gate.weight"] = rand(shape.experts, shape.hidden) / math.sqrt(shape.hidden)
+    for e in range(shape.experts):  # fresh tensors: shards may not alias
+        w1, w3 = (rand(*gate.shape) * 0.02, rand(*up.shape) * 0.02) if identity else (gate.clone(), up.clone())
+        layer.update({f"{p}experts.{e}.w1.weight": w1, f"{p}experts.{e}.w3.weight": w3,
+                      f"{p}experts.{e}.w2.weight": down.clone()})
+    return layer
+
+
 SIGN_UNITS = 64  # MLP units of the last layer that drive padded logits negative (see _pad_plan)
 PAD_LOGIT = 1e4  # typical magnitude of a padded token's (negative) logit
 
@@ -370,9 +396,10 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
     V = cfg.vocab_size
     pad = (pad_vocab or V) - V
     plan = _pad_plan(model_dir, cfg, r, order[-1] is not None, device, seed, read) if pad else None
-    if plan and shape.intermediate - SIGN_UNITS < cfg.intermediate_size:
+    width = shape.target_intermediate
+    if plan and width - SIGN_UNITS < cfg.intermediate_size:
         raise ConfigError(f"padding the vocabulary needs {SIGN_UNITS} spare MLP units in the last layer: "
-                          f"intermediate {shape.intermediate} - {SIGN_UNITS} < {cfg.intermediate_size}")
+                          f"intermediate {width} - {SIGN_UNITS} < {cfg.intermediate_size}")
 
     w = ShardWriter(out, dtype, shard_bytes)
     embed = get("model.embed_tokens.weight")
@@ -383,7 +410,7 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
     for new_i, old_i in enumerate(order):
         p = f"model.layers.{new_i}."
         signs = SIGN_UNITS if plan and new_i == len(order) - 1 else 0
-        inter = shape.intermediate - signs
+        inter = width - signs
         if inter not in mlp_maps:
             mlp_maps[inter] = DimMap.from_counts(mlp_counts(cfg.intermediate_size, inter), read).to(device)
         M = mlp_maps[inter]
@@ -419,6 +446,8 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
             for name, extra in (("mlp.gate_proj.weight", rows), ("mlp.up_proj.weight", rows.clone())):
                 layer[name] = torch.cat([layer[name], extra])
             layer["mlp.down_proj.weight"] = torch.cat([layer["mlp.down_proj.weight"], cols], dim=1)
+        if shape.experts:  # (with padding, every expert carries the sign units: their sum is unchanged)
+            layer = as_experts(layer, shape, rand, identity=old_i is None)
         for name, t in layer.items():
             w.add(p + name, t)
     w.add("model.norm.weight", as_writer(get("model.norm.weight"), H))
@@ -431,7 +460,13 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
     new_cfg = dict(cfg_json)
     new_cfg.update(hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
                    num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=V + pad,
-                   intermediate_size=shape.intermediate, tie_word_embeddings=False, **extra_config)
+                   intermediate_size=width, tie_word_embeddings=False, **extra_config)
+    if shape.experts:
+        for key in ("mlp_bias", "pretraining_tp"):  # Llama's, not Mixtral's
+            new_cfg.pop(key, None)
+        new_cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=shape.experts,
+                       num_experts_per_tok=shape.top_k, sliding_window=None, router_jitter_noise=0.0,
+                       output_router_logits=False)
     if plan:
         new_cfg["grow_padded_vocab"] = {"real_vocab_size": V, **asdict(plan)}
     _set_dtype_key(new_cfg, dtype)
@@ -533,7 +568,13 @@ def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | 
         raise ConfigError(f"{model_dir}: grow supports Llama targets only, found {cfg.architecture}")
     if cfg.qkv_bias or cfg.o_bias or cfg.mlp_bias:
         raise ConfigError(f"{model_dir}: grow does not support attention or MLP biases")
-    check_shape("target", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, shape)
+    if shape.experts and not 1 <= shape.top_k <= shape.experts:
+        raise ConfigError(f"--moe-top-k {shape.top_k} must be in 1..{shape.experts} (--moe, the experts per layer)")
+    if shape.experts < 0 or (shape.top_k and not shape.experts):
+        raise ConfigError(f"--moe {shape.experts} --moe-top-k {shape.top_k}: give --moe a positive expert count "
+                          "with --moe-top-k")
+    check_shape("target", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, shape,
+                shape.target_intermediate)
     if shape.layers < cfg.num_layers:
         raise ConfigError(f"cannot grow {cfg.num_layers} layers to fewer ({shape.layers})")
     if pad_vocab is not None and pad_vocab < cfg.vocab_size:
