@@ -17,6 +17,7 @@ from collections import deque
 import torch
 
 from specserve.config import EngineConfig
+from specserve.engine.block_pool import NULL_BLOCK
 from specserve.engine.logprobs import LogprobBatch, TokenLogprob
 from specserve.engine.profiling import Mark
 from specserve.engine.protocol import ServingEngine
@@ -60,8 +61,7 @@ class Engine(ServingEngine):
         r = self.runner
         # Blocks a running sequence holds past its length: two cycles' writes (a draft may be queued
         # behind a verify) and a plain step queued ahead.
-        self.scheduler = Scheduler(r.kv, cfg.prefix_cache, margin=2 * (r.room + 1) + 1,
-                                   max_len=r.cache_len - r.block_size)
+        self.scheduler = Scheduler(r.kv, cfg.prefix_cache, margin=2 * (r.room + 1) + 1)
         self.proposer = Proposer(self.runner) if self.runner.drafter is not None else None
         self.overlap = Overlap(self.device, self.max_model_len, self.runner.pending_width)
         spec_values = []
@@ -217,7 +217,8 @@ class Engine(ServingEngine):
         done = [i for i, s in enumerate(seqs) if s.prefilled + len(chunks[i]) == s.prefill_len]
         # A resumed sequence (preempted earlier) already has the token its prefill ends at.
         fresh = [i for i in done if not seqs[i].resumed]
-        first, lps = [seqs[i].last_token for i in done], {}
+        first = {i: seqs[i].last_token for i in done}  # chunk index -> the token after its prefill
+        lps: dict[int, list[TokenLogprob]] = {}  # chunk index -> that token's log-probabilities
         if fresh:
             params = [seqs[i].params for i in fresh]
             sampling = BatchSampling.build(params, [seqs[i].seed for i in fresh], self.device)
@@ -225,24 +226,24 @@ class Engine(ServingEngine):
             logits = logits[fresh]
             first_t = sample_tokens(logits, sampling, pos)
             lp = self._logprobs([seqs[i] for i in fresh], logits, first_t)
-            lps = self._read_logprobs([seqs[i] for i in fresh], lp)
-            for j, tok in zip(fresh, first_t.tolist()):
-                first[done.index(j)] = tok
+            read = self._read_logprobs([seqs[i] for i in fresh], lp)
+            lps = {i: read[k] for k, i in enumerate(fresh) if k in read}
+            first.update(zip(fresh, first_t.tolist()))
         for i, seq in enumerate(seqs):
             seq.prefilled += len(chunks[i])
             seq.num_cached = seq.prefilled
         if self.drafting:
-            self.proposer.prefill(self.n_running, seqs, chunks, starts, feats, done, first)
+            self.proposer.prefill(self.n_running, seqs, chunks, starts, feats, done, [first[i] for i in done])
         for seq in seqs:
             self.scheduler.prefilled(seq)
         finished_prefill = []
-        for j, i in enumerate(done):
+        for i in done:
             seq = seqs[i]
             seq.status = Status.RUNNING
             seq.pending = 1 if self.drafting else 0
             if not seq.resumed:
                 seq.first_token_time = time.perf_counter()
-                self._append(seq, [first[j]], lps.get(fresh.index(i)))
+                self._append(seq, [first[i]], lps.get(i))
             finished_prefill.append(seq)
         # Completed prompts are the first rows of the prefill block: they join the running prefix.
         self.n_running += len(done)
@@ -517,5 +518,5 @@ class Engine(ServingEngine):
         if leaked or self.n_running or self.n_prefill:
             raise AssertionError(f"KV rows still held while idle: {leaked}")
         self.scheduler.pool.check_idle()
-        if bool((self.runner.kv.table != 0).any()):
+        if bool((self.runner.kv.table != NULL_BLOCK).any()):
             raise AssertionError("block table rows still point at blocks while idle")

@@ -20,11 +20,11 @@ from specserve.engine.sequence import Sequence
 
 
 class Scheduler:
-    def __init__(self, kv, prefix_cache: bool, margin: int, max_len: int):
+    def __init__(self, kv, prefix_cache: bool, margin: int):
         self.kv = kv
         self.pool = BlockPool(kv.num_blocks, kv.block_size, prefix_cache)
         self.margin = margin
-        self.max_len = max_len  # indices a row can hold (before its null column)
+        self.max_len = (kv.max_blocks - 1) * kv.block_size  # indices a row can hold (before its null column)
         self.preemptions = 0
 
     def blocks_for(self, n_tokens: int) -> int:
