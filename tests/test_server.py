@@ -637,7 +637,10 @@ def test_gpu_engine_thread_with_cuda_graphs(pair):
             time.sleep(0.001)
         loop.abort(["long"])
         assert all_done.wait(300)
-        offline = LLM(**kw).generate(PROMPTS[: len(PROMPTS)], greedy)
+        # A second engine beside the server's, with a pool of its own size (the server's holds
+        # --gpu-memory-utilization of the GPU).
+        offline = LLM(**serve_kwargs(pair, "--max-num-seqs", "32", "--device", "cuda", "--dtype", "float32",
+                                     "--kv-cache-tokens", "65536")).generate(PROMPTS, greedy)
         for i in range(n):
             assert [e.kind for e in events[i]][-1] == "finish"
             assert "".join(e.text for e in events[i]) == offline[i % len(PROMPTS)].text, i

@@ -59,13 +59,17 @@ def plan_blocks(cfg, rows: int, max_model_len: int, room: int, block_bytes: int,
     elif cfg.gpu_memory_utilization is not None:
         if device.type != "cuda":
             raise ConfigError("--gpu-memory-utilization sizes the KV pool on a GPU; on CPU use --kv-cache-tokens")
-        _, total = torch.cuda.mem_get_info(device)
+        free, total = torch.cuda.mem_get_info(device)
         graphs = max(activation_bytes, 512 * 2**20) if cfg.cuda_graphs else 0
-        budget = cfg.gpu_memory_utilization * total - torch.cuda.memory_allocated(device) - activation_bytes - graphs
+        held = torch.cuda.memory_allocated(device)
+        # The fraction of the whole GPU this process may hold, and never more than is free: memory
+        # other processes hold is not ours to plan with.
+        budget = min(cfg.gpu_memory_utilization * total - held, free * 0.95) - activation_bytes - graphs
         n = int(budget // block_bytes)
-        why = (f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB after "
-               f"{torch.cuda.memory_allocated(device) / 2**30:.2f} GiB of weights, {activation_bytes / 2**30:.2f} GiB "
-               f"of activations and {graphs / 2**30:.2f} GiB for graphs")
+        why = (f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB with "
+               f"{free / 2**30:.1f} GiB free, after {held / 2**30:.2f} GiB this process holds (weights, and any "
+               f"other engine's KV), {activation_bytes / 2**30:.2f} GiB of activations and {graphs / 2**30:.2f} GiB "
+               f"for graphs")
         if n < row_blocks(max_model_len, room, bs):
             raise ConfigError(f"{why} leaves room for {max(n, 0) * bs} KV tokens, less than one sequence of "
                               f"--max-model-len {max_model_len}; raise --gpu-memory-utilization or lower --max-model-len")

@@ -1,0 +1,332 @@
+"""Per-layer decode cost of DeepSeek-V3 / Kimi-K2.5 MoE layers at full width on one GPU.
+
+    python benchmarks/moe_layers_gpu.py --shape kimi-k2.5 --experts int4 --moe-layers 10 [--hf] [--out DIR]
+
+Builds the target at full width and reduced depth (one dense layer, then --moe-layers MoE layers,
+the embedding and the head) with random weights made on the GPU (no checkpoint is written: a
+Kimi-K2.5 MoE layer is 34 GB in bf16), plus a random EAGLE-3 drafter so the engine captures its
+verify graphs, and measures with CUDA-graph replays at context --context:
+  - decode step time at each batch size, for the full model and for one with a single MoE layer:
+    their difference over the extra layers is one MoE layer's time;
+  - that layer's weight-bytes roofline: attention, router, shared expert and the distinct routed
+    experts the batch touched (counted from the routing of the same inputs), plus its latent-cache
+    reads, over the device's measured copy bandwidth;
+  - verify(K+1) / decode at batch 1 for K = 1..5, with the distinct experts a verify touches (the
+    bytes-based limit of that ratio);
+  - with --hf, transformers' DeepseekV3 of the same reduced model (bf16 experts) as the peer:
+    each MoE layer's time from CUDA events around it, after a prefill of --context tokens.
+Writes moe_layers_<shape>_<experts>.json under --out (default $OUT) and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.gpu_engine import copy_bandwidth, gpu_ms  # noqa: E402
+from benchmarks.random_models import write_eagle3_drafter  # noqa: E402
+
+DEEPSEEK_V3 = {
+    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
+    "moe_intermediate_size": 2048, "num_attention_heads": 128, "num_key_value_heads": 128,
+    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
+    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
+    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
+    "max_position_embeddings": 163840, "rope_theta": 10000.0,
+    "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "rms_norm_eps": 1e-6, "eos_token_id": 1, "bos_token_id": 0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+}
+KIMI_K25 = DEEPSEEK_V3 | {
+    "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64, "num_key_value_heads": 64,
+    "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
+    "max_position_embeddings": 262144, "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "eos_token_id": 163586,
+    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
+                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+}
+SHAPES = {"deepseek-v3": DEEPSEEK_V3, "kimi-k2.5": KIMI_K25}
+# Kimi-K2.5's scheme: the routed experts in int4 (symmetric, groups of 32), everything else bf16.
+INT4_EXPERTS = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                                    "strategy": "group", "group_size": 32}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
+}
+INT4_SCALE = 0.004  # random int4 values in [-8, 7] times this: weights of std ~0.02
+
+
+def write_config(path: Path, shape: dict, layers: int, int4: bool) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    cfg = shape | {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": layers, "first_k_dense_replace": 1}
+    if int4:
+        cfg["quantization_config"] = INT4_EXPERTS
+    (path / "config.json").write_text(json.dumps(cfg, indent=1))
+    return path
+
+
+def random_target(model_dir, device, dtype, max_positions, allow_pickle=False):
+    """load_target's model with random weights made in place: every tensor a checkpoint would
+    fill (norms 1, selection biases 0, int4 words uniform, int4 scales INT4_SCALE, others N(0, 0.02))."""
+    from specserve.config import ModelConfig
+    from specserve.model.loader import _build_on
+    from specserve.model.transformer import CausalLM
+
+    with _build_on(device, dtype):
+        model = CausalLM(ModelConfig.from_dir(model_dir), max_positions)
+    g = torch.Generator(device=device).manual_seed(0)
+    seen = set()
+    with torch.no_grad():
+        for name, (t, _) in model.hf_weight_map().items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            if name.endswith("weight_shape"):
+                continue  # (read by the loader's checks only)
+            if t.dtype == torch.int32:
+                t.random_(-2**31, 2**31 - 1, generator=g)
+            elif name.endswith("weight_scale"):
+                t.fill_(INT4_SCALE)
+            elif "norm" in name:
+                t.fill_(1.0)
+            elif name.endswith("e_score_correction_bias"):
+                t.zero_()
+            else:
+                t.normal_(0.0, 0.02, generator=g)
+    return model.eval().requires_grad_(False)
+
+
+def layer_bytes(moe_layer, experts_touched: float) -> dict:
+    """Weight bytes one decode of a MoE decoder layer reads: everything but the routed experts,
+    plus `experts_touched` experts' share of them."""
+    from specserve.model.moe import MoE
+
+    moe = moe_layer.mlp
+    assert isinstance(moe, MoE)
+    routed = [t for m in (moe.w13, moe.w2) for t in ([m] if isinstance(m, torch.Tensor) else [m.packed, m.scale])]
+    routed_ids = {id(t) for t in routed}
+    per_expert = sum(t.numel() * t.element_size() for t in routed) / moe.local
+    tensors = {id(t): t for t in list(moe_layer.parameters()) + list(moe_layer.buffers())}
+    other = sum(t.numel() * t.element_size() for i, t in tensors.items()
+                if i not in routed_ids and t.dim() >= 2 and t.dtype != torch.int64)
+    return {"per_expert": per_expert, "other": other, "experts": experts_touched,
+            "total": other + experts_touched * per_expert}
+
+
+def distinct_experts(runner, B: int, T: int) -> list[int]:
+    """Distinct experts each MoE layer routes B rows x T tokens to (an eager forward of the same inputs)."""
+    from specserve.model.moe import MoE
+
+    counts: list[int] = []
+    route = MoE.route
+
+    def counting(self, x):
+        w, ids = route(self, x)
+        counts.append(int(ids.unique().numel()))
+        return w, ids
+
+    MoE.route = counting
+    try:
+        if T == 1:
+            runner._decode_body(B)
+        else:
+            runner._verify_body(B, T - 1)
+    finally:
+        MoE.route = route
+    return counts
+
+
+def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: int, k_max: int) -> dict:
+    import specserve.engine.runner as R
+    from specserve.config import EngineConfig
+
+    R.load_target = random_target
+    cfg = EngineConfig(model=str(model_dir), draft=str(draft_dir), adaptive=True, spec_steps=0, max_spec_steps=k_max,
+                       max_num_seqs=max(batches), max_model_len=context + 64, device="cuda",
+                       graph_batch_sizes=tuple(batches))
+    t0 = time.perf_counter()
+    runner = R.ModelRunner(cfg)
+    runner.reserve_every_row()
+    graph_s = runner.capture_graphs(list(range(1, k_max + 1)))
+    res = {"build_s": time.perf_counter() - t0, "graph_s": graph_s, "graphs": len(runner.graphs),
+           "decode_ms": {}, "verify_ms": {}, "experts_decode": {}, "experts_verify": {}}
+    g = torch.Generator(device="cuda").manual_seed(1)
+    V = runner.model_cfg.vocab_size
+    with torch.inference_mode():
+        for B in batches:
+            ids = torch.randint(0, V, (B,), device="cuda", generator=g)
+            pos = torch.full((B,), context, device="cuda")
+            res["decode_ms"][B] = gpu_ms(lambda: runner.decode(ids, pos), 30)
+            runner.s_ids[:B, 0].copy_(ids)
+            runner.s_pos[:B, 0].copy_(pos)
+            res["experts_decode"][B] = distinct_experts(runner, B, 1)
+        for K in range(1, k_max + 1):
+            ids = torch.randint(0, V, (1, K + 1), device="cuda", generator=g)
+            pos0 = torch.full((1,), context, device="cuda")
+            res["verify_ms"][K] = gpu_ms(lambda: runner.verify(ids, pos0), 30)
+            res["experts_verify"][K] = distinct_experts(runner, 1, K + 1)
+    moe_layers = [layer for layer in runner.target.layers if hasattr(layer.mlp, "w13")]
+    res["layer_bytes"] = layer_bytes(moe_layers[0], 0)
+    k = runner.kv.k_all  # [layer, block, kv_head, offset, dim]
+    res["latent_bytes_per_token"] = k.shape[2] * k.shape[4] * k.element_size()  # one layer's
+    return res
+
+
+def time_hf(shape: dict, layers: int, batches: list[int], context: int, impl: str | None) -> dict:
+    """transformers' DeepseekV3 of the same reduced model: each MoE layer's time (CUDA events
+    around its forward) per decode step after a `context`-token prefill."""
+    import transformers
+
+    extra = {"experts_implementation": impl} if impl else {}
+    cfg = transformers.DeepseekV3Config(**(shape | {"num_hidden_layers": layers, "first_k_dense_replace": 1,
+                                                     "model_type": "deepseek_v3"} | extra))
+    prev = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = transformers.DeepseekV3ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(prev)
+    events: list[tuple] = []
+    moe_layers = model.model.layers[1:]
+    for layer in moe_layers:
+        def pre(mod, args, kwargs):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            events.append(["start", e])
+
+        def post(mod, args, kwargs, out):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            events.append(["end", e])
+
+        layer.register_forward_pre_hook(pre, with_kwargs=True)
+        layer.register_forward_hook(post, with_kwargs=True)
+    res = {"impl": impl or "default", "chosen": getattr(model.config, "_experts_implementation", None),
+           "layer_ms": {}, "forward_ms": {}}
+    g = torch.Generator(device="cuda").manual_seed(2)
+    with torch.inference_mode():
+        for B in batches:
+            prompt = torch.randint(0, shape["vocab_size"], (B, context), device="cuda", generator=g)
+            cache = transformers.DynamicCache(config=cfg)
+            out = model(prompt, past_key_values=cache, use_cache=True)
+            tok = out.logits[:, -1:].argmax(-1)
+            per_layer, per_forward = [], []
+            for step in range(6):
+                events.clear()
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                out = model(tok, past_key_values=cache, use_cache=True)
+                e.record()
+                torch.cuda.synchronize()
+                tok = out.logits[:, -1:].argmax(-1)
+                if step:  # the first step warms up
+                    per_forward.append(s.elapsed_time(e))
+                    per_layer += [events[i][1].elapsed_time(events[i + 1][1]) for i in range(0, len(events), 2)]
+            res["layer_ms"][B] = statistics.median(per_layer)
+            res["forward_ms"][B] = statistics.median(per_forward)
+            del cache, out
+            print(f"hf {res['impl']} batch {B}: MoE layer {res['layer_ms'][B]:.3f} ms, forward "
+                  f"{res['forward_ms'][B]:.2f} ms", flush=True)
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=list(SHAPES), default="deepseek-v3")
+    ap.add_argument("--experts", choices=["bf16", "int4"], default="bf16")
+    ap.add_argument("--moe-layers", type=int, default=4)
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--k-max", type=int, default=5)
+    ap.add_argument("--hf", action="store_true", help="transformers' DeepseekV3 of the same reduced model as the peer")
+    ap.add_argument("--hf-impl", nargs="*", default=[None], help="transformers experts implementations to time")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
+    args = ap.parse_args()
+    if args.moe_layers < 2:
+        ap.error("--moe-layers must be at least 2 (one layer's time is the difference to a one-MoE-layer model)")
+    shape, int4 = SHAPES[args.shape], args.experts == "int4"
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
+                 "experts": args.experts, "moe_layers": args.moe_layers, "context": args.context,
+                 "batches": args.batches}
+    bw = copy_bandwidth()
+    res["copy_bw_GBs"] = bw / 1e9
+    work = Path(tempfile.mkdtemp(prefix="moe-layers-"))
+    t0 = time.perf_counter()
+    draft = write_eagle3_drafter(work / "draft", {"hidden_size": 7168, "intermediate_size": 18432,
+                                                 "num_attention_heads": 64, "num_key_value_heads": 8,
+                                                 "vocab_size": shape["vocab_size"]})
+    res["drafter_write_s"] = time.perf_counter() - t0
+    full = time_engine(write_config(work / "full", shape, 1 + args.moe_layers, int4), draft, args.batches,
+                       args.context, args.k_max)
+    print(f"full model ({1 + args.moe_layers} layers): built in {full['build_s']:.0f} s, decode ms {full['decode_ms']}",
+          flush=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = time_engine(write_config(work / "base", shape, 2, int4), draft, args.batches, args.context, args.k_max)
+    print(f"base model (2 layers): decode ms {base['decode_ms']}", flush=True)
+    res["full"], res["base"] = full, base
+    extra = args.moe_layers - 1
+    lb = full["layer_bytes"]
+    rows = []
+    res["per_layer"] = {}
+    for B in args.batches:
+        ms = (full["decode_ms"][B] - base["decode_ms"][B]) / extra
+        touched = statistics.mean(full["experts_decode"][B])
+        cache = B * args.context * full["latent_bytes_per_token"]
+        nbytes = lb["other"] + touched * lb["per_expert"] + cache
+        roof_ms = nbytes / bw * 1e3
+        res["per_layer"][B] = {"ms": ms, "experts": touched, "bytes": nbytes, "roofline_ms": roof_ms,
+                               "of_roofline": roof_ms / ms}
+        rows.append((B, ms, touched, nbytes / 1e6, roof_ms, roof_ms / ms))
+    res["verify"] = {}
+    dec = (full["decode_ms"][1] - base["decode_ms"][1]) / extra
+    e1 = statistics.mean(full["experts_decode"][1])
+    for K in range(1, args.k_max + 1):
+        layer_ms = (full["verify_ms"][K] - base["verify_ms"][K]) / extra
+        touched = statistics.mean(full["experts_verify"][K])
+        limit = (lb["other"] + touched * lb["per_expert"]) / (lb["other"] + e1 * lb["per_expert"])
+        res["verify"][K] = {"model_ratio": full["verify_ms"][K] / full["decode_ms"][1], "layer_ms": layer_ms,
+                            "layer_ratio": layer_ms / dec, "experts": touched, "bytes_limit": limit}
+    if args.hf:
+        if int4:
+            print("(--hf times bf16 experts: transformers has no int4 path here)", flush=True)
+        res["hf"] = []
+        for impl in args.hf_impl:
+            try:
+                res["hf"].append(time_hf(shape, 1 + args.moe_layers, args.batches, args.context, impl))
+            except Exception as e:  # (a peer failing leaves our figures standing)
+                res["hf"].append({"impl": impl or "default", "error": f"{type(e).__name__}: {e}"})
+                print("hf peer failed:", res["hf"][-1]["error"], flush=True)
+                gc.collect()
+                torch.cuda.empty_cache()
+    name = out / f"moe_layers_{args.shape}_{args.experts}.json"
+    name.write_text(json.dumps(res, indent=1))
+    print(f"\n{args.shape}, {args.experts} experts, {1 + args.moe_layers} layers, context {args.context}, "
+          f"copy bandwidth {bw / 1e9:.0f} GB/s; one MoE layer:")
+    print("| batch | ms | experts | MB read | roofline ms | of roofline |" + (" hf ms |" if args.hf else ""))
+    for B, ms, touched, mb, roof, frac in rows:
+        hf = "".join(f" {h['layer_ms'][B]:.3f} |" for h in res.get("hf", []) if "layer_ms" in h)
+        print(f"| {B} | {ms:.3f} | {touched:.1f} | {mb:.1f} | {roof:.3f} | {frac:.0%} |{hf}")
+    print("| K | verify/decode (model) | (layer) | experts | bytes limit |")
+    for K, v in res["verify"].items():
+        print(f"| {K} | {v['model_ratio']:.3f} | {v['layer_ratio']:.3f} | {v['experts']:.1f} | {v['bytes_limit']:.3f} |")
+    print("wrote", name)
+
+
+if __name__ == "__main__":
+    main()
