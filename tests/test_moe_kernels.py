@@ -1,4 +1,4 @@
-"""The fused routed experts (specserve/kernels/moe.py) against the MoE reference path.
+"""The fused routed experts (specserve/kernels/moe.py), float and int4, against the MoE reference path.
 
 Without a GPU the kernels run in Triton's interpreter (shapes kept tiny: it is slow); on one they
 run compiled. The reference is `MoE.forward` on the CPU (its expert loop) or `MoE.experts_ref`.
@@ -6,14 +6,18 @@ run compiled. The reference is `MoE.forward` on the CPU (its expert loop) or `Mo
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these kernels in "
                                      "its interpreter on CPU)")
 from specserve.config import MoEConfig  # noqa: E402
+from specserve.kernels.int4 import pack_int4, quantize_int4  # noqa: E402
 from specserve.kernels.moe import align_pairs, fused_experts  # noqa: E402
 from specserve.model.moe import MoE  # noqa: E402
+from specserve.model.quant import Int4Weights, QuantConfig  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 HIDDEN, INTER = 32, 16
@@ -25,7 +29,16 @@ ROUTINGS = {"sigmoid-2of8": ("sigmoid", 8, 2, 4, 2), "sigmoid-8of16": ("sigmoid"
             "softmax-2of8": ("softmax", 8, 2, 1, 1), "softmax-8of16": ("softmax", 16, 8, 1, 1)}
 
 
-def _moe(routing: str, shared: bool = True, seed: int = 0) -> MoE:
+# int4 schemes, name -> (group size, symmetric): groups of 8 and 16 input columns (gate/up has
+# 32, down 16) and one per row, with and without zero points
+INT4_SCHEMES = {"g8-sym": (8, True), "g8-asym": (8, False), "g16-asym": (16, False), "channel-sym": (None, True),
+                "channel-asym": (None, False)}
+
+
+def _moe(routing: str, shared: bool = True, seed: int = 0, int4: str | None = None) -> MoE:
+    """A random MoE; `int4` (an INT4_SCHEMES name) quantizes its routed experts as checkpoints
+    store them (`Int4Experts` filled from `quantize_int4` / `pack_int4`; router and shared
+    experts stay float, as Kimi-K2.5's)."""
     scoring, E, k, groups, kept = ROUTINGS[routing]
     m = MoEConfig(num_experts=E, top_k=k, intermediate_size=INTER, scoring=scoring, norm_topk_prob=True,
                   routed_scaling_factor=2.5 if scoring == "sigmoid" else 1.0, n_group=groups, topk_group=kept,
@@ -35,7 +48,21 @@ def _moe(routing: str, shared: bool = True, seed: int = 0) -> MoE:
     with torch.no_grad():
         for p in moe.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.3)
-    return moe.requires_grad_(False)
+    if int4 is None:
+        return moe.requires_grad_(False)
+    group, symmetric = INT4_SCHEMES[int4]
+    quant = QuantConfig(groups=((("Linear",), Int4Weights(group, symmetric)),), ignore=("re:.*shared_experts.*",))
+    q4 = MoE(HIDDEN, m, quant=quant, prefix="model.layers.1.mlp.")
+    floats = {n: t for n, t in moe.state_dict().items() if not n.startswith(("w13", "w2"))}
+    q4.load_state_dict(floats, strict=False)
+    with torch.no_grad():
+        for experts, w in ((q4.w13, moe.w13), (q4.w2, moe.w2)):
+            q, scale, zero = quantize_int4(w, group, symmetric)
+            experts.packed.copy_(pack_int4(q))
+            experts.scale.copy_(scale)
+            if zero is not None:
+                experts.zero.copy_(zero)
+    return q4.requires_grad_(False)
 
 
 def _fused_forward(moe: MoE, x: torch.Tensor) -> torch.Tensor:
@@ -82,14 +109,57 @@ def test_experts_without_tokens_and_experts_held_elsewhere_contribute_nothing():
     torch.testing.assert_close(got, elsewhere, **F32)
 
 
+def _held(experts, first: int) -> SimpleNamespace:
+    """Int4 experts first.. of a stack: what an expert-parallel rank holds."""
+    zero = experts.zero[first:] if experts.zero is not None else None
+    return SimpleNamespace(packed=experts.packed[first:], scale=experts.scale[first:], zero=zero)
+
+
+@pytest.mark.parametrize("scheme", list(INT4_SCHEMES))
+@pytest.mark.parametrize("tokens", [1, 3, 17])
+def test_fused_int4_moe_equals_reference(scheme, tokens):
+    """The int4 kernels dequantize each tile as the reference dequantizes the whole expert: float32
+    results match the reference loop to a float32 sum's order and equal the float kernels run on
+    the dequantized experts."""
+    moe = _moe("sigmoid-8of16", shared=False, seed=tokens, int4=scheme)
+    assert (moe.w13.zero is None) == INT4_SCHEMES[scheme][1]
+    x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = moe.route(x)
+    want = moe.experts_ref(x, weights, ids)
+    moe.to(DEV)
+    args = (x.to(DEV), weights.to(DEV), ids.to(DEV))
+    got = fused_experts(*args, moe.w13, moe.w2, moe.first).cpu()
+    torch.testing.assert_close(got, want, **F32)
+    as_float = fused_experts(*args, *moe.experts_weights(), moe.first).cpu()
+    torch.testing.assert_close(got, as_float, rtol=0, atol=0)
+
+
+def test_int4_experts_held_elsewhere_contribute_nothing():
+    """With int4 experts 4..7 held here (expert parallelism), pairs routed to 0..3 add zero."""
+    moe = _moe("sigmoid-2of8", shared=False, int4="g8-asym")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(5, HIDDEN, generator=g)
+    ids = torch.tensor([[6, 1], [6, 2], [1, 6], [6, 5], [2, 6]])
+    weights = torch.rand(5, 2, generator=g)
+    want = moe.experts_ref(x, weights.masked_fill(ids < 4, 0.0), ids)
+    moe.to(DEV)
+    got = fused_experts(x.to(DEV), weights.to(DEV), ids.to(DEV), _held(moe.w13, 4), _held(moe.w2, 4), first=4)
+    torch.testing.assert_close(got.cpu(), want, **F32)
+
+
+# float experts and two int4 schemes, for the tests every kind of expert runs
+KINDS = [None, "g8-sym", "channel-asym"]
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
     DEV == "cpu", reason="Triton's interpreter multiplies bf16 tiles wrongly (tl.dot); checked on the GPU"))])
-def test_fused_moe_in_16_bit(dtype):
+@pytest.mark.parametrize("int4", KINDS)
+def test_fused_moe_in_16_bit(dtype, int4):
     """To within a few 16-bit steps of the reference loop run in that dtype on the same device and
     routing (a router in 16 bits may break near-ties differently on another device): the
     reference adds a token's top_k contributions one at a time in the dtype, the kernel sums them
-    in float32."""
-    moe = _moe("softmax-8of16", shared=False).to(DEV, dtype)
+    in float32. int4 experts' scales are in that dtype too."""
+    moe = _moe("softmax-8of16", shared=False, int4=int4).to(DEV, dtype)
     x = torch.randn(3, HIDDEN, generator=torch.Generator().manual_seed(7)).to(DEV, dtype)
     weights, ids = moe.route(x)
     want = moe.experts_ref(x, weights, ids).float()
@@ -99,9 +169,10 @@ def test_fused_moe_in_16_bit(dtype):
 
 
 @pytest.mark.gpu
-def test_moe_forward_takes_the_fused_path_on_cuda(monkeypatch):
-    moe = _moe("sigmoid-8of16").to("cuda")
-    assert moe.graph_safe and not _moe("sigmoid-8of16").graph_safe
+@pytest.mark.parametrize("int4", KINDS)
+def test_moe_forward_takes_the_fused_path_on_cuda(monkeypatch, int4):
+    moe = _moe("sigmoid-8of16", int4=int4).to("cuda")
+    assert moe.graph_safe and not _moe("sigmoid-8of16", int4=int4).graph_safe
     monkeypatch.setattr(MoE, "experts_ref", lambda *a: pytest.fail("the reference loop ran on CUDA"))
     x = torch.randn(4, HIDDEN, device="cuda")
     with torch.inference_mode():
@@ -109,12 +180,14 @@ def test_moe_forward_takes_the_fused_path_on_cuda(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
+@pytest.mark.parametrize("int4", KINDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(int4, dtype):
     """Captured once, the MoE forward (routing, alignment, both kernels) follows new inputs and
-    their new routing on every replay."""
-    moe = _moe("sigmoid-8of16").to("cuda")
-    ref = _moe("sigmoid-8of16")
-    x = torch.randn(17, HIDDEN, device="cuda")
+    their new routing on every replay: it equals the reference loop on the same device and dtype,
+    routed alike."""
+    moe = _moe("sigmoid-8of16", int4=int4).to("cuda", dtype)
+    x = torch.randn(17, HIDDEN, device="cuda", dtype=dtype)
     with torch.inference_mode():
         moe(x)  # compiles the kernels outside the capture
         torch.cuda.synchronize()
@@ -122,7 +195,11 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing():
         with torch.cuda.graph(graph):
             out = moe(x)
         for seed in range(3):
-            new = torch.randn(17, HIDDEN, generator=torch.Generator().manual_seed(seed))
-            x.copy_(new)
+            x.copy_(torch.randn(17, HIDDEN, generator=torch.Generator().manual_seed(seed)))
             graph.replay()
-            torch.testing.assert_close(out.cpu(), ref(new), **F32)
+            want = (moe.experts_ref(x, *moe.route(x)) + moe.shared(x)).float()
+            if dtype == torch.float32:
+                torch.testing.assert_close(out, want, **F32)
+            else:  # a few bf16 steps, as test_fused_moe_in_16_bit
+                torch.testing.assert_close(out.float(), want, rtol=4 * 2 ** -7,
+                                           atol=4 * 2 ** -7 * want.abs().max().item())

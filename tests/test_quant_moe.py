@@ -143,17 +143,21 @@ def test_expert_parallel_ranks_hold_their_slice_of_the_int4_experts(moe_int4_pai
 
 @pytest.mark.gpu
 def test_int4_moe_on_gpu_dequantizes_to_the_twin_and_speculation_is_lossless(moe_int4_pair, tmp_path):
-    """bf16 on the GPU: the experts dequantize to the twin's bf16 weights exactly; greedy
-    speculation equals plain decoding on the int4 MoE target (its int4 linears on the W4A16 kernel)."""
+    """On the GPU the int4 experts dequantize to the twin's bf16 weights exactly. The int4 MoE
+    target (the checkpoint's float32) runs its experts on the fused W4A16 kernels and its int4
+    linears on the W4A16 GEMV, captured in CUDA graphs: it decodes greedily as its float twin,
+    and greedy speculation (graphs too) equals plain decoding."""
     q, twin, _ = moe_int4_pair
     cuda = torch.device("cuda")
     ours, ref = load_target(q, cuda, torch.bfloat16, 64), load_target(twin, cuda, torch.bfloat16, 64)
     for a, b in zip(ours.layers[1].mlp.experts_weights(), ref.layers[1].mlp.experts_weights()):
         assert torch.equal(a, b)
-    base, _ = _generate(q, PROMPTS, device="cuda")
+    base, engine = _generate(q, PROMPTS, device="cuda")
+    assert engine.runner.target.graph_safe and engine.runner.graphs
+    assert base == _generate(twin, PROMPTS, device="cuda")[0]
     draft = make_drafter(tmp_path / "draft", q, layout="sglang", aux_ids=[0, 1, 2], draft_vocab=8)
     out, engine = _generate(q, PROMPTS, draft, spec_steps=3, device="cuda")
-    assert out == base and engine.totals.cycles > 0
+    assert out == base and engine.totals.cycles > 0 and engine.runner.graphs
 
 
 # ------------------------------------------------------------------- refusals

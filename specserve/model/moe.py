@@ -14,7 +14,8 @@ holds a contiguous 1/tp of them); every rank routes every token, runs the chosen
 and the partial sums are all-reduced. Shared experts are split like a dense MLP.
 
 Routed experts are float parameters or, in compressed-tensors int4 checkpoints, `Int4Experts`:
-each expert's packed words and scales stacked as they are stored, dequantized per chosen expert.
+each expert's packed words and scales stacked as they are stored, which the fused kernels
+dequantize tile by tile and the reference path per chosen expert.
 `expert_weights` / `experts_weights` give either as float weights.
 """
 
@@ -89,7 +90,8 @@ class Int4Experts(nn.Module):
     """One projection of this rank's routed experts in int4, stacked: packed words [E_local,
     rows, K/8], scales [E_local, rows, G] and, when asymmetric, zero points unpacked to int8
     [E_local, rows, G]. Each expert stacks `parts` Hugging Face modules of `rows_per_part` rows
-    (gate then up: 2 of I; down: 1 of H) over `in_features` input columns."""
+    (gate then up: 2 of I; down: 1 of H) over `in_features` input columns. The fused kernels
+    read these three tensors as they are (`kernels.moe.Int4Stack`)."""
 
     def __init__(self, local: int, first: int, rows_per_part: int, parts: int, in_features: int, fmt: Int4Weights):
         super().__init__()
@@ -195,15 +197,15 @@ class MoE(HotPathModule):
 
     @property
     def graph_safe(self) -> bool:
-        """Whether `forward` takes the fused path, which a CUDA graph can capture (float experts only:
-        int4 experts take the reference loop)."""
-        return self.int4 is None and fused_experts_supported(self.w13, self.w2)
+        """Whether `forward` takes the fused path (float or int4 experts), which a CUDA graph can capture."""
+        return fused_experts_supported(self.w13, self.w2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
-        if self.graph_safe and use_triton(x, self.w13, self.w2):
+        trained = (self.w13, self.w2) if self.int4 is None else ()  # (int4 experts are buffers: never trained)
+        if self.graph_safe and use_triton(x, *trained):
             out = fused_experts(x, weights, ids, self.w13, self.w2, self.first)
         else:
             out = self.experts_ref(x, weights, ids)
