@@ -145,7 +145,46 @@ def distinct_experts(runner, B: int, T: int) -> list[int]:
     return counts
 
 
-def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: int, k_max: int) -> dict:
+# Launch shapes the sweep tries (block_n, block_k, warps, stages); the first is the default.
+TILES = [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (32, 256, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3),
+         (64, 256, 8, 3), (64, 128, 4, 4), (32, 128, 4, 2), (16, 256, 4, 3)]
+
+
+def sweep_tiles(moe, batches: list[int]) -> dict:
+    """The routed experts alone (`fused_experts` on one layer's experts) at each batch's decode,
+    per launch shape: GPU ms and the experts' bytes per second; outputs checked against the default's."""
+    from specserve.kernels.moe import Tiles, fused_experts
+
+    res = {}
+    g = torch.Generator(device="cuda").manual_seed(3)
+    routed = [t for m in (moe.w13, moe.w2) for t in ([m] if isinstance(m, torch.Tensor) else [m.packed, m.scale])]
+    per_expert = sum(t.numel() * t.element_size() for t in routed) / moe.local
+    for B in batches:
+        x = torch.randn(B, moe.gate.shape[1], device="cuda", dtype=torch.bfloat16, generator=g)
+        with torch.inference_mode():
+            weights, ids = moe.route(x)
+            touched = int(ids.unique().numel())
+            want = fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first)
+            row = {}
+            for t in TILES:
+                tiles = Tiles(*t)
+                try:
+                    got = fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first, tiles)
+                    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+                    ms = gpu_ms(lambda: fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first, tiles), 20)
+                    row[str(t)] = {"ms": ms, "GBs": touched * per_expert / ms / 1e6}
+                except Exception as e:  # (a shape the compiler refuses, or a wrong result: reported, not used)
+                    row[str(t)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+        ok = {k: v for k, v in row.items() if "ms" in v}
+        best = min(ok, key=lambda k: ok[k]["ms"])
+        res[B] = {"experts": touched, "tiles": row, "best": best, "default": str(TILES[0])}
+        print(f"experts alone, batch {B} ({touched} experts): default {row[str(TILES[0])].get('ms', float('nan')):.3f} "
+              f"ms, best {best} {ok[best]['ms']:.3f} ms ({ok[best]['GBs']:.0f} GB/s)", flush=True)
+    return res
+
+
+def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: int, k_max: int,
+                sweep: bool = False) -> dict:
     import specserve.engine.runner as R
     from specserve.config import EngineConfig
 
@@ -176,6 +215,8 @@ def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: i
             res["experts_verify"][K] = distinct_experts(runner, 1, K + 1)
     moe_layers = [layer for layer in runner.target.layers if hasattr(layer.mlp, "w13")]
     res["layer_bytes"] = layer_bytes(moe_layers[0], 0)
+    if sweep:
+        res["tiles"] = sweep_tiles(moe_layers[0].mlp, batches)
     k = runner.kv.k_all  # [layer, block, kv_head, offset, dim]
     res["latent_bytes_per_token"] = k.shape[2] * k.shape[4] * k.element_size()  # one layer's
     return res
@@ -253,6 +294,7 @@ def main() -> None:
     ap.add_argument("--k-max", type=int, default=5)
     ap.add_argument("--hf", action="store_true", help="transformers' DeepseekV3 of the same reduced model as the peer")
     ap.add_argument("--hf-impl", nargs="*", default=[None], help="transformers experts implementations to time")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the routed experts' launch-shape sweep")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = ap.parse_args()
     if args.moe_layers < 2:
@@ -272,7 +314,7 @@ def main() -> None:
                                                  "vocab_size": shape["vocab_size"]})
     res["drafter_write_s"] = time.perf_counter() - t0
     full = time_engine(write_config(work / "full", shape, 1 + args.moe_layers, int4), draft, args.batches,
-                       args.context, args.k_max)
+                       args.context, args.k_max, sweep=not args.no_sweep)
     print(f"full model ({1 + args.moe_layers} layers): built in {full['build_s']:.0f} s, decode ms {full['decode_ms']}",
           flush=True)
     gc.collect()
@@ -290,9 +332,13 @@ def main() -> None:
         cache = B * args.context * full["latent_bytes_per_token"]
         nbytes = lb["other"] + touched * lb["per_expert"] + cache
         roof_ms = nbytes / bw * 1e3
-        res["per_layer"][B] = {"ms": ms, "experts": touched, "bytes": nbytes, "roofline_ms": roof_ms,
-                               "of_roofline": roof_ms / ms}
-        rows.append((B, ms, touched, nbytes / 1e6, roof_ms, roof_ms / ms))
+        entry = {"ms": ms, "experts": touched, "bytes": nbytes, "roofline_ms": roof_ms, "of_roofline": roof_ms / ms}
+        if "tiles" in full:  # the layer with the best launch shape for its experts: the saving added back
+            t = full["tiles"][B]
+            saved = t["tiles"][t["default"]]["ms"] - t["tiles"][t["best"]]["ms"]
+            entry |= {"best_tiles": t["best"], "ms_best_tiles": ms - saved, "of_roofline_best_tiles": roof_ms / (ms - saved)}
+        res["per_layer"][B] = entry
+        rows.append((B, ms, touched, nbytes / 1e6, roof_ms, roof_ms / ms, entry.get("of_roofline_best_tiles")))
     res["verify"] = {}
     dec = (full["decode_ms"][1] - base["decode_ms"][1]) / extra
     e1 = statistics.mean(full["experts_decode"][1])
@@ -318,10 +364,11 @@ def main() -> None:
     name.write_text(json.dumps(res, indent=1))
     print(f"\n{args.shape}, {args.experts} experts, {1 + args.moe_layers} layers, context {args.context}, "
           f"copy bandwidth {bw / 1e9:.0f} GB/s; one MoE layer:")
-    print("| batch | ms | experts | MB read | roofline ms | of roofline |" + (" hf ms |" if args.hf else ""))
-    for B, ms, touched, mb, roof, frac in rows:
+    print("| batch | ms | experts | MB read | roofline ms | of roofline | best tiles |" + (" hf ms |" if args.hf else ""))
+    for B, ms, touched, mb, roof, frac, best in rows:
         hf = "".join(f" {h['layer_ms'][B]:.3f} |" for h in res.get("hf", []) if "layer_ms" in h)
-        print(f"| {B} | {ms:.3f} | {touched:.1f} | {mb:.1f} | {roof:.3f} | {frac:.0%} |{hf}")
+        best = f"{best:.0%}" if best else "-"
+        print(f"| {B} | {ms:.3f} | {touched:.1f} | {mb:.1f} | {roof:.3f} | {frac:.0%} | {best} |{hf}")
     print("| K | verify/decode (model) | (layer) | experts | bytes limit |")
     for K, v in res["verify"].items():
         print(f"| {K} | {v['model_ratio']:.3f} | {v['layer_ratio']:.3f} | {v['experts']:.1f} | {v['bytes_limit']:.3f} |")

@@ -25,6 +25,8 @@ the reference's dequantized weight exactly.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from typing import Protocol, Union
 
 import torch
@@ -187,6 +189,19 @@ def fused_experts_supported(w13: Experts, w2: Experts) -> bool:
                for w in (w13, w2))
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """Both kernels' launch shape: weight tile BLOCK_K x BLOCK_N, warps and pipeline stages."""
+
+    block_n: int = 64
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_TILES = Tiles()
+
+
 def block_m_for(pairs: int, experts: int) -> int:
     """Rows per block: the tensor cores' smallest tile while experts see a few pairs each
     (decode, verify, short prefills), wider once each sees many."""
@@ -221,12 +236,12 @@ def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Experts,
-                  w2: Experts, first: int = 0) -> torch.Tensor:
+                  w2: Experts, first: int = 0, tiles: Tiles = DEFAULT_TILES) -> torch.Tensor:
     """sum over k of weights[:, k] * expert_{ids[:, k]}(x) for x [N, H]; w13 [E, 2I, H] (gate
     rows then up rows) and w2 [E, H, I], float or int4 (`Int4Stack`), hold experts
     first..first+E-1; pairs routed elsewhere contribute zero (the other ranks add them). int4
     weights are dequantized tile by tile into x's dtype, as the reference dequantizes them.
-    Returns [N, H] in x's dtype."""
+    Returns [N, H] in x's dtype. `tiles`: the launch shape (benchmarks sweep it)."""
     N, H = x.shape
     E, _, I = expert_shape(w2)
     top_k = ids.shape[1]
@@ -236,15 +251,16 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     blocks = block_expert.numel()
     x = x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit inputs)
-    block_n, block_k = 64, 64
+    block_n, block_k, launch = tiles.block_n, tiles.block_k, dict(num_warps=tiles.num_warps,
+                                                                   num_stages=tiles.num_stages)
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     _gate_up_kernel[(blocks, triton.cdiv(I, block_n))](
         x, h_ptr=h, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H, I=I, TOP_K=top_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4, **_weight_args(w13),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch, **_weight_args(w13),
         **pdl_args(x))
     out = torch.zeros(P, H, dtype=x.dtype, device=x.device)  # rows of pairs held elsewhere stay zero
     _down_kernel[(blocks, triton.cdiv(H, block_n))](
         h, rw_ptr=weights.contiguous(), out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
-        I=I, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=4,
+        I=I, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch,
         **_weight_args(w2), **pdl_args(x))
     return out.view(N, top_k, H).sum(1, dtype=torch.float32).to(x.dtype)
