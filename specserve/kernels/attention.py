@@ -44,31 +44,32 @@ if triton is not None:
         base = row * c_row + kvh * c_head
         lo = sp * CHUNK
         hi = tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
-        for step in range(0, CHUNK, BLOCK_N):  # blocks past `hi` are skipped
-            if lo + step < hi:
-                offs_n = lo + step + tl.arange(0, BLOCK_N)
-                kmask = offs_n < hi
-                if PAGED:  # each key's block from the row's block table
-                    block = tl.load(bt_ptr + row * bt_stride + offs_n // BS, mask=kmask, other=0).to(tl.int64)
-                    kv_off = (block * c_row + kvh * c_head + (offs_n % BS) * c_pos)[:, None] + offs_d[None, :]
-                else:
-                    kv_off = base + offs_n[:, None] * c_pos + offs_d[None, :]
-                k = tl.load(kc_ptr + kv_off, mask=kmask[:, None], other=0.0)
-                s = tl.dot(q, tl.trans(k)) * scale
-                seen = (offs_n[None, :] <= limit[:, None]) & kmask[None, :]
-                if TREE:
-                    rel = offs_n[None, :] - tbase
-                    bit = (anc[:, None] >> tl.minimum(tl.maximum(rel, 0), 62)) & 1
-                    seen = seen & ((rel < 0) | ((rel < 63) & (bit == 1)))
-                s = tl.where(seen, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, axis=1))
-                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
-                alpha = tl.exp(m_i - m_safe)
-                p = tl.exp(s - m_safe[:, None])
-                l_i = l_i * alpha + tl.sum(p, axis=1)
-                v = tl.load(vc_ptr + kv_off, mask=kmask[:, None], other=0.0)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+        # A loop bound known only at run time: tiles past `hi` are never visited, and the loads of
+        # one tile overlap the math of the one before (num_stages), paged or not.
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            kmask = offs_n < hi
+            if PAGED:  # each key's block from the row's block table
+                block = tl.load(bt_ptr + row * bt_stride + offs_n // BS, mask=kmask, other=0).to(tl.int64)
+                kv_off = (block * c_row + kvh * c_head + (offs_n % BS) * c_pos)[:, None] + offs_d[None, :]
+            else:
+                kv_off = base + offs_n[:, None] * c_pos + offs_d[None, :]
+            k = tl.load(kc_ptr + kv_off, mask=kmask[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            seen = (offs_n[None, :] <= limit[:, None]) & kmask[None, :]
+            if TREE:
+                rel = offs_n[None, :] - tbase
+                bit = (anc[:, None] >> tl.minimum(tl.maximum(rel, 0), 62)) & 1
+                seen = seen & ((rel < 0) | ((rel < 63) & (bit == 1)))
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + kv_off, mask=kmask[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
         # Splits wholly past every query's last key (most of them at short contexts: the split count
         # is fixed by the cache length for the graphs) write nothing; the combine skips them.
         if lo < hi:
