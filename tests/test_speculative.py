@@ -221,6 +221,7 @@ def test_tree_on_gpu_with_cuda_graphs(pair, monkeypatch):
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="bfloat16",
                                  spec_steps=4, spec_topk=3, spec_tree_max_batch=5, max_num_seqs=5))
     r, K, B = engine.runner, 4, 3
+    r.reserve_every_row()  # (driven without the scheduler: every row gets blocks of its own)
     for b in range(B):  # some context to attend to
         r.prefill(b, [list(range(1, 11))[: 6 + b]], [0])
     entry = torch.full((B, K + 1), r.scratch, dtype=torch.long, device="cuda")
@@ -835,23 +836,31 @@ def test_prefill_graphs_equal_eager_prefill_on_gpu(pair):
     target, draft = pair
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=3))
     r = engine.runner
+    r.reserve_every_row()  # (driven without the scheduler: every row gets blocks of its own)
     assert r.prefill_buckets and GraphKey("prefill", 1, tokens=64) in r.graphs
     g = torch.Generator().manual_seed(5)
     for T, row in ((5, 2), (40, 1), (100, 0), (256, 2)):
         prompt = torch.randint(0, VOCAB - 1, (T,), generator=g).tolist()
         nxt = torch.randint(0, VOCAB - 1, (T,), generator=g).cuda()
         drafter_kv = r.drafter.attention_modules()[0]
+        block, offset = r.kv.slots(row, T)  # where the row's first T indices live
+
+        def row_kv():  # the row's target KV (every layer) and drafter KV, [T, ...] each
+            return ([c[:, block, :, offset].clone() for c in (r.kv.k_all, r.kv.v_all)]
+                    + [c[block, :, offset].clone() for c in (drafter_kv.k_cache, drafter_kv.v_cache)])
+
         got = [t.clone() for t in r.prefill(row, [prompt], [0])]
         assert r.drafter_prefill(row, nxt)
-        got += [c[:, row, :, :T].clone() for c in (r.kv.k_all, r.kv.v_all)]
-        got += [c[row, :, :T].clone() for c in (drafter_kv.k_cache, drafter_kv.v_cache)]
-        for c in (r.kv.k_all[:, row], r.kv.v_all[:, row], drafter_kv.k_cache[row], drafter_kv.v_cache[row]):
-            c.zero_()
+        got += row_kv()
+        for c in (r.kv.k_all, r.kv.v_all):
+            c[:, block, :, offset] = 0
+        for c in (drafter_kv.k_cache, drafter_kv.v_cache):
+            c[block, :, offset] = 0
         graphs, r.graphs = r.graphs, {}  # no graph: the eager prefills
         want = list(r.prefill(row, [prompt], [0]))
         assert not r.drafter_prefill(row, nxt)
         r.drafter_extend(row, nxt[None], want[1], torch.arange(T, device="cuda")[None])
-        want += [c[:, row, :, :T] for c in (r.kv.k_all, r.kv.v_all)] + [c[row, :, :T] for c in (drafter_kv.k_cache, drafter_kv.v_cache)]
+        want += row_kv()
         r.graphs = graphs
         for a, b in zip(got, want):
             assert a.shape == b.shape
