@@ -7,6 +7,7 @@ Measures, at one torch thread count shared by every part:
   the roofline (tokens/s if a decode step only read the model's weights once at that rate);
 - specserve plain decoding, batch 1, greedy, `--new-tokens` tokens;
 - transformers `generate()` on the same GGUF (dequantized), static and dynamic cache;
+- where a decode step's wall time goes without a profiler: the layers' products, the LM head, the rest;
 - a per-op profile of specserve's decode steps (torch.profiler, self CPU time per op and shape,
   and the time no op accounts for: Python and host bookkeeping).
 
@@ -118,6 +119,42 @@ def profile_decode(llm, ids: list[int], steps: int) -> dict:
             "ops": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows[:25]]}
 
 
+def product_split(llm, ids: list[int], steps: int) -> dict:
+    """Per decode step, without the profiler's own cost per op: wall ms in the layers' products and
+    in the LM head (each call timed), and the rest (norms, rope, KV, attention, Python): where a
+    step's time goes when every op but the products runs with caches the weight stream left cold."""
+    import specserve.model.layers as layers
+    from specserve import SamplingParams
+
+    target = llm.engine.runner.target
+    spent = {"products": 0.0, "head": 0.0}
+
+    def timed(fn, key):
+        def call(*args, **kw):
+            t0 = time.perf_counter()
+            out = fn(*args, **kw)
+            spent[key] += time.perf_counter() - t0
+            return out
+        return call
+
+    inner = layers.linear
+    layers.linear, target.logits = timed(inner, "products"), timed(target.logits, "head")
+    try:
+        runs = []
+        for n in (1, steps + 1):  # the prefill alone, then with `steps` decode steps: the difference is theirs
+            spent.update(products=0.0, head=0.0)
+            out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
+            runs.append((dict(spent), out.latency_s - out.ttft_s))
+    finally:
+        layers.linear = inner
+        del target.logits
+    (pre, _), (full, decode_s) = runs
+    ms = {k: (full[k] - pre[k]) * 1e3 / steps for k in spent}
+    step = decode_s * 1e3 / steps
+    return {"step_ms": round(step, 3), "layer_products_ms": round(ms["products"], 3), "lm_head_ms": round(ms["head"], 3),
+            "rest_ms": round(step - ms["products"] - ms["head"], 3)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
@@ -170,6 +207,7 @@ def main() -> None:
     }
     for c, v in hf.items():
         result[f"x_transformers_{c}"] = round(med / statistics.median(v), 2)
+    result["split"] = product_split(llm, ids, args.new_tokens)
     result["profile"] = profile_decode(llm, ids, args.profile_steps)
     text = json.dumps(result, indent=1)
     print(text)

@@ -38,7 +38,7 @@ def pin_attributes(model: nn.Module) -> None:
     are never moved or re-assigned afterwards: a re-assigned buffer would leave a stale copy here."""
     for m in model.modules():
         for refs in (m._modules, m._parameters, m._buffers):
-            m.__dict__.update((k, v) for k, v in refs.items() if v is not None)
+            m.__dict__.update(refs)  # (None too: a linear without bias reads self.bias on every call)
 
 
 class HotPathModule(nn.Module):
@@ -221,6 +221,8 @@ class ForwardContext:
     _at: tuple | None = None
     _rope: dict = field(default_factory=dict)
     _rows: torch.Tensor | None = None
+    _slot: tuple[int, int] | None = None
+    _blocks: torch.Tensor | None = None
 
     def attn_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
         if self.full_view:
@@ -265,11 +267,35 @@ class ForwardContext:
                 self._at = (self.block_table[rows, self.write_idx // bs], self.write_idx % bs)
         return self._at
 
+    def write_slot(self) -> tuple[int, int]:
+        """(block, offset) of a one-token forward's cache index, as host integers (once per forward)."""
+        if self._slot is None:
+            w = int(self.write_idx[0, 0])
+            if self.block_table is None:
+                self._slot = (self.row_start, w)
+            else:
+                self._slot = (int(self.block_table[self.row_start, w // self.block_size]), w % self.block_size)
+        return self._slot
+
     def store(self, cache: torch.Tensor, values: torch.Tensor) -> None:
         """Write values [B, T, heads, dim] into a cache at each token's cache index. Every attention
         layer writes its cache through here, so the cache layout is known in one place."""
+        if values.shape[0] * values.shape[1] == 1 and not cache.is_cuda:
+            # One token on the CPU: a plain copy into the slot, a fraction of an index_put's cost
+            # there (a GPU keeps the tensor form: reading the slot to the host would sync).
+            block, offset = self.write_slot()
+            cache[block, :, offset] = values[0, 0]
+            return
         block, offset = self.write_at()
         cache[block, :, offset] = values.to(cache.dtype)
+
+    def row_blocks(self) -> torch.Tensor:
+        """[B, n] the blocks holding keys [0, kv_len) of this forward's rows (once per forward)."""
+        if self._blocks is None:
+            n = -(-self.kv_len // self.block_size)
+            B = self.write_idx.shape[0]
+            self._blocks = self.block_table[self.row_start: self.row_start + B, :n]
+        return self._blocks
 
     def cached(self, cache: torch.Tensor) -> torch.Tensor:
         """The cache's keys [0, kv_len) of this forward's sequences, [B, heads, kv_len, dim]
@@ -277,10 +303,12 @@ class ForwardContext:
         B = self.write_idx.shape[0]
         if self.block_table is None:
             return cache[self.row_start: self.row_start + B, :, : self.kv_len]
-        n = -(-self.kv_len // self.block_size)
-        blocks = cache[self.block_table[self.row_start: self.row_start + B, :n]]  # [B, n, heads, bs, dim]
+        blocks = self.row_blocks()
         H, D = cache.shape[1], cache.shape[3]
-        return blocks.transpose(1, 2).reshape(B, H, n * self.block_size, D)[:, :, : self.kv_len]
+        if B == 1:  # gathered head-major ([heads, n, bs, dim]), the result needs no second copy
+            return cache.transpose(0, 1)[:, blocks[0]].reshape(1, H, -1, D)[:, :, : self.kv_len]
+        gathered = cache[blocks]  # [B, n, heads, bs, dim]
+        return gathered.transpose(1, 2).reshape(B, H, -1, D)[:, :, : self.kv_len]
 
     def cache_length(self, cache: torch.Tensor) -> int:
         """Indices per row (the last one is the scratch slot padding tokens write to)."""
