@@ -270,7 +270,7 @@ class Tiles:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    unpack: str = "shift"
+    unpack: str = "reshape"
     scales: str = "group"
     split_k: int = 1
 
