@@ -166,30 +166,11 @@ def tiles_label(t) -> str:
     return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} {t.unpack} {t.scales}{split}"
 
 
-def graph_ms(fn, replays: int = 20) -> tuple[float, object]:
-    """GPU ms of one call of `fn` captured in a CUDA graph (after a warm-up call outside it):
-    `replays` replays between two events, the median of three such runs; and the graph's output."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    runs = []
-    for _ in range(3):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(replays):
-            graph.replay()
-        e.record()
-        e.synchronize()
-        runs.append(s.elapsed_time(e) / replays)
-    return statistics.median(runs), out
-
-
 def sweep_tiles(moe, batches: list[int]) -> dict:
     """The routed experts alone (`fused_experts` on one layer's experts, alignment included) at
     each batch's decode, per launch shape: GPU ms of a CUDA-graph replay (no launch overhead)
     and the experts' bytes per second; each shape's graph output checked against the default's."""
+    from specserve.kernels.gemv import graph_us
     from specserve.kernels.moe import Tiles, fused_experts
 
     res = {}
@@ -206,14 +187,16 @@ def sweep_tiles(moe, batches: list[int]) -> dict:
             row = {}
             for kw in TILES:
                 tiles = Tiles(**kw)
+                outs = []  # the warm-up call's output, then the captured call's (which the replays refill)
                 try:
-                    ms, got = graph_ms(lambda: fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first, tiles))
+                    ms = graph_us([lambda: outs.append(fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first,
+                                                                     tiles))], reps=20) / 1e3
+                    got = outs[-1]
                     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
                     row[tiles_label(tiles)] = {"ms": ms, "GBs": touched * per_expert / ms / 1e6}
                 except Exception as e:  # (a shape the compiler refuses, or a wrong result: reported, not used)
                     row[tiles_label(tiles)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                     torch.cuda.synchronize()
-                gc.collect()  # (each graph keeps its memory pool until it is freed)
         ok = {k: v for k, v in row.items() if "ms" in v}
         best = min(ok, key=lambda k: ok[k]["ms"])
         res[B] = {"experts": touched, "tiles": row, "best": best, "default": default}
