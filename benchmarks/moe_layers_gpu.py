@@ -147,7 +147,9 @@ def distinct_experts(runner, B: int, T: int) -> list[int]:
 
 # Launch shapes the sweep tries, as `kernels.moe.Tiles` keywords; the first, {}, is the default.
 # The int4 options are compared on equal shapes: unpack by shift or reshape, scales per group or
-# per element (the latter as the kernels first loaded them); split_k cuts each program's input.
+# per element (the latter as the kernels first loaded them); split_k cuts each program's input;
+# swap puts the weight tile on the left of each product (Hopper's warp-group MMA wants 64 rows:
+# only BLOCK_N >= 64 gains from it).
 TILES = [{}, dict(scales="element"), dict(unpack="shift"),
          dict(block_n=32, block_k=128), dict(block_n=32, block_k=128, unpack="shift"),
          dict(block_n=64, block_k=128), dict(block_n=64, block_k=128, unpack="shift"),
@@ -157,13 +159,19 @@ TILES = [{}, dict(scales="element"), dict(unpack="shift"),
          dict(block_n=128), dict(block_n=32, block_k=128, num_stages=2), dict(block_n=32, block_k=128, num_stages=4),
          dict(split_k=2), dict(split_k=4), dict(split_k=8), dict(block_n=32, block_k=128, split_k=4),
          dict(block_n=64, block_k=128, split_k=4), dict(block_n=32, block_k=256, split_k=2),
-         dict(block_n=32, block_k=256, split_k=4)]
+         dict(block_n=32, block_k=256, split_k=4),
+         dict(swap=True), dict(block_n=64, block_k=128, swap=True),
+         dict(block_n=64, block_k=128, swap=True, unpack="shift"),
+         dict(block_n=64, block_k=128, num_stages=4, swap=True), dict(block_n=64, block_k=256, num_warps=8, swap=True),
+         dict(block_n=128, swap=True), dict(block_n=128, block_k=128, swap=True),
+         dict(block_n=128, block_k=128, num_warps=8, swap=True), dict(swap=True, split_k=4),
+         dict(block_n=64, block_k=128, swap=True, split_k=4), dict(block_n=128, block_k=128, swap=True, split_k=2)]
 
 
 def tiles_label(t) -> str:
-    """A launch shape in the sweep's output: "BLOCK_NxBLOCK_K wWARPS sSTAGES unpack scales [splitN]"."""
+    """A launch shape in the sweep's output: "BLOCK_NxBLOCK_K wWARPS sSTAGES unpack scales [splitN] [swap]"."""
     split = f" split{t.split_k}" if t.split_k > 1 else ""
-    return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} {t.unpack} {t.scales}{split}"
+    return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} {t.unpack} {t.scales}{split}" + " swap" * t.swap
 
 
 def sweep_tiles(moe, batches: list[int]) -> dict:

@@ -150,14 +150,17 @@ def test_int4_experts_held_elsewhere_contribute_nothing():
 
 # Launch shapes beyond the default, at a width of 64 (gate/up) and 32 (down) input columns:
 # both int4 unpacks and both scale loads; BLOCK_K 16 and 64 put a tile inside one group, across
-# whole groups, or past the input's end; split_k 2 and 3 cut both kernels' inputs into slices.
+# whole groups, or past the input's end; split_k 2 and 3 cut both kernels' inputs into slices;
+# swap multiplies with the weight tile on the left.
 WIDE = dict(hidden=64, inter=32)
 TILE_VARIANTS = {"reshape-element": Tiles(unpack="reshape", scales="element"),
                  "shift-element-k16": Tiles(block_k=16, unpack="shift", scales="element"),
                  "reshape-group-k16": Tiles(block_k=16, unpack="reshape", scales="group"),
                  "shift-group-n16": Tiles(block_n=16, unpack="shift", scales="group"),
                  "split2-k16-shift": Tiles(block_k=16, split_k=2, unpack="shift", scales="group"),
-                 "split3-k16-reshape": Tiles(block_k=16, split_k=3, unpack="reshape", scales="element")}
+                 "split3-k16-reshape": Tiles(block_k=16, split_k=3, unpack="reshape", scales="element"),
+                 "swap-shift": Tiles(swap=True, unpack="shift", scales="group"),
+                 "swap-split2-k16-reshape": Tiles(block_k=16, split_k=2, swap=True, unpack="reshape", scales="group")}
 
 
 @pytest.mark.parametrize("int4", [None, "g8-asym", "g16-asym", "channel-sym"])
@@ -174,7 +177,7 @@ def test_fused_moe_launch_shapes_equal_reference(int4, tiles):
     torch.testing.assert_close(got, want, **F32)
 
 
-@pytest.mark.parametrize("tiles", ["reshape-group-k16", "split2-k16-shift"])
+@pytest.mark.parametrize("tiles", ["reshape-group-k16", "split2-k16-shift", "swap-split2-k16-reshape"])
 def test_fused_int4_moe_launch_shapes_in_16_bit(tiles):
     """fp16 activations and scales: split slices round their float32 sums once, as the unsplit
     kernels do, so each launch shape stays within a few fp16 steps of the reference loop."""

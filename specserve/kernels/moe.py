@@ -99,6 +99,33 @@ if triton is not None:
             return tl.load(w_ptr + (e * ROWS + rows[None, :]) * K + offs_k[:, None], mask=mask, other=0.0)
 
     @triton.jit
+    def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+        """A float32 accumulator for BLOCK_M pairs x BLOCK_N features, transposed under SWAP."""
+        if SWAP:
+            return tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+    @triton.jit
+    def _mma(a, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + a [BLOCK_M, BLOCK_K] @ w [BLOCK_K, BLOCK_N]; under SWAP acc is transposed and
+        the weight tile is the left operand (acc + w^T a^T): a decode's few pairs are too few rows
+        for Hopper's warp-group MMA, a weight tile's BLOCK_N are not, and a left operand may come
+        straight from the registers it was dequantized in."""
+        if SWAP:
+            return tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=PRECISION)
+        else:
+            return tl.dot(a, w, acc, input_precision=PRECISION)
+
+    @triton.jit
+    def _unswap(acc, SWAP: tl.constexpr):
+        """An accumulator `_zeros` made, as [BLOCK_M, BLOCK_N]."""
+        if SWAP:
+            return tl.trans(acc)
+        else:
+            return acc
+
+    @triton.jit
     def _swiglu(acc_g, acc_u, dt: tl.constexpr):
         """silu(gate) * up in dt from float32 sums, rounded where the reference rounds."""
         g = acc_g.to(dt).to(tl.float32)
@@ -110,6 +137,7 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, g_ptr, pairs_ptr, block_expert_ptr, P, E,
                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, GROUPS: tl.constexpr,
                         INT4: tl.constexpr, HAS_ZERO: tl.constexpr, SHIFT: tl.constexpr, PER_GROUP: tl.constexpr,
+                        SWAP: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr,
                         PRECISION: tl.constexpr, PDL: tl.constexpr):
         # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N gate and up features
@@ -131,8 +159,8 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < I
         dt = h_ptr.dtype.element_ty
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_g = _zeros(BLOCK_M, BLOCK_N, SWAP)
+        acc_u = _zeros(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, H), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=valid[:, None] & (offs_k < H)[None, :],
@@ -141,8 +169,10 @@ if triton is not None:
                               PER_GROUP, BLOCK_N, BLOCK_K).to(dt)
             wu = _weight_tile(w_ptr, s_ptr, z_ptr, e, I + offs_n, nmask, k0, 2 * I, H, GROUPS, INT4, HAS_ZERO, SHIFT,
                               PER_GROUP, BLOCK_N, BLOCK_K).to(dt)
-            acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
+            acc_g = _mma(a, wg, acc_g, SWAP, PRECISION)
+            acc_u = _mma(a, wu, acc_u, SWAP, PRECISION)
+        acc_g = _unswap(acc_g, SWAP)
+        acc_u = _unswap(acc_u, SWAP)
         out_mask = valid[:, None] & nmask[None, :]
         if K_SPAN >= H:
             tl.store(h_ptr + pair[:, None] * I + offs_n[None, :], _swiglu(acc_g, acc_u, dt), mask=out_mask)
@@ -165,7 +195,8 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h_ptr, w_ptr, s_ptr, z_ptr, rw_ptr, out_ptr, pairs_ptr, block_expert_ptr, P, E,
                      H: tl.constexpr, I: tl.constexpr, GROUPS: tl.constexpr, INT4: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, SHIFT: tl.constexpr, PER_GROUP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     HAS_ZERO: tl.constexpr, SHIFT: tl.constexpr, PER_GROUP: tl.constexpr, SWAP: tl.constexpr,
+                     BLOCK_M: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr, PRECISION: tl.constexpr,
                      PDL: tl.constexpr):
         # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N output features over
@@ -186,14 +217,15 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < H
         dt = h_ptr.dtype.element_ty
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc = _zeros(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, I), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + pair[:, None] * I + offs_k[None, :], mask=valid[:, None] & (offs_k < I)[None, :],
                         other=0.0)
             b = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, H, I, GROUPS, INT4, HAS_ZERO, SHIFT, PER_GROUP,
                              BLOCK_N, BLOCK_K).to(dt)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
+            acc = _mma(a, b, acc, SWAP, PRECISION)
+        acc = _unswap(acc, SWAP)
         out_at = out_ptr + pair[:, None] * H + offs_n[None, :]
         out_mask = valid[:, None] & nmask[None, :]
         if K_SPAN >= I:
@@ -261,10 +293,11 @@ SCALES = ("group", "element")  # `_group_tile`'s PER_GROUP, or a load per elemen
 @dataclass(frozen=True)
 class Tiles:
     """Both kernels' launch shape: weight tile BLOCK_K x BLOCK_N, warps and pipeline stages; how
-    int4 tiles unpack their words and load their scales (UNPACKS, SCALES); and split_k, the
-    number of slices the input columns are cut into, each a program of its own, whose float32
-    sums are added atomically (more programs for a decode's few blocks, at the price of a
-    float32 buffer and a finishing pass)."""
+    int4 tiles unpack their words and load their scales (UNPACKS, SCALES); split_k, the number
+    of slices the input columns are cut into, each a program of its own, whose float32 sums are
+    added atomically (more programs for a decode's few blocks, at the price of a float32 buffer
+    and a finishing pass); and swap, the weight tile as the left operand of each product
+    (`_mma`)."""
 
     block_n: int = 64
     block_k: int = 64
@@ -273,6 +306,7 @@ class Tiles:
     unpack: str = "reshape"
     scales: str = "group"
     split_k: int = 1
+    swap: bool = False
 
     def __post_init__(self):
         for name in ("block_n", "block_k"):
@@ -348,7 +382,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     span_h, span_i = tiles.k_span(H), tiles.k_span(I)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=tiles.num_warps,
                   num_stages=tiles.num_stages, SHIFT=tiles.unpack == "shift", PER_GROUP=tiles.scales == "group",
-                  **pdl_args(x))
+                  SWAP=tiles.swap, **pdl_args(x))
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     # Split slices add into float32 sums (zero where no pair of a row is held here).
     g = torch.zeros(P, 2 * I, dtype=torch.float32, device=x.device) if span_h < H else h
