@@ -145,20 +145,47 @@ def distinct_experts(runner, B: int, T: int) -> list[int]:
     return counts
 
 
-# Launch shapes the sweep tries (block_n, block_k, warps, stages); the first is the default.
-TILES = [(64, 64, 4, 3), (32, 128, 4, 3), (64, 128, 4, 3), (32, 256, 4, 3), (64, 128, 8, 3), (128, 64, 4, 3),
-         (64, 256, 8, 3), (64, 128, 4, 4), (32, 128, 4, 2), (16, 256, 4, 3)]
+# Launch shapes the sweep tries, as `kernels.moe.Tiles` keywords; the first, {}, is the default.
+# The int4 options are compared on equal shapes: unpack by shift or reshape, scales per group or
+# per element (the latter as the kernels first loaded them); split_k cuts each program's input;
+# swap puts the weight tile on the left of each product (Hopper's warp-group MMA wants 64 rows:
+# only BLOCK_N >= 64 gains from it).
+TILES = [{}, dict(scales="element"), dict(unpack="shift"),
+         dict(block_n=32, block_k=128), dict(block_n=32, block_k=128, unpack="shift"),
+         dict(block_n=64, block_k=128), dict(block_n=64, block_k=128, unpack="shift"),
+         dict(block_n=32, block_k=256), dict(block_n=32, block_k=256, unpack="shift"),
+         dict(block_n=16, block_k=256), dict(block_n=64, block_k=128, num_warps=8),
+         dict(block_n=64, block_k=256, num_warps=8), dict(block_n=128, block_k=128, num_warps=8),
+         dict(block_n=128), dict(block_n=32, block_k=128, num_stages=2), dict(block_n=32, block_k=128, num_stages=4),
+         dict(split_k=2), dict(split_k=4), dict(split_k=8), dict(block_n=32, block_k=128, split_k=4),
+         dict(block_n=64, block_k=128, split_k=4), dict(block_n=32, block_k=256, split_k=2),
+         dict(block_n=32, block_k=256, split_k=4),
+         dict(swap=True), dict(block_n=64, block_k=128, swap=True),
+         dict(block_n=64, block_k=128, swap=True, unpack="shift"),
+         dict(block_n=64, block_k=128, num_stages=4, swap=True), dict(block_n=64, block_k=256, num_warps=8, swap=True),
+         dict(block_n=128, swap=True), dict(block_n=128, block_k=128, swap=True),
+         dict(block_n=128, block_k=128, num_warps=8, swap=True), dict(swap=True, split_k=4),
+         dict(block_n=64, block_k=128, swap=True, split_k=4), dict(block_n=128, block_k=128, swap=True, split_k=2)]
+
+
+def tiles_label(t) -> str:
+    """A launch shape in the sweep's output: "BLOCK_NxBLOCK_K wWARPS sSTAGES unpack scales [splitN] [swap]"."""
+    split = f" split{t.split_k}" if t.split_k > 1 else ""
+    return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} {t.unpack} {t.scales}{split}" + " swap" * t.swap
 
 
 def sweep_tiles(moe, batches: list[int]) -> dict:
-    """The routed experts alone (`fused_experts` on one layer's experts) at each batch's decode,
-    per launch shape: GPU ms and the experts' bytes per second; outputs checked against the default's."""
+    """The routed experts alone (`fused_experts` on one layer's experts, alignment included) at
+    each batch's decode, per launch shape: GPU ms of a CUDA-graph replay (no launch overhead)
+    and the experts' bytes per second; each shape's graph output checked against the default's."""
+    from specserve.kernels.gemv import graph_us
     from specserve.kernels.moe import Tiles, fused_experts
 
     res = {}
     g = torch.Generator(device="cuda").manual_seed(3)
     routed = [t for m in (moe.w13, moe.w2) for t in ([m] if isinstance(m, torch.Tensor) else [m.packed, m.scale])]
     per_expert = sum(t.numel() * t.element_size() for t in routed) / moe.local
+    default = tiles_label(Tiles(**TILES[0]))
     for B in batches:
         x = torch.randn(B, moe.gate.shape[1], device="cuda", dtype=torch.bfloat16, generator=g)
         with torch.inference_mode():
@@ -166,20 +193,25 @@ def sweep_tiles(moe, batches: list[int]) -> dict:
             touched = int(ids.unique().numel())
             want = fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first)
             row = {}
-            for t in TILES:
-                tiles = Tiles(*t)
+            for kw in TILES:
+                tiles = Tiles(**kw)
+                outs = []  # the warm-up call's output, then the captured call's (which the replays refill)
                 try:
-                    got = fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first, tiles)
+                    ms = graph_us([lambda: outs.append(fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first,
+                                                                     tiles))], reps=20) / 1e3
+                    got = outs[-1]
                     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-                    ms = gpu_ms(lambda: fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first, tiles), 20)
-                    row[str(t)] = {"ms": ms, "GBs": touched * per_expert / ms / 1e6}
+                    row[tiles_label(tiles)] = {"ms": ms, "GBs": touched * per_expert / ms / 1e6}
                 except Exception as e:  # (a shape the compiler refuses, or a wrong result: reported, not used)
-                    row[str(t)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    row[tiles_label(tiles)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    torch.cuda.synchronize()
         ok = {k: v for k, v in row.items() if "ms" in v}
         best = min(ok, key=lambda k: ok[k]["ms"])
-        res[B] = {"experts": touched, "tiles": row, "best": best, "default": str(TILES[0])}
-        print(f"experts alone, batch {B} ({touched} experts): default {row[str(TILES[0])].get('ms', float('nan')):.3f} "
-              f"ms, best {best} {ok[best]['ms']:.3f} ms ({ok[best]['GBs']:.0f} GB/s)", flush=True)
+        res[B] = {"experts": touched, "tiles": row, "best": best, "default": default}
+        print(f"experts alone, batch {B} ({touched} experts): default {row[default].get('ms', float('nan')):.3f} ms, "
+              f"best {best} {ok[best]['ms']:.3f} ms ({ok[best]['GBs']:.0f} GB/s)", flush=True)
+        for k, v in sorted(ok.items(), key=lambda kv: kv[1]["ms"]):
+            print(f"  {k}: {v['ms']:.3f} ms ({v['GBs']:.0f} GB/s)", flush=True)
     return res
 
 

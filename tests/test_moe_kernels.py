@@ -15,7 +15,7 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.
                                      "its interpreter on CPU)")
 from specserve.config import MoEConfig  # noqa: E402
 from specserve.kernels.int4 import pack_int4, quantize_int4  # noqa: E402
-from specserve.kernels.moe import align_pairs, fused_experts  # noqa: E402
+from specserve.kernels.moe import Tiles, align_pairs, fused_experts  # noqa: E402
 from specserve.model.moe import MoE  # noqa: E402
 from specserve.model.quant import Int4Weights, QuantConfig  # noqa: E402
 
@@ -35,15 +35,16 @@ INT4_SCHEMES = {"g8-sym": (8, True), "g8-asym": (8, False), "g16-asym": (16, Fal
                 "channel-asym": (None, False)}
 
 
-def _moe(routing: str, shared: bool = True, seed: int = 0, int4: str | None = None) -> MoE:
+def _moe(routing: str, shared: bool = True, seed: int = 0, int4: str | None = None, hidden: int = HIDDEN,
+         inter: int = INTER) -> MoE:
     """A random MoE; `int4` (an INT4_SCHEMES name) quantizes its routed experts as checkpoints
     store them (`Int4Experts` filled from `quantize_int4` / `pack_int4`; router and shared
     experts stay float, as Kimi-K2.5's)."""
     scoring, E, k, groups, kept = ROUTINGS[routing]
-    m = MoEConfig(num_experts=E, top_k=k, intermediate_size=INTER, scoring=scoring, norm_topk_prob=True,
+    m = MoEConfig(num_experts=E, top_k=k, intermediate_size=inter, scoring=scoring, norm_topk_prob=True,
                   routed_scaling_factor=2.5 if scoring == "sigmoid" else 1.0, n_group=groups, topk_group=kept,
-                  shared_intermediate_size=INTER if shared else 0, dense_layers=())
-    moe = MoE(HIDDEN, m)
+                  shared_intermediate_size=inter if shared else 0, dense_layers=())
+    moe = MoE(hidden, m)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in moe.parameters():
@@ -52,7 +53,7 @@ def _moe(routing: str, shared: bool = True, seed: int = 0, int4: str | None = No
         return moe.requires_grad_(False)
     group, symmetric = INT4_SCHEMES[int4]
     quant = QuantConfig(groups=((("Linear",), Int4Weights(group, symmetric)),), ignore=("re:.*shared_experts.*",))
-    q4 = MoE(HIDDEN, m, quant=quant, prefix="model.layers.1.mlp.")
+    q4 = MoE(hidden, m, quant=quant, prefix="model.layers.1.mlp.")
     floats = {n: t for n, t in moe.state_dict().items() if not n.startswith(("w13", "w2"))}
     q4.load_state_dict(floats, strict=False)
     with torch.no_grad():
@@ -145,6 +146,56 @@ def test_int4_experts_held_elsewhere_contribute_nothing():
     moe.to(DEV)
     got = fused_experts(x.to(DEV), weights.to(DEV), ids.to(DEV), _held(moe.w13, 4), _held(moe.w2, 4), first=4)
     torch.testing.assert_close(got.cpu(), want, **F32)
+
+
+# Launch shapes beyond the default, at a width of 64 (gate/up) and 32 (down) input columns:
+# both int4 unpacks and both scale loads; BLOCK_K 16 and 64 put a tile inside one group, across
+# whole groups, or past the input's end; split_k 2 and 3 cut both kernels' inputs into slices;
+# swap multiplies with the weight tile on the left.
+WIDE = dict(hidden=64, inter=32)
+TILE_VARIANTS = {"reshape-element": Tiles(unpack="reshape", scales="element"),
+                 "shift-element-k16": Tiles(block_k=16, unpack="shift", scales="element"),
+                 "reshape-group-k16": Tiles(block_k=16, unpack="reshape", scales="group"),
+                 "shift-group-n16": Tiles(block_n=16, unpack="shift", scales="group"),
+                 "split2-k16-shift": Tiles(block_k=16, split_k=2, unpack="shift", scales="group"),
+                 "split3-k16-reshape": Tiles(block_k=16, split_k=3, unpack="reshape", scales="element"),
+                 "swap-shift": Tiles(swap=True, unpack="shift", scales="group"),
+                 "swap-split2-k16-reshape": Tiles(block_k=16, split_k=2, swap=True, unpack="reshape", scales="group")}
+
+
+@pytest.mark.parametrize("int4", [None, "g8-asym", "g16-asym", "channel-sym"])
+@pytest.mark.parametrize("tiles", list(TILE_VARIANTS))
+def test_fused_moe_launch_shapes_equal_reference(int4, tiles):
+    """Every launch shape computes the same experts: float32 results match the reference loop to
+    a float32 sum's order (the split slices' atomic sums are in any order)."""
+    moe = _moe("sigmoid-8of16", shared=False, seed=2, int4=int4, **WIDE)
+    x = torch.randn(3, WIDE["hidden"], generator=torch.Generator().manual_seed(11))
+    weights, ids = moe.route(x)
+    want = moe.experts_ref(x, weights, ids)
+    moe.to(DEV)
+    got = fused_experts(x.to(DEV), weights.to(DEV), ids.to(DEV), moe.w13, moe.w2, tiles=TILE_VARIANTS[tiles]).cpu()
+    torch.testing.assert_close(got, want, **F32)
+
+
+@pytest.mark.parametrize("tiles", ["reshape-group-k16", "split2-k16-shift", "swap-split2-k16-reshape"])
+def test_fused_int4_moe_launch_shapes_in_16_bit(tiles):
+    """fp16 activations and scales: split slices round their float32 sums once, as the unsplit
+    kernels do, so each launch shape stays within a few fp16 steps of the reference loop."""
+    moe = _moe("softmax-8of16", shared=False, int4="g8-sym", **WIDE).to(DEV, torch.float16)
+    x = torch.randn(3, WIDE["hidden"], generator=torch.Generator().manual_seed(7)).to(DEV, torch.float16)
+    weights, ids = moe.route(x)
+    want = moe.experts_ref(x, weights, ids).float()
+    got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=TILE_VARIANTS[tiles]).float()
+    step = 2 ** -10
+    torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item())
+
+
+@pytest.mark.parametrize("bad, message", [(dict(unpack="nibbles"), "Tiles.unpack must be one of"),
+                                          (dict(split_k=0), "Tiles.split_k must be >= 1"),
+                                          (dict(block_k=48), "Tiles.block_k must be a power of two")])
+def test_tiles_reject_unknown_options(bad, message):
+    with pytest.raises(ValueError, match=message):
+        Tiles(**bad)
 
 
 # float experts and two int4 schemes, for the tests every kind of expert runs

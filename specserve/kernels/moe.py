@@ -41,41 +41,112 @@ if triton is not None:
     from specserve.kernels.common import wait_for_previous
 
     @triton.jit
+    def _group_tile(p_ptr, e_rows, nmask, k0, K: tl.constexpr, GROUPS: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PER_GROUP: tl.constexpr):
+        """Per-(row, group) values p [.., rows, GROUPS] (scales or zero points) of expert rows
+        `e_rows` over columns k0..k0+BLOCK_K, as float32 broadcastable to the [BLOCK_K, BLOCK_N]
+        weight tile. PER_GROUP loads each (row, group) once where the groups tile the tile
+        evenly: a tile inside one group takes a [1, BLOCK_N] row, one spanning whole groups a
+        [BLOCK_K / group, BLOCK_N] tile repeated along the columns; otherwise (and without
+        PER_GROUP) every element loads its own."""
+        GS: tl.constexpr = K // GROUPS  # columns per group
+        if PER_GROUP and GS % BLOCK_K == 0:
+            v = tl.load(p_ptr + e_rows * GROUPS + k0 // GS, mask=nmask, other=0)
+            return v[None, :].to(tl.float32)
+        elif PER_GROUP and BLOCK_K % GS == 0:
+            T: tl.constexpr = BLOCK_K // GS
+            g = k0 // GS + tl.arange(0, T)
+            v = tl.load(p_ptr + e_rows[None, :] * GROUPS + g[:, None], mask=(g < GROUPS)[:, None] & nmask[None, :],
+                        other=0).to(tl.float32)
+            return tl.reshape(tl.broadcast_to(v[:, None, :], (T, GS, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            return tl.load(p_ptr + e_rows[None, :] * GROUPS + offs_k[:, None] // GS,
+                           mask=(offs_k < K)[:, None] & nmask[None, :], other=0).to(tl.float32)
+
+    @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, ROWS: tl.constexpr, K: tl.constexpr,
-                     GROUPS: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     GROUPS: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, SHIFT: tl.constexpr,
+                     PER_GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Expert e's weight [ROWS, K] at rows `rows` [BLOCK_N] and columns k0..k0+BLOCK_K, as a
         [BLOCK_K, BLOCK_N] tile (zero outside the weight). Float weights load as they are; int4
-        ones load BLOCK_K/8 words per row and are unpacked and dequantized in registers to
-        float32, (v - zero) * scale: exact there, so the caller's one rounding into the
-        activations' dtype gives what dequantizing in that dtype does."""
+        ones are unpacked and dequantized in registers to float32, (v - zero) * scale: exact
+        there, so the caller's one rounding into the activations' dtype gives what dequantizing
+        in that dtype does. SHIFT: every element loads its own word (the eight sharing one hit
+        the same cache line) and shifts it, so the tile is built in its final shape; otherwise
+        BLOCK_K/8 words per row load once and their eight nibbles are reshaped into the columns
+        (a register-layout conversion per tile)."""
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask = (offs_k < K)[:, None] & nmask[None, :]
         if INT4:
             WORDS: tl.constexpr = K // 8
             e_rows = e * ROWS + rows  # (int64: the expert's offset)
-            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(w_ptr + e_rows[None, :] * WORDS + offs_w[:, None],
-                            mask=(offs_w < WORDS)[:, None] & nmask[None, :], other=0)
             # Column 8j+i of a row is bits 4i..4i+3 of its word j, stored as value + 8
             # (arithmetic shifts: the mask drops the sign).
-            nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-            v = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)).to(tl.float32) - 8.0
-            group = e_rows[None, :] * GROUPS + offs_k[:, None] // (K // GROUPS)
+            if SHIFT:
+                words = tl.load(w_ptr + e_rows[None, :] * WORDS + (offs_k // 8)[:, None], mask=mask, other=0)
+                v = ((words >> ((offs_k % 8) * 4)[:, None]) & 0xF).to(tl.float32) - 8.0
+            else:
+                offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+                words = tl.load(w_ptr + e_rows[None, :] * WORDS + offs_w[:, None],
+                                mask=(offs_w < WORDS)[:, None] & nmask[None, :], other=0)
+                nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
+                v = tl.reshape(nibbles, (BLOCK_K, BLOCK_N)).to(tl.float32) - 8.0
             if HAS_ZERO:
-                v = v - tl.load(z_ptr + group, mask=mask, other=0).to(tl.float32)
-            return v * tl.load(s_ptr + group, mask=mask, other=0.0).to(tl.float32)
+                v = v - _group_tile(z_ptr, e_rows, nmask, k0, K, GROUPS, BLOCK_N, BLOCK_K, PER_GROUP)
+            return v * _group_tile(s_ptr, e_rows, nmask, k0, K, GROUPS, BLOCK_N, BLOCK_K, PER_GROUP)
         else:
             return tl.load(w_ptr + (e * ROWS + rows[None, :]) * K + offs_k[:, None], mask=mask, other=0.0)
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, pairs_ptr, block_expert_ptr, P, E,
+    def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
+        """A float32 accumulator for BLOCK_M pairs x BLOCK_N features, transposed under SWAP."""
+        if SWAP:
+            return tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        else:
+            return tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+    @triton.jit
+    def _mma(a, w, acc, SWAP: tl.constexpr, PRECISION: tl.constexpr):
+        """acc + a [BLOCK_M, BLOCK_K] @ w [BLOCK_K, BLOCK_N]; under SWAP acc is transposed and
+        the weight tile is the left operand (acc + w^T a^T): a decode's few pairs are too few rows
+        for Hopper's warp-group MMA, a weight tile's BLOCK_N are not, and a left operand may come
+        straight from the registers it was dequantized in."""
+        if SWAP:
+            return tl.dot(tl.trans(w), tl.trans(a), acc, input_precision=PRECISION)
+        else:
+            return tl.dot(a, w, acc, input_precision=PRECISION)
+
+    @triton.jit
+    def _unswap(acc, SWAP: tl.constexpr):
+        """An accumulator `_zeros` made, as [BLOCK_M, BLOCK_N]."""
+        if SWAP:
+            return tl.trans(acc)
+        else:
+            return acc
+
+    @triton.jit
+    def _swiglu(acc_g, acc_u, dt: tl.constexpr):
+        """silu(gate) * up in dt from float32 sums, rounded where the reference rounds."""
+        g = acc_g.to(dt).to(tl.float32)
+        u = acc_u.to(dt).to(tl.float32)
+        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        return (s * u).to(dt)
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, g_ptr, pairs_ptr, block_expert_ptr, P, E,
                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, GROUPS: tl.constexpr,
-                        INT4: tl.constexpr, HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-        # Program (block, n): BLOCK_M pairs of one expert times BLOCK_N gate and up features each.
+                        INT4: tl.constexpr, HAS_ZERO: tl.constexpr, SHIFT: tl.constexpr, PER_GROUP: tl.constexpr,
+                        SWAP: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr,
+                        PRECISION: tl.constexpr, PDL: tl.constexpr):
+        # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N gate and up features
+        # each, over input columns s*K_SPAN..(s+1)*K_SPAN. With the whole input (K_SPAN >= H) it
+        # stores silu(gate) * up; with a slice it adds its float32 sums into g_ptr [P, 2I]
+        # (gate columns, then up), and `_swiglu_kernel` finishes once every slice is in.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        k_lo = tl.program_id(2) * K_SPAN
         wait_for_previous(PDL)
         e = tl.load(block_expert_ptr + pid_m)
         if e >= E:  # a block past the last pair
@@ -88,32 +159,53 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < I
         dt = h_ptr.dtype.element_ty
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        acc_g = _zeros(BLOCK_M, BLOCK_N, SWAP)
+        acc_u = _zeros(BLOCK_M, BLOCK_N, SWAP)
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, H), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + tok[:, None] * H + offs_k[None, :], mask=valid[:, None] & (offs_k < H)[None, :],
                         other=0.0)
-            wg = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, 2 * I, H, GROUPS, INT4, HAS_ZERO,
-                              BLOCK_N, BLOCK_K).to(dt)
-            wu = _weight_tile(w_ptr, s_ptr, z_ptr, e, I + offs_n, nmask, k0, 2 * I, H, GROUPS, INT4, HAS_ZERO,
-                              BLOCK_N, BLOCK_K).to(dt)
-            acc_g = tl.dot(a, wg, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(a, wu, acc_u, input_precision=PRECISION)
-        g = acc_g.to(dt).to(tl.float32)
-        u = acc_u.to(dt).to(tl.float32)
-        s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
-        tl.store(h_ptr + pair[:, None] * I + offs_n[None, :], (s * u).to(dt), mask=valid[:, None] & nmask[None, :])
+            wg = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, 2 * I, H, GROUPS, INT4, HAS_ZERO, SHIFT,
+                              PER_GROUP, BLOCK_N, BLOCK_K).to(dt)
+            wu = _weight_tile(w_ptr, s_ptr, z_ptr, e, I + offs_n, nmask, k0, 2 * I, H, GROUPS, INT4, HAS_ZERO, SHIFT,
+                              PER_GROUP, BLOCK_N, BLOCK_K).to(dt)
+            acc_g = _mma(a, wg, acc_g, SWAP, PRECISION)
+            acc_u = _mma(a, wu, acc_u, SWAP, PRECISION)
+        acc_g = _unswap(acc_g, SWAP)
+        acc_u = _unswap(acc_u, SWAP)
+        out_mask = valid[:, None] & nmask[None, :]
+        if K_SPAN >= H:
+            tl.store(h_ptr + pair[:, None] * I + offs_n[None, :], _swiglu(acc_g, acc_u, dt), mask=out_mask)
+        else:
+            g_at = g_ptr + pair[:, None] * (2 * I) + offs_n[None, :]
+            tl.atomic_add(g_at, acc_g, mask=out_mask, sem="relaxed")
+            tl.atomic_add(g_at + I, acc_u, mask=out_mask, sem="relaxed")
+
+    @triton.jit
+    def _swiglu_kernel(g_ptr, h_ptr, I: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # Program (pair, n): the split-K gate_up's finish for BLOCK features of one pair.
+        pair = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < I
+        wait_for_previous(PDL)
+        g = tl.load(g_ptr + pair * (2 * I) + offs, mask=mask, other=0.0)
+        u = tl.load(g_ptr + pair * (2 * I) + I + offs, mask=mask, other=0.0)
+        tl.store(h_ptr + pair * I + offs, _swiglu(g, u, h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _down_kernel(h_ptr, w_ptr, s_ptr, z_ptr, rw_ptr, out_ptr, pairs_ptr, block_expert_ptr, P, E,
                      H: tl.constexpr, I: tl.constexpr, GROUPS: tl.constexpr, INT4: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
-        # Program (block, n): BLOCK_M pairs of one expert times BLOCK_N output features, each row
-        # scaled by its routing weight.
+                     HAS_ZERO: tl.constexpr, SHIFT: tl.constexpr, PER_GROUP: tl.constexpr, SWAP: tl.constexpr,
+                     BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr, PRECISION: tl.constexpr,
+                     PDL: tl.constexpr):
+        # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N output features over
+        # input columns s*K_SPAN..(s+1)*K_SPAN. With the whole input (K_SPAN >= I) each row is
+        # scaled by its routing weight and stored; with a slice the float32 sums are added into
+        # out_ptr (float32 [P, H]) and `fused_experts` applies the routing weight after.
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        k_lo = tl.program_id(2) * K_SPAN
         wait_for_previous(PDL)
         e = tl.load(block_expert_ptr + pid_m)
         if e >= E:
@@ -124,19 +216,24 @@ if triton is not None:
         pair = pair.to(tl.int64)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < H
-        dt = out_ptr.dtype.element_ty
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
+        dt = h_ptr.dtype.element_ty
+        acc = _zeros(BLOCK_M, BLOCK_N, SWAP)
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, I), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + pair[:, None] * I + offs_k[None, :], mask=valid[:, None] & (offs_k < I)[None, :],
                         other=0.0)
-            b = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, H, I, GROUPS, INT4, HAS_ZERO,
+            b = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, H, I, GROUPS, INT4, HAS_ZERO, SHIFT, PER_GROUP,
                              BLOCK_N, BLOCK_K).to(dt)
-            acc = tl.dot(a, b, acc, input_precision=PRECISION)
-        y = acc.to(dt).to(tl.float32)
-        rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
-        tl.store(out_ptr + pair[:, None] * H + offs_n[None, :], (y * rw[:, None]).to(dt),
-                 mask=valid[:, None] & nmask[None, :])
+            acc = _mma(a, b, acc, SWAP, PRECISION)
+        acc = _unswap(acc, SWAP)
+        out_at = out_ptr + pair[:, None] * H + offs_n[None, :]
+        out_mask = valid[:, None] & nmask[None, :]
+        if K_SPAN >= I:
+            y = acc.to(dt).to(tl.float32)
+            rw = tl.load(rw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+            tl.store(out_at, (y * rw[:, None]).to(dt), mask=out_mask)
+        else:
+            tl.atomic_add(out_at, acc, mask=out_mask, sem="relaxed")
 
 
 MIN_DIM = 16  # tl.dot's smallest tile: experts narrower than this take the reference path
@@ -189,14 +286,44 @@ def fused_experts_supported(w13: Experts, w2: Experts) -> bool:
                for w in (w13, w2))
 
 
+UNPACKS = ("shift", "reshape")  # `_weight_tile`'s SHIFT, or its word-then-reshape unpack
+SCALES = ("group", "element")  # `_group_tile`'s PER_GROUP, or a load per element
+
+
 @dataclass(frozen=True)
 class Tiles:
-    """Both kernels' launch shape: weight tile BLOCK_K x BLOCK_N, warps and pipeline stages."""
+    """Both kernels' launch shape: weight tile BLOCK_K x BLOCK_N, warps and pipeline stages; how
+    int4 tiles unpack their words and load their scales (UNPACKS, SCALES); split_k, the number
+    of slices the input columns are cut into, each a program of its own, whose float32 sums are
+    added atomically (more programs for a decode's few blocks, at the price of a float32 buffer
+    and a finishing pass); and swap, the weight tile as the left operand of each product
+    (`_mma`)."""
 
     block_n: int = 64
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    unpack: str = "reshape"
+    scales: str = "group"
+    split_k: int = 1
+    swap: bool = False
+
+    def __post_init__(self):
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < MIN_DIM or v & (v - 1):
+                raise ValueError(f"Tiles.{name} must be a power of two >= {MIN_DIM}, got {v}")
+        if self.unpack not in UNPACKS or self.scales not in SCALES:
+            raise ValueError(f"Tiles.unpack must be one of {UNPACKS} and Tiles.scales one of {SCALES}, "
+                             f"got {self.unpack!r}, {self.scales!r}")
+        if self.split_k < 1:
+            raise ValueError(f"Tiles.split_k must be >= 1 (1: no split), got {self.split_k}")
+
+    def k_span(self, K: int) -> int:
+        """Input columns per program over K: whole BLOCK_K steps, split_k slices (fewer where
+        K has fewer steps)."""
+        steps = -(-K // self.block_k)
+        return -(-steps // self.split_k) * self.block_k
 
 
 DEFAULT_TILES = Tiles()
@@ -251,16 +378,24 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     blocks = block_expert.numel()
     x = x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit inputs)
-    block_n, block_k, launch = tiles.block_n, tiles.block_k, dict(num_warps=tiles.num_warps,
-                                                                   num_stages=tiles.num_stages)
+    block_n, block_k = tiles.block_n, tiles.block_k
+    span_h, span_i = tiles.k_span(H), tiles.k_span(I)
+    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=tiles.num_warps,
+                  num_stages=tiles.num_stages, SHIFT=tiles.unpack == "shift", PER_GROUP=tiles.scales == "group",
+                  SWAP=tiles.swap, **pdl_args(x))
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(blocks, triton.cdiv(I, block_n))](
-        x, h_ptr=h, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H, I=I, TOP_K=top_k,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch, **_weight_args(w13),
-        **pdl_args(x))
-    out = torch.zeros(P, H, dtype=x.dtype, device=x.device)  # rows of pairs held elsewhere stay zero
-    _down_kernel[(blocks, triton.cdiv(H, block_n))](
+    # Split slices add into float32 sums (zero where no pair of a row is held here).
+    g = torch.zeros(P, 2 * I, dtype=torch.float32, device=x.device) if span_h < H else h
+    _gate_up_kernel[(blocks, triton.cdiv(I, block_n), triton.cdiv(H, span_h))](
+        x, h_ptr=h, g_ptr=g, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H, I=I, TOP_K=top_k,
+        K_SPAN=span_h, **consts, **_weight_args(w13))
+    if span_h < H:
+        _swiglu_kernel[(P, triton.cdiv(I, 1024))](g, h, I=I, BLOCK=1024, **pdl_args(x))
+    # rows of pairs held elsewhere stay zero
+    out = torch.zeros(P, H, dtype=torch.float32 if span_i < I else x.dtype, device=x.device)
+    _down_kernel[(blocks, triton.cdiv(H, block_n), triton.cdiv(I, span_i))](
         h, rw_ptr=weights.contiguous(), out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
-        I=I, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, **launch,
-        **_weight_args(w2), **pdl_args(x))
+        I=I, K_SPAN=span_i, **consts, **_weight_args(w2))
+    if span_i < I:  # the routing weights on the rounded sums, as the unsplit kernel applies them
+        out = (out.to(x.dtype).float() * weights.reshape(P, 1).float()).to(x.dtype)
     return out.view(N, top_k, H).sum(1, dtype=torch.float32).to(x.dtype)
