@@ -426,6 +426,39 @@ def test_regenerate_equals_engine_greedy(tiny_pair, texts, tmp_path):
     assert cut == [p + (r[: r.index(stop) + 1] if stop in r else r) for p, r in zip(prompts, ref)]
 
 
+def test_regeneration_cut_by_its_deadline_keeps_prompts_of_every_length(tiny_pair, texts, monkeypatch):
+    """Batches run in a seeded random order, not shortest first: a run that its deadline stops
+    after one batch keeps one batch of about equally long prompts, and over a few seeds not
+    always the shortest (length order would train the drafter on the shortest prompts only)."""
+    from types import SimpleNamespace
+
+    from specserve.engine.runner import ModelRunner
+    from specserve.engine.tokenizer import Tokenizer
+
+    _, target = tiny_pair
+    tok = Tokenizer(target)
+    prompts = [tok.encode(t[: 12 + 9 * i]) for i, t in enumerate(texts[2:10])]
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    groups = [set(by_length[i:i + 2]) for i in range(0, len(prompts), 2)]
+    now = [0.0]
+    monkeypatch.setattr(td, "time", SimpleNamespace(time=lambda: now[0], perf_counter=time.perf_counter))
+    prefill = ModelRunner.prefill
+
+    def prefill_then_time_is_up(self, *args):
+        now[0] = 100.0
+        return prefill(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill_then_time_is_up)
+    kept = []
+    for seed in range(4):
+        now[0] = 0.0
+        # 12 new tokens: the decode loop's own deadline check (every 16 steps) never runs
+        got, starts = td.regenerate_samples(str(target), prompts, 12, 0.0, seed, "cpu", 2, 50.0, set())
+        kept.append({prompts.index(s[:b]) for s, b in zip(got, starts)})
+    assert all(k in groups for k in kept), (kept, groups)
+    assert any(k != groups[0] for k in kept), "every cut run kept only the shortest prompts"
+
+
 def test_regenerate_chat_records(tiny_pair, tmp_path):
     """Chat data: the target rewrites each last assistant turn; those samples are trained on."""
     from specserve.engine.tokenizer import Tokenizer
