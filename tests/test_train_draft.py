@@ -151,6 +151,46 @@ def test_ttt_forward_matches_cached_drafting(tmp_path):
                 torch.testing.assert_close(outs[k][:, b + k], g[:, 0], rtol=1e-4, atol=1e-4)
 
 
+def test_engine_drafts_what_the_trainer_predicts(tmp_path, monkeypatch):
+    """On the engine's own greedy sequence, the first draft of every cycle (prefill, pending
+    entries, draft graph, draft id -> target id) is the token the trainer's step-0 forward
+    predicts at that entry: a target with tied embeddings (the drafter reads them) and a draft
+    vocabulary that is not the first ids, as a GGUF SmolLM2 pair has."""
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import Engine
+    from specserve.engine.sampling import SamplingParams
+    from specserve.spec.proposer import Proposer
+
+    target_dir = make_target(tmp_path / "t", vocab=96, hidden=64, layers=4, tie_word_embeddings=True)
+    draft_dir = make_drafter(tmp_path / "d", target_dir, draft_vocab=64)
+    drafted: dict[int, int] = {}  # drafter entry (sequence position) -> first drafted token
+    draft_batch = Proposer.draft_batch
+
+    def record(self, seqs, K, spec_ok, sampling):
+        res = draft_batch(self, seqs, K, spec_ok, sampling)
+        drafted.update((s.num_cached - 1, t) for s, t in zip(seqs, res.tokens[:, 0].tolist()))
+        return res
+
+    monkeypatch.setattr(Proposer, "draft_batch", record)
+    engine = Engine(EngineConfig(model=str(target_dir), draft=str(draft_dir), spec_steps=1, device="cpu"))
+    prompt = list(range(3, 60, 4))
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    seq = torch.tensor([prompt + req.output_ids])
+    dcfg = DraftConfig.from_dir(draft_dir)
+    tgt = td.FrozenTarget(str(target_dir), CPU, torch.float32, 64, resolve_aux_layers(dcfg, 4))
+    assert tgt.model.lm_head is None  # tied
+    dr = load_drafter(draft_dir, tgt.model, CPU, torch.float32, 64)
+    with torch.no_grad():
+        feats, _ = tgt(seq)
+        step0 = td.ttt_forward(dr, feats[:, :-1], seq[:, 1:], 1)[0]
+        predicted = td.draft_vocab_ids(dr)[dr.logits(step0).argmax(-1)][0]
+    assert len(drafted) >= 8
+    assert {t: int(predicted[t]) for t in drafted} == drafted
+    assert any(t >= 64 for t in drafted.values())  # ids only the d2t offsets reach
+
+
 def test_chain_acceptance_is_what_greedy_verification_accepts(tmp_path):
     """The acceptance the trainer reports must be what the engine accepts: at every base b of a
     target-greedy sequence, draft K tokens feeding back the drafter's own tokens and outputs
