@@ -151,6 +151,46 @@ def test_ttt_forward_matches_cached_drafting(tmp_path):
                 torch.testing.assert_close(outs[k][:, b + k], g[:, 0], rtol=1e-4, atol=1e-4)
 
 
+def test_engine_drafts_what_the_trainer_predicts(tmp_path, monkeypatch):
+    """On the engine's own greedy sequence, the first draft of every cycle (prefill, pending
+    entries, draft graph, draft id -> target id) is the token the trainer's step-0 forward
+    predicts at that entry: a target with tied embeddings (the drafter reads them) and a draft
+    vocabulary that is not the first ids, as a GGUF SmolLM2 pair has."""
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import Engine
+    from specserve.engine.sampling import SamplingParams
+    from specserve.spec.proposer import Proposer
+
+    target_dir = make_target(tmp_path / "t", vocab=96, hidden=64, layers=4, tie_word_embeddings=True)
+    draft_dir = make_drafter(tmp_path / "d", target_dir, draft_vocab=64)
+    drafted: dict[int, int] = {}  # drafter entry (sequence position) -> first drafted token
+    draft_batch = Proposer.draft_batch
+
+    def record(self, seqs, K, spec_ok, sampling):
+        res = draft_batch(self, seqs, K, spec_ok, sampling)
+        drafted.update((s.num_cached - 1, t) for s, t in zip(seqs, res.tokens[:, 0].tolist()))
+        return res
+
+    monkeypatch.setattr(Proposer, "draft_batch", record)
+    engine = Engine(EngineConfig(model=str(target_dir), draft=str(draft_dir), spec_steps=1, device="cpu"))
+    prompt = list(range(3, 60, 4))
+    req = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+    seq = torch.tensor([prompt + req.output_ids])
+    dcfg = DraftConfig.from_dir(draft_dir)
+    tgt = td.FrozenTarget(str(target_dir), CPU, torch.float32, 64, resolve_aux_layers(dcfg, 4))
+    assert tgt.model.lm_head is None  # tied
+    dr = load_drafter(draft_dir, tgt.model, CPU, torch.float32, 64)
+    with torch.no_grad():
+        feats, _ = tgt(seq)
+        step0 = td.ttt_forward(dr, feats[:, :-1], seq[:, 1:], 1)[0]
+        predicted = td.draft_vocab_ids(dr)[dr.logits(step0).argmax(-1)][0]
+    assert len(drafted) >= 8
+    assert {t: int(predicted[t]) for t in drafted} == drafted
+    assert any(t >= 64 for t in drafted.values())  # ids only the d2t offsets reach
+
+
 def test_chain_acceptance_is_what_greedy_verification_accepts(tmp_path):
     """The acceptance the trainer reports must be what the engine accepts: at every base b of a
     target-greedy sequence, draft K tokens feeding back the drafter's own tokens and outputs
@@ -424,6 +464,39 @@ def test_regenerate_equals_engine_greedy(tiny_pair, texts, tmp_path):
     stop = max(set(x[0] for x in ref), key=[x[0] for x in ref].count)
     cut, _ = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, {stop})
     assert cut == [p + (r[: r.index(stop) + 1] if stop in r else r) for p, r in zip(prompts, ref)]
+
+
+def test_regeneration_cut_by_its_deadline_keeps_prompts_of_every_length(tiny_pair, texts, monkeypatch):
+    """Batches run in a seeded random order, not shortest first: a run that its deadline stops
+    after one batch keeps one batch of about equally long prompts, and over a few seeds not
+    always the shortest (length order would train the drafter on the shortest prompts only)."""
+    from types import SimpleNamespace
+
+    from specserve.engine.runner import ModelRunner
+    from specserve.engine.tokenizer import Tokenizer
+
+    _, target = tiny_pair
+    tok = Tokenizer(target)
+    prompts = [tok.encode(t[: 12 + 9 * i]) for i, t in enumerate(texts[2:10])]
+    by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    groups = [set(by_length[i:i + 2]) for i in range(0, len(prompts), 2)]
+    now = [0.0]
+    monkeypatch.setattr(td, "time", SimpleNamespace(time=lambda: now[0], perf_counter=time.perf_counter))
+    prefill = ModelRunner.prefill
+
+    def prefill_then_time_is_up(self, *args):
+        now[0] = 100.0
+        return prefill(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "prefill", prefill_then_time_is_up)
+    kept = []
+    for seed in range(4):
+        now[0] = 0.0
+        # 12 new tokens: the decode loop's own deadline check (every 16 steps) never runs
+        got, starts = td.regenerate_samples(str(target), prompts, 12, 0.0, seed, "cpu", 2, 50.0, set())
+        kept.append({prompts.index(s[:b]) for s, b in zip(got, starts)})
+    assert all(k in groups for k in kept), (kept, groups)
+    assert any(k != groups[0] for k in kept), "every cut run kept only the shortest prompts"
 
 
 def test_regenerate_chat_records(tiny_pair, tmp_path):

@@ -409,7 +409,9 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
 
     The prompts run in lockstep batches of `batch`, sorted by length so a batch's prompts are
     about equally long: one prefill, then one decode step for the whole batch per token (a CUDA
-    graph on a GPU) until every row has ended. There is no per-sequence scheduling, which is what
+    graph on a GPU) until every row has ended. The batches run in a random order (seeded): a run
+    that the deadline cuts short then keeps prompts of every length, where length order would
+    keep only the shortest ones and train the drafter on short contexts alone. There is no per-sequence scheduling, which is what
     made the engine's continuous batching slow here (host bookkeeping for 1024 sequences per step).
     At `deadline` the batch in flight is kept as far as it got (rows with 16+ new tokens). Each
     finished batch is appended to `save_to` as {"i", "ids", "prompt"} lines, and prompts already there are
@@ -433,6 +435,8 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
     if not todo or (deadline is not None and time.time() >= deadline):
         return result()
     B = min(batch, len(todo))
+    batches = [todo[i:i + B] for i in range(0, len(todo), B)]
+    random.Random(seed).shuffle(batches)
     max_len = min(ModelConfig.from_dir(target_dir).max_position_embeddings,
                   max(len(prompts[i]) for i in todo) + max_new + 1)
     runner = ModelRunner(EngineConfig(model=target_dir, device=device, max_num_seqs=B, max_model_len=max_len,
@@ -454,8 +458,7 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
         return torch.multinomial(probs, 1, generator=gen).view(-1)
 
     with sink as f, torch.inference_mode():
-        for start in range(0, len(todo), B):
-            rows = todo[start:start + B]
+        for rows in batches:
             chunk = [prompts[i] for i in rows]
             n = len(rows)
             logits, _ = runner.prefill(0, chunk, [0] * n)
