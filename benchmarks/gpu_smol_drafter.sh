@@ -22,7 +22,7 @@ fi
 date -u
 timeout $(( ${MINUTES%.*} * 60 + 150 )) python3 -m specserve train-draft --model "$GGUF" \
   --data "${DATA:-.device/sharegpt-train.jsonl}" --regenerate --regen-prompts "${PROMPTS:-14916}" \
-  --regen-batch 1024 --regen-max-tokens "${REGEN_TOKENS:-256}" --regen-share "${REGEN_SHARE:-0.35}" \
+  --regen-batch 1024 --regen-max-tokens "${REGEN_TOKENS:-256}" --regen-share "${REGEN_SHARE:-0.5}" \
   --draft-vocab "${VOCAB:-6144}" --draft-intermediate "${INTER:-768}" --ttt-steps "${TTT:-5}" \
   --batch-tokens "${BATCH_TOKENS:-16384}" --max-len 512 --epochs 1000 --lr "${LR:-2e-3}" \
   --max-minutes "$MINUTES" --device cuda --seed "${SEED:-0}" --out "$OUT/draft" > "$OUT/train.log" 2>&1
