@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# Train the SmolLM2-135M-Instruct drafter on one GPU and bench it, in one call:
-#   bash benchmarks/gpu_smol_drafter.sh   (results under $OUT; ~MINUTES + 3 minutes)
-# The GGUF (98 MB) is larger than what one call carries (64 MiB with the tree), so it travels in two
-# pieces on consecutive calls (the first only copies its piece to /tmp, the machine staying warm
-# between them) and is put together here (GGUF=a whole file already there; PARTS=the pieces in
-# order; SHA=its sha256). The call sends the session's own checkout: code from another worktree
-# travels as a copy in an ignored folder of it, and this script then runs from inside that copy.
-# Prompts: DATA (ShareGPT first human turns, chat "messages"), answered by the target itself
-# through its chat template (--regenerate); the loss scores the responses only. Bench: MT-Bench and HumanEval (BENCH_DATA), batch 1 and 16.
-# The drafter comes back in $OUT/draft (config.json + model.safetensors + training_summary.json).
+# Train the SmolLM2-135M-Instruct drafter on one GPU and bench it:
+#   bash benchmarks/gpu_smol_drafter.sh   (results under $OUT; ~MINUTES + 3 minutes; SKIP_BENCH=1 stops after training)
+# The GGUF (98 MB) and the prompts (~11 MB) are more than one call carries (64 MiB with the tree), so they
+# travel in pieces on consecutive calls while the machine stays warm (each earlier call only copies its piece
+# to /tmp), and are put together here (GGUF=a whole file already there; PARTS=the pieces in order; SHA=its
+# sha256). The call sends the session's own checkout.
+# Prompts: DATA, chat "messages" records (`python benchmarks/sharegpt_prompts.py OUT.jsonl.gz`: every ShareGPT
+# human turn with its history, the bench's first conversations held out), answered by the target itself through
+# its chat template (--regenerate); the loss scores the responses only. Regeneration gets half the budget; a run
+# cut short keeps prompts of every length, and the log says so ("regeneration time is up").
+# Bench: MT-Bench and HumanEval (BENCH_DATA), batch 1 and 16. The drafter comes back in $OUT/draft
+# (config.json + model.safetensors + training_summary.json).
 set -u
 . benchmarks/gpu_env.sh
-MINUTES=${MINUTES:-7}
+MINUTES=${MINUTES:-6}
 GGUF=${GGUF:-/tmp/smol.gguf}
 if [ ! -s "$GGUF" ]; then
   cat ${PARTS:-/tmp/smolpart.*} > "$GGUF" || exit 1
@@ -21,15 +23,16 @@ if [ -n "${SHA:-}" ] && ! echo "$SHA  $GGUF" | sha256sum -c --quiet; then
 fi
 date -u
 timeout $(( ${MINUTES%.*} * 60 + 150 )) python3 -m specserve train-draft --model "$GGUF" \
-  --data "${DATA:-.device/sharegpt-train.jsonl}" --regenerate --regen-prompts "${PROMPTS:-14916}" \
+  --data "${DATA:-.device/sharegpt-turns.jsonl.gz}" --regenerate --regen-prompts "${PROMPTS:-24000}" \
   --regen-batch 1024 --regen-max-tokens "${REGEN_TOKENS:-256}" --regen-share "${REGEN_SHARE:-0.5}" \
   --draft-vocab "${VOCAB:-6144}" --draft-intermediate "${INTER:-768}" --ttt-steps "${TTT:-5}" \
-  --batch-tokens "${BATCH_TOKENS:-16384}" --max-len 512 --epochs 1000 --lr "${LR:-2e-3}" \
+  --batch-tokens "${BATCH_TOKENS:-16384}" --max-len "${MAX_LEN:-1024}" --epochs 1000 --lr "${LR:-2e-3}" \
   --max-minutes "$MINUTES" --device cuda --seed "${SEED:-0}" --out "$OUT/draft" > "$OUT/train.log" 2>&1
 sed 's/\r/\n/g' "$OUT/train.log" | grep -v "step/s\]\|prompt/s\]" | grep -i "samples\|vocabulary\|training:\|budget\|wrote\|error" | cut -c1-220
 sed 's/\r/\n/g' "$OUT/train.log" | grep "step/s\]" | tail -1 | cut -c1-220
 rm -rf "$OUT/draft/checkpoint"
 [ -s "$OUT/draft/model.safetensors" ] || exit 1
+[ -n "${SKIP_BENCH:-}" ] && exit 0
 date -u
 timeout "${BENCH_SECONDS:-240}" python3 -m specserve bench --model "$GGUF" --draft "$OUT/draft" \
   --dataset ${BENCH_DATA:-.device/mt-bench.jsonl .device/humaneval.jsonl} \

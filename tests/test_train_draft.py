@@ -79,6 +79,15 @@ def test_read_records_formats_and_errors(tmp_path):
     assert [r.messages[1]["content"] for r in recs if r.messages] == ["yo"]
     assert [r.ids for r in recs if r.ids] == [[5, 6, 0], [7, 8, 9, 0]]  # split at EOS, EOS kept
 
+    import gzip
+
+    zipped = tmp_path / "z"
+    zipped.mkdir()
+    with gzip.open(zipped / "turns.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write(json.dumps({"messages": [{"role": "user", "content": "zipped"}]}) + "\n")
+    for where in (zipped, zipped / "turns.jsonl.gz"):  # a folder holding it, and the file itself
+        assert [r.messages[0]["content"] for r in read_records(where)] == ["zipped"]
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text(json.dumps({"text": "ok"}) + "\n{not json\n")
     with pytest.raises(DataError, match=r"bad.jsonl:2: not valid JSON"):
@@ -92,7 +101,7 @@ def test_read_records_formats_and_errors(tmp_path):
     with pytest.raises(DataError, match="no such file"):
         read_records(tmp_path / "missing.jsonl")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataError, match="no .jsonl, .npy or text files"):
+    with pytest.raises(DataError, match="no .jsonl, .jsonl.gz, .npy or text files"):
         read_records(tmp_path / "empty")
     np.save(tmp_path / "f.npy", np.zeros((2, 2), dtype=np.float32))
     with pytest.raises(DataError, match="1-D integer"):

@@ -2,8 +2,8 @@
 
 `--data PATH` may be
 
-- a ``.jsonl`` file, one record per line, each with a ``"text"`` string or a chat
-  ``"messages"`` list (``[{"role": ..., "content": ...}, ...]``);
+- a ``.jsonl`` file (or ``.jsonl.gz``), one record per line, each with a ``"text"`` string or
+  a chat ``"messages"`` list (``[{"role": ..., "content": ...}, ...]``);
 - a ``.txt`` (or any other text) file: the whole file is one document;
 - a ``.npy`` token stream (1-D integers, documents separated by the EOS id), as
   ``build_demo`` writes for the stdlib corpus;
@@ -16,6 +16,7 @@ the target's tokenizer (chat records through its chat template).
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,8 @@ def check_messages(msgs, where: str) -> list[dict]:
 
 def read_jsonl(path: Path) -> list[Record]:
     out = []
-    with open(path, encoding="utf-8") as f:
+    opener = gzip.open if path.name.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -104,18 +106,18 @@ def read_records(path: str | Path, eos_id: int | None = None) -> list[Record]:
         raise DataError(f"--data {path}: no such file or folder")
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                       and (p.suffix in TEXT_SUFFIXES or p.suffix in (".jsonl", ".npy")))
+                       and (p.suffix in TEXT_SUFFIXES or p.suffix in (".jsonl", ".npy") or p.name.endswith(".jsonl.gz")))
         if not files:
-            raise DataError(f"--data {path}: folder has no .jsonl, .npy or text files")
+            raise DataError(f"--data {path}: folder has no .jsonl, .jsonl.gz, .npy or text files")
         records = []
         for f in files:
             try:
                 records += read_records(f, eos_id)
             except DataError:
-                if f.suffix in (".jsonl", ".npy"):
+                if f.suffix in (".jsonl", ".npy") or f.name.endswith(".jsonl.gz"):
                     raise
                 continue  # a stray binary/non-UTF-8 source file in a folder: skip it
-    elif path.suffix == ".jsonl":
+    elif path.suffix == ".jsonl" or path.name.endswith(".jsonl.gz"):
         records = read_jsonl(path)
     elif path.suffix == ".npy":
         records = read_token_stream(path, eos_id)
