@@ -215,6 +215,25 @@ def sweep_tiles(moe, batches: list[int]) -> dict:
     return res
 
 
+def kernel_table(runner, B: int = 1, steps: int = 3, top: int = 30) -> list[dict]:
+    """The CUDA kernels of `steps` eager decode steps at batch B (the same kernels a graph
+    replays), by total GPU time: name, launches and us per step. The gap between a layer's time
+    and its roofline is in here (small routing and sorting kernels, attention's ops)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.inference_mode():
+        runner._decode_body(B)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                runner._decode_body(B)
+            torch.cuda.synchronize()
+    rows = [{"kernel": ev.key[:90], "launches": ev.count / steps, "us": ev.self_device_time_total / steps}
+            for ev in prof.key_averages() if ev.device_type.name == "CUDA" and ev.self_device_time_total > 0]
+    rows.sort(key=lambda r: -r["us"])
+    return rows[:top]
+
+
 def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: int, k_max: int,
                 sweep: bool = False) -> dict:
     import specserve.engine.runner as R
@@ -247,6 +266,7 @@ def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: i
             res["experts_verify"][K] = distinct_experts(runner, 1, K + 1)
     moe_layers = [layer for layer in runner.target.layers if hasattr(layer.mlp, "w13")]
     res["layer_bytes"] = layer_bytes(moe_layers[0], 0)
+    res["kernels_b1"] = kernel_table(runner)
     if sweep:
         res["tiles"] = sweep_tiles(moe_layers[0].mlp, batches)
     k = runner.kv.k_all  # [layer, block, kv_head, offset, dim]
@@ -404,6 +424,10 @@ def main() -> None:
     print("| K | verify/decode (model) | (layer) | experts | bytes limit |")
     for K, v in res["verify"].items():
         print(f"| {K} | {v['model_ratio']:.3f} | {v['layer_ratio']:.3f} | {v['experts']:.1f} | {v['bytes_limit']:.3f} |")
+    layers = 1 + args.moe_layers
+    print(f"kernels of one eager decode step at batch 1 ({layers} layers; launches and us per step):")
+    for r in full["kernels_b1"][:20]:
+        print(f"  {r['us']:9.1f} us {r['launches']:6.1f}x  {r['kernel']}")
     print("wrote", name)
 
 
