@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -35,6 +34,7 @@ def main() -> None:
     import torch
 
     import specserve
+    from benchmarks.gpu_engine import gpu_ms  # (imports the tree's specserve, already on the path)
     from benchmarks.random_models import write_eagle3_drafter, write_llama
     from specserve.config import EngineConfig
     from specserve.engine.runner import ModelRunner
@@ -55,32 +55,19 @@ def main() -> None:
     res = {"tree": specserve.__file__, "load_s": time.perf_counter() - t0, "gpu": torch.cuda.get_device_name(),
            "context": args.context, "K": args.k, "decode_ms": {}, "verify_ms": {}, "draft_ms": {}}
 
-    def gpu_ms(fn) -> float:
-        for _ in range(5):
-            fn()
-        times = []
-        for _ in range(args.reps):
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            e.synchronize()
-            times.append(s.elapsed_time(e))
-        return statistics.median(times)
-
     K = args.k
     with torch.inference_mode():
         for B in args.batches:
             ids = torch.randint(0, 128000, (B,), device="cuda")
             pos = torch.full((B,), args.context, device="cuda")
-            res["decode_ms"][B] = gpu_ms(lambda: runner.decode(ids, pos))
+            res["decode_ms"][B] = gpu_ms(lambda: runner.decode(ids, pos), args.reps)
             vids = torch.randint(0, 128000, (B, K + 1), device="cuda")
-            res["verify_ms"][B] = gpu_ms(lambda: runner.verify(vids, pos))
+            res["verify_ms"][B] = gpu_ms(lambda: runner.verify(vids, pos), args.reps)
             s = BatchSampling.build([SamplingParams(temperature=0)] * B, [0] * B, torch.device("cuda"))
             entry = torch.full((B, K + 1), runner.scratch, device="cuda")
             entry[:, 0] = args.context - 1
             last = torch.zeros(B, dtype=torch.long, device="cuda")
-            res["draft_ms"][B] = gpu_ms(lambda: runner.draft(K, entry, last, s))
+            res["draft_ms"][B] = gpu_ms(lambda: runner.draft(K, entry, last, s), args.reps)
             print(f"batch {B}: decode {res['decode_ms'][B]:.4f} ms, verify {res['verify_ms'][B]:.4f} ms, "
                   f"draft {res['draft_ms'][B]:.4f} ms", flush=True)
     if args.out:

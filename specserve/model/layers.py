@@ -289,7 +289,7 @@ class ForwardContext:
         block, offset = self.write_at()
         cache[block, :, offset] = values.to(cache.dtype)
 
-    def row_blocks(self) -> torch.Tensor:
+    def read_blocks(self) -> torch.Tensor:
         """[B, n] the blocks holding keys [0, kv_len) of this forward's rows (once per forward)."""
         if self._blocks is None:
             n = -(-self.kv_len // self.block_size)
@@ -303,7 +303,7 @@ class ForwardContext:
         B = self.write_idx.shape[0]
         if self.block_table is None:
             return cache[self.row_start: self.row_start + B, :, : self.kv_len]
-        blocks = self.row_blocks()
+        blocks = self.read_blocks()
         H, D = cache.shape[1], cache.shape[3]
         if B == 1:  # gathered head-major ([heads, n, bs, dim]), the result needs no second copy
             return cache.transpose(0, 1)[:, blocks[0]].reshape(1, H, -1, D)[:, :, : self.kv_len]
