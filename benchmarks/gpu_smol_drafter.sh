@@ -4,7 +4,7 @@
 # The GGUF (98 MB) and the prompts (~11 MB) are more than one call carries (64 MiB with the tree), so they
 # travel in pieces on consecutive calls while the machine stays warm (each earlier call only copies its piece
 # to /tmp), and are put together here (GGUF=a whole file already there; PARTS=the pieces in order; SHA=its
-# sha256). The call sends the session's own checkout.
+# sha256); FROM=an earlier drafter to fine-tune. The call sends the session's own checkout.
 # Prompts: DATA, chat "messages" records (`python benchmarks/sharegpt_prompts.py OUT.jsonl.gz`: every ShareGPT
 # human turn with its history, the bench's first conversations held out), answered by the target itself through
 # its chat template (--regenerate); the loss scores the responses only. Regeneration gets half the budget; a run
@@ -27,7 +27,7 @@ timeout $(( ${MINUTES%.*} * 60 + 150 )) python3 -m specserve train-draft --model
   --regen-batch 1024 --regen-max-tokens "${REGEN_TOKENS:-256}" --regen-share "${REGEN_SHARE:-0.5}" \
   --draft-vocab "${VOCAB:-6144}" --draft-intermediate "${INTER:-768}" --ttt-steps "${TTT:-5}" \
   --batch-tokens "${BATCH_TOKENS:-16384}" --max-len "${MAX_LEN:-1024}" --epochs 1000 --lr "${LR:-2e-3}" \
-  --max-minutes "$MINUTES" --device cuda --seed "${SEED:-0}" --out "$OUT/draft" > "$OUT/train.log" 2>&1
+  ${FROM:+--from "$FROM"} --max-minutes "$MINUTES" --device cuda --seed "${SEED:-0}" --out "$OUT/draft" > "$OUT/train.log" 2>&1
 sed 's/\r/\n/g' "$OUT/train.log" | grep -v "step/s\]\|prompt/s\]" | grep -i "samples\|vocabulary\|training:\|budget\|wrote\|error" | cut -c1-220
 sed 's/\r/\n/g' "$OUT/train.log" | grep "step/s\]" | tail -1 | cut -c1-220
 rm -rf "$OUT/draft/checkpoint"
