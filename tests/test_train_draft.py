@@ -446,10 +446,11 @@ def test_a_parameter_without_gradient_stops_training(tiny_pair, tmp_path, monkey
                        batch_tokens=512, max_len=64, device="cpu", progress=False))
 
 
-def test_regenerate_equals_engine_greedy(tiny_pair, texts, tmp_path):
+def test_regenerate_equals_engine_greedy(tiny_pair, texts, tmp_path, monkeypatch):
     """The lockstep regenerator (prompts of different lengths in one batch, a last batch that is
-    not full, EOS ends a row) writes exactly what the engine's greedy decoding writes; an
-    interrupted run resumes from its file without redoing finished prompts."""
+    not full, EOS ends a row, a batch's prefill split into row groups) writes exactly what the
+    engine's greedy decoding writes; an interrupted run resumes from its file without redoing
+    finished prompts."""
     from specserve.engine.llm import LLM, SamplingParams
     from specserve.engine.tokenizer import Tokenizer
 
@@ -464,6 +465,9 @@ def test_regenerate_equals_engine_greedy(tiny_pair, texts, tmp_path):
     got, starts = td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, eos, save)
     assert got == [p + r for p, r in zip(prompts, ref)]
     assert starts == [len(p) for p in prompts]
+    with monkeypatch.context() as m:  # about two rows per prefill call
+        m.setattr(td, "REGEN_PREFILL_TOKENS", 2 * max(len(p) for p in prompts))
+        assert td.regenerate_samples(str(target), prompts, 40, 0.0, 0, "cpu", 4, None, eos)[0] == got
     # resume: drop two finished records; only those two are generated again
     lines = save.read_text().splitlines()
     save.write_text("\n".join(lines[:-2]) + "\n")

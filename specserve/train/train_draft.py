@@ -401,6 +401,9 @@ def cut_prompts(docs: list[list[int]], n: int, lo: int, hi: int, nl: torch.Tenso
     return out
 
 
+REGEN_PREFILL_TOKENS = 1 << 17  # padded prompt tokens per regeneration prefill call
+
+
 def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, temperature: float, seed: int,
                        device: str, batch: int, deadline: float | None, eos: set[int], save_to: Path | None = None,
                        threads: int | None = None) -> tuple[list[list[int]], list[int]]:
@@ -461,7 +464,11 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
         for rows in batches:
             chunk = [prompts[i] for i in rows]
             n = len(rows)
-            logits, _ = runner.prefill(0, chunk, [0] * n)
+            # Prefill pads every row to the batch's longest prompt; a group of rows per call keeps
+            # the activations (tokens x MLP width) within the kernels' int32 indexing.
+            group = max(1, REGEN_PREFILL_TOKENS // max(len(c) for c in chunk))
+            logits = torch.cat([runner.prefill(r, chunk[r:r + group], [0] * len(chunk[r:r + group]))[0]
+                                for r in range(0, n, group)])
             pos = torch.tensor([len(c) for c in chunk], device=dev)
             out = torch.empty(n, max_new, dtype=torch.long, device=dev)
             ended = torch.zeros(n, dtype=torch.bool, device=dev)
