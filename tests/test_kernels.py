@@ -233,6 +233,38 @@ def test_gemv(rows, dtype):
         torch.testing.assert_close(gemv.gemv_triton(x, w, cfg).float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gemv_fixed_row_tile_gives_each_row_the_same_result_at_any_row_count(dtype):
+    """With BLOCK_M fixed (--batch-invariant) one row and a verify's rows run the same tile, so
+    row i's output is bit-identical whether 1, 5, 8 or 40 rows (three tiles) are multiplied."""
+    if DEV == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter returns garbage for bf16 tl.dot (numpy has no bf16); GPU runs it")
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(200, 576, generator=g) * 0.05).to(DEV, dtype)
+    x = torch.randn(40, 576, generator=g).to(DEV, dtype)
+    want = torch.nn.functional.linear(x.float(), w.float())
+    for cfg in {gemv.ROW_INVARIANT_GEMV, gemv.GEMV_CONFIGS[2][-1] + (16,)}:
+        full = gemv.gemv_triton(x, w, cfg)  # three 16-row tiles
+        torch.testing.assert_close(full.float(), want, rtol=2e-2, atol=2e-2)
+        for m in (1, 5, 8):
+            assert torch.equal(gemv.gemv_triton(x[:m].contiguous(), w, cfg), full[:m]), (cfg, m)
+
+
+@pytest.mark.gpu
+def test_batch_invariant_tuning_gives_every_row_count_the_fixed_config():
+    """tune_linear(invariant=True): every row bucket up to 64 holds ROW_INVARIANT_GEMV, chosen by
+    no timing, and a 40-row product (three row tiles) gives rows 0..4 the bits of a 5-row one."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ws = [torch.randn(1024, 576, device="cuda", dtype=torch.bfloat16) * 0.05 for _ in range(2)]
+    gemv.tune_linear(ws, max_rows=8, invariant=True)
+    cfgs = {r: ws[0].linear_tuning.gemv_config(ws[0], torch.bfloat16, r) for r in (1, 2, 5, 8, 16, 40, 64)}
+    assert set(cfgs.values()) == {gemv.ROW_INVARIANT_GEMV}, cfgs
+    x = torch.randn(40, 576, device="cuda", dtype=torch.bfloat16)
+    assert torch.equal(linear_k.linear(x, ws[0])[:5], linear_k.linear(x[:5], ws[0]))
+    assert torch.equal(linear_k.linear(x, ws[0])[:1], linear_k.linear(x[:1], ws[0]))
+
+
 def test_cpu_linear_tuning(monkeypatch):
     """oneDNN with a packed weight (CPU): `linear` equals F.linear at every row count, on both
     sides of each weight's switch-over, with and without bias; the switch-over follows the timings."""

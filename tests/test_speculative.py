@@ -375,6 +375,23 @@ def test_seeded_sampling_equals_plain_decoding(pair, mode, batch):
 
 
 @pytest.mark.gpu
+def test_batch_invariant_bf16_speculation_equals_plain_on_gpu(pair):
+    """On CUDA in bf16 with --batch-invariant: one sequence at a time, chains, trees and the
+    adaptive policy emit plain decoding's greedy tokens exactly (a decode step's one row and a
+    verify's rows run the same product tiles, so no near-tie flips between them)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    target, draft = pair
+    prompts = _prompts(6, seed=47)
+    gpu = dict(max_num_seqs=1, device="cuda", dtype="bfloat16", batch_invariant=True)
+    base, _ = _run(target, prompts=prompts, params=GREEDY, **gpu)
+    for kw in (dict(spec_steps=4), dict(spec_steps=4, spec_topk=3), dict(spec_steps=0, max_spec_steps=5, adaptive=True)):
+        out, engine = _run(target, draft, prompts, GREEDY, **kw, **gpu)
+        assert out == base, kw
+        assert engine.runner.graphs
+
+
+@pytest.mark.gpu
 def test_seeded_sampling_equals_plain_decoding_on_gpu(pair):
     """On CUDA with graphs (float32): the sampled draft graphs (drafts over the target's noise) and
     chain verification emit plain seeded decoding's tokens, at fixed K and under the adaptive policy."""

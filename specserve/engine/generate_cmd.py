@@ -54,6 +54,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True)
                    help="compute every prompt in full (default: serve shares full prompt blocks across requests; "
                         "generate and bench do not)")
     p.add_argument("--disable-cuda-graph", action="store_true", help="run every forward eagerly")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="GPU, float16/bfloat16: products of 1-64 rows run one fixed kernel shape in 16-row tiles, so "
+                        "a token's logits do not depend on the rows beside it and speculative greedy output equals "
+                        "plain output token for token (else a decode step and a verify round differently and "
+                        "near-ties can flip); can cost plain decode speed")
     p.add_argument("--aux-layer-convention", default="sglang", choices=["sglang", "vllm"],
                    help="how the drafter's eagle_aux_hidden_state_layer_ids are read: 'sglang' = layer outputs "
                         "(capture entering id+1, as SpecForge/SGLang write them), 'vllm' = captured as listed")
@@ -101,7 +106,8 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
               spec_topk=args.spec_topk if draft else 1, spec_tokens=args.spec_tokens if draft else None,
               spec_tree_max_batch=args.spec_tree_max_batch,
               max_model_len=args.max_model_len, max_num_seqs=default_max_num_seqs if args.max_num_seqs is None else args.max_num_seqs,
-              cuda_graphs=not args.disable_cuda_graph, aux_layer_convention=args.aux_layer_convention,
+              cuda_graphs=not args.disable_cuda_graph, batch_invariant=args.batch_invariant,
+              aux_layer_convention=args.aux_layer_convention,
               allow_draft_position_extension=args.allow_draft_position_extension,
               allow_pickle=args.allow_pickle, tp=args.tp, nnodes=args.nnodes, node_rank=args.node_rank,
               dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout, kv_block_size=args.kv_block_size,

@@ -131,7 +131,8 @@ class ModelRunner:
                 seen.add(p.data_ptr())
                 weights.append(p)
         if self.device.type == "cuda":  # up to the widest product a step runs: all rows, each verifying room + 1
-            report = tune_linear(weights, max_rows=min(GEMV_ROWS[-1], self.rows * (self.room + 1)))
+            report = tune_linear(weights, max_rows=min(GEMV_ROWS[-1], self.rows * (self.room + 1)),
+                                 invariant=self.cfg.batch_invariant)
         else:
             for w in weights:  # (the drafter's stacked weights already are)
                 if w.is_contiguous():

@@ -31,6 +31,9 @@ GEMV_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts tuned (r rows use the tuning 
 # shape, plus wider K blocks for long rows (down_proj).
 # (A vector-FMA variant for 2-8 rows, each weight tile times every row, does not beat cuBLAS there
 # by the 3% the tuner asks for on the H200, so it is not a candidate.)
+# --batch-invariant: one fixed launch shape (16-row tiles) for every row count, chosen by no
+# timing, so two engines (plain and speculative) round every row alike.
+ROW_INVARIANT_GEMV = (32, 256, 4, 4, 16)
 GEMV_CONFIGS = {1: ((8, 512, 4, 4), (8, 512, 8, 4), (8, 256, 4, 4), (8, 1024, 8, 4)),
                 2: ((32, 256, 4, 4), (64, 256, 4, 4), (32, 128, 4, 3)),
                 16: ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))}
@@ -66,7 +69,7 @@ if triton is not None:
                      BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_m = tl.arange(0, BLOCK_M)
+        offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         nmask = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
         kmask = offs_k < K
@@ -91,13 +94,16 @@ if triton is not None:
 
 
 def gemv_triton(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
-    """x2 [M <= 64, K] (contiguous) @ w [N, K]^T with float32 accumulation."""
+    """x2 [M <= 64, K] (contiguous) @ w [N, K]^T with float32 accumulation. `cfg`: (BLOCK_N,
+    BLOCK_K, warps, stages[, BLOCK_M]); with BLOCK_M the rows run in tiles of that many on the
+    tensor cores (one row included), so a row's result does not depend on the rows beside it."""
     M, K = x2.shape
     N = w.shape[0]
-    block_n, block_k, warps, stages = cfg
+    block_n, block_k, warps, stages, *fixed_m = cfg
+    block_m = fixed_m[0] if fixed_m else max(16, triton.next_power_of_2(M))
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](x2, w, y, M, N, K, BLOCK_M=max(16, triton.next_power_of_2(M)),
-                                             BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1,
+    _gemv_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](x2, w, y, M, N, K, BLOCK_M=block_m,
+                                             BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1 and not fixed_m,
                                              num_warps=warps, num_stages=stages, **pdl_args(x2))
     return y
 
@@ -134,12 +140,14 @@ def graph_us(fns, reps: int = 10) -> float:
 
 
 @torch.inference_mode()
-def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
+def tune_linear(weights: list[torch.Tensor], max_rows: int = 8, invariant: bool = False) -> dict:
     """Choose cuBLAS or a GEMV config for each weight shape and row bucket up to `max_rows`.
     `weights`: every weight the model multiplies by (grouped by shape here; up to 8 of a shape
     are timed in turn so the measurement streams from HBM as a real step does). Each of them
-    gets the resulting `LinearTuning` as ``w.linear_tuning``. Returns
-    {"NxK": {rows: (cuBLAS us, best Triton us, chosen)}} for logging."""
+    gets the resulting `LinearTuning` as ``w.linear_tuning``. With `invariant`, every row count
+    takes ROW_INVARIANT_GEMV instead, so a token's logits round the same whether a decode step
+    (one row) or a verify computes them: speculative greedy output then equals plain output in
+    half precision too. Returns {"NxK": {rows: (cuBLAS us, best Triton us, chosen)}} for logging."""
     if not common.FUSED or triton is None or not weights or not weights[0].is_cuda:
         return {}
     tuning = LinearTuning()
@@ -153,6 +161,16 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8) -> dict:
         # (one line per shape: on a cold Triton cache this phase compiles for a minute or so)
         log.info("tuning linear kernels: shape %d of %d (%dx%d)", i + 1, len(by_shape), N, K)
         ws = ws[:8]
+        if invariant:
+            x = torch.randn(GEMV_ROWS[-1], K, device=ws[0].device, dtype=dtype)
+            ref = F.linear(x, ws[0]).float()
+            err = ((gemv_triton(x, ws[0], ROW_INVARIANT_GEMV).float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            if err > 1e-2:  # (no GEMV: cuBLAS, whose kernels differ by row count)
+                raise RuntimeError(f"--batch-invariant: the row-invariant GEMV is off by {err:.2g} for a "
+                                   f"{N}x{K} weight; run without --batch-invariant")
+            tuning.gemv.update({(N, K, dtype, rows): ROW_INVARIANT_GEMV for rows in GEMV_ROWS})
+            report[f"{N}x{K}"] = {"any": (None, None, ROW_INVARIANT_GEMV)}
+            continue
         for rows in (r for r in GEMV_ROWS if r <= max_rows):
             x = torch.randn(rows, K, device=ws[0].device, dtype=dtype)
             ref = F.linear(x, ws[0]).float()
