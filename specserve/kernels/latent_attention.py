@@ -7,11 +7,12 @@ for all of them, and that one tile serves as key (L + R dims) and value (its fir
 Flash-decoding as in kernels/attention.py: the keys are split into chunks that run in parallel
 and a second kernel merges them; the same write-index, scratch-slot, tree and paging rules.
 
-Rows per program: at most LATENT_MAX_ROWS (heads x tokens). The float32 value accumulator is
-rows x L, and at L = 512 with 32 rows over 8 warps that is 64 registers a thread (16 rows over 4
-warps likewise), leaving room for the query rows (L + R bf16 values each) and the scores without
-spilling; more rows would double it. L and R must be powers of two (tl.arange) and are loaded as
-two tiles, since L + R (576) is not.
+Rows per program: at most LATENT_MAX_ROWS (heads x tokens), over 8 warps. The float32 value
+accumulator is rows x L: at L = 512 and 32 rows that is 64 registers a thread, and with the query
+rows (L + R half-precision values each) held as MMA operands and a 32-key tile the program fits
+the 255-register limit without spilling on sm_90 (ptxas); 64 rows would spill, and 16 rows over
+4 warps already does. The 16-row blocks (few heads or tokens) therefore run on 8 warps too. L and
+R must be powers of two (tl.arange) and are loaded as two tiles, since L + R (576) is not.
 """
 
 from __future__ import annotations
@@ -113,7 +114,9 @@ if triton is not None:
 
 LATENT_BLOCK_N = 32  # keys per tile: 32 x (512 + 64) bf16 is 36 KB of shared memory a stage
 LATENT_MAX_ROWS = 32  # heads x tokens per program (see the module docstring)
-LATENT_COMBINE_DC = 128  # output dims per combine program: its [splits, DC] float32 tile stays small
+# partial results a combine program holds, [splits, output dims] (32 float32 registers a thread
+# on 4 warps): more splits, fewer dims per program
+LATENT_COMBINE_TILE = 4096
 
 
 def _interpreted_bf16(q: torch.Tensor) -> bool:
@@ -172,12 +175,13 @@ def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx
         T, H, n_split, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start, scratch, scale,
         block_table.stride(0) if paged else 0, cache.stride(0), cache.stride(2),
         L=L, R=R, BH=bh, BLOCK_Q=block_q, BLOCK_N=LATENT_BLOCK_N, CHUNK=chunk, TREE=tree,
-        BS=block_size if paged else 1, PAGED=paged, ONE_SPLIT=one, F32_DOT=_interpreted_bf16(q), num_warps=4 if block_q <= 16 else 8,
+        BS=block_size if paged else 1, PAGED=paged, ONE_SPLIT=one, F32_DOT=_interpreted_bf16(q), num_warps=8,
         num_stages=2, **pdl_args(q))
     if not one:
-        dc = min(L, LATENT_COMBINE_DC)
+        splits = triton.next_power_of_2(n_split)
+        dc = min(L, max(16, LATENT_COMBINE_TILE // splits))
         _latent_combine_kernel[(B, n_hb * block_q, L // dc)](
             part, ml, out, write_idx, T, H, n_split, write_idx.stride(0), scratch,
-            L=L, BH=bh, BLOCK_Q=block_q, SPLITS=triton.next_power_of_2(n_split), CHUNK=chunk, DC=dc,
+            L=L, BH=bh, BLOCK_Q=block_q, SPLITS=splits, CHUNK=chunk, DC=dc,
             num_warps=4, **pdl_args(q))
     return out
