@@ -95,6 +95,16 @@ def test_latent_kernel_equals_sdpa(dtype, B, T, H, block_size, sm_count, monkeyp
     _close(got, want, real, dtype)
 
 
+@pytest.mark.parametrize("block_size", [0, 16])
+def test_latent_kernel_at_deepseek_widths(block_size, monkeypatch):
+    """Latent 512 and rope 64 (the two tiles of a 576-dim key), 16 heads (128 over TP 8), a
+    verify block of 2 over two key splits."""
+    g = torch.Generator().manual_seed(13)
+    attn, q, latent, ctx, real = _case(2, 2, 16, 512, 64, 96, EXACT, g, block_size=block_size)
+    got, want = _both(attn, q, latent, ctx, monkeypatch)
+    _close(got, want, real, EXACT)
+
+
 def test_latent_kernel_padding_query_sees_nothing(monkeypatch):
     """A padding token (written to the scratch slot) gives zeros and leaves its row's other
     queries as they are."""
