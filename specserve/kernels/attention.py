@@ -12,6 +12,53 @@ if triton is not None:
 
     from specserve.kernels.common import wait_for_previous
 
+    @triton.jit
+    def tree_bits(anc_ptr, tbase_ptr, b, anc_stride, t, rmask, TREE: tl.constexpr):
+        """(ancestor bits of each query row, the row's tree base) with a tree, else zeros."""
+        if TREE:
+            anc = tl.load(anc_ptr + b * anc_stride + t, mask=rmask, other=0)
+            tbase = tl.load(tbase_ptr + b)
+        else:
+            anc = tl.zeros_like(t).to(tl.int64)
+            tbase = 0
+        return anc, tbase
+
+    @triton.jit
+    def key_offsets(bt_ptr, row, bt_stride, offs_n, kmask, c_row, c_pos, BS: tl.constexpr, PAGED: tl.constexpr):
+        """Where keys offs_n of cache row `row` start (head 0): paged, in the blocks the row's block
+        table names; else in the row itself."""
+        if PAGED:
+            block = tl.load(bt_ptr + row * bt_stride + offs_n // BS, mask=kmask, other=0).to(tl.int64)
+            return block * c_row + (offs_n % BS) * c_pos
+        return row * c_row + offs_n * c_pos
+
+    @triton.jit
+    def softmax_tile(s, offs_n, kmask, limit, anc, tbase, m_i, l_i, TREE: tl.constexpr):
+        """One key tile of the online softmax: scores s [rows, keys] of the keys offs_n, each row
+        seeing keys up to its limit and, with a tree, those at or past tbase only where its
+        ancestor bit is set -> (probabilities, rescale of the running sums, new max, new sum)."""
+        seen = (offs_n[None, :] <= limit[:, None]) & kmask[None, :]
+        if TREE:
+            rel = offs_n[None, :] - tbase
+            bit = (anc[:, None] >> tl.minimum(tl.maximum(rel, 0), 62)) & 1
+            seen = seen & ((rel < 0) | ((rel < 63) & (bit == 1)))
+        s = tl.where(seen, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        return p, alpha, m_new, l_i * alpha + tl.sum(p, axis=1)
+
+    @triton.jit
+    def split_weights(ml_ptr, part, smask):
+        """Weights of one row's key splits `part` (those in smask) and their total, from the
+        splits' (max, sum) pairs."""
+        m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
+        l = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
+        m_max = tl.max(m, axis=0)
+        w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
+        return w, tl.sum(w * l, axis=0)
+
     @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch",
                                    "bt_stride"])
     def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, tbase_ptr, anc_ptr, bt_ptr, o_ptr, ml_ptr,
@@ -31,9 +78,7 @@ if triton is not None:
         rmask = r < G * T
         widx = tl.load(widx_ptr + b * widx_stride + t, mask=rmask, other=-1)
         limit = tl.where(widx == scratch, -1, widx)  # padding queries (scratch slot) see nothing
-        if TREE:
-            anc = tl.load(anc_ptr + b * anc_stride + t, mask=rmask, other=0)
-            tbase = tl.load(tbase_ptr + b)
+        anc, tbase = tree_bits(anc_ptr, tbase_ptr, b, anc_stride, t, rmask, TREE)
         offs_d = tl.arange(0, D)
         head = (b * T + t) * H + kvh * G + r % G
         q = tl.load(q_ptr + head[:, None] * D + offs_d[None, :], mask=rmask[:, None], other=0.0)
@@ -41,7 +86,6 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
         row = (row_start + b).to(tl.int64)
-        base = row * c_row + kvh * c_head
         lo = sp * CHUNK
         hi = tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
         # A loop bound known only at run time: tiles past `hi` are never visited, and the loads of
@@ -49,24 +93,11 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             kmask = offs_n < hi
-            if PAGED:  # each key's block from the row's block table
-                block = tl.load(bt_ptr + row * bt_stride + offs_n // BS, mask=kmask, other=0).to(tl.int64)
-                kv_off = (block * c_row + kvh * c_head + (offs_n % BS) * c_pos)[:, None] + offs_d[None, :]
-            else:
-                kv_off = base + offs_n[:, None] * c_pos + offs_d[None, :]
+            kv_off = (key_offsets(bt_ptr, row, bt_stride, offs_n, kmask, c_row, c_pos, BS, PAGED)
+                      + kvh * c_head)[:, None] + offs_d[None, :]
             k = tl.load(kc_ptr + kv_off, mask=kmask[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * scale
-            seen = (offs_n[None, :] <= limit[:, None]) & kmask[None, :]
-            if TREE:
-                rel = offs_n[None, :] - tbase
-                bit = (anc[:, None] >> tl.minimum(tl.maximum(rel, 0), 62)) & 1
-                seen = seen & ((rel < 0) | ((rel < 63) & (bit == 1)))
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that see nothing yet
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
+            p, alpha, m_new, l_i = softmax_tile(tl.dot(q, tl.trans(k)) * scale, offs_n, kmask, limit, anc, tbase,
+                                                m_i, l_i, TREE)
             v = tl.load(vc_ptr + kv_off, mask=kmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -93,11 +124,7 @@ if triton is not None:
             sp = tl.arange(0, SPLITS)
             smask = sp < used
             part = ((b * n_kv + kvh) * n_split + sp) * BLOCK_Q + r
-            m = tl.load(ml_ptr + part * 2, mask=smask, other=float("-inf"))
-            l = tl.load(ml_ptr + part * 2 + 1, mask=smask, other=0.0)
-            m_max = tl.max(m, axis=0)
-            w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
-            total = tl.sum(w * l, axis=0)
+            w, total = split_weights(ml_ptr, part, smask)
             offs_d = tl.arange(0, D)
             acc = tl.load(o_ptr + part[:, None] * D + offs_d[None, :], mask=smask[:, None], other=0.0)
             o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)

@@ -18,6 +18,7 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import tp_rank, tp_size
+from specserve.kernels.latent_attention import latent_attention_ok, latent_attention_triton
 from specserve.model.layers import (
     ColumnParallelLinear,
     ForwardContext,
@@ -47,6 +48,13 @@ class LatentAttention(KVCacheAttention):
     def forward(self, q: torch.Tensor, latent: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q [B, T, H, latent + rope] (absorbed, rotated), latent [B, T, 1, latent + rope] -> [B, T, H * latent]."""
         ctx.store(self.k_cache, latent)
+        if latent_attention_ok(q, self.k_cache, ctx.write_idx, self.latent_dim):  # decode/verify/draft
+            B, T = q.shape[:2]
+            out = latent_attention_triton(q, self.k_cache, self.latent_dim, ctx.row_start, ctx.write_idx,
+                                          ctx.cache_length(self.k_cache) - 1, self.scale, tree_base=ctx.tree_base,
+                                          tree_anc=ctx.tree_anc, block_table=ctx.block_table,
+                                          block_size=ctx.block_size)
+            return out.view(B, T, -1)
         keys = ctx.cached(self.k_cache)
         return self._sdpa(q, keys, keys[..., : self.latent_dim], ctx)
 

@@ -1,0 +1,187 @@
+"""Absorbed multi-head latent attention (MLA) over the latent cache, for decode and verify.
+
+The cache holds one head per token, [latent L | k_rot R]; the H absorbed query heads all attend
+over it and the values are its first L dims (see model/mla.py). A program takes a block of heads
+(times the T query tokens) as the rows of its matrix products, so each key tile is read once
+for all of them, and that one tile serves as key (L + R dims) and value (its first L dims).
+Flash-decoding as in kernels/attention.py: the keys are split into chunks that run in parallel
+and a second kernel merges them; the same write-index, scratch-slot, tree and paging rules.
+
+Rows per program: at most LATENT_MAX_ROWS (heads x tokens), over 8 warps. The float32 value
+accumulator is rows x L: at L = 512 and 32 rows that is 64 registers a thread, and with the query
+rows (L + R half-precision values each) held as MMA operands and a 32-key tile the program fits
+the 255-register limit without spilling on sm_90 (ptxas); 64 rows would spill, and 16 rows over
+4 warps already does. The 16-row blocks (few heads or tokens) therefore run on 8 warps too. L and
+R must be powers of two (tl.arange) and are loaded as two tiles, since L + R (576) is not.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from specserve.kernels.attention import _sm_count
+from specserve.kernels.common import pdl_args, triton, use_triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from specserve.kernels.attention import key_offsets, softmax_tile, split_weights, tree_bits
+    from specserve.kernels.common import wait_for_previous
+
+    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch",
+                                   "bt_stride"])
+    def _latent_partial_kernel(q_ptr, c_ptr, widx_ptr, tbase_ptr, anc_ptr, bt_ptr, o_ptr, ml_ptr, out_ptr,
+                               T, H, n_split, widx_stride, anc_stride, length, row_start, scratch, scale,
+                               bt_stride, c_row, c_pos,
+                               L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BLOCK_Q: tl.constexpr,
+                               BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, TREE: tl.constexpr, BS: tl.constexpr,
+                               PAGED: tl.constexpr, ONE_SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
+                               PDL: tl.constexpr):
+        # Program (b, head block, split): rows r = token * BH + head-in-block against keys
+        # [split * CHUNK, (split + 1) * CHUNK), cut at the last key any row may see.
+        b = tl.program_id(0)
+        hb = tl.program_id(1)
+        sp = tl.program_id(2)
+        wait_for_previous(PDL)
+        r = tl.arange(0, BLOCK_Q)
+        t = r // BH
+        h = hb * BH + r % BH
+        rmask = (t < T) & (h < H)
+        widx = tl.load(widx_ptr + b * widx_stride + t, mask=rmask, other=-1)
+        limit = tl.where(widx == scratch, -1, widx)  # padding queries (scratch slot) see nothing
+        anc, tbase = tree_bits(anc_ptr, tbase_ptr, b, anc_stride, t, rmask, TREE)
+        offs_l = tl.arange(0, L)
+        offs_r = tl.arange(0, R)
+        head = (b * T + t) * H + h
+        q_lat = tl.load(q_ptr + head[:, None] * (L + R) + offs_l[None, :], mask=rmask[:, None], other=0.0)
+        q_rot = tl.load(q_ptr + head[:, None] * (L + R) + L + offs_r[None, :], mask=rmask[:, None], other=0.0)
+        if F32_DOT:
+            q_lat, q_rot = q_lat.to(tl.float32), q_rot.to(tl.float32)
+        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, L], tl.float32)
+        row = (row_start + b).to(tl.int64)
+        lo = sp * CHUNK
+        hi = tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            kmask = offs_n < hi
+            pos = key_offsets(bt_ptr, row, bt_stride, offs_n, kmask, c_row, c_pos, BS, PAGED)
+            c = tl.load(c_ptr + pos[:, None] + offs_l[None, :], mask=kmask[:, None], other=0.0)
+            k_rot = tl.load(c_ptr + pos[:, None] + L + offs_r[None, :], mask=kmask[:, None], other=0.0)
+            if F32_DOT:
+                c, k_rot = c.to(tl.float32), k_rot.to(tl.float32)
+            s = (tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rot, tl.trans(k_rot))) * scale
+            p, alpha, m_new, l_i = softmax_tile(s, offs_n, kmask, limit, anc, tbase, m_i, l_i, TREE)
+            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            m_i = m_new
+        if ONE_SPLIT:  # the whole row in this program: normalise and write the output, no combine
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + head[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=rmask[:, None])
+        elif lo < hi:  # splits past every row's last key write nothing; the combine skips them
+            part = ((b * tl.num_programs(1) + hb) * n_split + sp) * BLOCK_Q + r
+            tl.store(o_ptr + part[:, None] * L + offs_l[None, :], acc)
+            tl.store(ml_ptr + part * 2, m_i)
+            tl.store(ml_ptr + part * 2 + 1, l_i)
+
+    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "scratch"])
+    def _latent_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, n_split, widx_stride, scratch,
+                               L: tl.constexpr, BH: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr,
+                               CHUNK: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr):
+        # Program (b, head block * BLOCK_Q + row, value chunk): DC of the row's L output dims.
+        wait_for_previous(PDL)
+        b = tl.program_id(0)
+        hb = tl.program_id(1) // BLOCK_Q
+        r = tl.program_id(1) % BLOCK_Q
+        t = r // BH
+        h = hb * BH + r % BH
+        if (t < T) & (h < H):
+            widx = tl.load(widx_ptr + b * widx_stride + t)
+            # splits up to the one holding this query's last key (none for a padding query)
+            used = tl.where(widx == scratch, 0, widx // CHUNK + 1)
+            sp = tl.arange(0, SPLITS)
+            smask = sp < used
+            part = ((b * (tl.num_programs(1) // BLOCK_Q) + hb) * n_split + sp) * BLOCK_Q + r
+            w, total = split_weights(ml_ptr, part, smask)
+            offs_d = tl.program_id(2) * DC + tl.arange(0, DC)
+            acc = tl.load(o_ptr + part[:, None] * L + offs_d[None, :], mask=smask[:, None], other=0.0)
+            o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+            tl.store(out_ptr + ((b * T + t) * H + h) * L + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+LATENT_BLOCK_N = 32  # keys per tile: 32 x (512 + 64) bf16 is 36 KB of shared memory a stage
+LATENT_MAX_ROWS = 32  # heads x tokens per program (see the module docstring)
+# partial results a combine program holds, [splits, output dims] (32 float32 registers a thread
+# on 4 warps): more splits, fewer dims per program
+LATENT_COMBINE_TILE = 4096
+
+
+def _interpreted_bf16(q: torch.Tensor) -> bool:
+    """Triton's interpreter multiplies bfloat16 tiles as their int16 bits in tl.dot, so there the
+    kernel multiplies in float32 (after loading, and before storing, in bfloat16 as on a GPU)."""
+    return q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def latent_attention_fits(q: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor, latent_dim: int) -> bool:
+    """Do queries [B, T, H, L + R] and a latent cache [.., 1, .., L + R] have shapes the kernel takes?
+    (Decode and verify blocks; prefill, whose T is longer, uses SDPA.)"""
+    T, D = q.shape[1], q.shape[3]
+    L, R = latent_dim, D - latent_dim
+    pow2 = triton is not None and triton.next_power_of_2(L) == L and triton.next_power_of_2(R) == R
+    return (pow2 and 16 <= R and 16 <= L <= 512 and cache.shape[1] == 1 and cache.shape[3] == D
+            and q.is_contiguous() and cache.stride(3) == 1 and write_idx.stride(1) == 1
+            and triton.next_power_of_2(T) <= LATENT_MAX_ROWS)
+
+
+def latent_attention_ok(q: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor, latent_dim: int) -> bool:
+    """Can `latent_attention_triton` serve these queries on this device? (Half precision only: a
+    float32 tl.dot on a GPU would round through TF32.)"""
+    return (use_triton(q) and q.dtype in (torch.bfloat16, torch.float16)
+            and latent_attention_fits(q, cache, write_idx, latent_dim))
+
+
+def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx, scratch: int, scale: float,
+                            sm_count: int | None = None, tree_base=None, tree_anc=None, block_table=None,
+                            block_size: int = 0) -> torch.Tensor:
+    """Absorbed attention of q [B, T, H, L + R] over rows row_start.. of the latent cache
+    ([rows, 1, length, L + R], or a block pool with `block_table`), values its first L dims ->
+    [B, T, H, L]. Query (b, t) sees keys 0..write_idx[b, t], a padding query (scratch index)
+    none, a tree query only its ancestors past tree_base[b] (the rules of ForwardContext)."""
+    B, T, H, D = q.shape
+    L, R = latent_dim, D - latent_dim
+    paged = block_table is not None
+    length = block_table.shape[1] * block_size if paged else cache.shape[2]
+    t_pow2 = triton.next_power_of_2(T)
+    bh = min(triton.next_power_of_2(H), LATENT_MAX_ROWS // t_pow2)  # heads per program
+    block_q = max(16, triton.next_power_of_2(bh * T))
+    n_hb = triton.cdiv(H, bh)
+    sm_count = sm_count or _sm_count(q.device)
+    # enough programs to cover the GPU at small batches; one chunk each at large ones
+    n_split = max(1, min(triton.cdiv(length, LATENT_BLOCK_N), triton.cdiv(2 * sm_count, B * n_hb)))
+    chunk = triton.cdiv(triton.cdiv(length, n_split), LATENT_BLOCK_N) * LATENT_BLOCK_N
+    n_split = triton.cdiv(length, chunk)
+    out = torch.empty(B, T, H, L, dtype=q.dtype, device=q.device)
+    one = n_split == 1
+    rows = 1 if one else B * n_hb * n_split * block_q  # no partials when one split holds every key
+    part = torch.empty(rows, L, dtype=torch.float32, device=q.device)
+    ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
+    tree = tree_anc is not None
+    _latent_partial_kernel[(B, n_hb, n_split)](
+        q, cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx,
+        block_table if paged else write_idx, part, ml, out,
+        T, H, n_split, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start, scratch, scale,
+        block_table.stride(0) if paged else 0, cache.stride(0), cache.stride(2),
+        L=L, R=R, BH=bh, BLOCK_Q=block_q, BLOCK_N=LATENT_BLOCK_N, CHUNK=chunk, TREE=tree,
+        BS=block_size if paged else 1, PAGED=paged, ONE_SPLIT=one, F32_DOT=_interpreted_bf16(q), num_warps=8,
+        num_stages=2, **pdl_args(q))
+    if not one:
+        splits = triton.next_power_of_2(n_split)
+        dc = min(L, max(16, LATENT_COMBINE_TILE // splits))
+        _latent_combine_kernel[(B, n_hb * block_q, L // dc)](
+            part, ml, out, write_idx, T, H, n_split, write_idx.stride(0), scratch,
+            L=L, BH=bh, BLOCK_Q=block_q, SPLITS=splits, CHUNK=chunk, DC=dc,
+            num_warps=4, **pdl_args(q))
+    return out
