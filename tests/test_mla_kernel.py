@@ -173,6 +173,7 @@ def moe_pair(tmp_path_factory):
     return target, make_drafter(root / "draft", target, layout="sglang", aux_ids=[1, 2, 3])
 
 
+@pytest.mark.slow  # (about 40 s a mode in the interpreter)
 @pytest.mark.skipif(DEV == "cuda", reason="CPU tensors through the kernel need the interpreter (no CUDA)")
 @pytest.mark.parametrize("spec", [{}, dict(spec_steps=3), dict(spec_steps=3, spec_topk=2)],
                          ids=["plain", "chain", "tree"])

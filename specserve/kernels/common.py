@@ -42,10 +42,14 @@ def use_triton(x: torch.Tensor, *others: torch.Tensor | None) -> bool:
     return not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *others)))
 
 
+def interpreted() -> bool:
+    """Do the Triton kernels run in Triton's CPU interpreter (its own TRITON_INTERPRET switch)?"""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
 def use_pdl(x: torch.Tensor) -> bool:
     """Launch with programmatic dependent launch? (Triton's interpreter has no griddepcontrol.)"""
-    return (PDL and gdc_wait is not None and x.is_cuda and _capability(x.device) >= 9
-            and os.environ.get("TRITON_INTERPRET", "0") != "1")
+    return PDL and gdc_wait is not None and x.is_cuda and _capability(x.device) >= 9 and not interpreted()
 
 
 @functools.cache

@@ -17,12 +17,10 @@ R must be powers of two (tl.arange) and are loaded as two tiles, since L + R (57
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from specserve.kernels.attention import _sm_count
-from specserve.kernels.common import pdl_args, triton, use_triton
+from specserve.kernels.common import interpreted, pdl_args, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
@@ -122,7 +120,7 @@ LATENT_COMBINE_TILE = 4096
 def _interpreted_bf16(q: torch.Tensor) -> bool:
     """Triton's interpreter multiplies bfloat16 tiles as their int16 bits in tl.dot, so there the
     kernel multiplies in float32 (after loading, and before storing, in bfloat16 as on a GPU)."""
-    return q.dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return q.dtype == torch.bfloat16 and interpreted()
 
 
 def latent_attention_fits(q: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor, latent_dim: int) -> bool:
