@@ -20,7 +20,8 @@ reference to the order of a float32 sum.
 int4 experts (W4A16) run the same kernels with their weight tiles read as packed words and
 dequantized in registers (`_weight_tile`): a quarter of a 16-bit weight's bytes cross memory,
 which is what a decode step's expert GEMMs wait on, and the tile the tensor cores multiply is
-the reference's dequantized weight exactly.
+the reference's dequantized weight exactly. Their launch shape follows the pair count
+(`default_tiles`); `Tiles` overrides it.
 """
 
 from __future__ import annotations
@@ -55,29 +56,32 @@ if triton is not None:
 
     @triton.jit
     def _group_tile(p_ptr, e_rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr, PLANAR: tl.constexpr,
-                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                    ADD: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Per-(row, group) values p [.., rows, GROUPS] (scales or zero points) of expert rows
-        `e_rows` for a weight tile whose rows hold columns `cols` (`_tile_columns` from k0), as
-        float32 broadcastable to the [BLOCK_K, BLOCK_N] tile. Each (row, group) loads once where
-        the groups tile the tile evenly: a tile inside one group takes a [1, BLOCK_N] row, one
-        spanning T whole groups a [T, BLOCK_N] tile repeated in the tile's row order; otherwise
-        every element loads its own."""
+        `e_rows` for a weight tile whose rows hold columns `cols` (`_tile_columns` from k0), plus
+        ADD, in DT, broadcastable to the [BLOCK_K, BLOCK_N] tile. Each (row, group) loads and
+        converts once where the groups tile the tile evenly (the broadcast comes after, so no
+        value of the tile pays a conversion): a tile inside one group takes a [1, BLOCK_N] row,
+        one spanning T whole groups a [T, BLOCK_N] tile repeated in the tile's row order;
+        otherwise every element loads its own."""
         GS: tl.constexpr = K // GROUPS  # columns per group
         if GS % BLOCK_K == 0:
             v = tl.load(p_ptr + e_rows * GROUPS + k0 // GS, mask=nmask, other=0)
-            return v[None, :].to(tl.float32)
+            return (v[None, :].to(tl.float32) + ADD).to(DT)
         elif BLOCK_K % GS == 0 and (not PLANAR or GS % 8 == 0):
             T: tl.constexpr = BLOCK_K // GS
             g = k0 // GS + tl.arange(0, T)
             v = tl.load(p_ptr + e_rows[None, :] * GROUPS + g[:, None], mask=(g < GROUPS)[:, None] & nmask[None, :],
-                        other=0).to(tl.float32)
+                        other=0)
+            v = (v.to(tl.float32) + ADD).to(DT)
             if PLANAR:  # row i*W + j is in group j // (GS / 8)
                 return tl.reshape(tl.broadcast_to(v[None, :, None, :], (8, T, GS // 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
             else:
                 return tl.reshape(tl.broadcast_to(v[:, None, :], (T, GS, BLOCK_N)), (BLOCK_K, BLOCK_N))
         else:
-            return tl.load(p_ptr + e_rows[None, :] * GROUPS + cols[:, None] // GS,
-                           mask=(cols < K)[:, None] & nmask[None, :], other=0).to(tl.float32)
+            v = tl.load(p_ptr + e_rows[None, :] * GROUPS + cols[:, None] // GS,
+                        mask=(cols < K)[:, None] & nmask[None, :], other=0)
+            return (v.to(tl.float32) + ADD).to(DT)
 
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, cols, ROWS: tl.constexpr, K: tl.constexpr,
@@ -85,15 +89,15 @@ if triton is not None:
                      BITS: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Expert e's weight [ROWS, K] at rows `rows` [BLOCK_N] and columns k0..k0+BLOCK_K, as a
         [BLOCK_K, BLOCK_N] tile in dt whose rows hold columns `cols` (`_tile_columns`; zero
-        outside the weight). Float weights load as they are. int4 ones load BLOCK_K/8 words a
+        outside the weight). Float weights load and convert. int4 ones load BLOCK_K/8 words a
         row and shift out their eight nibbles, interleaved into column order or, under PLANAR,
         stacked nibble-major (no interleaving: the activations take the permutation instead).
         Each value is (v - zero) * scale rounded once into dt, as the reference dequantizes:
-        through float32 (two conversions a value, int to float32 and float32 to dt), or under
-        BITS by no conversion at all: the nibble ORed into the low mantissa bits of a dt
-        constant 2^m (m = dt's mantissa width, so its last bit is 1) is 2^m + nibble exactly,
-        and subtracting 2^m + 8 + zero, then multiplying by the scale, both in dt, rounds as
-        the reference does."""
+        computed in float32 (two conversions a value: int to float32, float32 to dt), or under
+        BITS in dt with none: the nibble ORed into the low mantissa bits of the dt constant 2^m
+        (m: dt's mantissa width, so its last bit weighs 1) is 2^m + nibble exactly, and
+        subtracting 2^m + 8 + zero (exact) then multiplying by the scale rounds once, as the
+        reference does."""
         if INT4:
             WORDS: tl.constexpr = K // 8
             e_rows = e * ROWS + rows  # (int64: the expert's offset)
@@ -107,27 +111,30 @@ if triton is not None:
             else:
                 nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
             nibbles = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
-            offset = tl.full([1, BLOCK_N], 8.0, tl.float32)
-            if HAS_ZERO:
-                offset = offset + _group_tile(z_ptr, e_rows, nmask, k0, cols, K, GROUPS, PLANAR, BLOCK_N, BLOCK_K)
-            scale = _group_tile(s_ptr, e_rows, nmask, k0, cols, K, GROUPS, PLANAR, BLOCK_N, BLOCK_K)
             if BITS:
+                wdt = dt
                 if dt == tl.float32:
                     v = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + nibble
-                    offset = offset + 8388608.0
+                    bias = 8388608.0 + 8.0
                 elif dt == tl.float16:
                     v = (nibbles | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 2^10 + nibble
-                    offset = offset + 1024.0
+                    bias = 1024.0 + 8.0
                 else:
                     v = (nibbles | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^7 + nibble
-                    offset = offset + 128.0
-                # (the offset is exact in dt; the scale rounds into dt as the reference's does)
-                return (v - offset.to(dt)) * scale.to(dt)
+                    bias = 128.0 + 8.0
             else:
-                return ((nibbles.to(tl.float32) - offset) * scale).to(dt)
+                wdt = tl.float32
+                v = nibbles.to(tl.float32)
+                bias = 8.0
+            if HAS_ZERO:
+                offset = _group_tile(z_ptr, e_rows, nmask, k0, cols, K, GROUPS, PLANAR, bias, wdt, BLOCK_N, BLOCK_K)
+            else:
+                offset = tl.full([1, BLOCK_N], bias, wdt)
+            scale = _group_tile(s_ptr, e_rows, nmask, k0, cols, K, GROUPS, PLANAR, 0.0, wdt, BLOCK_N, BLOCK_K)
+            return ((v - offset) * scale).to(dt)
         else:
             mask = (cols < K)[:, None] & nmask[None, :]
-            return tl.load(w_ptr + (e * ROWS + rows[None, :]) * K + cols[:, None], mask=mask, other=0.0)
+            return tl.load(w_ptr + (e * ROWS + rows[None, :]) * K + cols[:, None], mask=mask, other=0.0).to(dt)
 
     @triton.jit
     def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SWAP: tl.constexpr):
