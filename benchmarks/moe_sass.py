@@ -1,6 +1,6 @@
 """Instructions in the main loop of the int4 fused-MoE kernels, compiled for a GPU without one.
 
-    python benchmarks/moe_sass.py [--arch 90] [--tiles default few many] [--variants ...]
+    python benchmarks/moe_sass.py [--arch 90] [--tiles few many]
 
 Compiles `kernels.moe`'s gate_up and down kernels at Kimi-K2.5's expert widths (hidden 7168,
 expert intermediate 2048, bf16, int4 in symmetric groups of 32) for sm_<arch> with Triton's own
@@ -46,7 +46,8 @@ def compile_kernel(kernel, tiles, int4_args: dict, arch: int) -> bytes:
     if gate_up:
         consts["TOP_K"] = 8
     sig |= {k: "constexpr" for k in consts}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts), target=GPUTarget("cuda", arch, 32),
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", arch, 32),
                               options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
     return compiled.asm["cubin"]
 

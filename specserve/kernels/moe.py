@@ -84,14 +84,39 @@ if triton is not None:
             return (v.to(tl.float32) + ADD).to(DT)
 
     @triton.jit
+    def _nibbles(words, OR: tl.constexpr, HALF: tl.constexpr, PLANAR: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+        """The stored nibbles (value + 8) of words [BLOCK_K / 8, BLOCK_N] as a [BLOCK_K, BLOCK_N]
+        tile (nibble i of word j: bits 4i..4i+3, column 8j + i), each ORed with OR: int32, or
+        under HALF int16, two nibbles a shift (bits 4i.. and 4i+16.., nibbles i and i + 4, land
+        in a word's two halves, then split into their rows). Rows in column order (row 8j + i)
+        or, under PLANAR, nibble-major (row i * BLOCK_K / 8 + j: no interleaving). (Arithmetic
+        shifts: the masks drop the sign.)"""
+        if HALF:
+            four = tl.arange(0, 4) * 4
+            if PLANAR:  # [half, i, word, n]
+                pairs = (words[None, :, :] >> four[:, None, None]) & 0x000F000F | (OR * 0x10001)
+                out = tl.permute(tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16)), (3, 0, 1, 2))
+            else:  # [word, half, i, n]
+                pairs = (words[:, None, :] >> four[None, :, None]) & 0x000F000F | (OR * 0x10001)
+                out = tl.permute(tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16)), (0, 3, 1, 2))
+        else:
+            eight = tl.arange(0, 8) * 4
+            if PLANAR:  # [i, word, n]
+                out = (words[None, :, :] >> eight[:, None, None]) & 0xF | OR
+            else:  # [word, i, n]
+                out = (words[:, None, :] >> eight[None, :, None]) & 0xF | OR
+        return tl.reshape(out, (BLOCK_K, BLOCK_N))
+
+    @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, cols, ROWS: tl.constexpr, K: tl.constexpr,
                      GROUPS: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, PLANAR: tl.constexpr,
                      BITS: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Expert e's weight [ROWS, K] at rows `rows` [BLOCK_N] and columns k0..k0+BLOCK_K, as a
         [BLOCK_K, BLOCK_N] tile in dt whose rows hold columns `cols` (`_tile_columns`; zero
         outside the weight). Float weights load and convert. int4 ones load BLOCK_K/8 words a
-        row and shift out their eight nibbles, interleaved into column order or, under PLANAR,
-        stacked nibble-major (no interleaving: the activations take the permutation instead).
+        row and shift out their eight nibbles (`_nibbles`), interleaved into column order or,
+        under PLANAR, stacked nibble-major (the activations take the permutation instead).
         Each value is (v - zero) * scale rounded once into dt, as the reference dequantizes:
         computed in float32 (two conversions a value: int to float32, float32 to dt), or under
         BITS in dt with none: the nibble ORed into the low mantissa bits of the dt constant 2^m
@@ -104,27 +129,21 @@ if triton is not None:
             offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             words = tl.load(w_ptr + e_rows[None, :] * WORDS + offs_w[:, None],
                             mask=(offs_w < WORDS)[:, None] & nmask[None, :], other=0)
-            # Column 8j+i of a row is bits 4i..4i+3 of its word j, stored as value + 8
-            # (arithmetic shifts: the mask drops the sign).
-            if PLANAR:
-                nibbles = (words[None, :, :] >> (tl.arange(0, 8) * 4)[:, None, None]) & 0xF
-            else:
-                nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF
-            nibbles = tl.reshape(nibbles, (BLOCK_K, BLOCK_N))
-            if BITS:
+            if BITS and dt != tl.float32:
                 wdt = dt
-                if dt == tl.float32:
-                    v = (nibbles | 0x4B000000).to(tl.float32, bitcast=True)  # 2^23 + nibble
-                    bias = 8388608.0 + 8.0
-                elif dt == tl.float16:
-                    v = (nibbles | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)  # 2^10 + nibble
+                if dt == tl.float16:
+                    v = _nibbles(words, 0x6400, True, PLANAR, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^10 + nibble
                     bias = 1024.0 + 8.0
                 else:
-                    v = (nibbles | 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True)  # 2^7 + nibble
+                    v = _nibbles(words, 0x4300, True, PLANAR, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^7 + nibble
                     bias = 128.0 + 8.0
+            elif BITS:
+                wdt = dt
+                v = _nibbles(words, 0x4B000000, False, PLANAR, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^23 + nibble
+                bias = 8388608.0 + 8.0
             else:
                 wdt = tl.float32
-                v = nibbles.to(tl.float32)
+                v = _nibbles(words, 0, False, PLANAR, BLOCK_N, BLOCK_K).to(tl.float32)
                 bias = 8.0
             if HAS_ZERO:
                 offset = _group_tile(z_ptr, e_rows, nmask, k0, cols, K, GROUPS, PLANAR, bias, wdt, BLOCK_N, BLOCK_K)
