@@ -16,6 +16,8 @@ verify graphs, and measures with CUDA-graph replays at context --context:
   - with --hf, transformers' DeepseekV3 of the same reduced model (bf16 experts) as the peer:
     each MoE layer's time from CUDA events around it, after a prefill of --context tokens.
 Writes moe_layers_<shape>_<experts>.json under --out (default $OUT) and prints a table last.
+With --sweep-only it builds one MoE layer's model without the engine and runs only the routed
+experts' launch-shape sweep (moe_tiles_<shape>_<experts>.json).
 """
 
 from __future__ import annotations
@@ -145,73 +147,79 @@ def distinct_experts(runner, B: int, T: int) -> list[int]:
     return counts
 
 
-# Launch shapes the sweep tries, as `kernels.moe.Tiles` keywords; the first, {}, is the default.
-# The int4 options are compared on equal shapes: unpack by shift or reshape, scales per group or
-# per element (the latter as the kernels first loaded them); split_k cuts each program's input;
-# swap puts the weight tile on the left of each product (Hopper's warp-group MMA wants 64 rows:
-# only BLOCK_N >= 64 gains from it).
-TILES = [{}, dict(scales="element"), dict(unpack="shift"),
-         dict(block_n=32, block_k=128), dict(block_n=32, block_k=128, unpack="shift"),
-         dict(block_n=64, block_k=128), dict(block_n=64, block_k=128, unpack="shift"),
-         dict(block_n=32, block_k=256), dict(block_n=32, block_k=256, unpack="shift"),
-         dict(block_n=16, block_k=256), dict(block_n=64, block_k=128, num_warps=8),
-         dict(block_n=64, block_k=256, num_warps=8), dict(block_n=128, block_k=128, num_warps=8),
-         dict(block_n=128), dict(block_n=32, block_k=128, num_stages=2), dict(block_n=32, block_k=128, num_stages=4),
-         dict(split_k=2), dict(split_k=4), dict(split_k=8), dict(block_n=32, block_k=128, split_k=4),
-         dict(block_n=64, block_k=128, split_k=4), dict(block_n=32, block_k=256, split_k=2),
-         dict(block_n=32, block_k=256, split_k=4),
-         dict(swap=True), dict(block_n=64, block_k=128, swap=True),
-         dict(block_n=64, block_k=128, swap=True, unpack="shift"),
-         dict(block_n=64, block_k=128, num_stages=4, swap=True), dict(block_n=64, block_k=256, num_warps=8, swap=True),
-         dict(block_n=128, swap=True), dict(block_n=128, block_k=128, swap=True),
-         dict(block_n=128, block_k=128, num_warps=8, swap=True), dict(swap=True, split_k=4),
-         dict(block_n=64, block_k=128, swap=True, split_k=4), dict(block_n=128, block_k=128, swap=True, split_k=2)]
+# Launch shapes the sweep tries besides the defaults (`kernels.moe.default_tiles`, which it
+# always times), as `kernels.moe.Tiles` keywords: the float experts' default, then the int4
+# winners' neighbours (tile widths, stages, warps, split_k, swap: Hopper's warp-group MMA wants
+# 64 rows, so only BLOCK_N >= 64 gains from swap), then both int4 defaults and two neighbours
+# with the other nibble order and dequantization (`Tiles.unpack`, `Tiles.dequant`).
+_FEW, _MANY = dict(split_k=4, swap=True), dict(block_n=128, swap=True)
+TILES = [{}, dict(split_k=4), dict(swap=True), _FEW, _MANY, dict(block_n=128, num_stages=4, swap=True),
+         dict(block_n=128, num_warps=8, swap=True), dict(block_n=64, block_k=128, swap=True),
+         dict(block_n=64, block_k=128, num_stages=4, swap=True), dict(block_n=64, block_k=128, split_k=4, swap=True),
+         dict(block_n=128, block_k=128, swap=True), dict(block_n=128, block_k=128, split_k=2, swap=True),
+         dict(block_n=128, block_k=128, num_warps=8, swap=True)]
+TILES += [base | variant for base in (_FEW, _MANY, dict(swap=True), dict(block_n=128, block_k=128, swap=True))
+          for variant in (dict(dequant="bits"), dict(unpack="planar"), dict(unpack="planar", dequant="bits"))]
 
 
 def tiles_label(t) -> str:
-    """A launch shape in the sweep's output: "BLOCK_NxBLOCK_K wWARPS sSTAGES unpack scales [splitN] [swap]"."""
+    """A launch shape in the sweep's output: "BLOCK_NxBLOCK_K wWARPS sSTAGES unpack dequant [splitN] [swap]"."""
     split = f" split{t.split_k}" if t.split_k > 1 else ""
-    return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} {t.unpack} {t.scales}{split}" + " swap" * t.swap
+    return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} {t.unpack} {t.dequant}{split}" + " swap" * t.swap
 
 
 def sweep_tiles(moe, batches: list[int]) -> dict:
     """The routed experts alone (`fused_experts` on one layer's experts, alignment included) at
     each batch's decode, per launch shape: GPU ms of a CUDA-graph replay (no launch overhead)
-    and the experts' bytes per second; each shape's graph output checked against the default's."""
+    and the experts' bytes per second; each shape's graph output checked against the default's.
+    Last, the default shape with each nibble order and dequantization, side by side."""
+    from dataclasses import replace
+
     from specserve.kernels.gemv import graph_us
-    from specserve.kernels.moe import Tiles, fused_experts
+    from specserve.kernels.moe import DEQUANTS, UNPACKS, Tiles, default_tiles, fused_experts
 
     res = {}
     g = torch.Generator(device="cuda").manual_seed(3)
-    routed = [t for m in (moe.w13, moe.w2) for t in ([m] if isinstance(m, torch.Tensor) else [m.packed, m.scale])]
+    int4 = not isinstance(moe.w2, torch.Tensor)
+    routed = [t for m in (moe.w13, moe.w2) for t in ([m] if not int4 else [m.packed, m.scale])]
     per_expert = sum(t.numel() * t.element_size() for t in routed) / moe.local
-    default = tiles_label(Tiles(**TILES[0]))
     for B in batches:
         x = torch.randn(B, moe.gate.shape[1], device="cuda", dtype=torch.bfloat16, generator=g)
         with torch.inference_mode():
             weights, ids = moe.route(x)
             touched = int(ids.unique().numel())
             want = fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first)
+            default = default_tiles(ids.numel(), int4)
+            shapes = {tiles_label(t): t for t in [default] + [Tiles(**kw) for kw in TILES]}
             row = {}
-            for kw in TILES:
-                tiles = Tiles(**kw)
+            for label, tiles in shapes.items():
                 outs = []  # the warm-up call's output, then the captured call's (which the replays refill)
                 try:
                     ms = graph_us([lambda: outs.append(fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first,
                                                                      tiles))], reps=20) / 1e3
                     got = outs[-1]
                     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
-                    row[tiles_label(tiles)] = {"ms": ms, "GBs": touched * per_expert / ms / 1e6}
+                    row[label] = {"ms": ms, "GBs": touched * per_expert / ms / 1e6}
                 except Exception as e:  # (a shape the compiler refuses, or a wrong result: reported, not used)
-                    row[tiles_label(tiles)] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                    row[label] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                     torch.cuda.synchronize()
         ok = {k: v for k, v in row.items() if "ms" in v}
         best = min(ok, key=lambda k: ok[k]["ms"])
-        res[B] = {"experts": touched, "tiles": row, "best": best, "default": default}
-        print(f"experts alone, batch {B} ({touched} experts): default {row[default].get('ms', float('nan')):.3f} ms, "
-              f"best {best} {ok[best]['ms']:.3f} ms ({ok[best]['GBs']:.0f} GB/s)", flush=True)
+        label = tiles_label(default)
+        res[B] = {"experts": touched, "tiles": row, "best": best, "default": label}
+        print(f"experts alone, batch {B} ({touched} experts): default {label} "
+              f"{row[label].get('ms', float('nan')):.3f} ms, best {best} {ok[best]['ms']:.3f} ms "
+              f"({ok[best]['GBs']:.0f} GB/s)", flush=True)
         for k, v in sorted(ok.items(), key=lambda kv: kv[1]["ms"]):
             print(f"  {k}: {v['ms']:.3f} ms ({v['GBs']:.0f} GB/s)", flush=True)
+        for k, v in row.items():
+            if "error" in v:
+                print(f"  {k}: {v['error']}", flush=True)
+        if int4:
+            side = [(u, d, row.get(tiles_label(replace(default, unpack=u, dequant=d)), {}).get("ms"))
+                    for u in UNPACKS for d in DEQUANTS]
+            print("  default shape by unpack/dequant: " + ", ".join(
+                f"{u} {d} {ms:.3f} ms" if ms else f"{u} {d} -" for u, d, ms in side), flush=True)
     return res
 
 
@@ -347,6 +355,8 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="transformers' DeepseekV3 of the same reduced model as the peer")
     ap.add_argument("--hf-impl", nargs="*", default=[None], help="transformers experts implementations to time")
     ap.add_argument("--no-sweep", action="store_true", help="skip the routed experts' launch-shape sweep")
+    ap.add_argument("--sweep-only", action="store_true",
+                    help="only the launch-shape sweep, on a one-MoE-layer model built without the engine (minutes)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = ap.parse_args()
     if args.moe_layers < 2:
@@ -357,9 +367,17 @@ def main() -> None:
     res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
                  "experts": args.experts, "moe_layers": args.moe_layers, "context": args.context,
                  "batches": args.batches}
+    work = Path(tempfile.mkdtemp(prefix="moe-layers-"))
+    if args.sweep_only:
+        model = random_target(write_config(work / "one", shape, 2, int4), "cuda", torch.bfloat16, args.context + 64)
+        res["tiles"] = sweep_tiles(next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13")),
+                                   args.batches)
+        name = out / f"moe_tiles_{args.shape}_{args.experts}.json"
+        name.write_text(json.dumps(res, indent=1))
+        print("wrote", name)
+        return
     bw = copy_bandwidth()
     res["copy_bw_GBs"] = bw / 1e9
-    work = Path(tempfile.mkdtemp(prefix="moe-layers-"))
     t0 = time.perf_counter()
     draft = write_eagle3_drafter(work / "draft", {"hidden_size": 7168, "intermediate_size": 18432,
                                                  "num_attention_heads": 64, "num_key_value_heads": 8,

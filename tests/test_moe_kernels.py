@@ -6,6 +6,7 @@ run compiled. The reference is `MoE.forward` on the CPU (its expert loop) or `Mo
 
 from __future__ import annotations
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,7 +16,8 @@ pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.
                                      "its interpreter on CPU)")
 from specserve.config import MoEConfig  # noqa: E402
 from specserve.kernels.int4 import pack_int4, quantize_int4  # noqa: E402
-from specserve.kernels.moe import Tiles, align_pairs, fused_experts  # noqa: E402
+from specserve.kernels.moe import (INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles, align_pairs,  # noqa: E402
+                                   default_tiles, fused_experts)
 from specserve.model.moe import MoE  # noqa: E402
 from specserve.model.quant import Int4Weights, QuantConfig  # noqa: E402
 
@@ -29,10 +31,10 @@ ROUTINGS = {"sigmoid-2of8": ("sigmoid", 8, 2, 4, 2), "sigmoid-8of16": ("sigmoid"
             "softmax-2of8": ("softmax", 8, 2, 1, 1), "softmax-8of16": ("softmax", 16, 8, 1, 1)}
 
 
-# int4 schemes, name -> (group size, symmetric): groups of 8 and 16 input columns (gate/up has
-# 32, down 16) and one per row, with and without zero points
-INT4_SCHEMES = {"g8-sym": (8, True), "g8-asym": (8, False), "g16-asym": (16, False), "channel-sym": (None, True),
-                "channel-asym": (None, False)}
+# int4 schemes, name -> (group size, symmetric): groups of 4, 8 and 16 input columns (gate/up
+# has 32, down 16; 4 is narrower than a word) and one per row, with and without zero points
+INT4_SCHEMES = {"g4-sym": (4, True), "g8-sym": (8, True), "g8-asym": (8, False), "g16-asym": (16, False),
+                "channel-sym": (None, True), "channel-asym": (None, False)}
 
 
 def _moe(routing: str, shared: bool = True, seed: int = 0, int4: str | None = None, hidden: int = HIDDEN,
@@ -121,7 +123,7 @@ def _held(experts, first: int) -> SimpleNamespace:
 def test_fused_int4_moe_equals_reference(scheme, tokens):
     """The int4 kernels dequantize each tile as the reference dequantizes the whole expert: float32
     results match the reference loop to a float32 sum's order and equal the float kernels run on
-    the dequantized experts."""
+    the dequantized experts with the same launch shape (the int4 default for this pair count)."""
     moe = _moe("sigmoid-8of16", shared=False, seed=tokens, int4=scheme)
     assert (moe.w13.zero is None) == INT4_SCHEMES[scheme][1]
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
@@ -131,7 +133,8 @@ def test_fused_int4_moe_equals_reference(scheme, tokens):
     args = (x.to(DEV), weights.to(DEV), ids.to(DEV))
     got = fused_experts(*args, moe.w13, moe.w2, moe.first).cpu()
     torch.testing.assert_close(got, want, **F32)
-    as_float = fused_experts(*args, *moe.experts_weights(), moe.first).cpu()
+    tiles = default_tiles(ids.numel(), int4=True)
+    as_float = fused_experts(*args, *moe.experts_weights(), moe.first, tiles=tiles).cpu()
     torch.testing.assert_close(got, as_float, rtol=0, atol=0)
 
 
@@ -148,22 +151,24 @@ def test_int4_experts_held_elsewhere_contribute_nothing():
     torch.testing.assert_close(got.cpu(), want, **F32)
 
 
-# Launch shapes beyond the default, at a width of 64 (gate/up) and 32 (down) input columns:
-# both int4 unpacks and both scale loads; BLOCK_K 16 and 64 put a tile inside one group, across
-# whole groups, or past the input's end; split_k 2 and 3 cut both kernels' inputs into slices;
-# swap multiplies with the weight tile on the left.
+# Launch shapes beyond the defaults, at a width of 64 (gate/up) and 32 (down) input columns:
+# both int4 nibble orders and both dequantizations; BLOCK_K 16 and 64 put a tile inside one
+# group, across whole groups, or past the input's end; split_k 2 and 3 cut both kernels' inputs
+# into slices; swap multiplies with the weight tile on the left; and the two int4 defaults.
 WIDE = dict(hidden=64, inter=32)
-TILE_VARIANTS = {"reshape-element": Tiles(unpack="reshape", scales="element"),
-                 "shift-element-k16": Tiles(block_k=16, unpack="shift", scales="element"),
-                 "reshape-group-k16": Tiles(block_k=16, unpack="reshape", scales="group"),
-                 "shift-group-n16": Tiles(block_n=16, unpack="shift", scales="group"),
-                 "split2-k16-shift": Tiles(block_k=16, split_k=2, unpack="shift", scales="group"),
-                 "split3-k16-reshape": Tiles(block_k=16, split_k=3, unpack="reshape", scales="element"),
-                 "swap-shift": Tiles(swap=True, unpack="shift", scales="group"),
-                 "swap-split2-k16-reshape": Tiles(block_k=16, split_k=2, swap=True, unpack="reshape", scales="group")}
+TILE_VARIANTS = {"reshape-k16": Tiles(block_k=16),
+                 "planar-k16": Tiles(block_k=16, unpack="planar"),
+                 "planar-n16": Tiles(block_n=16, unpack="planar"),
+                 "bits": Tiles(dequant="bits"),
+                 "bits-planar-k16": Tiles(block_k=16, unpack="planar", dequant="bits"),
+                 "split2-k16-planar": Tiles(block_k=16, split_k=2, unpack="planar"),
+                 "split3-k16-bits": Tiles(block_k=16, split_k=3, dequant="bits"),
+                 "swap-planar-bits": Tiles(swap=True, unpack="planar", dequant="bits"),
+                 "swap-split2-k16": Tiles(block_k=16, split_k=2, swap=True),
+                 "int4-few-pairs": INT4_FEW_TILES, "int4-many-pairs": INT4_TILES}
 
 
-@pytest.mark.parametrize("int4", [None, "g8-asym", "g16-asym", "channel-sym"])
+@pytest.mark.parametrize("int4", [None, "g4-sym", "g8-asym", "g16-asym", "channel-sym"])
 @pytest.mark.parametrize("tiles", list(TILE_VARIANTS))
 def test_fused_moe_launch_shapes_equal_reference(int4, tiles):
     """Every launch shape computes the same experts: float32 results match the reference loop to
@@ -177,7 +182,7 @@ def test_fused_moe_launch_shapes_equal_reference(int4, tiles):
     torch.testing.assert_close(got, want, **F32)
 
 
-@pytest.mark.parametrize("tiles", ["reshape-group-k16", "split2-k16-shift", "swap-split2-k16-reshape"])
+@pytest.mark.parametrize("tiles", ["reshape-k16", "bits-planar-k16", "split3-k16-bits", "swap-split2-k16"])
 def test_fused_int4_moe_launch_shapes_in_16_bit(tiles):
     """fp16 activations and scales: split slices round their float32 sums once, as the unsplit
     kernels do, so each launch shape stays within a few fp16 steps of the reference loop."""
@@ -190,7 +195,49 @@ def test_fused_int4_moe_launch_shapes_in_16_bit(tiles):
     torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item())
 
 
-@pytest.mark.parametrize("bad, message", [(dict(unpack="nibbles"), "Tiles.unpack must be one of"),
+@pytest.mark.parametrize("scheme", ["g4-sym", "g8-asym", "channel-asym"])
+@pytest.mark.parametrize("dequant", ["float", "bits"])
+def test_int4_tiles_are_the_reference_dequantized_weights(scheme, dequant):
+    """fp16 activations and scales: both dequantizations round each weight into fp16 as the
+    reference does, so the int4 kernels equal the float kernels run on the reference's
+    dequantized experts, with the same launch shape, bit for bit."""
+    moe = _moe("softmax-8of16", shared=False, int4=scheme, **WIDE).to(DEV, torch.float16)
+    x = torch.randn(3, WIDE["hidden"], generator=torch.Generator().manual_seed(4)).to(DEV, torch.float16)
+    weights, ids = moe.route(x)
+    tiles = Tiles(block_k=16, dequant=dequant)
+    got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=tiles)
+    want = fused_experts(x, weights, ids, *moe.experts_weights(torch.float16), tiles=tiles)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_int4_default_tiles_follow_the_pair_count():
+    """Float experts keep one shape; int4 ones take the few-pairs shape up to INT4_FEW_PAIRS pairs."""
+    assert default_tiles(1, int4=False) == default_tiles(500, int4=False) == Tiles()
+    assert default_tiles(1, int4=True) == default_tiles(INT4_FEW_PAIRS, int4=True) == INT4_FEW_TILES
+    assert default_tiles(INT4_FEW_PAIRS + 1, int4=True) == INT4_TILES
+    assert INT4_FEW_TILES.split_k > 1 and INT4_FEW_TILES.swap and INT4_TILES.swap
+
+
+@pytest.mark.parametrize("tiles", [None, "swap-planar-bits", "split3-k16-bits", "split2-k16-planar"])
+@pytest.mark.parametrize("tokens, top_k", [(1, 1), (1, 8), (5, 8)])
+def test_fused_int4_moe_pair_counts(tokens, top_k, tiles):
+    """1, 8 and 40 (token, expert) pairs, by the default launch shape for that many (a split one
+    up to INT4_FEW_PAIRS, an unsplit one past it) and by other int4 variants: the reference's
+    result to a float32 sum's order."""
+    moe = _moe("sigmoid-8of16", shared=False, seed=6, int4="g8-asym", **WIDE)
+    g = torch.Generator().manual_seed(tokens * top_k)
+    x = torch.randn(tokens, WIDE["hidden"], generator=g)
+    ids = torch.stack([torch.randperm(16, generator=g)[:top_k] for _ in range(tokens)])
+    weights = torch.rand(tokens, top_k, generator=g)
+    want = moe.experts_ref(x, weights, ids)
+    moe.to(DEV)
+    got = fused_experts(x.to(DEV), weights.to(DEV), ids.to(DEV), moe.w13, moe.w2,
+                        tiles=TILE_VARIANTS[tiles] if tiles else None).cpu()
+    torch.testing.assert_close(got, want, **F32)
+
+
+@pytest.mark.parametrize("bad, message", [(dict(unpack="shift"), "Tiles.unpack must be one of"),
+                                          (dict(dequant="element"), "Tiles.dequant one of"),
                                           (dict(split_k=0), "Tiles.split_k must be >= 1"),
                                           (dict(block_k=48), "Tiles.block_k must be a power of two")])
 def test_tiles_reject_unknown_options(bad, message):
@@ -254,3 +301,33 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(int4, dtype):
             else:  # a few bf16 steps, as test_fused_moe_in_16_bit
                 torch.testing.assert_close(out.float(), want, rtol=4 * 2 ** -7,
                                            atol=4 * 2 ** -7 * want.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 4, 16])
+def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
+    """Kimi-K2.5's expert widths (hidden 7168, expert intermediate 2048, int4 in symmetric groups
+    of 32; 16 experts, 8 a token: the launch shapes depend on the widths and the pair count, not
+    the expert count), bf16: the default launch shape for 8 to 128 pairs, and the other nibble
+    order and dequantization on it, are within a few bf16 steps of the reference loop."""
+    m = MoEConfig(num_experts=16, top_k=8, intermediate_size=2048, scoring="softmax", norm_topk_prob=True,
+                  routed_scaling_factor=1.0, n_group=1, topk_group=1, shared_intermediate_size=0, dense_layers=())
+    quant = QuantConfig(groups=((("Linear",), Int4Weights(32, True)),))
+    with torch.device("cuda"):
+        moe = MoE(7168, m, quant=quant, prefix="model.layers.1.mlp.").to(torch.bfloat16).requires_grad_(False)
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    for w in (moe.w13, moe.w2):
+        w.packed.copy_(torch.randint(-2**31, 2**31, w.packed.shape, dtype=torch.int32, device="cuda", generator=g))
+        w.scale.copy_(torch.rand(w.scale.shape, device="cuda", generator=g) * 0.002 + 0.002)
+    moe.gate.copy_(torch.randn(moe.gate.shape, device="cuda", generator=g))
+    x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16, generator=g)
+    with torch.inference_mode():
+        weights, ids = moe.route(x)
+        want = moe.experts_ref(x, weights, ids).float()
+        default = default_tiles(ids.numel(), int4=True)
+        for tiles in (None, replace(default, dequant="bits"), replace(default, unpack="planar"),
+                      replace(default, unpack="planar", dequant="bits")):
+            got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=tiles).float()
+            step = 2 ** -7
+            torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item(),
+                                       msg=lambda m: f"{tiles or default}: {m}")
