@@ -228,28 +228,40 @@ def test_chain_acceptance_is_what_greedy_verification_accepts(tmp_path):
             ids = torch.cat([ids, tgt.logits(hidden[:, -1]).argmax(-1, keepdim=True)], 1)
         feats, hidden = tgt(ids)
         greedy = tgt.logits(hidden[0]).argmax(-1)  # greedy[p]: the target's token after position p
-        _, accs, _, (accepted, bases) = td.ttt_loss(dr, tgt, ids, torch.tensor([L]), torch.tensor([0]), feats, hidden, K,
-                                                    td.draft_vocab_ids(dr))
+        _, accs, _, (accepted, bases), walked = td.ttt_loss(dr, tgt, ids, torch.tensor([L]), torch.tensor([0]), feats,
+                                                            hidden, K, td.draft_vocab_ids(dr))
     attn = dr.midlayer.self_attn.attn
     attn.k_cache = torch.zeros(1, attn.num_kv_heads, 64, attn.head_dim)
     attn.v_cache = torch.zeros_like(attn.k_cache)
     want, n = [0] * K, 0
+    run = []  # drafts accepted by the cycle based at each entry
     with torch.inference_mode():
         for b in range(L - K):  # entries 0..L-2; a base counts when its K steps are entries too
             pos = torch.arange(b + 1).view(1, -1)
             g = dr(ids[:, 1:b + 2], feats[:, :b + 1], ForwardContext(0, pos, pos, b + 1))[:, -1:]
             n += 1
+            run.append(0)
             for k in range(K):
                 tok = dr.to_target_ids(dr.logits(g[:, 0]).argmax(-1))
                 if int(tok) != int(greedy[b + k + 1]):
                     break
                 want[k] += 1
+                run[-1] += 1
                 p = torch.tensor([[b + k + 1]])
                 g = dr(tok.view(1, 1), g, ForwardContext(0, p, p, b + k + 2))
     assert (accepted, bases) == (want, n)
     assert 0 < want[K - 1] < want[0] < n, want
     assert accs[1] > want[1] / n and accs[2] > want[2] / n, (accs, want, n)
     assert td.accept_length(want, n) == round(1 + sum(want) / n, 4)
+    # The engine's cycles: the first based at entry 0, each next one past the drafts it accepted.
+    cycle_want, cycles, b = [0] * K, 0, 0
+    while b < len(run):
+        for k in range(run[b]):
+            cycle_want[k] += 1
+        cycles += 1
+        b += run[b] + 1
+    assert walked == (cycle_want, cycles)
+    assert cycles < n and td.accept_length(*walked) != td.accept_length(want, n)
 
 
 def test_ttt_loss_scores_only_the_response(tmp_path):
@@ -268,7 +280,7 @@ def test_ttt_loss_scores_only_the_response(tmp_path):
 
     def loss(h):
         with torch.no_grad():
-            out, _, counts, (_, bases) = td.ttt_loss(dr, tgt, ids, *args, feats, h, K, td.draft_vocab_ids(dr))
+            out, _, counts, (_, bases), _ = td.ttt_loss(dr, tgt, ids, *args, feats, h, K, td.draft_vocab_ids(dr))
         return float(out), counts, bases
 
     base, counts, bases = loss(hidden)

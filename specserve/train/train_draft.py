@@ -303,29 +303,48 @@ def ttt_forward(drafter, feats: torch.Tensor, next_ids: torch.Tensor, steps: int
     return outs
 
 
-def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor) -> tuple[list[int], int]:
-    """What greedy verification accepts of the chain drafted at every base position.
+def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor,
+                     first: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """What greedy verification accepts of the chain drafted at every base position, or with
+    `first`, at the bases a run of cycles visits.
 
     hits[k] [B, T]: step k at index t (the chain based at t - k) drafts the target's own next
     token. Draft k of the chain based at b is accepted iff steps 0..k all hit; while they do, the
     teacher-forced input tokens are the drafted ones, so on a target-greedy sequence this is
     exactly what the engine accepts in a cycle based at b. Per-step accuracy is not: a step can
     hit after an earlier miss, which the engine never sees. real [B, T]: the scored entries; a
-    base counts when its whole chain lies among them. Returns (accepted drafts per chain
-    position, bases counted)."""
+    base counts when its whole chain lies among them.
+
+    Every base weighs each stretch of easy tokens once per position in it, where the engine
+    drafts it in one cycle and then moves past it. With `first` [B] (each row's first base,
+    the prompt's last entry) only the engine's bases count: from there, a cycle that accepts a
+    drafts is followed by the one based a + 1 entries later. That is the engine's acceptance on
+    the same sequences, and lower. Returns (accepted drafts per chain position, bases counted)."""
     K = len(hits)
     bases = real & F.pad(real[:, K - 1:], (0, K - 1), value=False)
     ok = bases
-    accepted = []
+    accepted, runs = [], torch.zeros_like(real, dtype=torch.long)
     for k, h in enumerate(hits):
         ok = ok & F.pad(h[:, k:], (0, k), value=False)  # step k of the chain based at b sits at b + k
         accepted.append(int(ok.sum()))
-    return accepted, int(bases.sum())
+        runs += ok
+    if first is None:
+        return accepted, int(bases.sum())
+    accepted, cycles = [0] * K, 0
+    T = real.shape[1]
+    for row_bases, row_runs, b in zip(bases.tolist(), runs.tolist(), first.tolist()):
+        while b < T and row_bases[b]:
+            for j in range(row_runs[b]):
+                accepted[j] += 1
+            cycles += 1
+            b += row_runs[b] + 1
+    return accepted, cycles
 
 
 def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
              feats: torch.Tensor, hidden: torch.Tensor, steps: int, draft_ids: torch.Tensor, autocast_dtype=None):
-    """Loss, per-step accuracy (and its counts) and `chain_acceptance` of one padded batch:
+    """Loss, per-step accuracy (and its counts) and `chain_acceptance` (at every base, and at
+    the bases a run of cycles visits from each row's first) of one padded batch:
     ids [B, L], lengths [B], starts [B] (the first scored token of each row), the target's
     features [B, L, 3H] and final hidden [B, L, H].
 
@@ -364,7 +383,7 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
             hits.append(hit)
             accs.append(float((hit & mask).sum()) / max(n, 1))
             counts.append(n)
-    return total / norm, accs, counts, chain_acceptance(hits, real)
+    return total / norm, accs, counts, chain_acceptance(hits, real), chain_acceptance(hits, real, first.view(-1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,7 +762,8 @@ class TrainResult:
     minutes_train: float
     final_loss: float
     final_acc: list[float]  # per-step top-1 agreement, teacher-forced (overstates what a chain keeps)
-    final_accept_length: float | None = None  # what greedy verification accepts of these drafts (plus 1)
+    final_accept_length: float | None = None  # what greedy cycles accept of these drafts (plus 1): the engine's
+    final_accept_length_all_bases: float | None = None  # the same at every base position (overstates the engine's)
     val_acc: list[float] | None = None
     val_accept_length: float | None = None
     eval: list[dict] = field(default_factory=list)
@@ -969,7 +989,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
     bar = tqdm(total=planned, initial=step, desc="train-draft", unit="step", dynamic_ncols=True,
                disable=not config.progress,
                mininterval=2.0 if sys.stderr.isatty() else 30.0)
-    ema_loss, ema_acc, ema_tau = None, None, None
+    ema_loss, ema_acc, ema_tau, ema_tau_all = None, None, None, None
     t_loop = time.time() - train_seconds
     last_ck = start_step = step
     while step < planned:
@@ -990,7 +1010,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
             g["lr"] = cur
         t_step = time.perf_counter()
         ids, lengths, starts_b, feats, hidden = cache.batch(idx)
-        loss, accs, _, (acc_k, bases) = ttt_loss(drafter, target, ids, lengths, starts_b, feats, hidden,
+        loss, accs, _, every_base, (acc_k, bases) = ttt_loss(drafter, target, ids, lengths, starts_b, feats, hidden,
                                                  config.ttt_steps, draft_ids_dev, autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -1007,14 +1027,15 @@ def train_draft(config: TrainConfig) -> TrainResult:
         lv = loss.item()
         ema_loss = lv if ema_loss is None else 0.95 * ema_loss + 0.05 * lv
         ema_acc = accs if ema_acc is None else [0.95 * e + 0.05 * a for e, a in zip(ema_acc, accs)]
-        tau = accept_length(acc_k, bases)
+        tau, tau_all = accept_length(acc_k, bases), accept_length(*every_base)
         ema_tau = tau if ema_tau is None else 0.95 * ema_tau + 0.05 * tau
+        ema_tau_all = tau_all if ema_tau_all is None else 0.95 * ema_tau_all + 0.05 * tau_all
         if train_budget and step >= 5:  # time-bound: show the projected number of steps
             rate = step / max(time.time() - t_loop, 1e-9)
             bar.total = min(planned, max(step + 1, int(step + rate * (train_deadline - time.time()))))
         bar.update(1)
         bar.set_postfix_str(f"loss {ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in ema_acc)
-                            + f" tau {ema_tau:.2f} lr {cur:.1e}",
+                            + f" tau {ema_tau:.2f} (all bases {ema_tau_all:.2f}) lr {cur:.1e}",
                             refresh=False)
         if config.checkpoint_every and step - last_ck >= config.checkpoint_every and step < planned:
             save_checkpoint(ck_dir, drafter, opt, {
@@ -1040,6 +1061,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
                       final_loss=round(ema_loss or float("nan"), 4),
                       final_acc=[round(a, 4) for a in (ema_acc or [])],
                       final_accept_length=round(ema_tau, 4) if ema_tau is not None else None,
+                      final_accept_length_all_bases=round(ema_tau_all, 4) if ema_tau_all is not None else None,
                       val_acc=val_acc, val_accept_length=val_tau)
     del target
     if config.eval_prompts:
@@ -1059,20 +1081,21 @@ def train_draft(config: TrainConfig) -> TrainResult:
 
 @torch.no_grad()
 def validate(drafter, target, path, tok, eos_id, steps, draft_ids, max_len, batch_tokens, max_batches: int = 8):
+    """Per-step top-1 agreement and the greedy acceptance length it implies (`chain_acceptance`
+    over the bases a run of cycles visits) on held-out data: (agreement per step, acceptance
+    length). The length is the engine's only where the held-out text is the target's own greedy
+    output (regenerated); on other text it scores drafts against the target's predictions of
+    someone else's tokens."""
     docs, starts = split_long(tokenize_records(read_records(path, eos_id), tok, eos_id), max_len)
     gen = torch.Generator().manual_seed(1234)
-    """Per-step top-1 agreement and the greedy acceptance length it implies (`chain_acceptance`)
-    on held-out data: (agreement per step, acceptance length). The length is the engine's only
-    where the held-out text is the target's own greedy output (regenerated); on other text it
-    scores drafts against the target's predictions of someone else's tokens."""
     hits = [0.0] * steps
     n = [0] * steps
     accepted, bases = [0] * steps, 0
     for idx in make_batches(docs, batch_tokens, gen)[:max_batches]:
         ids, lengths, starts_b = collate(docs, starts, idx, target.device)
         feats, hidden = target(ids)
-        _, accs, counts, (acc_k, b) = ttt_loss(drafter, target, ids, lengths, starts_b, feats.float(), hidden.float(), steps,
-                                               draft_ids)
+        _, accs, counts, _, (acc_k, b) = ttt_loss(drafter, target, ids, lengths, starts_b, feats.float(),
+                                                  hidden.float(), steps, draft_ids)
         for k in range(steps):
             hits[k] += accs[k] * counts[k]
             n[k] += counts[k]
