@@ -402,6 +402,48 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_pair):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
+def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path, monkeypatch):
+    """Calls of a run too long for one (each with its own --max-minutes): the time budget ends the
+    first at some step, which its kept checkpoint holds; --resume goes on from there, and with
+    --lr-minutes the learning rate follows one cosine over both calls' training time."""
+    root, target = tiny_pair
+    now = [1e9]
+
+    class Clock:  # every reading advances 0.5 s: a budget ends after a fixed number of readings
+        perf_counter, strftime = staticmethod(time.perf_counter), staticmethod(time.strftime)
+
+        @staticmethod
+        def time():
+            now[0] += 0.5
+            return now[0]
+
+    monkeypatch.setattr(td, "time", Clock)
+    lrs: list[list[float]] = []
+    step = torch.optim.AdamW.step
+
+    def record(self, *a, **k):
+        lrs[-1].append(self.param_groups[0]["lr"])
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    kw = {"draft_vocab": 100, "ttt_steps": 2, "lr": 1e-2, "warmup": 1, "epochs": 1000.0, "batch_tokens": 512,
+          "max_len": 64, "device": "cpu", "threads": 1, "progress": False, "keep_checkpoint": True,
+          "minutes": 1.0, "lr_minutes": 2.0}
+    out = str(tmp_path / "d")
+    lrs.append([])
+    first = td.train_draft(td.TrainConfig(str(target), out, str(root / "data.txt"), **kw))
+    state = torch.load(tmp_path / "d" / "checkpoint" / "state.pt", weights_only=True)
+    assert 5 < first.steps == state["step"] == len(lrs[0])
+    lrs.append([])
+    second = td.train_draft(td.TrainConfig(str(target), out, None, resume=True, **kw))
+    assert second.steps == first.steps + len(lrs[1]) and len(lrs[1]) > 5
+    lr = lrs[0][1:] + lrs[1]  # after the one warm-up step
+    assert all(b < a for a, b in zip(lr, lr[1:])), lr  # one decreasing cosine across the two calls
+    assert lr[-1] > 0.1 * 1e-2  # 2 schedule minutes are more than both calls trained
+    with pytest.raises(ConfigError, match="--lr-minutes must be positive"):
+        td.train_draft(td.TrainConfig(str(target), out, None, resume=True, **{**kw, "lr_minutes": 0.0}))
+
+
 def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
     root, target = tiny_pair
     src = make_drafter(tmp_path / "src", target, layout="sglang", draft_vocab=150, aux_ids=[0, 0, 0])
@@ -586,6 +628,6 @@ def test_cli_flags_map_onto_train_config():
     assert td.TrainConfig.from_args(p.parse_args(["--model", "T", "--out", "O"])) == td.TrainConfig("T", "O")
     got = td.TrainConfig.from_args(p.parse_args([
         "--model", "T", "--out", "O", "--data", "D", "--max-minutes", "3", "--regen-prompt-len", "8,16",
-        "--aux-layer-ids", "0,1,2", "--no-bf16", "--eval-spec-steps", "2,5", "--from", "F"]))
+        "--aux-layer-ids", "0,1,2", "--no-bf16", "--eval-spec-steps", "2,5", "--from", "F", "--lr-minutes", "12"]))
     assert (got.data, got.minutes, got.regen_prompt_len, got.aux_layer_ids, got.bf16, got.eval_spec_steps,
-            got.from_dir) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F")
+            got.from_dir, got.lr_minutes) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F", 12.0)

@@ -806,6 +806,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     resume: bool = False
     keep_checkpoint: bool = False
+    lr_minutes: float | None = None  # training minutes the lr schedule spans over resumed calls
     device: str = "auto"
     threads: int | None = None
     feature_cache_gb: float | None = None
@@ -828,6 +829,7 @@ class TrainConfig:
             regen_prompt_len=args.regen_prompt_len, regen_share=args.regen_share, regen_batch=args.regen_batch,
             batch_tokens=args.batch_tokens, max_len=args.max_len, warmup=args.warmup, max_steps=args.max_steps,
             checkpoint_every=args.checkpoint_every, resume=args.resume, keep_checkpoint=args.keep_checkpoint,
+            lr_minutes=args.lr_minutes,
             device=args.device, threads=args.threads, feature_cache_gb=args.feature_cache_gb, bf16=args.bf16,
             eval_prompts=args.eval_prompts, eval_spec_steps=args.eval_spec_steps,
             eval_max_tokens=args.eval_max_tokens, aux_layer_ids=args.aux_layer_ids)
@@ -852,6 +854,8 @@ def train_draft(config: TrainConfig) -> TrainResult:
         raise DataError("no training data: pass --data PATH")
     if config.ttt_steps < 1:
         raise ConfigError(f"--ttt-steps must be at least 1, got {config.ttt_steps}")
+    if config.lr_minutes is not None and config.lr_minutes <= 0:
+        raise ConfigError(f"--lr-minutes must be positive, got {config.lr_minutes}")
     if config.epochs <= 0 and not config.max_steps:
         raise ConfigError(f"--epochs must be positive, got {config.epochs}")
     if config.threads:
@@ -983,6 +987,10 @@ def train_draft(config: TrainConfig) -> TrainResult:
 
     train_deadline = deadline - 20 if deadline else None  # leave time to save
     train_budget = (train_deadline - time.time()) if train_deadline else None
+    # Training seconds the cosine spans, counted over every resumed call of the run: --lr-minutes,
+    # else up to the end of this call's budget.
+    schedule_s = (config.lr_minutes * 60 if config.lr_minutes
+                  else train_seconds + train_budget if train_budget else None)
     log(f"training: {planned} steps planned ({per_epoch} batches/epoch of <= {config.batch_tokens} tokens), "
         f"TTT {config.ttt_steps} steps, lr {lr:g}, {'bf16 autocast' if autocast else 'float32'}" + (f", time budget {train_budget / 60:.1f} min" if train_budget else ""))
     tuner = _thread_tuner(config.threads, dev)
@@ -992,6 +1000,13 @@ def train_draft(config: TrainConfig) -> TrainResult:
     ema_loss, ema_acc, ema_tau, ema_tau_all = None, None, None, None
     t_loop = time.time() - train_seconds
     last_ck = start_step = step
+
+    def checkpoint() -> None:
+        save_checkpoint(ck_dir, drafter, opt, {
+            "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
+            "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen, "aux_layers": list(captured),
+            "train_seconds": time.time() - t_loop})
+
     while step < planned:
         if train_deadline and time.time() > train_deadline:
             bar.write(f"[train-draft] time budget reached at step {step}")
@@ -1003,8 +1018,8 @@ def train_draft(config: TrainConfig) -> TrainResult:
         idx = batches[pos_in_epoch]
         pos_in_epoch += 1
         progress_frac = step / planned
-        if train_budget:
-            progress_frac = max(progress_frac, (time.time() - t_loop) / train_budget)
+        if schedule_s:
+            progress_frac = max(progress_frac, (time.time() - t_loop) / schedule_s)
         cur = lr_at(progress_frac, step)
         for g in opt.param_groups:
             g["lr"] = cur
@@ -1038,12 +1053,11 @@ def train_draft(config: TrainConfig) -> TrainResult:
                             + f" tau {ema_tau:.2f} (all bases {ema_tau_all:.2f}) lr {cur:.1e}",
                             refresh=False)
         if config.checkpoint_every and step - last_ck >= config.checkpoint_every and step < planned:
-            save_checkpoint(ck_dir, drafter, opt, {
-                "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
-                "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen, "aux_layers": list(captured),
-                "train_seconds": time.time() - t_loop})
+            checkpoint()
             last_ck = step
     bar.close()
+    if config.keep_checkpoint and step < planned and step > last_ck:  # cut by the time budget: the next call resumes here
+        checkpoint()
     minutes_train = (time.time() - t_loop) / 60
 
     # 5. save -------------------------------------------------------------------------------
