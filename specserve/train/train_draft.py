@@ -1056,7 +1056,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
             checkpoint()
             last_ck = step
     bar.close()
-    if config.keep_checkpoint and step < planned and step > last_ck:  # cut by the time budget: the next call resumes here
+    if config.keep_checkpoint and last_ck < step < planned:  # cut by the time budget: a --resume call goes on here
         checkpoint()
     minutes_train = (time.time() - t_loop) / 60
 
