@@ -444,6 +444,23 @@ def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path,
         td.train_draft(td.TrainConfig(str(target), out, None, resume=True, **{**kw, "lr_minutes": 0.0}))
 
 
+def test_val_samples_are_held_out_and_scored(tiny_pair, tmp_path):
+    """--val-samples N: the run trains on all but the last N samples and reports agreement and
+    acceptance length on those N."""
+    root, target = tiny_pair
+    kw = {"draft_vocab": 100, "ttt_steps": 2, "max_steps": 2, "batch_tokens": 512, "max_len": 64, "device": "cpu",
+          "progress": False}
+    data = str(root / "data.txt")
+    every = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "a"), data, **kw))
+    held = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "b"), data, val_samples=3, **kw))
+    assert held.samples == every.samples - 3 and every.val_acc is None
+    assert len(held.val_acc) == 2 and 0 <= held.val_acc[0] <= 1 and held.val_accept_length >= 1
+    with pytest.raises(ConfigError, match="--val-samples 9999 leaves nothing to train on"):
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "c"), data, val_samples=9999, **kw))
+    with pytest.raises(ConfigError, match="one of --val-data and --val-samples"):
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "c"), data, val_samples=3, val_data=data, **kw))
+
+
 def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
     root, target = tiny_pair
     src = make_drafter(tmp_path / "src", target, layout="sglang", draft_vocab=150, aux_ids=[0, 0, 0])
@@ -628,6 +645,7 @@ def test_cli_flags_map_onto_train_config():
     assert td.TrainConfig.from_args(p.parse_args(["--model", "T", "--out", "O"])) == td.TrainConfig("T", "O")
     got = td.TrainConfig.from_args(p.parse_args([
         "--model", "T", "--out", "O", "--data", "D", "--max-minutes", "3", "--regen-prompt-len", "8,16",
-        "--aux-layer-ids", "0,1,2", "--no-bf16", "--eval-spec-steps", "2,5", "--from", "F", "--lr-minutes", "12"]))
+        "--aux-layer-ids", "0,1,2", "--no-bf16", "--eval-spec-steps", "2,5", "--from", "F", "--lr-minutes", "12",
+        "--val-samples", "5"]))
     assert (got.data, got.minutes, got.regen_prompt_len, got.aux_layer_ids, got.bf16, got.eval_spec_steps,
-            got.from_dir, got.lr_minutes) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F", 12.0)
+            got.from_dir, got.lr_minutes, got.val_samples) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F", 12.0, 5)

@@ -784,6 +784,7 @@ class TrainConfig:
     out_dir: str
     data: str | None = None  # .jsonl, .txt, .npy token stream or a folder (None only with resume)
     val_data: str | None = None
+    val_samples: int = 0  # training samples held out and scored at the end instead
     minutes: float | None = None  # wall-clock budget for regeneration + training
     seed: int = 0
     draft_vocab: int | None = None  # default min(32000, target vocabulary)
@@ -821,7 +822,7 @@ class TrainConfig:
     def from_args(cls, args: argparse.Namespace) -> TrainConfig:
         """The `train-draft` flags (see `train_draft_cmd.add_arguments`) as a TrainConfig: the one place they map."""
         return cls(
-            target_dir=args.model, out_dir=args.out, data=args.data, val_data=args.val_data,
+            target_dir=args.model, out_dir=args.out, data=args.data, val_data=args.val_data, val_samples=args.val_samples,
             minutes=args.max_minutes, seed=args.seed, draft_vocab=args.draft_vocab,
             draft_intermediate=args.draft_intermediate, ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr,
             from_dir=args.from_dir, regenerate=args.regenerate, regen_prompts=args.regen_prompts,
@@ -852,6 +853,10 @@ def train_draft(config: TrainConfig) -> TrainResult:
     to `config.out_dir`. Called by `specserve train-draft` and by build_demo's drafter stage."""
     if config.data is None and not config.resume:
         raise DataError("no training data: pass --data PATH")
+    if config.val_samples and config.val_data:
+        raise ConfigError("pass one of --val-data and --val-samples")
+    if config.val_samples < 0:
+        raise ConfigError(f"--val-samples must be 0 or more, got {config.val_samples}")
     if config.ttt_steps < 1:
         raise ConfigError(f"--ttt-steps must be at least 1, got {config.ttt_steps}")
     if config.lr_minutes is not None and config.lr_minutes <= 0:
@@ -904,6 +909,14 @@ def train_draft(config: TrainConfig) -> TrainResult:
             config.regen_max_tokens, config.regen_temperature, config.regen_prompt_len, config.regen_batch, max_len,
             config.seed, config.device, ck_dir, config.resume,
             t_start + config.regen_share * (deadline - t_start) if deadline else None, config.threads)
+    held_out = None  # (samples, starts) the run never trains on, scored at the end
+    if config.val_samples:
+        if config.val_samples >= len(samples):
+            raise ConfigError(f"--val-samples {config.val_samples} leaves nothing to train on "
+                              f"({len(samples)} samples): hold out fewer")
+        # the last ones: regenerated prompts are shuffled before they are answered
+        held_out = split_long(samples[-config.val_samples:], max_len, starts[-config.val_samples:])
+        samples, starts = samples[:-config.val_samples], starts[:-config.val_samples]
     samples, starts = split_long(samples, max_len, starts)
     if not samples:
         raise DataError("no training samples of at least 8 tokens")
@@ -1065,8 +1078,11 @@ def train_draft(config: TrainConfig) -> TrainResult:
     save_drafter(drafter, cfg, out)
     val_acc = val_tau = None
     if config.val_data:
-        val_acc, val_tau = validate(drafter, target, config.val_data, tok, eos_id, config.ttt_steps, draft_ids_dev,
-                                    max_len, config.batch_tokens)
+        held_out = split_long(tokenize_records(read_records(config.val_data, eos_id), tok, eos_id), max_len)
+    if held_out:
+        # all of --val-samples (the run's own kind of sample); 8 batches of --val-data, which on CPU cost as much as steps
+        val_acc, val_tau = validate(drafter, target, *held_out, config.ttt_steps, draft_ids_dev, config.batch_tokens,
+                                    None if config.val_samples else 8)
         log("validation top-1 agreement per step: " + " ".join(f"{a:.3f}" for a in val_acc)
             + f"; greedy acceptance length {val_tau:.3f}")
     res = TrainResult(out_dir=str(out), steps=step, samples=len(samples), tokens=n_tokens, regenerated=n_regen,
@@ -1094,13 +1110,13 @@ def train_draft(config: TrainConfig) -> TrainResult:
 
 
 @torch.no_grad()
-def validate(drafter, target, path, tok, eos_id, steps, draft_ids, max_len, batch_tokens, max_batches: int = 8):
+def validate(drafter, target, docs: list[list[int]], starts: list[int], steps: int, draft_ids, batch_tokens: int,
+             max_batches: int | None):
     """Per-step top-1 agreement and the greedy acceptance length it implies (`chain_acceptance`
     over the bases a run of cycles visits) on held-out data: (agreement per step, acceptance
     length). The length is the engine's only where the held-out text is the target's own greedy
     output (regenerated); on other text it scores drafts against the target's predictions of
     someone else's tokens."""
-    docs, starts = split_long(tokenize_records(read_records(path, eos_id), tok, eos_id), max_len)
     gen = torch.Generator().manual_seed(1234)
     hits = [0.0] * steps
     n = [0] * steps

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help=".jsonl (\"text\" or chat \"messages\"), .txt, .npy token stream, or a folder")
     p.add_argument("--out", required=True, help="drafter output directory (config.json + model.safetensors)")
     p.add_argument("--val-data", help="held-out data for the per-step agreement report (same formats as --data)")
+    p.add_argument("--val-samples", type=int, default=0, metavar="N",
+                   help="hold the last N training samples out (regenerated ones: the target's own answers) "
+                        "and report agreement and acceptance length on them at the end")
     p.add_argument("--from", dest="from_dir", help="fine-tune this existing drafter instead of starting fresh")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft vocabulary size: the N most frequent target tokens (default min(32000, vocab))")
