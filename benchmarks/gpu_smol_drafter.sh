@@ -17,7 +17,7 @@
 # back; LR_MINUTES=the training minutes of all calls together, which one lr cosine spans. Calls
 # before the last take SKIP_BENCH=1. VAL_SAMPLES=N holds the last N regenerated samples out of training
 # and reports the drafter's agreement and acceptance length on them after each call (the log's
-# "validation" line; training_summary.json's val_*), which the engine reproduces on those prompts.
+# "validation" line; training_summary.json's val_*): the drafter on unseen prompts of its own kind.
 set -u
 . benchmarks/gpu_env.sh
 MINUTES=${MINUTES:-6}
@@ -41,9 +41,10 @@ timeout $(( ${MINUTES%.*} * 60 + 150 )) python3 -m specserve train-draft --model
   --regen-batch 1024 --regen-max-tokens "${REGEN_TOKENS:-256}" --regen-share "${REGEN_SHARE:-0.5}" \
   --draft-vocab "${VOCAB:-6144}" --draft-intermediate "${INTER:-768}" --ttt-steps "${TTT:-5}" \
   --batch-tokens "${BATCH_TOKENS:-16384}" --max-len "${MAX_LEN:-1024}" --epochs 1000 --lr "${LR:-2e-3}" \
-  ${FROM:+--from "$FROM"} ${VAL_SAMPLES:+--val-samples "$VAL_SAMPLES"} --max-minutes "$MINUTES" --device cuda --seed "${SEED:-0}" --out "$DRAFT" ${RUN_FLAGS[@]+"${RUN_FLAGS[@]}"} \
+  ${FROM:+--from "$FROM"} ${VAL_SAMPLES:+--val-samples "$VAL_SAMPLES"} --max-minutes "$MINUTES" --device cuda \
+  --seed "${SEED:-0}" --out "$DRAFT" ${RUN_FLAGS[@]+"${RUN_FLAGS[@]}"} \
   > "$OUT/train.log" 2>&1
-sed 's/\r/\n/g' "$OUT/train.log" | grep -v "step/s\]\|prompt/s\]" | grep -i "samples\|vocabulary\|training:\|budget\|resuming\|regeneration\|wrote\|error" | cut -c1-220
+sed 's/\r/\n/g' "$OUT/train.log" | grep -v "step/s\]\|prompt/s\]" | grep -i "samples\|validation\|vocabulary\|training:\|budget\|resuming\|regeneration\|wrote\|error" | cut -c1-220
 sed 's/\r/\n/g' "$OUT/train.log" | grep "step/s\]" | tail -1 | cut -c1-220
 if [ -n "${WORK:-}" ]; then
   mkdir -p "$OUT/draft" && cp "$DRAFT"/*.json "$DRAFT/model.safetensors" "$OUT/draft/" || exit 1
