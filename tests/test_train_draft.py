@@ -440,6 +440,8 @@ def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path,
     lr = lrs[0][1:] + lrs[1]  # after the one warm-up step
     assert all(b < a for a, b in zip(lr, lr[1:])), lr  # one decreasing cosine across the two calls
     assert lr[-1] > 0.1 * 1e-2  # 2 schedule minutes are more than both calls trained
+    with pytest.raises(ConfigError, match="--val-samples 2 differs from the checkpoint's 0"):
+        td.train_draft(td.TrainConfig(str(target), out, None, resume=True, **{**kw, "val_samples": 2}))
     with pytest.raises(ConfigError, match="--lr-minutes must be positive"):
         td.train_draft(td.TrainConfig(str(target), out, None, resume=True, **{**kw, "lr_minutes": 0.0}))
 

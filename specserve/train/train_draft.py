@@ -895,6 +895,9 @@ def train_draft(config: TrainConfig) -> TrainResult:
         elif not (ck_dir / "regenerated.jsonl").exists():
             raise ConfigError(f"--resume: nothing to resume in {ck_dir}")
     if state is not None:
+        if state.get("val_samples", 0) != config.val_samples:  # its batches index the samples left to train on
+            raise ConfigError(f"--val-samples {config.val_samples} differs from the checkpoint's "
+                              f"{state.get('val_samples', 0)}: a resumed run holds out the same samples")
         log(f"resuming from {ck_dir} at step {state['step']}")
 
     # 1-2. data (+ regeneration) -------------------------------------------------------------
@@ -1018,6 +1021,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
         save_checkpoint(ck_dir, drafter, opt, {
             "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
             "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen, "aux_layers": list(captured),
+            "val_samples": config.val_samples,
             "train_seconds": time.time() - t_loop})
 
     while step < planned:
