@@ -36,6 +36,7 @@ from specserve.config import DraftConfig, ModelConfig, resolve_aux_layers  # noq
 from specserve.train import train_draft as td  # noqa: E402
 
 BUCKETS = (0, 8, 16, 32, 64, 128, 256)  # answer-position buckets of the step-0 agreement
+CONFIDENCE = (0.0, 0.3, 0.6, 0.9)  # buckets of the target's top-1 probability at the drafted token
 
 
 def load_prompts(args) -> list[list[dict]]:
@@ -112,8 +113,10 @@ def trainer_side(model: str, draft: str, seqs: list[tuple[list[int], int]], K: i
             with amp:
                 outs = td.ttt_forward(dr, feats[:, :-1].float(), ids[:, 1:], K)
                 preds = [ids_of[dr.logits(o).argmax(-1)][0].tolist() for o in outs]
-            greedy = tgt.logits(hidden[0, 1:]).argmax(-1).tolist()
-            res.append((accs, counts, every, cycles, preds, greedy))
+            probs = torch.softmax(tgt.logits(hidden[0, 1:]).float(), -1)
+            conf, greedy = (x.tolist() for x in probs.max(-1))  # the target's own top-1 probability and token
+            in_vocab = dr.t2d[ids[0, start:]].float().mean().item()  # answer tokens the drafter can draft at all
+            res.append((accs, counts, every, cycles, preds, greedy, in_vocab, conf))
     return res
 
 
@@ -150,7 +153,9 @@ def main() -> None:
     every_k, every_n, walk_k, walk_n = [0] * K, 0, [0] * K, 0
     same_draft = eng_cycles = eng_hit0 = tr_hit0_at_bases = greedy_same = greedy_n = chain_same = chain_n = 0
     by_pos: dict[int, list[int]] = {}
-    for o, (s, start), (accs, counts, every, walk, preds, greedy) in zip(outs, seqs, tr):
+    by_conf: dict[float, list[int]] = {}
+    conf_sum = 0.0
+    for o, (s, start), (accs, counts, every, walk, preds, greedy, _, conf) in zip(outs, seqs, tr):
         for k in range(K):
             hits[k] += accs[k] * counts[k]
             n[k] += counts[k]
@@ -166,6 +171,11 @@ def main() -> None:
             h = by_pos.setdefault(bucket, [0, 0])
             h[0] += preds[0][t] == nxt
             h[1] += 1
+            # how sure the target itself is of the token the drafter must guess
+            c = by_conf.setdefault(max(x for x in CONFIDENCE if x <= conf[t]), [0, 0])
+            c[0] += preds[0][t] == nxt
+            c[1] += 1
+            conf_sum += conf[t]
         for base, toks in cycles.get(o.request_id, {}).items():
             if base + 2 >= len(s):
                 continue  # the cycle after the last token: nothing to compare with
@@ -195,7 +205,11 @@ def main() -> None:
         "engine_pos1_at_bases": round(eng_hit0 / max(eng_cycles, 1), 3),
         "trainer_step0_at_engine_bases": round(tr_hit0_at_bases / max(eng_cycles, 1), 3),
         "target_full_forward_equals_engine_output": round(greedy_same / max(greedy_n, 1), 4),
+        "answer_tokens_in_draft_vocab": round(sum(r[-1] * len(o.token_ids) for r, o in zip(tr, outs))
+                                              / max(sum(len(o.token_ids) for o in outs), 1), 3),
         "engine_tau_per_prompt": [round(o.spec["accept_length_mean"] or 1.0, 2) for o in outs],
+        "target_top1_prob_mean": round(conf_sum / max(greedy_n, 1), 3),
+        "step0_by_target_top1_prob": {f"{lo}+": [round(h / max(c, 1), 3), c] for lo, (h, c) in sorted(by_conf.items())},
         "step0_by_answer_position": {f"{lo}+": [round(h / max(c, 1), 3), c] for lo, (h, c) in sorted(by_pos.items())},
     }
     print(json.dumps(fig, indent=1))
