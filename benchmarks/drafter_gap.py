@@ -205,7 +205,7 @@ def main() -> None:
         "engine_pos1_at_bases": round(eng_hit0 / max(eng_cycles, 1), 3),
         "trainer_step0_at_engine_bases": round(tr_hit0_at_bases / max(eng_cycles, 1), 3),
         "target_full_forward_equals_engine_output": round(greedy_same / max(greedy_n, 1), 4),
-        "answer_tokens_in_draft_vocab": round(sum(r[-1] * len(o.token_ids) for r, o in zip(tr, outs))
+        "answer_tokens_in_draft_vocab": round(sum(r[6] * len(o.token_ids) for r, o in zip(tr, outs))
                                               / max(sum(len(o.token_ids) for o in outs), 1), 3),
         "engine_tau_per_prompt": [round(o.spec["accept_length_mean"] or 1.0, 2) for o in outs],
         "target_top1_prob_mean": round(conf_sum / max(greedy_n, 1), 3),
