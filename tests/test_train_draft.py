@@ -448,7 +448,7 @@ def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path,
 
 def test_val_samples_are_held_out_and_scored(tiny_pair, tmp_path):
     """--val-samples N: the run trains on all but the last N samples and reports agreement and
-    acceptance length on those N."""
+    acceptance length on those N (as --val-data does on a file of its own)."""
     root, target = tiny_pair
     kw = {"draft_vocab": 100, "ttt_steps": 2, "max_steps": 2, "batch_tokens": 512, "max_len": 64, "device": "cpu",
           "progress": False}
@@ -457,6 +457,8 @@ def test_val_samples_are_held_out_and_scored(tiny_pair, tmp_path):
     held = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "b"), data, val_samples=3, **kw))
     assert held.samples == every.samples - 3 and every.val_acc is None
     assert len(held.val_acc) == 2 and 0 <= held.val_acc[0] <= 1 and held.val_accept_length >= 1
+    other = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "v"), data, val_data=data, **kw))  # --val-data
+    assert other.samples == every.samples and len(other.val_acc) == 2 and other.val_accept_length >= 1
     with pytest.raises(ConfigError, match="--val-samples 9999 leaves nothing to train on"):
         td.train_draft(td.TrainConfig(str(target), str(tmp_path / "c"), data, val_samples=9999, **kw))
     with pytest.raises(ConfigError, match="one of --val-data and --val-samples"):
