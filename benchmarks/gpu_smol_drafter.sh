@@ -11,6 +11,13 @@
 # cut short keeps prompts of every length, and the log says so ("regeneration time is up").
 # Bench: MT-Bench and HumanEval (BENCH_DATA), batch 1 and 16. The drafter comes back in $OUT/draft
 # (config.json + model.safetensors + training_summary.json).
+# A run longer than one call: WORK=a folder under /tmp (it persists while the machine stays warm).
+# The run lives there (regenerated samples, checkpoint); each call resumes it where the last one
+# stopped (the first regenerates), trains for MINUTES, keeps its checkpoint and sends the drafter
+# back; LR_MINUTES=the training minutes of all calls together, which one lr cosine spans. Calls
+# before the last take SKIP_BENCH=1. VAL_SAMPLES=N holds the last N regenerated samples out of training
+# and reports the drafter's agreement and acceptance length on them after each call (the log's
+# "validation" line; training_summary.json's val_*): the drafter on unseen prompts of its own kind.
 set -u
 . benchmarks/gpu_env.sh
 MINUTES=${MINUTES:-6}
@@ -21,16 +28,29 @@ fi
 if [ -n "${SHA:-}" ] && ! echo "$SHA  $GGUF" | sha256sum -c --quiet; then
   echo "error: $GGUF does not match sha256 $SHA (a piece missing?)"; rm -f "$GGUF"; exit 1
 fi
+DRAFT="$OUT/draft"
+RUN_FLAGS=()
+if [ -n "${WORK:-}" ]; then
+  DRAFT="$WORK/draft"
+  RUN_FLAGS=(--keep-checkpoint ${LR_MINUTES:+--lr-minutes "$LR_MINUTES"})
+  [ -d "$DRAFT/checkpoint" ] && RUN_FLAGS+=(--resume) && echo "resuming $DRAFT"
+fi
 date -u
 timeout $(( ${MINUTES%.*} * 60 + 150 )) python3 -m specserve train-draft --model "$GGUF" \
   --data "${DATA:-.device/sharegpt-turns.jsonl.gz}" --regenerate --regen-prompts "${PROMPTS:-24000}" \
   --regen-batch 1024 --regen-max-tokens "${REGEN_TOKENS:-256}" --regen-share "${REGEN_SHARE:-0.5}" \
   --draft-vocab "${VOCAB:-6144}" --draft-intermediate "${INTER:-768}" --ttt-steps "${TTT:-5}" \
   --batch-tokens "${BATCH_TOKENS:-16384}" --max-len "${MAX_LEN:-1024}" --epochs 1000 --lr "${LR:-2e-3}" \
-  ${FROM:+--from "$FROM"} --max-minutes "$MINUTES" --device cuda --seed "${SEED:-0}" --out "$OUT/draft" > "$OUT/train.log" 2>&1
-sed 's/\r/\n/g' "$OUT/train.log" | grep -v "step/s\]\|prompt/s\]" | grep -i "samples\|vocabulary\|training:\|budget\|wrote\|error" | cut -c1-220
+  ${FROM:+--from "$FROM"} ${VAL_SAMPLES:+--val-samples "$VAL_SAMPLES"} --max-minutes "$MINUTES" --device cuda \
+  --seed "${SEED:-0}" --out "$DRAFT" ${RUN_FLAGS[@]+"${RUN_FLAGS[@]}"} \
+  > "$OUT/train.log" 2>&1
+sed 's/\r/\n/g' "$OUT/train.log" | grep -v "step/s\]\|prompt/s\]" | grep -i "samples\|validation\|vocabulary\|training:\|budget\|resuming\|regeneration\|wrote\|error" | cut -c1-220
 sed 's/\r/\n/g' "$OUT/train.log" | grep "step/s\]" | tail -1 | cut -c1-220
-rm -rf "$OUT/draft/checkpoint"
+if [ -n "${WORK:-}" ]; then
+  mkdir -p "$OUT/draft" && cp "$DRAFT"/*.json "$DRAFT/model.safetensors" "$OUT/draft/" || exit 1
+else
+  rm -rf "$OUT/draft/checkpoint"
+fi
 [ -s "$OUT/draft/model.safetensors" ] || exit 1
 [ -n "${SKIP_BENCH:-}" ] && exit 0
 date -u

@@ -228,28 +228,40 @@ def test_chain_acceptance_is_what_greedy_verification_accepts(tmp_path):
             ids = torch.cat([ids, tgt.logits(hidden[:, -1]).argmax(-1, keepdim=True)], 1)
         feats, hidden = tgt(ids)
         greedy = tgt.logits(hidden[0]).argmax(-1)  # greedy[p]: the target's token after position p
-        _, accs, _, (accepted, bases) = td.ttt_loss(dr, tgt, ids, torch.tensor([L]), torch.tensor([0]), feats, hidden, K,
-                                                    td.draft_vocab_ids(dr))
+        _, accs, _, (accepted, bases), walked = td.ttt_loss(dr, tgt, ids, torch.tensor([L]), torch.tensor([0]), feats,
+                                                            hidden, K, td.draft_vocab_ids(dr))
     attn = dr.midlayer.self_attn.attn
     attn.k_cache = torch.zeros(1, attn.num_kv_heads, 64, attn.head_dim)
     attn.v_cache = torch.zeros_like(attn.k_cache)
     want, n = [0] * K, 0
+    run = []  # drafts accepted by the cycle based at each entry
     with torch.inference_mode():
         for b in range(L - K):  # entries 0..L-2; a base counts when its K steps are entries too
             pos = torch.arange(b + 1).view(1, -1)
             g = dr(ids[:, 1:b + 2], feats[:, :b + 1], ForwardContext(0, pos, pos, b + 1))[:, -1:]
             n += 1
+            run.append(0)
             for k in range(K):
                 tok = dr.to_target_ids(dr.logits(g[:, 0]).argmax(-1))
                 if int(tok) != int(greedy[b + k + 1]):
                     break
                 want[k] += 1
+                run[-1] += 1
                 p = torch.tensor([[b + k + 1]])
                 g = dr(tok.view(1, 1), g, ForwardContext(0, p, p, b + k + 2))
     assert (accepted, bases) == (want, n)
     assert 0 < want[K - 1] < want[0] < n, want
     assert accs[1] > want[1] / n and accs[2] > want[2] / n, (accs, want, n)
     assert td.accept_length(want, n) == round(1 + sum(want) / n, 4)
+    # The engine's cycles: the first based at entry 0, each next one past the drafts it accepted.
+    cycle_want, cycles, b = [0] * K, 0, 0
+    while b < len(run):
+        for k in range(run[b]):
+            cycle_want[k] += 1
+        cycles += 1
+        b += run[b] + 1
+    assert walked == (cycle_want, cycles)
+    assert cycles < n and td.accept_length(*walked) != td.accept_length(want, n)
 
 
 def test_ttt_loss_scores_only_the_response(tmp_path):
@@ -268,7 +280,7 @@ def test_ttt_loss_scores_only_the_response(tmp_path):
 
     def loss(h):
         with torch.no_grad():
-            out, _, counts, (_, bases) = td.ttt_loss(dr, tgt, ids, *args, feats, h, K, td.draft_vocab_ids(dr))
+            out, _, counts, (_, bases), _ = td.ttt_loss(dr, tgt, ids, *args, feats, h, K, td.draft_vocab_ids(dr))
         return float(out), counts, bases
 
     base, counts, bases = loss(hidden)
@@ -388,6 +400,69 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_pair):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
+
+
+def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path, monkeypatch):
+    """Calls of a run too long for one (each with its own --max-minutes): the time budget ends the
+    first at some step, which its kept checkpoint holds; --resume goes on from there, and with
+    --lr-minutes the learning rate follows one cosine over both calls' training time."""
+    root, target = tiny_pair
+    now = [1e9]
+
+    class Clock:  # every reading advances 0.5 s: a budget ends after a fixed number of readings
+        perf_counter, strftime = staticmethod(time.perf_counter), staticmethod(time.strftime)
+
+        @staticmethod
+        def time():
+            now[0] += 0.5
+            return now[0]
+
+    monkeypatch.setattr(td, "time", Clock)
+    lrs: list[list[float]] = []
+    step = torch.optim.AdamW.step
+
+    def record(self, *a, **k):
+        lrs[-1].append(self.param_groups[0]["lr"])
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", record)
+    kw = {"draft_vocab": 100, "ttt_steps": 2, "lr": 1e-2, "warmup": 1, "epochs": 1000.0, "batch_tokens": 512,
+          "max_len": 64, "device": "cpu", "threads": 1, "progress": False, "keep_checkpoint": True,
+          "minutes": 1.0, "lr_minutes": 2.0}
+    out = str(tmp_path / "d")
+    lrs.append([])
+    first = td.train_draft(td.TrainConfig(str(target), out, str(root / "data.txt"), **kw))
+    state = torch.load(tmp_path / "d" / "checkpoint" / "state.pt", weights_only=True)
+    assert 5 < first.steps == state["step"] == len(lrs[0])
+    lrs.append([])
+    second = td.train_draft(td.TrainConfig(str(target), out, None, resume=True, **kw))
+    assert second.steps == first.steps + len(lrs[1]) and len(lrs[1]) > 5
+    lr = lrs[0][1:] + lrs[1]  # after the one warm-up step
+    assert all(b < a for a, b in zip(lr, lr[1:])), lr  # one decreasing cosine across the two calls
+    assert lr[-1] > 0.1 * 1e-2  # 2 schedule minutes are more than both calls trained
+    with pytest.raises(ConfigError, match="--val-samples 2 differs from the checkpoint's 0"):
+        td.train_draft(td.TrainConfig(str(target), out, None, resume=True, **{**kw, "val_samples": 2}))
+    with pytest.raises(ConfigError, match="--lr-minutes must be positive"):
+        td.train_draft(td.TrainConfig(str(target), out, None, resume=True, **{**kw, "lr_minutes": 0.0}))
+
+
+def test_val_samples_are_held_out_and_scored(tiny_pair, tmp_path):
+    """--val-samples N: the run trains on all but the last N samples and reports agreement and
+    acceptance length on those N (as --val-data does on a file of its own)."""
+    root, target = tiny_pair
+    kw = {"draft_vocab": 100, "ttt_steps": 2, "max_steps": 2, "batch_tokens": 512, "max_len": 64, "device": "cpu",
+          "progress": False}
+    data = str(root / "data.txt")
+    every = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "a"), data, **kw))
+    held = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "b"), data, val_samples=3, **kw))
+    assert held.samples == every.samples - 3 and every.val_acc is None
+    assert len(held.val_acc) == 2 and 0 <= held.val_acc[0] <= 1 and held.val_accept_length >= 1
+    other = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "v"), data, val_data=data, **kw))  # --val-data
+    assert other.samples == every.samples and len(other.val_acc) == 2 and other.val_accept_length >= 1
+    with pytest.raises(ConfigError, match="--val-samples 9999 leaves nothing to train on"):
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "c"), data, val_samples=9999, **kw))
+    with pytest.raises(ConfigError, match="one of --val-data and --val-samples"):
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "c"), data, val_samples=3, val_data=data, **kw))
 
 
 def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
@@ -574,6 +649,7 @@ def test_cli_flags_map_onto_train_config():
     assert td.TrainConfig.from_args(p.parse_args(["--model", "T", "--out", "O"])) == td.TrainConfig("T", "O")
     got = td.TrainConfig.from_args(p.parse_args([
         "--model", "T", "--out", "O", "--data", "D", "--max-minutes", "3", "--regen-prompt-len", "8,16",
-        "--aux-layer-ids", "0,1,2", "--no-bf16", "--eval-spec-steps", "2,5", "--from", "F"]))
+        "--aux-layer-ids", "0,1,2", "--no-bf16", "--eval-spec-steps", "2,5", "--from", "F", "--lr-minutes", "12",
+        "--val-samples", "5"]))
     assert (got.data, got.minutes, got.regen_prompt_len, got.aux_layer_ids, got.bf16, got.eval_spec_steps,
-            got.from_dir) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F")
+            got.from_dir, got.lr_minutes, got.val_samples) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F", 12.0, 5)

@@ -303,29 +303,48 @@ def ttt_forward(drafter, feats: torch.Tensor, next_ids: torch.Tensor, steps: int
     return outs
 
 
-def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor) -> tuple[list[int], int]:
-    """What greedy verification accepts of the chain drafted at every base position.
+def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor,
+                     first: torch.Tensor | None = None) -> tuple[list[int], int]:
+    """What greedy verification accepts of the chain drafted at every base position, or with
+    `first`, at the bases a run of cycles visits.
 
     hits[k] [B, T]: step k at index t (the chain based at t - k) drafts the target's own next
     token. Draft k of the chain based at b is accepted iff steps 0..k all hit; while they do, the
     teacher-forced input tokens are the drafted ones, so on a target-greedy sequence this is
     exactly what the engine accepts in a cycle based at b. Per-step accuracy is not: a step can
     hit after an earlier miss, which the engine never sees. real [B, T]: the scored entries; a
-    base counts when its whole chain lies among them. Returns (accepted drafts per chain
-    position, bases counted)."""
+    base counts when its whole chain lies among them.
+
+    Every base weighs each stretch of easy tokens once per position in it, where the engine
+    drafts it in one cycle and then moves past it. With `first` [B] (each row's first base,
+    the prompt's last entry) only the engine's bases count: from there, a cycle that accepts a
+    drafts is followed by the one based a + 1 entries later. That is the engine's acceptance on
+    the same sequences, and lower. Returns (accepted drafts per chain position, bases counted)."""
     K = len(hits)
     bases = real & F.pad(real[:, K - 1:], (0, K - 1), value=False)
     ok = bases
-    accepted = []
+    accepted, runs = [], torch.zeros_like(real, dtype=torch.long)
     for k, h in enumerate(hits):
         ok = ok & F.pad(h[:, k:], (0, k), value=False)  # step k of the chain based at b sits at b + k
         accepted.append(int(ok.sum()))
-    return accepted, int(bases.sum())
+        runs += ok
+    if first is None:
+        return accepted, int(bases.sum())
+    accepted, cycles = [0] * K, 0
+    T = real.shape[1]
+    for row_bases, row_runs, b in zip(bases.tolist(), runs.tolist(), first.tolist()):
+        while b < T and row_bases[b]:
+            for j in range(row_runs[b]):
+                accepted[j] += 1
+            cycles += 1
+            b += row_runs[b] + 1
+    return accepted, cycles
 
 
 def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
              feats: torch.Tensor, hidden: torch.Tensor, steps: int, draft_ids: torch.Tensor, autocast_dtype=None):
-    """Loss, per-step accuracy (and its counts) and `chain_acceptance` of one padded batch:
+    """Loss, per-step accuracy (and its counts) and `chain_acceptance` (at every base, and at
+    the bases a run of cycles visits from each row's first) of one padded batch:
     ids [B, L], lengths [B], starts [B] (the first scored token of each row), the target's
     features [B, L, 3H] and final hidden [B, L, H].
 
@@ -364,7 +383,7 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
             hits.append(hit)
             accs.append(float((hit & mask).sum()) / max(n, 1))
             counts.append(n)
-    return total / norm, accs, counts, chain_acceptance(hits, real)
+    return total / norm, accs, counts, chain_acceptance(hits, real), chain_acceptance(hits, real, first.view(-1))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -743,7 +762,8 @@ class TrainResult:
     minutes_train: float
     final_loss: float
     final_acc: list[float]  # per-step top-1 agreement, teacher-forced (overstates what a chain keeps)
-    final_accept_length: float | None = None  # what greedy verification accepts of these drafts (plus 1)
+    final_accept_length: float | None = None  # what greedy cycles accept of these drafts (plus 1): the engine's
+    final_accept_length_all_bases: float | None = None  # the same at every base position (overstates the engine's)
     val_acc: list[float] | None = None
     val_accept_length: float | None = None
     eval: list[dict] = field(default_factory=list)
@@ -764,6 +784,7 @@ class TrainConfig:
     out_dir: str
     data: str | None = None  # .jsonl, .txt, .npy token stream or a folder (None only with resume)
     val_data: str | None = None
+    val_samples: int = 0  # training samples held out and scored at the end instead
     minutes: float | None = None  # wall-clock budget for regeneration + training
     seed: int = 0
     draft_vocab: int | None = None  # default min(32000, target vocabulary)
@@ -786,6 +807,7 @@ class TrainConfig:
     checkpoint_every: int = 100
     resume: bool = False
     keep_checkpoint: bool = False
+    lr_minutes: float | None = None  # training minutes the lr schedule spans over resumed calls
     device: str = "auto"
     threads: int | None = None
     feature_cache_gb: float | None = None
@@ -800,7 +822,7 @@ class TrainConfig:
     def from_args(cls, args: argparse.Namespace) -> TrainConfig:
         """The `train-draft` flags (see `train_draft_cmd.add_arguments`) as a TrainConfig: the one place they map."""
         return cls(
-            target_dir=args.model, out_dir=args.out, data=args.data, val_data=args.val_data,
+            target_dir=args.model, out_dir=args.out, data=args.data, val_data=args.val_data, val_samples=args.val_samples,
             minutes=args.max_minutes, seed=args.seed, draft_vocab=args.draft_vocab,
             draft_intermediate=args.draft_intermediate, ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr,
             from_dir=args.from_dir, regenerate=args.regenerate, regen_prompts=args.regen_prompts,
@@ -808,6 +830,7 @@ class TrainConfig:
             regen_prompt_len=args.regen_prompt_len, regen_share=args.regen_share, regen_batch=args.regen_batch,
             batch_tokens=args.batch_tokens, max_len=args.max_len, warmup=args.warmup, max_steps=args.max_steps,
             checkpoint_every=args.checkpoint_every, resume=args.resume, keep_checkpoint=args.keep_checkpoint,
+            lr_minutes=args.lr_minutes,
             device=args.device, threads=args.threads, feature_cache_gb=args.feature_cache_gb, bf16=args.bf16,
             eval_prompts=args.eval_prompts, eval_spec_steps=args.eval_spec_steps,
             eval_max_tokens=args.eval_max_tokens, aux_layer_ids=args.aux_layer_ids)
@@ -830,8 +853,14 @@ def train_draft(config: TrainConfig) -> TrainResult:
     to `config.out_dir`. Called by `specserve train-draft` and by build_demo's drafter stage."""
     if config.data is None and not config.resume:
         raise DataError("no training data: pass --data PATH")
+    if config.val_samples and config.val_data:
+        raise ConfigError("pass one of --val-data and --val-samples")
+    if config.val_samples < 0:
+        raise ConfigError(f"--val-samples must be 0 or more, got {config.val_samples}")
     if config.ttt_steps < 1:
         raise ConfigError(f"--ttt-steps must be at least 1, got {config.ttt_steps}")
+    if config.lr_minutes is not None and config.lr_minutes <= 0:
+        raise ConfigError(f"--lr-minutes must be positive, got {config.lr_minutes}")
     if config.epochs <= 0 and not config.max_steps:
         raise ConfigError(f"--epochs must be positive, got {config.epochs}")
     if config.threads:
@@ -866,6 +895,9 @@ def train_draft(config: TrainConfig) -> TrainResult:
         elif not (ck_dir / "regenerated.jsonl").exists():
             raise ConfigError(f"--resume: nothing to resume in {ck_dir}")
     if state is not None:
+        if state.get("val_samples", 0) != config.val_samples:  # its batches index the samples left to train on
+            raise ConfigError(f"--val-samples {config.val_samples} differs from the checkpoint's "
+                              f"{state.get('val_samples', 0)}: a resumed run holds out the same samples")
         log(f"resuming from {ck_dir} at step {state['step']}")
 
     # 1-2. data (+ regeneration) -------------------------------------------------------------
@@ -880,6 +912,14 @@ def train_draft(config: TrainConfig) -> TrainResult:
             config.regen_max_tokens, config.regen_temperature, config.regen_prompt_len, config.regen_batch, max_len,
             config.seed, config.device, ck_dir, config.resume,
             t_start + config.regen_share * (deadline - t_start) if deadline else None, config.threads)
+    held_out = None  # (samples, starts) the run never trains on, scored at the end
+    if config.val_samples:
+        if config.val_samples >= len(samples):
+            raise ConfigError(f"--val-samples {config.val_samples} leaves nothing to train on "
+                              f"({len(samples)} samples): hold out fewer")
+        # the last ones: regenerated prompts are shuffled before they are answered
+        held_out = split_long(samples[-config.val_samples:], max_len, starts[-config.val_samples:])
+        samples, starts = samples[:-config.val_samples], starts[:-config.val_samples]
     samples, starts = split_long(samples, max_len, starts)
     if not samples:
         raise DataError("no training samples of at least 8 tokens")
@@ -963,15 +1003,27 @@ def train_draft(config: TrainConfig) -> TrainResult:
 
     train_deadline = deadline - 20 if deadline else None  # leave time to save
     train_budget = (train_deadline - time.time()) if train_deadline else None
+    # Training seconds the cosine spans, counted over every resumed call of the run: --lr-minutes,
+    # else up to the end of this call's budget.
+    schedule_s = (config.lr_minutes * 60 if config.lr_minutes
+                  else train_seconds + train_budget if train_budget else None)
     log(f"training: {planned} steps planned ({per_epoch} batches/epoch of <= {config.batch_tokens} tokens), "
         f"TTT {config.ttt_steps} steps, lr {lr:g}, {'bf16 autocast' if autocast else 'float32'}" + (f", time budget {train_budget / 60:.1f} min" if train_budget else ""))
     tuner = _thread_tuner(config.threads, dev)
     bar = tqdm(total=planned, initial=step, desc="train-draft", unit="step", dynamic_ncols=True,
                disable=not config.progress,
                mininterval=2.0 if sys.stderr.isatty() else 30.0)
-    ema_loss, ema_acc, ema_tau = None, None, None
+    ema_loss, ema_acc, ema_tau, ema_tau_all = None, None, None, None
     t_loop = time.time() - train_seconds
     last_ck = start_step = step
+
+    def checkpoint() -> None:
+        save_checkpoint(ck_dir, drafter, opt, {
+            "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
+            "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen, "aux_layers": list(captured),
+            "val_samples": config.val_samples,
+            "train_seconds": time.time() - t_loop})
+
     while step < planned:
         if train_deadline and time.time() > train_deadline:
             bar.write(f"[train-draft] time budget reached at step {step}")
@@ -983,14 +1035,14 @@ def train_draft(config: TrainConfig) -> TrainResult:
         idx = batches[pos_in_epoch]
         pos_in_epoch += 1
         progress_frac = step / planned
-        if train_budget:
-            progress_frac = max(progress_frac, (time.time() - t_loop) / train_budget)
+        if schedule_s:
+            progress_frac = max(progress_frac, (time.time() - t_loop) / schedule_s)
         cur = lr_at(progress_frac, step)
         for g in opt.param_groups:
             g["lr"] = cur
         t_step = time.perf_counter()
         ids, lengths, starts_b, feats, hidden = cache.batch(idx)
-        loss, accs, _, (acc_k, bases) = ttt_loss(drafter, target, ids, lengths, starts_b, feats, hidden,
+        loss, accs, _, every_base, (acc_k, bases) = ttt_loss(drafter, target, ids, lengths, starts_b, feats, hidden,
                                                  config.ttt_steps, draft_ids_dev, autocast)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -1007,22 +1059,22 @@ def train_draft(config: TrainConfig) -> TrainResult:
         lv = loss.item()
         ema_loss = lv if ema_loss is None else 0.95 * ema_loss + 0.05 * lv
         ema_acc = accs if ema_acc is None else [0.95 * e + 0.05 * a for e, a in zip(ema_acc, accs)]
-        tau = accept_length(acc_k, bases)
+        tau, tau_all = accept_length(acc_k, bases), accept_length(*every_base)
         ema_tau = tau if ema_tau is None else 0.95 * ema_tau + 0.05 * tau
+        ema_tau_all = tau_all if ema_tau_all is None else 0.95 * ema_tau_all + 0.05 * tau_all
         if train_budget and step >= 5:  # time-bound: show the projected number of steps
             rate = step / max(time.time() - t_loop, 1e-9)
             bar.total = min(planned, max(step + 1, int(step + rate * (train_deadline - time.time()))))
         bar.update(1)
         bar.set_postfix_str(f"loss {ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in ema_acc)
-                            + f" tau {ema_tau:.2f} lr {cur:.1e}",
+                            + f" tau {ema_tau:.2f} (all bases {ema_tau_all:.2f}) lr {cur:.1e}",
                             refresh=False)
         if config.checkpoint_every and step - last_ck >= config.checkpoint_every and step < planned:
-            save_checkpoint(ck_dir, drafter, opt, {
-                "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
-                "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen, "aux_layers": list(captured),
-                "train_seconds": time.time() - t_loop})
+            checkpoint()
             last_ck = step
     bar.close()
+    if config.keep_checkpoint and last_ck < step < planned:  # cut by the time budget: a --resume call goes on here
+        checkpoint()
     minutes_train = (time.time() - t_loop) / 60
 
     # 5. save -------------------------------------------------------------------------------
@@ -1030,8 +1082,11 @@ def train_draft(config: TrainConfig) -> TrainResult:
     save_drafter(drafter, cfg, out)
     val_acc = val_tau = None
     if config.val_data:
-        val_acc, val_tau = validate(drafter, target, config.val_data, tok, eos_id, config.ttt_steps, draft_ids_dev,
-                                    max_len, config.batch_tokens)
+        held_out = split_long(tokenize_records(read_records(config.val_data, eos_id), tok, eos_id), max_len)
+    if held_out:
+        # all of --val-samples (the run's own kind of sample); 8 batches of --val-data, which on CPU cost as much as steps
+        val_acc, val_tau = validate(drafter, target, *held_out, config.ttt_steps, draft_ids_dev, config.batch_tokens,
+                                    None if config.val_samples else 8)
         log("validation top-1 agreement per step: " + " ".join(f"{a:.3f}" for a in val_acc)
             + f"; greedy acceptance length {val_tau:.3f}")
     res = TrainResult(out_dir=str(out), steps=step, samples=len(samples), tokens=n_tokens, regenerated=n_regen,
@@ -1040,6 +1095,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
                       final_loss=round(ema_loss or float("nan"), 4),
                       final_acc=[round(a, 4) for a in (ema_acc or [])],
                       final_accept_length=round(ema_tau, 4) if ema_tau is not None else None,
+                      final_accept_length_all_bases=round(ema_tau_all, 4) if ema_tau_all is not None else None,
                       val_acc=val_acc, val_accept_length=val_tau)
     del target
     if config.eval_prompts:
@@ -1058,21 +1114,22 @@ def train_draft(config: TrainConfig) -> TrainResult:
 
 
 @torch.no_grad()
-def validate(drafter, target, path, tok, eos_id, steps, draft_ids, max_len, batch_tokens, max_batches: int = 8):
-    docs, starts = split_long(tokenize_records(read_records(path, eos_id), tok, eos_id), max_len)
+def validate(drafter, target, docs: list[list[int]], starts: list[int], steps: int, draft_ids, batch_tokens: int,
+             max_batches: int | None):
+    """Per-step top-1 agreement and the greedy acceptance length it implies (`chain_acceptance`
+    over the bases a run of cycles visits) on held-out data: (agreement per step, acceptance
+    length). The length is the engine's only where the held-out text is the target's own greedy
+    output (regenerated); on other text it scores drafts against the target's predictions of
+    someone else's tokens."""
     gen = torch.Generator().manual_seed(1234)
-    """Per-step top-1 agreement and the greedy acceptance length it implies (`chain_acceptance`)
-    on held-out data: (agreement per step, acceptance length). The length is the engine's only
-    where the held-out text is the target's own greedy output (regenerated); on other text it
-    scores drafts against the target's predictions of someone else's tokens."""
     hits = [0.0] * steps
     n = [0] * steps
     accepted, bases = [0] * steps, 0
     for idx in make_batches(docs, batch_tokens, gen)[:max_batches]:
         ids, lengths, starts_b = collate(docs, starts, idx, target.device)
         feats, hidden = target(ids)
-        _, accs, counts, (acc_k, b) = ttt_loss(drafter, target, ids, lengths, starts_b, feats.float(), hidden.float(), steps,
-                                               draft_ids)
+        _, accs, counts, _, (acc_k, b) = ttt_loss(drafter, target, ids, lengths, starts_b, feats.float(),
+                                                  hidden.float(), steps, draft_ids)
         for k in range(steps):
             hits[k] += accs[k] * counts[k]
             n[k] += counts[k]

@@ -33,6 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--data", help=".jsonl (\"text\" or chat \"messages\"), .txt, .npy token stream, or a folder")
     p.add_argument("--out", required=True, help="drafter output directory (config.json + model.safetensors)")
     p.add_argument("--val-data", help="held-out data for the per-step agreement report (same formats as --data)")
+    p.add_argument("--val-samples", type=int, default=0, metavar="N",
+                   help="hold the last N training samples out (regenerated ones: the target's own answers) "
+                        "and report agreement and acceptance length on them at the end")
     p.add_argument("--from", dest="from_dir", help="fine-tune this existing drafter instead of starting fresh")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="draft vocabulary size: the N most frequent target tokens (default min(32000, vocab))")
@@ -62,7 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regen-batch", type=int, default=64, help="sequences generated at once")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints in OUT/checkpoint")
     p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
-    p.add_argument("--keep-checkpoint", action="store_true", help="keep OUT/checkpoint after finishing")
+    p.add_argument("--keep-checkpoint", action="store_true",
+                   help="keep OUT/checkpoint after finishing (a run its time budget ends saves one there)")
+    p.add_argument("--lr-minutes", type=float, default=None,
+                   help="training minutes the lr schedule spans, over all --resume calls of a run (default: to "
+                        "the end of this call's --max-minutes)")
     p.add_argument("--seed", type=int, default=0, help="seed of data order, initial weights and sampling")
     p.add_argument("--device", default="auto", type=device_name, help="cpu, cuda, cuda:N or auto")
     p.add_argument("--threads", type=int, default=None,
