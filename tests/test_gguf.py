@@ -284,3 +284,27 @@ def test_the_hf_bench_peer_loads_a_gguf(tiny_gguf):
     llm = LLM(model=str(tiny_gguf), device="cpu", dtype="float32", max_model_len=64, max_num_seqs=1)
     want = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0].token_ids
     assert got == want
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_writes_its_own_instruction_prompts(tmp_path, monkeypatch):
+    """benchmarks/synth_prompts.py: the template up to a user turn's content is the prompt, and the
+    sampled continuations are finished, distinct user requests that train-draft reads as chat records."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import synth_prompts
+    from specserve.engine.tokenizer import Tokenizer
+    from specserve.model.gguf import find_gguf
+    from specserve.train.data import read_records
+
+    tok = Tokenizer(find_gguf(SMOLLM2))
+    assert tok.decode(synth_prompts.user_prefix(tok), skip_special_tokens=False).endswith("<|im_start|>user\n")
+    out = tmp_path / "p.jsonl.gz"
+    monkeypatch.setattr(sys, "argv", ["synth_prompts.py", str(out), "--model", SMOLLM2, "--count", "6",
+                                      "--max-tokens", "64", "--device", "cpu"])
+    synth_prompts.main()
+    texts = [r.messages[0]["content"] for r in read_records(out)]
+    assert 1 <= len(texts) <= 6 and len({t.casefold() for t in texts}) == len(texts)
+    assert all(len(t) >= 8 and "<|im_" not in t for t in texts)
