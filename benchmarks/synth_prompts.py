@@ -44,12 +44,8 @@ def synthesize(model: str, count: int, max_tokens: int, temperature: float, seed
     tok = Tokenizer(path)
     prefix = user_prefix(tok)
     ends = set(tok.eos_token_ids) | ({tok.end_of_turn_id} if tok.end_of_turn_id is not None else set())
-    if device == "auto":
-        import torch
-
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     samples, _ = regenerate_samples(path, [prefix] * count, max_tokens, temperature, seed, device,
-                                    min(batch, count), None, ends)
+                                    batch, None, ends)
     seen, out = set(), []
     for ids in samples:
         request = ids[len(prefix):]
@@ -70,7 +66,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128, help="longest request in tokens")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--device", default="auto")
+    ap.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto (as the engine takes it)")
     ap.add_argument("--batch", type=int, default=1024, help="requests sampled at once")
     args = ap.parse_args()
     if args.count < 1 or args.max_tokens < 1 or args.temperature <= 0:

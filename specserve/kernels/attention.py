@@ -33,6 +33,13 @@ if triton is not None:
         return row * c_row + offs_n * c_pos
 
     @triton.jit
+    def key_range(sp, CHUNK: tl.constexpr, length, limit):
+        """Keys [lo, hi) of split sp: its chunk, cut at the cache length and at the last key any of
+        the program's query rows may see (so a split wholly past them has lo >= hi)."""
+        lo = sp * CHUNK
+        return lo, tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
+
+    @triton.jit
     def softmax_tile(s, offs_n, kmask, limit, anc, tbase, m_i, l_i, TREE: tl.constexpr):
         """One key tile of the online softmax: scores s [rows, keys] of the keys offs_n, each row
         seeing keys up to its limit and, with a tree, those at or past tbase only where its
@@ -86,8 +93,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
         row = (row_start + b).to(tl.int64)
-        lo = sp * CHUNK
-        hi = tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
+        lo, hi = key_range(sp, CHUNK, length, limit)
         # A loop bound known only at run time: tiles past `hi` are never visited, and the loads of
         # one tile overlap the math of the one before (num_stages), paged or not.
         for start in range(lo, hi, BLOCK_N):
@@ -150,6 +156,14 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def key_splits(length: int, block_n: int, programs: int, sm_count: int) -> tuple[int, int]:
+    """(splits, keys per split, a multiple of block_n) for `programs` programs per split over a
+    cache of `length` keys: enough splits to cover the GPU at small batches, one at large ones."""
+    n_split = max(1, min(triton.cdiv(length, block_n), triton.cdiv(2 * sm_count, programs)))
+    chunk = triton.cdiv(triton.cdiv(length, n_split), block_n) * block_n
+    return triton.cdiv(length, chunk), chunk
+
+
 def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scratch: int, scale: float,
                            sm_count: int | None = None, tree_base=None, tree_anc=None, block_table=None,
                            block_size: int = 0) -> torch.Tensor:
@@ -165,10 +179,7 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
     G = H // n_kv
     sm_count = sm_count or _sm_count(q.device)
     block_q = max(16, triton.next_power_of_2(G * T))
-    # enough programs to cover the GPU at small batches; one chunk each at large ones
-    n_split = max(1, min(triton.cdiv(length, ATTN_BLOCK_N), triton.cdiv(2 * sm_count, B * n_kv)))
-    chunk = triton.cdiv(triton.cdiv(length, n_split), ATTN_BLOCK_N) * ATTN_BLOCK_N
-    n_split = triton.cdiv(length, chunk)
+    n_split, chunk = key_splits(length, ATTN_BLOCK_N, B * n_kv, sm_count)
     part = torch.empty(B * n_kv * n_split * block_q, D, dtype=torch.float32, device=q.device)
     ml = torch.empty(B * n_kv * n_split * block_q, 2, dtype=torch.float32, device=q.device)
     tree = tree_anc is not None

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.attention import _sm_count
+from specserve.kernels.attention import _sm_count, key_splits
 from specserve.kernels.common import interpreted, pdl_args, triton, use_triton
 
 if triton is not None:
     import triton.language as tl
 
-    from specserve.kernels.attention import key_offsets, softmax_tile, split_weights, tree_bits
+    from specserve.kernels.attention import key_offsets, key_range, softmax_tile, split_weights, tree_bits
     from specserve.kernels.common import wait_for_previous
 
     @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch",
@@ -61,8 +61,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, L], tl.float32)
         row = (row_start + b).to(tl.int64)
-        lo = sp * CHUNK
-        hi = tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
+        lo, hi = key_range(sp, CHUNK, length, limit)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             kmask = offs_n < hi
@@ -157,10 +156,7 @@ def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx
     block_q = max(16, triton.next_power_of_2(bh * T))
     n_hb = triton.cdiv(H, bh)
     sm_count = sm_count or _sm_count(q.device)
-    # enough programs to cover the GPU at small batches; one chunk each at large ones
-    n_split = max(1, min(triton.cdiv(length, LATENT_BLOCK_N), triton.cdiv(2 * sm_count, B * n_hb)))
-    chunk = triton.cdiv(triton.cdiv(length, n_split), LATENT_BLOCK_N) * LATENT_BLOCK_N
-    n_split = triton.cdiv(length, chunk)
+    n_split, chunk = key_splits(length, LATENT_BLOCK_N, B * n_hb, sm_count)
     out = torch.empty(B, T, H, L, dtype=q.dtype, device=q.device)
     one = n_split == 1
     rows = 1 if one else B * n_hb * n_split * block_q  # no partials when one split holds every key
