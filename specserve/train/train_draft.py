@@ -304,9 +304,9 @@ def ttt_forward(drafter, feats: torch.Tensor, next_ids: torch.Tensor, steps: int
 
 
 def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor,
-                     first: torch.Tensor | None = None) -> tuple[list[int], int]:
-    """What greedy verification accepts of the chain drafted at every base position, or with
-    `first`, at the bases a run of cycles visits.
+                     first: torch.Tensor) -> tuple[tuple[list[int], int], tuple[list[int], int]]:
+    """What greedy verification accepts of the chain drafted at every base position, and at the
+    bases a run of cycles visits from each row's first base `first` [B] (the prompt's last entry).
 
     hits[k] [B, T]: step k at index t (the chain based at t - k) drafts the target's own next
     token. Draft k of the chain based at b is accepted iff steps 0..k all hit; while they do, the
@@ -316,20 +316,18 @@ def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor,
     base counts when its whole chain lies among them.
 
     Every base weighs each stretch of easy tokens once per position in it, where the engine
-    drafts it in one cycle and then moves past it. With `first` [B] (each row's first base,
-    the prompt's last entry) only the engine's bases count: from there, a cycle that accepts a
-    drafts is followed by the one based a + 1 entries later. That is the engine's acceptance on
-    the same sequences, and lower. Returns (accepted drafts per chain position, bases counted)."""
+    drafts it in one cycle and then moves past it. Counting only the engine's bases (from
+    `first`, a cycle that accepts a drafts is followed by the one based a + 1 entries later) gives
+    the engine's acceptance on the same sequences, which is lower. Returns ((accepted drafts per
+    chain position, bases counted) at every base, (the same, cycles counted) along the cycles)."""
     K = len(hits)
     bases = real & F.pad(real[:, K - 1:], (0, K - 1), value=False)
     ok = bases
-    accepted, runs = [], torch.zeros_like(real, dtype=torch.long)
+    every, runs = [], torch.zeros_like(real, dtype=torch.long)
     for k, h in enumerate(hits):
         ok = ok & F.pad(h[:, k:], (0, k), value=False)  # step k of the chain based at b sits at b + k
-        accepted.append(int(ok.sum()))
+        every.append(int(ok.sum()))
         runs += ok
-    if first is None:
-        return accepted, int(bases.sum())
     accepted, cycles = [0] * K, 0
     T = real.shape[1]
     for row_bases, row_runs, b in zip(bases.tolist(), runs.tolist(), first.tolist()):
@@ -338,7 +336,7 @@ def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor,
                 accepted[j] += 1
             cycles += 1
             b += row_runs[b] + 1
-    return accepted, cycles
+    return (every, int(bases.sum())), (accepted, cycles)
 
 
 def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
@@ -383,7 +381,7 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
             hits.append(hit)
             accs.append(float((hit & mask).sum()) / max(n, 1))
             counts.append(n)
-    return total / norm, accs, counts, chain_acceptance(hits, real), chain_acceptance(hits, real, first.view(-1))
+    return (total / norm, accs, counts, *chain_acceptance(hits, real, first.view(-1)))
 
 
 # ---------------------------------------------------------------------------------------------
