@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=5)
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--batch-invariant", action="store_true", help="time the tree's --batch-invariant GEMV shape")
     ap.add_argument("--out")
     args = ap.parse_args()
     sys.path.insert(0, str(Path(args.tree).resolve()))
@@ -47,13 +48,14 @@ def main() -> None:
         write_eagle3_drafter(draft)
     t0 = time.perf_counter()
     cfg = EngineConfig(model=str(target), draft=str(draft), spec_steps=args.k, max_num_seqs=max(args.batches),
-                       max_model_len=args.context + 64, device="cuda", graph_batch_sizes=tuple(args.batches))
+                       max_model_len=args.context + 64, device="cuda", graph_batch_sizes=tuple(args.batches),
+                       **({"batch_invariant": True} if args.batch_invariant else {}))
     runner = ModelRunner(cfg)
     if hasattr(runner, "reserve_every_row"):
         runner.reserve_every_row()
     runner.capture_graphs([args.k])
     res = {"tree": specserve.__file__, "load_s": time.perf_counter() - t0, "gpu": torch.cuda.get_device_name(),
-           "context": args.context, "K": args.k, "decode_ms": {}, "verify_ms": {}, "draft_ms": {}}
+           "context": args.context, "K": args.k, "batch_invariant": args.batch_invariant, "decode_ms": {}, "verify_ms": {}, "draft_ms": {}}
 
     K = args.k
     with torch.inference_mode():

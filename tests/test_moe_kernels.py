@@ -312,7 +312,7 @@ def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
     order and dequantization on it, are within a few bf16 steps of the reference loop."""
     m = MoEConfig(num_experts=16, top_k=8, intermediate_size=2048, scoring="softmax", norm_topk_prob=True,
                   routed_scaling_factor=1.0, n_group=1, topk_group=1, shared_intermediate_size=0, dense_layers=())
-    quant = QuantConfig(groups=((("Linear",), Int4Weights(32, True)),))
+    quant = QuantConfig(groups=((("Linear",), Int4Weights(32, True)),), ignore=())
     with torch.device("cuda"):
         moe = MoE(7168, m, quant=quant, prefix="model.layers.1.mlp.").to(torch.bfloat16).requires_grad_(False)
     g = torch.Generator(device="cuda").manual_seed(tokens)

@@ -388,8 +388,8 @@ FLOAT_TILES = Tiles()
 # decode's few pairs (8 measured) fill too few blocks to occupy the GPU unless each program
 # takes a quarter of the input columns; from 32 pairs on, wider tiles without a split win.
 INT4_FEW_PAIRS = 16
-INT4_FEW_TILES = Tiles(block_n=64, block_k=64, split_k=4, swap=True)
-INT4_TILES = Tiles(block_n=128, block_k=64, swap=True)
+INT4_FEW_TILES = Tiles(block_n=64, block_k=64, split_k=4, swap=True, dequant="bits")
+INT4_TILES = Tiles(block_n=128, block_k=64, swap=True, dequant="bits")
 
 
 def default_tiles(pairs: int, int4: bool) -> Tiles:
