@@ -703,7 +703,8 @@ def measure_acceptance(target_dir: str, draft_dir: str, prompts, spec_steps: int
 
 def save_checkpoint(path: Path, drafter, opt, state: dict) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    blob = {"drafter": {k: v.detach().cpu() for k, v in drafter.state_dict().items() if not k.startswith("target_embed.")},
+    own = {k: v for k, v in drafter.state_dict().items() if not k.startswith("target_embed.")}  # not the target's table
+    blob = {"drafter": {k: v.detach().cpu() for k, v in own.items()},
             "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(), **state}
     tmp = path / "state.pt.tmp"
     torch.save(blob, tmp)
@@ -1031,9 +1032,9 @@ def train_draft(config: TrainConfig) -> TrainResult:
     step, epoch, pos_in_epoch, train_seconds = 0, 0, 0, 0.0
     if state is not None:
         if [n for n, _ in named] != state["trainable"]:  # the optimizer's moments are matched to weights by position
-            raise ConfigError(f"--resume: the checkpoint trains {len(state['trainable'])} weights, this train-draft's "
-                              f"rebuilt drafter {len(named)}: the checkpoint is from another version; start the run again "
-                              "without --resume")
+            raise ConfigError(f"--resume: the checkpoint trains {len(state['trainable'])} weights, this "
+                              f"train-draft's rebuilt drafter {len(named)}: the checkpoint is from another version; "
+                              "start the run again without --resume")
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         gen.set_state(state["gen"])
