@@ -14,7 +14,7 @@
 # A run longer than one call: WORK=a folder under /tmp (it persists while the machine stays warm).
 # The run lives there (regenerated samples, checkpoint); each call resumes it where the last one
 # stopped (the first regenerates), trains for MINUTES, keeps its checkpoint and sends the drafter
-# back; LR_MINUTES=the training minutes of all calls together, which one lr cosine spans. Calls
+# back (a fine-tune's calls may all pass FROM, or only the first: the checkpoint holds the drafter); LR_MINUTES=the training minutes of all calls together, which one lr cosine spans. Calls
 # before the last take SKIP_BENCH=1. VAL_SAMPLES=N holds the last N regenerated samples out of training
 # and reports the drafter's agreement and acceptance length on them after each call (the log's
 # "validation" line; training_summary.json's val_*): the drafter on unseen prompts of its own kind.

@@ -402,11 +402,56 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_pair):
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=0, msg=k)
 
 
-def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path, monkeypatch):
+def test_resume_of_a_fine_tune_rebuilds_its_drafter(tiny_pair, tmp_path):
+    """A fine-tune (--from, here a drafter that ships its own embedding) stopped after a checkpoint
+    resumes to the weights of one uninterrupted run, from the checkpoint alone (without --from) and
+    with --from repeated; its default fine-tune lr goes on. A different --from or shape is refused."""
+    root, target = tiny_pair
+    src = make_drafter(tmp_path / "src", target, layout="sglang", draft_vocab=150, aux_ids=[0, 1, 0],
+                       with_embedding=True)
+    kw = {"ttt_steps": 2, "warmup": 1, "max_steps": 4, "batch_tokens": 512, "max_len": 64, "device": "cpu",
+          "progress": False, "checkpoint_every": 2, "keep_checkpoint": True}
+    data = str(root / "data.txt")
+    td.train_draft(td.TrainConfig(str(target), str(tmp_path / "full"), data, from_dir=str(src), **kw))
+    full = load_file(str(tmp_path / "full" / "model.safetensors"))
+    shipped = load_file(str(src / "model.safetensors"))["embed_tokens.weight"].to(torch.bfloat16)
+    assert torch.equal(full["embed_tokens.weight"], shipped)  # a shipped embedding is not trained
+    for name, from_dir in (("bare", None), ("again", str(src))):
+        shutil.copytree(tmp_path / "full" / "checkpoint", tmp_path / name / "checkpoint")
+        res = td.train_draft(td.TrainConfig(str(target), str(tmp_path / name), None, resume=True, from_dir=from_dir,
+                                            **kw))
+        assert res.steps == 4 and res.draft_vocab == 150
+        assert json.loads((tmp_path / name / "config.json").read_text()) == json.loads(
+            (tmp_path / "full" / "config.json").read_text())
+        b = load_file(str(tmp_path / name / "model.safetensors"))
+        assert full.keys() == b.keys()
+        for k in full:
+            torch.testing.assert_close(full[k], b[k], rtol=0, atol=0, msg=f"{name}: {k}")
+    part = str(tmp_path / "bare")
+    other = make_drafter(tmp_path / "other", target, layout="sglang", draft_vocab=150, aux_ids=[0, 1, 0])
+    with pytest.raises(ConfigError, match="--from .*other differs from the checkpoint's --from .*src"):
+        td.train_draft(td.TrainConfig(str(target), part, None, resume=True, from_dir=str(other), **kw))
+    with pytest.raises(ConfigError, match="--draft-intermediate 96 differs from the checkpoint's 64"):
+        td.train_draft(td.TrainConfig(str(target), part, None, resume=True, draft_intermediate=96, **kw))
+    with pytest.raises(ConfigError, match="--draft-vocab 99 differs from the checkpoint's 150"):
+        td.train_draft(td.TrainConfig(str(target), part, None, resume=True, draft_vocab=99, **kw))
+    with pytest.raises(ConfigError, match="--lr 0.01 differs from the checkpoint's 5e-05"):
+        td.train_draft(td.TrainConfig(str(target), part, None, resume=True, lr=1e-2, **kw))
+    # a fresh run's checkpoint is not turned into a fine-tune
+    td.train_draft(td.TrainConfig(str(target), str(tmp_path / "fresh"), data, draft_vocab=100, **kw))
+    with pytest.raises(ConfigError, match="the checkpoint's run trains a fresh drafter"):
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "fresh"), None, resume=True, from_dir=str(src), **kw))
+
+
+@pytest.mark.parametrize("fine_tune", [False, True])
+def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path, monkeypatch, fine_tune):
     """Calls of a run too long for one (each with its own --max-minutes): the time budget ends the
     first at some step, which its kept checkpoint holds; --resume goes on from there, and with
-    --lr-minutes the learning rate follows one cosine over both calls' training time."""
+    --lr-minutes the learning rate follows one cosine over both calls' training time. A fine-tune's
+    (--from, its default lr) goes on from the checkpoint alone."""
     root, target = tiny_pair
+    src = make_drafter(tmp_path / "src", target, layout="sglang", draft_vocab=100, aux_ids=[0, 1, 0])
+    peak = 5e-5 if fine_tune else 1e-2
     now = [1e9]
 
     class Clock:  # every reading advances 0.5 s: a budget ends after a fixed number of readings
@@ -426,12 +471,13 @@ def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path,
         return step(self, *a, **k)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", record)
-    kw = {"draft_vocab": 100, "ttt_steps": 2, "lr": 1e-2, "warmup": 1, "epochs": 1000.0, "batch_tokens": 512,
-          "max_len": 64, "device": "cpu", "threads": 1, "progress": False, "keep_checkpoint": True,
+    kw = {"draft_vocab": 100, "ttt_steps": 2, "lr": None if fine_tune else peak, "warmup": 1, "epochs": 1000.0,
+          "batch_tokens": 512, "max_len": 64, "device": "cpu", "threads": 1, "progress": False, "keep_checkpoint": True,
           "minutes": 1.0, "lr_minutes": 2.0}
     out = str(tmp_path / "d")
     lrs.append([])
-    first = td.train_draft(td.TrainConfig(str(target), out, str(root / "data.txt"), **kw))
+    first = td.train_draft(td.TrainConfig(str(target), out, str(root / "data.txt"),
+                                          from_dir=str(src) if fine_tune else None, **kw))
     state = torch.load(tmp_path / "d" / "checkpoint" / "state.pt", weights_only=True)
     assert 5 < first.steps == state["step"] == len(lrs[0])
     lrs.append([])
@@ -439,7 +485,7 @@ def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path,
     assert second.steps == first.steps + len(lrs[1]) and len(lrs[1]) > 5
     lr = lrs[0][1:] + lrs[1]  # after the one warm-up step
     assert all(b < a for a, b in zip(lr, lr[1:])), lr  # one decreasing cosine across the two calls
-    assert lr[-1] > 0.1 * 1e-2  # 2 schedule minutes are more than both calls trained
+    assert lr[0] < peak and lr[-1] > 0.1 * peak  # 2 schedule minutes are more than both calls trained
     with pytest.raises(ConfigError, match="--val-samples 2 differs from the checkpoint's 0"):
         td.train_draft(td.TrainConfig(str(target), out, None, resume=True, **{**kw, "val_samples": 2}))
     with pytest.raises(ConfigError, match="--lr-minutes must be positive"):
@@ -469,8 +515,13 @@ def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
     root, target = tiny_pair
     src = make_drafter(tmp_path / "src", target, layout="sglang", draft_vocab=150, aux_ids=[0, 0, 0])
     res = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "ft"), str(root / "data.txt"), from_dir=str(src), max_steps=2,
-                         lr=1e-3, batch_tokens=512, max_len=64, device="cpu", progress=False))
+                         lr=1e-3, batch_tokens=512, max_len=64, device="cpu", progress=False, checkpoint_every=1,
+                         keep_checkpoint=True))
     assert res.draft_vocab == 150
+    # the drafter reads the target's embedding and trains only its own weights (the checkpoint holds those)
+    state = torch.load(tmp_path / "ft" / "checkpoint" / "state.pt", weights_only=True)
+    assert state["trainable"] == [n for n in state["drafter"] if n not in ("d2t", "t2d")]
+    assert "fc.weight" in state["trainable"] and not any(n.startswith("target_embed") for n in state["drafter"])
     cfg = json.loads((tmp_path / "ft" / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, 0]  # taps kept
     before, after = load_file(str(src / "model.safetensors")), load_file(str(tmp_path / "ft" / "model.safetensors"))

@@ -167,15 +167,32 @@ def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[i
     return cfg
 
 
+# Weights a drafter holds that training leaves as they are: a shipped embedding is the target's
+# token space as the drafter learned it, and target_embed is the target's own table, which the
+# drafter only reads (it is registered as a submodule, so it shows up among the drafter's weights).
+FROZEN = ("embed_tokens.", "target_embed.")
+
+
+def trainable(drafter) -> list[tuple[str, torch.nn.Parameter]]:
+    """The (name, weight) pairs the optimizer updates, in its order. Also sets requires_grad to match."""
+    named = list(drafter.named_parameters())
+    for n, p in named:
+        p.requires_grad_(not n.startswith(FROZEN))
+    return [(n, p) for n, p in named if p.requires_grad]
+
+
+def _blank_drafter(cfg: dict, target: FrozenTarget, has_embedding: bool):
+    from specserve.model.eagle3 import Eagle3Drafter
+
+    return Eagle3Drafter(DraftConfig.from_hf_dict(cfg), target.max_len, has_embedding).to(target.device, torch.float32)
+
+
 def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: int):
     """A fresh drafter. Warm start: the final norm and the lm_head rows of the draft
     vocabulary are copied from the target (so its output space starts as the target's);
     the decoder layer and fc keep PyTorch's default init."""
-    from specserve.model.eagle3 import Eagle3Drafter
-
     torch.manual_seed(seed)
-    dcfg = DraftConfig.from_hf_dict(cfg)
-    d = Eagle3Drafter(dcfg, target.max_len, has_embedding=False).to(target.device, torch.float32)
+    d = _blank_drafter(cfg, target, has_embedding=False)
     t = target.model
     head = t.embed_tokens.weight if t.lm_head is None else t.lm_head.weight
     with torch.no_grad():
@@ -190,10 +207,15 @@ def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: 
 def load_existing(draft_dir: str, target: FrozenTarget):
     from specserve.model.loader import load_drafter
 
-    d = load_drafter(draft_dir, target.model, target.device, torch.float32, target.max_len)
-    d.train().requires_grad_(True)
-    if d.embed_tokens is not None:
-        d.embed_tokens.requires_grad_(False)  # shipped as is: the target's token space
+    return load_drafter(draft_dir, target.model, target.device, torch.float32, target.max_len)
+
+
+def resumed_drafter(state: dict, target: FrozenTarget):
+    """The checkpoint's drafter, rebuilt from what the checkpoint records alone (its config, and
+    whether it carries an embedding of its own), whichever way the run built it at first."""
+    weights = state["drafter"]
+    d = _blank_drafter(state["drafter_config"], target, has_embedding="embed_tokens.weight" in weights)
+    d.load_state_dict({k: v.to(target.device) for k, v in weights.items()})
     return d
 
 
@@ -681,7 +703,8 @@ def measure_acceptance(target_dir: str, draft_dir: str, prompts, spec_steps: int
 
 def save_checkpoint(path: Path, drafter, opt, state: dict) -> None:
     path.mkdir(parents=True, exist_ok=True)
-    blob = {"drafter": {k: v.detach().cpu() for k, v in drafter.state_dict().items()},
+    own = {k: v for k, v in drafter.state_dict().items() if not k.startswith("target_embed.")}  # not the target's table
+    blob = {"drafter": {k: v.detach().cpu() for k, v in own.items()},
             "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(), **state}
     tmp = path / "state.pt.tmp"
     torch.save(blob, tmp)
@@ -692,7 +715,32 @@ def load_checkpoint(path: Path) -> dict:
     f = path / "state.pt"
     if not f.exists():
         raise ConfigError(f"--resume: no checkpoint at {f}")
-    return torch.load(f, map_location="cpu", weights_only=True)
+    state = torch.load(f, map_location="cpu", weights_only=True)
+    if "drafter_config" not in state:
+        raise ConfigError(f"--resume: {f} does not record the drafter it trains (an older train-draft wrote it); "
+                          "start the run again without --resume")
+    return state
+
+
+def check_resume(config: TrainConfig, state: dict, ck_dir: Path) -> None:
+    """Refuse flags of a --resume call that contradict the run its checkpoint holds: the resumed
+    drafter and optimizer are rebuilt from the checkpoint, so a differing flag would be ignored."""
+    if config.from_dir and state["from_dir"] is None:
+        raise ConfigError(f"--from {config.from_dir}: the checkpoint's run trains a fresh drafter; resume it without "
+                          f"--from, or fine-tune in another --out than {ck_dir.parent}")
+    if config.from_dir and str(Path(config.from_dir).resolve()) != state["from_dir"]:
+        raise ConfigError(f"--from {config.from_dir} differs from the checkpoint's --from {state['from_dir']}: a "
+                          "resumed run goes on fine-tuning its own drafter; pass that --from or none")
+    cfg = state["drafter_config"]
+    for flag, given, recorded, why in (
+            ("--val-samples", config.val_samples, state["val_samples"], "a resumed run holds out the same samples"),
+            ("--max-len", config.max_len, state["max_len"], "its batches index the samples cut at that length"),
+            ("--draft-vocab", config.draft_vocab, cfg["draft_vocab_size"], "a resumed run keeps its drafter's shape"),
+            ("--draft-intermediate", config.draft_intermediate, cfg["intermediate_size"],
+             "a resumed run keeps its drafter's shape"),
+            ("--lr", config.lr, state["lr"], "a resumed run goes on with its lr schedule")):
+        if given is not None and given != recorded:
+            raise ConfigError(f"{flag} {given} differs from the checkpoint's {recorded}: {why}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -893,9 +941,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
         elif not (ck_dir / "regenerated.jsonl").exists():
             raise ConfigError(f"--resume: nothing to resume in {ck_dir}")
     if state is not None:
-        if state.get("val_samples", 0) != config.val_samples:  # its batches index the samples left to train on
-            raise ConfigError(f"--val-samples {config.val_samples} differs from the checkpoint's "
-                              f"{state.get('val_samples', 0)}: a resumed run holds out the same samples")
+        check_resume(config, state, ck_dir)
         log(f"resuming from {ck_dir} at step {state['step']}")
 
     # 1-2. data (+ regeneration) -------------------------------------------------------------
@@ -930,10 +976,10 @@ def train_draft(config: TrainConfig) -> TrainResult:
     # 3. target, drafter, vocabulary --------------------------------------------------------
     tdtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     kept = None  # (whose, taps) that a fine-tune or a resumed run must keep
-    if config.from_dir:
-        kept = ("the --from drafter's", resolve_aux_layers(DraftConfig.from_dir(config.from_dir), tcfg.num_layers))
-    elif state is not None and "aux_layers" in state:
+    if state is not None:
         kept = ("the checkpoint's", tuple(state["aux_layers"]))
+    elif config.from_dir:
+        kept = ("the --from drafter's", resolve_aux_layers(DraftConfig.from_dir(config.from_dir), tcfg.num_layers))
     if kept is not None:
         captured = kept[1]
         if config.aux_layer_ids is not None and tuple(i + 1 for i in config.aux_layer_ids) != captured:
@@ -945,7 +991,9 @@ def train_draft(config: TrainConfig) -> TrainResult:
     else:
         captured = default_aux_layers(tcfg.num_layers)
     target = FrozenTarget(config.target_dir, dev, tdtype, max_len, captured)
-    if config.from_dir:
+    if state is not None:  # flags that would shape it differently were refused by check_resume
+        drafter, cfg, draft_ids = resumed_drafter(state, target), state["drafter_config"], state["draft_ids"]
+    elif config.from_dir:
         drafter = load_existing(config.from_dir, target)
         draft_ids = draft_vocab_ids(drafter).cpu()
         if config.draft_vocab and config.draft_vocab != draft_ids.numel():
@@ -956,10 +1004,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
             raise ConfigError(f"--draft-intermediate {config.draft_intermediate} differs from the --from drafter's "
                               f"{cfg['intermediate_size']} (fine-tuning keeps the drafter's shape)")
     else:
-        if state is not None:
-            draft_ids = state["draft_ids"]
-        else:
-            draft_ids = select_draft_vocab(scored, tcfg.vocab_size, config.draft_vocab or min(32000, tcfg.vocab_size), eos)
+        draft_ids = select_draft_vocab(scored, tcfg.vocab_size, config.draft_vocab or min(32000, tcfg.vocab_size), eos)
         if config.draft_intermediate is not None and config.draft_intermediate < 1:
             raise ConfigError(f"--draft-intermediate must be positive, got {config.draft_intermediate}")
         cfg = drafter_config(tcfg, draft_ids, captured, intermediate=config.draft_intermediate)
@@ -976,12 +1021,20 @@ def train_draft(config: TrainConfig) -> TrainResult:
     draft_ids_dev = draft_ids.to(dev)
     cache = FeatureCache(target, samples, starts, feature_cache_bytes(dev, config.feature_cache_gb))
 
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    lr = config.lr if config.lr is not None else 5e-5 if config.from_dir else 1e-3
+    named = trainable(drafter)
+    params = [p for _, p in named]
+    if state is not None:
+        lr, from_dir = state["lr"], state["from_dir"]
+    else:
+        from_dir = str(Path(config.from_dir).resolve()) if config.from_dir else None
+        lr = config.lr if config.lr is not None else 5e-5 if from_dir else 1e-3
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     step, epoch, pos_in_epoch, train_seconds = 0, 0, 0, 0.0
     if state is not None:
-        drafter.load_state_dict({k: v.to(dev) for k, v in state["drafter"].items()})
+        if [n for n, _ in named] != state["trainable"]:  # the optimizer's moments are matched to weights by position
+            raise ConfigError(f"--resume: the checkpoint trains {len(state['trainable'])} weights, this "
+                              f"train-draft's rebuilt drafter {len(named)}: the checkpoint is from another version; "
+                              "start the run again without --resume")
         opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         gen.set_state(state["gen"])
@@ -1019,7 +1072,8 @@ def train_draft(config: TrainConfig) -> TrainResult:
         save_checkpoint(ck_dir, drafter, opt, {
             "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
             "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen, "aux_layers": list(captured),
-            "val_samples": config.val_samples,
+            "val_samples": config.val_samples, "max_len": config.max_len, "lr": lr, "from_dir": from_dir,
+            "drafter_config": cfg, "trainable": [n for n, _ in named],
             "train_seconds": time.time() - t_loop})
 
     while step < planned:

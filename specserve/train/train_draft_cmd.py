@@ -64,7 +64,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of --max-minutes that regeneration may use")
     p.add_argument("--regen-batch", type=int, default=64, help="sequences generated at once")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints in OUT/checkpoint")
-    p.add_argument("--resume", action="store_true", help="continue from OUT/checkpoint")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from OUT/checkpoint: its drafter (fresh or --from), vocabulary, taps and lr come "
+                        "from the checkpoint, so --from may be repeated or left out; contradicting flags are refused")
     p.add_argument("--keep-checkpoint", action="store_true",
                    help="keep OUT/checkpoint after finishing (a run its time budget ends saves one there)")
     p.add_argument("--lr-minutes", type=float, default=None,
