@@ -121,11 +121,12 @@ def _held(experts, first: int) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("scheme", list(INT4_SCHEMES))
-@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("tokens", [1, 17])
 def test_fused_int4_moe_equals_reference(scheme, tokens):
     """The int4 kernels dequantize each tile as the reference dequantizes the whole expert: float32
     results match the reference loop to a float32 sum's order and equal the float kernels run on
-    the dequantized experts with the same launch shape (the int4 default for this pair count)."""
+    the dequantized experts with the same launch shape (the int4 default for this pair count: 8
+    pairs take the few-pairs one, 136 the other)."""
     moe = _moe("sigmoid-8of16", shared=False, seed=tokens, int4=scheme)
     assert (moe.w13.zero is None) == INT4_SCHEMES[scheme][1]
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
@@ -199,16 +200,16 @@ def test_fused_int4_moe_launch_shapes_in_16_bit(tiles):
 
 
 @pytest.mark.parametrize("scheme", ["g4-sym", "g8-asym", "channel-asym"])
-@pytest.mark.parametrize("tiles", ["k16", "swap"])
-def test_int4_tiles_are_the_reference_dequantized_weights(scheme, tiles):
+def test_int4_tiles_are_the_reference_dequantized_weights(scheme):
     """fp16 activations and scales: the kernels round each weight into fp16 as the reference
     does, so the int4 kernels equal the float kernels run on the reference's dequantized
     experts, with the same launch shape, bit for bit."""
     moe = _moe("softmax-8of16", shared=False, int4=scheme, **WIDE).to(DEV, torch.float16)
     x = torch.randn(3, WIDE["hidden"], generator=torch.Generator().manual_seed(4)).to(DEV, torch.float16)
     weights, ids = moe.route(x)
-    got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=TILE_VARIANTS[tiles])
-    want = fused_experts(x, weights, ids, *moe.experts_weights(torch.float16), tiles=TILE_VARIANTS[tiles])
+    tiles = TILE_VARIANTS["k16"]
+    got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=tiles)
+    want = fused_experts(x, weights, ids, *moe.experts_weights(torch.float16), tiles=tiles)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
