@@ -150,33 +150,27 @@ def distinct_experts(runner, B: int, T: int) -> list[int]:
 # Launch shapes the sweep tries besides the defaults (`kernels.moe.default_tiles`, which it
 # always times), as `kernels.moe.Tiles` keywords: the float experts' default, then the int4
 # winners' neighbours (tile widths, stages, warps, split_k, swap: Hopper's warp-group MMA wants
-# 64 rows, so only BLOCK_N >= 64 gains from swap), then both int4 defaults and two neighbours
-# with the other nibble order and dequantization (`Tiles.unpack`, `Tiles.dequant`).
+# 64 rows, so only BLOCK_N >= 64 gains from swap).
 _FEW, _MANY = dict(split_k=4, swap=True), dict(block_n=128, swap=True)
 TILES = [{}, dict(split_k=4), dict(swap=True), _FEW, _MANY, dict(block_n=128, num_stages=4, swap=True),
          dict(block_n=128, num_warps=8, swap=True), dict(block_n=64, block_k=128, swap=True),
          dict(block_n=64, block_k=128, num_stages=4, swap=True), dict(block_n=64, block_k=128, split_k=4, swap=True),
          dict(block_n=128, block_k=128, swap=True), dict(block_n=128, block_k=128, split_k=2, swap=True),
          dict(block_n=128, block_k=128, num_warps=8, swap=True)]
-TILES += [base | variant for base in (_FEW, _MANY, dict(swap=True), dict(block_n=128, block_k=128, swap=True))
-          for variant in (dict(dequant="bits"), dict(unpack="planar"), dict(unpack="planar", dequant="bits"))]
 
 
 def tiles_label(t) -> str:
-    """A launch shape in the sweep's output: "BLOCK_NxBLOCK_K wWARPS sSTAGES unpack dequant [splitN] [swap]"."""
+    """A launch shape in the sweep's output: "BLOCK_NxBLOCK_K wWARPS sSTAGES [splitN] [swap]"."""
     split = f" split{t.split_k}" if t.split_k > 1 else ""
-    return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages} {t.unpack} {t.dequant}{split}" + " swap" * t.swap
+    return f"{t.block_n}x{t.block_k} w{t.num_warps} s{t.num_stages}{split}" + " swap" * t.swap
 
 
 def sweep_tiles(moe, batches: list[int]) -> dict:
     """The routed experts alone (`fused_experts` on one layer's experts, alignment included) at
     each batch's decode, per launch shape: GPU ms of a CUDA-graph replay (no launch overhead)
-    and the experts' bytes per second; each shape's graph output checked against the default's.
-    Last, the default shape with each nibble order and dequantization, side by side."""
-    from dataclasses import replace
-
+    and the experts' bytes per second; each shape's graph output checked against the default's."""
     from specserve.kernels.gemv import graph_us
-    from specserve.kernels.moe import DEQUANTS, UNPACKS, Tiles, default_tiles, fused_experts
+    from specserve.kernels.moe import Tiles, default_tiles, fused_experts
 
     res = {}
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -215,11 +209,6 @@ def sweep_tiles(moe, batches: list[int]) -> dict:
         for k, v in row.items():
             if "error" in v:
                 print(f"  {k}: {v['error']}", flush=True)
-        if int4:
-            side = [(u, d, row.get(tiles_label(replace(default, unpack=u, dequant=d)), {}).get("ms"))
-                    for u in UNPACKS for d in DEQUANTS]
-            print("  default shape by unpack/dequant: " + ", ".join(
-                f"{u} {d} {ms:.3f} ms" if ms else f"{u} {d} -" for u, d, ms in side), flush=True)
     return res
 
 

@@ -6,7 +6,6 @@ run compiled. The reference is `MoE.forward` on the CPU (its expert loop) or `Mo
 
 from __future__ import annotations
 
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -15,9 +14,12 @@ import torch
 pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these kernels in "
                                      "its interpreter on CPU)")
 from specserve.config import MoEConfig  # noqa: E402
-from specserve.kernels.int4 import pack_int4, quantize_int4  # noqa: E402
-from specserve.kernels.moe import (INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles, align_pairs,  # noqa: E402
-                                   default_tiles, fused_experts)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4  # noqa: E402
+from specserve.kernels.moe import (INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles, _weight_tile,  # noqa: E402
+                                   align_pairs, default_tiles, fused_experts)
 from specserve.model.moe import MoE  # noqa: E402
 from specserve.model.quant import Int4Weights, QuantConfig  # noqa: E402
 
@@ -119,11 +121,12 @@ def _held(experts, first: int) -> SimpleNamespace:
 
 
 @pytest.mark.parametrize("scheme", list(INT4_SCHEMES))
-@pytest.mark.parametrize("tokens", [1, 3, 17])
+@pytest.mark.parametrize("tokens", [1, 17])
 def test_fused_int4_moe_equals_reference(scheme, tokens):
     """The int4 kernels dequantize each tile as the reference dequantizes the whole expert: float32
     results match the reference loop to a float32 sum's order and equal the float kernels run on
-    the dequantized experts with the same launch shape (the int4 default for this pair count)."""
+    the dequantized experts with the same launch shape (the int4 default for this pair count: 8
+    pairs take the few-pairs one, 136 the other)."""
     moe = _moe("sigmoid-8of16", shared=False, seed=tokens, int4=scheme)
     assert (moe.w13.zero is None) == INT4_SCHEMES[scheme][1]
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
@@ -152,25 +155,26 @@ def test_int4_experts_held_elsewhere_contribute_nothing():
 
 
 # Launch shapes beyond the defaults, at a width of 64 (gate/up) and 32 (down) input columns:
-# both int4 nibble orders and both dequantizations; BLOCK_K 16 and 64 put a tile inside one
-# group, across whole groups, or past the input's end; split_k 2 and 3 cut both kernels' inputs
-# into slices; swap multiplies with the weight tile on the left; and the two int4 defaults.
+# BLOCK_K 16 and 64 put a tile inside one group, across whole groups, or past the input's end;
+# split_k 2 and 3 cut both kernels' inputs into slices (3: uneven ones); swap multiplies with the
+# weight tile on the left; and the two int4 defaults.
 WIDE = dict(hidden=64, inter=32)
-TILE_VARIANTS = {"reshape-k16": Tiles(block_k=16),
-                 "planar-k16": Tiles(block_k=16, unpack="planar"),
-                 "planar-n16": Tiles(block_n=16, unpack="planar"),
-                 "bits": Tiles(dequant="bits"),
-                 "bits-planar-k16": Tiles(block_k=16, unpack="planar", dequant="bits"),
-                 "split2-k16-planar": Tiles(block_k=16, split_k=2, unpack="planar"),
-                 "split3-k16-bits": Tiles(block_k=16, split_k=3, dequant="bits"),
-                 "swap-planar-bits": Tiles(swap=True, unpack="planar", dequant="bits"),
-                 "swap-split2-k16": Tiles(block_k=16, split_k=2, swap=True),
+TILE_VARIANTS = {"plain": Tiles(), "k16": Tiles(block_k=16), "n16": Tiles(block_n=16),
+                 "split2-k16": Tiles(block_k=16, split_k=2), "split3-k16": Tiles(block_k=16, split_k=3),
+                 "swap": Tiles(swap=True), "swap-split2-k16": Tiles(block_k=16, split_k=2, swap=True),
                  "int4-few-pairs": INT4_FEW_TILES, "int4-many-pairs": INT4_TILES}
+# (launch shape, experts): each shape with float experts or an int4 scheme, so that every shape
+# runs int4 with and without zero points and every scheme's groups meet a tile inside one group
+# and one across several (a full product of the two is slow in the interpreter and adds nothing)
+LAUNCH_CASES = [("plain", None), ("k16", None), ("split3-k16", None), ("swap-split2-k16", None),
+                ("k16", "g4-sym"), ("k16", "g16-asym"), ("n16", "g8-asym"), ("n16", "channel-sym"),
+                ("split2-k16", "g16-asym"), ("split3-k16", "g4-sym"), ("split3-k16", "channel-asym"),
+                ("swap", "g8-asym"), ("swap-split2-k16", "channel-sym"), ("swap-split2-k16", "g4-sym"),
+                ("int4-few-pairs", "g8-asym"), ("int4-many-pairs", "g16-asym")]
 
 
-@pytest.mark.parametrize("int4", [None, "g4-sym", "g8-asym", "g16-asym", "channel-sym"])
-@pytest.mark.parametrize("tiles", list(TILE_VARIANTS))
-def test_fused_moe_launch_shapes_equal_reference(int4, tiles):
+@pytest.mark.parametrize("tiles, int4", LAUNCH_CASES)
+def test_fused_moe_launch_shapes_equal_reference(tiles, int4):
     """Every launch shape computes the same experts: float32 results match the reference loop to
     a float32 sum's order (the split slices' atomic sums are in any order)."""
     moe = _moe("sigmoid-8of16", shared=False, seed=2, int4=int4, **WIDE)
@@ -182,7 +186,7 @@ def test_fused_moe_launch_shapes_equal_reference(int4, tiles):
     torch.testing.assert_close(got, want, **F32)
 
 
-@pytest.mark.parametrize("tiles", ["reshape-k16", "bits-planar-k16", "split3-k16-bits", "swap-split2-k16"])
+@pytest.mark.parametrize("tiles", ["k16", "split3-k16", "swap-split2-k16"])
 def test_fused_int4_moe_launch_shapes_in_16_bit(tiles):
     """fp16 activations and scales: split slices round their float32 sums once, as the unsplit
     kernels do, so each launch shape stays within a few fp16 steps of the reference loop."""
@@ -196,18 +200,53 @@ def test_fused_int4_moe_launch_shapes_in_16_bit(tiles):
 
 
 @pytest.mark.parametrize("scheme", ["g4-sym", "g8-asym", "channel-asym"])
-@pytest.mark.parametrize("dequant", ["float", "bits"])
-def test_int4_tiles_are_the_reference_dequantized_weights(scheme, dequant):
-    """fp16 activations and scales: both dequantizations round each weight into fp16 as the
-    reference does, so the int4 kernels equal the float kernels run on the reference's
-    dequantized experts, with the same launch shape, bit for bit."""
+def test_int4_tiles_are_the_reference_dequantized_weights(scheme):
+    """fp16 activations and scales: the kernels round each weight into fp16 as the reference
+    does, so the int4 kernels equal the float kernels run on the reference's dequantized
+    experts, with the same launch shape, bit for bit."""
     moe = _moe("softmax-8of16", shared=False, int4=scheme, **WIDE).to(DEV, torch.float16)
     x = torch.randn(3, WIDE["hidden"], generator=torch.Generator().manual_seed(4)).to(DEV, torch.float16)
     weights, ids = moe.route(x)
-    tiles = Tiles(block_k=16, dequant=dequant)
+    tiles = TILE_VARIANTS["k16"]
     got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=tiles)
     want = fused_experts(x, weights, ids, *moe.experts_weights(torch.float16), tiles=tiles)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@triton.jit
+def _tile_kernel(w_ptr, s_ptr, z_ptr, out_ptr, ROWS: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Program (n, k): the int4 weight tile the expert kernels multiply, stored into out [ROWS, K].
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    cols = k0 + tl.arange(0, BLOCK_K)
+    nmask = rows < ROWS
+    tile = _weight_tile(w_ptr, s_ptr, z_ptr, tl.zeros([], tl.int64), rows, nmask, k0, cols, ROWS, K, GROUPS, True,
+                        HAS_ZERO, out_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+    tl.store(out_ptr + rows[None, :] * K + cols[:, None], tile, mask=(cols < K)[:, None] & nmask[None, :])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEV == "cpu", reason="Triton's interpreter stores bf16 as uint16 and does integer arithmetic on it"))])
+@pytest.mark.parametrize("group, symmetric, K", [(32, True, 256), (128, False, 256), (None, False, 256),
+                                                 (24, False, 96)])
+def test_int4_weight_tile_is_the_reference_dequantized_weight(dtype, group, symmetric, K):
+    """The dequantization by the activations' bits (2^m + nibble, then minus 2^m + 8 + zero)
+    gives each dtype the reference's weight bit for bit: groups of 32 span a 64-column tile
+    twice, groups of 128 and whole rows hold a tile inside one group, groups of 24 take the
+    per-element scales (and the last tile runs past K); 24 rows leave the second row block half
+    empty."""
+    rows = 24
+    w = torch.randn(rows, K, generator=torch.Generator().manual_seed(K + (group or 0)))
+    q, scale, zero = quantize_int4(w, group, symmetric)
+    assert (zero is None) == symmetric
+    packed, scale = pack_int4(q).to(DEV), scale.to(DEV, dtype)
+    zero = zero.to(DEV) if zero is not None else None
+    out = torch.full((rows, K), float("nan"), dtype=dtype, device=DEV)
+    _tile_kernel[(triton.cdiv(rows, 16), triton.cdiv(K, 64))](
+        packed, scale, zero if zero is not None else scale, out, ROWS=rows, K=K, GROUPS=scale.shape[-1],
+        HAS_ZERO=zero is not None, BLOCK_N=16, BLOCK_K=64)
+    torch.testing.assert_close(out, dequantize_int4(packed, scale, zero, dtype), rtol=0, atol=0)
 
 
 def test_int4_default_tiles_follow_the_pair_count():
@@ -218,11 +257,12 @@ def test_int4_default_tiles_follow_the_pair_count():
     assert INT4_FEW_TILES.split_k > 1 and INT4_FEW_TILES.swap and INT4_TILES.swap
 
 
-@pytest.mark.parametrize("tiles", [None, "swap-planar-bits", "split3-k16-bits", "split2-k16-planar"])
+@pytest.mark.parametrize("tiles", [None, "split3-k16"])
 @pytest.mark.parametrize("tokens, top_k", [(1, 1), (1, 8), (5, 8)])
 def test_fused_int4_moe_pair_counts(tokens, top_k, tiles):
-    """1, 8 and 40 (token, expert) pairs, by the default launch shape for that many (a split one
-    up to INT4_FEW_PAIRS, an unsplit one past it) and by other int4 variants: the reference's
+    """1, 8 and 40 (token, expert) pairs over 16 experts (most of them, or some, without one), by
+    the default launch shape for that many (a split one with the weight tile on the left up to
+    INT4_FEW_PAIRS, an unsplit one past it) and by an unswapped split one: the reference's
     result to a float32 sum's order."""
     moe = _moe("sigmoid-8of16", shared=False, seed=6, int4="g8-asym", **WIDE)
     g = torch.Generator().manual_seed(tokens * top_k)
@@ -236,9 +276,7 @@ def test_fused_int4_moe_pair_counts(tokens, top_k, tiles):
     torch.testing.assert_close(got, want, **F32)
 
 
-@pytest.mark.parametrize("bad, message", [(dict(unpack="shift"), "Tiles.unpack must be one of"),
-                                          (dict(dequant="element"), "Tiles.dequant one of"),
-                                          (dict(split_k=0), "Tiles.split_k must be >= 1"),
+@pytest.mark.parametrize("bad, message", [(dict(split_k=0), "Tiles.split_k must be >= 1"),
                                           (dict(block_k=48), "Tiles.block_k must be a power of two")])
 def test_tiles_reject_unknown_options(bad, message):
     with pytest.raises(ValueError, match=message):
@@ -308,8 +346,8 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(int4, dtype):
 def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
     """Kimi-K2.5's expert widths (hidden 7168, expert intermediate 2048, int4 in symmetric groups
     of 32; 16 experts, 8 a token: the launch shapes depend on the widths and the pair count, not
-    the expert count), bf16: the default launch shape for 8 to 128 pairs, and the other nibble
-    order and dequantization on it, are within a few bf16 steps of the reference loop."""
+    the expert count), bf16: the default launch shape for 8 to 128 pairs, and the other int4
+    default, are within a few bf16 steps of the reference loop."""
     m = MoEConfig(num_experts=16, top_k=8, intermediate_size=2048, scoring="softmax", norm_topk_prob=True,
                   routed_scaling_factor=1.0, n_group=1, topk_group=1, shared_intermediate_size=0, dense_layers=())
     quant = QuantConfig(groups=((("Linear",), Int4Weights(32, True)),), ignore=())
@@ -325,8 +363,8 @@ def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
         weights, ids = moe.route(x)
         want = moe.experts_ref(x, weights, ids).float()
         default = default_tiles(ids.numel(), int4=True)
-        for tiles in (None, replace(default, dequant="bits"), replace(default, unpack="planar"),
-                      replace(default, unpack="planar", dequant="bits")):
+        other = INT4_TILES if default == INT4_FEW_TILES else INT4_FEW_TILES
+        for tiles in (None, other):
             got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=tiles).float()
             step = 2 ** -7
             torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item(),

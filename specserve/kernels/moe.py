@@ -42,115 +42,80 @@ if triton is not None:
     from specserve.kernels.common import wait_for_previous
 
     @triton.jit
-    def _tile_columns(k0, PLANAR: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The input column of each row of a weight tile over columns k0..k0+BLOCK_K: k0 + r, or
-        under PLANAR (int4) the nibble-major order `_weight_tile` builds, row i*W + j holding
-        column 8j + i of the tile's W words a row. The activations load their columns in the
-        same order, so the product is the same sum."""
-        r = tl.arange(0, BLOCK_K)
-        if PLANAR:
-            W: tl.constexpr = BLOCK_K // 8
-            return k0 + 8 * (r % W) + r // W
-        else:
-            return k0 + r
-
-    @triton.jit
-    def _group_tile(p_ptr, e_rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr, PLANAR: tl.constexpr,
-                    ADD: tl.constexpr, DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _group_tile(p_ptr, e_rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr, ADD: tl.constexpr,
+                    DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Per-(row, group) values p [.., rows, GROUPS] (scales or zero points) of expert rows
-        `e_rows` for a weight tile whose rows hold columns `cols` (`_tile_columns` from k0), plus
-        ADD, in DT, broadcastable to the [BLOCK_K, BLOCK_N] tile. Each (row, group) loads and
-        converts once where the groups tile the tile evenly (the broadcast comes after, so no
-        value of the tile pays a conversion): a tile inside one group takes a [1, BLOCK_N] row,
-        one spanning T whole groups a [T, BLOCK_N] tile repeated in the tile's row order;
-        otherwise every element loads its own."""
+        `e_rows` for a weight tile over columns `cols` (k0..k0+BLOCK_K), plus ADD, in DT,
+        broadcastable to the [BLOCK_K, BLOCK_N] tile. Each (row, group) loads and converts once
+        where the groups tile the tile evenly (the broadcast comes after, so no value of the tile
+        pays a conversion): a tile inside one group takes a [1, BLOCK_N] row, one spanning T
+        whole groups a [T, BLOCK_N] tile repeated over each group's columns; otherwise every
+        element loads its own."""
         GS: tl.constexpr = K // GROUPS  # columns per group
         if GS % BLOCK_K == 0:
             v = tl.load(p_ptr + e_rows * GROUPS + k0 // GS, mask=nmask, other=0)
             return (v[None, :].to(tl.float32) + ADD).to(DT)
-        elif BLOCK_K % GS == 0 and (not PLANAR or GS % 8 == 0):
+        elif BLOCK_K % GS == 0:
             T: tl.constexpr = BLOCK_K // GS
             g = k0 // GS + tl.arange(0, T)
             v = tl.load(p_ptr + e_rows[None, :] * GROUPS + g[:, None], mask=(g < GROUPS)[:, None] & nmask[None, :],
                         other=0)
             v = (v.to(tl.float32) + ADD).to(DT)
-            if PLANAR:  # row i*W + j is in group j // (GS / 8)
-                return tl.reshape(tl.broadcast_to(v[None, :, None, :], (8, T, GS // 8, BLOCK_N)), (BLOCK_K, BLOCK_N))
-            else:
-                return tl.reshape(tl.broadcast_to(v[:, None, :], (T, GS, BLOCK_N)), (BLOCK_K, BLOCK_N))
+            return tl.reshape(tl.broadcast_to(v[:, None, :], (T, GS, BLOCK_N)), (BLOCK_K, BLOCK_N))
         else:
             v = tl.load(p_ptr + e_rows[None, :] * GROUPS + cols[:, None] // GS,
                         mask=(cols < K)[:, None] & nmask[None, :], other=0)
             return (v.to(tl.float32) + ADD).to(DT)
 
     @triton.jit
-    def _nibbles(words, OR: tl.constexpr, HALF: tl.constexpr, PLANAR: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+    def _nibbles(words, OR: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """The stored nibbles (value + 8) of words [BLOCK_K / 8, BLOCK_N] as a [BLOCK_K, BLOCK_N]
-        tile (nibble i of word j: bits 4i..4i+3, column 8j + i), each ORed with OR: int32, or
-        under HALF int16, two nibbles a shift (bits 4i.. and 4i+16.., nibbles i and i + 4, land
-        in a word's two halves, then split into their rows). Rows in column order (row 8j + i)
-        or, under PLANAR, nibble-major (row i * BLOCK_K / 8 + j: no interleaving). (Arithmetic
-        shifts: the masks drop the sign.)"""
+        tile in column order (nibble i of word j: bits 4i..4i+3, row 8j + i), each ORed with OR:
+        int32, or under HALF int16, two nibbles a shift (bits 4i.. and 4i+16.., nibbles i and
+        i + 4, land in a word's two halves, then split into their rows). (Arithmetic shifts: the
+        masks drop the sign.)"""
         if HALF:
             four = tl.arange(0, 4) * 4
-            if PLANAR:  # [half, i, word, n]
-                pairs = (words[None, :, :] >> four[:, None, None]) & 0x000F000F | (OR * 0x10001)
-                out = tl.permute(tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16)), (3, 0, 1, 2))
-            else:  # [word, half, i, n]
-                pairs = (words[:, None, :] >> four[None, :, None]) & 0x000F000F | (OR * 0x10001)
-                out = tl.permute(tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16)), (0, 3, 1, 2))
+            pairs = (words[:, None, :] >> four[None, :, None]) & 0x000F000F | (OR * 0x10001)  # [word, i, n]
+            halves = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))  # [word, i, n, half]
+            out = tl.permute(halves, (0, 3, 1, 2))  # [word, half, i, n]: row 8 * word + 4 * half + i
         else:
             eight = tl.arange(0, 8) * 4
-            if PLANAR:  # [i, word, n]
-                out = (words[None, :, :] >> eight[:, None, None]) & 0xF | OR
-            else:  # [word, i, n]
-                out = (words[:, None, :] >> eight[None, :, None]) & 0xF | OR
+            out = (words[:, None, :] >> eight[None, :, None]) & 0xF | OR  # [word, i, n]
         return tl.reshape(out, (BLOCK_K, BLOCK_N))
 
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, cols, ROWS: tl.constexpr, K: tl.constexpr,
-                     GROUPS: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, PLANAR: tl.constexpr,
-                     BITS: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Expert e's weight [ROWS, K] at rows `rows` [BLOCK_N] and columns k0..k0+BLOCK_K, as a
-        [BLOCK_K, BLOCK_N] tile in dt whose rows hold columns `cols` (`_tile_columns`; zero
-        outside the weight). Float weights load and convert. int4 ones load BLOCK_K/8 words a
-        row and shift out their eight nibbles (`_nibbles`), interleaved into column order or,
-        under PLANAR, stacked nibble-major (the activations take the permutation instead).
-        Each value is (v - zero) * scale rounded once into dt, as the reference dequantizes:
-        computed in float32 (two conversions a value: int to float32, float32 to dt), or under
-        BITS in dt with none: the nibble ORed into the low mantissa bits of the dt constant 2^m
-        (m: dt's mantissa width, so its last bit weighs 1) is 2^m + nibble exactly, and
-        subtracting 2^m + 8 + zero (exact) then multiplying by the scale rounds once, as the
-        reference does."""
+                     GROUPS: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, dt: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Expert e's weight [ROWS, K] at rows `rows` [BLOCK_N] and columns `cols` (k0..k0+BLOCK_K)
+        as a [BLOCK_K, BLOCK_N] tile in dt, zero outside the weight. Float weights load and
+        convert. int4 ones load BLOCK_K/8 words a row, shift out their eight nibbles (`_nibbles`)
+        and dequantize them in dt with no int-to-float conversion: a nibble ORed into the low
+        mantissa bits of the dt constant 2^m (m: dt's mantissa width, so its last bit weighs 1)
+        is 2^m + nibble exactly; subtracting 2^m + 8 + zero (exact) leaves v - zero, and the
+        product with the scale (in dt) rounds once, as the reference dequantizes."""
         if INT4:
             WORDS: tl.constexpr = K // 8
             e_rows = e * ROWS + rows  # (int64: the expert's offset)
             offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
             words = tl.load(w_ptr + e_rows[None, :] * WORDS + offs_w[:, None],
                             mask=(offs_w < WORDS)[:, None] & nmask[None, :], other=0)
-            if BITS and dt != tl.float32:
-                wdt = dt
-                if dt == tl.float16:
-                    v = _nibbles(words, 0x6400, True, PLANAR, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^10 + nibble
-                    bias = 1024.0 + 8.0
-                else:
-                    v = _nibbles(words, 0x4300, True, PLANAR, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^7 + nibble
-                    bias = 128.0 + 8.0
-            elif BITS:
-                wdt = dt
-                v = _nibbles(words, 0x4B000000, False, PLANAR, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^23 + nibble
+            if dt == tl.float16:
+                v = _nibbles(words, 0x6400, True, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^10 + nibble
+                bias = 1024.0 + 8.0
+            elif dt == tl.bfloat16:
+                v = _nibbles(words, 0x4300, True, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^7 + nibble
+                bias = 128.0 + 8.0
+            else:
+                v = _nibbles(words, 0x4B000000, False, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^23 + nibble
                 bias = 8388608.0 + 8.0
-            else:
-                wdt = tl.float32
-                v = _nibbles(words, 0, False, PLANAR, BLOCK_N, BLOCK_K).to(tl.float32)
-                bias = 8.0
             if HAS_ZERO:
-                offset = _group_tile(z_ptr, e_rows, nmask, k0, cols, K, GROUPS, PLANAR, bias, wdt, BLOCK_N, BLOCK_K)
+                offset = _group_tile(z_ptr, e_rows, nmask, k0, cols, K, GROUPS, bias, dt, BLOCK_N, BLOCK_K)
             else:
-                offset = tl.full([1, BLOCK_N], bias, wdt)
-            scale = _group_tile(s_ptr, e_rows, nmask, k0, cols, K, GROUPS, PLANAR, 0.0, wdt, BLOCK_N, BLOCK_K)
-            return ((v - offset) * scale).to(dt)
+                offset = tl.full([1, BLOCK_N], bias, dt)
+            scale = _group_tile(s_ptr, e_rows, nmask, k0, cols, K, GROUPS, 0.0, dt, BLOCK_N, BLOCK_K)
+            return (v - offset) * scale
         else:
             mask = (cols < K)[:, None] & nmask[None, :]
             return tl.load(w_ptr + (e * ROWS + rows[None, :]) * K + cols[:, None], mask=mask, other=0.0).to(dt)
@@ -193,8 +158,7 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, g_ptr, pairs_ptr, block_expert_ptr, P, E,
                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, GROUPS: tl.constexpr,
-                        INT4: tl.constexpr, HAS_ZERO: tl.constexpr, PLANAR: tl.constexpr, BITS: tl.constexpr,
-                        SWAP: tl.constexpr,
+                        INT4: tl.constexpr, HAS_ZERO: tl.constexpr, SWAP: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr,
                         PRECISION: tl.constexpr, PDL: tl.constexpr):
         # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N gate and up features
@@ -219,13 +183,13 @@ if triton is not None:
         acc_g = _zeros(BLOCK_M, BLOCK_N, SWAP)
         acc_u = _zeros(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, H), BLOCK_K):
-            cols = _tile_columns(k0, PLANAR, BLOCK_K)
+            cols = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=valid[:, None] & (cols < H)[None, :],
                         other=0.0)
             wg = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, cols, 2 * I, H, GROUPS, INT4, HAS_ZERO,
-                              PLANAR, BITS, dt, BLOCK_N, BLOCK_K)
+                              dt, BLOCK_N, BLOCK_K)
             wu = _weight_tile(w_ptr, s_ptr, z_ptr, e, I + offs_n, nmask, k0, cols, 2 * I, H, GROUPS, INT4, HAS_ZERO,
-                              PLANAR, BITS, dt, BLOCK_N, BLOCK_K)
+                              dt, BLOCK_N, BLOCK_K)
             acc_g = _mma(a, wg, acc_g, SWAP, PRECISION)
             acc_u = _mma(a, wu, acc_u, SWAP, PRECISION)
         acc_g = _unswap(acc_g, SWAP)
@@ -252,10 +216,8 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h_ptr, w_ptr, s_ptr, z_ptr, rw_ptr, out_ptr, pairs_ptr, block_expert_ptr, P, E,
                      H: tl.constexpr, I: tl.constexpr, GROUPS: tl.constexpr, INT4: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, PLANAR: tl.constexpr, BITS: tl.constexpr, SWAP: tl.constexpr,
-                     BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr, PRECISION: tl.constexpr,
-                     PDL: tl.constexpr):
+                     HAS_ZERO: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N output features over
         # input columns s*K_SPAN..(s+1)*K_SPAN. With the whole input (K_SPAN >= I) each row is
         # scaled by its routing weight and stored; with a slice the float32 sums are added into
@@ -276,11 +238,11 @@ if triton is not None:
         dt = h_ptr.dtype.element_ty
         acc = _zeros(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, I), BLOCK_K):
-            cols = _tile_columns(k0, PLANAR, BLOCK_K)
+            cols = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + pair[:, None] * I + cols[None, :], mask=valid[:, None] & (cols < I)[None, :],
                         other=0.0)
-            b = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, cols, H, I, GROUPS, INT4, HAS_ZERO, PLANAR,
-                             BITS, dt, BLOCK_N, BLOCK_K)
+            b = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, cols, H, I, GROUPS, INT4, HAS_ZERO, dt,
+                             BLOCK_N, BLOCK_K)
             acc = _mma(a, b, acc, SWAP, PRECISION)
         acc = _unswap(acc, SWAP)
         out_at = out_ptr + pair[:, None] * H + offs_n[None, :]
@@ -343,14 +305,9 @@ def fused_experts_supported(w13: Experts, w2: Experts) -> bool:
                for w in (w13, w2))
 
 
-UNPACKS = ("reshape", "planar")  # int4 nibbles interleaved into column order, or nibble-major (`_weight_tile`)
-DEQUANTS = ("float", "bits")  # int4 values to the activations' dtype through float32, or by their bits
-
-
 @dataclass(frozen=True)
 class Tiles:
-    """Both kernels' launch shape: weight tile BLOCK_K x BLOCK_N, warps and pipeline stages; how
-    int4 tiles order their nibbles and dequantize them (UNPACKS, DEQUANTS: `_weight_tile`);
+    """Both kernels' launch shape: weight tile BLOCK_K x BLOCK_N, warps and pipeline stages;
     split_k, the number of slices the input columns are cut into, each a program of its own,
     whose float32 sums are added atomically (more programs for a decode's few blocks, at the
     price of a float32 buffer and a finishing pass); and swap, the weight tile as the left
@@ -360,8 +317,6 @@ class Tiles:
     block_k: int = 64
     num_warps: int = 4
     num_stages: int = 3
-    unpack: str = "reshape"
-    dequant: str = "float"
     split_k: int = 1
     swap: bool = False
 
@@ -370,9 +325,6 @@ class Tiles:
             v = getattr(self, name)
             if v < MIN_DIM or v & (v - 1):
                 raise ValueError(f"Tiles.{name} must be a power of two >= {MIN_DIM}, got {v}")
-        if self.unpack not in UNPACKS or self.dequant not in DEQUANTS:
-            raise ValueError(f"Tiles.unpack must be one of {UNPACKS} and Tiles.dequant one of {DEQUANTS}, "
-                             f"got {self.unpack!r}, {self.dequant!r}")
         if self.split_k < 1:
             raise ValueError(f"Tiles.split_k must be >= 1 (1: no split), got {self.split_k}")
 
@@ -388,8 +340,8 @@ FLOAT_TILES = Tiles()
 # decode's few pairs (8 measured) fill too few blocks to occupy the GPU unless each program
 # takes a quarter of the input columns; from 32 pairs on, wider tiles without a split win.
 INT4_FEW_PAIRS = 16
-INT4_FEW_TILES = Tiles(block_n=64, block_k=64, split_k=4, swap=True, dequant="bits")
-INT4_TILES = Tiles(block_n=128, block_k=64, swap=True, dequant="bits")
+INT4_FEW_TILES = Tiles(block_n=64, block_k=64, split_k=4, swap=True)
+INT4_TILES = Tiles(block_n=128, block_k=64, swap=True)
 
 
 def default_tiles(pairs: int, int4: bool) -> Tiles:
@@ -455,9 +407,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     block_n, block_k = tiles.block_n, tiles.block_k
     span_h, span_i = tiles.k_span(H), tiles.k_span(I)
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=tiles.num_warps,
-                  num_stages=tiles.num_stages, PLANAR=int4 and tiles.unpack == "planar",
-                  BITS=tiles.dequant == "bits",
-                  SWAP=tiles.swap, **pdl_args(x))
+                  num_stages=tiles.num_stages, SWAP=tiles.swap, **pdl_args(x))
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     # Split slices add into float32 sums (zero where no pair of a row is held here).
     g = torch.zeros(P, 2 * I, dtype=torch.float32, device=x.device) if span_h < H else h
