@@ -1,13 +1,17 @@
-"""Instructions in the main loop of the int4 fused-MoE kernels, compiled for a GPU without one.
+"""Instructions in the main loop of the int4 kernels, compiled for a GPU without one.
 
-    python benchmarks/moe_sass.py [--arch 90] [--tiles few many]
+    python benchmarks/moe_sass.py [--arch 90] [--tiles few many] [--kernels moe dense]
 
-Compiles `kernels.moe`'s gate_up and down kernels at Kimi-K2.5's expert widths (hidden 7168,
-expert intermediate 2048, bf16, int4 in symmetric groups of 32) for sm_<arch> with Triton's own
-ptxas, disassembles them with its cuobjdump, and counts the SASS opcodes of each kernel's
-longest loop (one BLOCK_K step over the weight tile) on the int4 default shapes, side by side.
-A static count, not a timing: it shows what a tile costs per thread (conversions such as I2FP
-and F2FP issue at a fraction of the integer and half-precision rate; STS/LDS/LDSM are layout
+moe: compiles `kernels.moe`'s gate_up and down kernels at Kimi-K2.5's expert widths (hidden 7168,
+expert intermediate 2048, bf16, int4 in symmetric groups of 32) on the int4 default shapes.
+dense: compiles `kernels.int4`'s W4A16 GEMV (what Int4Linear runs for 1-64 rows) for bf16 at a
+SmolLM2-135M input width (576, groups of 32) and a Llama-3-8B one (4096, groups of 128),
+symmetric and asymmetric, for one row and for 16, with 16-byte aligned pointers as torch
+allocates them.
+Each is compiled for sm_<arch> with Triton's own ptxas and disassembled with its cuobjdump, and
+the SASS opcodes of its longest loop (one BLOCK_K step over the weight tile) are counted, side by
+side. A static count, not a timing: it shows what a tile costs per thread (conversions such as
+I2FP and F2FP issue at a fraction of the integer and half-precision rate; STS/LDS/LDSM are layout
 conversions through shared memory), not how the loop overlaps with memory. Runs on the CPU.
 """
 
@@ -25,13 +29,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 H, I, GROUP = 7168, 2048, 32  # Kimi-K2.5's routed experts
 PAIRS = {"few": 8, "many": 64}  # a batch-1 decode's pairs, and a batch of 8's
+DENSE = {"smollm2": (576, 32), "8b": (4096, 128)}  # input width, group size
+DENSE_ROWS = (1, 16)  # a decode step's row, and a verify's
 
 
-def compile_kernel(kernel, tiles, arch: int) -> bytes:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+def compile_moe_kernel(kernel, tiles, arch: int) -> bytes:
     gate_up = kernel.__name__ == "_gate_up_kernel"
     K = H if gate_up else I
     ptrs = (["x_ptr", "w_ptr", "s_ptr", "z_ptr", "h_ptr", "g_ptr"] if gate_up
@@ -42,10 +44,31 @@ def compile_kernel(kernel, tiles, arch: int) -> bytes:
                   BLOCK_K=tiles.block_k, K_SPAN=tiles.k_span(K), PRECISION="tf32", PDL=False, SWAP=tiles.swap)
     if gate_up:
         consts["TOP_K"] = 8
-    sig |= {k: "constexpr" for k in consts}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
-                              target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+    return _compile(kernel, sig, consts, arch, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
+
+
+def compile_dense_kernel(K: int, group: int, zero: bool, rows: int, arch: int) -> bytes:
+    import triton
+
+    from specserve.kernels.int4 import _int4_gemv_kernel, gemv_tiles
+
+    block_n, block_k, warps = gemv_tiles(rows)
+    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "b_ptr": "*bf16",
+           "y_ptr": "*bf16", "M": "i32", "N": "i32"}
+    consts = dict(K=K, GROUPS=K // group, HAS_ZERO=zero, HAS_BIAS=False, BLOCK_M=max(16, triton.next_power_of_2(rows)),
+                  BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=rows == 1, PRECISION="tf32", PDL=False)
+    aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # the pointers
+    return _compile(_int4_gemv_kernel, sig, consts, arch, dict(num_warps=warps), aligned)
+
+
+def _compile(kernel, sig: dict, consts: dict, arch: int, options: dict, attrs: dict | None = None) -> bytes:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = sig | {k: "constexpr" for k in consts}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+                              target=GPUTarget("cuda", arch, 32), options=options)
     return compiled.asm["cubin"]
 
 
@@ -67,36 +90,57 @@ def loop_opcodes(sass: str) -> collections.Counter:
     return collections.Counter(op for at, op, _ in ins if start <= at <= end)
 
 
-def main() -> None:
+def count(cubin: bytes, work: Path, name: str) -> collections.Counter:
     import triton
 
+    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    path = work / f"{name}.cubin"
+    path.write_bytes(cubin)
+    return loop_opcodes(subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True,
+                                       check=True).stdout)
+
+
+def table(title: str, counts: dict[str, collections.Counter]) -> None:
+    ops = sorted(set().union(*counts.values()), key=lambda k: -max(c[k] for c in counts.values()))
+    print(f"\n{title}: SASS instructions of one BLOCK_K step, per thread")
+    print("| opcode | " + " | ".join(counts) + " |")
+    for op in ops:
+        if max(c[op] for c in counts.values()) >= 4:
+            print(f"| {op} | " + " | ".join(str(c[op]) for c in counts.values()) + " |")
+    print("| total | " + " | ".join(str(sum(c.values())) for c in counts.values()) + " |")
+
+
+def main() -> None:
+    from specserve.kernels.int4 import gemv_tiles
     from specserve.kernels.moe import _down_kernel, _gate_up_kernel, default_tiles
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
     ap.add_argument("--tiles", nargs="+", choices=list(PAIRS), default=list(PAIRS),
-                    help="the int4 default shape for a few pairs, for many, or both")
+                    help="the MoE int4 default shape for a few pairs, for many, or both")
+    ap.add_argument("--kernels", nargs="+", choices=["moe", "dense"], default=["moe", "dense"],
+                    help="the fused-MoE kernels, the dense W4A16 GEMV, or both")
     args = ap.parse_args()
-    cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    work = Path(tempfile.mkdtemp(prefix="moe-sass-"))
-    for kernel in (_gate_up_kernel, _down_kernel):
-        counts = {}
-        for which in args.tiles:
-            tiles = default_tiles(PAIRS[which], int4=True)
-            cubin = work / f"{kernel.__name__}_{which}.cubin"
-            cubin.write_bytes(compile_kernel(kernel, tiles, args.arch))
-            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
-                                  check=True).stdout
-            label = (f"{which} pairs: {tiles.block_n}x{tiles.block_k} w{tiles.num_warps} split{tiles.split_k}"
-                     + " swap" * tiles.swap)
-            counts[label] = loop_opcodes(sass)
-        ops = sorted(set().union(*counts.values()), key=lambda k: -max(c[k] for c in counts.values()))
-        print(f"\n{kernel.__name__}: SASS instructions of one BLOCK_K step, per thread")
-        print("| opcode | " + " | ".join(counts) + " |")
-        for op in ops:
-            if max(c[op] for c in counts.values()) >= 4:
-                print(f"| {op} | " + " | ".join(str(c[op]) for c in counts.values()) + " |")
-        print("| total | " + " | ".join(str(sum(c.values())) for c in counts.values()) + " |")
+    work = Path(tempfile.mkdtemp(prefix="int4-sass-"))
+    if "moe" in args.kernels:
+        for kernel in (_gate_up_kernel, _down_kernel):
+            counts = {}
+            for which in args.tiles:
+                tiles = default_tiles(PAIRS[which], int4=True)
+                label = (f"{which} pairs: {tiles.block_n}x{tiles.block_k} w{tiles.num_warps} split{tiles.split_k}"
+                         + " swap" * tiles.swap)
+                counts[label] = count(compile_moe_kernel(kernel, tiles, args.arch), work, f"{kernel.__name__}_{which}")
+            table(kernel.__name__, counts)
+    if "dense" in args.kernels:
+        for rows in DENSE_ROWS:
+            counts = {}
+            block_n, block_k, warps = gemv_tiles(rows)
+            for shape, (K, group) in DENSE.items():
+                for zero in (False, True):
+                    label = f"{shape} K{K} g{group} {'asym' if zero else 'sym'}"
+                    counts[label] = count(compile_dense_kernel(K, group, zero, rows, args.arch), work,
+                                          f"dense_{shape}_{rows}_{zero}")
+            table(f"_int4_gemv_kernel, {rows} row{'s' * (rows > 1)} ({block_n}x{block_k} w{warps})", counts)
 
 
 if __name__ == "__main__":

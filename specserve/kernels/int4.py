@@ -148,6 +148,12 @@ if triton is not None:
                      mask=(offs_m[:, None] < M) & nmask[None, :])
 
 
+def gemv_tiles(rows: int) -> tuple[int, int, int]:
+    """The W4A16 kernel's (BLOCK_N, BLOCK_K, warps) for `rows` rows: one row sums on the CUDA
+    cores over long K steps, more take the tensor cores."""
+    return (16, 256, 4) if rows == 1 else (64, 128, 4)
+
+
 def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """x2 [M <= 64, K] (contiguous) @ W^T (+ bias) for int4 W: packed [N, K/8], scales and
@@ -158,7 +164,7 @@ def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
         raise ValueError(f"int4 GEMV takes at most {INT4_GEMV_MAX_ROWS} rows of {packed.shape[1] * PACK} features, "
                          f"got {tuple(x2.shape)}")
     one_row = M == 1
-    block_n, block_k, warps = (16, 256, 4) if one_row else (64, 128, 4)
+    block_n, block_k, warps = gemv_tiles(M)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
         x2, packed, scale.contiguous(), zero if zero is not None else packed, bias if bias is not None else scale,
