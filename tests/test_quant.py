@@ -74,10 +74,13 @@ def test_dequantize_matches_compressed_tensors(group, symmetric):
 KERNEL_CASES = [  # (rows, N, K, group, symmetric, bias): one row, the dot path, per channel, ragged blocks
     (1, 24, 96, 32, True, False), (1, 40, 320, 32, False, True), (5, 72, 64, None, False, True),
     (17, 20, 272, 16, True, False), (64, 8, 32, None, True, True),
+    (1, 24, 384, 128, False, False), (9, 40, 256, 128, False, True), (3, 16, 160, 32, False, False),
+    (1, 16, 96, None, False, False),
 ]
+BF16_ON_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.gpu)  # (the interpreter stores bf16 as uint16)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_ON_GPU])
 @pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:3])) + f"-g{c[3]}-{'sym' if c[4] else 'asym'}")
 def test_int4_gemv_kernel_equals_the_reference(case, dtype):
     """The Triton W4A16 kernel (on CPU: Triton's interpreter) against `int4_linear`."""
@@ -97,6 +100,31 @@ def test_int4_gemv_kernel_equals_the_reference(case, dtype):
     # Only the order of the float32 sum differs (then, in float16, one rounding step at most).
     tol = {torch.float32: 1e-5, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -7}[dtype]
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_ON_GPU])
+@pytest.mark.parametrize("group, symmetric, K", [(32, False, 320), (128, False, 384), (128, True, 256),
+                                                 (None, False, 96)])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_int4_gemv_kernel_multiplies_the_reference_weight(rows, group, symmetric, K, dtype):
+    """Rows of the identity pick columns of the kernel's weight out exactly (one product by 1, the
+    rest by 0), so the weight it dequantizes is `dequantize_int4`'s bit for bit: one row (three
+    launches) and the tensor-core path (the last 64 columns, whose tile runs past K), groups of
+    32 and 128 spanning a tile or holding it, and per channel; 24 output features leave the
+    last feature block part empty."""
+    pytest.importorskip("triton")
+    from specserve.kernels.int4 import int4_gemv_triton
+
+    N = 24
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    q, scale, zero = quantize_int4(torch.randn(N, K, generator=torch.Generator().manual_seed(K)), group, symmetric)
+    packed, scale = pack_int4(q).to(dev), scale.to(dev, dtype)
+    zero = zero.to(dev) if zero is not None else None
+    want = dequantize_int4(packed, scale, zero, dtype)
+    picks = [[0], [K // 2 + 1], [K - 1]] if rows == 1 else [list(range(K - 64, K))]
+    for cols in picks:
+        x = torch.eye(K, dtype=dtype, device=dev)[cols]
+        torch.testing.assert_close(int4_gemv_triton(x, packed, scale, zero), want[:, cols].T, rtol=0, atol=0)
 
 
 def test_int4_linear_runs_the_kernel_for_decode_rows_only(monkeypatch):

@@ -9,6 +9,8 @@ The weight is (v - zero) * scale.
 These are plain functions over any leading dimensions, so dense linears and stacked MoE experts
 [E, N, K/8] share them. `int4_linear` is the reference product; `int4_matmul`, what Int4Linear
 calls, runs the W4A16 Triton kernel instead for the 1-64 rows of decode and verify on CUDA.
+That kernel and the fused int4 experts (`kernels.moe`) dequantize their weight tiles in
+registers by one Triton helper, `int4_tile`.
 """
 
 from __future__ import annotations
@@ -90,51 +92,109 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 
 if triton is not None:
 
+    @triton.jit
+    def _group_tile(p_ptr, rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr, ADD: tl.constexpr,
+                    DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """Per-(row, group) values p [.., rows, GROUPS] (scales or zero points) of weight rows
+        `rows` for a weight tile over columns `cols` (k0..k0+BLOCK_K), plus ADD, in DT,
+        broadcastable to the [BLOCK_K, BLOCK_N] tile. Each (row, group) loads and converts once
+        where the groups tile the tile evenly (the broadcast comes after, so no value of the tile
+        pays a conversion): a tile inside one group takes a [1, BLOCK_N] row, one spanning T
+        whole groups a [T, BLOCK_N] tile repeated over each group's columns; otherwise every
+        element loads its own."""
+        GS: tl.constexpr = K // GROUPS  # columns per group
+        if GS % BLOCK_K == 0:
+            v = tl.load(p_ptr + rows * GROUPS + k0 // GS, mask=nmask, other=0)
+            return (v[None, :].to(tl.float32) + ADD).to(DT)
+        elif BLOCK_K % GS == 0:
+            T: tl.constexpr = BLOCK_K // GS
+            g = k0 // GS + tl.arange(0, T)
+            v = tl.load(p_ptr + rows[None, :] * GROUPS + g[:, None], mask=(g < GROUPS)[:, None] & nmask[None, :],
+                        other=0)
+            v = (v.to(tl.float32) + ADD).to(DT)
+            return tl.reshape(tl.broadcast_to(v[:, None, :], (T, GS, BLOCK_N)), (BLOCK_K, BLOCK_N))
+        else:
+            v = tl.load(p_ptr + rows[None, :] * GROUPS + cols[:, None] // GS,
+                        mask=(cols < K)[:, None] & nmask[None, :], other=0)
+            return (v.to(tl.float32) + ADD).to(DT)
+
+    @triton.jit
+    def _nibbles(words, OR: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The stored nibbles (value + 8) of words [BLOCK_K / 8, BLOCK_N] as a [BLOCK_K, BLOCK_N]
+        tile in column order (nibble i of word j: bits 4i..4i+3, row 8j + i), each ORed with OR:
+        int32, or under HALF int16, two nibbles a shift (bits 4i.. and 4i+16.., nibbles i and
+        i + 4, land in a word's two halves, then split into their rows). (Arithmetic shifts: the
+        masks drop the sign.)"""
+        if HALF:
+            four = tl.arange(0, 4) * 4
+            pairs = (words[:, None, :] >> four[None, :, None]) & 0x000F000F | (OR * 0x10001)  # [word, i, n]
+            halves = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))  # [word, i, n, half]
+            out = tl.permute(halves, (0, 3, 1, 2))  # [word, half, i, n]: row 8 * word + 4 * half + i
+        else:
+            eight = tl.arange(0, 8) * 4
+            out = (words[:, None, :] >> eight[None, :, None]) & 0xF | OR  # [word, i, n]
+        return tl.reshape(out, (BLOCK_K, BLOCK_N))
+
+    @triton.jit
+    def int4_tile(w_ptr, s_ptr, z_ptr, rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr,
+                  HAS_ZERO: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """The int4 weight W [.., K] (packed words w_ptr [.., K/8], scales s_ptr and int8 zero
+        points z_ptr [.., GROUPS]) at rows `rows` [BLOCK_N] (where `nmask`) and columns `cols`
+        (k0..k0+BLOCK_K) as the transposed tile [BLOCK_K, BLOCK_N] in dt, zero outside W, equal
+        to `dequantize_int4`'s weight bit for bit. No int-to-float conversion: a nibble ORed into
+        the low mantissa bits of the dt constant 2^m (m: dt's mantissa width, so its last bit
+        weighs 1) is 2^m + nibble exactly; subtracting 2^m + 8 + zero (exact) leaves v - zero,
+        and the product with the scale (in dt) rounds once, as the reference dequantizes."""
+        WORDS: tl.constexpr = K // 8
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_ptr + rows[None, :] * WORDS + offs_w[:, None],
+                        mask=(offs_w < WORDS)[:, None] & nmask[None, :], other=0)
+        if dt == tl.float16:
+            v = _nibbles(words, 0x6400, True, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^10 + nibble
+            bias = 1024.0 + 8.0
+        elif dt == tl.bfloat16:
+            v = _nibbles(words, 0x4300, True, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^7 + nibble
+            bias = 128.0 + 8.0
+        else:
+            v = _nibbles(words, 0x4B000000, False, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^23 + nibble
+            bias = 8388608.0 + 8.0
+        if HAS_ZERO:
+            offset = _group_tile(z_ptr, rows, nmask, k0, cols, K, GROUPS, bias, dt, BLOCK_N, BLOCK_K)
+        else:
+            offset = tl.full([1, BLOCK_N], bias, dt)
+        scale = _group_tile(s_ptr, rows, nmask, k0, cols, K, GROUPS, 0.0, dt, BLOCK_N, BLOCK_K)
+        return (v - offset) * scale
+
     @triton.jit(do_not_specialize=["M"])
     def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, GROUPS: tl.constexpr,
                           HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr,
                           PRECISION: tl.constexpr, PDL: tl.constexpr):
         """y [M, N] = x [M, K] @ W^T for W packed [N, K/8] int32, scales / zero points [N, GROUPS].
-        A program owns BLOCK_N output features over all of K; each step unpacks BLOCK_K/8 words a
-        row into BLOCK_K weights in registers, scales them by their groups' scales and
-        accumulates in float32."""
+        A program owns BLOCK_N output features over all of K; each step dequantizes a
+        [BLOCK_K, BLOCK_N] tile of W^T in x's dtype in registers (`int4_tile`) and accumulates
+        its products in float32."""
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
         offs_m = tl.arange(0, BLOCK_M)
-        offs_word = tl.arange(0, BLOCK_K // 8)
-        shifts = tl.arange(0, 8) * 4
-        WORDS: tl.constexpr = K // 8
-        GROUP: tl.constexpr = K // GROUPS
         if ONE_ROW:
             acc = tl.zeros([BLOCK_N], tl.float32)
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         wait_for_previous(PDL)
-        for i in range(0, tl.cdiv(K, BLOCK_K)):
-            words_k = i * (BLOCK_K // 8) + offs_word
-            wmask = nmask[:, None] & (words_k[None, :] < WORDS)
-            words = tl.load(w_ptr + offs_n[:, None] * WORDS + words_k[None, :], mask=wmask, other=0)
-            # Column 8j+b of a row is bits 4b..4b+3 of its word j, stored as value + 8
-            # (arithmetic shifts: the mask drops the sign).
-            nibbles = (words[:, :, None] >> shifts[None, None, :]) & 0xF
-            v = tl.reshape(nibbles, (BLOCK_N, BLOCK_K)).to(tl.float32) - 8.0
-            offs_k = i * BLOCK_K + tl.arange(0, BLOCK_K)
-            kmask = offs_k < K
-            gmask = nmask[:, None] & kmask[None, :]
-            group = offs_n[:, None] * GROUPS + offs_k[None, :] // GROUP
-            if HAS_ZERO:
-                v = v - tl.load(z_ptr + group, mask=gmask, other=0).to(tl.float32)
-            # One rounding into the activations' dtype, as the reference's dequantization.
-            w = (v * tl.load(s_ptr + group, mask=gmask, other=0.0).to(tl.float32)).to(x_ptr.dtype.element_ty)
+        for k0 in range(0, K, BLOCK_K):
+            cols = k0 + tl.arange(0, BLOCK_K)
+            kmask = cols < K
+            w = int4_tile(w_ptr, s_ptr, z_ptr, offs_n, nmask, k0, cols, K, GROUPS, HAS_ZERO, x_ptr.dtype.element_ty,
+                          BLOCK_N, BLOCK_K)
             if ONE_ROW:
-                x = tl.load(x_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
-                acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+                x = tl.load(x_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
+                acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
             else:  # rows padded to BLOCK_M (at least 16) for the tensor cores
-                x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
-                            mask=(offs_m[:, None] < M) & kmask[None, :], other=0.0)
-                acc += tl.dot(x, tl.trans(w), input_precision=PRECISION)
+                x = tl.load(x_ptr + offs_m[:, None] * K + cols[None, :], mask=(offs_m[:, None] < M) & kmask[None, :],
+                            other=0.0)
+                acc = tl.dot(x, w, acc, input_precision=PRECISION)
         if HAS_BIAS:
             bias = tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
         if ONE_ROW:

@@ -40,49 +40,7 @@ if triton is not None:
     import triton.language as tl
 
     from specserve.kernels.common import wait_for_previous
-
-    @triton.jit
-    def _group_tile(p_ptr, e_rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr, ADD: tl.constexpr,
-                    DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Per-(row, group) values p [.., rows, GROUPS] (scales or zero points) of expert rows
-        `e_rows` for a weight tile over columns `cols` (k0..k0+BLOCK_K), plus ADD, in DT,
-        broadcastable to the [BLOCK_K, BLOCK_N] tile. Each (row, group) loads and converts once
-        where the groups tile the tile evenly (the broadcast comes after, so no value of the tile
-        pays a conversion): a tile inside one group takes a [1, BLOCK_N] row, one spanning T
-        whole groups a [T, BLOCK_N] tile repeated over each group's columns; otherwise every
-        element loads its own."""
-        GS: tl.constexpr = K // GROUPS  # columns per group
-        if GS % BLOCK_K == 0:
-            v = tl.load(p_ptr + e_rows * GROUPS + k0 // GS, mask=nmask, other=0)
-            return (v[None, :].to(tl.float32) + ADD).to(DT)
-        elif BLOCK_K % GS == 0:
-            T: tl.constexpr = BLOCK_K // GS
-            g = k0 // GS + tl.arange(0, T)
-            v = tl.load(p_ptr + e_rows[None, :] * GROUPS + g[:, None], mask=(g < GROUPS)[:, None] & nmask[None, :],
-                        other=0)
-            v = (v.to(tl.float32) + ADD).to(DT)
-            return tl.reshape(tl.broadcast_to(v[:, None, :], (T, GS, BLOCK_N)), (BLOCK_K, BLOCK_N))
-        else:
-            v = tl.load(p_ptr + e_rows[None, :] * GROUPS + cols[:, None] // GS,
-                        mask=(cols < K)[:, None] & nmask[None, :], other=0)
-            return (v.to(tl.float32) + ADD).to(DT)
-
-    @triton.jit
-    def _nibbles(words, OR: tl.constexpr, HALF: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """The stored nibbles (value + 8) of words [BLOCK_K / 8, BLOCK_N] as a [BLOCK_K, BLOCK_N]
-        tile in column order (nibble i of word j: bits 4i..4i+3, row 8j + i), each ORed with OR:
-        int32, or under HALF int16, two nibbles a shift (bits 4i.. and 4i+16.., nibbles i and
-        i + 4, land in a word's two halves, then split into their rows). (Arithmetic shifts: the
-        masks drop the sign.)"""
-        if HALF:
-            four = tl.arange(0, 4) * 4
-            pairs = (words[:, None, :] >> four[None, :, None]) & 0x000F000F | (OR * 0x10001)  # [word, i, n]
-            halves = tl.join(pairs.to(tl.int16), (pairs >> 16).to(tl.int16))  # [word, i, n, half]
-            out = tl.permute(halves, (0, 3, 1, 2))  # [word, half, i, n]: row 8 * word + 4 * half + i
-        else:
-            eight = tl.arange(0, 8) * 4
-            out = (words[:, None, :] >> eight[None, :, None]) & 0xF | OR  # [word, i, n]
-        return tl.reshape(out, (BLOCK_K, BLOCK_N))
+    from specserve.kernels.int4 import int4_tile
 
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, cols, ROWS: tl.constexpr, K: tl.constexpr,
@@ -90,32 +48,10 @@ if triton is not None:
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Expert e's weight [ROWS, K] at rows `rows` [BLOCK_N] and columns `cols` (k0..k0+BLOCK_K)
         as a [BLOCK_K, BLOCK_N] tile in dt, zero outside the weight. Float weights load and
-        convert. int4 ones load BLOCK_K/8 words a row, shift out their eight nibbles (`_nibbles`)
-        and dequantize them in dt with no int-to-float conversion: a nibble ORed into the low
-        mantissa bits of the dt constant 2^m (m: dt's mantissa width, so its last bit weighs 1)
-        is 2^m + nibble exactly; subtracting 2^m + 8 + zero (exact) leaves v - zero, and the
-        product with the scale (in dt) rounds once, as the reference dequantizes."""
+        convert; int4 ones load packed words and dequantize them in dt (`int4_tile`)."""
         if INT4:
-            WORDS: tl.constexpr = K // 8
-            e_rows = e * ROWS + rows  # (int64: the expert's offset)
-            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            words = tl.load(w_ptr + e_rows[None, :] * WORDS + offs_w[:, None],
-                            mask=(offs_w < WORDS)[:, None] & nmask[None, :], other=0)
-            if dt == tl.float16:
-                v = _nibbles(words, 0x6400, True, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^10 + nibble
-                bias = 1024.0 + 8.0
-            elif dt == tl.bfloat16:
-                v = _nibbles(words, 0x4300, True, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^7 + nibble
-                bias = 128.0 + 8.0
-            else:
-                v = _nibbles(words, 0x4B000000, False, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^23 + nibble
-                bias = 8388608.0 + 8.0
-            if HAS_ZERO:
-                offset = _group_tile(z_ptr, e_rows, nmask, k0, cols, K, GROUPS, bias, dt, BLOCK_N, BLOCK_K)
-            else:
-                offset = tl.full([1, BLOCK_N], bias, dt)
-            scale = _group_tile(s_ptr, e_rows, nmask, k0, cols, K, GROUPS, 0.0, dt, BLOCK_N, BLOCK_K)
-            return (v - offset) * scale
+            return int4_tile(w_ptr, s_ptr, z_ptr, e * ROWS + rows, nmask, k0, cols, K, GROUPS, HAS_ZERO, dt,
+                             BLOCK_N, BLOCK_K)  # (int64 rows: the expert's offset)
         else:
             mask = (cols < K)[:, None] & nmask[None, :]
             return tl.load(w_ptr + (e * ROWS + rows[None, :]) * K + cols[:, None], mask=mask, other=0.0).to(dt)
