@@ -6,7 +6,8 @@ in a CUDA graph.
                    run padded to whole blocks, and names each block's expert. The buffers are
                    sized for the worst case (every held expert chosen), so their shapes depend
                    only on N, top_k, the expert count and BLOCK_M: blocks no pair fills are
-                   marked with the expert count and their programs exit at once.
+                   marked with the expert count and their programs exit at once. Torch ops;
+                   decode and verify sizes take `kernels.moe_routing.fused_align`, one program.
 - ``fused_experts`` gate_up with silu(gate) * up fused (one kernel), then down times the routing
                    weight (a second), then the top_k rows of each token summed.
 
@@ -35,6 +36,7 @@ import torch
 from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton
 from specserve.kernels.int4 import PACK
+from specserve.kernels.moe_routing import FLOATS, fused_align, fused_routing_fits
 
 if triton is not None:
     import triton.language as tl
@@ -256,7 +258,6 @@ if triton is not None:
 
 
 MIN_DIM = 16  # tl.dot's smallest tile: experts narrower than this take the reference path
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class Int4Stack(Protocol):
@@ -400,7 +401,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     int4 = not isinstance(w2, torch.Tensor)
     tiles = tiles or default_tiles(P, int4)
     block_m = block_m_for(P, E)
-    pairs, block_expert = align_pairs(ids, E, first, block_m)
+    align = fused_align if fused_routing_fits(N, top_k, E) else align_pairs  # (one program, or torch ops)
+    pairs, block_expert = align(ids, E, first, block_m)
     blocks = block_expert.numel()
     x = x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit inputs)
