@@ -9,6 +9,10 @@ longest loop (one BLOCK_K step over the weight tile) on the int4 default shapes,
 A static count, not a timing: it shows what a tile costs per thread (conversions such as I2FP
 and F2FP issue at a fraction of the integer and half-precision rate; STS/LDS/LDSM are layout
 conversions through shared memory), not how the loop overlaps with memory. Runs on the CPU.
+
+It also compiles the decode-size routing and alignment programs (`kernels.moe_routing`) at
+DeepSeek-V3's and Kimi-K2.5's router widths and 512 pairs, and counts their whole SASS (they
+have no loop: the top-k rounds are unrolled) and any local-memory spills.
 """
 
 from __future__ import annotations
@@ -27,11 +31,19 @@ H, I, GROUP = 7168, 2048, 32  # Kimi-K2.5's routed experts
 PAIRS = {"few": 8, "many": 64}  # a batch-1 decode's pairs, and a batch of 8's
 
 
-def compile_kernel(kernel, tiles, arch: int) -> bytes:
+def _cubin(kernel, sig: dict, consts: dict, arch: int, **options) -> bytes:
+    """`kernel` compiled for sm_<arch> with pointer/scalar types `sig` and constexprs `consts`."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    sig = sig | {k: "constexpr" for k in consts}
+    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
+                              target=GPUTarget("cuda", arch, 32), options=options)
+    return compiled.asm["cubin"]
+
+
+def compile_kernel(kernel, tiles, arch: int) -> bytes:
     gate_up = kernel.__name__ == "_gate_up_kernel"
     K = H if gate_up else I
     ptrs = (["x_ptr", "w_ptr", "s_ptr", "z_ptr", "h_ptr", "g_ptr"] if gate_up
@@ -42,20 +54,43 @@ def compile_kernel(kernel, tiles, arch: int) -> bytes:
                   BLOCK_K=tiles.block_k, K_SPAN=tiles.k_span(K), PRECISION="tf32", PDL=False, SWAP=tiles.swap)
     if gate_up:
         consts["TOP_K"] = 8
-    sig |= {k: "constexpr" for k in consts}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts),
-                              target=GPUTarget("cuda", arch, 32),
-                              options=dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
-    return compiled.asm["cubin"]
+    return _cubin(kernel, sig, consts, arch, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def loop_opcodes(sass: str) -> collections.Counter:
-    """Opcodes between the target and the source of the longest backward branch."""
+def routing_cubins(arch: int) -> dict[str, bytes]:
+    """The routing program at DeepSeek-V3's and Kimi-K2.5's routers (float32 logits, 8 of 256 in
+    4 of 8 groups; 8 of 384) and the alignment program at 512 pairs over 256 experts, launched
+    as `kernels.moe_routing` launches them."""
+    import triton.language as tl
+
+    from specserve.kernels.moe_routing import _align_kernel, _route_kernel
+
+    route_sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64"}
+    common = dict(TOP_K=8, K_PAD=8, SIGMOID=True, NORM=True, SCORE_DT=tl.float32, CHOICE_DT=tl.float32, PDL=True)
+    shapes = {"route deepseek-v3": dict(E=256, GROUPS=8, KEPT=4, G_PAD=8, PER_PAD=32, SCALE=2.5),
+              "route kimi-k2.5": dict(E=384, GROUPS=1, KEPT=1, G_PAD=1, PER_PAD=512, SCALE=2.827)}
+    out = {name: _cubin(_route_kernel, route_sig, common | c, arch, num_warps=1) for name, c in shapes.items()}
+    align_sig = {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "first": "i32"}
+    blocks = 256 + 512 // 16
+    out["align 512 pairs"] = _cubin(_align_kernel, align_sig, dict(
+        P=512, E=256, BLOCK_M=16, BLOCKS=blocks, P_PAD=512, BINS=512, ROWS_PAD=8192, BLOCKS_PAD=512, PDL=True),
+        arch)
+    return out
+
+
+def opcodes(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of each instruction in cuobjdump's listing."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)\S*\s*(.*?);", line)
         if m:
             ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    return ins
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes between the target and the source of the longest backward branch."""
+    ins = opcodes(sass)
     loops = []
     for at, op, args in ins:
         target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
@@ -79,14 +114,17 @@ def main() -> None:
     args = ap.parse_args()
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
     work = Path(tempfile.mkdtemp(prefix="moe-sass-"))
+
+    def sass_of(name: str, cubin: bytes) -> str:
+        path = work / f"{name.replace(' ', '_')}.cubin"
+        path.write_bytes(cubin)
+        return subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+
     for kernel in (_gate_up_kernel, _down_kernel):
         counts = {}
         for which in args.tiles:
             tiles = default_tiles(PAIRS[which], int4=True)
-            cubin = work / f"{kernel.__name__}_{which}.cubin"
-            cubin.write_bytes(compile_kernel(kernel, tiles, args.arch))
-            sass = subprocess.run([str(cuobjdump), "-sass", str(cubin)], capture_output=True, text=True,
-                                  check=True).stdout
+            sass = sass_of(f"{kernel.__name__}_{which}", compile_kernel(kernel, tiles, args.arch))
             label = (f"{which} pairs: {tiles.block_n}x{tiles.block_k} w{tiles.num_warps} split{tiles.split_k}"
                      + " swap" * tiles.swap)
             counts[label] = loop_opcodes(sass)
@@ -97,6 +135,11 @@ def main() -> None:
             if max(c[op] for c in counts.values()) >= 4:
                 print(f"| {op} | " + " | ".join(str(c[op]) for c in counts.values()) + " |")
         print("| total | " + " | ".join(str(sum(c.values())) for c in counts.values()) + " |")
+    print("\nrouting and alignment programs: whole SASS, per thread")
+    print("| program | instructions | local-memory spills (LDL/STL) |")
+    for name, cubin in routing_cubins(args.arch).items():
+        ops = [op for _, op, _ in opcodes(sass_of(name, cubin))]
+        print(f"| {name} | {len(ops)} | {sum(op in ('LDL', 'STL') for op in ops)} |")
 
 
 if __name__ == "__main__":

@@ -39,12 +39,21 @@ if triton is not None:
         return v.to(DT).to(tl.float32)
 
     @triton.jit
+    def _scores(x, SIGMOID: tl.constexpr, SCORE_DT: tl.constexpr, peak, total):
+        """Routing scores of float32 logits x: sigmoid in SCORE_DT, or the float32 softmax given
+        the row's largest logit and its sum of exp(logit - peak)."""
+        if SIGMOID:
+            return _round(1.0 / (1.0 + tl.exp(-x)), SCORE_DT)
+        else:
+            return tl.exp(x - peak) / total
+
+    @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
                       GROUPS: tl.constexpr, KEPT: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr,
                       K_PAD: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr,
                       SCORE_DT: tl.constexpr, CHOICE_DT: tl.constexpr, PDL: tl.constexpr):
         # Program n: token n's logits as a [group, expert in group] tile (one group unless
-        # grouped sigmoid routing), padded to powers of two; padding never ranks.
+        # grouped sigmoid routing), padded to powers of two; padding ranks below everything.
         n = tl.program_id(0).to(tl.int64)
         PER: tl.constexpr = E // GROUPS
         g = tl.arange(0, G_PAD)
@@ -52,51 +61,49 @@ if triton is not None:
         e = g[:, None] * PER + j[None, :]
         valid = (g < GROUPS)[:, None] & (j < PER)[None, :]
         wait_for_previous(PDL)
-        x = tl.load(logits_ptr + n * E + e, mask=valid, other=0.0).to(tl.float32)
+        x = tl.load(logits_ptr + n * E + e, mask=valid, other=float("-inf")).to(tl.float32)
         if SIGMOID:
-            s = _round(1.0 / (1.0 + tl.exp(-x)), SCORE_DT)
+            peak = 0.0
+            total = 1.0
             bias = tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-            choice = tl.where(valid, _round(s + bias, CHOICE_DT), float("-inf"))
+            choice = tl.where(valid, _round(_scores(x, True, SCORE_DT, peak, total) + bias, CHOICE_DT),
+                              float("-inf"))
             if GROUPS > 1:
                 # a group's strength: its best two biased scores (the first best taken out once)
-                best = tl.max(choice, axis=1)
-                at = tl.min(tl.where(choice == best[:, None], j[None, :], PER_PAD), axis=1)
+                best, at = tl.max(choice, axis=1, return_indices=True, return_indices_tie_break_left=True)
                 second = tl.max(tl.where(j[None, :] == at[:, None], float("-inf"), choice), axis=1)
-                strength = _round(best + second, CHOICE_DT)
+                strength = tl.where(g < GROUPS, _round(best + second, CHOICE_DT), float("-inf"))
                 kept = g < 0
                 for _ in tl.static_range(KEPT):
-                    free = ~kept & (g < GROUPS)
-                    top = tl.max(tl.where(free, strength, float("-inf")), axis=0)
-                    pick = tl.min(tl.where(free & (strength == top), g, G_PAD), axis=0)
+                    _, pick = tl.max(tl.where(kept, float("-inf"), strength), axis=0, return_indices=True,
+                                     return_indices_tie_break_left=True)
                     kept = kept | (g == pick)
                 choice = tl.where(kept[:, None], choice, float("-inf"))
         else:
-            x = tl.where(valid, x, float("-inf"))
-            ex = tl.exp(x - tl.max(x))
-            s = ex / tl.sum(ex)
-            choice = tl.where(valid, s, float("-inf"))
+            peak = tl.max(x)
+            total = tl.sum(tl.exp(x - peak))
+            choice = tl.where(valid, _scores(x, False, SCORE_DT, peak, total), float("-inf"))
+        # top-k: k rounds of the best left, its flat index (g * PER_PAD + j) turned into the
+        # expert's; the weights are recomputed from the chosen logits exactly as the tile's.
+        flat = tl.reshape(choice, [G_PAD * PER_PAD])
+        spots = tl.arange(0, G_PAD * PER_PAD)
         kk = tl.arange(0, K_PAD)
-        ids = tl.zeros([K_PAD], tl.int64)
-        w = tl.zeros([K_PAD], tl.float32)
-        free = valid
+        ids = tl.zeros([K_PAD], tl.int32)
         for r in tl.static_range(TOP_K):
-            c = tl.where(free, choice, float("-inf"))
-            top = tl.max(c)
-            pick = tl.min(tl.where(free & (c == top), e, E))
-            hit = e == pick
-            ids = tl.where(kk == r, pick, ids)
-            w = tl.where(kk == r, tl.max(tl.where(hit, s, float("-inf"))), w)
-            free = free & ~hit
-        w = tl.where(kk < TOP_K, w, 0.0)
+            _, spot = tl.max(flat, axis=0, return_indices=True, return_indices_tie_break_left=True)
+            ids = tl.where(kk == r, spot // PER_PAD * PER + spot % PER_PAD, ids)
+            flat = tl.where(spots == spot, float("-inf"), flat)  # (k <= E: a real expert is always left)
+        out = kk < TOP_K
+        w = tl.load(logits_ptr + n * E + ids, mask=out, other=0.0).to(tl.float32)
+        w = tl.where(out, _scores(w, SIGMOID, SCORE_DT, peak, total), 0.0)
         if SIGMOID:
             if NORM:
                 w = _round(w / _round(_round(tl.sum(w), SCORE_DT) + 1e-20, SCORE_DT), SCORE_DT)
             w = w * SCALE
         elif NORM:
             w = w / tl.sum(w)
-        out = kk < TOP_K
         tl.store(w_ptr + n * TOP_K + kk, w.to(w_ptr.dtype.element_ty), mask=out)
-        tl.store(ids_ptr + n * TOP_K + kk, ids, mask=out)
+        tl.store(ids_ptr + n * TOP_K + kk, ids.to(tl.int64), mask=out)
 
     @triton.jit
     def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, first, P: tl.constexpr, E: tl.constexpr,
@@ -153,18 +160,21 @@ def fused_route(logits: torch.Tensor, m: MoEConfig, bias: torch.Tensor | None = 
                          f"experts, got {N} tokens, top_k {k}, {E} experts: route these with the torch functions")
     sigmoid = bias is not None
     groups = m.n_group if sigmoid else 1
-    if E % groups or (groups > 1 and E // groups < 2):
-        raise ValueError(f"{E} experts do not form {groups} groups of at least two")
+    kept = m.topk_group if groups > 1 else 1
+    if E % groups or (groups > 1 and E // groups < 2) or not 1 <= k <= E // groups * kept:
+        raise ValueError(f"{E} experts in {groups} groups ({kept} kept) cannot route top_k {k}: the groups must "
+                         f"be equal, of two experts or more, and the kept ones hold at least top_k")
     logits = logits.contiguous()
     weights = torch.empty(N, k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(N, k, dtype=torch.int64, device=logits.device)
     if N:
         choice = torch.promote_types(logits.dtype, bias.dtype) if sigmoid else torch.float32
         _route_kernel[(N,)](logits, bias.contiguous() if sigmoid else logits, weights, ids, E=E, TOP_K=k,
-                            GROUPS=groups, KEPT=m.topk_group if groups > 1 else 1, G_PAD=_pow2(groups),
+                            GROUPS=groups, KEPT=kept, G_PAD=_pow2(groups),
                             PER_PAD=_pow2(E // groups), K_PAD=_pow2(k), SIGMOID=sigmoid, NORM=m.norm_topk_prob,
                             SCALE=float(m.routed_scaling_factor) if sigmoid else 1.0,
-                            SCORE_DT=_tl_dtype(logits.dtype), CHOICE_DT=_tl_dtype(choice), **pdl_args(logits))
+                            SCORE_DT=_tl_dtype(logits.dtype), CHOICE_DT=_tl_dtype(choice), num_warps=1,
+                            **pdl_args(logits))
     return weights, ids
 
 
