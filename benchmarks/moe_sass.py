@@ -10,9 +10,10 @@ A static count, not a timing: it shows what a tile costs per thread (conversions
 and F2FP issue at a fraction of the integer and half-precision rate; STS/LDS/LDSM are layout
 conversions through shared memory), not how the loop overlaps with memory. Runs on the CPU.
 
-It also compiles the decode-size routing and alignment programs (`kernels.moe_routing`) at
-DeepSeek-V3's and Kimi-K2.5's router widths and 512 pairs, and counts their whole SASS (they
-have no loop: the top-k rounds are unrolled) and any local-memory spills.
+It also compiles the small programs around them, the decode-size routing and alignment
+(`kernels.moe_routing`, at DeepSeek-V3's and Kimi-K2.5's router widths and 512 pairs) and the
+final sum of each token's rows (`_combine_kernel`, split and not), and counts their whole SASS
+(they have no loop: their rounds are unrolled) and any local-memory spills.
 """
 
 from __future__ import annotations
@@ -57,12 +58,14 @@ def compile_kernel(kernel, tiles, arch: int) -> bytes:
     return _cubin(kernel, sig, consts, arch, num_warps=tiles.num_warps, num_stages=tiles.num_stages)
 
 
-def routing_cubins(arch: int) -> dict[str, bytes]:
+def small_cubins(arch: int) -> dict[str, bytes]:
     """The routing program at DeepSeek-V3's and Kimi-K2.5's routers (float32 logits, 8 of 256 in
-    4 of 8 groups; 8 of 384) and the alignment program at 512 pairs over 256 experts, launched
-    as `kernels.moe_routing` launches them."""
+    4 of 8 groups; 8 of 384), the alignment program at 512 pairs over 256 experts and the
+    combine at hidden 7168 in bf16, launched as `kernels.moe_routing` and `fused_experts` launch
+    them."""
     import triton.language as tl
 
+    from specserve.kernels.moe import COMBINE_BLOCK, _combine_kernel
     from specserve.kernels.moe_routing import _align_kernel, _route_kernel
 
     route_sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64"}
@@ -75,6 +78,12 @@ def routing_cubins(arch: int) -> dict[str, bytes]:
     out["align 512 pairs"] = _cubin(_align_kernel, align_sig, dict(
         P=512, E=256, BLOCK_M=16, BLOCKS=blocks, P_PAD=512, BINS=512, ROWS_PAD=8192, BLOCKS_PAD=512, PDL=True),
         arch)
+    combine_sig = {"y_ptr": "*fp32", "rw_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16", "first": "i32",
+                   "E": "i32"}
+    for split in (False, True):
+        sig = combine_sig | ({} if split else {"y_ptr": "*bf16"})
+        out[f"combine{' split' * split}"] = _cubin(_combine_kernel, sig, dict(
+            H=H, TOP_K=8, SPLIT=split, BLOCK=COMBINE_BLOCK, PDL=True), arch, enable_fp_fusion=False)
     return out
 
 
@@ -135,9 +144,9 @@ def main() -> None:
             if max(c[op] for c in counts.values()) >= 4:
                 print(f"| {op} | " + " | ".join(str(c[op]) for c in counts.values()) + " |")
         print("| total | " + " | ".join(str(sum(c.values())) for c in counts.values()) + " |")
-    print("\nrouting and alignment programs: whole SASS, per thread")
+    print("\nrouting, alignment and combine programs: whole SASS, per thread")
     print("| program | instructions | local-memory spills (LDL/STL) |")
-    for name, cubin in routing_cubins(args.arch).items():
+    for name, cubin in small_cubins(args.arch).items():
         ops = [op for _, op, _ in opcodes(sass_of(name, cubin))]
         print(f"| {name} | {len(ops)} | {sum(op in ('LDL', 'STL') for op in ops)} |")
 

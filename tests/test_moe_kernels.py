@@ -18,8 +18,8 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4  # noqa: E402
-from specserve.kernels.moe import (INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles, _weight_tile,  # noqa: E402
-                                   align_pairs, default_tiles, fused_experts)
+from specserve.kernels.moe import (COMBINE_BLOCK, INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles,  # noqa: E402
+                                   _combine_kernel, _weight_tile, align_pairs, default_tiles, fused_experts)
 from specserve.kernels.moe_routing import fused_align, fused_route  # noqa: E402
 from specserve.model import moe as moe_module  # noqa: E402
 from specserve.model.moe import MoE, route_grouped_sigmoid, route_softmax  # noqa: E402
@@ -371,6 +371,27 @@ def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
             step = 2 ** -7
             torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item(),
                                        msg=lambda m: f"{tiles or default}: {m}")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_combine_sums_held_rows_only(split):
+    """The last step of fused_experts: a token's rows summed in float32 and rounded once; rows of
+    pairs held elsewhere (never written, here NaN) are skipped; split sums are rounded to the
+    dtype and scaled by their routing weight first."""
+    N, k, H, first, E = 3, 4, COMBINE_BLOCK + 40, 4, 4  # (two column blocks, the second partial)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 8, (N, k), generator=g)
+    held = (ids >= first) & (ids < first + E)
+    rows = torch.randn(N * k, H, generator=g).to(torch.float32 if split else torch.float16)
+    rows[~held.reshape(-1)] = float("nan")
+    rw = torch.rand(N, k, generator=g).half()
+    parts = (rows.half().float() * rw.reshape(-1, 1).float()).half() if split else rows
+    want = parts.float().masked_fill(~held.reshape(-1, 1), 0.0).view(N, k, H).sum(1).half()
+    got = torch.empty(N, H, dtype=torch.float16)
+    args = [t.to(DEV) for t in (rows, rw, ids, got)]
+    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](*args, first, E, H=H, TOP_K=k, SPLIT=split,
+                                                        BLOCK=COMBINE_BLOCK, PDL=False)
+    assert torch.equal(args[3].cpu(), want)
 
 
 # Routers at real widths and tiny ones: (experts, top_k, groups, groups kept, scaling, scoring, normalised)

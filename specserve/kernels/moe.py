@@ -9,7 +9,7 @@ in a CUDA graph.
                    marked with the expert count and their programs exit at once. Torch ops;
                    decode and verify sizes take `kernels.moe_routing.fused_align`, one program.
 - ``fused_experts`` gate_up with silu(gate) * up fused (one kernel), then down times the routing
-                   weight (a second), then the top_k rows of each token summed.
+                   weight (a second), then the top_k rows of each token summed (a third).
 
 Roundings follow the reference (`model.moe.MoE`): each product is accumulated in float32 and
 rounded to the model's dtype where `linear` rounds, silu and the routing weight are applied as
@@ -256,7 +256,33 @@ if triton is not None:
         else:
             tl.atomic_add(out_at, acc, mask=out_mask, sem="relaxed")
 
+    @triton.jit
+    def _combine_kernel(y_ptr, rw_ptr, ids_ptr, out_ptr, first, E, H: tl.constexpr, TOP_K: tl.constexpr,
+                        SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # Program (token, n): BLOCK output features of one token, its TOP_K rows of y [P, H]
+        # summed in float32 and rounded once. Rows of pairs held elsewhere are never written
+        # (nor zeroed): they are skipped. Under SPLIT y holds the split down kernel's float32
+        # sums, each rounded to the dtype and times its routing weight as the unsplit kernel
+        # stores it (launched without FMA contraction, so float32's product rounds too).
+        n = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < H
+        wait_for_previous(PDL)
+        dt = out_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK], tl.float32)
+        for r in tl.static_range(TOP_K):
+            pair = n * TOP_K + r
+            e = tl.load(ids_ptr + pair) - first
+            held = (e >= 0) & (e < E)
+            # (where, not `mask & held`: Triton's interpreter refuses a mask of a tensor and a scalar)
+            y = tl.load(y_ptr + pair * H + offs, mask=tl.where(held, mask, False), other=0.0).to(tl.float32)
+            if SPLIT:
+                y = (y.to(dt).to(tl.float32) * tl.load(rw_ptr + pair).to(tl.float32)).to(dt).to(tl.float32)
+            acc += y
+        tl.store(out_ptr + n * H + offs, acc.to(dt), mask=mask)
 
+
+COMBINE_BLOCK = 1024  # output features a `_combine_kernel` program sums
 MIN_DIM = 16  # tl.dot's smallest tile: experts narrower than this take the reference path
 
 
@@ -418,11 +444,19 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
         K_SPAN=span_h, **consts, **_weight_args(w13))
     if span_h < H:
         _swiglu_kernel[(P, triton.cdiv(I, 1024))](g, h, I=I, BLOCK=1024, **pdl_args(x))
-    # rows of pairs held elsewhere stay zero
-    out = torch.zeros(P, H, dtype=torch.float32 if span_i < I else x.dtype, device=x.device)
+    # Split slices add into float32 sums, which start at zero; unsplit rows are stored whole
+    # (rows of pairs held elsewhere stay unwritten: `_combine_kernel` skips them).
+    split = span_i < I
+    if split:
+        out = torch.zeros(P, H, dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    rw = weights.contiguous()
     _down_kernel[(blocks, triton.cdiv(H, block_n), triton.cdiv(I, span_i))](
-        h, rw_ptr=weights.contiguous(), out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
+        h, rw_ptr=rw, out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
         I=I, K_SPAN=span_i, **consts, **_weight_args(w2))
-    if span_i < I:  # the routing weights on the rounded sums, as the unsplit kernel applies them
-        out = (out.to(x.dtype).float() * weights.reshape(P, 1).float()).to(x.dtype)
-    return out.view(N, top_k, H).sum(1, dtype=torch.float32).to(x.dtype)
+    y = torch.empty_like(x)
+    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](out, rw, ids.contiguous(), y, first, E, H=H, TOP_K=top_k,
+                                                        SPLIT=split, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False,
+                                                        **pdl_args(x))
+    return y
