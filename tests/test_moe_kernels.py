@@ -412,10 +412,16 @@ def _torch_route(logits, m, bias):
 
 
 def _random_router(name: str, tokens: int, dtype=torch.float32, device=DEV, seed=0):
-    """(config, logits [tokens, E] in dtype, float32 selection bias or None) without ties."""
+    """(config, logits [tokens, E] in dtype, float32 selection bias or None) without ties: in
+    16 bits each row is a shuffle of distinct multiples of 1/16 (exact in bfloat16 up to 256)."""
     m = _router(name)
     g = torch.Generator().manual_seed(seed + tokens)
-    logits = (torch.randn(tokens, m.num_experts, generator=g) * 2).to(device, dtype)
+    E = m.num_experts
+    if dtype == torch.float32:
+        logits = torch.randn(tokens, E, generator=g) * 2
+    else:
+        logits = torch.stack([torch.randperm(E, generator=g) - E // 2 for _ in range(tokens)]) / 16
+    logits = logits.to(device, dtype)
     bias = (torch.randn(m.num_experts, generator=g) * 0.5).to(device) if m.scoring == "sigmoid" else None
     return m, logits, bias
 
