@@ -437,26 +437,24 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=tiles.num_warps,
                   num_stages=tiles.num_stages, SWAP=tiles.swap, **pdl_args(x))
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    # Split slices add into float32 sums (zero where no pair of a row is held here).
-    g = torch.zeros(P, 2 * I, dtype=torch.float32, device=x.device) if span_h < H else h
+    # Split slices add into float32 sums, which start at zero: gate_up's [P, 2I] and down's
+    # [P, H], one buffer zeroed once. Unsplit rows are stored whole (rows of pairs held
+    # elsewhere stay unwritten: `_combine_kernel` skips them).
+    split_h, split_i = span_h < H, span_i < I
+    sums = torch.zeros(P * (2 * I * split_h + H * split_i), dtype=torch.float32, device=x.device)
+    g = sums[:P * 2 * I].view(P, 2 * I) if split_h else h
     _gate_up_kernel[(blocks, triton.cdiv(I, block_n), triton.cdiv(H, span_h))](
         x, h_ptr=h, g_ptr=g, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H, I=I, TOP_K=top_k,
         K_SPAN=span_h, **consts, **_weight_args(w13))
-    if span_h < H:
+    if split_h:
         _swiglu_kernel[(P, triton.cdiv(I, 1024))](g, h, I=I, BLOCK=1024, **pdl_args(x))
-    # Split slices add into float32 sums, which start at zero; unsplit rows are stored whole
-    # (rows of pairs held elsewhere stay unwritten: `_combine_kernel` skips them).
-    split = span_i < I
-    if split:
-        out = torch.zeros(P, H, dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    out = sums[-P * H:].view(P, H) if split_i else torch.empty(P, H, dtype=x.dtype, device=x.device)
     rw = weights.contiguous()
     _down_kernel[(blocks, triton.cdiv(H, block_n), triton.cdiv(I, span_i))](
         h, rw_ptr=rw, out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
         I=I, K_SPAN=span_i, **consts, **_weight_args(w2))
     y = torch.empty_like(x)
     _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](out, rw, ids.contiguous(), y, first, E, H=H, TOP_K=top_k,
-                                                        SPLIT=split, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False,
+                                                        SPLIT=split_i, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False,
                                                         **pdl_args(x))
     return y
