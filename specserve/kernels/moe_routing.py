@@ -41,11 +41,12 @@ if triton is not None:
     @triton.jit
     def _scores(x, SIGMOID: tl.constexpr, SCORE_DT: tl.constexpr, peak, total):
         """Routing scores of float32 logits x: sigmoid in SCORE_DT, or the float32 softmax given
-        the row's largest logit and its sum of exp(logit - peak)."""
+        the row's largest logit and its sum of exp(logit - peak). (Divisions round to nearest,
+        as torch's do; Triton's `/` is approximate on the GPU.)"""
         if SIGMOID:
-            return _round(1.0 / (1.0 + tl.exp(-x)), SCORE_DT)
+            return _round(tl.math.div_rn(1.0, 1.0 + tl.exp(-x)), SCORE_DT)
         else:
-            return tl.exp(x - peak) / total
+            return tl.math.div_rn(tl.exp(x - peak), total)
 
     @triton.jit
     def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
@@ -98,10 +99,10 @@ if triton is not None:
         w = tl.where(out, _scores(w, SIGMOID, SCORE_DT, peak, total), 0.0)
         if SIGMOID:
             if NORM:
-                w = _round(w / _round(_round(tl.sum(w), SCORE_DT) + 1e-20, SCORE_DT), SCORE_DT)
+                w = _round(tl.math.div_rn(w, _round(_round(tl.sum(w), SCORE_DT) + 1e-20, SCORE_DT)), SCORE_DT)
             w = w * SCALE
         elif NORM:
-            w = w / tl.sum(w)
+            w = tl.math.div_rn(w, tl.sum(w))
         tl.store(w_ptr + n * TOP_K + kk, w.to(w_ptr.dtype.element_ty), mask=out)
         tl.store(ids_ptr + n * TOP_K + kk, ids.to(tl.int64), mask=out)
 
