@@ -61,7 +61,7 @@ def compile_kernel(kernel, tiles, arch: int) -> bytes:
 def small_cubins(arch: int) -> dict[str, bytes]:
     """The routing program at DeepSeek-V3's and Kimi-K2.5's routers (float32 logits, 8 of 256 in
     4 of 8 groups; 8 of 384), the alignment program at 512 pairs over 256 experts and the
-    combine at hidden 7168 in bf16, launched as `kernels.moe_routing` and `fused_experts` launch
+    combine at hidden 7168 in bf16 (shared experts added), launched as `kernels.moe_routing` and `fused_experts` launch
     them."""
     import triton.language as tl
 
@@ -78,12 +78,12 @@ def small_cubins(arch: int) -> dict[str, bytes]:
     out["align 512 pairs"] = _cubin(_align_kernel, align_sig, dict(
         P=512, E=256, BLOCK_M=16, BLOCKS=blocks, P_PAD=512, BINS=512, ROWS_PAD=8192, BLOCKS_PAD=512, PDL=True),
         arch)
-    combine_sig = {"y_ptr": "*fp32", "rw_ptr": "*bf16", "ids_ptr": "*i64", "out_ptr": "*bf16", "first": "i32",
-                   "E": "i32"}
-    for split in (False, True):
+    combine_sig = {"y_ptr": "*fp32", "rw_ptr": "*bf16", "ids_ptr": "*i64", "add_ptr": "*bf16", "out_ptr": "*bf16",
+                   "first": "i32", "E": "i32"}
+    for split in (False, True):  # (with the shared experts' output added, as on one rank)
         sig = combine_sig | ({} if split else {"y_ptr": "*bf16"})
         out[f"combine{' split' * split}"] = _cubin(_combine_kernel, sig, dict(
-            H=H, TOP_K=8, SPLIT=split, BLOCK=COMBINE_BLOCK, PDL=True), arch, enable_fp_fusion=False)
+            H=H, TOP_K=8, SPLIT=split, ADD=True, BLOCK=COMBINE_BLOCK, PDL=True), arch, enable_fp_fusion=False)
     return out
 
 

@@ -377,7 +377,8 @@ def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
 def test_combine_sums_held_rows_only(split):
     """The last step of fused_experts: a token's rows summed in float32 and rounded once; rows of
     pairs held elsewhere (never written, here NaN) are skipped; split sums are rounded to the
-    dtype and scaled by their routing weight first."""
+    dtype and scaled by their routing weight first; an added tensor (the shared experts') joins
+    the rounded sum as `+` would."""
     N, k, H, first, E = 3, 4, COMBINE_BLOCK + 40, 4, 4  # (two column blocks, the second partial)
     g = torch.Generator().manual_seed(11)
     ids = torch.randint(0, 8, (N, k), generator=g)
@@ -388,10 +389,12 @@ def test_combine_sums_held_rows_only(split):
     parts = (rows.half().float() * rw.reshape(-1, 1).float()).half() if split else rows
     want = parts.float().masked_fill(~held.reshape(-1, 1), 0.0).view(N, k, H).sum(1).half()
     got = torch.empty(N, H, dtype=torch.float16)
-    args = [t.to(DEV) for t in (rows, rw, ids, got)]
-    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](*args, first, E, H=H, TOP_K=k, SPLIT=split,
-                                                        BLOCK=COMBINE_BLOCK, PDL=False)
-    assert torch.equal(args[3].cpu(), want)
+    add = torch.randn(N, H, generator=g).half()
+    args = [t.to(DEV) for t in (rows, rw, ids, add, got)]
+    for added in (False, True):
+        _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](*args, first, E, H=H, TOP_K=k, SPLIT=split, ADD=added,
+                                                            BLOCK=COMBINE_BLOCK, PDL=False)
+        assert torch.equal(args[4].cpu(), want + add if added else want), added
 
 
 # Routers at real widths and tiny ones: (experts, top_k, groups, groups kept, scaling, scoring, normalised)

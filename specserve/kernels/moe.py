@@ -257,13 +257,14 @@ if triton is not None:
             tl.atomic_add(out_at, acc, mask=out_mask, sem="relaxed")
 
     @triton.jit
-    def _combine_kernel(y_ptr, rw_ptr, ids_ptr, out_ptr, first, E, H: tl.constexpr, TOP_K: tl.constexpr,
-                        SPLIT: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _combine_kernel(y_ptr, rw_ptr, ids_ptr, add_ptr, out_ptr, first, E, H: tl.constexpr, TOP_K: tl.constexpr,
+                        SPLIT: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # Program (token, n): BLOCK output features of one token, its TOP_K rows of y [P, H]
         # summed in float32 and rounded once. Rows of pairs held elsewhere are never written
         # (nor zeroed): they are skipped. Under SPLIT y holds the split down kernel's float32
         # sums, each rounded to the dtype and times its routing weight as the unsplit kernel
-        # stores it (launched without FMA contraction, so float32's product rounds too).
+        # stores it (launched without FMA contraction, so float32's product rounds too). Under
+        # ADD the token's row of add_ptr [N, H] is added to the rounded sum, rounded again.
         n = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H
@@ -279,7 +280,10 @@ if triton is not None:
             if SPLIT:
                 y = (y.to(dt).to(tl.float32) * tl.load(rw_ptr + pair).to(tl.float32)).to(dt).to(tl.float32)
             acc += y
-        tl.store(out_ptr + n * H + offs, acc.to(dt), mask=mask)
+        res = acc.to(dt)
+        if ADD:
+            res = (res.to(tl.float32) + tl.load(add_ptr + n * H + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        tl.store(out_ptr + n * H + offs, res, mask=mask)
 
 
 COMBINE_BLOCK = 1024  # output features a `_combine_kernel` program sums
@@ -413,13 +417,14 @@ def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Experts,
-                  w2: Experts, first: int = 0, tiles: Tiles | None = None) -> torch.Tensor:
+                  w2: Experts, first: int = 0, tiles: Tiles | None = None, add: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """sum over k of weights[:, k] * expert_{ids[:, k]}(x) for x [N, H]; w13 [E, 2I, H] (gate
     rows then up rows) and w2 [E, H, I], float or int4 (`Int4Stack`), hold experts
     first..first+E-1; pairs routed elsewhere contribute zero (the other ranks add them). int4
     weights are dequantized tile by tile into x's dtype, as the reference dequantizes them.
-    Returns [N, H] in x's dtype. `tiles`: the launch shape (benchmarks sweep it; default
-    `default_tiles`)."""
+    Returns [N, H] in x's dtype, plus `add` [N, H] (in x's dtype; one rounding, as `+` rounds)
+    where given. `tiles`: the launch shape (benchmarks sweep it; default `default_tiles`)."""
     N, H = x.shape
     E, _, I = expert_shape(w2)
     top_k = ids.shape[1]
@@ -454,7 +459,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
         h, rw_ptr=rw, out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
         I=I, K_SPAN=span_i, **consts, **_weight_args(w2))
     y = torch.empty_like(x)
-    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](out, rw, ids.contiguous(), y, first, E, H=H, TOP_K=top_k,
-                                                        SPLIT=split_i, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False,
-                                                        **pdl_args(x))
+    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
+        out, rw, ids.contiguous(), y if add is None else add.contiguous(), y, first, E, H=H, TOP_K=top_k, SPLIT=split_i,
+        ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
     return y

@@ -212,12 +212,15 @@ class MoE(HotPathModule):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         trained = (self.w13, self.w2) if self.int4 is None else ()  # (int4 experts are buffers: never trained)
+        shared = None
         if self.graph_safe and use_triton(x, *trained):
-            out = fused_experts(x, weights, ids, self.w13, self.w2, self.first)
+            # On one rank the shared experts' output joins the routed sum in its last kernel.
+            shared = self.shared(x) if self.shared is not None and tp_size() == 1 else None
+            out = fused_experts(x, weights, ids, self.w13, self.w2, self.first, add=shared)
         else:
             out = self.experts_ref(x, weights, ids)
         out = all_reduce(out)
-        if self.shared is not None:
+        if self.shared is not None and shared is None:
             out = out + self.shared(x)
         return out.view(shape)
 
