@@ -6,6 +6,7 @@ run compiled. The reference is `MoE.forward` on the CPU (its expert loop) or `Mo
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -478,6 +479,9 @@ def test_fused_route_refuses_sizes_past_its_bound():
         fused_route(logits, m)
     with pytest.raises(ValueError, match="float32/float16/bfloat16 logits"):
         fused_route(logits[:2].double(), m)
+    grouped, logits, bias = _random_router("tiny-sigmoid", 2, device="cpu")  # 2 kept groups of 2 experts
+    with pytest.raises(ValueError, match=r"8 experts in 4 groups \(2 kept\) cannot route top_k 5"):
+        fused_route(logits, dataclasses.replace(grouped, top_k=5), bias)
 
 
 # (tokens, top_k, experts held, first held, global experts, block_m): one rank, expert-parallel

@@ -36,7 +36,7 @@ import torch
 from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton
 from specserve.kernels.int4 import PACK
-from specserve.kernels.moe_routing import FLOATS, fused_align, fused_routing_fits
+from specserve.kernels.moe_routing import FLOATS, aligned_blocks, fused_align, fused_routing_fits
 
 if triton is not None:
     import triton.language as tl
@@ -397,7 +397,7 @@ def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
     block_expert [blocks] int32: the local expert of each block, `experts` past the last). Pairs
     routed to experts another rank holds are left out. Torch ops only, none waiting on the GPU."""
     P = ids.numel()
-    blocks = min(P, experts) + -(-P // block_m)  # each chosen expert wastes under one block
+    blocks = aligned_blocks(P, experts, block_m)
     local = ids.reshape(-1).long() - first
     local = torch.where((local >= 0) & (local < experts), local, experts)  # others' experts: one more bucket
     counts = torch.zeros(experts + 1, dtype=torch.long, device=ids.device).scatter_add_(0, local,

@@ -140,6 +140,12 @@ def _pow2(n: int) -> int:
     return triton.next_power_of_2(max(n, 1))
 
 
+def aligned_blocks(pairs: int, experts: int, block_m: int) -> int:
+    """Blocks of an alignment of `pairs` pairs over `experts` held experts: the worst case, each
+    chosen expert wasting under one block."""
+    return min(pairs, experts) + -(-pairs // block_m)
+
+
 def fused_routing_fits(tokens: int, top_k: int, experts: int) -> bool:
     """Whether `fused_route` / `fused_align` serve this many tokens, experts a token and experts."""
     return triton is not None and tokens <= MAX_TOKENS and top_k <= MAX_TOP_K and experts <= MAX_EXPERTS
@@ -151,7 +157,8 @@ def fused_route(logits: torch.Tensor, m: MoEConfig, bias: torch.Tensor | None = 
     `route_softmax(logits, m)`, for router logits [N, E] within `fused_routing_fits`: (weights
     [N, k] in the logits' dtype, expert ids [N, k] int64). Roundings follow the torch functions
     (scores and weights in the logits' dtype, the biased choice in their promoted dtype, the
-    softmax in float32); sums of k values may differ in order (an ulp)."""
+    softmax in float32); its sums (the softmax's over E, the normalisation's over k) may add in
+    another order than torch's (an ulp or two)."""
     N, E = logits.shape
     k = m.top_k
     if logits.dtype not in FLOATS:
@@ -191,7 +198,7 @@ def fused_align(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
         raise ValueError(f"fused_align serves up to {MAX_TOKENS} tokens, top_k {MAX_TOP_K} and {MAX_EXPERTS} "
                          f"experts, got {N} tokens, top_k {k}, {experts} experts: use align_pairs")
     P = N * k
-    blocks = min(P, experts) + -(-P // block_m)
+    blocks = aligned_blocks(P, experts, block_m)
     pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     if P:
