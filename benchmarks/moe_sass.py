@@ -73,11 +73,10 @@ def small_cubins(arch: int) -> dict[str, bytes]:
     shapes = {"route deepseek-v3": dict(E=256, GROUPS=8, KEPT=4, G_PAD=8, PER_PAD=32, SCALE=2.5),
               "route kimi-k2.5": dict(E=384, GROUPS=1, KEPT=1, G_PAD=1, PER_PAD=512, SCALE=2.827)}
     out = {name: _cubin(_route_kernel, route_sig, common | c, arch, num_warps=1) for name, c in shapes.items()}
-    align_sig = {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "first": "i32"}
-    blocks = 256 + 512 // 16
+    align_sig = {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "first": "i32", "P": "i32",
+                 "BLOCKS": "i32"}
     out["align 512 pairs"] = _cubin(_align_kernel, align_sig, dict(
-        P=512, E=256, BLOCK_M=16, BLOCKS=blocks, P_PAD=512, BINS=512, ROWS_PAD=8192, BLOCKS_PAD=512, PDL=True),
-        arch)
+        E=256, BLOCK_M=16, P_PAD=512, BINS=512, ROWS_PAD=8192, BLOCKS_PAD=512, PDL=True), arch)
     combine_sig = {"y_ptr": "*fp32", "rw_ptr": "*bf16", "ids_ptr": "*i64", "add_ptr": "*bf16", "out_ptr": "*bf16",
                    "first": "i32", "E": "i32"}
     for split in (False, True):  # (with the shared experts' output added, as on one rank)

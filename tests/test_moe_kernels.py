@@ -500,6 +500,15 @@ def test_fused_align_equals_align_pairs(tokens, top_k, experts, first, total, bl
         assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
 
 
+def test_fused_align_with_experts_repeated_within_tokens():
+    """Ids drawn with repeats (a token naming one expert twice, most experts crowded): pairs keep
+    their order within each expert, on one rank and on a slice."""
+    ids = torch.randint(0, 8, (40, 8), generator=torch.Generator().manual_seed(2)).to(DEV)
+    for experts, first, block_m in ((8, 0, 16), (3, 2, 32)):
+        for a, b in zip(fused_align(ids, experts, first, block_m), align_pairs(ids, experts, first, block_m)):
+            assert torch.equal(a, b), (experts, first)
+
+
 @pytest.mark.parametrize("routing", ["sigmoid-8of16", "softmax-2of8"])
 def test_moe_forward_fused_path_equals_torch_path(monkeypatch, routing):
     """MoE.forward as it runs on CUDA (fused routing, alignment and experts; here in the

@@ -107,10 +107,11 @@ if triton is not None:
         tl.store(ids_ptr + n * TOP_K + kk, ids.to(tl.int64), mask=out)
 
     @triton.jit
-    def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, first, P: tl.constexpr, E: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCKS: tl.constexpr, P_PAD: tl.constexpr, BINS: tl.constexpr,
-                      ROWS_PAD: tl.constexpr, BLOCKS_PAD: tl.constexpr, PDL: tl.constexpr):
+    def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, first, P, BLOCKS, E: tl.constexpr,
+                      BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, BINS: tl.constexpr, ROWS_PAD: tl.constexpr,
+                      BLOCKS_PAD: tl.constexpr, PDL: tl.constexpr):
         # One program. Bucket E collects the pairs of experts another rank holds (and padding).
+        # (P and BLOCKS are arguments, not constants: one compile serves every batch up to P_PAD.)
         p = tl.arange(0, P_PAD)
         wait_for_previous(PDL)
         local = tl.load(ids_ptr + p, mask=p < P, other=-1).to(tl.int32) - first
@@ -202,7 +203,7 @@ def fused_align(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
     pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     if P:
-        _align_kernel[(1,)](ids.contiguous(), pairs, block_expert, first, P=P, E=experts, BLOCK_M=block_m,
-                            BLOCKS=blocks, P_PAD=_pow2(P), BINS=_pow2(experts + 1), ROWS_PAD=_pow2(blocks * block_m),
+        _align_kernel[(1,)](ids.contiguous(), pairs, block_expert, first, P, blocks, E=experts, BLOCK_M=block_m,
+                            P_PAD=_pow2(P), BINS=_pow2(experts + 1), ROWS_PAD=_pow2(blocks * block_m),
                             BLOCKS_PAD=_pow2(blocks), **pdl_args(ids))
     return pairs, block_expert
