@@ -1,6 +1,6 @@
 """Instructions in the main loop of the int4 kernels, compiled for a GPU without one.
 
-    python benchmarks/moe_sass.py [--arch 90] [--tiles few many] [--kernels moe dense]
+    python benchmarks/moe_sass.py [--arch 90] [--tiles few many] [--kernels moe dense small]
 
 moe: compiles `kernels.moe`'s gate_up and down kernels at Kimi-K2.5's expert widths (hidden 7168,
 expert intermediate 2048, bf16, int4 in symmetric groups of 32) on the int4 default shapes.
@@ -13,6 +13,10 @@ the SASS opcodes of its longest loop (one BLOCK_K step over the weight tile) are
 side. A static count, not a timing: it shows what a tile costs per thread (conversions such as
 I2FP and F2FP issue at a fraction of the integer and half-precision rate; STS/LDS/LDSM are layout
 conversions through shared memory), not how the loop overlaps with memory. Runs on the CPU.
+small: the programs around the MoE kernels, the decode-size routing and alignment
+(`kernels.moe_routing`, at DeepSeek-V3's and Kimi-K2.5's router widths and 512 pairs) and the
+final sum of each token's rows (`_combine_kernel`, split and not): their whole SASS (they have
+no loop: their rounds are unrolled) and any local-memory spills.
 """
 
 from __future__ import annotations
@@ -72,13 +76,48 @@ def _compile(kernel, sig: dict, consts: dict, arch: int, options: dict, attrs: d
     return compiled.asm["cubin"]
 
 
-def loop_opcodes(sass: str) -> collections.Counter:
-    """Opcodes between the target and the source of the longest backward branch."""
+def small_cubins(arch: int) -> dict[str, bytes]:
+    """The routing program at DeepSeek-V3's and Kimi-K2.5's routers (float32 logits, 8 of 256 in
+    4 of 8 groups; 8 of 384), the alignment program at 512 pairs over 256 experts and the
+    combine at hidden 7168 in bf16 (shared experts added), launched as `kernels.moe_routing` and `fused_experts` launch
+    them."""
+    import triton.language as tl
+
+    from specserve.kernels.moe import COMBINE_BLOCK, _combine_kernel
+    from specserve.kernels.moe_routing import _align_kernel, _route_kernel
+
+    route_sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64"}
+    common = dict(TOP_K=8, K_PAD=8, SIGMOID=True, NORM=True, SCORE_DT=tl.float32, CHOICE_DT=tl.float32, PDL=True)
+    shapes = {"route deepseek-v3": dict(E=256, GROUPS=8, KEPT=4, G_PAD=8, PER_PAD=32, SCALE=2.5),
+              "route kimi-k2.5": dict(E=384, GROUPS=1, KEPT=1, G_PAD=1, PER_PAD=512, SCALE=2.827)}
+    out = {name: _compile(_route_kernel, route_sig, common | c, arch, dict(num_warps=1))
+           for name, c in shapes.items()}
+    align_sig = {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "first": "i32", "P": "i32",
+                 "BLOCKS": "i32"}
+    out["align 512 pairs"] = _compile(_align_kernel, align_sig, dict(
+        E=256, BLOCK_M=16, P_PAD=512, BINS=512, ROWS_PAD=8192, BLOCKS_PAD=512, PDL=True), arch, {})
+    combine_sig = {"y_ptr": "*fp32", "rw_ptr": "*bf16", "ids_ptr": "*i64", "add_ptr": "*bf16", "out_ptr": "*bf16",
+                   "first": "i32", "E": "i32"}
+    for split in (False, True):  # (with the shared experts' output added, as on one rank)
+        sig = combine_sig | ({} if split else {"y_ptr": "*bf16"})
+        out[f"combine{' split' * split}"] = _compile(_combine_kernel, sig, dict(
+            H=H, TOP_K=8, SPLIT=split, ADD=True, BLOCK=COMBINE_BLOCK, PDL=True), arch, dict(enable_fp_fusion=False))
+    return out
+
+
+def opcodes(sass: str) -> list[tuple[int, str, str]]:
+    """(address, opcode, operands) of each instruction in cuobjdump's listing."""
     ins = []
     for line in sass.splitlines():
         m = re.match(r"\s+/\*([0-9a-f]+)\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)\S*\s*(.*?);", line)
         if m:
             ins.append((int(m.group(1), 16), m.group(2), m.group(3)))
+    return ins
+
+
+def loop_opcodes(sass: str) -> collections.Counter:
+    """Opcodes between the target and the source of the longest backward branch."""
+    ins = opcodes(sass)
     loops = []
     for at, op, args in ins:
         target = re.search(r"0x([0-9a-f]+)", args) if op == "BRA" else None
@@ -90,14 +129,17 @@ def loop_opcodes(sass: str) -> collections.Counter:
     return collections.Counter(op for at, op, _ in ins if start <= at <= end)
 
 
-def count(cubin: bytes, work: Path, name: str) -> collections.Counter:
+def sass_of(cubin: bytes, work: Path, name: str) -> str:
     import triton
 
     cuobjdump = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    path = work / f"{name}.cubin"
+    path = work / f"{name.replace(' ', '_')}.cubin"
     path.write_bytes(cubin)
-    return loop_opcodes(subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True,
-                                       check=True).stdout)
+    return subprocess.run([str(cuobjdump), "-sass", str(path)], capture_output=True, text=True, check=True).stdout
+
+
+def count(cubin: bytes, work: Path, name: str) -> collections.Counter:
+    return loop_opcodes(sass_of(cubin, work, name))
 
 
 def table(title: str, counts: dict[str, collections.Counter]) -> None:
@@ -118,10 +160,10 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
     ap.add_argument("--tiles", nargs="+", choices=list(PAIRS), default=list(PAIRS),
                     help="the MoE int4 default shape for a few pairs, for many, or both")
-    ap.add_argument("--kernels", nargs="+", choices=["moe", "dense"], default=["moe", "dense"],
-                    help="the fused-MoE kernels, the dense W4A16 GEMV, or both")
+    ap.add_argument("--kernels", nargs="+", choices=["moe", "dense", "small"], default=["moe", "dense", "small"],
+                    help="the fused-MoE kernels, the dense W4A16 GEMV, the MoE routing/alignment/combine programs")
     args = ap.parse_args()
-    work = Path(tempfile.mkdtemp(prefix="int4-sass-"))
+    work = Path(tempfile.mkdtemp(prefix="moe-sass-"))
     if "moe" in args.kernels:
         for kernel in (_gate_up_kernel, _down_kernel):
             counts = {}
@@ -141,6 +183,12 @@ def main() -> None:
                     counts[label] = count(compile_dense_kernel(K, group, zero, rows, args.arch), work,
                                           f"dense_{shape}_{rows}_{zero}")
             table(f"_int4_gemv_kernel, {rows} row{'s' * (rows > 1)} ({block_n}x{block_k} w{warps})", counts)
+    if "small" in args.kernels:
+        print("\nrouting, alignment and combine programs: whole SASS, per thread")
+        print("| program | instructions | local-memory spills (LDL/STL) |")
+        for name, cubin in small_cubins(args.arch).items():
+            ops = [op for _, op, _ in opcodes(sass_of(cubin, work, name))]
+            print(f"| {name} | {len(ops)} | {sum(op in ('LDL', 'STL') for op in ops)} |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ run compiled. The reference is `MoE.forward` on the CPU (its expert loop) or `Mo
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
@@ -18,9 +19,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4  # noqa: E402
-from specserve.kernels.moe import (INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles, _weight_tile,  # noqa: E402
-                                   align_pairs, default_tiles, fused_experts)
-from specserve.model.moe import MoE  # noqa: E402
+from specserve.kernels.moe import (COMBINE_BLOCK, INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles,  # noqa: E402
+                                   _combine_kernel, _weight_tile, align_pairs, default_tiles, fused_experts)
+from specserve.kernels.moe_routing import fused_align, fused_route  # noqa: E402
+from specserve.model import moe as moe_module  # noqa: E402
+from specserve.model.moe import MoE, route_grouped_sigmoid, route_softmax  # noqa: E402
 from specserve.model.quant import Int4Weights, QuantConfig  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -369,3 +372,171 @@ def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
             step = 2 ** -7
             torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item(),
                                        msg=lambda m: f"{tiles or default}: {m}")
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_combine_sums_held_rows_only(split):
+    """The last step of fused_experts: a token's rows summed in float32 and rounded once; rows of
+    pairs held elsewhere (never written, here NaN) are skipped; split sums are rounded to the
+    dtype and scaled by their routing weight first; an added tensor (the shared experts') joins
+    the rounded sum as `+` would."""
+    N, k, H, first, E = 3, 4, COMBINE_BLOCK + 40, 4, 4  # (two column blocks, the second partial)
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 8, (N, k), generator=g)
+    held = (ids >= first) & (ids < first + E)
+    rows = torch.randn(N * k, H, generator=g).to(torch.float32 if split else torch.float16)
+    rows[~held.reshape(-1)] = float("nan")
+    rw = torch.rand(N, k, generator=g).half()
+    parts = (rows.half().float() * rw.reshape(-1, 1).float()).half() if split else rows
+    want = parts.float().masked_fill(~held.reshape(-1, 1), 0.0).view(N, k, H).sum(1).half()
+    got = torch.empty(N, H, dtype=torch.float16)
+    add = torch.randn(N, H, generator=g).half()
+    args = [t.to(DEV) for t in (rows, rw, ids, add, got)]
+    for added in (False, True):
+        _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](*args, first, E, H=H, TOP_K=k, SPLIT=split, ADD=added,
+                                                            BLOCK=COMBINE_BLOCK, PDL=False)
+        assert torch.equal(args[4].cpu(), want + add if added else want), added
+
+
+# Routers at real widths and tiny ones: (experts, top_k, groups, groups kept, scaling, scoring, normalised)
+ROUTERS = {"deepseek-v3": (256, 8, 8, 4, 2.5, "sigmoid", True), "kimi-k2.5": (384, 8, 1, 1, 2.827, "sigmoid", True),
+           "qwen3-moe": (128, 8, 1, 1, 1.0, "softmax", True), "qwen3-moe-raw": (128, 8, 1, 1, 1.0, "softmax", False),
+           "tiny-sigmoid": (8, 2, 4, 2, 1.0, "sigmoid", False), "tiny-softmax": (8, 2, 1, 1, 1.0, "softmax", True)}
+
+
+def _router(name: str) -> MoEConfig:
+    E, k, groups, kept, scaling, scoring, norm = ROUTERS[name]
+    return MoEConfig(num_experts=E, top_k=k, intermediate_size=16, scoring=scoring, norm_topk_prob=norm,
+                     routed_scaling_factor=scaling, n_group=groups, topk_group=kept, shared_intermediate_size=0,
+                     dense_layers=())
+
+
+def _torch_route(logits, m, bias):
+    return route_grouped_sigmoid(logits, bias, m) if m.scoring == "sigmoid" else route_softmax(logits, m)
+
+
+def _random_router(name: str, tokens: int, dtype=torch.float32, device=DEV, seed=0):
+    """(config, logits [tokens, E] in dtype, float32 selection bias or None) without ties: in
+    16 bits each row is a shuffle of distinct multiples of 1/16 (exact in bfloat16 up to 256)."""
+    m = _router(name)
+    g = torch.Generator().manual_seed(seed + tokens)
+    E = m.num_experts
+    if dtype == torch.float32:
+        logits = torch.randn(tokens, E, generator=g) * 2
+    else:
+        logits = torch.stack([torch.randperm(E, generator=g) - E // 2 for _ in range(tokens)]) / 16
+    logits = logits.to(device, dtype)
+    bias = (torch.randn(m.num_experts, generator=g) * 0.5).to(device) if m.scoring == "sigmoid" else None
+    return m, logits, bias
+
+
+# (64 tokens, the bound, on the real widths only: the interpreter runs a program a token)
+@pytest.mark.parametrize("router,tokens", [(r, n) for r in ROUTERS for n in (1, 3, 17, 64)
+                                           if n < 64 or not r.startswith("tiny")])
+def test_fused_route_equals_torch_routing(router, tokens):
+    """The same experts in the same order; weights within 4 float32 epsilons of their value (2 to
+    4 ulps): the kernel sums the softmax's E exponentials and the k chosen weights in another
+    order than torch, and its exp may differ from torch's in the last bit."""
+    m, logits, bias = _random_router(router, tokens)
+    want_w, want_ids = _torch_route(logits, m, bias)
+    got_w, got_ids = fused_route(logits, m, bias)
+    assert got_ids.dtype == want_ids.dtype and torch.equal(got_ids, want_ids)
+    assert got_w.dtype == want_w.dtype
+    torch.testing.assert_close(got_w, want_w, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+
+
+@pytest.mark.parametrize("router", ["deepseek-v3", "qwen3-moe"])
+def test_fused_route_in_half_precision(router):
+    """float16 logits (Qwen3-MoE routes in the model's dtype): the same experts, weights within a
+    float16 step; the grouped sigmoid's choice is float32 (its bias is)."""
+    m, logits, bias = _random_router(router, 5, torch.float16)
+    want_w, want_ids = _torch_route(logits, m, bias)
+    got_w, got_ids = fused_route(logits, m, bias)
+    assert torch.equal(got_ids, want_ids) and got_w.dtype == torch.float16
+    torch.testing.assert_close(got_w.float(), want_w.float(), rtol=2 ** -10, atol=0)
+
+
+def test_fused_route_breaks_ties_by_the_lower_index():
+    """Exact ties rank the lower index first: among groups (grouped sigmoid, strength the best two
+    scores, a repeated best counting twice) and among experts."""
+    m = _router("tiny-sigmoid")  # 8 experts in 4 groups of 2, 2 groups kept, 2 experts chosen
+    # groups (0 1) (2 3) (4 5) (6 7): strengths 3+1, 3+3, 3+1, 3+3 -> groups 1 and 3 kept, experts 2, 3, 6, 7
+    # tied at 3: the two lowest, 2 and 3
+    logits = torch.tensor([[3.0, 1.0, 3.0, 3.0, 3.0, 1.0, 3.0, 3.0],
+                           [0.0] * 8,  # all tied: groups 0 and 1, experts 0 and 1
+                           # strengths 3, 3, 4, 0: groups 2 and 0; experts 1, 4, 5 tied: 1 and 4
+                           [1.0, 2.0, 2.0, 1.0, 2.0, 2.0, 0.0, 0.0]])
+    _, ids = fused_route(logits.to(DEV), m, torch.zeros(8, device=DEV))
+    assert ids.tolist() == [[2, 3], [0, 1], [1, 4]]
+    soft = _router("tiny-softmax")
+    _, ids = fused_route(torch.tensor([[1.0, 5.0, 2.0, 5.0, 5.0, 0.0, 1.0, 2.0]], device=DEV), soft)
+    assert ids.tolist() == [[1, 3]]
+
+
+def test_fused_route_refuses_sizes_past_its_bound():
+    m, logits, bias = _random_router("tiny-softmax", 65, device="cpu")
+    with pytest.raises(ValueError, match="up to 64 tokens.*got 65 tokens"):
+        fused_route(logits, m)
+    with pytest.raises(ValueError, match="float32/float16/bfloat16 logits"):
+        fused_route(logits[:2].double(), m)
+    grouped, logits, bias = _random_router("tiny-sigmoid", 2, device="cpu")  # 2 kept groups of 2 experts
+    with pytest.raises(ValueError, match=r"8 experts in 4 groups \(2 kept\) cannot route top_k 5"):
+        fused_route(logits, dataclasses.replace(grouped, top_k=5), bias)
+
+
+# (tokens, top_k, experts held, first held, global experts, block_m): one rank, expert-parallel
+# slices (first, middle, last), a few experts with many pairs each, the 512-pair bound
+ALIGNS = [(1, 8, 256, 0, 256, 16), (3, 2, 8, 0, 8, 16), (17, 8, 32, 64, 256, 16), (64, 8, 384, 0, 384, 16),
+          (64, 8, 128, 128, 256, 32), (5, 2, 4, 4, 8, 32), (6, 4, 4, 0, 16, 16), (64, 8, 16, 0, 16, 64)]
+
+
+@pytest.mark.parametrize("tokens,top_k,experts,first,total,block_m", ALIGNS)
+def test_fused_align_equals_align_pairs(tokens, top_k, experts, first, total, block_m):
+    g = torch.Generator().manual_seed(tokens * total + first)
+    ids = torch.stack([torch.randperm(total, generator=g)[:top_k] for _ in range(tokens)]).to(DEV)
+    want = align_pairs(ids, experts, first, block_m)
+    got = fused_align(ids, experts, first, block_m)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.int32 and torch.equal(a, b)
+
+
+def test_fused_align_with_experts_repeated_within_tokens():
+    """Ids drawn with repeats (a token naming one expert twice, most experts crowded): pairs keep
+    their order within each expert, on one rank and on a slice."""
+    ids = torch.randint(0, 8, (40, 8), generator=torch.Generator().manual_seed(2)).to(DEV)
+    for experts, first, block_m in ((8, 0, 16), (3, 2, 32)):
+        for a, b in zip(fused_align(ids, experts, first, block_m), align_pairs(ids, experts, first, block_m)):
+            assert torch.equal(a, b), (experts, first)
+
+
+@pytest.mark.parametrize("routing", ["sigmoid-8of16", "softmax-2of8"])
+def test_moe_forward_fused_path_equals_torch_path(monkeypatch, routing):
+    """MoE.forward as it runs on CUDA (fused routing, alignment and experts; here in the
+    interpreter) equals its torch path (routing functions and the reference loop)."""
+    moe = _moe(routing)
+    x = torch.randn(5, HIDDEN, generator=torch.Generator().manual_seed(3))
+    want = moe(x)
+    monkeypatch.setattr(moe_module, "use_triton", lambda *a: True)
+    monkeypatch.setattr(moe_module, "fused_experts_supported", lambda *a: True)
+    monkeypatch.setattr(MoE, "experts_ref", lambda *a: pytest.fail("the reference loop ran on the fused path"))
+    monkeypatch.setattr(moe_module, "route_softmax", lambda *a: pytest.fail("torch routing ran on the fused path"))
+    monkeypatch.setattr(moe_module, "route_grouped_sigmoid", lambda *a: pytest.fail("torch routing ran"))
+    torch.testing.assert_close(moe(x), want, **F32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("router", ["deepseek-v3", "kimi-k2.5", "qwen3-moe"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_route_and_align_equal_torch_on_cuda(router, dtype):
+    """At real widths, compiled, for 1 to 64 tokens: the routing's experts and (within a few ulps
+    of the dtype) weights equal the torch functions' on the same GPU, the alignment align_pairs'."""
+    for tokens in (1, 2, 5, 8, 16, 33, 64):
+        m, logits, bias = _random_router(router, tokens, dtype, "cuda")
+        want_w, want_ids = _torch_route(logits, m, bias)
+        got_w, got_ids = fused_route(logits, m, bias)
+        assert torch.equal(got_ids, want_ids), tokens
+        torch.testing.assert_close(got_w.float(), want_w.float(), rtol=8 * torch.finfo(dtype).eps, atol=0)
+        for first, held in ((0, m.num_experts), (m.num_experts // 4, m.num_experts // 8)):
+            block_m = 16 if tokens < 64 else 32
+            for a, b in zip(fused_align(got_ids, held, first, block_m), align_pairs(got_ids, held, first, block_m)):
+                assert torch.equal(a, b), (tokens, first)

@@ -6,9 +6,10 @@ in a CUDA graph.
                    run padded to whole blocks, and names each block's expert. The buffers are
                    sized for the worst case (every held expert chosen), so their shapes depend
                    only on N, top_k, the expert count and BLOCK_M: blocks no pair fills are
-                   marked with the expert count and their programs exit at once.
+                   marked with the expert count and their programs exit at once. Torch ops;
+                   decode and verify sizes take `kernels.moe_routing.fused_align`, one program.
 - ``fused_experts`` gate_up with silu(gate) * up fused (one kernel), then down times the routing
-                   weight (a second), then the top_k rows of each token summed.
+                   weight (a second), then the top_k rows of each token summed (a third).
 
 Roundings follow the reference (`model.moe.MoE`): each product is accumulated in float32 and
 rounded to the model's dtype where `linear` rounds, silu and the routing weight are applied as
@@ -35,6 +36,7 @@ import torch
 from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton
 from specserve.kernels.int4 import PACK
+from specserve.kernels.moe_routing import FLOATS, aligned_blocks, fused_align, fused_routing_fits
 
 if triton is not None:
     import triton.language as tl
@@ -190,9 +192,38 @@ if triton is not None:
         else:
             tl.atomic_add(out_at, acc, mask=out_mask, sem="relaxed")
 
+    @triton.jit
+    def _combine_kernel(y_ptr, rw_ptr, ids_ptr, add_ptr, out_ptr, first, E, H: tl.constexpr, TOP_K: tl.constexpr,
+                        SPLIT: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # Program (token, n): BLOCK output features of one token, its TOP_K rows of y [P, H]
+        # summed in float32 and rounded once. Rows of pairs held elsewhere are never written
+        # (nor zeroed): they are skipped. Under SPLIT y holds the split down kernel's float32
+        # sums, each rounded to the dtype and times its routing weight as the unsplit kernel
+        # stores it (launched without FMA contraction, so float32's product rounds too). Under
+        # ADD the token's row of add_ptr [N, H] is added to the rounded sum, rounded again.
+        n = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < H
+        wait_for_previous(PDL)
+        dt = out_ptr.dtype.element_ty
+        acc = tl.zeros([BLOCK], tl.float32)
+        for r in tl.static_range(TOP_K):
+            pair = n * TOP_K + r
+            e = tl.load(ids_ptr + pair) - first
+            held = (e >= 0) & (e < E)
+            # (where, not `mask & held`: Triton's interpreter refuses a mask of a tensor and a scalar)
+            y = tl.load(y_ptr + pair * H + offs, mask=tl.where(held, mask, False), other=0.0).to(tl.float32)
+            if SPLIT:
+                y = (y.to(dt).to(tl.float32) * tl.load(rw_ptr + pair).to(tl.float32)).to(dt).to(tl.float32)
+            acc += y
+        res = acc.to(dt)
+        if ADD:
+            res = (res.to(tl.float32) + tl.load(add_ptr + n * H + offs, mask=mask, other=0.0).to(tl.float32)).to(dt)
+        tl.store(out_ptr + n * H + offs, res, mask=mask)
 
+
+COMBINE_BLOCK = 1024  # output features a `_combine_kernel` program sums
 MIN_DIM = 16  # tl.dot's smallest tile: experts narrower than this take the reference path
-FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class Int4Stack(Protocol):
@@ -302,7 +333,7 @@ def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
     block_expert [blocks] int32: the local expert of each block, `experts` past the last). Pairs
     routed to experts another rank holds are left out. Torch ops only, none waiting on the GPU."""
     P = ids.numel()
-    blocks = min(P, experts) + -(-P // block_m)  # each chosen expert wastes under one block
+    blocks = aligned_blocks(P, experts, block_m)
     local = ids.reshape(-1).long() - first
     local = torch.where((local >= 0) & (local < experts), local, experts)  # others' experts: one more bucket
     counts = torch.zeros(experts + 1, dtype=torch.long, device=ids.device).scatter_add_(0, local,
@@ -322,13 +353,14 @@ def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Experts,
-                  w2: Experts, first: int = 0, tiles: Tiles | None = None) -> torch.Tensor:
+                  w2: Experts, first: int = 0, tiles: Tiles | None = None, add: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """sum over k of weights[:, k] * expert_{ids[:, k]}(x) for x [N, H]; w13 [E, 2I, H] (gate
     rows then up rows) and w2 [E, H, I], float or int4 (`Int4Stack`), hold experts
     first..first+E-1; pairs routed elsewhere contribute zero (the other ranks add them). int4
     weights are dequantized tile by tile into x's dtype, as the reference dequantizes them.
-    Returns [N, H] in x's dtype. `tiles`: the launch shape (benchmarks sweep it; default
-    `default_tiles`)."""
+    Returns [N, H] in x's dtype, plus `add` [N, H] (in x's dtype; one rounding, as `+` rounds)
+    where given. `tiles`: the launch shape (benchmarks sweep it; default `default_tiles`)."""
     N, H = x.shape
     E, _, I = expert_shape(w2)
     top_k = ids.shape[1]
@@ -336,7 +368,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     int4 = not isinstance(w2, torch.Tensor)
     tiles = tiles or default_tiles(P, int4)
     block_m = block_m_for(P, E)
-    pairs, block_expert = align_pairs(ids, E, first, block_m)
+    align = fused_align if fused_routing_fits(N, top_k, E) else align_pairs  # (one program, or torch ops)
+    pairs, block_expert = align(ids, E, first, block_m)
     blocks = block_expert.numel()
     x = x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit inputs)
@@ -345,18 +378,24 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=tiles.num_warps,
                   num_stages=tiles.num_stages, SWAP=tiles.swap, **pdl_args(x))
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    # Split slices add into float32 sums (zero where no pair of a row is held here).
-    g = torch.zeros(P, 2 * I, dtype=torch.float32, device=x.device) if span_h < H else h
+    # Split slices add into float32 sums, which start at zero: gate_up's [P, 2I] and down's
+    # [P, H], one buffer zeroed once. Unsplit rows are stored whole (rows of pairs held
+    # elsewhere stay unwritten: `_combine_kernel` skips them).
+    split_h, split_i = span_h < H, span_i < I
+    sums = torch.zeros(P * (2 * I * split_h + H * split_i), dtype=torch.float32, device=x.device)
+    g = sums[:P * 2 * I].view(P, 2 * I) if split_h else h
     _gate_up_kernel[(blocks, triton.cdiv(I, block_n), triton.cdiv(H, span_h))](
         x, h_ptr=h, g_ptr=g, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H, I=I, TOP_K=top_k,
         K_SPAN=span_h, **consts, **_weight_args(w13))
-    if span_h < H:
+    if split_h:
         _swiglu_kernel[(P, triton.cdiv(I, 1024))](g, h, I=I, BLOCK=1024, **pdl_args(x))
-    # rows of pairs held elsewhere stay zero
-    out = torch.zeros(P, H, dtype=torch.float32 if span_i < I else x.dtype, device=x.device)
+    out = sums[-P * H:].view(P, H) if split_i else torch.empty(P, H, dtype=x.dtype, device=x.device)
+    rw = weights.contiguous()
     _down_kernel[(blocks, triton.cdiv(H, block_n), triton.cdiv(I, span_i))](
-        h, rw_ptr=weights.contiguous(), out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
+        h, rw_ptr=rw, out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
         I=I, K_SPAN=span_i, **consts, **_weight_args(w2))
-    if span_i < I:  # the routing weights on the rounded sums, as the unsplit kernel applies them
-        out = (out.to(x.dtype).float() * weights.reshape(P, 1).float()).to(x.dtype)
-    return out.view(N, top_k, H).sum(1, dtype=torch.float32).to(x.dtype)
+    y = torch.empty_like(x)
+    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
+        out, rw, ids.contiguous(), y if add is None else add.contiguous(), y, first, E, H=H, TOP_K=top_k, SPLIT=split_i,
+        ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
+    return y

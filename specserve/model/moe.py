@@ -4,7 +4,8 @@ weights, and shared experts (DeepSeek-V3) see every token.
 
 On the GPU the routed experts run fused (`kernels.moe.fused_experts`: pairs sorted by expert,
 two grouped GEMMs), with fixed shapes and no host synchronisation, so a forward can be captured
-in a CUDA graph; the routing is torch ops that never wait on the GPU either. The CPU runs the
+in a CUDA graph; the routing is a Triton program at decode and verify sizes
+(`kernels.moe_routing`) and torch ops beyond, neither waiting on the GPU. The CPU runs the
 PyTorch reference, which is also the fused path's test oracle: tokens are grouped by expert and
 each expert that any token chose runs once over its tokens. Its loop depends on the routing, so
 it cannot be captured.
@@ -30,6 +31,7 @@ from specserve.kernels.common import use_triton
 from specserve.kernels.int4 import PACK, dequantize_int4
 from specserve.kernels.linear import linear
 from specserve.kernels.moe import fused_experts, fused_experts_supported
+from specserve.kernels.moe_routing import FLOATS, fused_route, fused_routing_fits
 from specserve.kernels.norm import silu_mul
 from specserve.model.int4_linear import check_float, check_int32, unpack_zero_points
 from specserve.model.layers import HotPathModule, SwiGLU
@@ -189,8 +191,13 @@ class MoE(HotPathModule):
         return self.w13.weight(expert, dtype), self.w2.weight(expert, dtype)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [N, k], expert ids [N, k]) for tokens x [N, hidden]."""
+        """(weights [N, k], expert ids [N, k]) for tokens x [N, hidden]. On CUDA a decode's or
+        verify's few tokens route in one Triton program (`kernels.moe_routing.fused_route`),
+        more tokens (and the CPU) through the torch functions."""
         logits = linear(x.to(self.gate.dtype), self.gate)
+        if (use_triton(logits, self.gate, self.score_bias) and logits.dtype in FLOATS
+                and fused_routing_fits(logits.shape[0], self.m.top_k, self.m.num_experts)):
+            return fused_route(logits, self.m, self.score_bias)
         if self.score_bias is not None:
             return route_grouped_sigmoid(logits, self.score_bias, self.m)
         return route_softmax(logits, self.m)
@@ -205,12 +212,15 @@ class MoE(HotPathModule):
         x = x.reshape(-1, shape[-1])
         weights, ids = self.route(x)
         trained = (self.w13, self.w2) if self.int4 is None else ()  # (int4 experts are buffers: never trained)
+        shared = None
         if self.graph_safe and use_triton(x, *trained):
-            out = fused_experts(x, weights, ids, self.w13, self.w2, self.first)
+            # On one rank the shared experts' output joins the routed sum in its last kernel.
+            shared = self.shared(x) if self.shared is not None and tp_size() == 1 else None
+            out = fused_experts(x, weights, ids, self.w13, self.w2, self.first, add=shared)
         else:
             out = self.experts_ref(x, weights, ids)
         out = all_reduce(out)
-        if self.shared is not None:
+        if self.shared is not None and shared is None:
             out = out + self.shared(x)
         return out.view(shape)
 
