@@ -415,6 +415,17 @@ def _torch_route(logits, m, bias):
     return route_grouped_sigmoid(logits, bias, m) if m.scoring == "sigmoid" else route_softmax(logits, m)
 
 
+def _near_tie(logits, m, bias, steps: int = 4) -> bool:
+    """Whether torch's k-th and (k+1)-th choice values for one token's logits [E] lie within
+    `steps` steps of the logits' dtype (scaled to the values)."""
+    if m.scoring == "sigmoid":
+        choice = logits.sigmoid().float() + bias
+    else:
+        choice = logits.softmax(-1, dtype=torch.float32)
+    v = choice.sort(descending=True).values
+    return (v[m.top_k - 1] - v[m.top_k]).item() <= steps * torch.finfo(logits.dtype).eps * max(v[m.top_k - 1].abs().item(), 1.0)
+
+
 def _random_router(name: str, tokens: int, dtype=torch.float32, device=DEV, seed=0):
     """(config, logits [tokens, E] in dtype, float32 selection bias or None) without ties: in
     16 bits each row is a shuffle of distinct multiples of 1/16 (exact in bfloat16 up to 256)."""
@@ -534,8 +545,12 @@ def test_fused_route_and_align_equal_torch_on_cuda(router, dtype):
         m, logits, bias = _random_router(router, tokens, dtype, "cuda")
         want_w, want_ids = _torch_route(logits, m, bias)
         got_w, got_ids = fused_route(logits, m, bias)
-        assert torch.equal(got_ids, want_ids), tokens
-        torch.testing.assert_close(got_w.float(), want_w.float(), rtol=8 * torch.finfo(dtype).eps, atol=0)
+        same = (got_ids == want_ids).all(-1)
+        # In bf16 the kernel's sigmoid may round a score one step from torch's: only a token whose
+        # k-th and next choices lie within a few such steps may then pick differently.
+        for t in (~same).nonzero().flatten().tolist():
+            assert dtype != torch.float32 and _near_tie(logits[t], m, bias), (tokens, t)
+        torch.testing.assert_close(got_w[same].float(), want_w[same].float(), rtol=8 * torch.finfo(dtype).eps, atol=0)
         for first, held in ((0, m.num_experts), (m.num_experts // 4, m.num_experts // 8)):
             block_m = 16 if tokens < 64 else 32
             for a, b in zip(fused_align(got_ids, held, first, block_m), align_pairs(got_ids, held, first, block_m)):
