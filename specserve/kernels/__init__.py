@@ -13,6 +13,8 @@ graph. The modules here do each of those in one, split by kind:
 - ``argmax``      a row's argmax split into chunks side by side;
 - ``tree``        one depth of greedy tree drafting;
 - ``moe``         routed experts fused: pairs sorted by expert, two grouped GEMMs (CUDA-graph safe);
+- ``moe_routing`` decode-size MoE routing (grouped sigmoid, softmax) and pair alignment, one
+                  program each instead of ~30 small torch ops;
 - ``gemv``        the skinny-matmul kernel and its GPU tuner;
 - ``cpu_linear``  column-major CPU weights and the oneDNN tuner;
 - ``linear``      the product every layer calls, following what the tuners chose (``LinearTuning``);
