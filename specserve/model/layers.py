@@ -15,6 +15,7 @@ from torch import nn
 
 from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from specserve.kernels.attention import cache_attention_ok, cache_attention_triton
+from specserve.kernels.cpu_native import fused_ops
 from specserve.kernels.linear import linear
 from specserve.kernels.norm import apply_rope, rms_norm, rope_store_kv, silu_mul
 
@@ -353,8 +354,16 @@ class KVCacheAttention(HotPathModule):
         """CPU: `forward` for heads [B, T, H + 2 Hkv, D], the q, k and v heads of one projection
         side by side. q and k are rotated in one go (half the rope ops)."""
         H, Hkv = self.num_heads, self.num_kv_heads
-        qk = self._rotate(heads[:, :, : H + Hkv], ctx, rope)
-        self._store(qk[:, :, H:], heads[:, :, H + Hkv:], ctx)
+        native = fused_ops() if heads.dtype == torch.float32 and heads.is_contiguous() and heads.shape[-1] % 16 == 0 \
+            else None
+        if native is not None:  # rotated in place: the projection's output is this call's own
+            B, T, n, D = heads.shape
+            cos, sin = ctx.rope_tables(rope, heads.dtype)
+            native.rope_(heads.view(B * T, n, D), H + Hkv, cos.reshape(B * T, D), sin.reshape(B * T, D))
+            qk = heads
+        else:
+            qk = self._rotate(heads[:, :, : H + Hkv], ctx, rope)
+        self._store(qk[:, :, H: H + Hkv], heads[:, :, H + Hkv:], ctx)
         return self._attend(qk[:, :, :H], ctx)
 
     @staticmethod
