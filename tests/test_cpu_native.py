@@ -100,24 +100,37 @@ def test_silu_mul_matches_the_reference(ops):
     torch.testing.assert_close(got, norm.silu_mul_ref(gate_up), rtol=2e-6, atol=1e-7)
 
 
-def test_rope_in_place_matches_the_torch_rotation(ops):
-    """forward_packed rotates q and k in place with the kernel: the same as the torch rotation,
-    v untouched, and the cache written with the rotated k."""
-    H, Hkv, D, T = 4, 2, 64, 3
+@pytest.mark.parametrize("paged", [False, True])
+def test_forward_packed_matches_the_torch_path(ops, paged, monkeypatch):
+    """forward_packed with the kernels (rope + KV write in place, attention over the cache) against
+    the torch ops: two rows of different lengths, three tokens each, the last of row 0 a padding
+    token writing to the scratch slot; the same output, caches and (v untouched) heads."""
+    H, Hkv, D, T, bs = 6, 2, 64, 3, 4
     rope = RotaryEmbedding(D, 64, 10000.0, None)
     g = torch.Generator().manual_seed(1)
-    heads = torch.randn(1, T, H + 2 * Hkv, D, generator=g)
-    w = torch.tensor([[5, 9, 20]])
-    ctx = ForwardContext(0, w, w, 21)
-    want = KVCacheAttention._rotate(heads[:, :, : H + Hkv], ctx, rope)
-    attn = KVCacheAttention(H, Hkv, D)
-    attn.k_cache, attn.v_cache = torch.zeros(1, Hkv, 32, D), torch.zeros(1, Hkv, 32, D)
-    got = heads.clone()
-    with torch.inference_mode():
-        attn.forward_packed(got, ctx, rope)
-    torch.testing.assert_close(got[:, :, : H + Hkv], want, rtol=1e-6, atol=1e-6)
-    assert torch.equal(got[:, :, H + Hkv:], heads[:, :, H + Hkv:])
-    assert torch.equal(attn.k_cache[0, :, 20], got[0, 2, H: H + Hkv])
+    heads = torch.randn(2, T, H + 2 * Hkv, D, generator=g)
+    write_idx = torch.tensor([[4, 5, 15], [9, 10, 11]])  # 15: the scratch slot past max_model_len
+    positions = torch.tensor([[4, 5, 0], [9, 10, 11]])
+    if paged:
+        table = torch.tensor([[6, 1, 3, 8], [2, 7, 5, 4]])
+        shape = (9, Hkv, bs, D)
+    else:
+        shape = (3, Hkv, 16, D)
+    caches = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    results = []
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(cpu_native, "_state", {"ops": None})
+        attn = KVCacheAttention(H, Hkv, D)
+        attn.k_cache, attn.v_cache = caches[0].clone(), caches[1].clone()
+        ctx = (ForwardContext(0, positions, write_idx, 12, block_table=table, block_size=bs) if paged
+               else ForwardContext(1, positions, write_idx, 12))
+        x = heads.clone()
+        with torch.inference_mode():
+            out = attn.forward_packed(x, ctx, rope)
+        results.append((out[:, :2], out[1], attn.k_cache, attn.v_cache, x[:, :, H + Hkv:]))
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 def test_without_the_kernels_everything_keeps_torchs_path(no_native, caplog):
@@ -136,3 +149,27 @@ def test_without_the_kernels_everything_keeps_torchs_path(no_native, caplog):
         assert torch.equal(norm.rms_norm(x, weight, 1e-5), norm.rms_norm_ref(x, weight, 1e-5))
         gate_up = torch.randn(2, 64)
         assert torch.equal(norm.silu_mul(gate_up), norm.silu_mul_ref(gate_up))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_cache_attention_matches_sdpa(ops, paged):
+    """The native attention over the cache equals SDPA over the gathered keys with the causal mask:
+    two rows of different lengths, three tokens each, a paged pool with scattered blocks or a
+    cache of one block per row (rows 1-2 of three)."""
+    H, Hkv, D, T, bs = 6, 2, 64, 3, 4
+    g = torch.Generator().manual_seed(5)
+    attn = KVCacheAttention(H, Hkv, D)
+    write_idx = torch.tensor([[4, 5, 6], [9, 10, 11]])
+    if paged:
+        table = torch.tensor([[6, 1, 3, 0], [2, 7, 5, 4]])
+        shape = (8, Hkv, bs, D)
+        ctx = ForwardContext(0, write_idx, write_idx, 12, block_table=table, block_size=bs)
+    else:
+        shape = (3, Hkv, 16, D)
+        ctx = ForwardContext(1, write_idx, write_idx, 12)
+    attn.k_cache, attn.v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
+    heads = torch.randn(2, T, H + 2 * Hkv, D, generator=g)
+    want = attn._attend(heads[:, :, :H], ctx)
+    got = ops.cache_attention(heads, H, attn.k_cache, attn.v_cache, ctx.read_blocks() if paged else None,
+                              ctx.row_start, write_idx, ctx.kv_len, attn.scale)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

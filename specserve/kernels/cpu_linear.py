@@ -68,8 +68,10 @@ def _choices(times: dict[int, dict[str, float]]) -> tuple[str, ...]:
 @torch.inference_mode()
 def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
     """Set `w.cpu_plan` on each of `weights` (CPU tensors): a CpuPlan, or None where MKL wins at
-    every row count measured. Timed once per shape, at the current torch thread count. Returns
-    {"NxK": {rows: {kernel: us}}, ...} for logging."""
+    every row count measured. Timed once per shape, at the current torch thread count, each
+    kernel over all of the shape's weights in turn: a forward reads them from memory, not from
+    cache, and that changes the winner at a few rows (a kernel that computes faster loses to one
+    that streams faster). Returns {"NxK": {rows: {kernel: us}}, ...} for logging."""
     weights = [w for w in weights if w.dim() == 2 and not w.is_cuda and w.dtype in (torch.float32, torch.bfloat16)]
     for w in weights:
         w.cpu_plan = None
@@ -80,36 +82,45 @@ def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
         return {}
     dnnl = torch.backends.mkldnn.is_available()
     ops = cpu_native.ops()
-    report, plans = {}, {}
+    groups: dict[tuple, list[torch.Tensor]] = {}
     for w in weights:
-        key = (tuple(w.shape), w.dtype)
-        packed = panels = None
-        if key not in plans:
-            kernels = {MKL: lambda x: F.linear(x, w)}
-            if dnnl:
-                try:
-                    packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
-                    product = torch.ops.mkldnn._linear_pointwise
-                    product(torch.zeros(1, w.shape[1], dtype=w.dtype), packed, None, "none", [], "")
-                    kernels[ONEDNN] = lambda x: product(x, packed, None, "none", [], "")
-                except RuntimeError as e:  # a oneDNN build that cannot take this shape or dtype
-                    log.warning("oneDNN product for %s skipped: %s", tuple(w.shape), e)
-            if ops is not None and w.dtype == torch.float32:
-                panels = cpu_native.pack_panels(w)
-                kernels[NATIVE] = lambda x: ops.panel_linear(x, panels, w.shape[0], None)
-            times = {}
-            for rows in CPU_ROWS:
-                x = torch.randn(rows, w.shape[1], dtype=w.dtype)
-                times[rows] = {k: _cpu_us(lambda: fn(x)) for k, fn in kernels.items()
-                               if k != NATIVE or rows <= cpu_native.MAX_ROWS}
-            by_rows = _choices(times)
-            plans[key] = None if set(by_rows) == {MKL} else by_rows
-            report[f"{w.shape[0]}x{w.shape[1]}"] = {r: {k: round(v, 1) for k, v in t.items()} for r, t in times.items()}
-        by_rows = plans[key]
-        if by_rows is not None:  # (the timed copies are w's; later weights of the shape pack their own)
-            if ONEDNN in by_rows and packed is None:
-                packed = torch.ops.mkldnn._reorder_linear_weight(w, 8)
-            if NATIVE in by_rows and panels is None:
-                panels = cpu_native.pack_panels(w)
-            w.cpu_plan = CpuPlan(by_rows, packed if ONEDNN in by_rows else None, panels if NATIVE in by_rows else None)
+        groups.setdefault((tuple(w.shape), w.dtype), []).append(w)
+    report = {}
+    for (shape, dtype), group in groups.items():
+        copies = {MKL: group}
+        if dnnl:
+            try:
+                copies[ONEDNN] = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in group]
+                torch.ops.mkldnn._linear_pointwise(torch.zeros(1, shape[1], dtype=dtype), copies[ONEDNN][0], None,
+                                                   "none", [], "")
+            except RuntimeError as e:  # a oneDNN build that cannot take this shape or dtype
+                log.warning("oneDNN product for %s skipped: %s", shape, e)
+                copies.pop(ONEDNN, None)
+        if ops is not None and dtype == torch.float32:
+            copies[NATIVE] = [cpu_native.pack_panels(w) for w in group]
+        times = {}
+        for rows in CPU_ROWS:
+            x = torch.randn(rows, shape[1], dtype=dtype)
+            times[rows] = {k: _cpu_us(lambda: _products(k, x, c, shape[0]), reps=max(1, 20 // len(group))) / len(group)
+                           for k, c in copies.items() if k != NATIVE or rows <= cpu_native.MAX_ROWS}
+        report[f"{shape[0]}x{shape[1]}"] = {r: {k: round(v, 1) for k, v in t.items()} for r, t in times.items()}
+        by_rows = _choices(times)
+        if set(by_rows) != {MKL}:
+            for i, w in enumerate(group):
+                w.cpu_plan = CpuPlan(by_rows, copies[ONEDNN][i] if ONEDNN in by_rows else None,
+                                     copies[NATIVE][i] if NATIVE in by_rows else None)
     return report
+
+
+def _products(kernel: str, x: torch.Tensor, weights: list[torch.Tensor], n: int) -> None:
+    """x times each of `weights` (one shape, in `kernel`'s layout) in turn."""
+    if kernel == NATIVE:
+        panel_linear = cpu_native.ops().panel_linear
+        for p in weights:
+            panel_linear(x, p, n, None)
+    elif kernel == ONEDNN:
+        for p in weights:
+            torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "")
+    else:
+        for w in weights:
+            F.linear(x, w)

@@ -1,16 +1,20 @@
-// AVX2/FMA kernels for batch-1 CPU decoding: a GEMV over weights repacked into panels, and the
-// small per-layer ops (residual add + RMSNorm, SwiGLU, rope) as one call each.
+// AVX2/FMA kernels for CPU decoding: a GEMV over weights repacked into panels, and the small
+// per-layer ops (residual add + RMSNorm, SwiGLU, rope with the KV write, attention over the
+// cache) as one call each.
 //
 // A decode step streams every weight once from memory; each product's weight arrives as
-// [ceil(N/16)][K][16] float panels (`pack_panels` on the Python side), so the kernel reads one
-// linear stream and keeps 16 outputs per row in two ymm accumulators. Up to 6 rows share one
-// read of a panel (the rest of a panel's rows re-read it from L1/L2, not memory).
+// [ceil(N/16)][K][16] float panels (`pack_panels` on the Python side): a panel is one linear
+// stream, 16 outputs per row in two ymm accumulators. Rows go in groups of up to 3, each group
+// over several panels side by side; the first group of a chunk of panels reads it from memory,
+// the others from L2.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -222,38 +226,164 @@ torch::Tensor silu_mul(const torch::Tensor& gate_up) {
   return out;
 }
 
-// In place: heads [T, >=H, D] (unit stride over heads and D), the first H heads of each token
-// rotated: x * cos + roll(x, D/2) * sin with cos/sin [T, D] (sin's first half negated).
-void rope_(torch::Tensor& heads, int64_t H, const torch::Tensor& cos, const torch::Tensor& sin) {
+// heads [B, T, H + 2 Hkv, D] (contiguous): q and k heads rotated in place, x * cos + roll(x, D/2)
+// * sin with cos/sin [B, T, D] (sin's first half negated); then k and v written into the caches
+// [blocks, Hkv, block_size, D] at each token's slot: block blocks[b, w / bs], offset w % bs for
+// w = write_idx[b, t] (paged), else block row_start + b, offset w.
+void rope_store_(torch::Tensor& heads, int64_t H, const torch::Tensor& cos, const torch::Tensor& sin,
+                 torch::Tensor& k_cache, torch::Tensor& v_cache, const c10::optional<torch::Tensor>& blocks,
+                 int64_t row_start, const torch::Tensor& write_idx) {
   check_f32(heads, "heads");
   check_f32(cos, "cos");
   check_f32(sin, "sin");
-  TORCH_CHECK(heads.dim() == 3 && heads.stride(2) == 1 && heads.stride(1) == heads.size(2) && H <= heads.size(1),
-              "heads must be [T, heads, D] packed over heads and D");
-  const int64_t T = heads.size(0), D = heads.size(2), half = D / 2;
-  TORCH_CHECK(D % 16 == 0 && cos.is_contiguous() && sin.is_contiguous() && cos.numel() == T * D &&
-                  sin.numel() == T * D, "D must be a multiple of 16 and cos/sin contiguous [T, D]");
-  float* hp = heads.data_ptr<float>();
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  TORCH_CHECK(heads.dim() == 4 && heads.is_contiguous() && heads.size(3) % 16 == 0,
+              "heads must be contiguous [B, T, heads, D] with D a multiple of 16");
+  const int64_t B = heads.size(0), T = heads.size(1), n = heads.size(2), D = heads.size(3), half = D / 2;
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == B * T * D && sin.numel() == B * T * D,
+              "cos/sin must be contiguous [B, T, D]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.stride(3) == 1 && k_cache.size(3) == D,
+              "k_cache and v_cache must be alike [blocks, Hkv, block_size, D] with unit stride along D");
+  const int64_t Hkv = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(H + 2 * Hkv == n, "heads must hold H q heads and the cache's k and v heads");
+  TORCH_CHECK(write_idx.scalar_type() == torch::kLong && write_idx.dim() == 2 && write_idx.size(0) == B &&
+                  write_idx.size(1) == T, "write_idx must be int64 [B, T]");
+  const bool paged = blocks.has_value() && blocks->defined();
+  if (paged) TORCH_CHECK(blocks->scalar_type() == torch::kLong && blocks->dim() == 2 && blocks->size(0) == B &&
+                             blocks->stride(1) == 1, "blocks must be int64 [B, n]");
+  float *hp = heads.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
   const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t) {
-    const float *c = cp + t * D, *s = sp + t * D;
-    for (int64_t h = 0; h < H; ++h) {
-      float* x = hp + t * heads.stride(0) + h * D;
-      for (int64_t j = 0; j < half; j += 8) {
-        __m256 x1 = _mm256_loadu_ps(x + j), x2 = _mm256_loadu_ps(x + half + j);
-        __m256 o1 = _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + j)), _mm256_mul_ps(x2, _mm256_loadu_ps(s + j)));
-        __m256 o2 = _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + j)),
-                                  _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + j)));
-        _mm256_storeu_ps(x + j, o1);
-        _mm256_storeu_ps(x + half + j, o2);
+  const int64_t *wi = write_idx.data_ptr<int64_t>(), *bt = paged ? blocks->data_ptr<int64_t>() : nullptr;
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t tok = b * T + t;
+      const float *c = cp + tok * D, *s = sp + tok * D;
+      for (int64_t h = 0; h < H + Hkv; ++h) {
+        float* x = hp + (tok * n + h) * D;
+        for (int64_t j = 0; j < half; j += 8) {
+          __m256 x1 = _mm256_loadu_ps(x + j), x2 = _mm256_loadu_ps(x + half + j);
+          __m256 o1 = _mm256_add_ps(_mm256_mul_ps(x1, _mm256_loadu_ps(c + j)), _mm256_mul_ps(x2, _mm256_loadu_ps(s + j)));
+          __m256 o2 = _mm256_add_ps(_mm256_mul_ps(x2, _mm256_loadu_ps(c + half + j)),
+                                    _mm256_mul_ps(x1, _mm256_loadu_ps(s + half + j)));
+          _mm256_storeu_ps(x + j, o1);
+          _mm256_storeu_ps(x + half + j, o2);
+        }
+      }
+      const int64_t w = wi[b * write_idx.stride(0) + t * write_idx.stride(1)];
+      const int64_t block = paged ? bt[b * blocks->stride(0) + w / bs] : row_start + b, off = paged ? w % bs : w;
+      TORCH_CHECK(block >= 0 && block < k_cache.size(0) && off >= 0 && off < bs, "cache slot out of range");
+      for (int64_t h = 0; h < Hkv; ++h) {
+        const int64_t slot = block * k_cache.stride(0) + h * k_cache.stride(1) + off * k_cache.stride(2);
+        std::copy_n(hp + (tok * n + H + h) * D, D, kc + slot);
+        std::copy_n(hp + (tok * n + H + Hkv + h) * D, D, vc + slot);
       }
     }
   }
+}
+
+namespace {
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+}  // namespace
+
+// Attention of every query over the cached keys it sees (indices <= its write index, below kv_len):
+// heads [B, T, n, D] (q is heads [:, :, :H]), caches [blocks, Hkv, block_size, D] read through
+// `blocks` [B, >=ceil(kv_len/bs)] (paged) or, without it, block row_start + b of row b. -> [B, T, H*D].
+torch::Tensor cache_attention(const torch::Tensor& heads, int64_t H, const torch::Tensor& k_cache,
+                              const torch::Tensor& v_cache, const c10::optional<torch::Tensor>& blocks,
+                              int64_t row_start, const torch::Tensor& write_idx, int64_t kv_len, double scale) {
+  check_f32(heads, "heads");
+  check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
+  TORCH_CHECK(heads.dim() == 4 && heads.is_contiguous() && heads.size(3) % 8 == 0, "heads must be contiguous [B, T, n, D], D % 8 == 0");
+  const int64_t B = heads.size(0), T = heads.size(1), n = heads.size(2), D = heads.size(3);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.strides() == v_cache.strides() && k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.stride(3) == 1 && k_cache.size(3) == D,
+              "k_cache and v_cache must be alike [blocks, Hkv, block_size, D] with unit stride along D");
+  const int64_t Hkv = k_cache.size(1), bs = k_cache.size(2);
+  TORCH_CHECK(H % Hkv == 0 && H + 2 * Hkv <= n, "H must be a multiple of the cache's KV heads");
+  TORCH_CHECK(write_idx.scalar_type() == torch::kLong && write_idx.dim() == 2 && write_idx.size(0) == B &&
+                  write_idx.size(1) == T, "write_idx must be int64 [B, T]");
+  const bool paged = blocks.has_value() && blocks->defined();
+  if (paged) {
+    TORCH_CHECK(blocks->scalar_type() == torch::kLong && blocks->dim() == 2 && blocks->size(0) == B &&
+                    blocks->stride(1) == 1 && blocks->size(1) * bs >= kv_len, "blocks must be int64 [B, >=kv_len/bs]");
+  } else {
+    TORCH_CHECK(bs >= kv_len && row_start + B <= k_cache.size(0), "an unpaged cache must hold kv_len keys per row");
+  }
+  const int64_t G = H / Hkv;
+  auto out = torch::empty({B, T, H * D}, heads.options());
+  const float *hp = heads.data_ptr<float>(), *kc = k_cache.data_ptr<float>(), *vc = v_cache.data_ptr<float>();
+  const int64_t *wi = write_idx.data_ptr<int64_t>(), *bt = paged ? blocks->data_ptr<int64_t>() : nullptr;
+  const int64_t bts = paged ? blocks->stride(0) : 0, ws0 = write_idx.stride(0), ws1 = write_idx.stride(1);
+  const int64_t cs0 = k_cache.stride(0), cs1 = k_cache.stride(1), cs2 = k_cache.stride(2);
+  float* op = out.data_ptr<float>();
+  const float sc = static_cast<float>(scale);
+  at::parallel_for(0, B * T * Hkv, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<float> scores;
+    for (int64_t item = lo; item < hi; ++item) {
+      const int64_t b = item / (T * Hkv), t = (item / Hkv) % T, h = item % Hkv;
+      const int64_t L = std::min<int64_t>(wi[b * ws0 + t * ws1] + 1, kv_len);
+      scores.assign(G * std::max<int64_t>(L, 1), 0.f);
+      auto slot = [&](int64_t j) {
+        const int64_t block = paged ? bt[b * bts + j / bs] : row_start + b, off = paged ? j % bs : j;
+        return block * cs0 + h * cs1 + off * cs2;
+      };
+      const float* q = hp + ((b * T + t) * n + h * G) * D;
+      for (int64_t j = 0; j < L; ++j) {
+        const float* k = kc + slot(j);
+        for (int64_t g = 0; g < G; ++g) {
+          __m256 acc = _mm256_setzero_ps();
+          for (int64_t d = 0; d < D; d += 8)
+            acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + g * D + d), _mm256_loadu_ps(k + d), acc);
+          scores[g * L + j] = hsum(acc) * sc;
+        }
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        float* s = scores.data() + g * L;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < L; ++j) mx = std::max(mx, s[j]);
+        float sum = 0.f;
+        int64_t j = 0;
+        const __m256 vmx = _mm256_set1_ps(mx);
+        __m256 vsum = _mm256_setzero_ps();
+        for (; j + 8 <= L; j += 8) {
+          __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(s + j), vmx));
+          _mm256_storeu_ps(s + j, e);
+          vsum = _mm256_add_ps(vsum, e);
+        }
+        sum = hsum(vsum);
+        for (; j < L; ++j) sum += (s[j] = std::exp(s[j] - mx));
+        const float inv = L > 0 ? 1.f / sum : 0.f;
+        float* o = op + ((b * T + t) * H + h * G + g) * D;
+        for (int64_t d0 = 0; d0 < D; d0 += 32) {  // 4 accumulators of 8 dims at a time
+          const int64_t w = std::min<int64_t>(32, D - d0);
+          __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+          for (int64_t jj = 0; jj < L; ++jj) {
+            const float* v = vc + slot(jj) + d0;
+            const __m256 p = _mm256_set1_ps(s[jj]);
+            for (int64_t u = 0; u < w / 8; ++u) acc[u] = _mm256_fmadd_ps(p, _mm256_loadu_ps(v + 8 * u), acc[u]);
+          }
+          for (int64_t u = 0; u < w / 8; ++u) _mm256_storeu_ps(o + d0 + 8 * u, _mm256_mul_ps(acc[u], _mm256_set1_ps(inv)));
+        }
+      }
+    }
+  });
+  return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x @ W.T over W packed as [ceil(n/16), K, 16] panels");
   m.def("add_rms_norm", &add_rms_norm, "(norm(x + residual), x + residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
-  m.def("rope_", &rope_, "rotary embedding of the first H heads, in place");
+  m.def("rope_store_", &rope_store_, "rotary embedding of q and k in place, k and v written to the cache");
+  m.def("cache_attention", &cache_attention, "attention over the (paged) KV cache, keys up to each write index");
 }
