@@ -9,7 +9,11 @@ Measures, at one torch thread count shared by every part:
 - transformers `generate()` on the same GGUF (dequantized), static and dynamic cache;
 - where a decode step's wall time goes without a profiler: the layers' products, the LM head, the rest;
 - a per-op profile of specserve's decode steps (torch.profiler, self CPU time per op and shape,
-  and the time no op accounts for: Python and host bookkeeping).
+  and the time no op accounts for: Python and host bookkeeping; the native kernels' calls are
+  not ops to the profiler, so their time shows there too);
+- with ``--native-ab``: specserve also without its native CPU kernels (`kernels.cpu_native`:
+  the tuner's choice among MKL and oneDNN alone, torch's small ops), interleaved with the runs
+  with them.
 
 The machine may be shared, so specserve and transformers runs are interleaved `--repeats` times
 and the medians are reported with the load average: ratios measured side by side are the figure.
@@ -18,6 +22,7 @@ and the medians are reported with the load average: ratios measured side by side
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -62,6 +67,35 @@ def specserve_run(llm, ids: list[int], new_tokens: int) -> float:
     out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))[0]
     decode_s = out.latency_s - out.ttft_s
     return (len(out.token_ids) - 1) / decode_s
+
+
+@contextlib.contextmanager
+def without_native(llm):
+    """specserve as it runs where the native CPU kernels cannot be built: each weight's product
+    the tuner's pick among the other kernels from the same timings, torch's small ops."""
+    from specserve.kernels import cpu_linear, cpu_native
+
+    report = llm.engine.runner.linear_tuning
+    saved_ops, saved = cpu_native._state.get("ops"), {}
+    for p in llm.engine.runner.target.parameters():
+        plan = getattr(p, "cpu_plan", None)
+        if plan is None or cpu_linear.NATIVE not in plan.by_rows:
+            continue
+        times = report[f"{p.shape[0]}x{p.shape[1]}"]
+        by_rows = cpu_linear._choices({r: {k: v for k, v in t.items() if k != cpu_linear.NATIVE}
+                                       for r, t in times.items()})
+        saved[p] = plan
+        packed = plan.packed
+        if cpu_linear.ONEDNN in by_rows and packed is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(p.data, 8)
+        p.cpu_plan = None if set(by_rows) == {cpu_linear.MKL} else cpu_linear.CpuPlan(by_rows, packed)
+    cpu_native._state["ops"] = None
+    try:
+        yield
+    finally:
+        cpu_native._state["ops"] = saved_ops
+        for p, plan in saved.items():
+            p.cpu_plan = plan
 
 
 def hf_run(model, ids: list[int], new_tokens: int, cache: str) -> float:
@@ -163,6 +197,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=32)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers")
+    ap.add_argument("--native-ab", action="store_true", help="also run specserve without its native CPU kernels")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -187,9 +222,12 @@ def main() -> None:
                                                         dtype=torch.float32).eval()
         hf = {"static": [], "dynamic": []}
         hf_run(hf_model, ids, 8, "static")
-    ours, rates = [], [rate]
+    ours, rates, plain = [], [rate], []
     for _ in range(args.repeats):  # interleaved: a load change hits every side alike
         ours.append(specserve_run(llm, ids, args.new_tokens))
+        if args.native_ab:
+            with without_native(llm):
+                plain.append(specserve_run(llm, ids, args.new_tokens))
         for cache in hf:
             hf[cache].append(hf_run(hf_model, ids, args.new_tokens, cache))
         rates.append(streaming_rate(3))
@@ -207,6 +245,12 @@ def main() -> None:
     }
     for c, v in hf.items():
         result[f"x_transformers_{c}"] = round(med / statistics.median(v), 2)
+    if plain:
+        result["without_native_tok_s"] = [round(x, 2) for x in plain]
+        result["without_native_pct_roofline"] = round(100 * statistics.median(plain) / roofline, 1)
+        result["x_without_native"] = round(med / statistics.median(plain), 2)
+        with without_native(llm):
+            result["split_without_native"] = product_split(llm, ids, args.new_tokens)
     result["split"] = product_split(llm, ids, args.new_tokens)
     result["profile"] = profile_decode(llm, ids, args.profile_steps)
     text = json.dumps(result, indent=1)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 triton = pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these "
                                               "kernels in its interpreter on CPU)")
 from specserve.kernels import argmax as argmax_k  # noqa: E402
-from specserve.kernels import attention, common, cpu_linear, gemv, norm, tree  # noqa: E402
+from specserve.kernels import attention, common, cpu_linear, cpu_native, gemv, norm, tree  # noqa: E402
 from specserve.kernels import linear as linear_k  # noqa: E402
 from specserve.model.layers import RotaryEmbedding  # noqa: E402
 
@@ -266,19 +266,20 @@ def test_batch_invariant_tuning_gives_every_row_count_the_fixed_config():
 
 
 def test_cpu_linear_tuning(monkeypatch):
-    """oneDNN with a packed weight (CPU): `linear` equals F.linear at every row count, on both
-    sides of each weight's switch-over, with and without bias; the switch-over follows the timings."""
+    """The CPU products' tuning: `linear` equals F.linear at every row count, on both sides of
+    each weight's switch-overs, with and without bias; a switch-over follows the timings."""
+    monkeypatch.setattr(cpu_native, "_state", {"ops": None})  # (the panel GEMV: tests/test_cpu_native.py)
     g = torch.Generator().manual_seed(7)
     ws = [torch.randn(n, k, generator=g) for n, k in ((512, 64), (64, 64), (96, 192))]
     report = cpu_linear.tune_linear_cpu(ws)
     assert set(report) == {"512x64", "64x64", "96x192"}
     for w in ws:
-        assert w.cpu_packed is None or (w.cpu_packed[1] >= 1 and w.cpu_packed[0].is_mkldnn)
+        assert w.cpu_plan is None or (w.cpu_plan.packed.is_mkldnn and "onednn" in w.cpu_plan.by_rows)
     # Pretend oneDNN wins from 4 rows on: it must take over from 3 rows (past the last MKL win, 2).
     times = iter([1.0, 2.0, 1.0, 2.0] + [2.0, 1.0] * 4)  # (MKL, oneDNN) per row count 1 2 4 8 16 64
     monkeypatch.setattr(cpu_linear, "_cpu_us", lambda fn, reps=20: next(times))
     cpu_linear.tune_linear_cpu(ws[:1])
-    assert ws[0].cpu_packed[1] == 3
+    assert ws[0].cpu_plan.by_rows[1:5] == ("mkl", "mkl", "onednn", "onednn")
     b = torch.randn(512, generator=g)
     for w in ws:
         for rows in (1, 2, 3, 5, 9, 64):
@@ -287,7 +288,7 @@ def test_cpu_linear_tuning(monkeypatch):
     torch.testing.assert_close(linear_k.linear(x[..., :64], ws[0], b), F.linear(x[..., :64], ws[0], b), rtol=1e-5, atol=1e-5)
     monkeypatch.setattr(common, "FUSED", False)  # SPECSERVE_FUSED_KERNELS=0: plain F.linear everywhere
     cpu_linear.tune_linear_cpu(ws)
-    assert all(w.cpu_packed is None for w in ws)
+    assert all(w.cpu_plan is None for w in ws)
 
 
 @pytest.mark.parametrize("k,V", [(3, 50), (8, 2048)])

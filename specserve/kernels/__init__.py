@@ -16,14 +16,16 @@ graph. The modules here do each of those in one, split by kind:
 - ``moe_routing`` decode-size MoE routing (grouped sigmoid, softmax) and pair alignment, one
                   program each instead of ~30 small torch ops;
 - ``gemv``        the skinny-matmul kernel and its GPU tuner;
-- ``cpu_linear``  column-major CPU weights and the oneDNN tuner;
+- ``cpu_linear``  column-major CPU weights and the CPU tuner (MKL, oneDNN, the panel GEMV);
+- ``cpu_native``  C++ AVX2 CPU kernels built on first use: the panel GEMV, norm, SwiGLU, rope +
+                  KV write, attention over the cache (torch's ops where they cannot be built);
 - ``linear``      the product every layer calls, following what the tuners chose (``LinearTuning``);
 - ``common``      dispatch switches and the programmatic-dependent-launch helper.
 
 The elementwise kernels reproduce the reference's bf16/fp16 roundings step by step (each
 product and sum rounded where PyTorch rounds), so fused and reference agree to the last bit up
 to the order of one float32 reduction. Triton runs on CUDA tensors; CPU tensors take the
-reference. ``SPECSERVE_FUSED_KERNELS=0`` forces the reference everywhere (for A/B
+reference, or in float32 inference the native kernels (within float32 rounding of it). ``SPECSERVE_FUSED_KERNELS=0`` forces the reference everywhere (for A/B
 measurements). Without a GPU, tests run the ``*_triton`` launchers through Triton's interpreter
 (TRITON_INTERPRET=1, set by conftest).
 """

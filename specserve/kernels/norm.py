@@ -4,6 +4,9 @@
 - ``rope_store_kv``  rotary embedding of q and k, k and v written into the KV cache at their
                      cache index (one (token, head) per program);
 - ``silu_mul``       SwiGLU's silu(gate) * up.
+
+On the CPU (float32, inference) the norm and SwiGLU run as one native call each where the
+native kernels are built (`cpu_native`): a decode step there pays per op, not per byte.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.kernels.common import pdl_args, triton, use_triton
+from specserve.kernels.cpu_native import fused_ops
 
 if triton is not None:
     import triton.language as tl
@@ -142,6 +146,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if use_triton(x, weight, residual) and x.is_contiguous() and (residual is None or residual.is_contiguous()) \
             and x.shape[-1] <= 16384:
         return rms_norm_triton(x, weight, eps, residual)
+    if x.dtype == torch.float32 and not x.is_cuda:
+        native = fused_ops()
+        if native is not None and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            y, total = native.add_rms_norm(x, residual, weight, eps)  # one call for the add and the norm
+            return y if residual is None else (y, total)
     total = x if residual is None else x + residual
     if total.dtype == torch.float32 and not total.is_cuda:
         # The reference's float32 ops in its order (bit-identical), without its no-op casts and
@@ -213,6 +222,10 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up = [..., 2I] (gate first)."""
     if use_triton(gate_up) and gate_up.is_contiguous():
         return silu_mul_triton(gate_up)
+    if gate_up.dtype == torch.float32 and not gate_up.is_cuda and gate_up.is_contiguous():
+        native = fused_ops()
+        if native is not None:
+            return native.silu_mul(gate_up)
     return silu_mul_ref(gate_up)
 
 

@@ -15,6 +15,7 @@ from torch import nn
 
 from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from specserve.kernels.attention import cache_attention_ok, cache_attention_triton
+from specserve.kernels.cpu_native import fused_ops
 from specserve.kernels.linear import linear
 from specserve.kernels.norm import apply_rope, rms_norm, rope_store_kv, silu_mul
 
@@ -223,6 +224,7 @@ class ForwardContext:
     _rows: torch.Tensor | None = None
     _slot: tuple[int, int] | None = None
     _blocks: torch.Tensor | None = None
+    _row_table: torch.Tensor | None = None
 
     def attn_bias(self, group: int, dtype: torch.dtype) -> torch.Tensor | None:
         if self.full_view:
@@ -289,6 +291,12 @@ class ForwardContext:
         block, offset = self.write_at()
         cache[block, :, offset] = values.to(cache.dtype)
 
+    def row_table(self) -> torch.Tensor:
+        """[B, blocks] the block table's rows of this forward's sequences (once per forward)."""
+        if self._row_table is None:
+            self._row_table = self.block_table[self.row_start: self.row_start + self.write_idx.shape[0]]
+        return self._row_table
+
     def read_blocks(self) -> torch.Tensor:
         """[B, n] the blocks holding keys [0, kv_len) of this forward's rows (once per forward)."""
         if self._blocks is None:
@@ -353,6 +361,16 @@ class KVCacheAttention(HotPathModule):
         """CPU: `forward` for heads [B, T, H + 2 Hkv, D], the q, k and v heads of one projection
         side by side. q and k are rotated in one go (half the rope ops)."""
         H, Hkv = self.num_heads, self.num_kv_heads
+        native = fused_ops() if heads.dtype == torch.float32 and heads.is_contiguous() and heads.shape[-1] % 16 == 0 \
+            and ctx.tree_anc is None else None
+        if native is not None:  # one call each for rope + KV write and for attention, the keys read where they lie
+            B, T, _, D = heads.shape
+            cos, sin = ctx.rope_tables(rope, heads.dtype)
+            blocks = ctx.row_table() if ctx.block_table is not None else None
+            # (rotated in place: the projection's output is this call's own)
+            native.rope_store_(heads, H, cos, sin, self.k_cache, self.v_cache, blocks, ctx.row_start, ctx.write_idx)
+            return native.cache_attention(heads, H, self.k_cache, self.v_cache, blocks, ctx.row_start, ctx.write_idx,
+                                          ctx.kv_len, self.scale)
         qk = self._rotate(heads[:, :, : H + Hkv], ctx, rope)
         self._store(qk[:, :, H:], heads[:, :, H + Hkv:], ctx)
         return self._attend(qk[:, :, :H], ctx)
