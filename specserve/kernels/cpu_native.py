@@ -25,8 +25,16 @@ _state: dict = {}
 
 
 def _build():
+    import os
+
     from torch.utils.cpp_extension import load
 
+    try:  # the ninja wheel's binary, also when its environment's bin/ is not on PATH
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
     log.info("building the native CPU kernels (once per machine, about a minute)")
     return load(name="specserve_cpu_kernels", sources=[str(_SOURCE)],
                 extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False)
