@@ -119,7 +119,8 @@ class ModelRunner:
 
     def _tune_linear(self) -> dict:
         """Per weight shape and row count, the fastest product here: on GPU cuBLAS or the GEMV
-        kernel, on CPU (weights stored column-major first) MKL or oneDNN with a packed weight."""
+        kernel, on CPU (weights stored column-major first) MKL, oneDNN with a packed weight or the
+        native panel GEMV."""
         from specserve.kernels.cpu_linear import column_major_copy, tune_linear_cpu
         from specserve.kernels.gemv import GEMV_ROWS, tune_linear
 
