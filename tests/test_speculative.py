@@ -672,6 +672,28 @@ def test_policy_explores_out_of_a_bad_estimate():
     assert {lone.choose(1) for _ in range(3 * EXPLORE_EVERY)} == {0}
 
 
+def test_policy_explores_back_to_plain_after_one_slow_plain_step():
+    """The CPU batch-4 lock-in: one plain step timed slow live (2 s against 1 s), speculative
+    cycles seeded cheap and slower live. Exploration judges plain by the lower of its live and
+    start-up cost, re-times it, and the policy settles on plain decoding, the fastest here."""
+    from specserve.spec.policy import SpecPolicy
+
+    real = {0: 1.0, 1: 2.6, 2: 3.2}  # K=1: ~2 tokens per 2.6 s; K=2: ~2.3 per 3.2 s; plain 1 per 1.0 s
+    policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
+    policy.seed_costs({(4, 0): 1.0, (4, 1): 1.3, (4, 2): 1.6})
+    for _ in range(50):
+        policy.observe_acceptance(2, [1], 4)
+    policy.observe_cost(4, 0, 2.0)  # the one slow plain step
+    picks = []
+    for _ in range(40 * 24):
+        K = policy.choose(4)
+        picks.append(K)
+        policy.observe_cost(4, K, real[K])
+    tail = picks[-240:]
+    assert tail.count(0) > 0.9 * len(tail)
+    assert policy.snapshot()["4"]["0"]["live_ms"] == pytest.approx(1000.0)
+
+
 def test_policy_judges_each_k_by_its_own_cycles():
     """H200 batch 16: K=8 cycles accept less per position than K=4 cycles (a cycle starts after the
     last rejection, harder text, more often with long drafts). Rates pooled from mostly-K=8 cycles

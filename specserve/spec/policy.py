@@ -22,11 +22,12 @@ seeded). Without seeded costs (e.g. a test that skips the start-up measurement)
 every (bucket, K) is tried twice before the model trusts its numbers.
 
 Every EXPLORE_EVERY-th choice at a bucket runs the K with the stalest live cost
-among those within EXPLORE_WITHIN of the best (judged optimistically: a K not yet
-timed live by its start-up cost without the offset), so one bad estimate cannot
-lock the policy out of a better K for good: a few slow cycles of one K raise the
-shared offset of every speculative K, which can make plain decoding look best while
-another K would still beat it.
+among those within EXPLORE_WITHIN of the best (judged optimistically: by the lower of
+its live cost and its start-up cost without the offset), so one bad estimate cannot
+lock the policy out of a better K for good, plain decoding included: a few slow cycles
+of one K raise the shared offset of every speculative K, which can make plain decoding
+look best while another K would still beat it, and one slow plain step timed live can
+keep plain decoding out while speculation is in fact slower.
 """
 
 from __future__ import annotations
@@ -148,8 +149,9 @@ class SpecPolicy:
                 tree = self.tree(B)
                 rate = {k: self.expected_tokens(k, tree) / c for k, c in costs.items()}
                 K = max(rate, key=rate.get)
-                if n % EXPLORE_EVERY == 0:  # optimistic: a K never timed live is judged by its seed alone
-                    hope = {k: self.expected_tokens(k, tree) / self.cost.get((bucket, k), self.seeded.get((bucket, k), c))
+                if n % EXPLORE_EVERY == 0:  # optimistic: the lower of its live and start-up cost
+                    hope = {k: self.expected_tokens(k, tree) / min(self.cost.get((bucket, k), c),
+                                                                   self.seeded.get((bucket, k), c))
                             for k, c in costs.items()}
                     near = [k for k in hope if k != K and hope[k] >= EXPLORE_WITHIN * rate[K]]
                     if near:
