@@ -643,6 +643,16 @@ def test_startup_grid_and_interpolation():
     assert filled[(4, 2)] == 3.0 and filled[(2, 2)] == 30.0 and filled[(4, 0)] == 1.0
 
 
+def _run_policy(policy, B: int, real: dict[int, float], choices: int = 40 * 24) -> list[int]:
+    """The policy's choices at batch B over `choices` steps, each timed at its K's `real` cost."""
+    picks = []
+    for _ in range(choices):
+        K = policy.choose(B)
+        picks.append(K)
+        policy.observe_cost(B, K, real[K])
+    return picks
+
+
 def test_policy_explores_out_of_a_bad_estimate():
     """The H200 batch-64 lock-in: seeds call K=2 cheap, live K=2 cycles are very slow, and the shared
     speculative offset then makes every K look worse than plain. Periodic exploration of the
@@ -658,12 +668,7 @@ def test_policy_explores_out_of_a_bad_estimate():
     policy.observe_cost(64, 2, real[2])
     policy.observe_cost(64, 2, real[2])
     assert policy.choose(64) == 0  # the offset (+1.95 s) now makes every K look worse than plain
-    picks = []
-    for _ in range(40 * 24):
-        K = policy.choose(64)
-        picks.append(K)
-        policy.observe_cost(64, K, real[K])
-    tail = picks[-240:]
+    tail = _run_policy(policy, 64, real)[-240:]
     assert tail.count(1) > 0.9 * len(tail)  # K=1: ~1.98 tokens per 1.3 s beats plain's 1 per 1.0 s
     assert policy.snapshot()["64"]["1"]["live_ms"] == pytest.approx(1300.0)
     # Without a near-best alternative, no exploration: plain stays when speculation is hopeless.
@@ -684,12 +689,7 @@ def test_policy_explores_back_to_plain_after_one_slow_plain_step():
     for _ in range(50):
         policy.observe_acceptance(2, [1], 4)
     policy.observe_cost(4, 0, 2.0)  # the one slow plain step
-    picks = []
-    for _ in range(40 * 24):
-        K = policy.choose(4)
-        picks.append(K)
-        policy.observe_cost(4, K, real[K])
-    tail = picks[-240:]
+    tail = _run_policy(policy, 4, real)[-240:]
     assert tail.count(0) > 0.9 * len(tail)
     assert policy.snapshot()["4"]["0"]["live_ms"] == pytest.approx(1000.0)
 

@@ -135,6 +135,10 @@ class SpecPolicy:
             return self.seeded[(bucket, K)] + self.offset.get((bucket, K > 0), 0.0)
         return None
 
+    def optimistic_cost(self, bucket: int, K: int) -> float:
+        """The lower of K's live cost and its start-up cost without the offset (one of them known)."""
+        return min(c for c in (self.cost.get((bucket, K)), self.seeded.get((bucket, K))) if c is not None)
+
     def choose(self, B: int) -> int:
         if self.fixed is not None:
             K = self.fixed
@@ -149,10 +153,8 @@ class SpecPolicy:
                 tree = self.tree(B)
                 rate = {k: self.expected_tokens(k, tree) / c for k, c in costs.items()}
                 K = max(rate, key=rate.get)
-                if n % EXPLORE_EVERY == 0:  # optimistic: the lower of its live and start-up cost
-                    hope = {k: self.expected_tokens(k, tree) / min(self.cost.get((bucket, k), c),
-                                                                   self.seeded.get((bucket, k), c))
-                            for k, c in costs.items()}
+                if n % EXPLORE_EVERY == 0:
+                    hope = {k: self.expected_tokens(k, tree) / self.optimistic_cost(bucket, k) for k in costs}
                     near = [k for k in hope if k != K and hope[k] >= EXPLORE_WITHIN * rate[K]]
                     if near:
                         K = min(near, key=lambda k: self.last_seen.get((bucket, k), -1))
