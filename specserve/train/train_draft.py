@@ -204,12 +204,6 @@ def new_drafter(cfg: dict, target: FrozenTarget, draft_ids: torch.Tensor, seed: 
     return d
 
 
-def load_existing(draft_dir: str, target: FrozenTarget):
-    from specserve.model.loader import load_drafter
-
-    return load_drafter(draft_dir, target.model, target.device, torch.float32, target.max_len)
-
-
 def resumed_drafter(state: dict, target: FrozenTarget):
     """The checkpoint's drafter, rebuilt from what the checkpoint records alone (its config, and
     whether it carries an embedding of its own), whichever way the run built it at first."""
@@ -994,7 +988,9 @@ def train_draft(config: TrainConfig) -> TrainResult:
     if state is not None:  # flags that would shape it differently were refused by check_resume
         drafter, cfg, draft_ids = resumed_drafter(state, target), state["drafter_config"], state["draft_ids"]
     elif config.from_dir:
-        drafter = load_existing(config.from_dir, target)
+        from specserve.model.loader import load_drafter
+
+        drafter = load_drafter(config.from_dir, target.model, target.device, torch.float32, target.max_len)
         draft_ids = draft_vocab_ids(drafter).cpu()
         if config.draft_vocab and config.draft_vocab != draft_ids.numel():
             raise ConfigError(f"--draft-vocab {config.draft_vocab} differs from the --from drafter's {draft_ids.numel()}")
