@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-
 import time
 
 import torch
-import torch.nn.functional as F
-
 from specserve.kernels import cpu_native
-from specserve.kernels.cpu_linear import column_major_copy
+from specserve.kernels.cpu_linear import MKL, NATIVE, ONEDNN, products, column_major_copy
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536)}
 
@@ -40,14 +37,12 @@ def main() -> None:
     packed = [{k: torch.ops.mkldnn._reorder_linear_weight(w, 8) for k, w in layer.items()} for layer in layers]
     panels = [{k: cpu_native.pack_panels(w) for k, w in layer.items()} for layer in layers]
     head_pk, head_pn = torch.ops.mkldnn._reorder_linear_weight(head, 8), cpu_native.pack_panels(head)
-    dnnl = torch.ops.mkldnn._linear_pointwise
-    methods = {
-        "mkl": lambda x, i, k: F.linear(x, layers[i][k]) if k != "head" else F.linear(x, head),
-        "onednn": lambda x, i, k: dnnl(x, packed[i][k] if k != "head" else head_pk, None, "none", [], ""),
-    }
-    if ops is not None:
-        methods["native"] = lambda x, i, k: ops.panel_linear(
-            x, panels[i][k] if k != "head" else head_pn, (layers[i][k] if k != "head" else head).shape[0], None)
+    copies = {MKL: layers, ONEDNN: packed, NATIVE: panels}
+    heads = {MKL: head, ONEDNN: head_pk, NATIVE: head_pn}
+    # each kernel as the engine's tuner times it (`cpu_linear._products`), one weight at a time here
+    methods = {m: (lambda x, i, k, m=m: products(m, x, [copies[m][i][k] if k != "head" else heads[m]],
+                                                  SHAPES[k][0] if k != "head" else head.shape[0]))
+               for m in (MKL, ONEDNN, NATIVE) if m != NATIVE or ops is not None}
     out = {}
     for rows in args.rows:
         xs = {k: torch.randn(rows, kk) for k, (n, kk) in {**SHAPES, "head": (49152, 576)}.items()}

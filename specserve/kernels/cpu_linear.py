@@ -101,7 +101,7 @@ def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
         times = {}
         for rows in CPU_ROWS:
             x = torch.randn(rows, shape[1], dtype=dtype)
-            times[rows] = {k: _cpu_us(lambda: _products(k, x, c, shape[0]), reps=max(1, 20 // len(group))) / len(group)
+            times[rows] = {k: _cpu_us(lambda: products(k, x, c, shape[0]), reps=max(1, 20 // len(group))) / len(group)
                            for k, c in copies.items() if k != NATIVE or rows <= cpu_native.MAX_ROWS}
         report[f"{shape[0]}x{shape[1]}"] = {r: {k: round(v, 1) for k, v in t.items()} for r, t in times.items()}
         by_rows = _choices(times)
@@ -112,7 +112,7 @@ def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
     return report
 
 
-def _products(kernel: str, x: torch.Tensor, weights: list[torch.Tensor], n: int) -> None:
+def products(kernel: str, x: torch.Tensor, weights: list[torch.Tensor], n: int) -> None:
     """x times each of `weights` (one shape, in `kernel`'s layout) in turn."""
     if kernel == NATIVE:
         panel_linear = cpu_native.ops().panel_linear
