@@ -13,6 +13,8 @@ verify graphs, and measures with CUDA-graph replays at context --context:
     reads, over the device's measured copy bandwidth;
   - verify(K+1) / decode at batch 1 for K = 1..5, with the distinct experts a verify touches (the
     bytes-based limit of that ratio);
+  - prefill of one 512-token prompt and of 8 x 64 tokens in one chunk, per layer, against the
+    larger of its bytes (every touched expert) and its FLOPs at the measured matmul rate;
   - with --hf, transformers' DeepseekV3 of the same reduced model (bf16 experts) as the peer:
     each MoE layer's time from CUDA events around it, after a prefill of --context tokens.
 Writes moe_layers_<shape>_<experts>.json under --out (default $OUT) and prints a table last.
@@ -57,6 +59,7 @@ KIMI_K25 = DEEPSEEK_V3 | {
                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
 }
 SHAPES = {"deepseek-v3": DEEPSEEK_V3, "kimi-k2.5": KIMI_K25}
+PREFILLS = [(1, 512), (8, 64)]  # (prompts, tokens each) of the prefill timings
 # Kimi-K2.5's scheme: the routed experts in int4 (symmetric, groups of 32), everything else bf16.
 INT4_EXPERTS = {
     "quant_method": "compressed-tensors", "format": "pack-quantized",
@@ -124,8 +127,14 @@ def layer_bytes(moe_layer, experts_touched: float) -> dict:
             "total": other + experts_touched * per_expert}
 
 
-def distinct_experts(runner, B: int, T: int) -> list[int]:
-    """Distinct experts each MoE layer routes B rows x T tokens to (an eager forward of the same inputs)."""
+def matmul_flops(n: int = 8192) -> float:
+    """bf16 FLOP/s of one n x n x n matmul on this GPU (the compute side of the prefill roofline)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / (gpu_ms(lambda: a @ a, 20) / 1e3)
+
+
+def distinct_experts(forward) -> list[int]:
+    """Distinct experts each MoE layer routes the tokens of `forward` (an eager call) to."""
     from specserve.model.moe import MoE
 
     counts: list[int] = []
@@ -138,10 +147,7 @@ def distinct_experts(runner, B: int, T: int) -> list[int]:
 
     MoE.route = counting
     try:
-        if T == 1:
-            runner._decode_body(B)
-        else:
-            runner._verify_body(B, T - 1)
+        forward()
     finally:
         MoE.route = route
     return counts
@@ -245,7 +251,8 @@ def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: i
     runner.reserve_every_row()
     graph_s = runner.capture_graphs(list(range(1, k_max + 1)))
     res = {"build_s": time.perf_counter() - t0, "graph_s": graph_s, "graphs": len(runner.graphs),
-           "decode_ms": {}, "verify_ms": {}, "experts_decode": {}, "experts_verify": {}}
+           "decode_ms": {}, "verify_ms": {}, "experts_decode": {}, "experts_verify": {}, "prefill_ms": {},
+           "experts_prefill": {}}
     g = torch.Generator(device="cuda").manual_seed(1)
     V = runner.model_cfg.vocab_size
     with torch.inference_mode():
@@ -255,12 +262,20 @@ def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: i
             res["decode_ms"][B] = gpu_ms(lambda: runner.decode(ids, pos), 30)
             runner.s_ids[:B, 0].copy_(ids)
             runner.s_pos[:B, 0].copy_(pos)
-            res["experts_decode"][B] = distinct_experts(runner, B, 1)
+            res["experts_decode"][B] = distinct_experts(lambda: runner._decode_body(B))
         for K in range(1, k_max + 1):
             ids = torch.randint(0, V, (1, K + 1), device="cuda", generator=g)
             pos0 = torch.full((1,), context, device="cuda")
             res["verify_ms"][K] = gpu_ms(lambda: runner.verify(ids, pos0), 30)
-            res["experts_verify"][K] = distinct_experts(runner, 1, K + 1)
+            res["experts_verify"][K] = distinct_experts(lambda: runner._verify_body(1, K))
+        # Prefill: one prompt (the engine's prefill graph where one fits) and several short prompts in
+        # one eager chunk, as continuous batching admits them. Experts counted on an eager forward
+        # (start 1: no graph) of the same tokens.
+        cpu = torch.Generator().manual_seed(2)
+        for m, T in (p for p in PREFILLS if p[0] <= max(batches)):
+            chunks = torch.randint(0, V, (m, T), generator=cpu).tolist()
+            res["prefill_ms"][f"{m}x{T}"] = gpu_ms(lambda: runner.prefill(0, chunks, [0] * m), 10)
+            res["experts_prefill"][f"{m}x{T}"] = distinct_experts(lambda: runner.prefill(0, chunks, [1] * m))
     moe_layers = [layer for layer in runner.target.layers if hasattr(layer.mlp, "w13")]
     res["layer_bytes"] = layer_bytes(moe_layers[0], 0)
     res["kernels_b1"] = kernel_table(runner)
@@ -407,6 +422,21 @@ def main() -> None:
         limit = (lb["other"] + touched * lb["per_expert"]) / (lb["other"] + e1 * lb["per_expert"])
         res["verify"][K] = {"model_ratio": full["verify_ms"][K] / full["decode_ms"][1], "layer_ms": layer_ms,
                             "layer_ratio": layer_ms / dec, "experts": touched, "bytes_limit": limit}
+    # Prefill: bytes of every touched expert and the rest, or the products' FLOPs at the measured
+    # matmul rate, whichever takes longer.
+    res["prefill"] = {}
+    flops_s = matmul_flops()
+    res["matmul_TFLOPs"] = flops_s / 1e12
+    expert_params = 3 * shape["hidden_size"] * shape["moe_intermediate_size"]
+    for key, ms_full in full["prefill_ms"].items():
+        m, T = map(int, key.split("x"))
+        layer_ms = (ms_full - base["prefill_ms"][key]) / extra
+        touched = statistics.mean(full["experts_prefill"][key])
+        bytes_ms = (lb["other"] + touched * lb["per_expert"]) / bw * 1e3
+        flops_ms = 2 * m * T * (lb["other"] / 2 + shape["num_experts_per_tok"] * expert_params) / flops_s * 1e3
+        roof = max(bytes_ms, flops_ms)
+        res["prefill"][key] = {"layer_ms": layer_ms, "experts": touched, "bytes_ms": bytes_ms, "flops_ms": flops_ms,
+                               "of_roofline": roof / layer_ms}
     if args.hf:
         if int4:
             print("(--hf times bf16 experts: transformers has no int4 path here)", flush=True)
@@ -428,6 +458,10 @@ def main() -> None:
         hf = "".join(f" {h['layer_ms'][B]:.3f} |" for h in res.get("hf", []) if "layer_ms" in h)
         best = f"{best:.0%}" if best else "-"
         print(f"| {B} | {ms:.3f} | {touched:.1f} | {mb:.1f} | {roof:.3f} | {frac:.0%} | {best} |{hf}")
+    print("| prefill (prompts x tokens) | layer ms | experts | bytes ms | FLOPs ms | of roofline |")
+    for key, v in res["prefill"].items():
+        print(f"| {key} | {v['layer_ms']:.3f} | {v['experts']:.1f} | {v['bytes_ms']:.3f} | {v['flops_ms']:.3f} | "
+              f"{v['of_roofline']:.0%} |")
     print("| K | verify/decode (model) | (layer) | experts | bytes limit |")
     for K, v in res["verify"].items():
         print(f"| {K} | {v['model_ratio']:.3f} | {v['layer_ratio']:.3f} | {v['experts']:.1f} | {v['bytes_limit']:.3f} |")
