@@ -172,7 +172,6 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8, invariant: bool 
     for i, ((N, K, dtype), ws) in enumerate(by_shape.items()):
         # (one line per shape: on a cold Triton cache this phase compiles for a minute or so)
         log.info("tuning linear kernels: shape %d of %d (%dx%d)", i + 1, len(by_shape), N, K)
-        ws = _streamed(ws)
         if invariant:
             x = torch.randn(GEMV_ROWS[-1], K, device=ws[0].device, dtype=dtype)
             ref = F.linear(x, ws[0]).float()
@@ -183,6 +182,7 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8, invariant: bool 
             tuning.gemv.update({(N, K, dtype, rows): ROW_INVARIANT_GEMV for rows in GEMV_ROWS})
             report[f"{N}x{K}"] = {"any": (None, None, ROW_INVARIANT_GEMV)}
             continue
+        ws = _streamed(ws)
         for rows in (r for r in GEMV_ROWS if r <= max_rows):
             x = torch.randn(rows, K, device=ws[0].device, dtype=dtype)
             ref = F.linear(x, ws[0]).float()
