@@ -629,7 +629,7 @@ def test_bench_per_dataset_table(monkeypatch, pair, tmp_path):
 def test_dataset_errors(monkeypatch, capsys, tmp_path):
     from specserve.bench import datasets
 
-    with pytest.raises(ConfigError, match="not one of mt-bench, humaneval, sharegpt or a .jsonl file"):
+    with pytest.raises(ConfigError, match="not one of mt-bench, mt-bench-turn2, humaneval, sharegpt or a .jsonl file"):
         datasets.load_dataset("mmlu")
     monkeypatch.setitem(datasets.DATASETS, "mt-bench",
                         datasets.Dataset("mt-bench", "specserve-no-such-package", "q.jsonl", "MIT"))
@@ -637,6 +637,90 @@ def test_dataset_errors(monkeypatch, capsys, tmp_path):
         datasets.load_dataset("mt-bench")
     assert run_cli(monkeypatch, ["bench", "--dataset", "x.jsonl", "--prompts", "y.jsonl"]) == 1
     assert "--dataset and --prompts both choose the prompts" in capsys.readouterr().err
+
+
+MT_BENCH_TURNS = [["Say hi.", "Now say bye."], ["Count to three.", "And back."]]
+
+
+@pytest.fixture
+def mt_bench_questions(monkeypatch, tmp_path):
+    """MT-Bench read from a two-question question.jsonl instead of the installed package."""
+    from specserve.bench import datasets
+
+    path = tmp_path / "question.jsonl"
+    path.write_text("".join(json.dumps({"turns": t}) + "\n" for t in MT_BENCH_TURNS))
+    monkeypatch.setattr(datasets, "dataset_file", lambda d: path)
+    return MT_BENCH_TURNS
+
+
+def test_mt_bench_second_turns_follow_the_models_own_answer(monkeypatch, pair, tmp_path, mt_bench_questions):
+    """The target answers each first turn once (plain greedy, before any config runs); every config and the hf
+    peer then get the same second-turn conversation [turn 1, that answer, turn 2] through the chat template."""
+    from specserve.bench import offline, peers
+    from specserve.engine.llm import LLM, SamplingParams
+    from specserve.engine.tokenizer import Tokenizer
+
+    target, draft, _ = pair
+    calls = []  # (unit, prompt ids, params, output tokens) per run, in order
+
+    def record(run):
+        def wrapped(self, ids, params):
+            out = run(self, ids, params)
+            calls.append((self.cfg.label if isinstance(self, offline.EngineUnit) else self.name, ids, params,
+                          out.tokens))
+            return out
+        return wrapped
+
+    monkeypatch.setattr(offline.EngineUnit, "run", record(offline.EngineUnit.run))
+    monkeypatch.setattr(peers.PeerProcess, "run", record(peers.PeerProcess.run))
+    out = tmp_path / "turn2.json"
+    rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--dataset", "mt-bench-turn2",
+                               "--configs", "baseline", "eagle3:steps=2", "--peers", "hf", "--batch-sizes", "1",
+                               "--max-tokens", "8", "--repeats", "1", "--warmup", "0", "--num-prompts", "2",
+                               "--no-progress", "--device", "cpu", "--out", str(out)])
+    assert rc == 0
+    tok = Tokenizer(target)
+    user = lambda text: {"role": "user", "content": text}
+    firsts = [tok.encode(tok.apply_chat_template([user(t[0])])) for t in mt_bench_questions]
+    (unit, ids, params, answers), *measured = calls
+    assert unit == "baseline" and ids == firsts
+    assert all(p.temperature == 0 and not p.ignore_eos and p.max_tokens == 8 for p in params)
+    own = LLM(model=str(target), device="cpu").generate(firsts, SamplingParams(max_tokens=8, temperature=0))
+    assert answers == [o.token_ids for o in own]  # the target's own greedy answers
+    texts = [tok.decode(a).strip() for a in answers]
+    assert all(texts)
+    seconds = [tok.encode(tok.apply_chat_template([user(t[0]), {"role": "assistant", "content": a}, user(t[1])]))
+               for t, a in zip(mt_bench_questions, texts)]
+    by_unit: dict[str, list] = {}
+    for unit, ids, _, _ in measured:
+        by_unit.setdefault(unit, []).append(ids)
+    assert by_unit == {u: [[s] for s in seconds] for u in ("baseline", "eagle3:steps=2", "hf")}
+
+    doc = json.loads(out.read_text())
+    validate(doc)
+    prompts = doc["settings"]["prompts"]
+    assert prompts["categories"] == {"mt-bench-turn2": 2}
+    assert prompts["own_answers"] == {"count": 2, "mean_tokens": sum(map(len, answers)) / 2}
+    assert list(doc["datasets"]["rows"][0]["datasets"]) == ["mt-bench-turn2"]
+
+
+def test_mt_bench_second_turns_need_a_chat_model(monkeypatch, capsys, pair, tmp_path, mt_bench_questions):
+    import shutil
+
+    target, _, _ = pair
+    plain = tmp_path / "no-template"
+    shutil.copytree(target, plain)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    del cfg["chat_template"]
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    assert run_cli(monkeypatch, ["bench", "--model", str(plain), "--dataset", "mt-bench-turn2", "--configs",
+                                 "baseline", "--num-prompts", "1", "--device", "cpu", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert f"--dataset mt-bench-turn2 asks each second turn after the model's own first answer, through its chat " \
+           f"template, and {plain} has none" in err
+    assert "benchmark a chat model, or measure first turns only (--dataset mt-bench)" in err
+    assert run_cli(monkeypatch, ["bench", "--url", "http://127.0.0.1:9", "--dataset", "mt-bench-turn2"]) == 1
+    assert "--dataset mt-bench-turn2 runs in the offline mode only" in capsys.readouterr().err
 
 
 def test_truncated_sharegpt_file_yields_the_complete_conversations(tmp_path):
@@ -668,6 +752,9 @@ def test_mt_bench_and_humaneval_from_their_packages():
     mt = load_dataset("mt-bench")
     assert len(mt) == 80 and {r["category"] for r in mt} == {"mt-bench"}
     assert mt[0]["prompt"] is None and mt[0]["messages"][0]["role"] == "user"
+    first, own, second = load_dataset("mt-bench-turn2", limit=1)[0]["messages"]
+    assert first == mt[0]["messages"][0] and own == {"role": "assistant", "content": None}
+    assert second["role"] == "user" and second["content"] not in (first["content"], "")
     he = load_dataset("humaneval", limit=5)
     assert len(he) == 5 and he[0]["prompt"].startswith("from typing import List")
     assert he[0]["messages"][0]["content"] == he[0]["prompt"]  # chat models get it as a user turn

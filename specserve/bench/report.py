@@ -144,6 +144,11 @@ def _header(r: dict) -> list[str]:
                      f"{s['max_tokens']} new tokens, temperature {s['temperature']}, {s['repeats']} repeats, "
                      f"{s['warmup']} warm-up, {s.get('torch_threads')} torch threads; load {r.get('load_s')} s, "
                      f"run {r['wall_s']} s")
+        own = p.get("own_answers")
+        if own:
+            lines.append(f"second turns: {own['count']} asked after the model's own greedy answer to the first turn "
+                         f"({own['mean_tokens']} tokens mean), generated once before the configs ran; every "
+                         f"config and peer got the same conversations")
     return lines
 
 
