@@ -71,23 +71,32 @@ def test_dequantize_matches_compressed_tensors(group, symmetric):
 
 
 # ------------------------------------------------------------- W4A16 kernel
-KERNEL_CASES = [  # (rows, N, K, group, symmetric, bias): one row, the dot path, per channel, ragged blocks
-    (1, 24, 96, 32, True, False), (1, 40, 320, 32, False, True), (5, 72, 64, None, False, True),
-    (17, 20, 272, 16, True, False), (64, 8, 32, None, True, True),
-    (1, 24, 384, 128, False, False), (9, 40, 256, 128, False, True), (3, 16, 160, 32, False, False),
-    (1, 16, 96, None, False, False),
+KERNEL_CASES = [  # (rows, N, K, group, symmetric, bias, config): in the default launch shape, one row, the dot
+    # path, per channel, ragged blocks; then SmolLM2's K of 576 and 1536 cut into slices of whole
+    # BLOCK_K steps, the last one short: one row, the tensor cores, fixed 16-row tiles
+    (1, 24, 96, 32, True, False, None), (1, 40, 320, 32, False, True, None), (5, 72, 64, None, False, True, None),
+    (17, 20, 272, 16, True, False, None), (64, 8, 32, None, True, True, None),
+    (1, 24, 384, 128, False, False, None), (9, 40, 256, 128, False, True, None), (3, 16, 160, 32, False, False, None),
+    (1, 16, 96, None, False, False, None),
+    (1, 24, 576, 32, True, True, (16, 256, 4, 2)), (1, 40, 1536, 128, False, False, (16, 256, 4, 4)),
+    (1, 20, 576, None, False, True, (32, 128, 4, 3)), (2, 24, 1536, 32, False, True, (32, 128, 4, 5)),
+    (16, 40, 576, 128, True, False, (64, 128, 4, 4)), (64, 24, 1536, None, True, True, (32, 128, 4, 8)),
+    (20, 72, 576, 32, True, False, (32, 128, 4, 3, 16)), (1, 16, 1536, 32, False, True, (64, 256, 4, 6, 16)),
 ]
 BF16_ON_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.gpu)  # (the interpreter stores bf16 as uint16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_ON_GPU])
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:3])) + f"-g{c[3]}-{'sym' if c[4] else 'asym'}")
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:3])) + f"-g{c[3]}-{'sym' if c[4] else 'asym'}"
+                         + (f"-{c[6]}" if c[6] else ""))
 def test_int4_gemv_kernel_equals_the_reference(case, dtype):
-    """The Triton W4A16 kernel (on CPU: Triton's interpreter) against `int4_linear`."""
+    """The Triton W4A16 kernel (on CPU: Triton's interpreter) against `int4_linear`; where K is
+    cut into slices, a second kernel adds up their float32 partials (and biases)."""
     pytest.importorskip("triton")
-    from specserve.kernels.int4 import int4_gemv_triton, int4_linear
+    from specserve.kernels.int4 import int4_gemv_triton, int4_linear, k_slices
 
-    rows, N, K, group, symmetric, bias = case
+    rows, N, K, group, symmetric, bias, cfg = case
+    assert cfg is None or k_slices(K, cfg[1], cfg[3])[1] > 1  # (each given config does split)
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(rows * N + K)
     q, scale, zero = quantize_int4(torch.randn(N, K, generator=g), group, symmetric)
@@ -95,7 +104,7 @@ def test_int4_gemv_kernel_equals_the_reference(case, dtype):
     zero = zero.to(dev) if zero is not None else None
     x = torch.randn(rows, K, generator=g).to(dev, dtype)
     b = torch.randn(N, generator=g).to(dev, dtype) if bias else None
-    got, want = int4_gemv_triton(x, packed, scale, zero, b), int4_linear(x, packed, scale, zero, b)
+    got, want = int4_gemv_triton(x, packed, scale, zero, b, cfg), int4_linear(x, packed, scale, zero, b)
     assert got.shape == want.shape and got.dtype == dtype
     # Only the order of the float32 sum differs (then, in float16, one rounding step at most).
     tol = {torch.float32: 1e-5, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -7}[dtype]
@@ -106,12 +115,14 @@ def test_int4_gemv_kernel_equals_the_reference(case, dtype):
 @pytest.mark.parametrize("group, symmetric, K", [(32, False, 320), (128, False, 384), (128, True, 256),
                                                  (None, False, 96)])
 @pytest.mark.parametrize("rows", [1, 64])
-def test_int4_gemv_kernel_multiplies_the_reference_weight(rows, group, symmetric, K, dtype):
+@pytest.mark.parametrize("cfg", [None, (16, 32, 4, 3)], ids=["default", "split"])
+def test_int4_gemv_kernel_multiplies_the_reference_weight(cfg, rows, group, symmetric, K, dtype):
     """Rows of the identity pick columns of the kernel's weight out exactly (one product by 1, the
     rest by 0), so the weight it dequantizes is `dequantize_int4`'s bit for bit: one row (three
     launches) and the tensor-core path (the last 64 columns, whose tile runs past K), groups of
     32 and 128 spanning a tile or holding it, and per channel; 24 output features leave the
-    last feature block part empty."""
+    last feature block part empty. Also with K in three slices of 32-column steps, one group
+    per step or a part of one."""
     pytest.importorskip("triton")
     from specserve.kernels.int4 import int4_gemv_triton
 
@@ -124,7 +135,38 @@ def test_int4_gemv_kernel_multiplies_the_reference_weight(rows, group, symmetric
     picks = [[0], [K // 2 + 1], [K - 1]] if rows == 1 else [list(range(K - 64, K))]
     for cols in picks:
         x = torch.eye(K, dtype=dtype, device=dev)[cols]
-        torch.testing.assert_close(int4_gemv_triton(x, packed, scale, zero), want[:, cols].T, rtol=0, atol=0)
+        torch.testing.assert_close(int4_gemv_triton(x, packed, scale, zero, None, cfg), want[:, cols].T, rtol=0,
+                                   atol=0)
+
+
+def test_int4_k_slices_cover_k_once():
+    """Slices of whole steps tile 0..K: none empty, the last one reaching K."""
+    from specserve.kernels.int4 import k_slices
+
+    for K, block_k, splits in ((576, 256, 2), (576, 128, 8), (1536, 128, 5), (7168, 256, 32), (96, 32, 7),
+                               (64, 256, 4)):
+        span, n = k_slices(K, block_k, splits)
+        assert span % block_k == 0 and n <= splits and (n - 1) * span < K <= n * span, (K, block_k, splits)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, BF16_ON_GPU])
+def test_int4_gemv_fixed_row_tile_gives_each_row_the_same_result_at_any_row_count(dtype):
+    """--batch-invariant's launch shape (16-row tiles, K slices fixed by the shape): row i of the
+    product is bit-identical whether 1, 5 or 40 rows (three tiles) are multiplied."""
+    pytest.importorskip("triton")
+    from specserve.kernels.int4 import int4_gemv_triton, int4_linear
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(6)
+    q, scale, zero = quantize_int4(torch.randn(40, 576, generator=g), 32, False)
+    packed, scale, zero = pack_int4(q).to(dev), scale.to(dev, dtype), zero.to(dev)
+    x = torch.randn(40, 576, generator=g).to(dev, dtype)
+    for cfg in ((64, 128, 4, 3, 16), (32, 128, 4, 3, 16)):
+        full = int4_gemv_triton(x, packed, scale, zero, None, cfg)
+        want = int4_linear(x, packed, scale, zero).float()
+        torch.testing.assert_close(full.float(), want, rtol=2e-2, atol=2e-2)
+        for m in (1, 5):
+            assert torch.equal(int4_gemv_triton(x[:m].contiguous(), packed, scale, zero, None, cfg), full[:m]), (cfg, m)
 
 
 def test_int4_linear_runs_the_kernel_for_decode_rows_only(monkeypatch):

@@ -15,6 +15,8 @@ registers by one Triton helper, `int4_tile`.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -165,73 +167,181 @@ if triton is not None:
         scale = _group_tile(s_ptr, rows, nmask, k0, cols, K, GROUPS, 0.0, dt, BLOCK_N, BLOCK_K)
         return (v - offset) * scale
 
+    @triton.jit
+    def _row_products(acc_lo, acc_hi, x_ptr, w_ptr, s_ptr, z_ptr, rows, nmask, k0, K: tl.constexpr,
+                      GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, T: tl.constexpr, WPG: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+        """One row x times the int4 weight's rows `rows` over columns k0..k0+8*T*WPG, added to
+        acc_lo and acc_hi [T, WPG, 4, BLOCK_N] in float32: T runs of WPG words, each run in one
+        scale group; nibble i of a word lands in acc_lo[.., i, :], nibble i + 4 in acc_hi. The
+        words keep the layout they load in (no reshape into a [BLOCK_K, BLOCK_N] tile, which
+        costs a trip through shared memory per step) and are dequantized as `int4_tile` does."""
+        WORDS: tl.constexpr = K // 8
+        GS: tl.constexpr = K // GROUPS
+        dt: tl.constexpr = x_ptr.dtype.element_ty
+        t = tl.arange(0, T)
+        word = k0 // 8 + t[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [T, WPG]
+        words = tl.load(w_ptr + rows[None, None, :] * WORDS + word[:, :, None],
+                        mask=(word < WORDS)[:, :, None] & nmask[None, None, :], other=0)
+        shifted = words[:, :, None, :] >> (tl.arange(0, 4) * 4)[None, None, :, None]  # [T, WPG, 4, BLOCK_N]
+        if dt == tl.float32:  # 2^23 + nibble (arithmetic shifts: the masks drop the sign)
+            lo = (shifted & 0xF | 0x4B000000).to(dt, bitcast=True)
+            hi = ((shifted >> 16) & 0xF | 0x4B000000).to(dt, bitcast=True)
+            bias = 8388608.0 + 8.0
+        else:  # nibbles i and i + 4 in a word's two halves, one shift for both: 2^m + nibble
+            OR: tl.constexpr = 0x6400 if dt == tl.float16 else 0x4300
+            pairs = shifted & 0x000F000F | (OR * 0x10001)
+            lo = pairs.to(tl.int16).to(dt, bitcast=True)
+            hi = (pairs >> 16).to(tl.int16).to(dt, bitcast=True)
+            bias = 1024.0 + 8.0 if dt == tl.float16 else 128.0 + 8.0
+        group = (k0 + t * (8 * WPG)) // GS
+        at, gmask = rows[None, :] * GROUPS + group[:, None], (group < GROUPS)[:, None] & nmask[None, :]
+        scale = tl.load(s_ptr + at, mask=gmask, other=0).to(dt)[:, None, None, :]
+        if HAS_ZERO:
+            offset = (tl.load(z_ptr + at, mask=gmask, other=0).to(tl.float32) + bias).to(dt)[:, None, None, :]
+        else:
+            offset = tl.full([1, 1, 1, BLOCK_N], bias, dt)
+        col = (word * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]  # [T, WPG, 4]: nibble i's column
+        x_lo = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)[:, :, :, None]
+        x_hi = tl.load(x_ptr + col + 4, mask=col + 4 < K, other=0.0).to(tl.float32)[:, :, :, None]
+        acc_lo += ((lo - offset) * scale).to(tl.float32) * x_lo
+        acc_hi += ((hi - offset) * scale).to(tl.float32) * x_hi
+        return acc_lo, acc_hi
+
     @triton.jit(do_not_specialize=["M"])
-    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, GROUPS: tl.constexpr,
-                          HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr,
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K_SPAN: tl.constexpr, K: tl.constexpr,
+                          GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr,
                           PRECISION: tl.constexpr, PDL: tl.constexpr):
         """y [M, N] = x [M, K] @ W^T for W packed [N, K/8] int32, scales / zero points [N, GROUPS].
-        A program owns BLOCK_N output features over all of K; each step dequantizes a
-        [BLOCK_K, BLOCK_N] tile of W^T in x's dtype in registers (`int4_tile`) and accumulates
-        its products in float32."""
-        pid = tl.program_id(0)
-        offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        Program (n, s, m) owns BLOCK_N output features and BLOCK_M rows over input columns
+        s*K_SPAN..(s+1)*K_SPAN (a whole number of BLOCK_K steps); each step dequantizes a
+        [BLOCK_K, BLOCK_N] tile of W^T in x's dtype in registers (`int4_tile`; one row: the same
+        values, kept in the words' layout, `_row_products`) and accumulates its products in
+        float32. Under SPLIT y is the float32 partial sums [splits, M, N], which
+        `_split_sum_kernel` adds up (and biases) in a fixed order: no atomics, so the result is
+        the same at every call."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
-        offs_m = tl.arange(0, BLOCK_M)
+        split = tl.program_id(1)
+        offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        # One row: runs of words within one scale group (one run per tile where a group holds
+        # it, one per group where it holds whole groups, else one per word), summed over K once,
+        # after the loop: no reduction across threads per step.
+        GS: tl.constexpr = K // GROUPS
+        T: tl.constexpr = (1 if GROUPS == 1 or GS % BLOCK_K == 0 else BLOCK_K // GS if BLOCK_K % GS == 0
+                           else BLOCK_K // 8)
+        WPG: tl.constexpr = BLOCK_K // 8 // T
         if ONE_ROW:
-            acc = tl.zeros([BLOCK_N], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            acc_lo = tl.zeros([T, WPG, 4, BLOCK_N], tl.float32)
+            acc_hi = tl.zeros([T, WPG, 4, BLOCK_N], tl.float32)
+        else:  # transposed: the weight tile is the left operand (see below)
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         wait_for_previous(PDL)
-        for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            kmask = cols < K
-            w = int4_tile(w_ptr, s_ptr, z_ptr, offs_n, nmask, k0, cols, K, GROUPS, HAS_ZERO, x_ptr.dtype.element_ty,
-                          BLOCK_N, BLOCK_K)
+        k_lo = split * K_SPAN
+        for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, K), BLOCK_K):
             if ONE_ROW:
-                x = tl.load(x_ptr + cols, mask=kmask, other=0.0).to(tl.float32)
-                acc += tl.sum(w.to(tl.float32) * x[:, None], axis=0)
-            else:  # rows padded to BLOCK_M (at least 16) for the tensor cores
+                acc_lo, acc_hi = _row_products(acc_lo, acc_hi, x_ptr, w_ptr, s_ptr, z_ptr, offs_n, nmask, k0, K, GROUPS,
+                                               HAS_ZERO, T, WPG, BLOCK_N)
+            else:  # rows padded to BLOCK_M (at least 16) for the tensor cores, as W^T x^T (the MoE
+                # kernels' SWAP): the dequantized tile is the left operand of Hopper's warp-group
+                # MMA straight from registers; x's 16-64 rows are too few to be the left one
+                cols = k0 + tl.arange(0, BLOCK_K)
+                kmask = cols < K
+                w = int4_tile(w_ptr, s_ptr, z_ptr, offs_n, nmask, k0, cols, K, GROUPS, HAS_ZERO,
+                              x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
                 x = tl.load(x_ptr + offs_m[:, None] * K + cols[None, :], mask=(offs_m[:, None] < M) & kmask[None, :],
                             other=0.0)
-                acc = tl.dot(x, w, acc, input_precision=PRECISION)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                acc = tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=PRECISION)
         if ONE_ROW:
-            if HAS_BIAS:
-                acc += bias
+            acc = tl.sum(tl.sum(tl.sum(acc_lo + acc_hi, axis=2), axis=1), axis=0)
+        else:
+            acc = tl.trans(acc)
+        if SPLIT:
+            y_ptr += split * M * N
+        elif HAS_BIAS:
+            bias = tl.load(b_ptr + offs_n, mask=nmask, other=0.0).to(tl.float32)
+            acc += bias
+        if ONE_ROW:
             tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
         else:
-            if HAS_BIAS:
-                acc += bias[None, :]
             tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
                      mask=(offs_m[:, None] < M) & nmask[None, :])
 
+    @triton.jit
+    def _split_sum_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+        """y [M, N] = the sum of float32 partials [SPLITS, M, N] in split order (+ bias [N])."""
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < MN
+        wait_for_previous(PDL)
+        acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        for s in tl.static_range(1, SPLITS):
+            acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+SUM_BLOCK = 1024  # elements per program of `_split_sum_kernel`
+
 
 def gemv_tiles(rows: int) -> tuple[int, int, int]:
-    """The W4A16 kernel's (BLOCK_N, BLOCK_K, warps) for `rows` rows: one row sums on the CUDA
-    cores over long K steps, more take the tensor cores."""
+    """The W4A16 kernel's default (BLOCK_N, BLOCK_K, warps) for `rows` rows: one row sums on the
+    CUDA cores over long K steps, more take the tensor cores."""
     return (16, 256, 4) if rows == 1 else (64, 128, 4)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+def default_config(N: int, K: int, rows: int, device: torch.device) -> tuple:
+    """The launch shape (BLOCK_N, BLOCK_K, warps, splits) where no tuning chose one: K cut into
+    enough slices that the GPU runs about four programs per SM (a decode step's few output
+    blocks alone leave most SMs idle), but no more than a whole step each, and few enough
+    that the float32 partials stay under a quarter of the weight's bytes."""
+    block_n, block_k, warps = gemv_tiles(rows)
+    wanted = -(-4 * _sm_count(device) // -(-N // block_n))
+    return block_n, block_k, warps, k_slices(K, block_k, max(1, min(wanted, K // (32 * rows))))[1]
+
+
+def k_slices(K: int, block_k: int, splits: int) -> tuple[int, int]:
+    """(columns per slice, slices) for K cut into `splits` slices of whole BLOCK_K steps (fewer
+    where K has fewer steps, or where rounding the steps up leaves the last slices empty)."""
+    span = -(-(-(-K // block_k)) // splits) * block_k
+    return span, -(-K // span)
+
+
 def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None) -> torch.Tensor:
+                     bias: torch.Tensor | None = None, cfg: tuple | None = None) -> torch.Tensor:
     """x2 [M <= 64, K] (contiguous) @ W^T (+ bias) for int4 W: packed [N, K/8], scales and
-    unpacked int8 zero points [N, G]; float32 accumulation, the result in x2's dtype."""
+    unpacked int8 zero points [N, G]; float32 accumulation, the result in x2's dtype. `cfg`:
+    (BLOCK_N, BLOCK_K, warps, splits[, BLOCK_M]) (default `default_config`); splits > 1 cut K
+    into that many slices (fewer where K has fewer BLOCK_K steps), summed by a second kernel;
+    with BLOCK_M the rows run in tiles of that many on the tensor cores (one row included), so
+    a row's result does not depend on the rows beside it (--batch-invariant)."""
     M, K = x2.shape
     N, groups = packed.shape[0], scale.shape[-1]
     if packed.shape[1] * PACK != K or M > INT4_GEMV_MAX_ROWS:
         raise ValueError(f"int4 GEMV takes at most {INT4_GEMV_MAX_ROWS} rows of {packed.shape[1] * PACK} features, "
                          f"got {tuple(x2.shape)}")
-    one_row = M == 1
-    block_n, block_k, warps = gemv_tiles(M)
+    block_n, block_k, warps, splits, *fixed_m = cfg or default_config(N, K, M, x2.device)
+    block_m = fixed_m[0] if fixed_m else max(16, triton.next_power_of_2(M))
+    span, splits = k_slices(K, block_k, splits)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    _int4_gemv_kernel[(triton.cdiv(N, block_n),)](
+    out = torch.empty(splits, M, N, dtype=torch.float32, device=x2.device) if splits > 1 else y
+    _int4_gemv_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](
         x2, packed, scale.contiguous(), zero if zero is not None else packed, bias if bias is not None else scale,
-        y, M, N, K, groups, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=one_row,
+        out, M, N, span, K, groups, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1 and not fixed_m,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",  # (tf32 would round float32 inputs)
         num_warps=warps, **pdl_args(x2))
+    if splits > 1:
+        _split_sum_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
+            out, bias if bias is not None else scale, y, M * N, N, SPLITS=splits, HAS_BIAS=bias is not None,
+            BLOCK=SUM_BLOCK, **pdl_args(x2))
     return y
 
 
