@@ -7,8 +7,11 @@ Each product runs on weight copies that together exceed the GPU's L2 cache, cycl
 graph of many calls, so every call streams its weight from memory as in a real forward; the time
 is the graph's replay over the calls (median of several replays). Reported per shape and row
 count: us a call, GB/s of the int4 bytes (packed words + scales) and of the bf16 weight, and the
-speed-up over bf16 (cuBLAS, or the tuned Triton GEMV where it wins, as the engine runs it). Each
-int4 result is checked against the dequantized reference first.
+speed-up over bf16 (cuBLAS, or the tuned Triton GEMV where it wins, as the engine runs it). The
+int4 product runs as the engine runs it too: with the launch shape (tiles, K slices) that
+`tune_int4` chose at start-up; the JSON also holds that config and the untuned default's time
+(`default_config`, as the tuner timed it). Each int4 result is checked against the dequantized
+reference first.
 """
 
 from __future__ import annotations
@@ -23,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specserve.kernels.gemv import tune_linear  # noqa: E402
-from specserve.kernels.int4 import dequantize_int4, int4_matmul, pack_int4, quantize_int4  # noqa: E402
+from specserve.kernels.gemv import rows_bucket, tune_linear  # noqa: E402
+from specserve.kernels.int4 import dequantize_int4, int4_matmul, pack_int4, quantize_int4, tune_int4  # noqa: E402
 from specserve.kernels.linear import linear  # noqa: E402
 
 SHAPES = {  # name: (out features N, in features K)
@@ -69,7 +72,8 @@ def main() -> None:
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
-    print(f"{'shape':22} {'group':>5} {'rows':>4} {'int4 us':>8} {'int4 GB/s':>9} {'bf16 us':>8} {'bf16 GB/s':>9} {'speed-up':>8}")
+    print(f"{'shape':22} {'group':>5} {'rows':>4} {'int4 us':>8} {'int4 GB/s':>9} {'bf16 us':>8} {'bf16 GB/s':>9} "
+          f"{'speed-up':>8} {'default us':>10} config")
     for name in args.shapes:
         N, K = SHAPES[name]
         w = torch.randn(N, K, device=dev, dtype=dt) * 0.02
@@ -84,21 +88,23 @@ def main() -> None:
             int4_bytes = packed.nbytes + scale.nbytes
             copies = max(2, -(-CACHE_BYTES // int4_bytes))
             stack = [(packed.clone(), scale.clone()) for _ in range(copies)]
+            tuned = next(iter(tune_int4([(p, s, None) for p, s in stack], max_rows=max(args.rows)).values()))
             for rows in args.rows:
                 x = torch.randn(rows, K, device=dev, dtype=dt)
                 want = x.float() @ dequantize_int4(packed, scale, None, dt).float().t()
-                got = int4_matmul(x, packed, scale).float()
+                got = int4_matmul(x, *stack[0]).float()  # (the tuned launch shape)
                 err = ((got - want).abs().max() / want.abs().max()).item()
                 if err > 2e-2:
                     raise SystemExit(f"{name} group {group} rows {rows}: int4 product off by {err:.3g} of its range")
                 t4 = graph_us([lambda p=p, s=s: int4_matmul(x, p, s) for p, s in stack])
                 tb = graph_us([lambda c=c: linear(x, c) for c in bf16])
+                default_us, _, cfg = tuned[rows_bucket(rows)]
                 row = {"shape": name, "N": N, "K": K, "group": group, "rows": rows, "int4_us": t4,
                        "int4_GBs": int4_bytes / t4 / 1e3, "bf16_us": tb, "bf16_GBs": w.nbytes / tb / 1e3,
-                       "speedup": tb / t4, "max_rel_err": err}
+                       "speedup": tb / t4, "max_rel_err": err, "int4_config": cfg, "int4_default_us": default_us}
                 res["results"].append(row)
                 print(f"{name:22} {group:5} {rows:4} {t4:8.1f} {row['int4_GBs']:9.0f} {tb:8.1f} {row['bf16_GBs']:9.0f} "
-                      f"{row['speedup']:7.2f}x")
+                      f"{row['speedup']:7.2f}x {default_us:10.1f} {cfg}")
             del stack
         del bf16
         torch.cuda.empty_cache()

@@ -617,7 +617,7 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None  # GPU: size the pool to this fraction of memory (None: max_num_seqs x max_model_len)
     prefix_cache: bool = False  # share full prompt blocks across requests by content
     cuda_graphs: bool = True
-    batch_invariant: bool = False  # GPU products of 1-64 rows take one fixed GEMV shape (kernels.gemv.tune_linear)
+    batch_invariant: bool = False  # GPU products of 1-64 rows take one fixed GEMV shape (tune_linear, tune_int4)
     graph_batch_sizes: tuple[int, ...] | None = None
     aux_layer_convention: str = "sglang"
     allow_pickle: bool = False

@@ -154,19 +154,74 @@ def test_int4_gemv_fixed_row_tile_gives_each_row_the_same_result_at_any_row_coun
     """--batch-invariant's launch shape (16-row tiles, K slices fixed by the shape): row i of the
     product is bit-identical whether 1, 5 or 40 rows (three tiles) are multiplied."""
     pytest.importorskip("triton")
-    from specserve.kernels.int4 import int4_gemv_triton, int4_linear
+    from specserve.kernels.int4 import int4_gemv_triton, int4_linear, invariant_config
 
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(6)
     q, scale, zero = quantize_int4(torch.randn(40, 576, generator=g), 32, False)
     packed, scale, zero = pack_int4(q).to(dev), scale.to(dev, dtype), zero.to(dev)
     x = torch.randn(40, 576, generator=g).to(dev, dtype)
-    for cfg in ((64, 128, 4, 3, 16), (32, 128, 4, 3, 16)):
+    for cfg in (invariant_config(40, 576, torch.device(dev)), (32, 128, 4, 3, 16)):
         full = int4_gemv_triton(x, packed, scale, zero, None, cfg)
         want = int4_linear(x, packed, scale, zero).float()
         torch.testing.assert_close(full.float(), want, rtol=2e-2, atol=2e-2)
         for m in (1, 5):
             assert torch.equal(int4_gemv_triton(x[:m].contiguous(), packed, scale, zero, None, cfg), full[:m]), (cfg, m)
+
+
+def test_int4_matmul_follows_the_tuned_config(monkeypatch):
+    """`int4_matmul` launches the config `tune_int4` left on the packed words for the row
+    bucket (r rows: the next tuned count up), and `default_config` where there is none."""
+    pytest.importorskip("triton")
+    import specserve.kernels.int4 as k
+
+    calls = []
+    monkeypatch.setattr(k, "use_triton", lambda *t: True)
+    monkeypatch.setattr(k, "int4_gemv_triton", lambda *a: calls.append(a[5]) or torch.zeros(a[0].shape[0], 24))
+    packed, scale = pack_int4(torch.zeros(24, 64, dtype=torch.int8)), torch.ones(24, 2)
+    for rows in (1, 3, 40):
+        k.int4_matmul(torch.randn(rows, 64), packed, scale)
+    assert calls == [None, None, None]
+    packed.int4_configs = {1: (16, 64, 4, 1), 4: (32, 32, 4, 2)}
+    for rows in (1, 3, 4, 40):
+        k.int4_matmul(torch.randn(rows, 64), packed, scale)
+    assert calls[3:] == [(16, 64, 4, 1), (32, 32, 4, 2), (32, 32, 4, 2), None]
+
+
+@pytest.mark.gpu
+def test_int4_tuning_on_gpu():
+    """`tune_int4` on CUDA: each row bucket up to max_rows' (8 for 6) holds a config that ran,
+    the ones past it none; the tuned product equals the reference at every row count, replayed
+    in a CUDA graph too (partials and all). Under `invariant` every bucket holds
+    `invariant_config`, and a 40-row product gives its first rows the bits of a 1- and 5-row one."""
+    from specserve.kernels.gemv import GEMV_ROWS
+    from specserve.kernels.int4 import int4_linear, int4_matmul, invariant_config, tune_int4
+
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    layers = []
+    for _ in range(2):
+        q, scale, zero = quantize_int4(torch.randn(576, 1536, device=dev) * 0.05, 32, False)
+        layers.append((pack_int4(q), scale.to(dt), zero))
+    packed, scale, zero = layers[0]
+    report = tune_int4(layers, max_rows=6)
+    assert set(packed.int4_configs) == {1, 2, 4, 8} and layers[1][0].int4_configs is packed.int4_configs, report
+    for rows in (1, 3, 8, 17, 64):
+        x = torch.randn(rows, 1536, device=dev, dtype=dt)
+        want = int4_linear(x, packed, scale, zero).float()
+        torch.testing.assert_close(int4_matmul(x, packed, scale, zero).float(), want, rtol=2e-2, atol=2e-2)
+        graph = torch.cuda.CUDAGraph()
+        int4_matmul(x, packed, scale, zero)  # (compiled before the capture)
+        with torch.cuda.graph(graph):
+            y = int4_matmul(x, packed, scale, zero)
+        graph.replay()
+        torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+    tune_int4(layers, invariant=True)
+    assert set(packed.int4_configs.values()) == {invariant_config(576, 1536, dev)}
+    assert set(packed.int4_configs) == set(GEMV_ROWS)
+    x = torch.randn(40, 1536, device=dev, dtype=dt)
+    full = int4_matmul(x, packed, scale, zero)
+    assert torch.equal(int4_matmul(x[:5], packed, scale, zero), full[:5])
+    assert torch.equal(int4_matmul(x[:1], packed, scale, zero), full[:1])
 
 
 def test_int4_linear_runs_the_kernel_for_decode_rows_only(monkeypatch):

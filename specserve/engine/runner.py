@@ -119,10 +119,12 @@ class ModelRunner:
 
     def _tune_linear(self) -> dict:
         """Per weight shape and row count, the fastest product here: on GPU cuBLAS or the GEMV
-        kernel, on CPU (weights stored column-major first) MKL, oneDNN with a packed weight or the
-        native panel GEMV."""
+        kernel (and for int4 weights the W4A16 GEMV's launch shape), on CPU (weights stored
+        column-major first) MKL, oneDNN with a packed weight or the native panel GEMV."""
         from specserve.kernels.cpu_linear import column_major_copy, tune_linear_cpu
         from specserve.kernels.gemv import GEMV_ROWS, tune_linear
+        from specserve.kernels.int4 import tune_int4
+        from specserve.model.int4_linear import Int4Linear
 
         t0 = time.perf_counter()
         tensors = list(self.target.parameters()) + (self.drafter.product_weights() if self.drafter is not None else [])
@@ -132,8 +134,11 @@ class ModelRunner:
                 seen.add(p.data_ptr())
                 weights.append(p)
         if self.device.type == "cuda":  # up to the widest product a step runs: all rows, each verifying room + 1
-            report = tune_linear(weights, max_rows=min(GEMV_ROWS[-1], self.rows * (self.room + 1)),
-                                 invariant=self.cfg.batch_invariant)
+            max_rows = min(GEMV_ROWS[-1], self.rows * (self.room + 1))
+            report = tune_linear(weights, max_rows=max_rows, invariant=self.cfg.batch_invariant)
+            int4 = [(m.weight_packed, m.weight_scale, m.weight_zero_point) for model in (self.target, self.drafter)
+                    if model is not None for m in model.modules() if isinstance(m, Int4Linear)]
+            report |= tune_int4(int4, max_rows=max_rows, invariant=self.cfg.batch_invariant)
         else:
             for w in weights:  # (the drafter's stacked weights already are)
                 if w.is_contiguous():

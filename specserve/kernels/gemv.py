@@ -49,7 +49,7 @@ class LinearTuning:
 
     def gemv_config(self, w: torch.Tensor, dtype: torch.dtype, rows: int) -> tuple | None:
         """The GEMV config for `rows` rows of `dtype` times `w`, or None for cuBLAS."""
-        bucket = _rows_bucket(rows)
+        bucket = rows_bucket(rows)
         return self.gemv.get((w.shape[0], w.shape[1], dtype, bucket)) if bucket else None
 
 if triton is not None:
@@ -113,7 +113,8 @@ def gemv_config_group(rows: int) -> int:
     return 1 if rows == 1 else 2 if rows <= 8 else 16
 
 
-def _rows_bucket(rows: int) -> int | None:
+def rows_bucket(rows: int) -> int | None:
+    """The tuned row count whose choice `rows` rows take (the next one up; None past the last)."""
     return next((b for b in GEMV_ROWS if rows <= b), None)
 
 
@@ -145,9 +146,14 @@ def _streamed(ws: list[torch.Tensor]) -> list[torch.Tensor]:
     favours other kernels, and would choose differently for models that differ only in how many
     layers share the shape."""
     ws = ws[:8]
-    l2 = getattr(torch.cuda.get_device_properties(ws[0].device), "L2_cache_size", 50 << 20)
-    need = min(-(-4 * l2 // (ws[0].numel() * ws[0].element_size())), 64)
+    need = streamed_count(ws[0].numel() * ws[0].element_size(), ws[0].device)
     return ws + [ws[0].clone() for _ in range(need - len(ws))]
+
+
+def streamed_count(nbytes: int, device: torch.device) -> int:
+    """How many weights of `nbytes` each together span four L2 caches of `device` (at most 64)."""
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return min(-(-4 * l2 // nbytes), 64)
 
 
 @torch.inference_mode()

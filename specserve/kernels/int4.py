@@ -8,7 +8,8 @@ The weight is (v - zero) * scale.
 
 These are plain functions over any leading dimensions, so dense linears and stacked MoE experts
 [E, N, K/8] share them. `int4_linear` is the reference product; `int4_matmul`, what Int4Linear
-calls, runs the W4A16 Triton kernel instead for the 1-64 rows of decode and verify on CUDA.
+calls, runs the W4A16 Triton kernel instead for the 1-64 rows of decode and verify on CUDA, in
+the launch shape (tiles, slices of K) `tune_int4` timed at start-up.
 That kernel and the fused int4 experts (`kernels.moe`) dequantize their weight tiles in
 registers by one Triton helper, `int4_tile`.
 """
@@ -16,16 +17,21 @@ registers by one Triton helper, `int4_tile`.
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 
+from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton, use_triton
+from specserve.kernels.gemv import GEMV_ROWS, graph_us, rows_bucket, streamed_count
 
 if triton is not None:
     import triton.language as tl
 
     from specserve.kernels.common import wait_for_previous
+
+log = logging.getLogger(__name__)
 
 PACK = 8  # int4 values per int32 word
 # Bit offsets of a word's values, as Python ints: no device tensor to create, so a CUDA graph
@@ -84,11 +90,14 @@ INT4_GEMV_MAX_ROWS = 64  # more rows (prefill) dequantize once per call and run 
 def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """`int4_linear`, by the W4A16 kernel where it applies (CUDA, at most 64 rows): it streams the
-    packed words, a quarter of a bf16 weight's bytes, which is what a decode step waits on."""
+    packed words, a quarter of a bf16 weight's bytes, which is what a decode step waits on. Its
+    launch shape is the one `tune_int4` chose for these words and row count, if it ran."""
     rows = x.numel() // x.shape[-1]
     if rows > INT4_GEMV_MAX_ROWS or not use_triton(x, bias):
         return int4_linear(x, packed, scale, zero, bias)
-    y = int4_gemv_triton(x.reshape(rows, -1).contiguous(), packed, scale, zero, bias)
+    tuned = getattr(packed, "int4_configs", None)
+    cfg = tuned.get(rows_bucket(rows)) if tuned is not None else None
+    y = int4_gemv_triton(x.reshape(rows, -1).contiguous(), packed, scale, zero, bias, cfg)
     return y.view(*x.shape[:-1], packed.shape[0])
 
 
@@ -343,6 +352,85 @@ def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
             out, bias if bias is not None else scale, y, M * N, N, SPLITS=splits, HAS_BIAS=bias is not None,
             BLOCK=SUM_BLOCK, **pdl_args(x2))
     return y
+
+
+# Tuning candidates: tiles (BLOCK_N, BLOCK_K, warps) for one row (CUDA-core sums, or a 16-row
+# tensor-core tile: fewer instructions per weight, a quarter of them wasted on padding rows) and
+# for more (tensor cores), each at these split counts, up to 32 programs per SM.
+TUNED_TILES = {1: ((16, 256, 4), (32, 256, 4), (64, 128, 4, 16)), 2: ((64, 128, 4), (32, 128, 4))}
+TUNED_SPLITS = (1, 2, 4, 8, 16, 32)
+
+
+def candidates(N: int, K: int, rows: int, device: torch.device) -> list[tuple]:
+    """The launch shapes `tune_int4` times for `rows` rows of a [N, K] int4 weight, each once."""
+    out = {}
+    for block_n, block_k, warps, *fixed_m in TUNED_TILES[min(rows, 2)]:
+        for s in TUNED_SPLITS:
+            splits = k_slices(K, block_k, s)[1]
+            if -(-N // block_n) * splits <= 32 * _sm_count(device):
+                out[(block_n, block_k, warps, splits, *fixed_m)] = None
+    return list(out)
+
+
+def invariant_config(N: int, K: int, device: torch.device) -> tuple:
+    """--batch-invariant: one launch shape for every row count, chosen by no timing: 16-row
+    tensor-core tiles (one row too) and a split count from the shape alone, so a token's
+    output rounds alike in a decode step and a verify."""
+    return default_config(N, K, 16, device) + (16,)
+
+
+@torch.inference_mode()
+def tune_int4(weights: list[tuple], max_rows: int = 8, invariant: bool = False) -> dict:
+    """Choose the W4A16 launch shape per int4 weight shape and row bucket up to `max_rows`, by
+    timing `candidates` in CUDA graphs over weights of the shape that together exceed the L2
+    (as `gemv.tune_linear` does), each checked against the reference product first.
+    `weights`: (packed, scales, zero points or None) of every int4 linear; each packed tensor
+    gets its shape's choice as ``packed.int4_configs`` {rows bucket: config}, which
+    `int4_matmul` follows (row counts past `max_rows`' bucket take `default_config`). With `invariant`,
+    every bucket holds `invariant_config`. Returns {"int4 NxK/G": {rows: (default us, best us,
+    chosen)}} for logging."""
+    if not common.FUSED or triton is None or not weights or not weights[0][0].is_cuda:
+        return {}
+    by_shape: dict[tuple, list[tuple]] = {}
+    for packed, scale, zero in weights:
+        key = (*packed.shape, scale.shape[-1], zero is not None, scale.dtype)
+        by_shape.setdefault(key, []).append((packed, scale, zero))
+    report = {}
+    for (N, words, groups, _, dtype), ws in by_shape.items():
+        K, dev = words * PACK, ws[0][0].device
+        configs = {}
+        for packed, *_ in ws:
+            packed.int4_configs = configs
+        name = f"int4 {N}x{K}/{groups}"
+        if invariant:
+            configs.update({rows: invariant_config(N, K, dev) for rows in GEMV_ROWS})
+            report[name] = {"any": (None, None, configs[1])}
+            continue
+        log.info("tuning the int4 GEMV for %dx%d, %d groups", N, K, groups)
+        first = ws[0]
+        need = streamed_count(sum(t.nbytes for t in first if t is not None), dev)
+        ws = ws[:8] + [tuple(t.clone() if t is not None else None for t in first) for _ in range(need - len(ws[:8]))]
+        for rows in (r for r in GEMV_ROWS if r <= rows_bucket(min(max_rows, GEMV_ROWS[-1]))):
+            x = torch.randn(rows, K, device=dev, dtype=dtype)
+            ref = int4_linear(x, *first).float()
+            default, times = default_config(N, K, rows, dev), {}
+            for cfg in dict.fromkeys([default] + candidates(N, K, rows, dev)):
+                try:
+                    got = int4_gemv_triton(x, *first, None, cfg).float()
+                    err = ((got - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+                    if err > 1e-2:
+                        raise RuntimeError(f"off by {err:.2g} of the reference")
+                    times[cfg] = graph_us([lambda w=w, c=cfg: int4_gemv_triton(x, *w, None, c) for w in ws])
+                except Exception as e:  # a config this GPU or Triton cannot run: the others remain
+                    log.warning("int4 GEMV config %s for %s at %d rows skipped: %s", cfg, name, rows, e)
+            if not times:
+                raise RuntimeError(f"no int4 GEMV config runs for {name} at {rows} rows")
+            best = min(times, key=times.get)
+            configs[rows] = best
+            report.setdefault(name, {})[rows] = (round(times.get(default, float("nan")), 1), round(times[best], 1),
+                                                 best)
+    torch.cuda.empty_cache()
+    return report
 
 
 def quantize_int4(w: torch.Tensor, group_size: int | None, symmetric: bool = True
