@@ -110,11 +110,11 @@ if triton is not None:
         `rows` for a weight tile over columns `cols` (k0..k0+BLOCK_K), plus ADD, in DT,
         broadcastable to the [BLOCK_K, BLOCK_N] tile. Each (row, group) loads and converts once
         where the groups tile the tile evenly (the broadcast comes after, so no value of the tile
-        pays a conversion): a tile inside one group takes a [1, BLOCK_N] row, one spanning T
-        whole groups a [T, BLOCK_N] tile repeated over each group's columns; otherwise every
-        element loads its own."""
+        pays a conversion): a tile inside one group (every tile, per channel) takes a
+        [1, BLOCK_N] row, one spanning T whole groups a [T, BLOCK_N] tile repeated over each
+        group's columns; otherwise every element loads its own."""
         GS: tl.constexpr = K // GROUPS  # columns per group
-        if GS % BLOCK_K == 0:
+        if GROUPS == 1 or GS % BLOCK_K == 0:
             v = tl.load(p_ptr + rows * GROUPS + k0 // GS, mask=nmask, other=0)
             return (v[None, :].to(tl.float32) + ADD).to(DT)
         elif BLOCK_K % GS == 0:
