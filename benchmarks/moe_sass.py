@@ -6,8 +6,8 @@ moe: compiles `kernels.moe`'s gate_up and down kernels at Kimi-K2.5's expert wid
 expert intermediate 2048, bf16, int4 in symmetric groups of 32) on the int4 default shapes.
 dense: compiles `kernels.int4`'s W4A16 GEMV (what Int4Linear runs for 1-64 rows) for bf16 at a
 SmolLM2-135M input width (576, groups of 32) and a Llama-3-8B one (4096, groups of 128),
-symmetric and asymmetric, for one row and for 16, in its default tiles over one slice of all of
-K (the loop is the same in every slice), with 16-byte aligned pointers as torch allocates them.
+symmetric and asymmetric, for one row and for 16, in its default tiles (the same loop at every
+split of K), with 16-byte aligned pointers as torch allocates them.
 Each is compiled for sm_<arch> with Triton's own ptxas and disassembled with its cuobjdump, and
 the SASS opcodes of its longest loop (one BLOCK_K step over the weight tile) are counted, side by
 side. A static count, not a timing: it shows what a tile costs per thread (conversions such as
@@ -58,8 +58,8 @@ def compile_dense_kernel(K: int, group: int, zero: bool, rows: int, arch: int) -
 
     block_n, block_k, warps = gemv_tiles(rows)
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "b_ptr": "*bf16",
-           "y_ptr": "*bf16", "M": "i32", "N": "i32"}
-    consts = dict(K=K, K_SPAN=triton.cdiv(K, block_k) * block_k, GROUPS=K // group, HAS_ZERO=zero, HAS_BIAS=False,
+           "y_ptr": "*bf16", "M": "i32", "N": "i32", "SPAN_STEPS": "i32"}
+    consts = dict(K=K, GROUPS=K // group, HAS_ZERO=zero, HAS_BIAS=False,
                   SPLIT=False, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
                   ONE_ROW=rows == 1, PRECISION="tf32", PDL=False)
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # the pointers

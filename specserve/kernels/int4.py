@@ -217,17 +217,18 @@ if triton is not None:
         acc_hi += ((hi - offset) * scale).to(tl.float32) * x_hi
         return acc_lo, acc_hi
 
-    @triton.jit(do_not_specialize=["M"])
-    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K_SPAN: tl.constexpr, K: tl.constexpr,
+    @triton.jit(do_not_specialize=["M", "SPAN_STEPS"])
+    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, SPAN_STEPS, K: tl.constexpr,
                           GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr,
                           PRECISION: tl.constexpr, PDL: tl.constexpr):
         """y [M, N] = x [M, K] @ W^T for W packed [N, K/8] int32, scales / zero points [N, GROUPS].
-        Program (n, s, m) owns BLOCK_N output features and BLOCK_M rows over input columns
-        s*K_SPAN..(s+1)*K_SPAN (a whole number of BLOCK_K steps); each step dequantizes a
-        [BLOCK_K, BLOCK_N] tile of W^T in x's dtype in registers (`int4_tile`; one row: the same
-        values, kept in the words' layout, `_row_products`) and accumulates its products in
-        float32. Under SPLIT y is the float32 partial sums [splits, M, N], which
+        Program (n, s, m) owns BLOCK_N output features and BLOCK_M rows over SPAN_STEPS steps of
+        BLOCK_K input columns from s*SPAN_STEPS*BLOCK_K (a runtime count: one compiled kernel
+        serves every split, and the steps stay BLOCK_K-aligned for wide loads); each step
+        dequantizes a [BLOCK_K, BLOCK_N] tile of W^T in x's dtype in registers (`int4_tile`; one
+        row: the same values, kept in the words' layout, `_row_products`) and accumulates its
+        products in float32. Under SPLIT y is the float32 partial sums [splits, M, N], which
         `_split_sum_kernel` adds up (and biases) in a fixed order: no atomics, so the result is
         the same at every call."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -247,8 +248,8 @@ if triton is not None:
         else:  # transposed: the weight tile is the left operand (see below)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         wait_for_previous(PDL)
-        k_lo = split * K_SPAN
-        for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, K), BLOCK_K):
+        k_lo = split * SPAN_STEPS * BLOCK_K
+        for k0 in range(k_lo, tl.minimum(k_lo + SPAN_STEPS * BLOCK_K, K), BLOCK_K):
             if ONE_ROW:
                 acc_lo, acc_hi = _row_products(acc_lo, acc_hi, x_ptr, w_ptr, s_ptr, z_ptr, offs_n, nmask, k0, K, GROUPS,
                                                HAS_ZERO, T, WPG, BLOCK_N)
@@ -343,7 +344,7 @@ def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     out = torch.empty(splits, M, N, dtype=torch.float32, device=x2.device) if splits > 1 else y
     _int4_gemv_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](
         x2, packed, scale.contiguous(), zero if zero is not None else packed, bias if bias is not None else scale,
-        out, M, N, span, K, groups, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
+        out, M, N, span // block_k, K, groups, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1 and not fixed_m,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",  # (tf32 would round float32 inputs)
         num_warps=warps, **pdl_args(x2))
