@@ -177,21 +177,27 @@ if triton is not None:
         return (v - offset) * scale
 
     @triton.jit
-    def _row_products(acc_lo, acc_hi, x_ptr, w_ptr, s_ptr, z_ptr, rows, nmask, k0, K: tl.constexpr,
+    def _row_words(w_ptr, rows, nmask, k0, k_hi, K: tl.constexpr, T: tl.constexpr, WPG: tl.constexpr):
+        """The packed words [T, WPG, BLOCK_N] of weight rows `rows` over columns k0..k0+8*T*WPG
+        (T runs of WPG words), zero from column k_hi on."""
+        word = k0 // 8 + tl.arange(0, T)[:, None] * WPG + tl.arange(0, WPG)[None, :]
+        return tl.load(w_ptr + rows[None, None, :] * (K // 8) + word[:, :, None],
+                       mask=(word < k_hi // 8)[:, :, None] & nmask[None, None, :], other=0)
+
+    @triton.jit
+    def _row_products(acc_lo, acc_hi, words, x_ptr, s_ptr, z_ptr, rows, nmask, k0, K: tl.constexpr,
                       GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, T: tl.constexpr, WPG: tl.constexpr,
                       BLOCK_N: tl.constexpr):
-        """One row x times the int4 weight's rows `rows` over columns k0..k0+8*T*WPG, added to
-        acc_lo and acc_hi [T, WPG, 4, BLOCK_N] in float32: T runs of WPG words, each run in one
-        scale group; nibble i of a word lands in acc_lo[.., i, :], nibble i + 4 in acc_hi. The
-        words keep the layout they load in (no reshape into a [BLOCK_K, BLOCK_N] tile, which
-        costs a trip through shared memory per step) and are dequantized as `int4_tile` does."""
-        WORDS: tl.constexpr = K // 8
+        """One row x times the int4 weight's rows `rows` over columns k0..k0+8*T*WPG (`words`,
+        from `_row_words`), added to acc_lo and acc_hi [T, WPG, 4, BLOCK_N] in float32: each
+        run of WPG words lies in one scale group; nibble i of a word lands in acc_lo[.., i, :],
+        nibble i + 4 in acc_hi. The words keep the layout they load in (no reshape into a
+        [BLOCK_K, BLOCK_N] tile, which costs a trip through shared memory per step) and are
+        dequantized as `int4_tile` does."""
         GS: tl.constexpr = K // GROUPS
         dt: tl.constexpr = x_ptr.dtype.element_ty
         t = tl.arange(0, T)
         word = k0 // 8 + t[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [T, WPG]
-        words = tl.load(w_ptr + rows[None, None, :] * WORDS + word[:, :, None],
-                        mask=(word < WORDS)[:, :, None] & nmask[None, None, :], other=0)
         shifted = words[:, :, None, :] >> (tl.arange(0, 4) * 4)[None, None, :, None]  # [T, WPG, 4, BLOCK_N]
         if dt == tl.float32:  # 2^23 + nibble (arithmetic shifts: the masks drop the sign)
             lo = (shifted & 0xF | 0x4B000000).to(dt, bitcast=True)
@@ -242,17 +248,24 @@ if triton is not None:
         T: tl.constexpr = (1 if GROUPS == 1 or GS % BLOCK_K == 0 else BLOCK_K // GS if BLOCK_K % GS == 0
                            else BLOCK_K // 8)
         WPG: tl.constexpr = BLOCK_K // 8 // T
+        k_lo = split * SPAN_STEPS * BLOCK_K
+        k_hi = tl.minimum(k_lo + SPAN_STEPS * BLOCK_K, K)
         if ONE_ROW:
             acc_lo = tl.zeros([T, WPG, 4, BLOCK_N], tl.float32)
             acc_hi = tl.zeros([T, WPG, 4, BLOCK_N], tl.float32)
+            # Each step loads the next one's words before it computes: their latency hides
+            # behind the arithmetic (the first, not depending on the kernel before, loads while
+            # that one drains).
+            words = _row_words(w_ptr, offs_n, nmask, k_lo, k_hi, K, T, WPG)
         else:  # transposed: the weight tile is the left operand (see below)
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         wait_for_previous(PDL)
-        k_lo = split * SPAN_STEPS * BLOCK_K
-        for k0 in range(k_lo, tl.minimum(k_lo + SPAN_STEPS * BLOCK_K, K), BLOCK_K):
+        for k0 in range(k_lo, k_hi, BLOCK_K):
             if ONE_ROW:
-                acc_lo, acc_hi = _row_products(acc_lo, acc_hi, x_ptr, w_ptr, s_ptr, z_ptr, offs_n, nmask, k0, K, GROUPS,
+                ahead = _row_words(w_ptr, offs_n, nmask, k0 + BLOCK_K, k_hi, K, T, WPG)
+                acc_lo, acc_hi = _row_products(acc_lo, acc_hi, words, x_ptr, s_ptr, z_ptr, offs_n, nmask, k0, K, GROUPS,
                                                HAS_ZERO, T, WPG, BLOCK_N)
+                words = ahead
             else:  # rows padded to BLOCK_M (at least 16) for the tensor cores, as W^T x^T (the MoE
                 # kernels' SWAP): the dequantized tile is the left operand of Hopper's warp-group
                 # MMA straight from registers; x's 16-64 rows are too few to be the left one
