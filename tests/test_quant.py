@@ -169,6 +169,24 @@ def test_int4_gemv_fixed_row_tile_gives_each_row_the_same_result_at_any_row_coun
             assert torch.equal(int4_gemv_triton(x[:m].contiguous(), packed, scale, zero, None, cfg), full[:m]), (cfg, m)
 
 
+def test_int4_default_config_fills_the_gpu(monkeypatch):
+    """Untuned, on a 132-SM GPU: one row of each issue-28 shape (Llama-3-8B, Kimi-K2.5) runs at
+    least two programs per SM (a 576-feature weight alone is 36 output blocks), and at any row
+    count the float32 partials stay under a quarter of the int4 weight's bytes."""
+    import specserve.kernels.int4 as k
+
+    monkeypatch.setattr(k, "_sm_count", lambda device: 132)
+    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1536, 7168), (576, 7168), (7168, 8192),
+              (4096, 7168), (7168, 2048)]
+    for N, K in shapes:
+        for rows in (1, 2, 16, 64):
+            block_n, block_k, _, splits = k.default_config(N, K, rows, None)
+            assert splits == k.k_slices(K, block_k, splits)[1], (N, K, rows)  # (as launched)
+            assert splits * rows * N * 4 <= N * K // 2 // 4, (N, K, rows, splits)
+            if rows == 1:
+                assert -(-N // block_n) * splits >= 2 * 132, (N, K, splits)
+
+
 def test_int4_matmul_follows_the_tuned_config(monkeypatch):
     """`int4_matmul` launches the config `tune_int4` left on the packed words for the row
     bucket (r rows: the next tuned count up), and `default_config` where there is none."""
