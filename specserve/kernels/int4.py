@@ -369,8 +369,8 @@ def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
 
 
 # Tuning candidates: tiles (BLOCK_N, BLOCK_K, warps) for one row (CUDA-core sums, or a 16-row
-# tensor-core tile: fewer instructions per weight, a quarter of them wasted on padding rows) and
-# for more (tensor cores), each at these split counts, up to 32 programs per SM.
+# tensor-core tile: fewer instructions per weight, though 15 of its rows are padding) and for
+# more (tensor cores), each at these split counts, up to 32 programs per SM.
 TUNED_TILES = {1: ((16, 256, 4), (32, 256, 4), (64, 128, 4, 16)), 2: ((64, 128, 4), (32, 128, 4))}
 TUNED_SPLITS = (1, 2, 4, 8, 16, 32)
 
@@ -400,9 +400,9 @@ def tune_int4(weights: list[tuple], max_rows: int = 8, invariant: bool = False) 
     (as `gemv.tune_linear` does), each checked against the reference product first.
     `weights`: (packed, scales, zero points or None) of every int4 linear; each packed tensor
     gets its shape's choice as ``packed.int4_configs`` {rows bucket: config}, which
-    `int4_matmul` follows (row counts past `max_rows`' bucket take `default_config`). With `invariant`,
-    every bucket holds `invariant_config`. Returns {"int4 NxK/G": {rows: (default us, best us,
-    chosen)}} for logging."""
+    `int4_matmul` follows (row counts past `max_rows`' bucket take `default_config`). With
+    `invariant`, every bucket holds `invariant_config`. Returns {"int4 NxK/G": {rows: (default
+    us, best us, chosen)}} for logging."""
     if not common.FUSED or triton is None or not weights or not weights[0][0].is_cuda:
         return {}
     by_shape: dict[tuple, list[tuple]] = {}
