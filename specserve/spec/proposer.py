@@ -136,7 +136,7 @@ class Proposer:
             start = to_device([s.num_cached - s.pending for s in seqs], self.device)
             self.feed(len(seqs), self.width, start, to_device(held, self.device), keep=0)
         left = [s.stale for s in seqs]
-        per_row = max(1, budget // sum(1 for n in left if n))
+        per_row = max(1, budget // len(seqs))  # every row's chunk is padded to the longest
         while any(left):
             chunks, starts, done = [], [], []
             for i, seq in enumerate(seqs):
