@@ -758,33 +758,37 @@ def _plain_alone(target, prompts, params, **kw):
 
 
 def _alternating(target, draft, prompts, params, ahead=False, **kw):
-    """Run an adaptive engine whose policy follows ALTERNATING; returns the outputs, the engine,
-    the drafter forwards run inside plain steps, the stale entries of each catch-up and the
-    draft tokens of each cycle."""
+    """Run an adaptive engine whose policy follows ALTERNATING; returns the outputs, the engine
+    and what happened: drafter forwards run inside plain steps (`plain_forwards`), plain steps
+    run from a step queued ahead while stale (`queued_stale`), the most stale entries of each
+    catch-up (`caught_up`) and each cycle's draft tokens (`drafts`)."""
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
                                  device="cpu", **kw))
     engine.launch_ahead = ahead
     steps = iter(ALTERNATING * 20)
     engine.policy.choose = lambda B: next(steps)
-    in_plain, plain_forwards, caught_up, drafts = [False], [0], [], []
+    seen = {"plain_forwards": 0, "queued_stale": 0, "caught_up": [], "drafts": []}
+    in_plain = [False]
 
-    def plain_step(*a, _f=engine._plain_step):
+    def plain_step(seqs, t_start, _f=engine._plain_step):
+        seen["queued_stale"] += engine.overlap.plain is not None and any(s.stale for s in seqs)
         in_plain[0] = True
         try:
-            return _f(*a)
+            return _f(seqs, t_start)
         finally:
             in_plain[0] = False
 
     def drafter_extend(*a, _f=engine.runner.drafter_extend):
-        plain_forwards[0] += in_plain[0]
+        seen["plain_forwards"] += in_plain[0]
         return _f(*a)
 
     def catch_up(seqs, budget, _f=engine.proposer.catch_up):
-        caught_up.append(max(s.stale for s in seqs))
+        seen["caught_up"].append(max(s.stale for s in seqs))
         return _f(seqs, budget)
+
     def draft(*a, _f=engine.proposer.draft):
         out = _f(*a)
-        drafts.append(out.tokens.tolist())
+        seen["drafts"].append(out.tokens.tolist())
         return out
     engine._plain_step, engine.runner.drafter_extend = plain_step, drafter_extend
     engine.proposer.catch_up, engine.proposer.draft = catch_up, draft
@@ -792,7 +796,7 @@ def _alternating(target, draft, prompts, params, ahead=False, **kw):
     while engine.has_work():
         engine.step()
     engine.check_idle_integrity()
-    return [s.output_ids for s in seqs], engine, plain_forwards[0], caught_up, drafts
+    return [s.output_ids for s in seqs], engine, seen
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -811,16 +815,16 @@ def test_plain_stretches_skip_drafter_upkeep(pair, monkeypatch, batch, tree):
     if tree:
         kw.update(spec_topk=3, spec_tree_max_batch=4)
     base = _plain_alone(target, prompts, params, max_model_len=256)
-    out, engine, plain_forwards, caught_up, drafts = _alternating(target, draft, prompts, params, **kw)
+    out, engine, seen = _alternating(target, draft, prompts, params, **kw)
     assert out == base
-    assert plain_forwards == 0
-    assert max(caught_up) > 2 * engine.proposer.width  # a catch-up recomputed past the buffer
-    assert sum(map(len, drafts)) == engine.totals.cycles > 20
-    ahead, engine, plain_forwards, _, _ = _alternating(target, draft, prompts, params, ahead=True, **kw)
-    assert ahead == base and plain_forwards == 0
+    assert seen["plain_forwards"] == 0
+    assert max(seen["caught_up"]) > 2 * engine.proposer.width  # a catch-up recomputed past the buffer
+    assert sum(map(len, seen["drafts"])) == engine.totals.cycles > 20
+    ahead, _, queued = _alternating(target, draft, prompts, params, ahead=True, **kw)
+    assert ahead == base and queued["plain_forwards"] == 0 and queued["queued_stale"] > 0
     monkeypatch.setattr("specserve.engine.runner.PENDING_WIDTH", 256)
-    _, _, _, caught_up, stored = _alternating(target, draft, prompts, params, **kw)
-    assert not caught_up and stored == drafts
+    _, _, stored = _alternating(target, draft, prompts, params, **kw)
+    assert not stored["caught_up"] and stored["drafts"] == seen["drafts"]
 
 
 def test_plain_stretches_with_preemption_and_prefix_cache(pair):
@@ -832,10 +836,10 @@ def test_plain_stretches_with_preemption_and_prefix_cache(pair):
     params = _greedy_and_sampled((100, 70, 100, 40))
     kw = dict(max_num_seqs=4, kv_block_size=8, max_model_len=192)
     base = _plain_alone(target, prompts, params, max_model_len=192)
-    out, engine, _, caught_up, _ = _alternating(target, draft, prompts, params, kv_cache_tokens=320, prefix_cache=True,
-                                             **kw)
+    out, engine, seen = _alternating(target, draft, prompts, params, kv_cache_tokens=320, prefix_cache=True, **kw)
     assert out == base
-    assert engine.kv_usage()["preemptions"] > 0 and max(caught_up) > engine.proposer.width
+    kv = engine.kv_usage()
+    assert kv["preemptions"] > 0 and kv["prefix_hit_tokens"] > 0 and max(seen["caught_up"]) > engine.proposer.width
 
 
 @pytest.mark.slow
