@@ -18,8 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.sampling import BatchSampling, to_device
+from specserve.spec.policy import EXPLORE_EVERY
 
-PENDING_WIDTH = 16  # drafter inputs buffered per sequence while speculation is paused (beyond: recomputed)
+# Drafter inputs buffered per sequence while speculation is paused: enough for the plain steps
+# between two explorations of speculation at a batch bucket, after which catching up is one
+# drafter forward over them; past that a catch-up recomputes the target's features (a prefill,
+# which costs about as much as the decode steps themselves on a CPU, far less on a GPU).
+PENDING_WIDTH = 2 * EXPLORE_EVERY
 
 
 @dataclass
@@ -120,7 +125,7 @@ class Proposer:
         `keep` entries to the front."""
         start = to_device([s.num_cached - s.pending for s in seqs], self.device)
         fed = to_device([max(s.pending - keep, 0) for s in seqs], self.device)
-        self.feed(len(seqs), self.width, start, fed, keep)
+        self.feed(len(seqs), max(s.pending for s in seqs), start, fed, keep)
         for s in seqs:
             s.pending = min(s.pending, keep)
 
@@ -134,7 +139,7 @@ class Proposer:
         held = [s.pending - s.stale if s.stale else 0 for s in seqs]
         if any(held):
             start = to_device([s.num_cached - s.pending for s in seqs], self.device)
-            self.feed(len(seqs), self.width, start, to_device(held, self.device), keep=0)
+            self.feed(len(seqs), max(held), start, to_device(held, self.device), keep=0)
         left = [s.stale for s in seqs]
         per_row = max(1, budget // len(seqs))  # every row's chunk is padded to the longest
         while any(left):
