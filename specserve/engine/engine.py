@@ -395,11 +395,15 @@ class Engine(ServingEngine):
         else:
             if any(s.stale for s in seqs):
                 # Catching up costs in proportion to the plain steps before this cycle, once per
-                # switch, not per cycle of K: it stays out of the cycle's time, which would
+                # switch, not per cycle of K: it stays out of the cycle's time (on CUDA the device
+                # is waited for on both sides, so its kernels are not charged either), which would
                 # otherwise raise K's moving average after every plain stretch (and each
                 # exploration of K from plain decoding would time it slow again).
+                sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+                sync()
                 t0 = time.perf_counter()
                 pr.catch_up(seqs, self.cfg.prefill_chunk)
+                sync()
                 t_start += time.perf_counter() - t0
             if max(s.pending for s in seqs) > K + 1:
                 pr.flush(seqs, keep=1)
