@@ -6,9 +6,9 @@ per-row pending buffers (`PendingInputs`): written by prefill, plain steps and v
 consumed by the next draft's extend. Plain steps in adaptive mode store theirs only while
 the buffers have room and feed none to the drafter; past that they store nothing, and the
 first cycle after them recomputes the missing features (`Proposer.catch_up`), so a long
-stretch of plain decoding costs what plain decoding costs. `Proposer` is what the engine calls: it turns a
-batch's bookkeeping into entry positions and queues the draft (a tree at batch sizes
-that draft trees, else a chain) through the runner's graphs.
+stretch of plain decoding costs what plain decoding costs. `Proposer` is what the engine
+calls: it turns a batch's bookkeeping into entry positions and queues the draft (a tree at
+batch sizes that draft trees, else a chain) through the runner's graphs.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from specserve.spec.policy import EXPLORE_EVERY
 
 # Drafter inputs buffered per sequence while speculation is paused: enough for the plain steps
 # between two explorations of speculation at a batch bucket, after which catching up is one
-# drafter forward over them; past that a catch-up recomputes the target's features (a prefill,
-# which costs about as much as the decode steps themselves on a CPU, far less on a GPU).
+# drafter forward over them; past that a catch-up recomputes the target's features (a prefill:
+# on the 2-core CPU, batch 4, about a third of what the decode steps it covers took).
 PENDING_WIDTH = 2 * EXPLORE_EVERY
 
 
@@ -175,7 +175,8 @@ class Proposer:
     def prefill(self, row_start: int, seqs, chunks, starts, feats, done, first) -> None:
         """Write the drafter's KV for a prefill chunk's (feature_t, token_t+1) entries; a
         completed prompt also leaves its last entry pending for the first cycle. `first`: the
-        token after each completed prompt, for those without it yet (fresh prompts)."""
+        token after each completed prompt (read only where the sequence does not hold it yet:
+        a fresh prompt)."""
         r = self.runner
         m, T = len(seqs), max(len(c) for c in chunks)
         tok = torch.zeros(m, T, dtype=torch.long)
