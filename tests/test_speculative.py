@@ -741,6 +741,108 @@ def test_plain_steps_queued_ahead_while_drafting(pair):
     assert base[0] == plain[0]
 
 
+# Plain stretches longer than the drafter's pending buffer (48 entries), short ones, and
+# speculative cycles of each K between them.
+ALTERNATING = [3, 2] + [0] * 70 + [3, 2, 3, 3, 1, 3] + [0] * 5 + [3, 3, 1, 2, 3] + [0] * 30 + [2, 3] + [0] * 130 + [1, 3]
+
+
+def _greedy_and_sampled(lengths):
+    """Greedy and seeded sampled requests by turns (sampled text does not settle into a loop
+    the drafter never guesses, so drafts get accepted), of the given lengths."""
+    return [SamplingParams(temperature=0.9 if i % 2 else 0, seed=i, max_tokens=n, ignore_eos=True)
+            for i, n in enumerate(lengths)]
+
+
+def _plain_alone(target, prompts, params, **kw):
+    return [_run(target, prompts=[p], params=sp, max_num_seqs=1, **kw)[0][0] for p, sp in zip(prompts, params)]
+
+
+def _alternating(target, draft, prompts, params, ahead=False, **kw):
+    """Run an adaptive engine whose policy follows ALTERNATING; returns the outputs, the engine
+    and what happened: drafter forwards run inside plain steps (`plain_forwards`), plain steps
+    run from a step queued ahead while stale (`queued_stale`), the most stale entries of each
+    catch-up (`caught_up`) and each cycle's draft tokens (`drafts`)."""
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
+                                 device="cpu", **kw))
+    engine.launch_ahead = ahead
+    steps = iter(ALTERNATING * 20)
+    engine.policy.choose = lambda B: next(steps)
+    seen = {"plain_forwards": 0, "queued_stale": 0, "caught_up": [], "drafts": []}
+    in_plain = [False]
+
+    def plain_step(seqs, t_start, _f=engine._plain_step):
+        seen["queued_stale"] += engine.overlap.plain is not None and any(s.stale for s in seqs)
+        in_plain[0] = True
+        try:
+            return _f(seqs, t_start)
+        finally:
+            in_plain[0] = False
+
+    def drafter_extend(*a, _f=engine.runner.drafter_extend):
+        seen["plain_forwards"] += in_plain[0]
+        return _f(*a)
+
+    def catch_up(seqs, budget, _f=engine.proposer.catch_up):
+        seen["caught_up"].append(max(s.stale for s in seqs))
+        return _f(seqs, budget)
+
+    def draft(*a, _f=engine.proposer.draft):
+        out = _f(*a)
+        seen["drafts"].append(out.tokens.tolist())
+        return out
+    engine._plain_step, engine.runner.drafter_extend = plain_step, drafter_extend
+    engine.proposer.catch_up, engine.proposer.draft = catch_up, draft
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+    while engine.has_work():
+        engine.step()
+    engine.check_idle_integrity()
+    return [s.output_ids for s in seqs], engine, seen
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_plain_stretches_skip_drafter_upkeep(pair, monkeypatch, batch, tree):
+    """Adaptive mode held on plain decoding for long stretches: plain steps run no drafter forward
+    (they store drafter inputs only while the buffer has room, then none), and the next cycle
+    catches the drafter up by recomputing the target's features. Output (greedy and seeded
+    sampling) equals plain decoding's, with sequences of different lengths joining and leaving
+    and plain steps queued ahead, and the drafts equal those of an engine whose buffer stores
+    every plain step's inputs (wrong drafter KV would change the drafts, not the tokens)."""
+    target, draft = pair
+    prompts = _prompts(batch + 2, seed=40 + batch)
+    params = _greedy_and_sampled((150, 35, 90, 120, 60))
+    kw = dict(max_num_seqs=batch, max_model_len=256, prefill_chunk=16)
+    if tree:
+        kw.update(spec_topk=3, spec_tree_max_batch=4)
+    base = _plain_alone(target, prompts, params, max_model_len=256)
+    out, engine, seen = _alternating(target, draft, prompts, params, **kw)
+    assert out == base
+    assert seen["plain_forwards"] == 0
+    assert max(seen["caught_up"]) > kw["prefill_chunk"]  # a catch-up recomputed in several pieces
+    assert sum(map(len, seen["drafts"])) == engine.totals.cycles > 10
+    # Queued ahead, all sequences admitted at once (plain steps are queued only while none waits).
+    ahead, _, queued = _alternating(target, draft, prompts, params, ahead=True, **{**kw, "max_num_seqs": len(prompts)})
+    assert ahead == base and queued["plain_forwards"] == 0 and queued["queued_stale"] > 0
+    monkeypatch.setattr("specserve.engine.runner.PENDING_WIDTH", 512)
+    _, _, stored = _alternating(target, draft, prompts, params, **kw)
+    assert not stored["caught_up"] and stored["drafts"] == seen["drafts"]
+
+
+def test_plain_stretches_with_preemption_and_prefix_cache(pair):
+    """Long plain stretches in a pool too small for every sequence, with prefix caching: stale
+    sequences are preempted and recomputed, and output still equals plain decoding's."""
+    target, draft = pair
+    shared = _prompts(1, seed=50)[0] * 3
+    prompts = [shared + p for p in _prompts(4, seed=51)]
+    params = _greedy_and_sampled((100, 70, 100, 40))
+    kw = dict(max_num_seqs=4, kv_block_size=8, max_model_len=192)
+    base = _plain_alone(target, prompts, params, max_model_len=192)
+    out, engine, seen = _alternating(target, draft, prompts, params, kv_cache_tokens=320, prefix_cache=True, **kw)
+    assert out == base
+    kv = engine.kv_usage()
+    assert kv["preemptions"] > 0 and kv["prefix_hit_tokens"] > 0 and seen["caught_up"]
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree", "sampled", "adaptive", "position-limit"])
 def test_drafts_queued_ahead_change_nothing(pair, tmp_path, mode):

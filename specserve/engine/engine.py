@@ -63,7 +63,7 @@ class Engine(ServingEngine):
         # behind a verify) and a plain step queued ahead.
         self.scheduler = Scheduler(r.kv, cfg.prefix_cache, margin=2 * (r.room + 1) + 1)
         self.proposer = Proposer(self.runner) if self.runner.drafter is not None else None
-        self.overlap = Overlap(self.device, self.max_model_len, self.runner.pending_width)
+        self.overlap = Overlap(self.device, self.max_model_len)
         spec_values = []
         if self.runner.drafter is not None:
             spec_values = list(range(1, self.runner.k_max + 1)) if cfg.spec.adaptive else [cfg.spec.steps]
@@ -240,7 +240,7 @@ class Engine(ServingEngine):
         for i in done:
             seq = seqs[i]
             seq.status = Status.RUNNING
-            seq.pending = 1 if self.drafting else 0
+            seq.pending, seq.stale = (1 if self.drafting else 0), 0
             if not seq.resumed:
                 seq.first_token_time = time.perf_counter()
                 self._append(seq, [first[i]], lps.get(i))
@@ -308,8 +308,8 @@ class Engine(ServingEngine):
     def _launch_plain(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
                       pending_at: torch.Tensor | None = None) -> Launched:
         """Queue one plain decode step (ids/pos on the device) and the copy of its tokens to the host.
-        While drafting, the step's (feature, token) pairs also go into the drafter's pending inputs
-        at slots `pending_at`, on the device, before any later step can overwrite the features."""
+        With `pending_at`, the step's (feature, token) pairs also go into the drafter's pending inputs
+        at those slots, on the device, before any later step can overwrite the features."""
         logits, feats = self.runner.decode(ids, pos)
         tokens = sample_tokens(logits, self._sampling(seqs), pos + 1)
         lp = self._logprobs(seqs, logits, tokens)
@@ -321,7 +321,11 @@ class Engine(ServingEngine):
     def _plain_step(self, seqs: list[Sequence], t_start: float) -> list[Sequence]:
         """One token per sequence. On CUDA the next step is queued before this step's tokens are
         read (`Overlap.may_queue_plain`), so the GPU runs while the host does its bookkeeping: the
-        next step's input is this step's sampled token, already on the device."""
+        next step's input is this step's sampled token, already on the device.
+        While drafting (adaptive mode), a step only stores its drafter inputs, and only while every
+        row's buffer has room and none is stale; after that the batch's rows go stale and plain
+        steps do no drafter work at all until a speculative cycle catches the drafter up
+        (`Proposer.catch_up`): a long stretch of plain steps costs what plain decoding costs."""
         B = len(seqs)
         drafting = self.drafting
         ov = self.overlap
@@ -330,38 +334,47 @@ class Engine(ServingEngine):
         if ahead is not None and [s.serial for s in ahead.seqs] != [s.serial for s in seqs]:
             # The batch changed since that step was queued (a sequence ended or joined). Its tokens
             # still hold for the sequences that kept running: their KV rows moved with them. Not so
-            # while drafting: rows moved without that step's drafter inputs, so it is dropped (it
-            # wrote nothing a later step does not rewrite).
-            kept = [] if drafting else [(b, s, t) for b, (s, t) in enumerate(zip(ahead.seqs, ahead.token_list()))
-                                        if s.status == Status.RUNNING and s.finish_reason is None]
+            # where it stored drafter inputs: rows moved without them, so it is dropped (it wrote
+            # nothing a later step does not rewrite).
+            kept = [] if ahead.pending_at is not None else [
+                (b, s, t) for b, (s, t) in enumerate(zip(ahead.seqs, ahead.token_list()))
+                if s.status == Status.RUNNING and s.finish_reason is None]
             lps = self._read_logprobs(ahead.seqs, ahead.logprobs) if kept else {}
             for b, seq, tok in kept:
-                seq.num_cached += 1
+                self._advance(seq, drafting, stored=False)
                 self._append(seq, [tok], lps.get(b))
             if kept:
                 return [seq for _, seq, _ in kept]
             ahead = None
+        width = self.proposer.width if drafting else 0
         if ahead is not None:
             cur = ahead
         else:
             ids = to_device([s.last_token for s in seqs], self.device)
             pos = to_device([s.num_cached for s in seqs], self.device)
+            store = all(s.stale == 0 and s.pending < width for s in seqs)
             cur = self._launch_plain(seqs, ids, pos, to_device([s.pending for s in seqs], self.device)
-                                     if drafting else None)
-        if ov.may_queue_plain(seqs, not (self.waiting or self.n_prefill), drafting):
-            ov.plain = self._launch_plain(seqs, cur.tokens, cur.pos + 1, cur.pending_at + 1 if drafting else None)
+                                     if store else None)
+        stored = cur.pending_at is not None
+        if ov.may_queue_plain(seqs, not (self.waiting or self.n_prefill)):
+            store = stored and all(s.pending + 1 < width for s in seqs)
+            ov.plain = self._launch_plain(seqs, cur.tokens, cur.pos + 1, cur.pending_at + 1 if store else None)
         new = cur.token_list()
         lps = self._read_logprobs(seqs, cur.logprobs)
         for b, (seq, tok) in enumerate(zip(seqs, new)):
-            seq.num_cached += 1
-            if drafting:
-                seq.pending += 1
+            self._advance(seq, drafting, stored)
             self._append(seq, [tok], lps.get(b))
-        if drafting and max(s.pending for s in seqs) >= self.proposer.width:
-            self.proposer.flush(seqs, keep=1)
         if self.policy:
             self.policy.observe_cost(B, 0, time.perf_counter() - t_start)
         return list(seqs)
+
+    @staticmethod
+    def _advance(seq: Sequence, drafting: bool, stored: bool) -> None:
+        """Book a plain step's token: its drafter entry is pending (stored or, if not, stale)."""
+        seq.num_cached += 1
+        if drafting:
+            seq.pending += 1
+            seq.stale += not stored
 
     def _spec_step(self, seqs: list[Sequence], K: int, t_start: float) -> list[Sequence]:
         r, pr, ov = self.runner, self.proposer, self.overlap
@@ -380,6 +393,18 @@ class Engine(ServingEngine):
             draft, marks = ahead.draft, ahead.marks  # queued behind the last verify (`Overlap.queue_draft`)
             ov.drafts_used += 1
         else:
+            if any(s.stale for s in seqs):
+                # Catching up costs in proportion to the plain steps before this cycle, once per
+                # switch, not per cycle of K: it stays out of the cycle's time (on CUDA the device
+                # is waited for on both sides, so its kernels are not charged either), which would
+                # otherwise raise K's moving average after every plain stretch (and each
+                # exploration of K from plain decoding would time it slow again).
+                sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+                sync()
+                t0 = time.perf_counter()
+                pr.catch_up(seqs, self.cfg.prefill_chunk)
+                sync()
+                t_start += time.perf_counter() - t0
             if max(s.pending for s in seqs) > K + 1:
                 pr.flush(seqs, keep=1)
             marks = [Mark(self.device) for _ in range(2)] if prof else None
@@ -498,7 +523,7 @@ class Engine(ServingEngine):
         if src == dst:
             return
         seq = self.rows[src]
-        self.runner.move_row(src, dst, seq.pending)
+        self.runner.move_row(src, dst, seq.pending - seq.stale)
         self.rows[dst] = seq
         self.rows[src] = None
         seq.row = dst

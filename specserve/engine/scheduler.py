@@ -74,4 +74,4 @@ class Scheduler:
         self.release(seq)
         self.preemptions += 1
         seq.prefill_len = seq.total_len - 1
-        seq.prefilled = seq.num_cached = seq.pending = 0
+        seq.prefilled = seq.num_cached = seq.pending = seq.stale = 0

@@ -68,6 +68,7 @@ class Sequence:
     blocks: list[int] = field(default_factory=list)  # KV blocks, in order (see engine.scheduler)
     num_cached: int = 0  # tokens with target KV
     pending: int = 0  # drafter inputs waiting (see spec.proposer.PendingInputs)
+    stale: int = 0  # the last of those, from plain steps that stored none (see spec.proposer.Proposer.catch_up)
     finish_reason: str | None = None
     spec: SpecStats = field(default_factory=SpecStats)
     arrival: float = field(default_factory=time.perf_counter)

@@ -66,11 +66,10 @@ class Overlap:
     it (`chosen`). `enabled` only on CUDA, where the device runs asynchronously (tests switch it on
     elsewhere)."""
 
-    def __init__(self, device: torch.device, max_model_len: int, pending_width: int):
+    def __init__(self, device: torch.device, max_model_len: int):
         self.device = device
         self.enabled = device.type == "cuda"
         self.max_model_len = max_model_len
-        self.pending_width = pending_width
         self.plain: Launched | None = None  # a plain step queued before the last one was read
         self.draft: DraftAhead | None = None  # a cycle's draft queued before the last cycle was read
         self.chosen: int | None = None  # K for the next step, when chosen early (with a draft queued ahead)
@@ -79,15 +78,14 @@ class Overlap:
     def clear(self) -> None:
         self.plain = self.draft = self.chosen = None
 
-    def may_queue_plain(self, seqs, batch_fixed: bool, drafting: bool) -> bool:
+    def may_queue_plain(self, seqs, batch_fixed: bool) -> bool:
         """Queue the next plain step before reading this one's tokens? With nothing waiting to join
-        (`batch_fixed`), no sequence ending by length this step and, while drafting, room for both
-        steps' drafter inputs without a flush."""
+        (`batch_fixed`) and no sequence ending by length this step. (Whether the queued step stores
+        drafter inputs is the engine's choice: plain steps never feed the drafter.)"""
         if not self.enabled or not batch_fixed:
             return False
-        width, limit = self.pending_width, self.max_model_len
-        return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < limit
-                   and (not drafting or s.pending + 2 < width) for s in seqs)
+        limit = self.max_model_len
+        return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < limit for s in seqs)
 
     def queue_draft(self, seqs, K: int, n_acc: torch.Tensor, pos0: torch.Tensor, sampling, batch_fixed: bool,
                     policy, proposer, profile: bool) -> int:

@@ -3,9 +3,12 @@
 The drafter reads (feature_t, token_t+1) entries: the target's EAGLE features at a
 position and the token that follows it. Entries the drafter has not yet seen wait in
 per-row pending buffers (`PendingInputs`): written by prefill, plain steps and verify,
-consumed by the next draft's extend. `Proposer` is what the engine calls: it turns a
-batch's bookkeeping into entry positions and queues the draft (a tree at batch sizes
-that draft trees, else a chain) through the runner's graphs.
+consumed by the next draft's extend. Plain steps in adaptive mode store theirs only while
+the buffers have room and feed none to the drafter; past that they store nothing, and the
+first cycle after them recomputes the missing features (`Proposer.catch_up`), so a long
+stretch of plain decoding costs what plain decoding costs. `Proposer` is what the engine
+calls: it turns a batch's bookkeeping into entry positions and queues the draft (a tree at
+batch sizes that draft trees, else a chain) through the runner's graphs.
 """
 
 from __future__ import annotations
@@ -15,8 +18,13 @@ from dataclasses import dataclass
 import torch
 
 from specserve.engine.sampling import BatchSampling, to_device
+from specserve.spec.policy import EXPLORE_EVERY
 
-PENDING_WIDTH = 16  # drafter inputs buffered per sequence while speculation is paused
+# Drafter inputs buffered per sequence while speculation is paused: enough for the plain steps
+# between two explorations of speculation at a batch bucket, after which catching up is one
+# drafter forward over them; past that a catch-up recomputes the target's features (a prefill:
+# on the 2-core CPU, batch 4, about a third of what the decode steps it covers took).
+PENDING_WIDTH = 2 * EXPLORE_EVERY
 
 
 @dataclass
@@ -41,7 +49,8 @@ class DraftResult:
 
 class PendingInputs:
     """Per row, the drafter entries not yet fed to it: tokens [rows, width] and features
-    [rows, width, 3H], entry i of a row at sequence position (num_cached - pending + i)."""
+    [rows, width, 3H], entry i of a row at sequence position (num_cached - pending + i). The
+    last `stale` of a sequence's pending entries are not stored (`Proposer.catch_up`)."""
 
     def __init__(self, rows: int, width: int, feat_dim: int, dtype: torch.dtype, device: torch.device):
         self.width = width
@@ -116,9 +125,37 @@ class Proposer:
         `keep` entries to the front."""
         start = to_device([s.num_cached - s.pending for s in seqs], self.device)
         fed = to_device([max(s.pending - keep, 0) for s in seqs], self.device)
-        self.feed(len(seqs), self.width, start, fed, keep)
+        self.feed(len(seqs), max(s.pending for s in seqs), start, fed, keep)
         for s in seqs:
             s.pending = min(s.pending, keep)
+
+    def catch_up(self, seqs, budget: int) -> None:
+        """Bring stale sequences back to one pending entry, as after a prefill: feed the drafter the
+        entries their buffers hold, then recompute the target's features at the positions whose
+        entries were not stored (a prefill over known tokens, in pieces of at most `budget` tokens;
+        it rewrites those positions' target KV with the values decoding wrote, up to rounding as a
+        verify's, in blocks only this sequence holds, since plain steps wrote them) and write the
+        drafter's KV for those entries."""
+        held = [s.pending - s.stale if s.stale else 0 for s in seqs]
+        if any(held):
+            start = to_device([s.num_cached - s.pending for s in seqs], self.device)
+            self.feed(len(seqs), max(held), start, to_device(held, self.device), keep=0)
+        left = [s.stale for s in seqs]
+        per_row = max(1, budget // len(seqs))  # every row's chunk is padded to the longest
+        while any(left):
+            chunks, starts, done = [], [], []
+            for i, seq in enumerate(seqs):
+                take = min(left[i], per_row)
+                starts.append(seq.num_cached - left[i])
+                chunks.append(seq.tokens(starts[-1], starts[-1] + take))
+                left[i] -= take
+                if take and not left[i]:
+                    done.append(i)
+            _, feats = self.runner.prefill(0, chunks, starts)
+            self.prefill(0, seqs, chunks, starts, feats, done, [])
+        for seq in seqs:
+            if seq.stale:
+                seq.pending, seq.stale = 1, 0
 
     def draft(self, B: int, K: int, entry_pos: torch.Tensor, last_idx: torch.Tensor, sampling: BatchSampling):
         """Queue a cycle's draft: a tree at batch sizes that draft trees, else a chain."""
@@ -137,7 +174,9 @@ class Proposer:
 
     def prefill(self, row_start: int, seqs, chunks, starts, feats, done, first) -> None:
         """Write the drafter's KV for a prefill chunk's (feature_t, token_t+1) entries; a
-        completed prompt also leaves its last entry pending for the first cycle."""
+        completed prompt also leaves its last entry pending for the first cycle. `first`: the
+        token after each completed prompt (read only where the sequence does not hold it yet:
+        a fresh prompt)."""
         r = self.runner
         m, T = len(seqs), max(len(c) for c in chunks)
         tok = torch.zeros(m, T, dtype=torch.long)
@@ -145,7 +184,7 @@ class Proposer:
         first_of = dict(zip(done, first or []))
         for i, seq in enumerate(seqs):
             n = len(chunks[i])
-            nxt = [seq.token_at(t + 1) if t + 1 < seq.prefill_len else first_of[i] for t in range(starts[i], starts[i] + n)]
+            nxt = [seq.token_at(t + 1) if t + 1 < seq.total_len else first_of[i] for t in range(starts[i], starts[i] + n)]
             tok[i, :n] = torch.tensor(nxt)
             pos[i, :n] = torch.arange(starts[i], starts[i] + n)
         tok, pos = tok.to(self.device), pos.to(self.device)
