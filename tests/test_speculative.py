@@ -1048,3 +1048,29 @@ def test_generate_cli_with_a_tree(capsys):
     assert "--spec-tokens sizes a tree of drafts: it needs --spec-topk > 1" in capsys.readouterr().err
     assert main([*common, "--spec-steps", "9", "--spec-topk", "16"]) == 1
     assert "at most 63" in capsys.readouterr().err
+
+
+def test_step_costs_include_the_handling_of_their_own_tokens(pair):
+    """The adaptive policy charges each step from its start to the start of the next one, so the
+    caller's handling of a step's tokens (which grows with them: a speculative cycle emits several)
+    lands on that step, not on whichever K runs next. Here the caller spends a fixed pause after
+    each speculative cycle and none after a plain step, and K alternates 0, 2, 0, 2, ...: every
+    cycle's recorded cost includes its pause (a lower bound, whatever the machine's load; charged
+    to the next step instead, it would land on a plain step)."""
+    target, draft = pair
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", adaptive=True, spec_steps=2,
+                                 max_num_seqs=2))
+    policy = engine.policy
+    picks, costs = iter([0, 2] * 100), []
+    policy.choose = lambda B: next(picks)
+    observe = policy.observe_cost
+    policy.observe_cost = lambda B, K, seconds: (costs.append((K, seconds)), observe(B, K, seconds))
+    pause = 0.05
+    for p in _prompts(2, seed=3):
+        engine.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while engine.has_work():
+        engine.step()
+        if engine.last_k:
+            time.sleep(pause)
+    spec = [c for K, c in costs if K]
+    assert len(spec) >= 5 and all(c >= pause for c in spec)

@@ -53,11 +53,14 @@ class Engine(ServingEngine):
         self.profile: list[dict] = []  # per speculative cycle: draft/verify/accept spans, while `profiling`
         self.profiling = cfg.profile  # a runtime switch: `cfg` stays as the engine was built
         self._sampling_cache: tuple[tuple, BatchSampling] | None = None
-        # When the last decode step ended, while decoding runs back to back (None after a prefill or
-        # a pause). Step costs for the adaptive policy run from there: the wall time per step as the
-        # user sees it, the same for plain steps queued ahead (whose GPU time overlaps the previous
-        # step's host work) and for speculative cycles (which may first wait for a dropped queued step).
-        self._decode_end: float | None = None
+        # The last decode step's (batch size, K, start), until its cost goes to the adaptive policy:
+        # the wall time from its start to the start of what the engine does next (the next step,
+        # a prefill chunk, or nothing when no sequence runs), so the handling of the tokens it emitted,
+        # the engine's and its caller's, which grows with them (a speculative cycle emits several a
+        # sequence), is charged to it and not to whichever K runs next. The same wall time per step as
+        # the user sees it for plain steps queued ahead (whose GPU time overlaps the previous step's
+        # host work) and for speculative cycles (which may first wait for a dropped queued step).
+        self._timing: tuple[int, int, float] | None = None
         r = self.runner
         # Blocks a running sequence holds past its length: two cycles' writes (a draft may be queued
         # behind a verify) and a plain step queued ahead.
@@ -176,10 +179,10 @@ class Engine(ServingEngine):
         touched: dict[str, Sequence] = {}
         self._admit()
         if self.n_prefill:
+            self._close_timing()
             for s in self._prefill_chunk():
                 touched[s.seq_id] = s
             self._release_finished()  # a sequence may end with its first token (max_tokens=1, EOS)
-            self._decode_end = None
         if self.n_running:
             for s in self._decode():
                 touched[s.seq_id] = s
@@ -276,10 +279,16 @@ class Engine(ServingEngine):
         chosen, ov.chosen = ov.chosen, None
         K = chosen if chosen is not None else (self.policy.choose(len(seqs)) if self.policy else 0)
         self.last_k = K
-        t_start = self._decode_end if self._decode_end is not None else time.perf_counter()
-        out = self._plain_step(seqs, t_start) if K == 0 else self._spec_step(seqs, K, t_start)
-        self._decode_end = time.perf_counter()
-        return out
+        self._close_timing()
+        self._timing = (len(seqs), K, time.perf_counter())
+        return self._plain_step(seqs) if K == 0 else self._spec_step(seqs, K)
+
+    def _close_timing(self) -> None:
+        """The last decode step's cost, from its start until now, to the adaptive policy."""
+        if self._timing is not None and self.policy:
+            B, K, t0 = self._timing
+            self.policy.observe_cost(B, K, time.perf_counter() - t0)
+        self._timing = None
 
     def _sampling(self, seqs: list[Sequence]) -> BatchSampling:
         """Sampling tensors for this batch, rebuilt only when the batch's members change."""
@@ -318,7 +327,7 @@ class Engine(ServingEngine):
             self.proposer.pending.set_at(rows, pending_at, tokens, feats[:, 0])
         return Launched(list(seqs), tokens, pos, host_lists(self.device, tokens), pending_at, lp)
 
-    def _plain_step(self, seqs: list[Sequence], t_start: float) -> list[Sequence]:
+    def _plain_step(self, seqs: list[Sequence]) -> list[Sequence]:
         """One token per sequence. On CUDA the next step is queued before this step's tokens are
         read (`Overlap.may_queue_plain`), so the GPU runs while the host does its bookkeeping: the
         next step's input is this step's sampled token, already on the device.
@@ -326,7 +335,6 @@ class Engine(ServingEngine):
         row's buffer has room and none is stale; after that the batch's rows go stale and plain
         steps do no drafter work at all until a speculative cycle catches the drafter up
         (`Proposer.catch_up`): a long stretch of plain steps costs what plain decoding costs."""
-        B = len(seqs)
         drafting = self.drafting
         ov = self.overlap
         ov.draft = None
@@ -364,8 +372,6 @@ class Engine(ServingEngine):
         for b, (seq, tok) in enumerate(zip(seqs, new)):
             self._advance(seq, drafting, stored)
             self._append(seq, [tok], lps.get(b))
-        if self.policy:
-            self.policy.observe_cost(B, 0, time.perf_counter() - t_start)
         return list(seqs)
 
     @staticmethod
@@ -376,7 +382,7 @@ class Engine(ServingEngine):
             seq.pending += 1
             seq.stale += not stored
 
-    def _spec_step(self, seqs: list[Sequence], K: int, t_start: float) -> list[Sequence]:
+    def _spec_step(self, seqs: list[Sequence], K: int) -> list[Sequence]:
         r, pr, ov = self.runner, self.proposer, self.overlap
         B = len(seqs)
         # A plain step queued ahead is dropped: it wrote only what this cycle rewrites (target KV
@@ -404,7 +410,8 @@ class Engine(ServingEngine):
                 t0 = time.perf_counter()
                 pr.catch_up(seqs, self.cfg.prefill_chunk)
                 sync()
-                t_start += time.perf_counter() - t0
+                B_, K_, start = self._timing
+                self._timing = (B_, K_, start + time.perf_counter() - t0)
             if max(s.pending for s in seqs) > K + 1:
                 pr.flush(seqs, keep=1)
             marks = [Mark(self.device) for _ in range(2)] if prof else None
@@ -448,7 +455,6 @@ class Engine(ServingEngine):
             seq.pending = min(a + 1, kept)
             self._append(seq, grid_list[b][: a + 1], lps.get(b))
         if self.policy:
-            self.policy.observe_cost(B, K, time.perf_counter() - t_start)
             self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if spec_ok[b]], B)
         if prof:
             spans = Mark.spans(marks, {"draft": (0, 1), "verify": (2, 3), "accept": (3, 4)})
@@ -499,6 +505,8 @@ class Engine(ServingEngine):
             seq.status = Status.FINISHED
             self._vacate(row)
             self.scheduler.release(seq)
+        if not self.n_running:
+            self._close_timing()  # (the engine may now wait for requests: not the last step's cost)
 
     def _vacate(self, row: int) -> None:
         """Take the sequence at `row` out of the row table, moving others to keep it compact."""
