@@ -1074,3 +1074,24 @@ def test_step_costs_include_the_handling_of_their_own_tokens(pair):
             time.sleep(pause)
     spec = [c for K, c in costs if K]
     assert len(spec) >= 5 and all(c >= pause for c in spec)
+
+
+def test_policy_backs_off_exploring_speculation_that_keeps_losing():
+    """Held on plain decoding (speculation seeded cheap, slow live: its seeds keep it within reach),
+    each exploration of a K > 0 costs a drafter catch-up after the plain steps before it, so a K
+    whose explorations keep losing is explored ever more rarely (its gap doubles to EXPLORE_MAX_GAP),
+    not every EXPLORE_EVERY-th decision; one that wins is chosen again at once."""
+    from specserve.spec.policy import EXPLORE_EVERY, EXPLORE_MAX_GAP, SpecPolicy
+
+    real = {0: 1.0, 1: 3.0, 2: 4.0}
+    policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
+    policy.seed_costs({(4, 0): 1.0, (4, 1): 1.3, (4, 2): 1.6})
+    for _ in range(50):
+        policy.observe_acceptance(2, [1], 4)
+    picks = _run_policy(policy, 4, real, choices=200 * EXPLORE_EVERY)
+    explored = sum(1 for k in picks if k)
+    assert 0 < explored <= 2 * (len(picks) // EXPLORE_MAX_GAP + 6)  # every 24th would be 200
+    assert len(picks) - max(i for i, k in enumerate(picks) if k) <= 2 * EXPLORE_MAX_GAP  # still explored late on
+    real[1] = 0.5  # K=1 became cheap: its next exploration makes it the best, and it stays
+    tail = _run_policy(policy, 4, real, choices=3 * EXPLORE_MAX_GAP)[-EXPLORE_MAX_GAP:]
+    assert tail.count(1) > 0.9 * len(tail)
