@@ -4,7 +4,7 @@
 # The GGUF (98 MB) and the prompts (~11 MB) are more than one call carries (64 MiB with the tree), so they
 # travel in pieces on consecutive calls while the machine stays warm (each earlier call only copies its piece
 # to /tmp), and are put together here (GGUF=a whole file already there; PARTS=the pieces in order; SHA=its
-# sha256); FROM=an earlier drafter to fine-tune. The call sends the session's own checkout.
+# sha256; `bash benchmarks/smol_pieces.sh` cuts them); FROM=an earlier drafter to fine-tune. The call sends the session's own checkout.
 # Prompts: DATA, chat "messages" records (`python benchmarks/sharegpt_prompts.py OUT.jsonl.gz`: every ShareGPT
 # human turn with its history, the bench's first conversations held out), answered by the target itself through
 # its chat template (--regenerate); the loss scores the responses only. Regeneration gets half the budget; a run
