@@ -779,11 +779,11 @@ def _alternating(target, draft, prompts, params, ahead=False, **kw):
     seen = {"plain_forwards": 0, "queued_stale": 0, "caught_up": [], "drafts": []}
     in_plain = [False]
 
-    def plain_step(seqs, t_start, _f=engine._plain_step):
+    def plain_step(seqs, _f=engine._plain_step):
         seen["queued_stale"] += engine.overlap.plain is not None and any(s.stale for s in seqs)
         in_plain[0] = True
         try:
-            return _f(seqs, t_start)
+            return _f(seqs)
         finally:
             in_plain[0] = False
 
