@@ -22,9 +22,9 @@ seeded). Without seeded costs (e.g. a test that skips the start-up measurement)
 every (bucket, K) is tried twice before the model trusts its numbers.
 
 Every EXPLORE_EVERY-th choice at a bucket runs the K with the stalest live cost
-among those within EXPLORE_WITHIN of the best (a K > 0 backing off: each of its explorations
-that leaves it behind doubles the wait for its next, up to EXPLORE_MAX_GAP, since one costs a
-catch-up of the drafter after plain steps) (judged optimistically: by the lower of
+among those within EXPLORE_WITHIN of the best (speculation backing off while plain is best:
+each exploration of a K > 0 doubles the wait for the next, up to EXPLORE_MAX_GAP, since one
+costs a catch-up of the drafter after plain steps) (judged optimistically: by the lower of
 its live cost and its start-up cost without the offset), so one bad estimate cannot
 lock the policy out of a better K for good, plain decoding included: a few slow cycles
 of one K raise the shared offset of every speculative K, which can make plain decoding
@@ -40,10 +40,9 @@ _EMA = 0.2
 OWN_PRIOR = 8  # sequence-cycles of weight the pooled model keeps in a K's own tokens-per-cycle mean
 EXPLORE_EVERY = 24
 EXPLORE_WITHIN = 0.7  # explore a K only if its optimistic tokens/s is at least this share of the best
-# A K > 0 explored from plain decoding first catches the drafter up on the plain steps before it, so
-# each exploration that does not make it the best doubles the decisions before its next one, up to this.
+# A K > 0 explored from plain decoding first catches the drafter up on the plain steps before it, so at a
+# bucket each exploration of any K > 0 that leaves plain best doubles the decisions before the next, up to this.
 EXPLORE_MAX_GAP = 16 * EXPLORE_EVERY
-SURPRISE = 0.8  # a live timing this far under its K's moving average ends that K's back-off
 
 
 def _bucket(B: int) -> int:
@@ -114,7 +113,7 @@ class SpecPolicy:
         self.choices: dict[int, int] = {}  # how often each K was chosen
         self.decisions: dict[int, int] = {}  # bucket -> choices made there
         self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, K) -> decision count at its last live timing
-        self.explored: dict[tuple[int, int], tuple[int, int]] = {}  # (bucket, K > 0) -> (last exploration, gap)
+        self.explored: dict[int, tuple[int, int]] = {}  # bucket -> (last exploration of a K > 0, gap)
         # Tensor-parallel ranks measure different step times; each must run the same K.
         # The TP worker sets this to a broadcast of rank 0's choice (K -> K).
         self.sync_choice = None
@@ -160,25 +159,33 @@ class SpecPolicy:
                 tree = self.tree(B)
                 rate = {k: self.expected_tokens(k, tree) / c for k, c in costs.items()}
                 K = max(rate, key=rate.get)
-                self.explored.pop((bucket, K), None)  # the best K: explored at the base rate once it is not
+                if K:
+                    self.explored.pop(bucket, None)  # speculation is best: explored at the base rate once it is not
                 if n % EXPLORE_EVERY == 0:
                     hope = {k: self.expected_tokens(k, tree) / self.optimistic_cost(bucket, k) for k in costs}
-                    near = [k for k in hope if k != K and hope[k] >= EXPLORE_WITHIN * rate[K] and self._due(bucket, k, n)]
+                    near = [k for k in hope if k != K and hope[k] >= EXPLORE_WITHIN * rate[K] and (not k or self._due(bucket, n))]
                     if near:
                         K = min(near, key=lambda k: self.last_seen.get((bucket, k), -1))
                         if K:
-                            gap = self.explored.get((bucket, K), (0, EXPLORE_EVERY // 2))[1]
-                            self.explored[(bucket, K)] = (n, min(2 * gap, EXPLORE_MAX_GAP))
+                            gap = self.explored.get(bucket, (0, EXPLORE_EVERY // 2))[1]
+                            self.explored[bucket] = (n, min(2 * gap, EXPLORE_MAX_GAP))
             if self.sync_choice is not None:
                 K = self.sync_choice(K)
         self.choices[K] = self.choices.get(K, 0) + 1
         return K
 
-    def _due(self, bucket: int, K: int, n: int) -> bool:
-        """Whether K may be explored at the n-th decision at `bucket` (plain decoding always: it is the
-        cheapest step; a K > 0 once its back-off gap since its last exploration has passed)."""
-        last, gap = self.explored.get((bucket, K), (None, 0))
+    def _due(self, bucket: int, n: int) -> bool:
+        """Whether a K > 0 may be explored at the n-th decision at `bucket`: once the back-off gap since
+        the last exploration of any K > 0 there has passed (plain decoding, the cheapest step, always may)."""
+        last, gap = self.explored.get(bucket, (None, 0))
         return last is None or n - last >= gap
+
+    def _would_win(self, bucket: int, B: int, K: int, seconds: float) -> bool:
+        """Whether K, at `seconds` a cycle, would yield more tokens a second than every other K."""
+        tree = self.tree(B)
+        others = [self.expected_tokens(k, tree) / c for k in range(self.k_max + 1)
+                  if k != K and (c := self.predicted_cost(bucket, k)) is not None]
+        return self.expected_tokens(K, tree) / seconds > max(others, default=0.0)
 
     def observe_cost(self, B: int, K: int, seconds: float) -> None:
         key = (_bucket(B), K)
@@ -192,9 +199,9 @@ class SpecPolicy:
             self.offset[okey] = diff if old is None else (1 - _EMA) * old + _EMA * diff
         elif n == 0:
             return  # the first run of a shape pays warm-up costs; don't learn from it
+        if K and key[0] in self.explored and self._would_win(key[0], B, K, seconds):
+            self.explored.pop(key[0], None)  # this timing would make K the best: worth another look soon
         old = self.cost.get(key)
-        if old is not None and seconds < SURPRISE * old:
-            self.explored.pop(key, None)  # much cheaper than believed: worth another look soon
         self.cost[key] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
 
     def snapshot(self) -> dict:
