@@ -22,14 +22,15 @@ seeded). Without seeded costs (e.g. a test that skips the start-up measurement)
 every (bucket, K) is tried twice before the model trusts its numbers.
 
 Every EXPLORE_EVERY-th choice at a bucket runs the K with the stalest live cost
-among those within EXPLORE_WITHIN of the best (speculation backing off while plain is best:
-each exploration of a K > 0 doubles the wait for the next, up to EXPLORE_MAX_GAP, since one
-costs a catch-up of the drafter after plain steps) (judged optimistically: by the lower of
+among those within EXPLORE_WITHIN of the best, judged optimistically (by the lower of
 its live cost and its start-up cost without the offset), so one bad estimate cannot
 lock the policy out of a better K for good, plain decoding included: a few slow cycles
 of one K raise the shared offset of every speculative K, which can make plain decoding
 look best while another K would still beat it, and one slow plain step timed live can
-keep plain decoding out while speculation is in fact slower.
+keep plain decoding out while speculation is in fact slower. While plain decoding is best,
+speculation backs off: each exploration of a K > 0 doubles the wait for the next, up to
+EXPLORE_MAX_GAP, since one costs a catch-up of the drafter after the plain steps before it;
+an exploration whose own timing would make its K the best ends the wait.
 """
 
 from __future__ import annotations
@@ -151,18 +152,17 @@ class SpecPolicy:
         else:
             bucket = _bucket(B)
             n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
-            costs = {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
-            untried = [k for k, c in costs.items() if c is None]
+            tree = self.tree(B)
+            rate = self._rates(bucket, tree)
+            untried = [k for k in range(self.k_max + 1) if k not in rate]
             if untried:
                 K = untried[0]
             else:
-                tree = self.tree(B)
-                rate = {k: self.expected_tokens(k, tree) / c for k, c in costs.items()}
                 K = max(rate, key=rate.get)
                 if K:
                     self.explored.pop(bucket, None)  # speculation is best: explored at the base rate once it is not
                 if n % EXPLORE_EVERY == 0:
-                    hope = {k: self.expected_tokens(k, tree) / self.optimistic_cost(bucket, k) for k in costs}
+                    hope = {k: self.expected_tokens(k, tree) / self.optimistic_cost(bucket, k) for k in rate}
                     near = [k for k in hope if k != K and hope[k] >= EXPLORE_WITHIN * rate[K] and (not k or self._due(bucket, n))]
                     if near:
                         K = min(near, key=lambda k: self.last_seen.get((bucket, k), -1))
@@ -180,11 +180,15 @@ class SpecPolicy:
         last, gap = self.explored.get(bucket, (None, 0))
         return last is None or n - last >= gap
 
+    def _rates(self, bucket: int, tree: bool) -> dict[int, float]:
+        """Expected tokens a second for each K whose cost at `bucket` is known."""
+        costs = {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
+        return {k: self.expected_tokens(k, tree) / c for k, c in costs.items() if c is not None}
+
     def _would_win(self, bucket: int, B: int, K: int, seconds: float) -> bool:
         """Whether K, at `seconds` a cycle, would yield more tokens a second than every other K."""
         tree = self.tree(B)
-        others = [self.expected_tokens(k, tree) / c for k in range(self.k_max + 1)
-                  if k != K and (c := self.predicted_cost(bucket, k)) is not None]
+        others = [r for k, r in self._rates(bucket, tree).items() if k != K]
         return self.expected_tokens(K, tree) / seconds > max(others, default=0.0)
 
     def observe_cost(self, B: int, K: int, seconds: float) -> None:
