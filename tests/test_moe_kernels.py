@@ -131,10 +131,11 @@ INT4_REFERENCE_CASES = [(s, 1) for s in INT4_SCHEMES] + [
 
 @pytest.mark.parametrize("scheme,tokens", INT4_REFERENCE_CASES)
 def test_fused_int4_moe_equals_reference(scheme, tokens):
-    """The int4 kernels dequantize each tile as the reference dequantizes the whole expert: float32
-    results match the reference loop to a float32 sum's order and equal the float kernels run on
-    the dequantized experts with the same launch shape (the int4 default for this pair count: 8
-    pairs take the few-pairs one, 136 the other)."""
+    """The int4 kernels match the reference loop to a float32 sum's order: by default (8 pairs:
+    a row GEMV per pair where the groups are whole words; 136: the blocked kernels) and in the
+    blocked kernels' default launch shape for that pair count, where each tile is dequantized as
+    the reference dequantizes the whole expert, so the result equals the float kernels run on
+    the dequantized experts with the same launch shape."""
     moe = _moe("sigmoid-8of16", shared=False, seed=tokens, int4=scheme)
     assert (moe.w13.zero is None) == INT4_SCHEMES[scheme][1]
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
@@ -142,9 +143,10 @@ def test_fused_int4_moe_equals_reference(scheme, tokens):
     want = moe.experts_ref(x, weights, ids)
     moe.to(DEV)
     args = (x.to(DEV), weights.to(DEV), ids.to(DEV))
-    got = fused_experts(*args, moe.w13, moe.w2, moe.first).cpu()
-    torch.testing.assert_close(got, want, **F32)
+    torch.testing.assert_close(fused_experts(*args, moe.w13, moe.w2, moe.first).cpu(), want, **F32)
     tiles = default_tiles(ids.numel(), int4=True)
+    got = fused_experts(*args, moe.w13, moe.w2, moe.first, tiles=tiles).cpu()
+    torch.testing.assert_close(got, want, **F32)
     as_float = fused_experts(*args, *moe.experts_weights(), moe.first, tiles=tiles).cpu()
     torch.testing.assert_close(got, as_float, rtol=0, atol=0)
 

@@ -171,7 +171,8 @@ def test_int4_gemv_fixed_row_tile_gives_each_row_the_same_result_at_any_row_coun
 
 def test_int4_default_config_fills_the_gpu(monkeypatch):
     """Untuned, on a 132-SM GPU: one row of each issue-28 shape (Llama-3-8B, Kimi-K2.5) runs at
-    least two programs per SM (a 576-feature weight alone is 36 output blocks), and at any row
+    least two programs per SM, or each K step in a program of its own where there are too few
+    (a 576-feature weight is 9 output blocks of 64), and at any row
     count the float32 partials stay under a quarter of the int4 weight's bytes."""
     import specserve.kernels.int4 as k
 
@@ -184,7 +185,7 @@ def test_int4_default_config_fills_the_gpu(monkeypatch):
             assert splits == k.k_slices(K, block_k, splits)[1], (N, K, rows)  # (as launched)
             assert splits * rows * N * 4 <= N * K // 2 // 4, (N, K, rows, splits)
             if rows == 1:
-                assert -(-N // block_n) * splits >= 2 * 132, (N, K, splits)
+                assert -(-N // block_n) * splits >= 2 * 132 or splits == -(-K // block_k), (N, K, splits)
 
 
 def test_int4_matmul_follows_the_tuned_config(monkeypatch):

@@ -178,50 +178,93 @@ if triton is not None:
 
     @triton.jit
     def _row_words(w_ptr, rows, nmask, k0, k_hi, K: tl.constexpr, T: tl.constexpr, WPG: tl.constexpr):
-        """The packed words [T, WPG, BLOCK_N] of weight rows `rows` over columns k0..k0+8*T*WPG
-        (T runs of WPG words), zero from column k_hi on."""
+        """The packed words [BLOCK_N, T, WPG] of weight rows `rows` over columns k0..k0+8*T*WPG
+        (T runs of WPG consecutive words), zero from column k_hi on."""
         word = k0 // 8 + tl.arange(0, T)[:, None] * WPG + tl.arange(0, WPG)[None, :]
-        return tl.load(w_ptr + rows[None, None, :] * (K // 8) + word[:, :, None],
-                       mask=(word < k_hi // 8)[:, :, None] & nmask[None, None, :], other=0)
+        return tl.load(w_ptr + rows[:, None, None] * (K // 8) + word[None, :, :],
+                       mask=nmask[:, None, None] & (word < k_hi // 8)[None, :, :], other=0)
 
     @triton.jit
-    def _row_products(acc_lo, acc_hi, words, x_ptr, s_ptr, z_ptr, rows, nmask, k0, K: tl.constexpr,
-                      GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, T: tl.constexpr, WPG: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
-        """One row x times the int4 weight's rows `rows` over columns k0..k0+8*T*WPG (`words`,
-        from `_row_words`), added to acc_lo and acc_hi [T, WPG, 4, BLOCK_N] in float32: each
-        run of WPG words lies in one scale group; nibble i of a word lands in acc_lo[.., i, :],
-        nibble i + 4 in acc_hi. The words keep the layout they load in (no reshape into a
-        [BLOCK_K, BLOCK_N] tile, which costs a trip through shared memory per step) and are
-        dequantized as `int4_tile` does."""
+    def _nibble_products(run, words, i: tl.constexpr, x_lo, x_hi, EXACT: tl.constexpr):
+        """run + (128 + nibble i) * x_lo + (128 + nibble i + 4) * x_hi of each word in float32
+        (two fused multiply-adds); under EXACT the nibbles themselves, 128 subtracted first.
+        One shift and one mask put nibbles i and i + 4 into the two bfloat16 halves of 0x43004300
+        (128 each): the high half is already float32, the low one shifts up."""
+        pair = (words >> (4 * i)) & 0x000F000F | 0x43004300
+        lo = (pair << 16).to(tl.float32, bitcast=True)
+        hi = (pair & -65536).to(tl.float32, bitcast=True)  # (0xFFFF0000 as an int32)
+        if EXACT:
+            lo -= 128.0
+            hi -= 128.0
+        run = run + lo * x_lo[None, :, :]
+        return run + hi * x_hi[None, :, :]
+
+    @triton.jit
+    def _row_dot(acc, words, x_ptr, s_ptr, z_ptr, rows, nmask, k0, k_hi, K: tl.constexpr, GROUPS: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, T: tl.constexpr, WPG: tl.constexpr):
+        """acc [BLOCK_N, T] + one row x times the int4 weight's rows `rows` over columns
+        k0..k0+8*T*WPG (`words` from `_row_words`; each run of WPG words inside one scale group),
+        in float32 on the CUDA cores. Each value becomes the float32 128 + nibble exactly by
+        integer ops alone (`_nibble_products`): no int-to-float conversion, no scale per value,
+        and x's 8 columns of a word load as one vector. A run's sum of (128 + nibble) * x, less
+        (136 + zero) times the run's sum of x, is its sum of (v - zero) * x, which its scale
+        then multiplies once. The 128 cancels with a relative error of ~2^-19 of a run's sum,
+        far below a 16-bit result's rounding; float32 rows subtract it from each value first
+        (one more add a value), so their sums match the reference's to a float32 sum's order."""
+        EXACT: tl.constexpr = x_ptr.dtype.element_ty == tl.float32
+        BIAS: tl.constexpr = 8.0 if EXACT else 136.0
         GS: tl.constexpr = K // GROUPS
-        dt: tl.constexpr = x_ptr.dtype.element_ty
-        t = tl.arange(0, T)
-        word = k0 // 8 + t[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [T, WPG]
-        shifted = words[:, :, None, :] >> (tl.arange(0, 4) * 4)[None, None, :, None]  # [T, WPG, 4, BLOCK_N]
-        if dt == tl.float32:  # 2^23 + nibble (arithmetic shifts: the masks drop the sign)
-            lo = (shifted & 0xF | 0x4B000000).to(dt, bitcast=True)
-            hi = ((shifted >> 16) & 0xF | 0x4B000000).to(dt, bitcast=True)
-            bias = 8388608.0 + 8.0
-        else:  # nibbles i and i + 4 in a word's two halves, one shift for both: 2^m + nibble
-            OR: tl.constexpr = 0x6400 if dt == tl.float16 else 0x4300
-            pairs = shifted & 0x000F000F | (OR * 0x10001)
-            lo = pairs.to(tl.int16).to(dt, bitcast=True)
-            hi = (pairs >> 16).to(tl.int16).to(dt, bitcast=True)
-            bias = 1024.0 + 8.0 if dt == tl.float16 else 128.0 + 8.0
-        group = (k0 + t * (8 * WPG)) // GS
-        at, gmask = rows[None, :] * GROUPS + group[:, None], (group < GROUPS)[:, None] & nmask[None, :]
-        scale = tl.load(s_ptr + at, mask=gmask, other=0).to(dt)[:, None, None, :]
+        word = k0 // 8 + tl.arange(0, T)[:, None] * WPG + tl.arange(0, WPG)[None, :]  # [T, WPG]
+        col = word * 8
+        inside = col < k_hi
+        # x[8w .. 8w + 7] of each word w, split into the eight columns' tensors
+        xw = tl.load(x_ptr + col[:, :, None] + tl.arange(0, 8)[None, None, :], mask=inside[:, :, None],
+                     other=0.0).to(tl.float32)
+        x04, x15 = tl.split(tl.reshape(xw, (T, WPG, 4, 2)))  # columns 0 2 4 6 and 1 3 5 7 of a word
+        x0, x2 = tl.split(tl.reshape(x04, (T, WPG, 2, 2)))  # 0 4, 2 6
+        x1, x3 = tl.split(tl.reshape(x15, (T, WPG, 2, 2)))  # 1 5, 3 7
+        x_0, x_4 = tl.split(x0)
+        x_2, x_6 = tl.split(x2)
+        x_1, x_5 = tl.split(x1)
+        x_3, x_7 = tl.split(x3)
+        run = _nibble_products(tl.zeros(words.shape, tl.float32), words, 0, x_0, x_4, EXACT)
+        run = _nibble_products(run, words, 1, x_1, x_5, EXACT)
+        run = _nibble_products(run, words, 2, x_2, x_6, EXACT)
+        run = _nibble_products(run, words, 3, x_3, x_7, EXACT)
+        xs = tl.sum(xw, axis=2)
+        run = tl.sum(run, axis=2)  # [BLOCK_N, T]
+        xs = tl.sum(xs, axis=1)[None, :]
+        group = (k0 + tl.arange(0, T) * (8 * WPG)) // GS
+        at, gmask = rows[:, None] * GROUPS + group[None, :], nmask[:, None] & (group < GROUPS)[None, :]
+        scale = tl.load(s_ptr + at, mask=gmask, other=0.0).to(tl.float32)
         if HAS_ZERO:
-            offset = (tl.load(z_ptr + at, mask=gmask, other=0).to(tl.float32) + bias).to(dt)[:, None, None, :]
+            offset = tl.load(z_ptr + at, mask=gmask, other=0).to(tl.float32) + BIAS
         else:
-            offset = tl.full([1, 1, 1, BLOCK_N], bias, dt)
-        col = (word * 8)[:, :, None] + tl.arange(0, 4)[None, None, :]  # [T, WPG, 4]: nibble i's column
-        x_lo = tl.load(x_ptr + col, mask=col < K, other=0.0).to(tl.float32)[:, :, :, None]
-        x_hi = tl.load(x_ptr + col + 4, mask=col + 4 < K, other=0.0).to(tl.float32)[:, :, :, None]
-        acc_lo += ((lo - offset) * scale).to(tl.float32) * x_lo
-        acc_hi += ((hi - offset) * scale).to(tl.float32) * x_hi
-        return acc_lo, acc_hi
+            offset = BIAS
+        return acc + (run - offset * xs) * scale
+
+    @triton.jit
+    def _row_sum(x_ptr, w_ptr, s_ptr, z_ptr, rows, nmask, k_lo, k_hi, K: tl.constexpr, GROUPS: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        """One row x [K] times the int4 weight's rows `rows` [BLOCK_N] (where `nmask`) over
+        columns k_lo..k_hi in steps of BLOCK_K, as float32 [BLOCK_N] (`_row_dot`). A step's words
+        form runs inside one scale group (one run per step where a group holds it, one per
+        group where it holds whole groups, else one per word); the runs' sums add up over K
+        and are summed once, after the loop, so no step reduces across threads. Each step loads
+        the next one's words before it computes: their latency hides behind the arithmetic (the
+        first, not depending on the kernel before, loads while that one drains)."""
+        GS: tl.constexpr = K // GROUPS
+        T: tl.constexpr = (1 if GROUPS == 1 or GS % BLOCK_K == 0 else BLOCK_K // GS if BLOCK_K % GS == 0
+                           else BLOCK_K // 8)
+        WPG: tl.constexpr = BLOCK_K // 8 // T
+        acc = tl.zeros([BLOCK_N, T], tl.float32)
+        words = _row_words(w_ptr, rows, nmask, k_lo, k_hi, K, T, WPG)
+        wait_for_previous(PDL)
+        for k0 in range(k_lo, k_hi, BLOCK_K):
+            ahead = _row_words(w_ptr, rows, nmask, k0 + BLOCK_K, k_hi, K, T, WPG)
+            acc = _row_dot(acc, words, x_ptr, s_ptr, z_ptr, rows, nmask, k0, k_hi, K, GROUPS, HAS_ZERO, T, WPG)
+            words = ahead
+        return tl.sum(acc, axis=1)
 
     @triton.jit(do_not_specialize=["M", "SPAN_STEPS"])
     def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, SPAN_STEPS, K: tl.constexpr,
@@ -231,54 +274,34 @@ if triton is not None:
         """y [M, N] = x [M, K] @ W^T for W packed [N, K/8] int32, scales / zero points [N, GROUPS].
         Program (n, s, m) owns BLOCK_N output features and BLOCK_M rows over SPAN_STEPS steps of
         BLOCK_K input columns from s*SPAN_STEPS*BLOCK_K (a runtime count: one compiled kernel
-        serves every split, and the steps stay BLOCK_K-aligned for wide loads); each step
-        dequantizes a [BLOCK_K, BLOCK_N] tile of W^T in x's dtype in registers (`int4_tile`; one
-        row: the same values, kept in the words' layout, `_row_products`) and accumulates its
-        products in float32. Under SPLIT y is the float32 partial sums [splits, M, N], which
+        serves every split, and the steps stay BLOCK_K-aligned for wide loads). One row sums on
+        the CUDA cores (`_row_sum`); more rows dequantize a [BLOCK_K, BLOCK_N] tile of W^T in x's
+        dtype in registers each step (`int4_tile`) for the tensor cores; both accumulate in
+        float32. Under SPLIT y is the float32 partial sums [splits, M, N], which
         `_split_sum_kernel` adds up (and biases) in a fixed order: no atomics, so the result is
         the same at every call."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
         split = tl.program_id(1)
         offs_m = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        # One row: runs of words within one scale group (one run per tile where a group holds
-        # it, one per group where it holds whole groups, else one per word), summed over K once,
-        # after the loop: no reduction across threads per step.
-        GS: tl.constexpr = K // GROUPS
-        T: tl.constexpr = (1 if GROUPS == 1 or GS % BLOCK_K == 0 else BLOCK_K // GS if BLOCK_K % GS == 0
-                           else BLOCK_K // 8)
-        WPG: tl.constexpr = BLOCK_K // 8 // T
         k_lo = split * SPAN_STEPS * BLOCK_K
         k_hi = tl.minimum(k_lo + SPAN_STEPS * BLOCK_K, K)
         if ONE_ROW:
-            acc_lo = tl.zeros([T, WPG, 4, BLOCK_N], tl.float32)
-            acc_hi = tl.zeros([T, WPG, 4, BLOCK_N], tl.float32)
-            # Each step loads the next one's words before it computes: their latency hides
-            # behind the arithmetic (the first, not depending on the kernel before, loads while
-            # that one drains).
-            words = _row_words(w_ptr, offs_n, nmask, k_lo, k_hi, K, T, WPG)
-        else:  # transposed: the weight tile is the left operand (see below)
+            acc = _row_sum(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, nmask, k_lo, k_hi, K, GROUPS, HAS_ZERO, BLOCK_N,
+                           BLOCK_K, PDL)
+        else:
+            # Rows padded to BLOCK_M (at least 16) for the tensor cores, as W^T x^T (the MoE
+            # kernels' SWAP): the dequantized tile is the left operand of Hopper's warp-group
+            # MMA straight from registers; x's 16-64 rows are too few to be the left one.
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        wait_for_previous(PDL)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            if ONE_ROW:
-                ahead = _row_words(w_ptr, offs_n, nmask, k0 + BLOCK_K, k_hi, K, T, WPG)
-                acc_lo, acc_hi = _row_products(acc_lo, acc_hi, words, x_ptr, s_ptr, z_ptr, offs_n, nmask, k0, K, GROUPS,
-                                               HAS_ZERO, T, WPG, BLOCK_N)
-                words = ahead
-            else:  # rows padded to BLOCK_M (at least 16) for the tensor cores, as W^T x^T (the MoE
-                # kernels' SWAP): the dequantized tile is the left operand of Hopper's warp-group
-                # MMA straight from registers; x's 16-64 rows are too few to be the left one
+            wait_for_previous(PDL)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
-                kmask = cols < K
                 w = int4_tile(w_ptr, s_ptr, z_ptr, offs_n, nmask, k0, cols, K, GROUPS, HAS_ZERO,
                               x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
-                x = tl.load(x_ptr + offs_m[:, None] * K + cols[None, :], mask=(offs_m[:, None] < M) & kmask[None, :],
-                            other=0.0)
+                x = tl.load(x_ptr + offs_m[:, None] * K + cols[None, :],
+                            mask=(offs_m[:, None] < M) & (cols < K)[None, :], other=0.0)
                 acc = tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=PRECISION)
-        if ONE_ROW:
-            acc = tl.sum(tl.sum(tl.sum(acc_lo + acc_hi, axis=2), axis=1), axis=0)
-        else:
             acc = tl.trans(acc)
         if SPLIT:
             y_ptr += split * M * N
@@ -311,8 +334,9 @@ SUM_BLOCK = 1024  # elements per program of `_split_sum_kernel`
 
 def gemv_tiles(rows: int) -> tuple[int, int, int]:
     """The W4A16 kernel's default (BLOCK_N, BLOCK_K, warps) for `rows` rows: one row sums on the
-    CUDA cores over long K steps, more take the tensor cores."""
-    return (16, 256, 4) if rows == 1 else (64, 128, 4)
+    CUDA cores over long K steps (64 rows to a program, so each x value loaded serves several),
+    more take the tensor cores."""
+    return (64, 256, 4) if rows == 1 else (64, 128, 4)
 
 
 @functools.cache
@@ -353,12 +377,13 @@ def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     block_n, block_k, warps, splits, *fixed_m = cfg or default_config(N, K, M, x2.device)
     block_m = fixed_m[0] if fixed_m else max(16, triton.next_power_of_2(M))
     span, splits = k_slices(K, block_k, splits)
+    one_row = M == 1 and not fixed_m and K // groups % PACK == 0  # (`_row_sum` sums groups of whole words)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     out = torch.empty(splits, M, N, dtype=torch.float32, device=x2.device) if splits > 1 else y
     _int4_gemv_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](
         x2, packed, scale.contiguous(), zero if zero is not None else packed, bias if bias is not None else scale,
         out, M, N, span // block_k, K, groups, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1 and not fixed_m,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=one_row,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",  # (tf32 would round float32 inputs)
         num_warps=warps, **pdl_args(x2))
     if splits > 1:
@@ -371,7 +396,7 @@ def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
 # Tuning candidates: tiles (BLOCK_N, BLOCK_K, warps) for one row (CUDA-core sums, or a 16-row
 # tensor-core tile: fewer instructions per weight, though 15 of its rows are padding) and for
 # more (tensor cores), each at these split counts, up to 32 programs per SM.
-TUNED_TILES = {1: ((16, 256, 4), (32, 256, 4), (64, 128, 4, 16)), 2: ((64, 128, 4), (32, 128, 4))}
+TUNED_TILES = {1: ((64, 256, 4), (32, 256, 4), (128, 128, 4), (64, 128, 4, 16)), 2: ((64, 128, 4), (32, 128, 4))}
 TUNED_SPLITS = (1, 2, 4, 8, 16, 32)
 
 

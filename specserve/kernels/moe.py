@@ -42,7 +42,7 @@ if triton is not None:
     import triton.language as tl
 
     from specserve.kernels.common import wait_for_previous
-    from specserve.kernels.int4 import int4_tile
+    from specserve.kernels.int4 import _row_sum, int4_tile
 
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, cols, ROWS: tl.constexpr, K: tl.constexpr,
@@ -193,6 +193,26 @@ if triton is not None:
             tl.atomic_add(out_at, acc, mask=out_mask, sem="relaxed")
 
     @triton.jit
+    def _pair_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, first, E, N: tl.constexpr, K: tl.constexpr,
+                          PAIRS_PER_ROW: tl.constexpr, GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # Program (pair, n): one (token, expert) pair's input row (row pair // PAIRS_PER_ROW of
+        # x [.., K]) times BLOCK_N rows of its int4 expert [E, N, K], summed on the CUDA cores
+        # (`_row_sum`) into float32 y [P, N]. Pairs routed to experts another rank holds
+        # are skipped, their rows unwritten.
+        pair = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = offs_n < N
+        wait_for_previous(PDL)
+        e = tl.load(ids_ptr + pair) - first
+        if (e < 0) | (e >= E):
+            return
+        x_row = x_ptr + (pair // PAIRS_PER_ROW).to(tl.int64) * K
+        acc = _row_sum(x_row, w_ptr, s_ptr, z_ptr, e.to(tl.int64) * N + offs_n, nmask, 0, K, K, GROUPS, HAS_ZERO,
+                       BLOCK_N, BLOCK_K, False)
+        tl.store(y_ptr + pair.to(tl.int64) * N + offs_n, acc, mask=nmask)
+
+    @triton.jit
     def _combine_kernel(y_ptr, rw_ptr, ids_ptr, add_ptr, out_ptr, first, E, H: tl.constexpr, TOP_K: tl.constexpr,
                         SPLIT: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # Program (token, n): BLOCK output features of one token, its TOP_K rows of y [P, H]
@@ -311,6 +331,13 @@ INT4_FEW_TILES = Tiles(block_n=64, block_k=64, split_k=4, swap=True)
 INT4_TILES = Tiles(block_n=128, block_k=64, swap=True)
 
 
+# int4 experts for at most this many pairs (a decode of one or two tokens at top-8) take one
+# program row per pair instead (`_pair_experts`): no alignment, no padding rows, and each
+# value dequantized once on the CUDA cores rather than into a tensor-core tile.
+INT4_PAIR_ROWS = 16
+PAIR_TILE = (64, 256, 4)  # the per-pair programs' BLOCK_N, BLOCK_K and warps (`kernels.int4.gemv_tiles`)
+
+
 def default_tiles(pairs: int, int4: bool) -> Tiles:
     """The launch shape `fused_experts` takes unless told: float experts one shape, int4 ones
     the fastest measured for this many (token, expert) pairs."""
@@ -366,6 +393,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     top_k = ids.shape[1]
     P = N * top_k
     int4 = not isinstance(w2, torch.Tensor)
+    if int4 and tiles is None and P <= INT4_PAIR_ROWS and all(_whole_word_groups(w) for w in (w13, w2)):
+        return _pair_experts(x.contiguous(), weights, ids, w13, w2, first, add)
     tiles = tiles or default_tiles(P, int4)
     block_m = block_m_for(P, E)
     align = fused_align if fused_routing_fits(N, top_k, E) else align_pairs  # (one program, or torch ops)
@@ -399,3 +428,44 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
         out, rw, ids.contiguous(), y if add is None else add.contiguous(), y, first, E, H=H, TOP_K=top_k, SPLIT=split_i,
         ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
     return y
+
+
+def _pair_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Int4Stack, w2: Int4Stack,
+                  first: int, add: torch.Tensor | None) -> torch.Tensor:
+    """`fused_experts` for a few pairs of int4 experts, a row GEMV per pair: gate_up's float32
+    sums [P, 2I], silu(gate) * up rounded as the reference rounds (`_swiglu_kernel`), down's
+    float32 sums [P, H], then each token's rows times their routing weights summed by
+    `_combine_kernel` as after a split down kernel."""
+    N, H = x.shape
+    E, _, I = expert_shape(w2)
+    top_k = ids.shape[1]
+    P = N * top_k
+    block_n, block_k, warps = PAIR_TILE
+    ids = ids.contiguous()
+    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_args(x))
+    g = torch.empty(P, 2 * I, dtype=torch.float32, device=x.device)
+    _pair_gemv_kernel[(P, triton.cdiv(2 * I, block_n))](
+        x, y_ptr=g, ids_ptr=ids, first=first, E=E, N=2 * I, K=H, PAIRS_PER_ROW=top_k, **_int4_args(w13), **consts)
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    _swiglu_kernel[(P, triton.cdiv(I, 1024))](g, h, I=I, BLOCK=1024, **pdl_args(x))
+    out = torch.empty(P, H, dtype=torch.float32, device=x.device)
+    _pair_gemv_kernel[(P, triton.cdiv(H, block_n))](
+        h, y_ptr=out, ids_ptr=ids, first=first, E=E, N=H, K=I, PAIRS_PER_ROW=1, **_int4_args(w2), **consts)
+    y = torch.empty_like(x)
+    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
+        out, weights.contiguous(), ids, y if add is None else add.contiguous(), y, first, E, H=H, TOP_K=top_k,
+        SPLIT=True, ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
+    return y
+
+
+def _whole_word_groups(w: Int4Stack) -> bool:
+    """Whether each scale group of these int4 experts is whole packed words, as the per-pair
+    programs sum them (groups of fewer than 8 columns take the blocked kernels)."""
+    return expert_shape(w)[2] // w.scale.shape[-1] % PACK == 0
+
+
+def _int4_args(w: Int4Stack) -> dict:
+    """`_weight_args` of int4 experts, without the blocked kernels' INT4 switch."""
+    args = _weight_args(w)
+    del args["INT4"]
+    return args
