@@ -281,17 +281,21 @@ class EngineLoop:
         engine = self.llm.engine
         kv = engine.kv_usage()
         running = kv["rows_used"]
+        # Every draft position and K the engine can run has its series from the start (at 0), so
+        # a scrape before the first speculative cycle already lists them, as Prometheus expects.
+        k_max = engine.policy.k_max if engine.policy else 0
         snap = {
             "running": running,
             "waiting": max(self._in_flight - running, 0),
             "kv": kv,
             "spec": {"cycles": engine.totals.cycles, "drafted": engine.totals.drafted,
-                     "accepted": engine.totals.accepted, "accepted_per_pos": list(engine.totals.accepted_per_pos),
-                     "drafted_per_pos": list(engine.totals.drafted_per_pos),
+                     "accepted": engine.totals.accepted,
+                     "accepted_per_pos": _padded(engine.totals.accepted_per_pos, k_max),
+                     "drafted_per_pos": _padded(engine.totals.drafted_per_pos, k_max),
                      "accept_length_mean": engine.totals.accept_length,
                      "accept_per_position": engine.totals.accept_per_position},
             "last_k": engine.last_k,
-            "k_choices": dict(engine.policy.choices) if engine.policy else {},
+            "k_choices": {K: 0 for K in range(k_max + 1)} | (engine.policy.choices if engine.policy else {}),
             "acceptance_estimate": engine.policy.acceptance() if engine.policy else [],
             "acceptance_estimate_tree": engine.policy.acceptance(True) if engine.policy and engine.cfg.spec_topk > 1
             else None,
@@ -307,6 +311,11 @@ class EngineLoop:
                 snap["idle_integrity"] = str(e)
         with self._snap_lock:
             self._snap = snap
+
+
+def _padded(counts: list[int], n: int) -> list[int]:
+    """`counts` extended with zeros to at least `n` entries."""
+    return list(counts) + [0] * (n - len(counts))
 
 
 def _empty_snapshot() -> dict:
