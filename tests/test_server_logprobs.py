@@ -117,9 +117,14 @@ def test_chat_logprobs_streaming_equals_non_streaming(live, offline, hf_model):
             if c.logprobs is not None:
                 pieces.extend(c.logprobs.content)
     assert streamed == whole.message.content
-    assert [(p.token, p.logprob, p.bytes) for p in pieces] == [(e.token, e.logprob, e.bytes) for e in content]
-    assert [[(t.token, t.logprob) for t in p.top_logprobs] for p in pieces] == \
-        [[(t.token, t.logprob) for t in e.top_logprobs] for e in content]
+    # The two requests may run different K (the adaptive policy follows timings), so a token's logits may
+    # come from a one-row decode in one and a verify row in the other: the same tokens, values equal to
+    # float32 rounding.
+    assert [(p.token, p.bytes) for p in pieces] == [(e.token, e.bytes) for e in content]
+    assert [p.logprob for p in pieces] == pytest.approx([e.logprob for e in content], abs=TOL)
+    assert [[t.token for t in p.top_logprobs] for p in pieces] == [[t.token for t in e.top_logprobs] for e in content]
+    assert [[t.logprob for t in p.top_logprobs] for p in pieces] == \
+        [pytest.approx([t.logprob for t in e.top_logprobs], abs=TOL) for e in content]
 
 
 def test_completions_stream_carries_each_chunks_logprobs(live):
@@ -136,8 +141,8 @@ def test_completions_stream_carries_each_chunks_logprobs(live):
                 values += c.logprobs.token_logprobs
                 offsets += c.logprobs.text_offset
     assert text == whole.text
-    assert (tokens, values, offsets) == (whole.logprobs.tokens, whole.logprobs.token_logprobs,
-                                         whole.logprobs.text_offset)
+    assert (tokens, offsets) == (whole.logprobs.tokens, whole.logprobs.text_offset)
+    assert values == pytest.approx(whole.logprobs.token_logprobs, abs=TOL)  # (see the chat test above)
 
 
 def test_without_logprobs_the_field_stays_null(live):

@@ -225,7 +225,7 @@ def test_killing_the_parent_leaves_no_worker_alive(pair):
         parent.send_signal(signal.SIGKILL)  # no cleanup code runs in the parent
         parent.wait(timeout=10)
         gone, alive = psutil.wait_procs(workers, timeout=15)
-        alive = [w for w in alive if w.status() != psutil.STATUS_ZOMBIE]
+        alive = [w for w in alive if w.is_running() and w.status() != psutil.STATUS_ZOMBIE]  # (not a reused pid)
         assert not alive, f"orphaned workers: {[w.pid for w in alive]}"
     finally:
         if parent.poll() is None:
