@@ -10,8 +10,9 @@ These are plain functions over any leading dimensions, so dense linears and stac
 [E, N, K/8] share them. `int4_linear` is the reference product; `int4_matmul`, what Int4Linear
 calls, runs the W4A16 Triton kernel instead for the 1-64 rows of decode and verify on CUDA, in
 the launch shape (tiles, slices of K) `tune_int4` timed at start-up.
-That kernel and the fused int4 experts (`kernels.moe`) dequantize their weight tiles in
-registers by one Triton helper, `int4_tile`.
+That kernel and the fused int4 experts (`kernels.moe`) share their inner loops: 2-64 rows (and
+the experts' blocks) dequantize weight tiles in registers for the tensor cores (`int4_tile`);
+one row (and each of a decode's few expert pairs) sums on the CUDA cores (`_row_sum`).
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ in a CUDA graph.
                    marked with the expert count and their programs exit at once. Torch ops;
                    decode and verify sizes take `kernels.moe_routing.fused_align`, one program.
 - ``fused_experts`` gate_up with silu(gate) * up fused (one kernel), then down times the routing
-                   weight (a second), then the top_k rows of each token summed (a third).
+                   weight (a second), then the top_k rows of each token summed (a third). A
+                   decode's few int4 pairs (INT4_PAIR_ROWS) take one row GEMV per pair instead
+                   (`_pair_experts`): no alignment and no padded rows.
 
 Roundings follow the reference (`model.moe.MoE`): each product is accumulated in float32 and
 rounded to the model's dtype where `linear` rounds, silu and the routing weight are applied as
