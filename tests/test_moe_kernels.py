@@ -356,8 +356,9 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(int4, dtype):
 def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
     """Kimi-K2.5's expert widths (hidden 7168, expert intermediate 2048, int4 in symmetric groups
     of 32; 16 experts, 8 a token: the launch shapes depend on the widths and the pair count, not
-    the expert count), bf16: the default launch shape for 8 to 128 pairs, and the other int4
-    default, are within a few bf16 steps of the reference loop."""
+    the expert count), bf16: the default path (8 pairs: a row GEMV per pair), the default launch
+    shape of the blocked kernels for 8 to 128 pairs and the other int4 default are within a few
+    bf16 steps of the reference loop."""
     m = MoEConfig(num_experts=16, top_k=8, intermediate_size=2048, scoring="softmax", norm_topk_prob=True,
                   routed_scaling_factor=1.0, n_group=1, topk_group=1, shared_intermediate_size=0, dense_layers=())
     quant = QuantConfig(groups=((("Linear",), Int4Weights(32, True)),), ignore=())
@@ -374,7 +375,7 @@ def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
         want = moe.experts_ref(x, weights, ids).float()
         default = default_tiles(ids.numel(), int4=True)
         other = INT4_TILES if default == INT4_FEW_TILES else INT4_FEW_TILES
-        for tiles in (None, other):
+        for tiles in (None, default, other):
             got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=tiles).float()
             step = 2 ** -7
             torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item(),
