@@ -61,7 +61,7 @@ def compile_pair_kernel(gate_up: bool, arch: int) -> bytes:
     sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*fp32", "ids_ptr": "*i64",
            "first": "i32", "E": "i32"}
     consts = dict(N=N, K=K, PAIRS_PER_ROW=8 if gate_up else 1, GROUPS=K // GROUP, HAS_ZERO=False, BLOCK_N=block_n,
-                  BLOCK_K=block_k, PDL=False)
+                  BLOCK_K=block_k, K_SPAN=K, PDL=False)
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
     return _compile(_pair_gemv_kernel, sig, consts, arch, dict(num_warps=warps), aligned)
 

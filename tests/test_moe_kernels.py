@@ -151,6 +151,33 @@ def test_fused_int4_moe_equals_reference(scheme, tokens):
     torch.testing.assert_close(got, as_float, rtol=0, atol=0)
 
 
+def test_int4_pair_path_cuts_k_when_programs_are_few(monkeypatch):
+    """A decode's few int4 pairs (one row GEMV each) cut a product's input columns into slices when
+    it has too few programs to fill the GPU (here 64 SMs pretended and 16-column steps): gate_up
+    (32 input columns) runs in two slices whose float32 sums add up to the reference's, down (16)
+    whole."""
+    import specserve.kernels.moe as km
+
+    kernel, grids = km._pair_gemv_kernel, []
+
+    class Recorded:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(km, "_sm_count", lambda device: 64)
+    monkeypatch.setattr(km, "PAIR_TILE", (16, 16, 4))
+    monkeypatch.setattr(km, "_pair_gemv_kernel", Recorded())
+    moe = _moe("sigmoid-8of16", shared=False, seed=3, int4="g8-sym")
+    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(3))
+    weights, ids = moe.route(x)
+    want = moe.experts_ref(x, weights, ids)
+    moe.to(DEV)
+    got = fused_experts(x.to(DEV), weights.to(DEV), ids.to(DEV), moe.w13, moe.w2, moe.first).cpu()
+    assert [grid[2] for grid in grids] == [2, 1]
+    torch.testing.assert_close(got, want, **F32)
+
+
 def test_int4_experts_held_elsewhere_contribute_nothing():
     """With int4 experts 4..7 held here (expert parallelism), pairs routed to 0..3 add zero."""
     moe = _moe("sigmoid-2of8", shared=False, int4="g8-asym")

@@ -37,7 +37,7 @@ import torch
 
 from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton
-from specserve.kernels.int4 import PACK
+from specserve.kernels.int4 import PACK, _sm_count, k_slices
 from specserve.kernels.moe_routing import FLOATS, aligned_blocks, fused_align, fused_routing_fits
 
 if triton is not None:
@@ -197,22 +197,28 @@ if triton is not None:
     @triton.jit
     def _pair_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, first, E, N: tl.constexpr, K: tl.constexpr,
                           PAIRS_PER_ROW: tl.constexpr, GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-        # Program (pair, n): one (token, expert) pair's input row (row pair // PAIRS_PER_ROW of
-        # x [.., K]) times BLOCK_N rows of its int4 expert [E, N, K], summed on the CUDA cores
-        # (`_row_sum`) into float32 y [P, N]. Pairs routed to experts another rank holds
-        # are skipped, their rows unwritten.
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr, PDL: tl.constexpr):
+        # Program (pair, n, s): one (token, expert) pair's input row (row pair // PAIRS_PER_ROW of
+        # x [.., K]) times BLOCK_N rows of its int4 expert [E, N, K] over input columns
+        # s*K_SPAN..(s+1)*K_SPAN, summed on the CUDA cores (`_row_sum`) into float32 y [P, N]:
+        # stored where one program spans K, else added to sums that start at zero. Pairs routed
+        # to experts another rank holds are skipped, their rows unwritten.
         pair = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = offs_n < N
+        k_lo = tl.program_id(2) * K_SPAN
         wait_for_previous(PDL)
         e = tl.load(ids_ptr + pair) - first
         if (e < 0) | (e >= E):
             return
         x_row = x_ptr + (pair // PAIRS_PER_ROW).to(tl.int64) * K
-        acc = _row_sum(x_row, w_ptr, s_ptr, z_ptr, e.to(tl.int64) * N + offs_n, nmask, 0, K, K, GROUPS, HAS_ZERO,
-                       BLOCK_N, BLOCK_K, False)
-        tl.store(y_ptr + pair.to(tl.int64) * N + offs_n, acc, mask=nmask)
+        acc = _row_sum(x_row, w_ptr, s_ptr, z_ptr, e.to(tl.int64) * N + offs_n, nmask, k_lo,
+                       tl.minimum(k_lo + K_SPAN, K), K, GROUPS, HAS_ZERO, BLOCK_N, BLOCK_K, False)
+        y_at = y_ptr + pair.to(tl.int64) * N + offs_n
+        if K_SPAN >= K:
+            tl.store(y_at, acc, mask=nmask)
+        else:
+            tl.atomic_add(y_at, acc, mask=nmask, sem="relaxed")
 
     @triton.jit
     def _combine_kernel(y_ptr, rw_ptr, ids_ptr, add_ptr, out_ptr, first, E, H: tl.constexpr, TOP_K: tl.constexpr,
@@ -338,6 +344,7 @@ INT4_TILES = Tiles(block_n=128, block_k=64, swap=True)
 # value dequantized once on the CUDA cores rather than into a tensor-core tile.
 INT4_PAIR_ROWS = 16
 PAIR_TILE = (64, 256, 4)  # the per-pair programs' BLOCK_N, BLOCK_K and warps (`kernels.int4.gemv_tiles`)
+PAIR_PROGRAMS_PER_SM = 4  # fewer (narrow experts) cut each product's K into slices until there are this many
 
 
 def default_tiles(pairs: int, int4: bool) -> Tiles:
@@ -437,7 +444,8 @@ def _pair_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     """`fused_experts` for a few pairs of int4 experts, a row GEMV per pair: gate_up's float32
     sums [P, 2I], silu(gate) * up rounded as the reference rounds (`_swiglu_kernel`), down's
     float32 sums [P, H], then each token's rows times their routing weights summed by
-    `_combine_kernel` as after a split down kernel."""
+    `_combine_kernel` as after a split down kernel. A product with too few programs to fill the
+    GPU (PAIR_PROGRAMS_PER_SM) also cuts its input columns into slices."""
     N, H = x.shape
     E, _, I = expert_shape(w2)
     top_k = ids.shape[1]
@@ -445,14 +453,20 @@ def _pair_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     block_n, block_k, warps = PAIR_TILE
     ids = ids.contiguous()
     consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_args(x))
-    g = torch.empty(P, 2 * I, dtype=torch.float32, device=x.device)
-    _pair_gemv_kernel[(P, triton.cdiv(2 * I, block_n))](
-        x, y_ptr=g, ids_ptr=ids, first=first, E=E, N=2 * I, K=H, PAIRS_PER_ROW=top_k, **_int4_args(w13), **consts)
+
+    def product(inp, w: Int4Stack, N: int, K: int, per_row: int) -> torch.Tensor:
+        blocks = triton.cdiv(N, block_n)
+        wanted = triton.cdiv(PAIR_PROGRAMS_PER_SM * _sm_count(x.device), P * blocks)
+        span, splits = k_slices(K, block_k, wanted)
+        y = (torch.zeros if splits > 1 else torch.empty)(P, N, dtype=torch.float32, device=x.device)
+        _pair_gemv_kernel[(P, blocks, splits)](inp, y_ptr=y, ids_ptr=ids, first=first, E=E, N=N, K=K,
+                                               PAIRS_PER_ROW=per_row, K_SPAN=span, **_int4_args(w), **consts)
+        return y
+
+    g = product(x, w13, 2 * I, H, top_k)
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     _swiglu_kernel[(P, triton.cdiv(I, 1024))](g, h, I=I, BLOCK=1024, **pdl_args(x))
-    out = torch.empty(P, H, dtype=torch.float32, device=x.device)
-    _pair_gemv_kernel[(P, triton.cdiv(H, block_n))](
-        h, y_ptr=out, ids_ptr=ids, first=first, E=E, N=H, K=I, PAIRS_PER_ROW=1, **_int4_args(w2), **consts)
+    out = product(h, w2, H, I, 1)
     y = torch.empty_like(x)
     _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
         out, weights.contiguous(), ids, y if add is None else add.contiguous(), y, first, E, H=H, TOP_K=top_k,
