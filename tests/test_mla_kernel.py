@@ -64,7 +64,7 @@ def _both(attn, q, latent, ctx, monkeypatch, **kw):
         calls.append(1)
         return la.latent_attention_fits(*a)
     monkeypatch.setattr(mla, "latent_attention_ok", fits)
-    monkeypatch.setattr(la, "_sm_count", lambda device: kw.get("sm_count", 4))
+    monkeypatch.setattr(la.common, "sm_count", lambda device: kw.get("sm_count", 4))
     got = attn(q, latent, ctx)
     assert calls  # the kernel path ran
     return got, want
@@ -206,7 +206,7 @@ def test_tiny_deepseek_decodes_the_same_through_the_kernel(moe_pair, spec, monke
         return la.latent_attention_triton(q, *a, **kw)
     monkeypatch.setattr(mla, "latent_attention_ok", lambda *a: la.latent_attention_fits(*a))
     monkeypatch.setattr(mla, "latent_attention_triton", kernel)
-    monkeypatch.setattr(la, "_sm_count", lambda device: 4)
+    monkeypatch.setattr(la.common, "sm_count", lambda device: 4)
     out, engine = generate()
     assert out == base
     if not spec:

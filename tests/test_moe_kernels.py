@@ -165,7 +165,7 @@ def test_int4_pair_path_cuts_k_when_programs_are_few(monkeypatch):
             grids.append(grid)
             return kernel[grid]
 
-    monkeypatch.setattr(km, "_sm_count", lambda device: 64)
+    monkeypatch.setattr(km.common, "sm_count", lambda device: 64)
     monkeypatch.setattr(km, "PAIR_TILE", (16, 16, 4))
     monkeypatch.setattr(km, "_pair_gemv_kernel", Recorded())
     moe = _moe("sigmoid-8of16", shared=False, seed=3, int4="g8-sym")

@@ -176,7 +176,7 @@ def test_int4_default_config_fills_the_gpu(monkeypatch):
     count the float32 partials stay under a quarter of the int4 weight's bytes."""
     import specserve.kernels.int4 as k
 
-    monkeypatch.setattr(k, "_sm_count", lambda device: 132)
+    monkeypatch.setattr(k.common, "sm_count", lambda device: 132)
     shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1536, 7168), (576, 7168), (7168, 8192),
               (4096, 7168), (7168, 2048)]
     for N, K in shapes:

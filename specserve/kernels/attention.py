@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-import functools
 
+from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton, use_triton
 
 if triton is not None:
@@ -151,11 +151,6 @@ def cache_attention_ok(q: torch.Tensor, k_cache: torch.Tensor, write_idx: torch.
             and G * T <= ATTN_MAX_QUERIES)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def key_splits(length: int, block_n: int, programs: int, sm_count: int) -> tuple[int, int]:
     """(splits, keys per split, a multiple of block_n) for `programs` programs per split over a
     cache of `length` keys: enough splits to cover the GPU at small batches, one at large ones."""
@@ -177,7 +172,7 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
     n_kv = k_cache.shape[1]
     length = block_table.shape[1] * block_size if paged else k_cache.shape[2]
     G = H // n_kv
-    sm_count = sm_count or _sm_count(q.device)
+    sm_count = sm_count or common.sm_count(q.device)
     block_q = max(16, triton.next_power_of_2(G * T))
     n_split, chunk = key_splits(length, ATTN_BLOCK_N, B * n_kv, sm_count)
     part = torch.empty(B * n_kv * n_split * block_q, D, dtype=torch.float32, device=q.device)

@@ -53,6 +53,12 @@ def use_pdl(x: torch.Tensor) -> bool:
 
 
 @functools.cache
+def sm_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (1 elsewhere: Triton's interpreter runs one program at a time)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
+@functools.cache
 def _capability(device: torch.device) -> int:
     return torch.cuda.get_device_capability(device)[0]
 

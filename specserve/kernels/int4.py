@@ -17,7 +17,6 @@ one row (and each of a decode's few expert pairs) sums on the CUDA cores (`_row_
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -340,18 +339,18 @@ def gemv_tiles(rows: int) -> tuple[int, int, int]:
     return (64, 256, 4) if rows == 1 else (64, 128, 4)
 
 
-@functools.cache
-def _sm_count(device: torch.device) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+# Programs per SM the untuned launch shapes aim at: a decode step's few output blocks alone
+# leave most SMs idle, so K is cut into slices until there are about this many.
+PROGRAMS_PER_SM = 4
 
 
 def default_config(N: int, K: int, rows: int, device: torch.device) -> tuple:
     """The launch shape (BLOCK_N, BLOCK_K, warps, splits) where no tuning chose one: K cut into
-    enough slices that the GPU runs about four programs per SM (a decode step's few output
-    blocks alone leave most SMs idle), but no more than a whole step each, and few enough
-    that the float32 partials stay under a quarter of the weight's bytes."""
+    enough slices that the GPU runs about PROGRAMS_PER_SM programs per SM, but no more than a
+    whole step each, and few enough that the float32 partials stay under a quarter of the
+    weight's bytes."""
     block_n, block_k, warps = gemv_tiles(rows)
-    wanted = -(-4 * _sm_count(device) // -(-N // block_n))
+    wanted = -(-PROGRAMS_PER_SM * common.sm_count(device) // -(-N // block_n))
     return block_n, block_k, warps, k_slices(K, block_k, max(1, min(wanted, K // (32 * rows))))[1]
 
 
@@ -407,7 +406,7 @@ def candidates(N: int, K: int, rows: int, device: torch.device) -> list[tuple]:
     for block_n, block_k, warps, *fixed_m in TUNED_TILES[min(rows, 2)]:
         for s in TUNED_SPLITS:
             splits = k_slices(K, block_k, s)[1]
-            if -(-N // block_n) * splits <= 32 * _sm_count(device):
+            if -(-N // block_n) * splits <= 32 * common.sm_count(device):
                 out[(block_n, block_k, warps, splits, *fixed_m)] = None
     return list(out)
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from specserve.kernels.attention import _sm_count, key_splits
+from specserve.kernels import common
+from specserve.kernels.attention import key_splits
 from specserve.kernels.common import interpreted, pdl_args, triton, use_triton
 
 if triton is not None:
@@ -155,7 +156,7 @@ def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx
     bh = min(triton.next_power_of_2(H), LATENT_MAX_ROWS // t_pow2)  # heads per program
     block_q = max(16, triton.next_power_of_2(bh * T))
     n_hb = triton.cdiv(H, bh)
-    sm_count = sm_count or _sm_count(q.device)
+    sm_count = sm_count or common.sm_count(q.device)
     n_split, chunk = key_splits(length, LATENT_BLOCK_N, B * n_hb, sm_count)
     out = torch.empty(B, T, H, L, dtype=q.dtype, device=q.device)
     one = n_split == 1

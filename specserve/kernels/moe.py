@@ -37,7 +37,7 @@ import torch
 
 from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton
-from specserve.kernels.int4 import PACK, _sm_count, k_slices
+from specserve.kernels.int4 import PACK, PROGRAMS_PER_SM, gemv_tiles, k_slices
 from specserve.kernels.moe_routing import FLOATS, aligned_blocks, fused_align, fused_routing_fits
 
 if triton is not None:
@@ -343,8 +343,7 @@ INT4_TILES = Tiles(block_n=128, block_k=64, swap=True)
 # program row per pair instead (`_pair_experts`): no alignment, no padding rows, and each
 # value dequantized once on the CUDA cores rather than into a tensor-core tile.
 INT4_PAIR_ROWS = 16
-PAIR_TILE = (64, 256, 4)  # the per-pair programs' BLOCK_N, BLOCK_K and warps (`kernels.int4.gemv_tiles`)
-PAIR_PROGRAMS_PER_SM = 4  # fewer (narrow experts) cut each product's K into slices until there are this many
+PAIR_TILE = gemv_tiles(1)  # the per-pair programs' BLOCK_N, BLOCK_K and warps: the dense one-row GEMV's
 
 
 def default_tiles(pairs: int, int4: bool) -> Tiles:
@@ -445,7 +444,7 @@ def _pair_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     sums [P, 2I], silu(gate) * up rounded as the reference rounds (`_swiglu_kernel`), down's
     float32 sums [P, H], then each token's rows times their routing weights summed by
     `_combine_kernel` as after a split down kernel. A product with too few programs to fill the
-    GPU (PAIR_PROGRAMS_PER_SM) also cuts its input columns into slices."""
+    GPU (`kernels.int4.PROGRAMS_PER_SM`) also cuts its input columns into slices."""
     N, H = x.shape
     E, _, I = expert_shape(w2)
     top_k = ids.shape[1]
@@ -456,7 +455,7 @@ def _pair_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
 
     def product(inp, w: Int4Stack, N: int, K: int, per_row: int) -> torch.Tensor:
         blocks = triton.cdiv(N, block_n)
-        wanted = triton.cdiv(PAIR_PROGRAMS_PER_SM * _sm_count(x.device), P * blocks)
+        wanted = triton.cdiv(PROGRAMS_PER_SM * common.sm_count(x.device), P * blocks)
         span, splits = k_slices(K, block_k, wanted)
         y = (torch.zeros if splits > 1 else torch.empty)(P, N, dtype=torch.float32, device=x.device)
         _pair_gemv_kernel[(P, blocks, splits)](inp, y_ptr=y, ids_ptr=ids, first=first, E=E, N=N, K=K,
