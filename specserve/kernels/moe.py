@@ -37,14 +37,14 @@ import torch
 
 from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton
-from specserve.kernels.int4 import PACK, PROGRAMS_PER_SM, gemv_tiles, k_slices
+from specserve.kernels.int4 import PACK, PROGRAMS_PER_SM, gemv_tiles, k_slices, row_sum_fits
 from specserve.kernels.moe_routing import FLOATS, aligned_blocks, fused_align, fused_routing_fits
 
 if triton is not None:
     import triton.language as tl
 
     from specserve.kernels.common import wait_for_previous
-    from specserve.kernels.int4 import _row_sum, int4_tile
+    from specserve.kernels.int4 import int4_row_sum, int4_tile
 
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, cols, ROWS: tl.constexpr, K: tl.constexpr,
@@ -200,7 +200,7 @@ if triton is not None:
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr, PDL: tl.constexpr):
         # Program (pair, n, s): one (token, expert) pair's input row (row pair // PAIRS_PER_ROW of
         # x [.., K]) times BLOCK_N rows of its int4 expert [E, N, K] over input columns
-        # s*K_SPAN..(s+1)*K_SPAN, summed on the CUDA cores (`_row_sum`) into float32 y [P, N]:
+        # s*K_SPAN..(s+1)*K_SPAN, summed on the CUDA cores (`int4_row_sum`) into float32 y [P, N]:
         # stored where one program spans K, else added to sums that start at zero. Pairs routed
         # to experts another rank holds are skipped, their rows unwritten.
         pair = tl.program_id(0)
@@ -212,8 +212,8 @@ if triton is not None:
         if (e < 0) | (e >= E):
             return
         x_row = x_ptr + (pair // PAIRS_PER_ROW).to(tl.int64) * K
-        acc = _row_sum(x_row, w_ptr, s_ptr, z_ptr, e.to(tl.int64) * N + offs_n, nmask, k_lo,
-                       tl.minimum(k_lo + K_SPAN, K), K, GROUPS, HAS_ZERO, BLOCK_N, BLOCK_K, False)
+        acc = int4_row_sum(x_row, w_ptr, s_ptr, z_ptr, e.to(tl.int64) * N + offs_n, nmask, k_lo,
+                           tl.minimum(k_lo + K_SPAN, K), K, GROUPS, HAS_ZERO, BLOCK_N, BLOCK_K, False)
         y_at = y_ptr + pair.to(tl.int64) * N + offs_n
         if K_SPAN >= K:
             tl.store(y_at, acc, mask=nmask)
@@ -281,10 +281,7 @@ def _weight_args(w: Experts) -> dict:
     if isinstance(w, torch.Tensor):
         w = w.contiguous()
         return dict(w_ptr=w, s_ptr=w, z_ptr=w, GROUPS=1, INT4=False, HAS_ZERO=False)
-    scale = w.scale.contiguous()
-    zero = w.zero.contiguous() if w.zero is not None else scale
-    return dict(w_ptr=w.packed.contiguous(), s_ptr=scale, z_ptr=zero, GROUPS=scale.shape[-1], INT4=True,
-                HAS_ZERO=w.zero is not None)
+    return _int4_args(w) | {"INT4": True}
 
 
 def fused_experts_supported(w13: Experts, w2: Experts) -> bool:
@@ -401,7 +398,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     top_k = ids.shape[1]
     P = N * top_k
     int4 = not isinstance(w2, torch.Tensor)
-    if int4 and tiles is None and P <= INT4_PAIR_ROWS and all(_whole_word_groups(w) for w in (w13, w2)):
+    if int4 and tiles is None and P <= INT4_PAIR_ROWS and all(
+            row_sum_fits(expert_shape(w)[2], w.scale.shape[-1]) for w in (w13, w2)):
         return _pair_experts(x.contiguous(), weights, ids, w13, w2, first, add)
     tiles = tiles or default_tiles(P, int4)
     block_m = block_m_for(P, E)
@@ -473,14 +471,10 @@ def _pair_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     return y
 
 
-def _whole_word_groups(w: Int4Stack) -> bool:
-    """Whether each scale group of these int4 experts is whole packed words, as the per-pair
-    programs sum them (groups of fewer than 8 columns take the blocked kernels)."""
-    return expert_shape(w)[2] // w.scale.shape[-1] % PACK == 0
-
-
 def _int4_args(w: Int4Stack) -> dict:
-    """`_weight_args` of int4 experts, without the blocked kernels' INT4 switch."""
-    args = _weight_args(w)
-    del args["INT4"]
-    return args
+    """An int4 stack's words, scales, zero points (the scales again where there are none), group
+    count and zero-point switch, as the kernels take them."""
+    scale = w.scale.contiguous()
+    zero = w.zero.contiguous() if w.zero is not None else scale
+    return dict(w_ptr=w.packed.contiguous(), s_ptr=scale, z_ptr=zero, GROUPS=scale.shape[-1],
+                HAS_ZERO=w.zero is not None)
