@@ -68,12 +68,11 @@ def main() -> None:
         eng.set_spec_steps(0 if mode == "plain" else None)
         for p in prompts:
             eng.add_request(p, params)
-        sync = torch.cuda.synchronize if eng.device.type == "cuda" else (lambda: None)
-        sync()
+        eng.runner.sync()
         t, n = time.perf_counter(), 0
         while eng.has_work():
             n += sum(len(s.new_tokens) for s in eng.step())
-        sync()
+        eng.runner.sync()
         return n / (time.perf_counter() - t)
 
     run("plain"), run("held")  # warm-up

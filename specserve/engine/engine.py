@@ -405,11 +405,10 @@ class Engine(ServingEngine):
                 # is waited for on both sides, so its kernels are not charged either), which would
                 # otherwise raise K's moving average after every plain stretch (and each
                 # exploration of K from plain decoding would time it slow again).
-                sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
-                sync()
+                r.sync()
                 t0 = time.perf_counter()
                 pr.catch_up(seqs, self.cfg.prefill_chunk)
-                sync()
+                r.sync()
                 B_, K_, start = self._timing
                 self._timing = (B_, K_, start + time.perf_counter() - t0)
             if max(s.pending for s in seqs) > K + 1:

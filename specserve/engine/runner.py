@@ -595,6 +595,11 @@ class ModelRunner:
         return self._run("tree_verify", B, lambda b: self._tree_verify_body(b, K, sampling, filtered), K, sampling,
                          filtered)
 
+    def sync(self) -> None:
+        """Wait for the device's queued work (nothing to wait for on the CPU), to time it."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     @torch.inference_mode()
     def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int | None = None) -> dict:
         """Seconds per plain step (K=0) and per speculative cycle (K drafts + verify) at each batch
@@ -604,7 +609,6 @@ class ModelRunner:
         slow and the live averages soon replace the seeds), and each takes its median: drift and a
         stray slow call (a shared CPU) hit every K alike instead of reordering them. Logs each
         (batch size, K) point as it starts."""
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         reps = reps or (5 if self.device.type == "cuda" else 3)
         ctx = min(self.max_model_len // 2, 256)
         costs = {}
@@ -635,10 +639,10 @@ class ModelRunner:
             times: dict[int, list[float]] = {K: [] for K in runs}
             for _ in range(reps):
                 for K, fn in runs.items():
-                    sync()
+                    self.sync()
                     t0 = time.perf_counter()
                     fn()
-                    sync()
+                    self.sync()
                     times[K].append(time.perf_counter() - t0)
             costs.update({(B, K): statistics.median(ts) for K, ts in times.items()})
         return costs
