@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# One GPU call for the kernels changed since the last measured run: their GPU tests, then their timings, each
-# step under its own time limit, a line printed as each ends, so a call cut short still shows what finished.
+# One GPU call for the int4 and MoE kernels: their GPU tests, then their timings, each step under its own time
+# limit, a line printed as each ends, so a call cut short still shows what finished.
 # Run from the repository root on the GPU machine, carrying [".whl"]:
-#   bash benchmarks/gpu_checks.sh                     every step, about 9 minutes
+#   bash benchmarks/gpu_checks.sh                     every step, about 8 minutes (tests ~290 s, int4 ~70, kimi ~90)
 #   STEPS="tests int4" bash benchmarks/gpu_checks.sh  some of them
 # Steps: tests (pytest -m gpu on the int4, MoE and speculation tests), int4 (benchmarks/int4_linear_gpu.py on the
 # shapes of BENCHMARKS 13.2 at 1, 16 and 64 rows), kimi (benchmarks/moe_layers_gpu.py: Kimi-K2.5 layers with int4
-# experts, 4 MoE layers, the experts' launch-shape sweep included: the blocked kernels beside the per-pair path
-# that serves a decode's few pairs by default). Each step's output: $OUT/<step>.log; JSON files beside it.
+# experts, 4 MoE layers, the experts' launch-shape sweep included). Each step's output: $OUT/<step>.log; JSON
+# files beside it.
 set -u
 . benchmarks/gpu_env.sh
 STEPS=${STEPS:-tests int4 kimi}
@@ -21,11 +21,11 @@ step() {  # name, seconds, command...
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 for s in $STEPS; do
   case $s in
-    tests) step tests 300 python -m pytest -q -p no:cacheprovider -m gpu tests/test_quant.py tests/test_moe_kernels.py \
+    tests) step tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/test_quant.py tests/test_moe_kernels.py \
              tests/test_quant_moe.py tests/test_moe.py tests/test_speculative.py ;;
-    int4) step int4 150 python benchmarks/int4_linear_gpu.py --shapes kimi.kv_a kimi.q_a kimi.shared_gate_up kimi.o \
+    int4) step int4 100 python benchmarks/int4_linear_gpu.py --shapes kimi.kv_a kimi.q_a kimi.shared_gate_up kimi.o \
             llama8b.down llama8b.qkv --group 32 --rows 1 16 64 --out "$OUT/int4_linear.json" ;;
-    kimi) step kimi 240 python benchmarks/moe_layers_gpu.py --shape kimi-k2.5 --experts int4 --moe-layers 4 ;;
+    kimi) step kimi 170 python benchmarks/moe_layers_gpu.py --shape kimi-k2.5 --experts int4 --moe-layers 4 ;;
     *) echo "unknown step $s (tests, int4, kimi)" ;;
   esac
 done

@@ -198,12 +198,18 @@ def sweep_tiles(moe, batches: list[int]) -> dict:
                     ms = graph_us([lambda: outs.append(fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first,
                                                                      tiles))], reps=20) / 1e3
                     got = outs[-1]
-                    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+                    # within a few bf16 steps of the default shape's output, scaled to its size (a
+                    # split of K sums in float32 where an unsplit tile rounds to bf16)
+                    step = 2 ** -7
+                    torch.testing.assert_close(got.float(), want.float(), rtol=4 * step,
+                                               atol=4 * step * want.abs().max().item())
                     row[label] = {"ms": ms, "GBs": touched * per_expert / ms / 1e6}
                 except Exception as e:  # (a shape the compiler refuses, or a wrong result: reported, not used)
                     row[label] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                     torch.cuda.synchronize()
         ok = {k: v for k, v in row.items() if "ms" in v}
+        if not ok:
+            raise RuntimeError(f"batch {B}: every launch shape failed: {row}")
         best = min(ok, key=lambda k: ok[k]["ms"])
         label = tiles_label(default)
         res[B] = {"experts": touched, "tiles": row, "best": best, "default": label}

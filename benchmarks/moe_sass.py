@@ -1,11 +1,9 @@
 """Instructions in the main loop of the int4 kernels, compiled for a GPU without one.
 
-    python benchmarks/moe_sass.py [--arch 90] [--tiles few many] [--kernels moe pairs dense small]
+    python benchmarks/moe_sass.py [--arch 90] [--tiles few many] [--kernels moe dense small]
 
 moe: compiles `kernels.moe`'s gate_up and down kernels at Kimi-K2.5's expert widths (hidden 7168,
 expert intermediate 2048, bf16, int4 in symmetric groups of 32) on the int4 default shapes.
-pairs: the per-pair row GEMV that serves a decode's few int4 pairs instead (`_pair_gemv_kernel`),
-as gate_up and as down, at the same widths.
 dense: compiles `kernels.int4`'s W4A16 GEMV (what Int4Linear runs for 1-64 rows) for bf16 at a
 SmolLM2-135M input width (576, groups of 32) and a Llama-3-8B one (4096, groups of 128),
 symmetric and asymmetric, for one row and for 16, in its default tiles (the same loop at every
@@ -51,19 +49,6 @@ def compile_moe_kernel(kernel, tiles, arch: int) -> bytes:
     if gate_up:
         consts["TOP_K"] = 8
     return _compile(kernel, sig, consts, arch, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
-
-
-def compile_pair_kernel(gate_up: bool, arch: int) -> bytes:
-    from specserve.kernels.moe import PAIR_TILE, _pair_gemv_kernel
-
-    block_n, block_k, warps = PAIR_TILE
-    N, K = (2 * I, H) if gate_up else (H, I)
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*bf16", "y_ptr": "*fp32", "ids_ptr": "*i64",
-           "first": "i32", "E": "i32"}
-    consts = dict(N=N, K=K, PAIRS_PER_ROW=8 if gate_up else 1, GROUPS=K // GROUP, HAS_ZERO=False, BLOCK_N=block_n,
-                  BLOCK_K=block_k, K_SPAN=K, PDL=False)
-    aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}
-    return _compile(_pair_gemv_kernel, sig, consts, arch, dict(num_warps=warps), aligned)
 
 
 def compile_dense_kernel(K: int, group: int, zero: bool, rows: int, arch: int) -> bytes:
@@ -176,9 +161,9 @@ def main() -> None:
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
     ap.add_argument("--tiles", nargs="+", choices=list(PAIRS), default=list(PAIRS),
                     help="the MoE int4 default shape for a few pairs, for many, or both")
-    ap.add_argument("--kernels", nargs="+", choices=["moe", "pairs", "dense", "small"],
-                    default=["moe", "pairs", "dense", "small"],
-                    help="the fused-MoE kernels, their per-pair GEMV, the dense W4A16 GEMV, the MoE routing/alignment/"
+    ap.add_argument("--kernels", nargs="+", choices=["moe", "dense", "small"],
+                    default=["moe", "dense", "small"],
+                    help="the fused-MoE kernels, the dense W4A16 GEMV, the MoE routing/alignment/"
                          "combine programs")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="moe-sass-"))
@@ -191,13 +176,6 @@ def main() -> None:
                          + " swap" * tiles.swap)
                 counts[label] = count(compile_moe_kernel(kernel, tiles, args.arch), work, f"{kernel.__name__}_{which}")
             table(kernel.__name__, counts)
-    if "pairs" in args.kernels:
-        from specserve.kernels.moe import PAIR_TILE
-
-        block_n, block_k, warps = PAIR_TILE
-        counts = {name: count(compile_pair_kernel(name == "gate_up", args.arch), work, f"pair_{name}")
-                  for name in ("gate_up", "down")}
-        table(f"_pair_gemv_kernel ({block_n}x{block_k} w{warps})", counts)
     if "dense" in args.kernels:
         for rows in DENSE_ROWS:
             counts = {}

@@ -131,11 +131,10 @@ INT4_REFERENCE_CASES = [(s, 1) for s in INT4_SCHEMES] + [
 
 @pytest.mark.parametrize("scheme,tokens", INT4_REFERENCE_CASES)
 def test_fused_int4_moe_equals_reference(scheme, tokens):
-    """The int4 kernels match the reference loop to a float32 sum's order: by default (8 pairs:
-    a row GEMV per pair where the groups are whole words; 136: the blocked kernels) and in the
-    blocked kernels' default launch shape for that pair count, where each tile is dequantized as
-    the reference dequantizes the whole expert, so the result equals the float kernels run on
-    the dequantized experts with the same launch shape."""
+    """The int4 kernels match the reference loop to a float32 sum's order (8 and 136 pairs), and in
+    the default launch shape for that pair count each tile is dequantized as the reference
+    dequantizes the whole expert, so the result equals the float kernels run on the dequantized
+    experts with the same launch shape."""
     moe = _moe("sigmoid-8of16", shared=False, seed=tokens, int4=scheme)
     assert (moe.w13.zero is None) == INT4_SCHEMES[scheme][1]
     x = torch.randn(tokens, HIDDEN, generator=torch.Generator().manual_seed(tokens))
@@ -149,33 +148,6 @@ def test_fused_int4_moe_equals_reference(scheme, tokens):
     torch.testing.assert_close(got, want, **F32)
     as_float = fused_experts(*args, *moe.experts_weights(), moe.first, tiles=tiles).cpu()
     torch.testing.assert_close(got, as_float, rtol=0, atol=0)
-
-
-def test_int4_pair_path_cuts_k_when_programs_are_few(monkeypatch):
-    """A decode's few int4 pairs (one row GEMV each) cut a product's input columns into slices when
-    it has too few programs to fill the GPU (here 64 SMs pretended and 16-column steps): gate_up
-    (32 input columns) runs in two slices whose float32 sums add up to the reference's, down (16)
-    whole."""
-    import specserve.kernels.moe as km
-
-    kernel, grids = km._pair_gemv_kernel, []
-
-    class Recorded:
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return kernel[grid]
-
-    monkeypatch.setattr(km.common, "sm_count", lambda device: 64)
-    monkeypatch.setattr(km, "PAIR_TILE", (16, 16, 4))
-    monkeypatch.setattr(km, "_pair_gemv_kernel", Recorded())
-    moe = _moe("sigmoid-8of16", shared=False, seed=3, int4="g8-sym")
-    x = torch.randn(1, HIDDEN, generator=torch.Generator().manual_seed(3))
-    weights, ids = moe.route(x)
-    want = moe.experts_ref(x, weights, ids)
-    moe.to(DEV)
-    got = fused_experts(x.to(DEV), weights.to(DEV), ids.to(DEV), moe.w13, moe.w2, moe.first).cpu()
-    assert [grid[2] for grid in grids] == [2, 1]
-    torch.testing.assert_close(got, want, **F32)
 
 
 def test_int4_experts_held_elsewhere_contribute_nothing():
@@ -383,9 +355,8 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(int4, dtype):
 def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
     """Kimi-K2.5's expert widths (hidden 7168, expert intermediate 2048, int4 in symmetric groups
     of 32; 16 experts, 8 a token: the launch shapes depend on the widths and the pair count, not
-    the expert count), bf16: the default path (8 pairs: a row GEMV per pair), the default launch
-    shape of the blocked kernels for 8 to 128 pairs and the other int4 default are within a few
-    bf16 steps of the reference loop."""
+    the expert count), bf16: the default launch shape for 8 to 128 pairs and the other int4
+    default are within a few bf16 steps of the reference loop."""
     m = MoEConfig(num_experts=16, top_k=8, intermediate_size=2048, scoring="softmax", norm_topk_prob=True,
                   routed_scaling_factor=1.0, n_group=1, topk_group=1, shared_intermediate_size=0, dense_layers=())
     quant = QuantConfig(groups=((("Linear",), Int4Weights(32, True)),), ignore=())

@@ -12,7 +12,7 @@ calls, runs the W4A16 Triton kernel instead for the 1-64 rows of decode and veri
 the launch shape (tiles, slices of K) `tune_int4` timed at start-up.
 That kernel and the fused int4 experts (`kernels.moe`) share their inner loops: 2-64 rows (and
 the experts' blocks) dequantize weight tiles in registers for the tensor cores (`int4_tile`);
-one row (and each of a decode's few expert pairs) sums on the CUDA cores (`int4_row_sum`).
+one row sums on the CUDA cores (`int4_row_sum`).
 """
 
 from __future__ import annotations

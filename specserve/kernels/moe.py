@@ -9,9 +9,7 @@ in a CUDA graph.
                    marked with the expert count and their programs exit at once. Torch ops;
                    decode and verify sizes take `kernels.moe_routing.fused_align`, one program.
 - ``fused_experts`` gate_up with silu(gate) * up fused (one kernel), then down times the routing
-                   weight (a second), then the top_k rows of each token summed (a third). A
-                   decode's few int4 pairs (INT4_PAIR_ROWS) take one row GEMV per pair instead
-                   (`_pair_experts`): no alignment and no padded rows.
+                   weight (a second), then the top_k rows of each token summed (a third).
 
 Roundings follow the reference (`model.moe.MoE`): each product is accumulated in float32 and
 rounded to the model's dtype where `linear` rounds, silu and the routing weight are applied as
@@ -37,14 +35,14 @@ import torch
 
 from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton
-from specserve.kernels.int4 import PACK, PROGRAMS_PER_SM, gemv_tiles, k_slices, row_sum_fits
+from specserve.kernels.int4 import PACK
 from specserve.kernels.moe_routing import FLOATS, aligned_blocks, fused_align, fused_routing_fits
 
 if triton is not None:
     import triton.language as tl
 
     from specserve.kernels.common import wait_for_previous
-    from specserve.kernels.int4 import int4_row_sum, int4_tile
+    from specserve.kernels.int4 import int4_tile
 
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, cols, ROWS: tl.constexpr, K: tl.constexpr,
@@ -195,32 +193,6 @@ if triton is not None:
             tl.atomic_add(out_at, acc, mask=out_mask, sem="relaxed")
 
     @triton.jit
-    def _pair_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, y_ptr, ids_ptr, first, E, N: tl.constexpr, K: tl.constexpr,
-                          PAIRS_PER_ROW: tl.constexpr, GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr, PDL: tl.constexpr):
-        # Program (pair, n, s): one (token, expert) pair's input row (row pair // PAIRS_PER_ROW of
-        # x [.., K]) times BLOCK_N rows of its int4 expert [E, N, K] over input columns
-        # s*K_SPAN..(s+1)*K_SPAN, summed on the CUDA cores (`int4_row_sum`) into float32 y [P, N]:
-        # stored where one program spans K, else added to sums that start at zero. Pairs routed
-        # to experts another rank holds are skipped, their rows unwritten.
-        pair = tl.program_id(0)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        nmask = offs_n < N
-        k_lo = tl.program_id(2) * K_SPAN
-        wait_for_previous(PDL)
-        e = tl.load(ids_ptr + pair) - first
-        if (e < 0) | (e >= E):
-            return
-        x_row = x_ptr + (pair // PAIRS_PER_ROW).to(tl.int64) * K
-        acc = int4_row_sum(x_row, w_ptr, s_ptr, z_ptr, e.to(tl.int64) * N + offs_n, nmask, k_lo,
-                           tl.minimum(k_lo + K_SPAN, K), K, GROUPS, HAS_ZERO, BLOCK_N, BLOCK_K, False)
-        y_at = y_ptr + pair.to(tl.int64) * N + offs_n
-        if K_SPAN >= K:
-            tl.store(y_at, acc, mask=nmask)
-        else:
-            tl.atomic_add(y_at, acc, mask=nmask, sem="relaxed")
-
-    @triton.jit
     def _combine_kernel(y_ptr, rw_ptr, ids_ptr, add_ptr, out_ptr, first, E, H: tl.constexpr, TOP_K: tl.constexpr,
                         SPLIT: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # Program (token, n): BLOCK output features of one token, its TOP_K rows of y [P, H]
@@ -336,11 +308,6 @@ INT4_FEW_TILES = Tiles(block_n=64, block_k=64, split_k=4, swap=True)
 INT4_TILES = Tiles(block_n=128, block_k=64, swap=True)
 
 
-# int4 experts for at most this many pairs (a decode of one or two tokens at top-8) take one
-# program row per pair instead (`_pair_experts`): no alignment, no padding rows, and each
-# value dequantized once on the CUDA cores rather than into a tensor-core tile.
-INT4_PAIR_ROWS = 16
-PAIR_TILE = gemv_tiles(1)  # the per-pair programs' BLOCK_N, BLOCK_K and warps: the dense one-row GEMV's
 
 
 def default_tiles(pairs: int, int4: bool) -> Tiles:
@@ -398,9 +365,6 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     top_k = ids.shape[1]
     P = N * top_k
     int4 = not isinstance(w2, torch.Tensor)
-    if int4 and tiles is None and P <= INT4_PAIR_ROWS and all(
-            row_sum_fits(expert_shape(w)[2], w.scale.shape[-1]) for w in (w13, w2)):
-        return _pair_experts(x.contiguous(), weights, ids, w13, w2, first, add)
     tiles = tiles or default_tiles(P, int4)
     block_m = block_m_for(P, E)
     align = fused_align if fused_routing_fits(N, top_k, E) else align_pairs  # (one program, or torch ops)
@@ -433,41 +397,6 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
         out, rw, ids.contiguous(), y if add is None else add.contiguous(), y, first, E, H=H, TOP_K=top_k, SPLIT=split_i,
         ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
-    return y
-
-
-def _pair_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Int4Stack, w2: Int4Stack,
-                  first: int, add: torch.Tensor | None) -> torch.Tensor:
-    """`fused_experts` for a few pairs of int4 experts, a row GEMV per pair: gate_up's float32
-    sums [P, 2I], silu(gate) * up rounded as the reference rounds (`_swiglu_kernel`), down's
-    float32 sums [P, H], then each token's rows times their routing weights summed by
-    `_combine_kernel` as after a split down kernel. A product with too few programs to fill the
-    GPU (`kernels.int4.PROGRAMS_PER_SM`) also cuts its input columns into slices."""
-    N, H = x.shape
-    E, _, I = expert_shape(w2)
-    top_k = ids.shape[1]
-    P = N * top_k
-    block_n, block_k, warps = PAIR_TILE
-    ids = ids.contiguous()
-    consts = dict(BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, **pdl_args(x))
-
-    def product(inp, w: Int4Stack, N: int, K: int, per_row: int) -> torch.Tensor:
-        blocks = triton.cdiv(N, block_n)
-        wanted = triton.cdiv(PROGRAMS_PER_SM * common.sm_count(x.device), P * blocks)
-        span, splits = k_slices(K, block_k, wanted)
-        y = (torch.zeros if splits > 1 else torch.empty)(P, N, dtype=torch.float32, device=x.device)
-        _pair_gemv_kernel[(P, blocks, splits)](inp, y_ptr=y, ids_ptr=ids, first=first, E=E, N=N, K=K,
-                                               PAIRS_PER_ROW=per_row, K_SPAN=span, **_int4_args(w), **consts)
-        return y
-
-    g = product(x, w13, 2 * I, H, top_k)
-    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    _swiglu_kernel[(P, triton.cdiv(I, 1024))](g, h, I=I, BLOCK=1024, **pdl_args(x))
-    out = product(h, w2, H, I, 1)
-    y = torch.empty_like(x)
-    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
-        out, weights.contiguous(), ids, y if add is None else add.contiguous(), y, first, E, H=H, TOP_K=top_k,
-        SPLIT=True, ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
     return y
 
 
