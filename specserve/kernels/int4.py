@@ -10,9 +10,8 @@ These are plain functions over any leading dimensions, so dense linears and stac
 [E, N, K/8] share them. `int4_linear` is the reference product; `int4_matmul`, what Int4Linear
 calls, runs the W4A16 Triton kernel instead for the 1-64 rows of decode and verify on CUDA, in
 the launch shape (tiles, slices of K) `tune_int4` timed at start-up.
-That kernel and the fused int4 experts (`kernels.moe`) share their inner loops: 2-64 rows (and
-the experts' blocks) dequantize weight tiles in registers for the tensor cores (`int4_tile`);
-one row sums on the CUDA cores (`int4_row_sum`).
+Its 2-64 rows and the fused int4 experts (`kernels.moe`) dequantize weight tiles in registers for
+the tensor cores by one Triton helper, `int4_tile`; its one row sums on the CUDA cores (`_row_sum`).
 """
 
 from __future__ import annotations
@@ -244,8 +243,8 @@ if triton is not None:
         return acc + (run - offset * xs) * scale
 
     @triton.jit
-    def int4_row_sum(x_ptr, w_ptr, s_ptr, z_ptr, rows, nmask, k_lo, k_hi, K: tl.constexpr, GROUPS: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _row_sum(x_ptr, w_ptr, s_ptr, z_ptr, rows, nmask, k_lo, k_hi, K: tl.constexpr, GROUPS: tl.constexpr,
+                 HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """One row x [K] times the int4 weight's rows `rows` [BLOCK_N] (where `nmask`) over
         columns k_lo..k_hi in steps of BLOCK_K, as float32 [BLOCK_N] (`_row_dot`). A step's words
         form runs inside one scale group (one run per step where a group holds it, one per
@@ -275,7 +274,7 @@ if triton is not None:
         Program (n, s, m) owns BLOCK_N output features and BLOCK_M rows over SPAN_STEPS steps of
         BLOCK_K input columns from s*SPAN_STEPS*BLOCK_K (a runtime count: one compiled kernel
         serves every split, and the steps stay BLOCK_K-aligned for wide loads). One row sums on
-        the CUDA cores (`int4_row_sum`); more rows dequantize a [BLOCK_K, BLOCK_N] tile of W^T
+        the CUDA cores (`_row_sum`); more rows dequantize a [BLOCK_K, BLOCK_N] tile of W^T
         in x's dtype in registers each step (`int4_tile`) for the tensor cores; both accumulate
         in float32. Under SPLIT y is the float32 partial sums [splits, M, N], which
         `_split_sum_kernel` adds up (and biases) in a fixed order: no atomics, so the result is
@@ -287,8 +286,8 @@ if triton is not None:
         k_lo = split * SPAN_STEPS * BLOCK_K
         k_hi = tl.minimum(k_lo + SPAN_STEPS * BLOCK_K, K)
         if ONE_ROW:
-            acc = int4_row_sum(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, nmask, k_lo, k_hi, K, GROUPS, HAS_ZERO,
-                               BLOCK_N, BLOCK_K, PDL)
+            acc = _row_sum(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, nmask, k_lo, k_hi, K, GROUPS, HAS_ZERO,
+                           BLOCK_N, BLOCK_K, PDL)
         else:
             # Rows padded to BLOCK_M (at least 16) for the tensor cores, as W^T x^T (the MoE
             # kernels' SWAP): the dequantized tile is the left operand of Hopper's warp-group
@@ -344,12 +343,6 @@ def gemv_tiles(rows: int) -> tuple[int, int, int]:
 PROGRAMS_PER_SM = 4
 
 
-def row_sum_fits(K: int, groups: int) -> bool:
-    """Whether `int4_row_sum` serves a weight of K input columns in `groups` scale groups: it
-    sums groups of whole packed words (groups of fewer columns take the tensor-core tiles)."""
-    return K // groups % PACK == 0
-
-
 def default_config(N: int, K: int, rows: int, device: torch.device) -> tuple:
     """The launch shape (BLOCK_N, BLOCK_K, warps, splits) where no tuning chose one: K cut into
     enough slices that the GPU runs about PROGRAMS_PER_SM programs per SM, but no more than a
@@ -383,7 +376,7 @@ def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     block_n, block_k, warps, splits, *fixed_m = cfg or default_config(N, K, M, x2.device)
     block_m = fixed_m[0] if fixed_m else max(16, triton.next_power_of_2(M))
     span, splits = k_slices(K, block_k, splits)
-    one_row = M == 1 and not fixed_m and row_sum_fits(K, groups)
+    one_row = M == 1 and not fixed_m and K // groups % PACK == 0  # (`_row_sum` sums groups of whole words)
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     out = torch.empty(splits, M, N, dtype=torch.float32, device=x2.device) if splits > 1 else y
     _int4_gemv_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](

@@ -253,7 +253,10 @@ def _weight_args(w: Experts) -> dict:
     if isinstance(w, torch.Tensor):
         w = w.contiguous()
         return dict(w_ptr=w, s_ptr=w, z_ptr=w, GROUPS=1, INT4=False, HAS_ZERO=False)
-    return _int4_args(w) | {"INT4": True}
+    scale = w.scale.contiguous()
+    zero = w.zero.contiguous() if w.zero is not None else scale  # (the scales again where there are none)
+    return dict(w_ptr=w.packed.contiguous(), s_ptr=scale, z_ptr=zero, GROUPS=scale.shape[-1], INT4=True,
+                HAS_ZERO=w.zero is not None)
 
 
 def fused_experts_supported(w13: Experts, w2: Experts) -> bool:
@@ -306,8 +309,6 @@ FLOAT_TILES = Tiles()
 INT4_FEW_PAIRS = 16
 INT4_FEW_TILES = Tiles(block_n=64, block_k=64, split_k=4, swap=True)
 INT4_TILES = Tiles(block_n=128, block_k=64, swap=True)
-
-
 
 
 def default_tiles(pairs: int, int4: bool) -> Tiles:
@@ -398,12 +399,3 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
         out, rw, ids.contiguous(), y if add is None else add.contiguous(), y, first, E, H=H, TOP_K=top_k, SPLIT=split_i,
         ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
     return y
-
-
-def _int4_args(w: Int4Stack) -> dict:
-    """An int4 stack's words, scales, zero points (the scales again where there are none), group
-    count and zero-point switch, as the kernels take them."""
-    scale = w.scale.contiguous()
-    zero = w.zero.contiguous() if w.zero is not None else scale
-    return dict(w_ptr=w.packed.contiguous(), s_ptr=scale, z_ptr=zero, GROUPS=scale.shape[-1],
-                HAS_ZERO=w.zero is not None)
