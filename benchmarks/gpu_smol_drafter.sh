@@ -9,7 +9,7 @@
 # human turn with its history, the bench's first conversations held out), answered by the target itself through
 # its chat template (--regenerate); the loss scores the responses only. Regeneration gets half the budget; a run
 # cut short keeps prompts of every length, and the log says so ("regeneration time is up").
-# Bench: MT-Bench and HumanEval (BENCH_DATA), batch 1 and 16. The drafter comes back in $OUT/draft
+# Bench: MT-Bench and HumanEval (BENCH_DATA), batch 1 and 16, PEERS=hf adds transformers' generate(). The drafter comes back in $OUT/draft
 # (config.json + model.safetensors + training_summary.json).
 # A run longer than one call: WORK=a folder under /tmp (it persists while the machine stays warm).
 # The run lives there (regenerated samples, checkpoint); each call resumes it where the last one
@@ -58,7 +58,7 @@ timeout "${BENCH_SECONDS:-240}" python3 -m specserve bench --model "$GGUF" --dra
   --dataset ${BENCH_DATA:-.device/mt-bench.jsonl .device/humaneval.jsonl} \
   --configs ${CONFIGS:-baseline eagle3:steps=1 eagle3:steps=2 eagle3:steps=4 eagle3:adaptive,steps=6} \
   --batch-sizes ${BATCHES:-1 16} --num-prompts "${NUM_PROMPTS:-16}" --max-tokens 128 --warmup 1 --repeats 2 \
-  --peers --out "$OUT/bench.json" --markdown "$OUT/bench.md" --no-progress > "$OUT/bench.log" 2>&1
+  --peers ${PEERS:-} --out "$OUT/bench.json" --markdown "$OUT/bench.md" --no-progress > "$OUT/bench.log" 2>&1
 grep "^| " "$OUT/bench.md" | head -40
 tail -3 "$OUT/bench.log"
 date -u

@@ -619,6 +619,26 @@ def test_policy_with_seeded_costs_needs_no_exploration():
     assert unseeded.predicted_cost(4, 0) is None
 
 
+def test_policy_skips_a_first_live_timing_that_is_warm_up():
+    """The grown MoE pair at batch 64: K=1 at bucket 32 was first run at a batch size start-up never
+    timed and took 728 ms (a kernel compiled) against ~5 ms predicted; learned as its cost, it kept
+    K=1 out of that bucket for good. The first such outlier is skipped; a second slow timing counts."""
+    from specserve.spec.policy import WARMUP_OUTLIER, SpecPolicy
+
+    policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=1)
+    policy.seed_costs({(32, 0): 0.003, (32, 1): 0.005})
+    policy.observe_cost(27, 1, 0.728)
+    assert policy.predicted_cost(32, 1) == pytest.approx(0.005) and policy.tries[(32, 1)] == 1
+    policy.observe_cost(27, 1, 0.006)  # the next cycle of that shape runs at its true cost
+    assert policy.predicted_cost(32, 1) == pytest.approx(0.006)
+    # A K that is truly slow is learned from its second timing on, however far above its seed.
+    slow = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=1)
+    slow.seed_costs({(1, 0): 0.001, (1, 1): 0.001})
+    for _ in range(2):
+        slow.observe_cost(1, 1, 2 * WARMUP_OUTLIER * 0.001)
+    assert slow.predicted_cost(1, 1) == pytest.approx(0.008)
+
+
 def test_startup_times_a_bounded_grid_and_logs_progress(pair, caplog):
     """Adaptive start-up times a few (batch bucket, K) points, logging each, and seeds every
     (bucket, K) pair from them."""

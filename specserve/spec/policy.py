@@ -19,7 +19,8 @@ runner times plain steps and K-cycles on dummy rows at a few buckets and K,
 what that timing cannot see (host bookkeeping, longer contexts), one per bucket
 for plain steps and one for speculative cycles, moving averages of (measured -
 seeded). Without seeded costs (e.g. a test that skips the start-up measurement)
-every (bucket, K) is tried twice before the model trusts its numbers.
+every (bucket, K) is tried twice before the model trusts its numbers; with them, a first live
+timing far above its prediction (WARMUP_OUTLIER) is taken for one-off warm-up and skipped.
 
 Every EXPLORE_EVERY-th choice at a bucket runs the K with the stalest live cost
 among those within EXPLORE_WITHIN of the best, judged optimistically (by the lower of
@@ -44,6 +45,9 @@ EXPLORE_WITHIN = 0.7  # explore a K only if its optimistic tokens/s is at least 
 # A K > 0 explored from plain decoding first catches the drafter up on the plain steps before it, so at a
 # bucket each exploration of any K > 0 that leaves plain best doubles the decisions before the next, up to this.
 EXPLORE_MAX_GAP = 16 * EXPLORE_EVERY
+# The first live timing of a (bucket, K) may be a batch size start-up did not time, paying one-off warm-up
+# (kernels compiled, graphs captured): above this multiple of its prediction it is skipped; a second is kept.
+WARMUP_OUTLIER = 4.0
 
 
 def _bucket(B: int) -> int:
@@ -196,7 +200,9 @@ class SpecPolicy:
         n = self.tries.get(key, 0)
         self.tries[key] = n + 1
         self.last_seen[key] = self.decisions.get(key[0], 0)
-        if key in self.seeded:  # (start-up timing already ran this shape: no warm-up left to skip)
+        if n == 0 and key in self.seeded and seconds > WARMUP_OUTLIER * self.predicted_cost(*key):
+            return  # a batch size of the bucket that start-up did not time, paying its warm-up: not learned from
+        if key in self.seeded:
             okey = (key[0], K > 0)
             old = self.offset.get(okey)
             diff = seconds - self.seeded[key]
