@@ -639,6 +639,27 @@ def test_policy_skips_a_first_live_timing_that_is_warm_up():
     assert slow.predicted_cost(1, 1) == pytest.approx(0.008)
 
 
+def test_policy_is_not_moved_by_one_slow_step():
+    """H200, SmolLM2 at batch 1: plain decoding is best (0.59 ms a step against 1.45 ms for K=2's
+    ~1.75 tokens). One plain step timed slow (a host pause) priced plain decoding out for dozens of
+    steps under a moving average; the median of recent timings ignores it, and follows a lasting change."""
+    from specserve.spec.policy import LIVE_WINDOW, SpecPolicy
+
+    policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
+    policy.seed_costs({(1, 0): 0.6e-3, (1, 1): 1.0e-3, (1, 2): 1.1e-3})
+    for _ in range(50):
+        policy.observe_acceptance(2, [1], 1)
+    for K, sec in ((0, 0.59e-3), (1, 1.40e-3), (2, 1.45e-3)):
+        for _ in range(LIVE_WINDOW):
+            policy.observe_cost(1, K, sec)
+    policy.observe_cost(1, 0, 5e-3)  # the one slow plain step
+    assert policy.predicted_cost(1, 0) == pytest.approx(0.59e-3)
+    assert [policy.choose(1) for _ in range(20)] == [0] * 20
+    for _ in range(LIVE_WINDOW // 2 + 1):  # plain steps that stay slow are learned
+        policy.observe_cost(1, 0, 5e-3)
+    assert policy.predicted_cost(1, 0) == pytest.approx(5e-3) and policy.choose(1) > 0
+
+
 def test_startup_times_a_bounded_grid_and_logs_progress(pair, caplog):
     """Adaptive start-up times a few (batch bucket, K) points, logging each, and seeds every
     (bucket, K) pair from them."""

@@ -12,9 +12,10 @@ K where the shorter is faster. The policy
 picks the K with the highest expected tokens per second at the current batch size,
 K = 0 included, so speculation is used only where it pays.
 
-Costs per (batch bucket, K): once a K has run at a bucket, a moving average of
-its live step times; before that, the start-up measurement (`seed_costs`: the
-runner times plain steps and K-cycles on dummy rows at a few buckets and K,
+Costs per (batch bucket, K): once a K has run at a bucket, the median of its last
+LIVE_WINDOW live step times (one slow step, a pause of the host, moves no median, where a
+moving average would price plain decoding out for dozens of steps); before that, the
+start-up measurement (`seed_costs`: the runner times plain steps and K-cycles on dummy rows at a few buckets and K,
 `startup_grid`, and `interpolate_costs` fills in the rest) plus a learned offset for
 what that timing cannot see (host bookkeeping, longer contexts), one per bucket
 for plain steps and one for speculative cycles, moving averages of (measured -
@@ -36,9 +37,12 @@ an exploration whose own timing would make its K the best ends the wait.
 
 from __future__ import annotations
 
+from collections import deque
+
 from specserve.config import EngineConfig
 
 _EMA = 0.2
+LIVE_WINDOW = 9  # live timings a (bucket, K)'s cost is the median of
 OWN_PRIOR = 8  # sequence-cycles of weight the pooled model keeps in a K's own tokens-per-cycle mean
 EXPLORE_EVERY = 24
 EXPLORE_WITHIN = 0.7  # explore a K only if its optimistic tokens/s is at least this share of the best
@@ -106,6 +110,7 @@ class SpecPolicy:
         self.fixed = None if cfg.spec.adaptive else cfg.spec.steps
         self.k_max = k_max
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds per step, measured live
+        self.recent: dict[tuple[int, int], deque] = {}  # (bucket, K) -> its last LIVE_WINDOW live timings
         self.tries: dict[tuple[int, int], int] = {}
         self.seeded: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds, from start-up
         self.offset: dict[tuple[int, bool], float] = {}  # (bucket, speculative?) -> live - seeded
@@ -211,8 +216,9 @@ class SpecPolicy:
             return  # the first run of a shape pays warm-up costs; don't learn from it
         if K and key[0] in self.explored and self._would_win(key[0], B, K, seconds):
             self.explored.pop(key[0], None)  # this timing would make K the best: worth another look soon
-        old = self.cost.get(key)
-        self.cost[key] = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        recent = self.recent.setdefault(key, deque(maxlen=LIVE_WINDOW))
+        recent.append(seconds)
+        self.cost[key] = sorted(recent)[(len(recent) - 1) // 2]
 
     def snapshot(self) -> dict:
         """Per bucket and K: start-up and live cost (ms) and how often K was timed (bench details)."""
