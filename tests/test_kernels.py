@@ -280,6 +280,12 @@ def test_cpu_linear_tuning(monkeypatch):
     monkeypatch.setattr(cpu_linear, "_cpu_us", lambda fn, reps=20: next(times))
     cpu_linear.tune_linear_cpu(ws[:1])
     assert ws[0].cpu_plan.by_rows[1:5] == ("mkl", "mkl", "onednn", "onednn")
+    # An engine whose widest step is 6 rows times up to 8 rows: wider products (prefill) take MKL.
+    times = iter([1.0, 2.0, 2.0, 1.0, 2.0, 1.0, 2.0, 1.0])  # (MKL, oneDNN) at 1 2 4 8 rows only
+    cpu_linear.tune_linear_cpu(ws[:1], max_rows=6)
+    by_rows = ws[0].cpu_plan.by_rows
+    assert by_rows[1:9] == ("mkl",) + ("onednn",) * 7 and set(by_rows[9:]) == {"mkl"}
+    assert next(times, None) is None  # every measurement taken, none more
     b = torch.randn(512, generator=g)
     for w in ws:
         for rows in (1, 2, 3, 5, 9, 64):

@@ -133,8 +133,9 @@ class ModelRunner:
             if p is not None and p.dim() == 2 and p.data_ptr() not in seen:
                 seen.add(p.data_ptr())
                 weights.append(p)
-        if self.device.type == "cuda":  # up to the widest product a step runs: all rows, each verifying room + 1
-            max_rows = min(GEMV_ROWS[-1], self.rows * (self.room + 1))
+        max_rows = self.rows * (self.room + 1)  # the widest product a step runs: all rows, each verifying room + 1
+        if self.device.type == "cuda":
+            max_rows = min(GEMV_ROWS[-1], max_rows)
             report = tune_linear(weights, max_rows=max_rows, invariant=self.cfg.batch_invariant)
             int4 = [(m.weight_packed, m.weight_scale, m.weight_zero_point) for model in (self.target, self.drafter)
                     if model is not None for m in model.modules() if isinstance(m, Int4Linear)]
@@ -143,7 +144,7 @@ class ModelRunner:
             for w in weights:  # (the drafter's stacked weights already are)
                 if w.is_contiguous():
                     w.data = column_major_copy(w.data)
-            report = tune_linear_cpu(weights)
+            report = tune_linear_cpu(weights, max_rows=max_rows)
         if report:
             log.info("linear kernels tuned in %.1fs: %d weight shapes, %d (shape, rows) timings (details at DEBUG)",
                      time.perf_counter() - t0, len(report), sum(len(v) for v in report.values()))

@@ -56,19 +56,22 @@ def _cpu_us(fn, reps: int = 20) -> float:
 
 
 def _choices(times: dict[int, dict[str, float]]) -> tuple[str, ...]:
-    """The kernel for every row count 0..CPU_ROWS[-1] from the times measured at CPU_ROWS: the
-    fastest at the measured count at or above it; MKL unless another is 5% faster."""
+    """The kernel for every row count 0..CPU_ROWS[-1] from the times measured at (some of) CPU_ROWS:
+    the fastest at the count of CPU_ROWS at or above it; MKL unless another is 5% faster, and MKL
+    where that count was not measured (wider than any decode or verify step: prefill chunks)."""
     best = {}
     for rows, t in times.items():
         fastest = min(t, key=t.get)
         best[rows] = fastest if t[fastest] < 0.95 * t[MKL] else MKL
-    return tuple(best[next(r for r in CPU_ROWS if r >= max(rows, 1))] for rows in range(CPU_ROWS[-1] + 1))
+    return tuple(best.get(next(r for r in CPU_ROWS if r >= max(rows, 1)), MKL) for rows in range(CPU_ROWS[-1] + 1))
 
 
 @torch.inference_mode()
-def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
+def tune_linear_cpu(weights: list[torch.Tensor], max_rows: int = CPU_ROWS[-1]) -> dict:
     """Set `w.cpu_plan` on each of `weights` (CPU tensors): a CpuPlan, or None where MKL wins at
-    every row count measured. Timed once per shape, at the current torch thread count, each
+    every row count measured. Row counts are measured up to the first of CPU_ROWS that covers
+    `max_rows`, the widest decode or verify step (wider ones cost the most to time, and only
+    prefill runs them). Timed once per shape, at the current torch thread count, each
     kernel over all of the shape's weights in turn: a forward reads them from memory, not from
     cache, and that changes the winner at a few rows (a kernel that computes faster loses to one
     that streams faster). Returns {"NxK": {rows: {kernel: us}}, ...} for logging."""
@@ -99,7 +102,7 @@ def tune_linear_cpu(weights: list[torch.Tensor]) -> dict:
         if ops is not None and dtype == torch.float32:
             copies[NATIVE] = [cpu_native.pack_panels(w) for w in group]
         times = {}
-        for rows in CPU_ROWS:
+        for rows in CPU_ROWS[: next(i for i, r in enumerate(CPU_ROWS) if r >= min(max_rows, CPU_ROWS[-1])) + 1]:
             x = torch.randn(rows, shape[1], dtype=dtype)
             times[rows] = {k: _cpu_us(lambda: products(k, x, c, shape[0]), reps=max(1, 20 // len(group))) / len(group)
                            for k, c in copies.items() if k != NATIVE or rows <= cpu_native.MAX_ROWS}

@@ -35,7 +35,7 @@ def _build():
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     except ImportError:
         pass
-    log.info("building the native CPU kernels (once per machine, about a minute)")
+    log.info("loading the native CPU kernels (built once per machine: about a minute the first time)")
     return load(name="specserve_cpu_kernels", sources=[str(_SOURCE)],
                 extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False)
 

@@ -14,6 +14,7 @@ put back here. Qwen2/Qwen3 files keep the Hugging Face order.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -58,12 +59,23 @@ _FILE_DTYPES = {0: "float32", 1: "float16", 32: "bfloat16"}
 
 
 def _reader(path: Path):
+    """The file's reader, shared by every caller while the file is unchanged: parsing a real model's
+    metadata (its vocabulary is ~500,000 fields) takes seconds, and a load asks for it several times."""
+    try:
+        stat = Path(path).stat()
+    except OSError as e:
+        raise ConfigError(f"{path} is not a readable GGUF file: {e}") from None
+    return _cached_reader(str(path), stat.st_mtime_ns, stat.st_size)
+
+
+@functools.lru_cache(maxsize=2)
+def _cached_reader(path: str, mtime_ns: int, size: int):
     try:
         from gguf import GGUFReader
     except ImportError:
         raise ConfigError(f"{path} is a GGUF file, which needs the gguf package; run: pip install gguf") from None
     try:
-        return GGUFReader(str(path))
+        return GGUFReader(path)
     except (ValueError, OSError) as e:
         raise ConfigError(f"{path} is not a readable GGUF file: {e}") from None
 
