@@ -124,6 +124,30 @@ def test_assets_fit_the_size_budget():
     assert sum(p.stat().st_size for p in files) <= MAX_ASSET_BYTES
 
 
+def test_bundled_drafters_fit_and_are_the_defaults():
+    """Each known model's bundled drafter: a SpecForge-layout EAGLE-3 folder with its model card,
+    at most 16 MB, shipped as package data, and the drafter a run with that model defaults to."""
+    import tomllib
+
+    from specserve.config import DraftConfig
+    from specserve.engine.llm import default_pair
+    from specserve.model.catalog import KNOWN_MODELS, bundled_draft
+
+    package_data = tomllib.loads((Path(specserve.__file__).parents[1] / "pyproject.toml").read_text())
+    globs = package_data["tool"]["setuptools"]["package-data"]["specserve"]
+    assert "assets/demo/draft/*" in globs
+    for name, known in KNOWN_MODELS.items():
+        folder = Path(bundled_draft(name))
+        assert folder.name == known.draft and f"assets/{known.draft}/*" in globs
+        assert {"config.json", "model.safetensors", "README.md"} <= {p.name for p in folder.iterdir()}
+        assert sum(p.stat().st_size for p in folder.iterdir()) <= 16 * 1024 * 1024
+        assert DraftConfig.from_dir(str(folder)).draft_vocab_size > 0
+        assert default_pair(name, None) == (name, str(folder))
+        assert default_pair(name, "/elsewhere") == (name, "/elsewhere")  # a drafter given wins
+    assert default_pair(None, None) == (str(DEMO), str(DEMO / "draft"))
+    assert default_pair("/some/model", None) == ("/some/model", None)
+
+
 def test_heldout_prompts_are_not_stdlib(raw_tok):
     rows = [json.loads(line) for line in (DEMO / "heldout_prompts.jsonl").read_text().splitlines() if line.strip()]
     assert 24 <= len(rows) <= 64

@@ -262,6 +262,29 @@ def test_smollm2_greedy_tokens_equal_transformers():
         assert out.token_ids == ref
 
 
+@needs_smollm2
+@pytest.mark.slow
+def test_smollm2_with_its_bundled_drafter_equals_plain_decoding():
+    """`--model smollm2-135m-instruct` brings its bundled drafter: greedy speculative output equals
+    plain decoding token for token on chat and plain prompts, and the drafter is trained (a drafter
+    whose guesses never match would give 1.0 tokens a cycle)."""
+    from specserve.engine.llm import LLM, SamplingParams
+    from specserve.model.catalog import bundled_draft
+
+    kw = dict(device="cpu", dtype="float32", max_num_seqs=4, max_model_len=256)
+    spec = LLM(model=SMOLLM2, spec_steps=2, **kw)
+    assert spec.config.draft == bundled_draft(SMOLLM2)
+    chats = [spec.tokenizer.apply_chat_template([{"role": "user", "content": c}]) for c in CHAT]
+    prompts = [spec.tokenizer.encode(p) for p in PLAIN[:2] + chats]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    got = spec.generate(prompts, params)
+    del spec
+    plain = LLM(model=SMOLLM2, spec_steps=0, **kw).generate(prompts, params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in plain]
+    accepted, cycles = (sum(o.spec[k] for o in got) for k in ("accepted_tokens", "cycles"))
+    assert 1 + accepted / cycles > 1.2, [o.spec for o in got]
+
+
 def test_check_reads_a_gguf_without_loading_it(tiny_gguf):
     from specserve.ops.check import has_errors, run_checks
 

@@ -202,11 +202,11 @@ def run_offline(args, configs: list[BenchConfig], prompts: list[dict]) -> dict:
 def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t_begin: float) -> dict:
     import torch
 
-    from specserve.engine.llm import SamplingParams, demo_paths
+    from specserve.engine.llm import SamplingParams, default_pair
     from specserve.engine.tokenizer import Tokenizer
 
     model_dir = base_kw["model"]
-    draft_dir = args.draft or (demo_paths()[1] if args.model is None else None)
+    draft_dir = default_pair(args.model, args.draft)[1]
     base_kw["draft"] = draft_dir
     if any(c.name == "eagle3" for c in configs) and not draft_dir:
         where = ("the demo drafter (specserve/assets/demo/draft) is not built yet" if args.model is None

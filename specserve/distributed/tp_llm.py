@@ -44,7 +44,7 @@ from specserve import envs
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sequence import Sequence, SpecStats, Status
-from specserve.engine.llm import LLM, RequestOutput, demo_paths, prepare_requests
+from specserve.engine.llm import LLM, RequestOutput, default_pair, prepare_requests
 from specserve.engine.protocol import ServingEngine
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
@@ -155,10 +155,9 @@ class TPLLM:
         from specserve.model.loader import resolve_device
 
         _ensure_log_handler()
-        if model is None:
-            model, demo_draft = demo_paths()
-            if draft is None and engine_kwargs.get("spec_steps", 0):
-                draft = demo_draft
+        model, default_draft = default_pair(model, draft)
+        if draft is None and engine_kwargs.get("spec_steps", 0):
+            draft = default_draft
         if find_gguf(str(model)) is not None:
             raise ConfigError(f"--tp shards safetensors checkpoints; convert {model} first "
                               "(specserve convert-gguf IN.gguf OUT_DIR) and pass --model OUT_DIR")

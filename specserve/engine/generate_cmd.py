@@ -90,12 +90,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> dict:
     """Map CLI flags to LLM/EngineConfig keyword arguments (demo defaults applied)."""
-    from specserve.engine.llm import demo_paths
+    from specserve.engine.llm import default_pair
 
-    model, draft = args.model, args.draft
-    if model is None:
-        model, demo_draft = demo_paths()
-        draft = draft or demo_draft
+    model, draft = default_pair(args.model, args.draft)
     if args.max_num_seqs is not None:  # checked here too: bench raises the count to its largest batch
         check_max_num_seqs(args.max_num_seqs)
     K = args.spec_steps if args.spec_steps is not None else (4 if draft else 0)

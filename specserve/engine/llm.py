@@ -17,14 +17,25 @@ from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sequence import Sequence
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
+from specserve.model.catalog import bundled_draft
 from specserve.model.gguf import require_model
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "demo_paths"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "demo_paths", "default_pair"]
 
 
 def demo_paths() -> tuple[str, str | None]:
     draft = DEMO_DIR / "draft"
     return str(DEMO_DIR), (str(draft) if (draft / "config.json").exists() else None)
+
+
+def default_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:
+    """The target and the drafter a run defaults to: no model means the bundled demo pair, a known
+    model name brings the drafter bundled for it (model.catalog); a drafter given always wins."""
+    if model is None:
+        model, bundled = demo_paths()
+    else:
+        bundled = bundled_draft(model)
+    return model, draft or bundled
 
 
 @dataclass
@@ -61,10 +72,9 @@ def prepare_requests(tokenizer, prompts, sampling_params) -> tuple[list[list[int
 
 class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, on_graph_progress=None, **engine_kwargs):
-        if model is None:
-            model, demo_draft = demo_paths()
-            if draft is None and engine_kwargs.get("spec_steps", 0):
-                draft = demo_draft
+        model, default_draft = default_pair(model, draft)
+        if draft is None and engine_kwargs.get("spec_steps", 0):
+            draft = default_draft
         require_model(str(model))
         self.config = EngineConfig.from_kwargs(model=str(model), draft=draft, **engine_kwargs)
         self.tokenizer = Tokenizer(self.config.model)

