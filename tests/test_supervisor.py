@@ -414,9 +414,12 @@ def run_launch(args, tmp_path, timeout=300):
 
 def test_ctrl_c_stops_the_whole_tree(tmp_path):
     pidfile = tmp_path / "pids"
+    # Ctrl-C's default action in launch, also when pytest itself runs with SIGINT ignored (`cmd &` in a
+    # script, `nohup`): launch keeps an inherited SIG_IGN by design, and would then ignore this SIGINT.
     p = subprocess.Popen([PY, "-m", "specserve", "launch", "--stall-timeout", "30", "--grace", "1", "--",
                           PY, str(FAKE / "stubborn_tree.py"), "--pidfile", str(pidfile)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=fake_env(tmp_path))
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=fake_env(tmp_path),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     out = []
     try:
         deadline = time.monotonic() + 300
