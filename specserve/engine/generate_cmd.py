@@ -22,7 +22,8 @@ def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True)
     """Flags shared by generate, bench and serve (serve adapts by default and offers --no-adaptive instead)."""
     p.add_argument("--model", help="target: a Hugging Face model directory, a .gguf file (or a folder holding one) "
                    "or a known model name such as smollm2-135m-instruct (default: the bundled demo target)")
-    p.add_argument("--draft", help="EAGLE-3 drafter directory (default with the demo target: the demo drafter)")
+    p.add_argument("--draft", help="EAGLE-3 drafter directory (default: the one bundled for the target, for the "
+                                   "demo target and known models such as smollm2-135m-instruct)")
     p.add_argument("--spec-steps", type=int, default=None,
                    help="draft tokens per cycle K (default: 4 with a drafter, else 0 = plain decoding)")
     if adaptive_flag:
