@@ -15,7 +15,9 @@
 #   PHASE=bench BATCHES="16 64" bash benchmarks/grow_moe_gpu.sh  ~6-9 min (the reference MoE path runs
 #                                                            each chosen expert as its own kernels: at
 #                                                            batch 64 nearly all 128 experts, per layer)
-# Results under $OUT (grow_check.json, bench-<batches>.json/.md).
+#   PHASE=serve bash benchmarks/grow_moe_gpu.sh               the served figure: plain vs adaptive behind
+#                                                            `specserve serve`, CONCURRENCY (64) in flight
+# Results under $OUT (grow_check.json, bench-<batches>.json/.md, online-c<C>-{plain,adaptive}.json).
 # Env: PRESET (default qwen3-moe-30b-a3b; mixtral-8x7b needs ~88 GiB of disk: nvidia-h200-x2),
 #      LAYERS (fewer layers when the disk is short), W (where the pair is written), CONFIGS, BATCHES.
 set -u
@@ -59,8 +61,38 @@ elif [ "$PHASE" = bench ]; then
     --configs ${CONFIGS:-baseline eagle3:steps=3 eagle3:steps=5 eagle3:adaptive,steps=5} \
     --batch-sizes $BATCHES --num-prompts 2 --max-tokens 64 --warmup 1 --repeats 2 --peers \
     --out "$OUT/bench-$tag.json" --markdown "$OUT/bench-$tag.md" --no-progress 2>&1 | grep -v -i warn | tail -30
+elif [ "$PHASE" = serve ]; then
+  # The served figure: `specserve serve` loaded by `specserve bench --url` with CONCURRENCY requests in
+  # flight (finished ones replaced at once), plain decoding then adaptive K; ~4-6 min (two loads).
+  [ -f "$W/draft/config.json" ] || { echo "error: no grown pair in $W; run PHASE=grow first on this machine" >&2; exit 1; }
+  C=${CONCURRENCY:-64}
+  for mode in plain adaptive; do
+    if [ $mode = plain ]; then flags="--spec-steps 0 --no-adaptive"; else flags="--spec-steps ${SPEC_STEPS:-5}"; fi
+    python3 -m specserve serve --model "$W" --draft "$W/draft" $flags --max-num-seqs "$C" --port 8101 \
+      > "$OUT/serve-$mode.log" 2>&1 &
+    pid=$!
+    for _ in $(seq 1 150); do  # (until /health answers 200: loaded and graphs captured)
+      python3 -c "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8101/health', timeout=2)" \
+        2>/dev/null && break
+      sleep 2
+    done
+    timeout 240 python3 -m specserve bench --url http://127.0.0.1:8101 --concurrency "$C" \
+      --num-requests "${REQUESTS:-1024}" --max-tokens 64 --label "$mode" --out "$OUT/online-c$C-$mode.json" 2>&1 \
+      | grep -v -i warn | tail -6
+    kill -INT $pid; wait $pid
+  done
+  python3 - "$OUT" "$C" <<'EOF'
+import json, sys
+out, c = sys.argv[1], sys.argv[2]
+tok = {}
+for mode in ("plain", "adaptive"):
+    r = json.load(open(f"{out}/online-c{c}-{mode}.json"))["results"][0]
+    tok[mode] = r["tok_s"]["median"]
+    print(f"{mode}: {tok[mode]:.1f} tok/s, acceptance length {r['accept_length'] or '-'}")
+print(f"adaptive / plain at {c} in flight: {tok['adaptive'] / tok['plain']:.2f}x")
+EOF
 else
-  echo "error: PHASE must be grow, check or bench, got '$PHASE'" >&2
+  echo "error: PHASE must be grow, check, bench or serve, got '$PHASE'" >&2
   exit 1
 fi
 nvidia-smi --query-gpu=index,memory.used --format=csv
