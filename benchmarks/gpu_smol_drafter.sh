@@ -7,7 +7,7 @@
 # sha256; `bash benchmarks/smol_pieces.sh` cuts them); FROM=an earlier drafter to fine-tune. The call sends the session's own checkout.
 # Prompts: DATA, chat "messages" records (`python benchmarks/sharegpt_prompts.py OUT.jsonl.gz`: every ShareGPT
 # human turn with its history, the bench's first conversations held out), answered by the target itself through
-# its chat template (--regenerate); the loss scores the responses only. Regeneration gets half the budget; a run
+# its chat template (--regenerate); the loss scores the responses only. Regeneration may answer for REGEN_SHARE (0.5) of MINUTES from when it starts; a run
 # cut short keeps prompts of every length, and the log says so ("regeneration time is up").
 # Bench: MT-Bench and HumanEval (BENCH_DATA), batch 1 and 16, PEERS=hf adds transformers' generate(). The drafter comes back in $OUT/draft
 # (config.json + model.safetensors + training_summary.json).

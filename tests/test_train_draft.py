@@ -638,6 +638,42 @@ def test_regeneration_cut_by_its_deadline_keeps_prompts_of_every_length(tiny_pai
     assert any(k != groups[0] for k in kept), "every cut run kept only the shortest prompts"
 
 
+def test_regeneration_time_counts_from_when_it_starts(tiny_pair, tmp_path, monkeypatch):
+    """--regen-share is the share of --max-minutes regeneration may answer for, counted from when it
+    starts: reading and tokenizing the data before it (a minute for 30,000 chat records on a GPU
+    machine's host) once took most of a small share, and the run answered 1,889 of 33,826 prompts."""
+    from types import SimpleNamespace
+
+    root, target = tiny_pair
+    now = [1e9]
+    monkeypatch.setattr(td, "time", SimpleNamespace(time=lambda: now[0], perf_counter=time.perf_counter,
+                                                    strftime=time.strftime))
+    read = td.read_records
+
+    def slow_read(*args):
+        now[0] += 30.0  # reading the data takes 30 s
+        return read(*args)
+
+    class Started(Exception):
+        pass
+
+    def regenerate(target_dir, prompts, max_new, temperature, seed, device, batch, deadline, *rest):
+        raise Started(deadline)
+
+    monkeypatch.setattr(td, "read_records", slow_read)
+    monkeypatch.setattr(td, "regenerate_samples", regenerate)
+    t_start = now[0]
+    cfg = dict(regenerate=True, regen_prompts=8, regen_share=0.5, device="cpu", progress=False)
+    with pytest.raises(Started) as got:
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "d"), str(root / "data.txt"), minutes=2.0, **cfg))
+    assert got.value.args[0] - t_start == pytest.approx(30.0 + 60.0)  # 60 s from its start, not from the run's
+    now[0] = t_start = 2e9
+    with pytest.raises(Started) as got:  # never past the run's own deadline
+        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "e"), str(root / "data.txt"), minutes=0.6,
+                                      **{**cfg, "regen_share": 0.9}))
+    assert got.value.args[0] - t_start == pytest.approx(36.0)
+
+
 def test_regenerate_chat_records(tiny_pair, tmp_path):
     """Chat data: the target rewrites each last assistant turn; those samples are trained on."""
     from specserve.engine.tokenizer import Tokenizer

@@ -550,9 +550,11 @@ def _load_samples(path: Path) -> tuple[list[list[int]], list[int]]:
 
 def _prepare_samples(data, tok, eos, eos_id, rng, target_dir, regenerate, regen_prompts, regen_max_tokens,
                      regen_temperature, regen_prompt_len, regen_batch, max_len, seed, device, ck_dir: Path,
-                     resume: bool, regen_deadline, threads=None):
+                     resume: bool, regen_budget: tuple[float, float] | None, threads=None):
     """Training samples (token-id lists), where each one's scored tokens start, the file they
-    are kept in for --resume, and how many were regenerated."""
+    are kept in for --resume, and how many were regenerated. `regen_budget` is (seconds, run deadline):
+    regeneration may answer for that many seconds from when it starts, after the data is read and
+    tokenized (reading 30,000 chat records can take a minute), and never past the deadline."""
     records = read_records(data, eos_id)
     ck_dir.mkdir(parents=True, exist_ok=True)
     if not regenerate:
@@ -585,6 +587,7 @@ def _prepare_samples(data, tok, eos, eos_id, rng, target_dir, regenerate, regen_
         regen_file.write_text("")
     log(f"data: {len(records)} records from {data}; regenerating {len(prompts)} prompts x up to "
         f"{regen_max_tokens} new tokens (temperature {regen_temperature}, batch {regen_batch})")
+    regen_deadline = min(time.time() + regen_budget[0], regen_budget[1]) if regen_budget else None
     samples, starts = regenerate_samples(target_dir, prompts, regen_max_tokens, regen_temperature, seed, device, regen_batch,
                                  regen_deadline, eos, regen_file, threads)
     if not samples:
@@ -838,7 +841,7 @@ class TrainConfig:
     regen_max_tokens: int = 256
     regen_temperature: float = 0.0
     regen_prompt_len: tuple[int, int] = (32, 192)
-    regen_share: float = 0.35  # share of `minutes` regeneration may use
+    regen_share: float = 0.35  # share of `minutes` regeneration may answer for, from when it starts
     regen_batch: int = 64
     batch_tokens: int = 4096
     max_len: int = 512
@@ -949,7 +952,7 @@ def train_draft(config: TrainConfig) -> TrainResult:
             config.data, tok, eos, eos_id, rng, config.target_dir, config.regenerate, config.regen_prompts,
             config.regen_max_tokens, config.regen_temperature, config.regen_prompt_len, config.regen_batch, max_len,
             config.seed, config.device, ck_dir, config.resume,
-            t_start + config.regen_share * (deadline - t_start) if deadline else None, config.threads)
+            (config.regen_share * (deadline - t_start), deadline) if deadline else None, config.threads)
     held_out = None  # (samples, starts) the run never trains on, scored at the end
     if config.val_samples:
         if config.val_samples >= len(samples):

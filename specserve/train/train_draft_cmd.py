@@ -61,7 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--regen-prompt-len", type=_int_pair, default=(32, 192), metavar="LO,HI",
                    help="prompt prefix length range in tokens for plain-text data")
     p.add_argument("--regen-share", type=float, default=0.35,
-                   help="share of --max-minutes that regeneration may use")
+                   help="share of --max-minutes that regeneration may answer for, counted from when it "
+                        "starts (after the data is read and tokenized)")
     p.add_argument("--regen-batch", type=int, default=64, help="sequences generated at once")
     p.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints in OUT/checkpoint")
     p.add_argument("--resume", action="store_true",
