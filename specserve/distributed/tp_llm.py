@@ -155,9 +155,7 @@ class TPLLM:
         from specserve.model.loader import resolve_device
 
         _ensure_log_handler()
-        model, default_draft = default_pair(model, draft)
-        if draft is None and engine_kwargs.get("spec_steps", 0):
-            draft = default_draft
+        model, draft = default_pair(model, draft, speculating=bool(engine_kwargs.get("spec_steps", 0)))
         if find_gguf(str(model)) is not None:
             raise ConfigError(f"--tp shards safetensors checkpoints; convert {model} first "
                               "(specserve convert-gguf IN.gguf OUT_DIR) and pass --model OUT_DIR")

@@ -28,14 +28,15 @@ def demo_paths() -> tuple[str, str | None]:
     return str(DEMO_DIR), (str(draft) if (draft / "config.json").exists() else None)
 
 
-def default_pair(model: str | None, draft: str | None) -> tuple[str, str | None]:
+def default_pair(model: str | None, draft: str | None, speculating: bool = True) -> tuple[str, str | None]:
     """The target and the drafter a run defaults to: no model means the bundled demo pair, a known
-    model name brings the drafter bundled for it (model.catalog); a drafter given always wins."""
+    model name brings the drafter bundled for it (model.catalog); a drafter given always wins, and
+    none is filled in where the run does not speculate."""
     if model is None:
         model, bundled = demo_paths()
     else:
         bundled = bundled_draft(model)
-    return model, draft or bundled
+    return model, draft or (bundled if speculating else None)
 
 
 @dataclass
@@ -72,9 +73,7 @@ def prepare_requests(tokenizer, prompts, sampling_params) -> tuple[list[list[int
 
 class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, on_graph_progress=None, **engine_kwargs):
-        model, default_draft = default_pair(model, draft)
-        if draft is None and engine_kwargs.get("spec_steps", 0):
-            draft = default_draft
+        model, draft = default_pair(model, draft, speculating=bool(engine_kwargs.get("spec_steps", 0)))
         require_model(str(model))
         self.config = EngineConfig.from_kwargs(model=str(model), draft=draft, **engine_kwargs)
         self.tokenizer = Tokenizer(self.config.model)

@@ -88,6 +88,7 @@ def tune_linear_cpu(weights: list[torch.Tensor], max_rows: int = CPU_ROWS[-1]) -
     groups: dict[tuple, list[torch.Tensor]] = {}
     for w in weights:
         groups.setdefault((tuple(w.shape), w.dtype), []).append(w)
+    counts = CPU_ROWS[: next(i for i, r in enumerate(CPU_ROWS) if r >= min(max_rows, CPU_ROWS[-1])) + 1]
     report = {}
     for (shape, dtype), group in groups.items():
         copies = {MKL: group}
@@ -102,7 +103,7 @@ def tune_linear_cpu(weights: list[torch.Tensor], max_rows: int = CPU_ROWS[-1]) -
         if ops is not None and dtype == torch.float32:
             copies[NATIVE] = [cpu_native.pack_panels(w) for w in group]
         times = {}
-        for rows in CPU_ROWS[: next(i for i, r in enumerate(CPU_ROWS) if r >= min(max_rows, CPU_ROWS[-1])) + 1]:
+        for rows in counts:
             x = torch.randn(rows, shape[1], dtype=dtype)
             times[rows] = {k: _cpu_us(lambda: products(k, x, c, shape[0]), reps=max(1, 20 // len(group))) / len(group)
                            for k, c in copies.items() if k != NATIVE or rows <= cpu_native.MAX_ROWS}

