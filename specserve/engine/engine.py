@@ -61,6 +61,9 @@ class Engine(ServingEngine):
         # the user sees it for plain steps queued ahead (whose GPU time overlaps the previous step's
         # host work) and for speculative cycles (which may first wait for a dropped queued step).
         self._timing: tuple[int, int, float] | None = None
+        # Whether the caller waits for all it submitted together (LLM.generate): once nothing waits to be
+        # admitted, the adaptive policy then aims at the last running sequence's end (SpecPolicy.choose).
+        self.batch_job = False
         r = self.runner
         # Blocks a running sequence holds past its length: two cycles' writes (a draft may be queued
         # behind a verify) and a plain step queued ahead.
@@ -277,11 +280,30 @@ class Engine(ServingEngine):
         seqs = self.rows[: self.n_running]
         ov = self.overlap
         chosen, ov.chosen = ov.chosen, None
-        K = chosen if chosen is not None else (self.policy.choose(len(seqs)) if self.policy else 0)
+        K = chosen if chosen is not None else (self.policy.choose(len(seqs), self._job_remaining())
+                                               if self.policy else 0)
         self.last_k = K
         self._close_timing()
         self._timing = (len(seqs), K, time.perf_counter())
         return self._plain_step(seqs) if K == 0 else self._spec_step(seqs, K)
+
+    def _job_remaining(self) -> list[int] | None:
+        """Where a batch job's end is what counts (nothing waits for a row), the remaining token budgets
+        of its sequences: those decoding and those still in prefill, which are in the race too."""
+        if not self.batch_job or self.waiting:
+            return None
+        return [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.total_len)
+                for s in self.rows[: self.n_running + self.n_prefill]]
+
+    def _untimed(self, work) -> None:
+        """Run `work` outside the current step's timing (the device waited for on both sides)."""
+        self.runner.sync()
+        t0 = time.perf_counter()
+        work()
+        self.runner.sync()
+        if self._timing is not None:
+            B, K, start = self._timing
+            self._timing = (B, K, start + time.perf_counter() - t0)
 
     def _close_timing(self) -> None:
         """The last decode step's cost, from its start until now, to the adaptive policy."""
@@ -386,8 +408,12 @@ class Engine(ServingEngine):
         r, pr, ov = self.runner, self.proposer, self.overlap
         B = len(seqs)
         # A plain step queued ahead is dropped: it wrote only what this cycle rewrites (target KV
-        # from the current position on, drafter inputs past the pending ones).
-        ov.plain = None
+        # from the current position on, drafter inputs past the pending ones). The device still runs
+        # it: waited for outside the cycle's time, as a switch's cost, once per switch (charged to K,
+        # it would price every exploration of K from plain decoding a plain step too high).
+        if ov.plain is not None:
+            ov.plain = None
+            self._untimed(r.sync)
         ahead, ov.draft = ov.draft, None
         prof = self.profiling
         # Drafting is skipped (acceptance forced to 0) where the drafter would pass its trained positions.
@@ -405,12 +431,7 @@ class Engine(ServingEngine):
                 # is waited for on both sides, so its kernels are not charged either), which would
                 # otherwise raise K's moving average after every plain stretch (and each
                 # exploration of K from plain decoding would time it slow again).
-                r.sync()
-                t0 = time.perf_counter()
-                pr.catch_up(seqs, self.cfg.prefill_chunk)
-                r.sync()
-                B_, K_, start = self._timing
-                self._timing = (B_, K_, start + time.perf_counter() - t0)
+                self._untimed(lambda: pr.catch_up(seqs, self.cfg.prefill_chunk))
             if max(s.pending for s in seqs) > K + 1:
                 pr.flush(seqs, keep=1)
             marks = [Mark(self.device) for _ in range(2)] if prof else None
@@ -442,7 +463,7 @@ class Engine(ServingEngine):
             marks[4].record()
         results = host_lists(self.device, n_acc, grid)
         kept = ov.queue_draft(seqs, K, n_acc, pos0, sampling, not (self.waiting or self.n_prefill), self.policy, pr,
-                              prof)
+                              prof, self._job_remaining())
         acc_list, grid_list = results()  # the one host sync of the cycle
         lps = self._read_logprobs(seqs, lp)
         for b, seq in enumerate(seqs):

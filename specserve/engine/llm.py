@@ -99,10 +99,14 @@ class LLM:
             from tqdm import tqdm
 
             bar = tqdm(total=len(seqs), desc="generate", unit="req")
-        while any(s.finish_reason is None for s in seqs):
-            done = [s for s in self.engine.step() if s.finish_reason is not None]
-            if bar:
-                bar.update(len(done))
+        self.engine.batch_job = True  # the caller waits for all of them: what counts is when the last ends
+        try:
+            while any(s.finish_reason is None for s in seqs):
+                done = [s for s in self.engine.step() if s.finish_reason is not None]
+                if bar:
+                    bar.update(len(done))
+        finally:
+            self.engine.batch_job = False
         if bar:
             bar.close()
         return [self._output(s) for s in seqs]

@@ -88,7 +88,7 @@ class Overlap:
         return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < limit for s in seqs)
 
     def queue_draft(self, seqs, K: int, n_acc: torch.Tensor, pos0: torch.Tensor, sampling, batch_fixed: bool,
-                    policy, proposer, profile: bool) -> int:
+                    policy, proposer, profile: bool, remaining: list[int] | None = None) -> int:
         """Choose the next step's K now and, where the batch should stay as it is, queue that cycle's
         draft behind this cycle's verify: the GPU then drafts while the host reads and books this
         cycle's tokens, instead of idling through the cycle's host work. Its inputs are known on the
@@ -96,14 +96,15 @@ class Overlap:
         entries its draft has no room for, on the device too, so cycles after a switch down overlap
         as others do (otherwise the adaptive policy would time such K slower than they run and
         favour larger ones). Not when a sequence may end by length this cycle or new requests wait
-        (the batch would change). Returns how many pending entries each row keeps (K + 1: all)."""
+        (the batch would change). `remaining`: as for SpecPolicy.choose (budgets before this cycle's
+        tokens). Returns how many pending entries each row keeps (K + 1: all)."""
         if not self.enabled or not batch_fixed:
             return K + 1
         if not all(len(s.output_ids) + K + 1 < s.params.max_tokens and s.total_len + K + 1 < self.max_model_len
                    for s in seqs):
             return K + 1
         B = len(seqs)
-        K2 = self.chosen = policy.choose(B)
+        K2 = self.chosen = policy.choose(B, remaining)
         limit = proposer.max_pos
         if K2 == 0 or (limit is not None and any(s.num_cached + K + 1 + K2 > limit for s in seqs)):
             return K + 1

@@ -12,6 +12,15 @@ K where the shorter is faster. The policy
 picks the K with the highest expected tokens per second at the current batch size,
 K = 0 included, so speculation is used only where it pays.
 
+A batch job (`choose(B, remaining=...)`: the caller waits for every running sequence and
+nothing waits to replace those that end) is judged by when its last sequence ends instead.
+Its sequences need their remaining tokens in a number of cycles that varies with their
+acceptance luck, and the batch runs until the unluckiest is done: a K is rated by the
+tokens of the longest remaining sequence over the time of its expected cycles plus the
+expected maximum, over the batch's rows, of their deviation (a normal approximation with
+the tokens-per-cycle variance of the acceptance model). Plain decoding finishes every
+row together. With one row this is the tokens-a-second rule.
+
 Costs per (batch bucket, K): once a K has run at a bucket, the median of its last
 LIVE_WINDOW live step times (one slow step, a pause of the host, moves no median, where a
 moving average would price plain decoding out for dozens of steps); before that, the
@@ -37,7 +46,10 @@ an exploration whose own timing would make its K the best ends the wait.
 
 from __future__ import annotations
 
-from collections import deque
+import math
+from collections import Counter, deque
+from functools import lru_cache
+from statistics import NormalDist
 
 from specserve.config import EngineConfig
 
@@ -52,6 +64,12 @@ EXPLORE_MAX_GAP = 16 * EXPLORE_EVERY
 # The first live timing of a (bucket, K) may be a batch size start-up did not time, paying one-off warm-up
 # (kernels compiled, graphs captured): above this multiple of its prediction it is skipped; a second is kept.
 WARMUP_OUTLIER = 4.0
+
+
+@lru_cache(maxsize=1024)
+def _expected_max_normal(n: int) -> float:
+    """The expected maximum of n standard normal draws (Blom's approximation; 0 for one)."""
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25))
 
 
 def _bucket(B: int) -> int:
@@ -139,6 +157,16 @@ class SpecPolicy:
         tokens, n = self.own_tokens.get((tree, K), (0.0, 0))
         return (tokens + OWN_PRIOR * total) / (n + OWN_PRIOR)
 
+    def tokens_variance(self, K: int, tree: bool = False) -> float:
+        """Variance of the tokens a K-cycle yields, from the pooled acceptance model:
+        with A accepted drafts, E[A^2] = sum_i (2i - 1) P(A >= i)."""
+        run, mean, second = 1.0, 0.0, 0.0
+        for i, a in enumerate(self.acceptance(tree)[:K], 1):
+            run *= a
+            mean += run
+            second += (2 * i - 1) * run
+        return max(second - mean * mean, 0.0)
+
     def seed_costs(self, costs: dict[tuple[int, int], float]) -> None:
         """Start-up timings {(batch size, K): seconds}; batch sizes are mapped to their bucket."""
         for (B, K), seconds in costs.items():
@@ -155,14 +183,16 @@ class SpecPolicy:
         """The lower of K's live cost and its start-up cost without the offset (one of them known)."""
         return min(c for c in (self.cost.get((bucket, K)), self.seeded.get((bucket, K))) if c is not None)
 
-    def choose(self, B: int) -> int:
+    def choose(self, B: int, remaining: list[int] | None = None) -> int:
+        """K for the next step of B sequences; `remaining`: their remaining token budgets when they
+        are a batch job whose end is what counts (see the module docstring), else None."""
         if self.fixed is not None:
             K = self.fixed
         else:
             bucket = _bucket(B)
             n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
             tree = self.tree(B)
-            rate = self._rates(bucket, tree)
+            rate = self._rates(bucket, tree, remaining)
             untried = [k for k in range(self.k_max + 1) if k not in rate]
             if untried:
                 K = untried[0]
@@ -189,10 +219,27 @@ class SpecPolicy:
         last, gap = self.explored.get(bucket, (None, 0))
         return last is None or n - last >= gap
 
-    def _rates(self, bucket: int, tree: bool) -> dict[int, float]:
-        """Expected tokens a second for each K whose cost at `bucket` is known."""
+    def _rates(self, bucket: int, tree: bool, remaining: list[int] | None = None) -> dict[int, float]:
+        """Expected tokens a second for each K whose cost at `bucket` is known: of every row, or
+        for a batch job (`remaining`, more than one row) of the row expected to end last."""
         costs = {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
-        return {k: self.expected_tokens(k, tree) / c for k, c in costs.items() if c is not None}
+        if not remaining or len(remaining) < 2:
+            return {k: self.expected_tokens(k, tree) / c for k, c in costs.items() if c is not None}
+        # The m rows with the most tokens left (r_m, the least of them) end no sooner than r_m/E cycles
+        # plus the expected maximum of m normal deviations; the batch, by the largest of these.
+        tops, m = [], 0
+        for r, count in sorted(Counter(remaining).items(), reverse=True):
+            m += count
+            tops.append((r, _expected_max_normal(m)))
+        R = tops[0][0]
+        rates = {}
+        for k, c in costs.items():
+            if c is None:
+                continue
+            E, v = self.expected_tokens(k, tree), self.tokens_variance(k, tree)
+            cycles = max(r / E + z * math.sqrt(r * v / E**3) for r, z in tops)
+            rates[k] = R / (cycles * c)
+        return rates
 
     def _would_win(self, bucket: int, B: int, K: int, seconds: float) -> bool:
         """Whether K, at `seconds` a cycle, would yield more tokens a second than every other K."""
