@@ -8,7 +8,7 @@ Measures, at one torch thread count shared by every part:
   decode step only read the model's weights once at that rate);
 - specserve plain decoding, batch 1, greedy, `--new-tokens` tokens;
 - transformers `generate()` on the same GGUF (dequantized), static and dynamic cache;
-- where a decode step's wall time goes without a profiler: the layers' products, the LM head, the rest;
+- where a decode step's wall time goes without a profiler: the decoder layers, the LM head, the rest;
 - a per-op profile of specserve's decode steps (torch.profiler, self CPU time per op and shape,
   and the time no op accounts for: Python and host bookkeeping; the native kernels' calls are
   not ops to the profiler, so their time shows there too);
@@ -166,14 +166,14 @@ def profile_decode(llm, ids: list[int], steps: int) -> dict:
 
 
 def product_split(llm, ids: list[int], steps: int) -> dict:
-    """Per decode step, without the profiler's own cost per op: wall ms in the layers' products and
-    in the LM head (each call timed), and the rest (norms, rope, KV, attention, Python): where a
-    step's time goes when every op but the products runs with caches the weight stream left cold."""
-    import specserve.model.layers as layers
+    """Per decode step, without the profiler's own cost per op: wall ms in the decoder layers (each
+    call timed: products, norms, rope, KV, attention, one native call per layer where
+    `DecoderLayer._native_step` applies) and in the LM head, and the rest (embedding, final norm,
+    sampling, the engine's bookkeeping)."""
     from specserve import SamplingParams
 
     target = llm.engine.runner.target
-    spent = {"products": 0.0, "head": 0.0}
+    spent = {"layers": 0.0, "head": 0.0}
 
     def timed(fn, key):
         def call(*args, **kw):
@@ -183,22 +183,24 @@ def product_split(llm, ids: list[int], steps: int) -> dict:
             return out
         return call
 
-    inner = layers.linear
-    layers.linear, target.logits = timed(inner, "products"), timed(target.logits, "head")
+    for layer in target.layers:
+        layer.forward = timed(layer.forward, "layers")
+    target.logits = timed(target.logits, "head")
     try:
         runs = []
         for n in (1, steps + 1):  # the prefill alone, then with `steps` decode steps: the difference is theirs
-            spent.update(products=0.0, head=0.0)
+            spent.update(layers=0.0, head=0.0)
             out = llm.generate([ids], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))[0]
             runs.append((dict(spent), out.latency_s - out.ttft_s))
     finally:
-        layers.linear = inner
+        for layer in target.layers:
+            del layer.forward
         del target.logits
     (pre, _), (full, decode_s) = runs
     ms = {k: (full[k] - pre[k]) * 1e3 / steps for k in spent}
     step = decode_s * 1e3 / steps
-    return {"step_ms": round(step, 3), "layer_products_ms": round(ms["products"], 3), "lm_head_ms": round(ms["head"], 3),
-            "rest_ms": round(step - ms["products"] - ms["head"], 3)}
+    return {"step_ms": round(step, 3), "layers_ms": round(ms["layers"], 3), "lm_head_ms": round(ms["head"], 3),
+            "rest_ms": round(step - ms["layers"] - ms["head"], 3)}
 
 
 def main() -> None:

@@ -173,3 +173,29 @@ def test_cache_attention_matches_sdpa(ops, paged):
     got = ops.cache_attention(heads, H, attn.k_cache, attn.v_cache, ctx.read_blocks() if paged else None,
                               ctx.row_start, write_idx, ctx.kv_len, attn.scale)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("spec_steps", [0, 3])
+def test_native_layer_step_equals_the_layer_op_by_op(ops, spec_steps, monkeypatch):
+    """A decode or verify step's layers in one native call each (`DecoderLayer._native_step`) give the
+    tokens and log-probabilities of the same layers run op by op, for three rows of a paged batch,
+    plain and speculative (verify steps of 4 rows each), and the native call is what ran. (No prefix
+    cache: the second run computes its own KV.)"""
+    from specserve import LLM, SamplingParams
+    from specserve.model import transformer
+
+    prompts = ["def fib(n):", "The capital of France is", "import numpy as np\n"]
+    params = SamplingParams(temperature=0, max_tokens=20, logprobs=3, ignore_eos=True)
+    llm = LLM(spec_steps=spec_steps, device="cpu", max_num_seqs=3)
+    step = transformer.DecoderLayer._native_step
+    ran = []
+    monkeypatch.setattr(transformer.DecoderLayer, "_native_step",
+                        lambda self, *a: ran.append(step(self, *a)) or ran[-1])
+    native = llm.generate(prompts, params)
+    assert ran and all(r is not None for r in ran[-len(llm.engine.runner.target.layers):])
+    monkeypatch.setattr(transformer.DecoderLayer, "_native_step", lambda self, *a: None)
+    op_by_op = llm.generate(prompts, params)
+    for a, b in zip(native, op_by_op):
+        assert a.token_ids == b.token_ids
+        torch.testing.assert_close([t.logprob for t in a.logprobs], [t.logprob for t in b.logprobs],
+                                   rtol=1e-4, atol=1e-4)

@@ -14,13 +14,17 @@ from torch import nn
 
 from specserve.config import ConfigError, ModelConfig
 from specserve.distributed.parallel_state import tp_size
+from specserve.kernels.cpu_linear import NATIVE
+from specserve.kernels.cpu_native import MAX_ROWS, fused_ops
 from specserve.model.int4_linear import column_linear, linear_tensors, row_linear
 from specserve.model.layers import (
+    ColumnParallelLinear,
     ForwardContext,
     HotPathModule,
     KVCacheAttention,
     RMSNorm,
     RotaryEmbedding,
+    RowParallelLinear,
     SwiGLU,
     VocabParallelEmbedding,
     _divide,
@@ -92,16 +96,49 @@ class DecoderLayer(HotPathModule):
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, quant=cfg.quant,
                               prefix=prefix + "mlp.")
 
+        # The products a CPU step may run in one native call (`_native_step`): a plain dense layer's, unsharded.
+        attn, mlp = self.self_attn, self.mlp
+        plain = isinstance(attn, SelfAttention) and attn.q_norm is None and isinstance(mlp, SwiGLU) and tp_size() == 1
+        products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if plain else ()
+        self.native_products = products if products and all(
+            type(m) in (ColumnParallelLinear, RowParallelLinear) and m.bias is None for m in products) else None
+
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """h: the previous sub-layer's output (the embeddings for layer 0), residual: the stream
         it adds to (None for layer 0). Residual adds are fused into the norms that follow them.
         Returns (MLP output, residual, the residual stream entering this layer)."""
+        if self.native_products is not None and not h.is_cuda:
+            out = self._native_step(h, residual, ctx)
+            if out is not None:
+                return out
         if residual is None:
             stream, x = h, self.input_layernorm(h)
         else:
             x, stream = self.input_layernorm(h, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, ctx), stream)
         return self.mlp(x), residual, stream
+
+
+    def _native_step(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
+        """`forward` in one native call (`cpu_native` dense_layer) for a float32 CPU step of at most
+        MAX_ROWS rows (no tree) whose four products the start-up tuning gave the panel GEMV at this
+        row count; None elsewhere. Between a small model's ops, Python costs more than the ops."""
+        rows = h.numel() // h.shape[-1]
+        if rows > MAX_ROWS or h.dtype != torch.float32 or ctx.tree_anc is not None or not h.is_contiguous():
+            return None
+        w = [m.weight for m in self.native_products]
+        plans = [getattr(x, "cpu_plan", None) for x in w]
+        native = fused_ops()
+        if native is None or any(p is None or p.by_rows[rows] != NATIVE for p in plans):
+            return None
+        a = self.self_attn
+        cos, sin = ctx.rope_tables(a.rope, h.dtype)
+        blocks = ctx.row_table() if ctx.block_table is not None else None
+        return tuple(native.dense_layer(
+            h, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
+            self.input_layernorm.eps, plans[0].panels, w[0].shape[0], plans[1].panels, w[1].shape[0],
+            plans[2].panels, w[2].shape[0], plans[3].panels, w[3].shape[0], a.heads, a.head_dim, cos, sin,
+            a.attn.k_cache, a.attn.v_cache, blocks, ctx.row_start, ctx.write_idx, ctx.kv_len, a.attn.scale))
 
 
 class CausalLM(nn.Module):

@@ -380,10 +380,37 @@ torch::Tensor cache_attention(const torch::Tensor& heads, int64_t H, const torch
   return out;
 }
 
+// One dense (Llama-style) decoder layer for a decode or verify step, the ops above in turn without a
+// return to Python between them (which costs more than the small ops themselves at a 135M model's
+// widths): h [B, T, hidden], residual as for add_rms_norm; weights as panels with their output
+// counts; the cache arguments as for rope_store_ / cache_attention. -> {mlp_out, residual, stream}:
+// the MLP's output, the residual stream it adds to, and the stream entering the layer.
+std::vector<torch::Tensor> dense_layer(const torch::Tensor& h, const c10::optional<torch::Tensor>& residual,
+                                       const torch::Tensor& ln1, const torch::Tensor& ln2, double eps,
+                                       const torch::Tensor& qkv, int64_t n_qkv, const torch::Tensor& o, int64_t n_o,
+                                       const torch::Tensor& gate_up, int64_t n_gu, const torch::Tensor& down,
+                                       int64_t n_down, int64_t H, int64_t D, const torch::Tensor& cos,
+                                       const torch::Tensor& sin, torch::Tensor& k_cache, torch::Tensor& v_cache,
+                                       const c10::optional<torch::Tensor>& blocks, int64_t row_start,
+                                       const torch::Tensor& write_idx, int64_t kv_len, double scale) {
+  TORCH_CHECK(h.dim() == 3 && n_qkv % D == 0, "h must be [B, T, hidden] and the qkv outputs whole heads");
+  const int64_t B = h.size(0), T = h.size(1), hidden = h.size(2);
+  auto normed = add_rms_norm(h, residual, ln1, eps);  // {norm, stream}
+  auto heads = panel_linear(normed[0].view({B * T, hidden}), qkv, n_qkv, c10::nullopt).view({B, T, n_qkv / D, D});
+  rope_store_(heads, H, cos, sin, k_cache, v_cache, blocks, row_start, write_idx);
+  auto attn = cache_attention(heads, H, k_cache, v_cache, blocks, row_start, write_idx, kv_len, scale);
+  auto attn_out = panel_linear(attn.view({B * T, H * D}), o, n_o, c10::nullopt).view({B, T, n_o});
+  auto post = add_rms_norm(attn_out, normed[1], ln2, eps);  // {norm, residual}
+  auto act = silu_mul(panel_linear(post[0].view({B * T, n_o}), gate_up, n_gu, c10::nullopt));
+  auto out = panel_linear(act, down, n_down, c10::nullopt).view({B, T, n_down});
+  return {out, post[1], normed[1]};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &panel_linear, "x @ W.T over W packed as [ceil(n/16), K, 16] panels");
   m.def("add_rms_norm", &add_rms_norm, "(norm(x + residual), x + residual)");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rope_store_", &rope_store_, "rotary embedding of q and k in place, k and v written to the cache");
   m.def("cache_attention", &cache_attention, "attention over the (paged) KV cache, keys up to each write index");
+  m.def("dense_layer", &dense_layer, "one dense decoder layer: norm, qkv, rope + KV write, attention, o, norm, MLP");
 }
