@@ -685,6 +685,17 @@ def test_policy_judges_a_batch_job_by_its_last_sequence():
     assert policy().choose(1, remaining=[63]) == 5  # one row: the same rule as tokens a second
     # One row far behind the rest is a race of its own: its expected cycles alone decide.
     assert policy().choose(64, remaining=[63] + [2] * 63) == 5
+    # While the job's longest rows are still in prefill (past the B decoding ones), a step is off the
+    # critical path: the cheapest K (plain), where tokens a second would take K=5.
+    assert policy().choose(1, remaining=[60] + [64] * 63) == 0
+    # An exploration timing K=5 at its 8.72 ms wins per step but not for the batch: by the rule of the
+    # bucket's last choice it keeps the back-off going (judged by tokens a second it ended the wait,
+    # and the batch explored every 24 choices).
+    p = policy()
+    p.choose(64)
+    assert p._would_win(64, 64, 5, 8.72e-3)
+    p.choose(64, remaining=[63] * 64)
+    assert not p._would_win(64, 64, 5, 8.72e-3)
 
 
 def test_startup_times_a_bounded_grid_and_logs_progress(pair, caplog):

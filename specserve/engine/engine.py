@@ -59,7 +59,7 @@ class Engine(ServingEngine):
         # the engine's and its caller's, which grows with them (a speculative cycle emits several a
         # sequence), is charged to it and not to whichever K runs next. The same wall time per step as
         # the user sees it for plain steps queued ahead (whose GPU time overlaps the previous step's
-        # host work) and for speculative cycles (which may first wait for a dropped queued step).
+        # host work) and for speculative cycles, less a switch's one-off work (`_untimed`).
         self._timing: tuple[int, int, float] | None = None
         # Whether the caller waits for all it submitted together (LLM.generate): once nothing waits to be
         # admitted, the adaptive policy then aims at the last running sequence's end (SpecPolicy.choose).

@@ -19,7 +19,9 @@ acceptance luck, and the batch runs until the unluckiest is done: a K is rated b
 tokens of the longest remaining sequence over the time of its expected cycles plus the
 expected maximum, over the batch's rows, of their deviation (a normal approximation with
 the tokens-per-cycle variance of the acceptance model). Plain decoding finishes every
-row together. With one row this is the tokens-a-second rule.
+row together. With one row this is the tokens-a-second rule. While the job's longest
+sequences are still in prefill, a decode step is off its critical path: the cheapest
+step is best. An exploration's timing ends the back-off only if it wins by the same rule.
 
 Costs per (batch bucket, K): once a K has run at a bucket, the median of its last
 LIVE_WINDOW live step times (one slow step, a pause of the host, moves no median, where a
@@ -142,6 +144,7 @@ class SpecPolicy:
         self.decisions: dict[int, int] = {}  # bucket -> choices made there
         self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, K) -> decision count at its last live timing
         self.explored: dict[int, tuple[int, int]] = {}  # bucket -> (last exploration of a K > 0, gap)
+        self.job: dict[int, list[int] | None] = {}  # bucket -> the batch job's remaining budgets at its last choice
         # Tensor-parallel ranks measure different step times; each must run the same K.
         # The TP worker sets this to a broadcast of rank 0's choice (K -> K).
         self.sync_choice = None
@@ -184,15 +187,17 @@ class SpecPolicy:
         return min(c for c in (self.cost.get((bucket, K)), self.seeded.get((bucket, K))) if c is not None)
 
     def choose(self, B: int, remaining: list[int] | None = None) -> int:
-        """K for the next step of B sequences; `remaining`: their remaining token budgets when they
-        are a batch job whose end is what counts (see the module docstring), else None."""
+        """K for the next step of B sequences; `remaining`: when they belong to a batch job whose end is
+        what counts (see the module docstring), the remaining token budgets of its sequences, this
+        step's B first, then those still in prefill; else None."""
         if self.fixed is not None:
             K = self.fixed
         else:
             bucket = _bucket(B)
             n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
             tree = self.tree(B)
-            rate = self._rates(bucket, tree, remaining)
+            self.job[bucket] = remaining
+            rate = self._rates(bucket, tree, remaining, B)
             untried = [k for k in range(self.k_max + 1) if k not in rate]
             if untried:
                 K = untried[0]
@@ -219,12 +224,17 @@ class SpecPolicy:
         last, gap = self.explored.get(bucket, (None, 0))
         return last is None or n - last >= gap
 
-    def _rates(self, bucket: int, tree: bool, remaining: list[int] | None = None) -> dict[int, float]:
-        """Expected tokens a second for each K whose cost at `bucket` is known: of every row, or
-        for a batch job (`remaining`, more than one row) of the row expected to end last."""
-        costs = {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
+    def _rates(self, bucket: int, tree: bool, remaining: list[int] | None = None, B: int = 0,
+               costs: dict[int, float | None] | None = None) -> dict[int, float]:
+        """Expected tokens a second for each K whose cost at `bucket` is known (or given in `costs`):
+        of every row, or for a batch job (`remaining`, more than one row; this step's B rows first)
+        of the row expected to end last."""
+        costs = costs or {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
         if not remaining or len(remaining) < 2:
             return {k: self.expected_tokens(k, tree) / c for k, c in costs.items() if c is not None}
+        if max(remaining[:B], default=0) < max(remaining):
+            # The job's longest sequences are still in prefill, not in this step: it only delays them.
+            return {k: 1.0 / c for k, c in costs.items() if c is not None}
         # The m rows with the most tokens left (r_m, the least of them) end no sooner than r_m/E cycles
         # plus the expected maximum of m normal deviations; the batch, by the largest of these.
         tops, m = [], 0
@@ -242,10 +252,13 @@ class SpecPolicy:
         return rates
 
     def _would_win(self, bucket: int, B: int, K: int, seconds: float) -> bool:
-        """Whether K, at `seconds` a cycle, would yield more tokens a second than every other K."""
-        tree = self.tree(B)
-        others = [r for k, r in self._rates(bucket, tree).items() if k != K]
-        return self.expected_tokens(K, tree) / seconds > max(others, default=0.0)
+        """Whether K, at `seconds` a cycle, would rate above every other K, by the rule of the last
+        choice at `bucket` (tokens a second, or a batch job's end)."""
+        remaining = self.job.get(bucket)
+        costs = {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
+        costs[K] = seconds
+        rates = self._rates(bucket, self.tree(B), remaining, B, costs)
+        return rates[K] > max((r for k, r in rates.items() if k != K), default=0.0)
 
     def observe_cost(self, B: int, K: int, seconds: float) -> None:
         key = (_bucket(B), K)
