@@ -98,7 +98,8 @@ class DecoderLayer(HotPathModule):
 
         # The products a CPU step may run in one native call (`_native_step`): a plain dense layer's, unsharded.
         attn, mlp = self.self_attn, self.mlp
-        plain = isinstance(attn, SelfAttention) and attn.q_norm is None and isinstance(mlp, SwiGLU) and tp_size() == 1
+        plain = (isinstance(attn, SelfAttention) and attn.q_norm is None and attn.head_dim % 16 == 0
+                 and isinstance(mlp, SwiGLU) and tp_size() == 1)  # (the native rope takes 16-wide heads)
         products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if plain else ()
         self.native_products = products if products and all(
             type(m) in (ColumnParallelLinear, RowParallelLinear) and m.bias is None for m in products) else None
