@@ -620,6 +620,24 @@ def test_policy_with_seeded_costs_needs_no_exploration():
     assert unseeded.predicted_cost(4, 0) is None
 
 
+def test_a_switch_waits_for_the_device_outside_the_step_timing(pair, monkeypatch):
+    """A speculative cycle that drops a plain step queued ahead waits for the device to finish it;
+    that wait (and any work run untimed, such as the drafter's catch-up) moves the step's start
+    later, so the policy does not charge it to K. The device's wait is faked as a 50 ms sleep."""
+    import time
+
+    target, draft = pair
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=2))
+    waits = iter([0.05])
+    monkeypatch.setattr(engine.runner, "sync", lambda: time.sleep(next(waits, 0.0)))
+    engine._timing = (1, 2, 100.0)
+    engine._untimed(lambda: None)  # the dropped step: only the device's wait
+    assert engine._timing[:2] == (1, 2) and engine._timing[2] >= 100.05
+    start = engine._timing[2]
+    engine._untimed(lambda: time.sleep(0.02))  # untimed work
+    assert engine._timing[2] >= start + 0.02
+
+
 def test_policy_skips_a_first_live_timing_that_is_warm_up():
     """The grown MoE pair at batch 64: K=1 at bucket 32 was first run at a batch size start-up never
     timed and took 728 ms (a kernel compiled) against ~5 ms predicted; learned as its cost, it kept

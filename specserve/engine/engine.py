@@ -288,16 +288,17 @@ class Engine(ServingEngine):
         return self._plain_step(seqs) if K == 0 else self._spec_step(seqs, K)
 
     def _job_remaining(self) -> list[int] | None:
-        """Where a batch job's end is what counts (nothing waits for a row), the remaining token budgets
-        of its sequences: those decoding and those still in prefill, which are in the race too."""
-        if not self.batch_job or self.waiting:
+        """Where a batch job's end is what counts (nothing waits for a row) and the policy chooses K, the
+        remaining token budgets of its sequences: those decoding and those still in prefill, which are
+        in the race too."""
+        if not self.batch_job or self.waiting or self.policy.fixed is not None:
             return None
         return [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.total_len)
                 for s in self.rows[: self.n_running + self.n_prefill]]
 
     def _untimed(self, work) -> None:
-        """Run `work` outside the current step's timing (the device waited for on both sides)."""
-        self.runner.sync()
+        """Run `work`, and wait for the device to finish it and whatever was queued before, outside the
+        current step's timing."""
         t0 = time.perf_counter()
         work()
         self.runner.sync()
@@ -413,7 +414,7 @@ class Engine(ServingEngine):
         # it would price every exploration of K from plain decoding a plain step too high).
         if ov.plain is not None:
             ov.plain = None
-            self._untimed(r.sync)
+            self._untimed(lambda: None)
         ahead, ov.draft = ov.draft, None
         prof = self.profiling
         # Drafting is skipped (acceptance forced to 0) where the drafter would pass its trained positions.
@@ -431,6 +432,7 @@ class Engine(ServingEngine):
                 # is waited for on both sides, so its kernels are not charged either), which would
                 # otherwise raise K's moving average after every plain stretch (and each
                 # exploration of K from plain decoding would time it slow again).
+                r.sync()  # (work queued before belongs to this cycle)
                 self._untimed(lambda: pr.catch_up(seqs, self.cfg.prefill_chunk))
             if max(s.pending for s in seqs) > K + 1:
                 pr.flush(seqs, keep=1)

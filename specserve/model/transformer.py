@@ -95,7 +95,6 @@ class DecoderLayer(HotPathModule):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, quant=cfg.quant,
                               prefix=prefix + "mlp.")
-
         # The products a CPU step may run in one native call (`_native_step`): a plain dense layer's, unsharded.
         attn, mlp = self.self_attn, self.mlp
         plain = (isinstance(attn, SelfAttention) and attn.q_norm is None and attn.head_dim % 16 == 0
@@ -118,7 +117,6 @@ class DecoderLayer(HotPathModule):
             x, stream = self.input_layernorm(h, residual)
         x, residual = self.post_attention_layernorm(self.self_attn(x, ctx), stream)
         return self.mlp(x), residual, stream
-
 
     def _native_step(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """`forward` in one native call (`cpu_native` dense_layer) for a float32 CPU step of at most
