@@ -7,17 +7,24 @@ shard_id)`. With TP size 1 they are plain linears.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce, tp_rank, tp_size
 from specserve.kernels.attention import cache_attention_ok, cache_attention_triton
 from specserve.kernels.cpu_native import fused_ops
 from specserve.kernels.linear import linear
 from specserve.kernels.norm import apply_rope, rms_norm, rope_store_kv, silu_mul
+
+
+# SDPA backends on CUDA: not cuDNN's, which builds an execution plan on the host for every new shape
+# (tens of milliseconds to a second), and eager prefill chunks and drafter catch-ups come in ever new lengths.
+_CUDA_SDPA = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 def _divide(n: int, parts: int, what: str) -> int:
@@ -399,7 +406,8 @@ class KVCacheAttention(HotPathModule):
             qg = q.view(B, Hkv, G, D)
         else:
             qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-        out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_bias(G, q.dtype), scale=self.scale)
+        with sdpa_kernel(_CUDA_SDPA) if q.is_cuda else nullcontext():
+            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_bias(G, q.dtype), scale=self.scale)
         if T > 1:
             out = out.view(B, Hkv, G, T, Dv).permute(0, 3, 1, 2, 4)
         return out.reshape(B, T, self.num_heads * Dv)
