@@ -1202,3 +1202,23 @@ def test_policy_backs_off_exploring_speculation_that_keeps_losing():
     real[1] = 0.5  # K=1 became cheap: its next exploration makes it the best, and it stays
     tail = _run_policy(policy, 4, real, choices=4 * EXPLORE_MAX_GAP)[-EXPLORE_MAX_GAP:]
     assert tail.count(1) > 0.9 * len(tail)
+
+
+def test_policy_spaces_explorations_by_what_a_switch_costs():
+    """An exploration from plain decoding first catches the drafter up, an eager forward that can cost
+    dozens of graph-replayed plain steps (a small model on a GPU). Where it does, explorations are
+    spaced so those catch-ups take at most EXPLORE_SHARE of the time, past EXPLORE_MAX_GAP."""
+    from specserve.spec.policy import EXPLORE_MAX_GAP, EXPLORE_SHARE, SpecPolicy
+
+    real = {0: 1.0, 1: 3.0, 2: 4.0}
+    policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
+    policy.seed_costs({(4, 0): 1.0, (4, 1): 1.3, (4, 2): 1.6})
+    for _ in range(50):
+        policy.observe_acceptance(2, [1], 4)
+    policy.observe_switch(4, 40.0)  # a catch-up costs 40 plain steps
+    wait = 40.0 / EXPLORE_SHARE
+    assert wait > EXPLORE_MAX_GAP
+    picks = _run_policy(policy, 4, real, choices=int(6 * wait))
+    at = [i for i, k in enumerate(picks) if k]
+    assert len(at) >= 3  # still explored
+    assert all(b - a >= wait for a, b in zip(at[1:], at[2:]))  # once backing off, a catch-up's worth apart

@@ -296,15 +296,17 @@ class Engine(ServingEngine):
         return [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.total_len)
                 for s in self.rows[: self.n_running + self.n_prefill]]
 
-    def _untimed(self, work) -> None:
+    def _untimed(self, work) -> float:
         """Run `work`, and wait for the device to finish it and whatever was queued before, outside the
-        current step's timing."""
+        current step's timing; returns the seconds that took."""
         t0 = time.perf_counter()
         work()
         self.runner.sync()
+        took = time.perf_counter() - t0
         if self._timing is not None:
             B, K, start = self._timing
-            self._timing = (B, K, start + time.perf_counter() - t0)
+            self._timing = (B, K, start + took)
+        return took
 
     def _close_timing(self) -> None:
         """The last decode step's cost, from its start until now, to the adaptive policy."""
@@ -427,13 +429,13 @@ class Engine(ServingEngine):
             ov.drafts_used += 1
         else:
             if any(s.stale for s in seqs):
-                # Catching up costs in proportion to the plain steps before this cycle, once per
-                # switch, not per cycle of K: it stays out of the cycle's time (on CUDA the device
+                # Catching up (an eager forward over the plain steps before this cycle) is paid once
+                # per switch, not per cycle of K: it stays out of the cycle's time (on CUDA the device
                 # is waited for on both sides, so its kernels are not charged either), which would
-                # otherwise raise K's moving average after every plain stretch (and each
-                # exploration of K from plain decoding would time it slow again).
+                # otherwise raise K's cost after every plain stretch (and each exploration of K from
+                # plain decoding would time it slow again). The policy spaces explorations by it instead.
                 r.sync()  # (work queued before belongs to this cycle)
-                self._untimed(lambda: pr.catch_up(seqs, self.cfg.prefill_chunk))
+                self.policy.observe_switch(B, self._untimed(lambda: pr.catch_up(seqs, self.cfg.prefill_chunk)))
             if max(s.pending for s in seqs) > K + 1:
                 pr.flush(seqs, keep=1)
             marks = [Mark(self.device) for _ in range(2)] if prof else None

@@ -42,8 +42,10 @@ of one K raise the shared offset of every speculative K, which can make plain de
 look best while another K would still beat it, and one slow plain step timed live can
 keep plain decoding out while speculation is in fact slower. While plain decoding is best,
 speculation backs off: each exploration of a K > 0 doubles the wait for the next, up to
-EXPLORE_MAX_GAP, since one costs a catch-up of the drafter after the plain steps before it;
-an exploration whose own timing would make its K the best ends the wait.
+EXPLORE_MAX_GAP, since one costs a catch-up of the drafter after the plain steps before it; and
+where that catch-up is dear against a plain step (a model whose eager forward costs tens of its
+graph-replayed decode steps), the wait is stretched until catch-ups take at most EXPLORE_SHARE of
+the time. An exploration whose own timing would make its K the best ends the wait.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ EXPLORE_WITHIN = 0.7  # explore a K only if its optimistic tokens/s is at least 
 # A K > 0 explored from plain decoding first catches the drafter up on the plain steps before it, so at a
 # bucket each exploration of any K > 0 that leaves plain best doubles the decisions before the next, up to this.
 EXPLORE_MAX_GAP = 16 * EXPLORE_EVERY
+# Past that gap, explorations from plain decoding wait until the catch-ups they cost (`observe_switch`) add up
+# to at most this share of the time spent on the plain steps between them.
+EXPLORE_SHARE = 0.02
 # The first live timing of a (bucket, K) may be a batch size start-up did not time, paying one-off warm-up
 # (kernels compiled, graphs captured): above this multiple of its prediction it is skipped; a second is kept.
 WARMUP_OUTLIER = 4.0
@@ -145,6 +150,7 @@ class SpecPolicy:
         self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, K) -> decision count at its last live timing
         self.explored: dict[int, tuple[int, int]] = {}  # bucket -> (last exploration of a K > 0, gap)
         self.job: dict[int, list[int] | None] = {}  # bucket -> the batch job's remaining budgets at its last choice
+        self.switch_cost: dict[int, float] = {}  # bucket -> seconds of the last switch to speculation (catch-up)
         # Tensor-parallel ranks measure different step times; each must run the same K.
         # The TP worker sets this to a broadcast of rank 0's choice (K -> K).
         self.sync_choice = None
@@ -222,7 +228,17 @@ class SpecPolicy:
         """Whether a K > 0 may be explored at the n-th decision at `bucket`: once the back-off gap since
         the last exploration of any K > 0 there has passed (plain decoding, the cheapest step, always may)."""
         last, gap = self.explored.get(bucket, (None, 0))
-        return last is None or n - last >= gap
+        if last is None:
+            return True
+        plain = self.predicted_cost(bucket, 0)
+        if plain:
+            gap = max(gap, self.switch_cost.get(bucket, 0.0) / (EXPLORE_SHARE * plain))
+        return n - last >= gap
+
+    def observe_switch(self, B: int, seconds: float) -> None:
+        """The one-off cost of a switch from plain decoding to speculation at batch B (the drafter's catch-up
+        on the plain steps before it), which no K's cycle is charged."""
+        self.switch_cost[_bucket(B)] = seconds
 
     def _rates(self, bucket: int, tree: bool, remaining: list[int] | None = None, B: int = 0,
                costs: dict[int, float | None] | None = None) -> dict[int, float]:
