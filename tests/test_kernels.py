@@ -217,6 +217,39 @@ def test_cache_attention_tree_mask(monkeypatch):
     assert torch.equal(bias == 0, vis)
 
 
+def test_runner_compiles_eager_attention_blocks_reading_nothing(monkeypatch):
+    """After capturing its graphs the runner runs the cache attention once for every power-of-two query
+    block up to ATTN_MAX_QUERIES (the blocks only eager forwards use) at one batch size of each
+    power-of-two split count, for each distinct attention shape of target and drafter, with every
+    query at the padding slot: outputs zero, no cache touched. (8 multiprocessors: batches of 1, 2, 4
+    and 8 rows split the demo's 1056 keys over 2 KV heads 8, 4, 2 and 1 ways; 3 rows also 4.)"""
+    from specserve.config import EngineConfig
+    from specserve.engine.llm import demo_paths
+    from specserve.engine.runner import ModelRunner
+
+    target, draft = demo_paths()
+    runner = ModelRunner(EngineConfig(model=target, draft=draft, device="cpu", spec_steps=3, dtype="float16",
+                                      max_num_seqs=8))
+    monkeypatch.setattr(common, "sm_count", lambda device: 8)
+    caches = [m.k_cache.clone() for m in runner.target.attention_modules()]
+    calls = []
+    real = attention.cache_attention_triton
+
+    def recording(q, k_cache, v_cache, row_start, write_idx, scratch, *a, **kw):
+        out = real(q, k_cache, v_cache, row_start, write_idx, scratch, *a, **kw)
+        calls.append((q.shape[0], max(16, triton.next_power_of_2(q.shape[1] * q.shape[2] // k_cache.shape[1]))))
+        assert bool((write_idx == scratch).all()) and not out.any()
+        return out
+    monkeypatch.setattr(attention, "cache_attention_ok", lambda *a: True)
+    monkeypatch.setattr(attention, "cache_attention_triton", recording)
+    runner._compile_eager_attention()
+    modules = runner.target.attention_modules() + runner.drafter.attention_modules()
+    shapes = {(m.num_heads, m.num_kv_heads, m.head_dim) for m in modules}
+    blocks = [b for b in (16, 32, 64, 128) if b <= attention.ATTN_MAX_QUERIES]
+    assert sorted(calls) == sorted([(B, b) for B in (1, 2, 4, 8) for b in blocks] * len(shapes))
+    assert all(torch.equal(c, m.k_cache) for c, m in zip(caches, runner.target.attention_modules()))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 16, 31, 64])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv(rows, dtype):

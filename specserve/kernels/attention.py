@@ -33,11 +33,11 @@ if triton is not None:
         return row * c_row + offs_n * c_pos
 
     @triton.jit
-    def key_range(sp, CHUNK: tl.constexpr, length, limit):
+    def key_range(sp, chunk, length, limit):
         """Keys [lo, hi) of split sp: its chunk, cut at the cache length and at the last key any of
         the program's query rows may see (so a split wholly past them has lo >= hi)."""
-        lo = sp * CHUNK
-        return lo, tl.minimum(tl.minimum(lo + CHUNK, length), tl.max(limit, axis=0) + 1)
+        lo = sp * chunk
+        return lo, tl.minimum(tl.minimum(lo + chunk, length), tl.max(limit, axis=0) + 1)
 
     @triton.jit
     def softmax_tile(s, offs_n, kmask, limit, anc, tbase, m_i, l_i, TREE: tl.constexpr):
@@ -66,15 +66,18 @@ if triton is not None:
         w = tl.exp(m - tl.where(m_max == float("-inf"), 0.0, m_max))
         return w, tl.sum(w * l, axis=0)
 
-    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch",
-                                   "bt_stride"])
+    # The batch size sets the split count and chunk (`key_splits`): run-time values here, so an eager call
+    # at any batch size (a drafter's feed or catch-up) needs no kernel of its own; the combine's SPLITS, a
+    # power of two, takes a few values (`ModelRunner._compile_eager_attention` compiles them at start-up).
+    @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "anc_stride", "length", "row_start",
+                                   "scratch", "bt_stride"])
     def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, tbase_ptr, anc_ptr, bt_ptr, o_ptr, ml_ptr,
-                             T, H, G, n_kv, n_split, widx_stride, anc_stride, length, row_start, scratch, scale,
+                             T, H, G, n_kv, n_split, chunk, widx_stride, anc_stride, length, row_start, scratch, scale,
                              bt_stride, c_row, c_head, c_pos,
-                             D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr,
+                             D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
                              TREE: tl.constexpr, BS: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr):
         # Program (b, kv head, split): the G*T queries of one KV head of one sequence against keys
-        # [split * CHUNK, (split + 1) * CHUNK), cut at the last key any of them may see.
+        # [split * chunk, (split + 1) * chunk), cut at the last key any of them may see.
         # TREE: keys at or past the row's tree base are seen only where the query's ancestor bit is set.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -93,7 +96,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, D], tl.float32)
         row = (row_start + b).to(tl.int64)
-        lo, hi = key_range(sp, CHUNK, length, limit)
+        lo, hi = key_range(sp, chunk, length, limit)
         # A loop bound known only at run time: tiles past `hi` are never visited, and the loads of
         # one tile overlap the math of the one before (num_stages), paged or not.
         for start in range(lo, hi, BLOCK_N):
@@ -115,10 +118,9 @@ if triton is not None:
             tl.store(ml_ptr + part * 2, m_i)
             tl.store(ml_ptr + part * 2 + 1, l_i)
 
-    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "scratch"])
-    def _attn_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, G, n_kv, n_split, widx_stride, scratch,
-                             D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
-                             PDL: tl.constexpr):
+    @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "scratch"])
+    def _attn_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, G, n_kv, n_split, chunk, widx_stride, scratch,
+                             D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
         wait_for_previous(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -126,7 +128,7 @@ if triton is not None:
         if r < G * T:
             widx = tl.load(widx_ptr + b * widx_stride + r // G)
             # splits up to the one holding this query's last key (none for a padding query)
-            used = tl.where(widx == scratch, 0, widx // CHUNK + 1)
+            used = tl.where(widx == scratch, 0, widx // chunk + 1)
             sp = tl.arange(0, SPLITS)
             smask = sp < used
             part = ((b * n_kv + kvh) * n_split + sp) * BLOCK_Q + r
@@ -181,14 +183,14 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
     _attn_partial_kernel[(B, n_kv, n_split)](
         q, k_cache, v_cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx,
         block_table if paged else write_idx, part, ml,
-        T, H, G, n_kv, n_split, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start,
+        T, H, G, n_kv, n_split, chunk, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start,
         scratch, scale, block_table.stride(0) if paged else 0,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, CHUNK=chunk, TREE=tree, BS=block_size if paged else 1,
+        D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, TREE=tree, BS=block_size if paged else 1,
         PAGED=paged, num_warps=4, num_stages=2,
         **pdl_args(q))
     out = torch.empty_like(q)
-    _attn_combine_kernel[(B, n_kv, block_q)](part, ml, out, write_idx, T, H, G, n_kv, n_split, write_idx.stride(0),
-                                             scratch, D=D, BLOCK_Q=block_q, SPLITS=triton.next_power_of_2(n_split),
-                                             CHUNK=chunk, num_warps=1, **pdl_args(q))
+    _attn_combine_kernel[(B, n_kv, block_q)](part, ml, out, write_idx, T, H, G, n_kv, n_split, chunk,
+                                             write_idx.stride(0), scratch, D=D, BLOCK_Q=block_q,
+                                             SPLITS=triton.next_power_of_2(n_split), num_warps=1, **pdl_args(q))
     return out

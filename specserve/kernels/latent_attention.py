@@ -29,17 +29,18 @@ if triton is not None:
     from specserve.kernels.attention import key_offsets, key_range, softmax_tile, split_weights, tree_bits
     from specserve.kernels.common import wait_for_previous
 
-    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch",
-                                   "bt_stride"])
+    # The split count and chunk are run-time values, as in `kernels.attention`.
+    @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "anc_stride", "length", "row_start",
+                                   "scratch", "bt_stride"])
     def _latent_partial_kernel(q_ptr, c_ptr, widx_ptr, tbase_ptr, anc_ptr, bt_ptr, o_ptr, ml_ptr, out_ptr,
-                               T, H, n_split, widx_stride, anc_stride, length, row_start, scratch, scale,
+                               T, H, n_split, chunk, widx_stride, anc_stride, length, row_start, scratch, scale,
                                bt_stride, c_row, c_pos,
                                L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BLOCK_Q: tl.constexpr,
-                               BLOCK_N: tl.constexpr, CHUNK: tl.constexpr, TREE: tl.constexpr, BS: tl.constexpr,
+                               BLOCK_N: tl.constexpr, TREE: tl.constexpr, BS: tl.constexpr,
                                PAGED: tl.constexpr, ONE_SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
                                PDL: tl.constexpr):
         # Program (b, head block, split): rows r = token * BH + head-in-block against keys
-        # [split * CHUNK, (split + 1) * CHUNK), cut at the last key any row may see.
+        # [split * chunk, (split + 1) * chunk), cut at the last key any row may see.
         b = tl.program_id(0)
         hb = tl.program_id(1)
         sp = tl.program_id(2)
@@ -62,7 +63,7 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, L], tl.float32)
         row = (row_start + b).to(tl.int64)
-        lo, hi = key_range(sp, CHUNK, length, limit)
+        lo, hi = key_range(sp, chunk, length, limit)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             kmask = offs_n < hi
@@ -85,10 +86,10 @@ if triton is not None:
             tl.store(ml_ptr + part * 2, m_i)
             tl.store(ml_ptr + part * 2 + 1, l_i)
 
-    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "scratch"])
-    def _latent_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, n_split, widx_stride, scratch,
+    @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "scratch"])
+    def _latent_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, n_split, chunk, widx_stride, scratch,
                                L: tl.constexpr, BH: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr,
-                               CHUNK: tl.constexpr, DC: tl.constexpr, PDL: tl.constexpr):
+                               DC: tl.constexpr, PDL: tl.constexpr):
         # Program (b, head block * BLOCK_Q + row, value chunk): DC of the row's L output dims.
         wait_for_previous(PDL)
         b = tl.program_id(0)
@@ -99,7 +100,7 @@ if triton is not None:
         if (t < T) & (h < H):
             widx = tl.load(widx_ptr + b * widx_stride + t)
             # splits up to the one holding this query's last key (none for a padding query)
-            used = tl.where(widx == scratch, 0, widx // CHUNK + 1)
+            used = tl.where(widx == scratch, 0, widx // chunk + 1)
             sp = tl.arange(0, SPLITS)
             smask = sp < used
             part = ((b * (tl.num_programs(1) // BLOCK_Q) + hb) * n_split + sp) * BLOCK_Q + r
@@ -167,16 +168,16 @@ def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx
     _latent_partial_kernel[(B, n_hb, n_split)](
         q, cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx,
         block_table if paged else write_idx, part, ml, out,
-        T, H, n_split, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start, scratch, scale,
-        block_table.stride(0) if paged else 0, cache.stride(0), cache.stride(2),
-        L=L, R=R, BH=bh, BLOCK_Q=block_q, BLOCK_N=LATENT_BLOCK_N, CHUNK=chunk, TREE=tree,
+        T, H, n_split, chunk, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start, scratch,
+        scale, block_table.stride(0) if paged else 0, cache.stride(0), cache.stride(2),
+        L=L, R=R, BH=bh, BLOCK_Q=block_q, BLOCK_N=LATENT_BLOCK_N, TREE=tree,
         BS=block_size if paged else 1, PAGED=paged, ONE_SPLIT=one, F32_DOT=_interpreted_bf16(q), num_warps=8,
         num_stages=2, **pdl_args(q))
     if not one:
         splits = triton.next_power_of_2(n_split)
         dc = min(L, max(16, LATENT_COMBINE_TILE // splits))
         _latent_combine_kernel[(B, n_hb * block_q, L // dc)](
-            part, ml, out, write_idx, T, H, n_split, write_idx.stride(0), scratch,
-            L=L, BH=bh, BLOCK_Q=block_q, SPLITS=splits, CHUNK=chunk, DC=dc,
+            part, ml, out, write_idx, T, H, n_split, chunk, write_idx.stride(0), scratch,
+            L=L, BH=bh, BLOCK_Q=block_q, SPLITS=splits, DC=dc,
             num_warps=4, **pdl_args(q))
     return out
