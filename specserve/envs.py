@@ -71,6 +71,8 @@ def _var(name: str, type_: type, default, doc: str, internal: bool = False, choi
 
 FUSED_KERNELS = _var("SPECSERVE_FUSED_KERNELS", bool, True,
                      "0: PyTorch reference ops instead of the fused Triton kernels, no linear tuning (A/B runs)")
+INT4_MOE_CUDA = _var("SPECSERVE_INT4_MOE_CUDA", bool, True,
+                     "0: int4 routed experts of decode-sized batches on the Triton kernels, not the CUDA ones (A/B runs)")
 PDL = _var("SPECSERVE_PDL", bool, True,
            "0: launch the Triton kernels without programmatic dependent launch (Hopper and later)")
 ALLREDUCE = _var("SPECSERVE_ALLREDUCE", str, "auto",

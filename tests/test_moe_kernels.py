@@ -561,3 +561,37 @@ def test_fused_route_and_align_equal_torch_on_cuda(router, dtype):
             block_m = 16 if tokens < 64 else 32
             for a, b in zip(fused_align(got_ids, held, first, block_m), align_pairs(got_ids, held, first, block_m)):
                 assert torch.equal(a, b), (tokens, first)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+def test_cuda_int4_experts_equal_the_dequantized_reference(tokens):
+    """bf16 tokens on symmetric int4 experts in groups of 32 (Kimi-K2.5's scheme) take the CUDA kernels
+    up to CUDA_MAX_PAIRS pairs: 8, 24 and 64 pairs over 16 experts (some with several pairs) give the
+    dequantized experts' result to bf16 rounding."""
+    from specserve.kernels.moe import CUDA_MAX_PAIRS, int4_cuda_experts, int4_cuda_fits
+
+    H, I, E, top_k = 128, 64, 16, 8
+    g = torch.Generator().manual_seed(tokens)
+    stacks = []
+    for rows, K in ((2 * I, H), (H, I)):
+        q, scale, _ = quantize_int4(torch.randn(E, rows, K, generator=g) * 0.2, 32, True)
+        stacks.append(SimpleNamespace(packed=pack_int4(q).cuda(), scale=scale.to("cuda", torch.bfloat16), zero=None))
+    w13, w2 = stacks
+    x = torch.randn(tokens, H, generator=g).to("cuda", torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)]).cuda()
+    weights = torch.rand(tokens, top_k, generator=g).to("cuda", torch.bfloat16)
+    assert tokens * top_k <= CUDA_MAX_PAIRS and int4_cuda_fits(x, w13, w2, tokens * top_k)
+    assert not int4_cuda_fits(x.float(), w13, w2, tokens * top_k)
+    def dequantized(w, e):
+        return dequantize_int4(w.packed[e], w.scale[e], None, torch.bfloat16).double().cpu()
+
+    want = torch.zeros(tokens, H, dtype=torch.float64)
+    for t in range(tokens):
+        for k in range(top_k):
+            e = int(ids[t, k])
+            gu = x[t].double().cpu() @ dequantized(w13, e).T
+            want[t] += float(weights[t, k]) * ((torch.nn.functional.silu(gu[:I]) * gu[I:]) @ dequantized(w2, e).T)
+    got = int4_cuda_experts(x, weights, ids, w13, w2).double().cpu()
+    assert (got - want).abs().max() <= 2e-2 * want.abs().max()
+    assert torch.equal(fused_experts(x, weights, ids, w13, w2).cpu(), got.to(torch.bfloat16).cpu())

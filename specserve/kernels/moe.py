@@ -22,17 +22,22 @@ int4 experts (W4A16) run the same kernels with their weight tiles read as packed
 dequantized in registers (`_weight_tile`): a quarter of a 16-bit weight's bytes cross memory,
 which is what a decode step's expert GEMMs wait on, and the tile the tensor cores multiply is
 the reference's dequantized weight exactly. Their launch shape follows the pair count
-(`default_tiles`); `Tiles` overrides it.
+(`default_tiles`); `Tiles` overrides it. Where experts see a few pairs each (decode, short
+verifies) and NVRTC is at hand, bf16 int4 experts take two CUDA kernels instead (`csrc/int4_moe.cu`,
+`int4_cuda_experts`): Triton's dequantization costs more instructions a weight than streaming
+a quarter of the bytes leaves time for.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
+from functools import lru_cache
+from pathlib import Path
 from typing import Protocol, Union
 
 import torch
 
+from specserve import envs
 from specserve.kernels import common
 from specserve.kernels.common import pdl_args, triton
 from specserve.kernels.int4 import PACK
@@ -352,6 +357,64 @@ def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
     return pairs[:-1], block_expert.int()
 
 
+CUDA_WARPS = 4  # warps a block of the CUDA int4 kernels
+CUDA_PAIRS = 8  # pairs a block serves: the m16n8k16 product's eight columns
+CUDA_MAX_PAIRS = 64  # up to this many pairs (more per expert: Triton's wider tiles read each expert once)
+
+
+@lru_cache(maxsize=1)
+def _cuda_kernels() -> dict:
+    """The CUDA int4 expert kernels, compiled once a process by NVRTC (through torch)."""
+    src = (Path(__file__).parent / "csrc" / "int4_moe.cu").read_text()
+    return {name: torch.cuda._compile_kernel(src, name) for name in ("int4_moe_gate_up", "int4_moe_down")}
+
+
+def int4_cuda_fits(x: torch.Tensor, w13: Experts, w2: Experts, pairs: int) -> bool:
+    """Whether `int4_cuda_experts` serves these: bf16 activations and scales, symmetric int4 experts
+    on an Ampere-or-later GPU, features in whole 64-column steps and scale groups of whole 16-column
+    runs, at most CUDA_MAX_PAIRS pairs, with torch's NVRTC compiler (torch.cuda._compile_kernel)."""
+    if not (envs.INT4_MOE_CUDA.get() and x.is_cuda and pairs <= CUDA_MAX_PAIRS and x.dtype == torch.bfloat16
+            and hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(x.device) >= (8, 0)):
+        return False
+    if isinstance(w13, torch.Tensor) or isinstance(w2, torch.Tensor) or w13.zero is not None or w2.zero is not None:
+        return False
+    _, _, H = expert_shape(w13)
+    _, _, I = expert_shape(w2)
+    for w, K in ((w13, H), (w2, I)):
+        group = K // w.scale.shape[-1]
+        if w.scale.dtype != torch.bfloat16 or K % 64 or group % 16 or K % group:
+            return False
+    return I % (8 * CUDA_WARPS) == 0 and H % (16 * CUDA_WARPS) == 0
+
+
+def int4_cuda_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Int4Stack, w2: Int4Stack,
+                      first: int = 0, add: torch.Tensor | None = None) -> torch.Tensor:
+    """`fused_experts` for experts within `int4_cuda_fits`: pairs in blocks of eight of one expert, gate/up
+    with SwiGLU (one kernel) and down (another) on the tensor cores, then `_combine_kernel`."""
+    N, H = x.shape
+    E, _, I = expert_shape(w2)
+    top_k = ids.shape[1]
+    P = N * top_k
+    align = fused_align if fused_routing_fits(N, top_k, E) else align_pairs
+    pairs, block_expert = align(ids, E, first, CUDA_PAIRS)
+    blocks = block_expert.numel()
+    kernels = _cuda_kernels()
+    x = x.contiguous()
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)
+    threads = (32 * CUDA_WARPS, 1, 1)
+    kernels["int4_moe_gate_up"](grid=(blocks, I // (8 * CUDA_WARPS), 1), block=threads, args=[
+        x, w13.packed, w13.scale, h, pairs, block_expert, P, E, H, I, top_k, H // w13.scale.shape[-1]])
+    out = torch.empty(P, H, dtype=x.dtype, device=x.device)
+    kernels["int4_moe_down"](grid=(blocks, H // (16 * CUDA_WARPS), 1), block=threads, args=[
+        h, w2.packed, w2.scale, out, pairs, block_expert, P, E, H, I, I // w2.scale.shape[-1]])
+    y = torch.empty_like(x)
+    # (SPLIT: the routing weight is applied here, to the down products stored rounded)
+    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
+        out, weights.contiguous(), ids.contiguous(), y if add is None else add.contiguous(), y, first, E, H=H,
+        TOP_K=top_k, SPLIT=True, ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
+    return y
+
+
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Experts,
                   w2: Experts, first: int = 0, tiles: Tiles | None = None, add: torch.Tensor | None = None
                   ) -> torch.Tensor:
@@ -366,6 +429,8 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     top_k = ids.shape[1]
     P = N * top_k
     int4 = not isinstance(w2, torch.Tensor)
+    if int4 and tiles is None and int4_cuda_fits(x, w13, w2, P):
+        return int4_cuda_experts(x, weights, ids, w13, w2, first, add)
     tiles = tiles or default_tiles(P, int4)
     block_m = block_m_for(P, E)
     align = fused_align if fused_routing_fits(N, top_k, E) else align_pairs  # (one program, or torch ops)
