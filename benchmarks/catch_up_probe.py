@@ -63,7 +63,7 @@ def main() -> None:
     for stale in (16, 64, 128, 256, 400):
         steps, times = [0], []
 
-        def choose(B, remaining=None, at=(stale, 2 * stale + 1)):
+        def choose(B, remaining=None, stale_rows=False, at=(stale, 2 * stale + 1)):
             steps[0] += 1
             return 3 if steps[0] in at else 0
 
@@ -80,7 +80,7 @@ def main() -> None:
 
     steps = [0]
 
-    def choose_once(B, remaining=None):
+    def choose_once(B, remaining=None, stale_rows=False):
         steps[0] += 1
         return 3 if steps[0] == 256 else 0
 

@@ -62,7 +62,7 @@ def main() -> None:
         finally:
             in_decode[0] = False
     eng._decode = decode_marked
-    eng.policy.choose = lambda B: 0  # (K fixed 0 never asks the policy)
+    eng.policy.choose = lambda B, remaining=None, stale=False: 0  # (K fixed 0 never asks the policy)
 
     def run(mode: str) -> float:
         eng.set_spec_steps(0 if mode == "plain" else None)

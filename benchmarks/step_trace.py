@@ -38,7 +38,7 @@ def encode(tok, row: dict) -> list[int]:
 
 def set_config(eng, name: str, choose) -> None:
     eng.set_spec_steps(0 if name == "baseline" else None)
-    eng.policy.choose = (lambda B, remaining=None: 0) if name == "adaptive-plain" else choose
+    eng.policy.choose = (lambda B, remaining=None, stale=False: 0) if name == "adaptive-plain" else choose
 
 
 COMPILED: list[str] = []  # Triton kernels compiled so far (names), appended by the hook below

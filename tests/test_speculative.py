@@ -71,8 +71,8 @@ def test_adaptive_speculation_is_token_identical(pair):
     # The policy decides every step, but every third step runs plain and every third K=2 whatever it
     # chose, so both kinds run (and switch) however this machine's timings make it lean.
     choose, steps, picked = engine.policy.choose, itertools.count(), []
-    engine.policy.choose = lambda B, remaining=None: (
-        picked.append((choose(B, remaining), 0, 2)[next(steps) % 3]) or picked[-1])
+    engine.policy.choose = lambda B, remaining=None, stale=False: (
+        picked.append((choose(B, remaining, stale), 0, 2)[next(steps) % 3]) or picked[-1])
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_work():
         engine.step()
@@ -376,7 +376,7 @@ def test_seeded_sampling_equals_plain_decoding(pair, mode, batch):
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", **kw))
     if mode == "adaptive":  # every K, plain steps included, switching between cycles
         steps = iter([5, 1, 0, 3, 2, 4, 4, 0, 1, 5, 2] * 40)
-        engine.policy.choose = lambda B, remaining=None: next(steps)
+        engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_work():
         engine.step()
@@ -833,7 +833,7 @@ def test_plain_steps_queued_ahead_while_drafting(pair):
                                      device="cpu", max_num_seqs=3))
         engine.launch_ahead = ahead
         steps = iter(pattern * 10)
-        engine.policy.choose = lambda B, remaining=None: next(steps)
+        engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         while engine.has_work():
             engine.step()
@@ -872,7 +872,7 @@ def _alternating(target, draft, prompts, params, ahead=False, **kw):
                                  device="cpu", **kw))
     engine.launch_ahead = ahead
     steps = iter(ALTERNATING * 20)
-    engine.policy.choose = lambda B, remaining=None: next(steps)
+    engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
     seen = {"plain_forwards": 0, "queued_stale": 0, "caught_up": [], "drafts": []}
     in_plain = [False]
 
@@ -976,7 +976,7 @@ def test_drafts_queued_ahead_change_nothing(pair, tmp_path, mode):
         engine.launch_ahead = ahead
         if mode == "adaptive":  # K rising, falling and 0 between cycles
             steps = iter([3, 3, 2, 3, 1, 1, 0, 3, 2, 2, 3] * 40)
-            engine.policy.choose = lambda B, remaining=None: next(steps)
+            engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         while engine.has_work():
             engine.step()
@@ -1168,7 +1168,7 @@ def test_step_costs_include_the_handling_of_their_own_tokens(pair):
                                  max_num_seqs=2))
     policy = engine.policy
     picks, costs = iter([0, 2] * 100), []
-    policy.choose = lambda B, remaining=None: next(picks)
+    policy.choose = lambda B, remaining=None, stale=False: next(picks)
     observe = policy.observe_cost
     policy.observe_cost = lambda B, K, seconds: (costs.append((K, seconds)), observe(B, K, seconds))
     pause = 0.05
@@ -1222,3 +1222,20 @@ def test_policy_spaces_explorations_by_what_a_switch_costs():
     at = [i for i, k in enumerate(picks) if k]
     assert len(at) >= 3  # still explored
     assert all(b - a >= wait for a, b in zip(at[1:], at[2:]))  # once backing off, a catch-up's worth apart
+
+
+def test_batch_job_charges_a_switch_from_plain_its_catch_up():
+    """A batch job's last row has 40 tokens left, and K=1 would finish them in ~26 s (2 tokens a 1.3 s
+    cycle) against 40 s of plain steps: chosen while the drafter is current, but not coming from plain
+    decoding once catching the drafter up has been timed at 20 s; with 400 tokens left it earns that back."""
+    from specserve.spec.policy import SpecPolicy
+
+    policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=1)
+    policy.seed_costs({(1, 0): 1.0, (1, 1): 1.3})
+    for _ in range(200):
+        policy.observe_acceptance(1, [1], 1)  # every draft accepted
+    assert policy.choose(1, [40]) == 1 and policy.choose(1, [40], stale=True) == 1  # no catch-up timed yet
+    policy.observe_switch(1, 20.0)
+    assert policy.choose(1, [40], stale=False) == 1
+    assert policy.choose(1, [40], stale=True) == 0
+    assert policy.choose(1, [400], stale=True) == 1

@@ -280,8 +280,8 @@ class Engine(ServingEngine):
         seqs = self.rows[: self.n_running]
         ov = self.overlap
         chosen, ov.chosen = ov.chosen, None
-        K = chosen if chosen is not None else (self.policy.choose(len(seqs), self._job_remaining())
-                                               if self.policy else 0)
+        K = chosen if chosen is not None else (
+            self.policy.choose(len(seqs), self._job_remaining(), any(s.stale for s in seqs)) if self.policy else 0)
         self.last_k = K
         self._close_timing()
         self._timing = (len(seqs), K, time.perf_counter())

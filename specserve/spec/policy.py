@@ -21,7 +21,10 @@ expected maximum, over the batch's rows, of their deviation (a normal approximat
 the tokens-per-cycle variance of the acceptance model). Plain decoding finishes every
 row together. With one row this is the tokens-a-second rule. While the job's longest
 sequences are still in prefill, a decode step is off its critical path: the cheapest
-step is best. An exploration's timing ends the back-off only if it wins by the same rule.
+step is best. Coming from plain decoding (`stale`), a K > 0 first catches the drafter up
+(`observe_switch` times it), once, which the job's remaining tokens must earn back: a job
+charges it to every K > 0. An exploration's timing ends the back-off only if it wins by
+the same rule.
 
 Costs per (batch bucket, K): once a K has run at a bucket, the median of its last
 LIVE_WINDOW live step times (one slow step, a pause of the host, moves no median, where a
@@ -192,10 +195,11 @@ class SpecPolicy:
         """The lower of K's live cost and its start-up cost without the offset (one of them known)."""
         return min(c for c in (self.cost.get((bucket, K)), self.seeded.get((bucket, K))) if c is not None)
 
-    def choose(self, B: int, remaining: list[int] | None = None) -> int:
+    def choose(self, B: int, remaining: list[int] | None = None, stale: bool = False) -> int:
         """K for the next step of B sequences; `remaining`: when they belong to a batch job whose end is
         what counts (see the module docstring), the remaining token budgets of its sequences, this
-        step's B first, then those still in prefill; else None."""
+        step's B first, then those still in prefill; else None. `stale`: a K > 0 would first catch the
+        drafter up on plain steps (a batch job is then charged the last catch-up's time at this bucket)."""
         if self.fixed is not None:
             K = self.fixed
         else:
@@ -203,7 +207,8 @@ class SpecPolicy:
             n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
             tree = self.tree(B)
             self.job[bucket] = remaining
-            rate = self._rates(bucket, tree, remaining, B)
+            switch = self._switch_cost(bucket) if stale else 0.0
+            rate = self._rates(bucket, tree, remaining, B, switch=switch)
             untried = [k for k in range(self.k_max + 1) if k not in rate]
             if untried:
                 K = untried[0]
@@ -232,8 +237,13 @@ class SpecPolicy:
             return True
         plain = self.predicted_cost(bucket, 0)
         if plain:
-            gap = max(gap, self.switch_cost.get(bucket, 0.0) / (EXPLORE_SHARE * plain))
+            gap = max(gap, self._switch_cost(bucket) / (EXPLORE_SHARE * plain))
         return n - last >= gap
+
+    def _switch_cost(self, bucket: int) -> float:
+        """Seconds a switch to speculation costs at `bucket`: its last catch-up, else the dearest timed at
+        any bucket (a batch's rows end one by one, and each smaller bucket would pay one to learn its own)."""
+        return self.switch_cost.get(bucket, max(self.switch_cost.values(), default=0.0))
 
     def observe_switch(self, B: int, seconds: float) -> None:
         """The one-off cost of a switch from plain decoding to speculation at batch B (the drafter's catch-up
@@ -241,12 +251,12 @@ class SpecPolicy:
         self.switch_cost[_bucket(B)] = seconds
 
     def _rates(self, bucket: int, tree: bool, remaining: list[int] | None = None, B: int = 0,
-               costs: dict[int, float | None] | None = None) -> dict[int, float]:
+               costs: dict[int, float | None] | None = None, switch: float = 0.0) -> dict[int, float]:
         """Expected tokens a second for each K whose cost at `bucket` is known (or given in `costs`):
-        of every row, or for a batch job (`remaining`, more than one row; this step's B rows first)
-        of the row expected to end last."""
+        of every row, or for a batch job (`remaining`; this step's B rows first) of the row expected to
+        end last, every K > 0 charged `switch` seconds once."""
         costs = costs or {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
-        if not remaining or len(remaining) < 2:
+        if not remaining or not max(remaining):
             return {k: self.expected_tokens(k, tree) / c for k, c in costs.items() if c is not None}
         if max(remaining[:B], default=0) < max(remaining):
             # The job's longest sequences are still in prefill, not in this step: it only delays them.
@@ -264,7 +274,7 @@ class SpecPolicy:
                 continue
             E, v = self.expected_tokens(k, tree), self.tokens_variance(k, tree)
             cycles = max(r / E + z * math.sqrt(r * v / E**3) for r, z in tops)
-            rates[k] = R / (cycles * c)
+            rates[k] = R / (cycles * c + (switch if k else 0.0))
         return rates
 
     def _would_win(self, bucket: int, B: int, K: int, seconds: float) -> bool:
