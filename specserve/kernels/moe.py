@@ -402,11 +402,14 @@ def int4_cuda_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     x = x.contiguous()
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     threads = (32 * CUDA_WARPS, 1, 1)
+    # (the kernels index rows of whole experts: a rank's slice of a stack is contiguous, a copy otherwise)
     kernels["int4_moe_gate_up"](grid=(blocks, I // (8 * CUDA_WARPS), 1), block=threads, args=[
-        x, w13.packed, w13.scale, h, pairs, block_expert, P, E, H, I, top_k, H // w13.scale.shape[-1]])
+        x, w13.packed.contiguous(), w13.scale.contiguous(), h, pairs, block_expert, P, E, H, I, top_k,
+        H // w13.scale.shape[-1]])
     out = torch.empty(P, H, dtype=x.dtype, device=x.device)
     kernels["int4_moe_down"](grid=(blocks, H // (16 * CUDA_WARPS), 1), block=threads, args=[
-        h, w2.packed, w2.scale, out, pairs, block_expert, P, E, H, I, I // w2.scale.shape[-1]])
+        h, w2.packed.contiguous(), w2.scale.contiguous(), out, pairs, block_expert, P, E, H, I,
+        I // w2.scale.shape[-1]])
     y = torch.empty_like(x)
     # (SPLIT: the routing weight is applied here, to the down products stored rounded)
     _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
