@@ -595,3 +595,22 @@ def test_cuda_int4_experts_equal_the_dequantized_reference(tokens):
     got = int4_cuda_experts(x, weights, ids, w13, w2).double().cpu()
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
     assert torch.equal(fused_experts(x, weights, ids, w13, w2).cpu(), got.to(torch.bfloat16).cpu())
+
+
+def test_cuda_int4_kernels_fall_back_with_a_warning_when_they_cannot_be_built(monkeypatch, caplog):
+    """Where NVRTC cannot build the CUDA int4 expert kernels, the Triton ones serve, and the log says why
+    (and how to skip the attempt), once a process."""
+    from specserve.kernels import moe as moe_kernels
+
+    def broken(src, name, **kw):
+        raise RuntimeError("CUDA error: NVRTC_ERROR_BUILTIN_OPERATION_FAILURE")
+    monkeypatch.setattr(torch.cuda, "_compile_kernel", broken, raising=False)
+    moe_kernels._cuda_kernels.cache_clear()
+    try:
+        with caplog.at_level("WARNING", logger="specserve.kernels"):
+            assert moe_kernels._cuda_kernels() is None
+            assert moe_kernels._cuda_kernels() is None
+        warnings = [r.getMessage() for r in caplog.records if "CUDA int4 expert kernels" in r.getMessage()]
+        assert len(warnings) == 1 and "NVRTC_ERROR" in warnings[0] and "SPECSERVE_INT4_MOE_CUDA=0" in warnings[0]
+    finally:
+        moe_kernels._cuda_kernels.cache_clear()

@@ -30,6 +30,7 @@ a quarter of the bytes leaves time for.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -357,16 +358,25 @@ def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
     return pairs[:-1], block_expert.int()
 
 
+log = logging.getLogger("specserve.kernels")
+
 CUDA_WARPS = 4  # warps a block of the CUDA int4 kernels
 CUDA_PAIRS = 8  # pairs a block serves: the m16n8k16 product's eight columns
 CUDA_MAX_PAIRS = 64  # up to this many pairs (more per expert: Triton's wider tiles read each expert once)
 
 
 @lru_cache(maxsize=1)
-def _cuda_kernels() -> dict:
-    """The CUDA int4 expert kernels, compiled once a process by NVRTC (through torch)."""
+def _cuda_kernels() -> dict | None:
+    """The CUDA int4 expert kernels, compiled once a process by NVRTC (through torch); None, with a
+    warning, where they cannot be built (no NVRTC library, a driver too old for its PTX): the Triton
+    kernels serve instead."""
     src = (Path(__file__).parent / "csrc" / "int4_moe.cu").read_text()
-    return {name: torch.cuda._compile_kernel(src, name) for name in ("int4_moe_gate_up", "int4_moe_down")}
+    try:
+        return {name: torch.cuda._compile_kernel(src, name) for name in ("int4_moe_gate_up", "int4_moe_down")}
+    except (RuntimeError, OSError) as e:
+        log.warning("the CUDA int4 expert kernels could not be built (%s); int4 experts take the Triton kernels "
+                    "(SPECSERVE_INT4_MOE_CUDA=0 skips this attempt)", e)
+        return None
 
 
 def int4_cuda_fits(x: torch.Tensor, w13: Experts, w2: Experts, pairs: int) -> bool:
@@ -384,7 +394,7 @@ def int4_cuda_fits(x: torch.Tensor, w13: Experts, w2: Experts, pairs: int) -> bo
         group = K // w.scale.shape[-1]
         if w.scale.dtype != torch.bfloat16 or K % 64 or group % 16 or K % group:
             return False
-    return I % (8 * CUDA_WARPS) == 0 and H % (16 * CUDA_WARPS) == 0
+    return I % (8 * CUDA_WARPS) == 0 and H % (16 * CUDA_WARPS) == 0 and _cuda_kernels() is not None
 
 
 def int4_cuda_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Int4Stack, w2: Int4Stack,
