@@ -696,16 +696,12 @@ class ModelRunner:
         return time.perf_counter() - t0
 
     def _compile_eager_attention(self) -> None:
-        """Compile now the cache-attention kernels only eager forwards use (a drafter's feed of pending
-        entries or catch-up, a chunk continuing a prompt, at any batch size): each query block (up to
-        ATTN_MAX_QUERIES rows a KV head, powers of two) at one batch size of each power-of-two split
-        count the batch sizes give. Compiled while serving, each would stall every request for ~1 s.
-        Every query sits at the padding slot, so they read and write nothing."""
-        from specserve.kernels import attention as kernels
-        from specserve.kernels.common import sm_count
+        """Compile now, once per attention shape of target and drafter, the cache-attention kernels only
+        eager forwards reach (`kernels.attention.compile_eager_variants`): compiled while serving, each
+        would stall every request for ~1 s."""
+        from specserve.kernels.attention import compile_eager_variants
         from specserve.model.layers import KVCacheAttention
 
-        length = self.kv.table.shape[1] * self.block_size
         done = set()
         for model in (self.target, self.drafter):
             for attn in model.attention_modules() if model is not None else ():
@@ -713,21 +709,6 @@ class ModelRunner:
                 if type(attn) is not KVCacheAttention or key in done:  # (latent attention has kernels of its own)
                     continue
                 done.add(key)
-                batches = {}  # split count (a power of two) -> the first batch size with it
-                for B in range(1, self.rows + 1):
-                    n_split = kernels.key_splits(length, kernels.ATTN_BLOCK_N, B * attn.num_kv_heads,
-                                                 sm_count(self.device))[0]
-                    batches.setdefault(1 << (n_split - 1).bit_length(), B)
-                for B in batches.values():
-                    block_q = 16
-                    while block_q <= kernels.ATTN_MAX_QUERIES:
-                        T = max(1, block_q // attn.group)
-                        q = torch.zeros(B, T, attn.num_heads, attn.head_dim, dtype=attn.k_cache.dtype,
-                                        device=self.device)
-                        at = torch.full((B, T), self.scratch, dtype=torch.long, device=self.device)
-                        if kernels.cache_attention_ok(q, attn.k_cache, at):
-                            kernels.cache_attention_triton(q, attn.k_cache, attn.v_cache, 0, at, self.scratch,
-                                                           attn.scale, block_table=self.kv.table,
-                                                           block_size=self.block_size)
-                        block_q *= 2
+                compile_eager_variants(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale, self.scratch,
+                                       self.kv.table, self.block_size, self.rows)
         self.sync()

@@ -141,6 +141,31 @@ if triton is not None:
 
 
 ATTN_BLOCK_N = 64
+
+
+def compile_eager_variants(k_cache, v_cache, num_heads: int, scale: float, scratch: int, block_table,
+                           block_size: int, rows: int) -> None:
+    """Compile now the `cache_attention_triton` kernels only eager forwards reach (a drafter's feed of pending
+    entries or catch-up, a chunk continuing a prompt, at any of `rows` batch sizes): each query block up to
+    ATTN_MAX_QUERIES rows a KV head at one batch size of each power-of-two split count. Every query sits at
+    the padding slot (`scratch`), so nothing is read or written."""
+    n_kv, D = k_cache.shape[1], k_cache.shape[3]
+    G = num_heads // n_kv
+    length = block_table.shape[1] * block_size
+    sms = common.sm_count(k_cache.device)
+    batches = {}  # the combine's SPLITS -> the first batch size with it
+    for B in range(1, rows + 1):
+        batches.setdefault(triton.next_power_of_2(key_splits(length, ATTN_BLOCK_N, B * n_kv, sms)[0]), B)
+    for B in batches.values():
+        block_q = 16
+        while block_q <= ATTN_MAX_QUERIES:
+            T = max(1, block_q // G)
+            q = torch.zeros(B, T, num_heads, D, dtype=k_cache.dtype, device=k_cache.device)
+            at = torch.full((B, T), scratch, dtype=torch.long, device=k_cache.device)
+            if cache_attention_ok(q, k_cache, at):
+                cache_attention_triton(q, k_cache, v_cache, 0, at, scratch, scale, block_table=block_table,
+                                       block_size=block_size)
+            block_q *= 2
 ATTN_MAX_QUERIES = 128  # G * T per KV head; longer blocks (prefill) use SDPA
 
 

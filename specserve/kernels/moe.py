@@ -358,6 +358,25 @@ def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
     return pairs[:-1], block_expert.int()
 
 
+def _align(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`align_pairs` in one program (`fused_align`) where it fits, else in torch ops."""
+    align = fused_align if fused_routing_fits(ids.shape[0], ids.shape[1], experts) else align_pairs
+    return align(ids, experts, first, block_m)
+
+
+def _combine(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, add: torch.Tensor | None,
+             first: int, experts: int, split: bool) -> torch.Tensor:
+    """Each token's top_k rows of `out` [P, H] summed (`_combine_kernel`; `split`: the rows are unweighted
+    products the routing weight is applied to here), plus `add` where given: [N, H] in x's dtype."""
+    N, H = x.shape
+    y = torch.empty_like(x)
+    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
+        out, weights.contiguous(), ids.contiguous(), y if add is None else add.contiguous(), y, first, experts, H=H,
+        TOP_K=ids.shape[1], SPLIT=split, ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False,
+        **pdl_args(x))
+    return y
+
+
 log = logging.getLogger("specserve.kernels")
 
 CUDA_WARPS = 4  # warps a block of the CUDA int4 kernels
@@ -405,8 +424,7 @@ def int4_cuda_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     E, _, I = expert_shape(w2)
     top_k = ids.shape[1]
     P = N * top_k
-    align = fused_align if fused_routing_fits(N, top_k, E) else align_pairs
-    pairs, block_expert = align(ids, E, first, CUDA_PAIRS)
+    pairs, block_expert = _align(ids, E, first, CUDA_PAIRS)
     blocks = block_expert.numel()
     kernels = _cuda_kernels()
     x = x.contiguous()
@@ -420,12 +438,7 @@ def int4_cuda_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     kernels["int4_moe_down"](grid=(blocks, H // (16 * CUDA_WARPS), 1), block=threads, args=[
         h, w2.packed.contiguous(), w2.scale.contiguous(), out, pairs, block_expert, P, E, H, I,
         I // w2.scale.shape[-1]])
-    y = torch.empty_like(x)
-    # (SPLIT: the routing weight is applied here, to the down products stored rounded)
-    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
-        out, weights.contiguous(), ids.contiguous(), y if add is None else add.contiguous(), y, first, E, H=H,
-        TOP_K=top_k, SPLIT=True, ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
-    return y
+    return _combine(out, weights, ids, x, add, first, E, split=True)  # (down products stored unweighted)
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Experts,
@@ -446,8 +459,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
         return int4_cuda_experts(x, weights, ids, w13, w2, first, add)
     tiles = tiles or default_tiles(P, int4)
     block_m = block_m_for(P, E)
-    align = fused_align if fused_routing_fits(N, top_k, E) else align_pairs  # (one program, or torch ops)
-    pairs, block_expert = align(ids, E, first, block_m)
+    pairs, block_expert = _align(ids, E, first, block_m)
     blocks = block_expert.numel()
     x = x.contiguous()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit inputs)
@@ -472,8 +484,4 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     _down_kernel[(blocks, triton.cdiv(H, block_n), triton.cdiv(I, span_i))](
         h, rw_ptr=rw, out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
         I=I, K_SPAN=span_i, **consts, **_weight_args(w2))
-    y = torch.empty_like(x)
-    _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
-        out, rw, ids.contiguous(), y if add is None else add.contiguous(), y, first, E, H=H, TOP_K=top_k, SPLIT=split_i,
-        ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False, **pdl_args(x))
-    return y
+    return _combine(out, rw, ids, x, add, first, E, split_i)
