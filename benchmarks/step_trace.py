@@ -7,7 +7,8 @@ engine, in alternating rounds.
 Each `Engine.step()` is timed on the host with the K it ran and whether it prefilled; the drafter's
 catch-up after plain stretches is timed apart. Per config: wall, steps per K with their median, mean
 and total milliseconds, prefill steps, and decode steps slower than 3x their K's median (count, total,
-the slowest). `--cprofile` adds each config's top functions by own time (one more round, profiled).
+the slowest). The adaptive config's choices of K > 0 are logged with the rates the policy ranked them by
+(explorations apart). `--cprofile` adds each config's top functions by own time (one more round, profiled).
 Prompt files: JSON lines with "messages" (chat) or "prompt"; `--batch` runs them in groups of B (as one
 `generate` call each, cycling through the prompts to fill the last group).
 """
@@ -36,9 +37,33 @@ def encode(tok, row: dict) -> list[int]:
     return tok.encode(row.get("prompt") or row["messages"][0]["content"])
 
 
+DECISIONS: list[dict] = []  # the adaptive config's choices of K > 0, with the rates the policy saw
+
+
+def logged_choose(policy, choose):
+    """`choose`, recording each K > 0 it returns: the batch size, whether the drafter was stale, the K the
+    rates alone rank first (else the choice was an exploration), and each K's rate and cost (ms)."""
+    from specserve.spec.policy import _bucket
+
+    def wrapped(B, remaining=None, stale=False):
+        bucket = _bucket(B)
+        switch = policy._switch_cost(bucket) if stale else 0.0
+        rates = policy._rates(bucket, policy.tree(B), remaining, B, switch=switch)
+        K = choose(B, remaining, stale)
+        if K:
+            DECISIONS.append({"B": B, "K": K, "stale": stale, "best": max(rates, key=rates.get) if rates else None,
+                              "job": bool(remaining), "switch_ms": round(1e3 * switch, 2),
+                              "rates": {k: round(r / 1e3, 4) for k, r in rates.items()},
+                              "cost_ms": {k: round(1e3 * (policy.predicted_cost(bucket, k) or 0), 3)
+                                          for k in rates}})
+        return K
+    return wrapped
+
+
 def set_config(eng, name: str, choose) -> None:
     eng.set_spec_steps(0 if name == "baseline" else None)
-    eng.policy.choose = (lambda B, remaining=None, stale=False: 0) if name == "adaptive-plain" else choose
+    eng.policy.choose = ((lambda B, remaining=None, stale=False: 0) if name == "adaptive-plain"
+                         else logged_choose(eng.policy, choose))
 
 
 COMPILED: list[str] = []  # Triton kernels compiled so far (names), appended by the hook below
@@ -177,6 +202,10 @@ def main() -> None:
                                          "cum_ms": round(1e3 * v[3], 2)} for (f, line, fn), v in top]
     set_config(eng, "adaptive", choose)
     result["policy_choices"] = dict(eng.policy.choices)
+    result["policy_costs"] = eng.policy.snapshot()
+    explored = [d for d in DECISIONS if d["best"] != d["K"]]
+    result["spec_decisions"] = {"n": len(DECISIONS), "explorations": len(explored), "first": DECISIONS[:40],
+                                "best_not_explored": [d for d in DECISIONS if d["best"] == d["K"]][:40]}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'config':<16}{'round':>6}{'tok/s':>9}{'K0 med':>9}{'K0 mean':>9}{'K>0 n':>7}{'K>0 ms':>9}"
@@ -188,6 +217,9 @@ def main() -> None:
             print(f"{name:<16}{i:>6}{r['tok_s']:>9.1f}{k0.get('median_ms', 0):>9.3f}{k0.get('mean_ms', 0):>9.3f}"
                   f"{sum(v['n'] for v in spec):>7}{sum(v['total_ms'] for v in spec):>9.1f}"
                   f"{k0.get('slow_ms', 0):>9.1f}{r['catch_up_ms']:>8.1f}{r['prefill_ms']:>9.1f}")
+    print(f"K > 0 chosen {len(DECISIONS)} times, {len(explored)} of them explorations; the others by their rates:")
+    for d in result["spec_decisions"]["best_not_explored"][:12]:
+        print(f"  B={d['B']} K={d['K']} stale={d['stale']} job={d['job']} tokens/ms {d['rates']} cost ms {d['cost_ms']}")
     for name, rs in result["rounds"].items():
         for i, r in enumerate(rs):
             for c in r["compiling_steps"]:
