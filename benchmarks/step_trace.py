@@ -10,7 +10,8 @@ and total milliseconds, prefill steps, and decode steps slower than 3x their K's
 the slowest). The adaptive config's choices of K > 0 are logged with the rates the policy ranked them by
 (explorations apart). `--cprofile` adds each config's top functions by own time (one more round, profiled).
 Prompt files: JSON lines with "messages" (chat) or "prompt"; `--batch` runs them in groups of B (as one
-`generate` call each, cycling through the prompts to fill the last group).
+`generate` call each, cycling through the prompts to fill the last group); `--in-flight C` serves them
+instead, as `specserve serve` would: C requests at a time, each replaced as soon as it ends.
 """
 
 from __future__ import annotations
@@ -93,8 +94,22 @@ def log_triton_compiles() -> None:
             obj.compile = logged
 
 
-def run_round(llm, ids, params, batch: int = 1) -> tuple[float, list[tuple[int, bool, float]], float]:
-    """(wall seconds, [(K, prefilled, seconds) per step], catch-up seconds) over the prompts, `batch` at a time."""
+def serve(eng, ids, params, in_flight: int, requests: int) -> None:
+    """As a server runs: `requests` requests, `in_flight` at a time, each replaced as soon as it ends."""
+    live, sent = set(), 0
+    while sent < requests or eng.has_work():
+        while sent < requests and len(live) < in_flight:
+            live.add(eng.add_request(ids[sent % len(ids)], params[sent % len(ids)]).seq_id)
+            sent += 1
+        for s in eng.step():
+            if s.finish_reason is not None:
+                live.discard(s.seq_id)
+
+
+def run_round(llm, ids, params, batch: int = 1, in_flight: int = 0,
+              requests: int = 0) -> tuple[float, list[tuple[int, bool, float]], float]:
+    """(wall seconds, [(K, prefilled, seconds) per step], catch-up seconds) over the prompts, `batch` at a
+    time (a `generate` call each), or served (`in_flight` > 0: `requests` of them, replaced as they end)."""
     eng = llm.engine
     steps: list[tuple] = []
     catch = [0.0]
@@ -121,7 +136,9 @@ def run_round(llm, ids, params, batch: int = 1) -> tuple[float, list[tuple[int, 
     eng.step = timed_step
     t0 = time.perf_counter()
     try:
-        for i in range(0, len(ids), batch):
+        if in_flight:
+            serve(eng, ids, params, in_flight, requests)
+        for i in range(0, len(ids) if not in_flight else 0, batch):
             group = [(i + j) % len(ids) for j in range(batch)]
             llm.generate([ids[g] for g in group], [params[g] for g in group])
     finally:
@@ -161,39 +178,43 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="largest K of adaptive")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--in-flight", type=int, default=0,
+                    help="serve instead: this many requests in flight, each replaced as it ends (no batch job)")
+    ap.add_argument("--requests", type=int, default=256, help="requests a round with --in-flight")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
 
     llm = LLM(args.model, args.draft, spec_steps=0, max_spec_steps=args.steps, adaptive=True,
-              max_num_seqs=max(args.batch, 8))
+              max_num_seqs=max(args.batch, args.in_flight, 8))
     rows = []
     for f in args.prompts:
         with open(f) as fh:
             rows += [json.loads(line) for line in fh if line.strip()][: args.num_prompts]
     ids = [encode(llm.tokenizer, r) for r in rows]
     params = [SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True) for _ in ids]
-    tokens = -(-len(ids) // args.batch) * args.batch * args.max_tokens
+    tokens = (args.requests if args.in_flight else -(-len(ids) // args.batch) * args.batch) * args.max_tokens
+    serving = dict(in_flight=args.in_flight, requests=args.requests)
     eng = llm.engine
     choose = eng.policy.choose
     log_triton_compiles()
     for name in CONFIGS:  # warm-up
         set_config(eng, name, choose)
-        run_round(llm, ids[:2], params[:2], args.batch)
-    result: dict = {"model": args.model, "draft": args.draft, "prompts": len(ids), "batch": args.batch,
+        run_round(llm, ids[:2], params[:2], args.batch, args.in_flight, min(args.requests, 2 * args.in_flight))
+    result: dict = {"model": args.model, "draft": args.draft, "prompts": len(ids), "batch": args.batch, **serving,
                     "max_tokens": args.max_tokens,
                     "rounds": {name: [] for name in CONFIGS}}
     for _ in range(args.rounds):
         for name in CONFIGS:
             set_config(eng, name, choose)
-            result["rounds"][name].append(summarize(*run_round(llm, ids, params, args.batch), tokens))
+            result["rounds"][name].append(summarize(*run_round(llm, ids, params, args.batch, **serving), tokens))
     if args.cprofile:
         result["cprofile"] = {}
         for name in CONFIGS:
             set_config(eng, name, choose)
             prof = cProfile.Profile()
             prof.enable()
-            run_round(llm, ids, params, args.batch)
+            run_round(llm, ids, params, args.batch, **serving)
             prof.disable()
             st = pstats.Stats(prof)
             top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]
