@@ -7,7 +7,7 @@ top-8, int4 in groups of 32, random weights), on one GPU.
 Per token count: the largest difference of each path from the reference (relative to the reference's
 largest value), and each path's time as a CUDA-graph replay with the int4 bytes and scales of the
 distinct experts touched, streamed from memory (8 experts are ~200 MB, four times the L2). `--sweep` also
-times the CUDA kernels compiled with other unrolling depths and warps a block.
+times the CUDA kernels compiled with other pipeline depths (chunks in flight) and warps a block.
 """
 
 from __future__ import annotations
@@ -56,18 +56,17 @@ def graph_ms(fn) -> float:
 
 
 def sweep(run, ref, scale) -> dict:
-    """ms (and the error) of `run` with the kernels compiled at other unrolling depths and warps a block."""
-    src = (Path(moe.__file__).parent / "csrc" / "int4_moe.cu").read_text()
+    """ms (and the error) of `run` with the kernels compiled for other pipeline depths and warps a block."""
     kept, warps = moe._cuda_kernels, moe.CUDA_WARPS
     out = {}
     try:
-        for unroll in (2, 4, 8):
-            compiled = {name: torch.cuda._compile_kernel(src, name, nvcc_options=[f"-DUNROLL={unroll}"])
-                        for name in ("int4_moe_gate_up", "int4_moe_down")}
-            moe._cuda_kernels = lambda c=compiled: c
+        for stages in (2, 3, 4, 6, 8):
             for w in (2, 4, 8):
-                moe.CUDA_WARPS = w
-                out[f"unroll{unroll}-warps{w}"] = {"ms": graph_ms(run),
+                if stages * w * 1280 > 48 * 1024:  # (static shared memory: 1,280 bytes a warp and stage)
+                    continue
+                compiled = moe.compile_cuda_kernels(w, (f"-DSTAGES={stages}",))
+                moe._cuda_kernels, moe.CUDA_WARPS = (lambda c=compiled: c), w
+                out[f"stages{stages}-warps{w}"] = {"ms": graph_ms(run),
                                                    "rel_err": (run().float() - ref).abs().max().item() / scale}
     finally:
         moe._cuda_kernels, moe.CUDA_WARPS = kept, warps

@@ -99,7 +99,9 @@ if triton is not None:
         s = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
         return (s * u).to(dt)
 
-    @triton.jit
+    # (P and E are arguments Triton would specialize by divisibility by 16: a prefill chunk of an odd token
+    # count would compile a second variant mid-run, 0.6 s on an H200.)
+    @triton.jit(do_not_specialize=["P", "E"])
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, g_ptr, pairs_ptr, block_expert_ptr, P, E,
                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, GROUPS: tl.constexpr,
                         INT4: tl.constexpr, HAS_ZERO: tl.constexpr, SWAP: tl.constexpr,
@@ -157,7 +159,7 @@ if triton is not None:
         u = tl.load(g_ptr + pair * (2 * I) + I + offs, mask=mask, other=0.0)
         tl.store(h_ptr + pair * I + offs, _swiglu(g, u, h_ptr.dtype.element_ty), mask=mask)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["P", "E"])
     def _down_kernel(h_ptr, w_ptr, s_ptr, z_ptr, rw_ptr, out_ptr, pairs_ptr, block_expert_ptr, P, E,
                      H: tl.constexpr, I: tl.constexpr, GROUPS: tl.constexpr, INT4: tl.constexpr,
                      HAS_ZERO: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -389,19 +391,26 @@ def _cuda_kernels() -> dict | None:
     """The CUDA int4 expert kernels, compiled once a process by NVRTC (through torch); None, with a
     warning, where they cannot be built (no NVRTC library, a driver too old for its PTX): the Triton
     kernels serve instead."""
-    src = (Path(__file__).parent / "csrc" / "int4_moe.cu").read_text()
     try:
-        return {name: torch.cuda._compile_kernel(src, name) for name in ("int4_moe_gate_up", "int4_moe_down")}
+        return compile_cuda_kernels(CUDA_WARPS)
     except (RuntimeError, OSError) as e:
         log.warning("the CUDA int4 expert kernels could not be built (%s); int4 experts take the Triton kernels "
                     "(SPECSERVE_INT4_MOE_CUDA=0 skips this attempt)", e)
         return None
 
 
+def compile_cuda_kernels(warps: int, options: tuple[str, ...] = ()) -> dict:
+    """`kernels/csrc/int4_moe.cu` compiled for blocks of `warps` warps (plus nvcc-style `options`)."""
+    src = (Path(__file__).parent / "csrc" / "int4_moe.cu").read_text()
+    opts = [f"-DWARPS={warps}", *options]
+    return {name: torch.cuda._compile_kernel(src, name, nvcc_options=opts) for name in ("int4_moe_gate_up", "int4_moe_down")}
+
+
 def int4_cuda_fits(x: torch.Tensor, w13: Experts, w2: Experts, pairs: int) -> bool:
     """Whether `int4_cuda_experts` serves these: bf16 activations and scales, symmetric int4 experts
-    on an Ampere-or-later GPU, features in whole 64-column steps and scale groups of whole 16-column
-    runs, at most CUDA_MAX_PAIRS pairs, with torch's NVRTC compiler (torch.cuda._compile_kernel)."""
+    on an Ampere-or-later GPU, features in whole 128-column chunks and scale groups of whole 32-column
+    runs, an even number of groups a row (a lane copies its scale's 32-bit word), at most
+    CUDA_MAX_PAIRS pairs, with torch's NVRTC compiler (torch.cuda._compile_kernel)."""
     if not (envs.INT4_MOE_CUDA.get() and x.is_cuda and pairs <= CUDA_MAX_PAIRS and x.dtype == torch.bfloat16
             and hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(x.device) >= (8, 0)):
         return False
@@ -410,8 +419,9 @@ def int4_cuda_fits(x: torch.Tensor, w13: Experts, w2: Experts, pairs: int) -> bo
     _, _, H = expert_shape(w13)
     _, _, I = expert_shape(w2)
     for w, K in ((w13, H), (w2, I)):
-        group = K // w.scale.shape[-1]
-        if w.scale.dtype != torch.bfloat16 or K % 64 or group % 16 or K % group:
+        groups = w.scale.shape[-1]
+        group = K // groups
+        if w.scale.dtype != torch.bfloat16 or K % 128 or group % 32 or K % group or groups % 2:
             return False
     return I % (8 * CUDA_WARPS) == 0 and H % (16 * CUDA_WARPS) == 0 and _cuda_kernels() is not None
 
