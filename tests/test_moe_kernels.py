@@ -325,6 +325,30 @@ def test_moe_forward_takes_the_fused_path_on_cuda(monkeypatch, int4):
 
 
 @pytest.mark.gpu
+def test_fused_moe_kernels_compile_once_for_every_pair_count():
+    """Token counts of both parities (pair counts that are and are not multiples of 16) take one compiled
+    variant of each expert kernel and of the alignment: a prefill chunk of a new length compiles nothing
+    mid-run."""
+    from specserve.kernels.moe import _down_kernel, _gate_up_kernel
+    from specserve.kernels.moe_routing import _align_kernel
+
+    def compiled(fn) -> int:
+        caches = getattr(fn, "device_caches", None)
+        if caches is None:
+            pytest.skip("this Triton keeps no per-device kernel caches to count")
+        return sum(len(c[0]) for c in caches.values())
+
+    moe = _moe("softmax-8of16").to("cuda", torch.bfloat16)
+    kernels = (_gate_up_kernel, _down_kernel, _align_kernel)
+    with torch.inference_mode():
+        moe(torch.randn(6, HIDDEN, device="cuda", dtype=torch.bfloat16))  # 48 pairs
+        before = [compiled(k) for k in kernels]
+        for tokens in (5, 7):  # 40 and 56 pairs: the same blocks of rows and padded sizes, not multiples of 16
+            moe(torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16))
+    assert [compiled(k) for k in kernels] == before
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("int4", KINDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(int4, dtype):
@@ -564,18 +588,18 @@ def test_fused_route_and_align_equal_torch_on_cuda(router, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 3, 8])
-def test_cuda_int4_experts_equal_the_dequantized_reference(tokens):
-    """bf16 tokens on symmetric int4 experts in groups of 32 (Kimi-K2.5's scheme) take the CUDA kernels
-    up to CUDA_MAX_PAIRS pairs: 8, 24 and 64 pairs over 16 experts (some with several pairs) give the
-    dequantized experts' result to bf16 rounding."""
+@pytest.mark.parametrize("tokens,group", [(1, 32), (3, 32), (8, 32), (3, 128)])
+def test_cuda_int4_experts_equal_the_dequantized_reference(tokens, group):
+    """bf16 tokens on symmetric int4 experts in groups of 32 (Kimi-K2.5's scheme) or 128 take the CUDA
+    kernels up to CUDA_MAX_PAIRS pairs: 8, 24 and 64 pairs over 16 experts (some with several pairs) give
+    the dequantized experts' result to bf16 rounding."""
     from specserve.kernels.moe import CUDA_MAX_PAIRS, int4_cuda_experts, int4_cuda_fits
 
-    H, I, E, top_k = 128, 64, 16, 8
+    H, I, E, top_k = 256, 256, 16, 8
     g = torch.Generator().manual_seed(tokens)
     stacks = []
     for rows, K in ((2 * I, H), (H, I)):
-        q, scale, _ = quantize_int4(torch.randn(E, rows, K, generator=g) * 0.2, 32, True)
+        q, scale, _ = quantize_int4(torch.randn(E, rows, K, generator=g) * 0.2, group, True)
         stacks.append(SimpleNamespace(packed=pack_int4(q).cuda(), scale=scale.to("cuda", torch.bfloat16), zero=None))
     w13, w2 = stacks
     x = torch.randn(tokens, H, generator=g).to("cuda", torch.bfloat16)

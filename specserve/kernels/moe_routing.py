@@ -106,7 +106,7 @@ if triton is not None:
         tl.store(w_ptr + n * TOP_K + kk, w.to(w_ptr.dtype.element_ty), mask=out)
         tl.store(ids_ptr + n * TOP_K + kk, ids.to(tl.int64), mask=out)
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["first", "P", "BLOCKS"])
     def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, first, P, BLOCKS, E: tl.constexpr,
                       BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, BINS: tl.constexpr, ROWS_PAD: tl.constexpr,
                       BLOCKS_PAD: tl.constexpr, PDL: tl.constexpr):
