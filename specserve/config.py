@@ -612,6 +612,7 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 64
     prefill_chunk: int = 512
+    admit_wait: int = 0  # steps free rows may wait for more arrivals to prefill together (Engine._admission_deferred)
     kv_block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int | None = None  # KV pool size in tokens (None: see gpu_memory_utilization)
     gpu_memory_utilization: float | None = None  # GPU: size the pool to this fraction of memory (None: max_num_seqs x max_model_len)
@@ -653,6 +654,8 @@ class EngineConfig:
             raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")
         if self.prefill_chunk < 1:
             raise ConfigError(f"--prefill-chunk must be at least 1, got {self.prefill_chunk}")
+        if not isinstance(self.admit_wait, int) or self.admit_wait < 0:
+            raise ConfigError(f"--admit-wait must be a whole number of steps >= 0, got {self.admit_wait!r}")
         if not 1 <= self.kv_block_size <= 4096:
             raise ConfigError(f"--kv-block-size must be 1..4096 tokens, got {self.kv_block_size}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < 1:

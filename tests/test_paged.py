@@ -200,3 +200,50 @@ def test_paged_kernels_on_gpu(pair, mode):
     engine = _engine(pair, mode, kv_block_size=8, prefix_cache=True, **kw)
     assert _drain(engine, prompts, params[:6], waves=2) == off
     assert engine.kv_usage()["prefix_hit_tokens"] > 0
+
+
+def _count_prefill_chunks(engine) -> list[int]:
+    real, n = engine._prefill_chunk, [0]
+
+    def counted():
+        n[0] += 1
+        return real()
+    engine._prefill_chunk = counted
+    return n
+
+
+@pytest.mark.parametrize("mode", ["plain", "chain"])
+def test_admit_wait_prefills_freed_rows_together_and_changes_no_output(pair, mode):
+    """Twelve requests through four rows, ending at different steps: with --admit-wait the rows they free
+    are refilled in fewer prefill chunks, and every request emits the same tokens (greedy and seeded)."""
+    prompts = _prompts(12, seed=21, lo=3, hi=12)
+    kinds = _params(12)
+    params = [SamplingParams(temperature=k.temperature, top_p=k.top_p, seed=k.seed, max_tokens=4 + 3 * (i % 5),
+                             ignore_eos=True) for i, k in enumerate(kinds)]
+    at_once = _engine(pair, mode, max_num_seqs=4)
+    chunks_at_once = _count_prefill_chunks(at_once)
+    want = _drain(at_once, prompts, params)
+    together = _engine(pair, mode, max_num_seqs=4, admit_wait=6)
+    chunks_together = _count_prefill_chunks(together)
+    assert _drain(together, prompts, params) == want
+    assert chunks_together[0] < chunks_at_once[0], (chunks_together, chunks_at_once)
+
+
+def test_admit_wait_bounds_the_wait_and_never_holds_an_idle_engine(pair):
+    """A lone arrival while another request decodes waits exactly --admit-wait steps once a row is free for
+    it; with nothing decoding, arrivals start at once; a whole prefill chunk's worth starts at once too."""
+    engine = _engine(pair, "plain", max_num_seqs=4, admit_wait=3, prefill_chunk=20)
+    first = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+    engine.step()
+    assert first.output_ids  # nothing decoded before it: admitted and prefilled at once
+    late = engine.add_request([4, 5], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    waited = 0
+    while not late.output_ids:
+        engine.step()
+        waited += 1
+    assert waited == 4  # three steps held back, the fourth lets it in (its first token comes from that prefill)
+    big = engine.add_request(list(range(1, 11)) * 2, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    engine.step()
+    assert big.output_ids  # its 20 prompt tokens fill a prefill chunk: no reason to wait
+    with pytest.raises(ConfigError, match="--admit-wait"):
+        EngineConfig(model=str(pair[0]), admit_wait=-1)

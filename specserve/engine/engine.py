@@ -48,6 +48,8 @@ class Engine(ServingEngine):
         self.waiting: deque[Sequence] = deque()
         self.by_id: dict[str, Sequence] = {}
         self._ids = itertools.count()
+        self.steps_taken = 0  # engine steps so far
+        self._deferred_since: int | None = None  # the step admissions began to wait (`cfg.admit_wait`)
         self.totals = SpecStats()
         self.tokens_generated = 0
         self.profile: list[dict] = []  # per speculative cycle: draft/verify/accept spans, while `profiling`
@@ -180,6 +182,7 @@ class Engine(ServingEngine):
         for seq in self.rows[: self.n_running + self.n_prefill]:  # only these can hold last step's tokens
             seq.new_tokens = []
         touched: dict[str, Sequence] = {}
+        self.steps_taken += 1
         self._admit()
         if self.n_prefill:
             self._close_timing()
@@ -196,7 +199,32 @@ class Engine(ServingEngine):
                 self.by_id.pop(s.seq_id, None)
         return out
 
+    def _admission_deferred(self, ahead: int = 0) -> bool:
+        """Whether waiting requests stay out `ahead` steps from now (`cfg.admit_wait`): only while others
+        decode and none prefills, until those that fit the free rows fill a whole prefill chunk, or rows
+        have stood free for them admit_wait steps. A prefill chunk reads the target's weights once however
+        few prompts it holds (a MoE chunk nearly every expert), so arrivals let in as each row frees up
+        (speculation's uneven endings free them one or two at a time) pay that again and again. Counted in
+        steps, the rule decides alike on every tensor-parallel rank."""
+        wait, free = self.cfg.admit_wait, self.free_rows
+        if not (wait and self.waiting and free and self.n_running and not self.n_prefill):
+            return False
+        if sum(s.prefill_len - s.prefilled for s in itertools.islice(self.waiting, free)) >= self.cfg.prefill_chunk:
+            return False
+        since = self._deferred_since if self._deferred_since is not None else self.steps_taken + ahead
+        return self.steps_taken + ahead - since < wait
+
+    def _batch_fixed(self) -> bool:
+        """Whether the next step runs the same sequences, as far as admissions go (work queued ahead
+        assumes it; a sequence ending early is handled where the queued work is read)."""
+        return not self.n_prefill and (not self.waiting or self._admission_deferred(1))
+
     def _admit(self) -> None:
+        if self._admission_deferred():
+            if self._deferred_since is None:
+                self._deferred_since = self.steps_taken
+            return
+        self._deferred_since = None
         while self.waiting and self.free_rows > 0:
             row = self.n_running + self.n_prefill
             if not self.scheduler.admit(self.waiting[0], row, self.n_running):
@@ -389,7 +417,7 @@ class Engine(ServingEngine):
             cur = self._launch_plain(seqs, ids, pos, to_device([s.pending for s in seqs], self.device)
                                      if store else None)
         stored = cur.pending_at is not None
-        if ov.may_queue_plain(seqs, not (self.waiting or self.n_prefill)):
+        if ov.may_queue_plain(seqs, self._batch_fixed()):
             store = stored and all(s.pending + 1 < width for s in seqs)
             ov.plain = self._launch_plain(seqs, cur.tokens, cur.pos + 1, cur.pending_at + 1 if store else None)
         new = cur.token_list()
@@ -466,7 +494,7 @@ class Engine(ServingEngine):
         if prof:
             marks[4].record()
         results = host_lists(self.device, n_acc, grid)
-        kept = ov.queue_draft(seqs, K, n_acc, pos0, sampling, not (self.waiting or self.n_prefill), self.policy, pr,
+        kept = ov.queue_draft(seqs, K, n_acc, pos0, sampling, self._batch_fixed(), self.policy, pr,
                               prof, self._job_remaining())
         acc_list, grid_list = results()  # the one host sync of the cycle
         lps = self._read_logprobs(seqs, lp)

@@ -43,6 +43,11 @@ def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True)
                    help="longest sequence (prompt + output) in tokens (default: the model's max_position_embeddings)")
     p.add_argument("--max-num-seqs", type=int, default=None,
                    help="most sequences in flight (default: the number of prompts; serve: 64)")
+    p.add_argument("--admit-wait", type=int, default=0, metavar="STEPS",
+                   help="while others decode, let waiting requests in together: once those that fit the free rows "
+                        "fill a prefill chunk, or rows have stood free for them STEPS engine steps (default 0: at "
+                        "once). Fewer, fuller prefill chunks for a later first token; pays on MoE targets, whose "
+                        "prefill chunk reads nearly every expert however short it is")
     p.add_argument("--kv-block-size", type=int, default=EngineConfig.kv_block_size,
                    help=f"tokens per KV block (default {EngineConfig.kv_block_size})")
     p.add_argument("--kv-cache-tokens", type=int, default=None,
@@ -109,7 +114,8 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
               allow_draft_position_extension=args.allow_draft_position_extension,
               allow_pickle=args.allow_pickle, tp=args.tp, nnodes=args.nnodes, node_rank=args.node_rank,
               dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout, kv_block_size=args.kv_block_size,
-              kv_cache_tokens=args.kv_cache_tokens, gpu_memory_utilization=args.gpu_memory_utilization)
+              admit_wait=args.admit_wait, kv_cache_tokens=args.kv_cache_tokens,
+              gpu_memory_utilization=args.gpu_memory_utilization)
     if args.adaptive and not draft:
         kw["adaptive"] = False
     from specserve.distributed.nccl_profiles import load_profile, parse_env_args
