@@ -17,6 +17,7 @@
 #                                                            batch 64 nearly all 128 experts, per layer)
 #   PHASE=serve bash benchmarks/grow_moe_gpu.sh               the served figure: plain vs adaptive behind
 #                                                            `specserve serve`, CONCURRENCY (64) in flight
+#                                                            (ADMIT_WAIT=N: both with --admit-wait N)
 # Results under $OUT (grow_check.json, bench-<batches>.json/.md, online-c<C>-{plain,adaptive}.json).
 # Env: PRESET (default qwen3-moe-30b-a3b; mixtral-8x7b needs ~88 GiB of disk: nvidia-h200-x2),
 #      LAYERS (fewer layers when the disk is short), W (where the pair is written), CONFIGS, BATCHES.
@@ -69,6 +70,7 @@ elif [ "$PHASE" = serve ]; then
   for mode in plain adaptive; do
     if [ $mode = plain ]; then flags="--spec-steps 0 --no-adaptive"; else flags="--spec-steps ${SPEC_STEPS:-5}"; fi
     python3 -m specserve serve --model "$W" --draft "$W/draft" $flags --max-num-seqs "$C" --port 8101 \
+      ${ADMIT_WAIT:+--admit-wait $ADMIT_WAIT} \
       > "$OUT/serve-$mode.log" 2>&1 &
     pid=$!
     for _ in $(seq 1 150); do  # (until /health answers 200: loaded and graphs captured)
