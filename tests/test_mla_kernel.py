@@ -215,3 +215,48 @@ def test_tiny_deepseek_decodes_the_same_through_the_kernel(moe_pair, spec, monke
         assert any(tree for _, tree in calls)  # tree verify blocks
     else:
         assert (4, False) in calls and engine.totals.accepted > 0  # chain verify blocks of K + 1
+
+
+@pytest.mark.slow  # (about 40 s in the interpreter)
+def test_runner_compiles_eager_latent_blocks_reading_nothing(moe_pair, monkeypatch):
+    """After capturing its graphs the runner also runs the latent kernel once for every power-of-two query
+    length up to LATENT_MAX_ROWS at one batch size of each split count: any eager latent attention (a
+    catch-up, a chunk continuing a prompt) at 1..rows sequences of up to LATENT_MAX_ROWS tokens then meets
+    launch constants compiled before; every query sits at the padding slot (outputs zero, cache untouched)."""
+    from specserve.config import EngineConfig
+    from specserve.engine.runner import ModelRunner
+    from specserve.kernels import common
+    from specserve.kernels.attention import key_splits
+    import triton
+
+    target, draft = moe_pair
+    rows = 6
+    runner = ModelRunner(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3,
+                                      dtype="float16", max_num_seqs=rows, max_model_len=256, kv_block_size=8))
+    monkeypatch.setattr(common, "sm_count", lambda device: 8)
+    latent = [m for m in runner.target.attention_modules() if isinstance(m, mla.LatentAttention)]
+    caches = [m.k_cache.clone() for m in latent]
+    compiled = set()
+    real = la.latent_attention_triton
+
+    def recording(q, cache, latent_dim, row_start, write_idx, scratch, *a, **kw):
+        out = real(q, cache, latent_dim, row_start, write_idx, scratch, *a, **kw)
+        B, T, H = q.shape[:3]
+        n_hb = triton.cdiv(H, min(triton.next_power_of_2(H), la.LATENT_MAX_ROWS // triton.next_power_of_2(T)))
+        length = kw["block_table"].shape[1] * kw["block_size"]
+        compiled.add((triton.next_power_of_2(T), triton.next_power_of_2(
+            key_splits(length, la.LATENT_BLOCK_N, B * n_hb, 8)[0])))
+        assert bool((write_idx == scratch).all()) and not out.any()
+        return out
+    monkeypatch.setattr(la, "latent_attention_ok", lambda q, *a: q.dtype == torch.float16)
+    monkeypatch.setattr(la, "latent_attention_triton", recording)
+    runner._compile_eager_attention()
+    H = latent[0].num_heads
+    length = runner.kv.table.shape[1] * runner.block_size
+    for B in range(1, rows + 1):
+        for T in range(1, la.LATENT_MAX_ROWS + 1):
+            t = triton.next_power_of_2(T)
+            n_hb = triton.cdiv(H, min(triton.next_power_of_2(H), la.LATENT_MAX_ROWS // t))
+            splits = triton.next_power_of_2(key_splits(length, la.LATENT_BLOCK_N, B * n_hb, 8)[0])
+            assert (t, splits) in compiled, (B, T)
+    assert all(torch.equal(c, m.k_cache) for c, m in zip(caches, latent))

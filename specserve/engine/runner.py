@@ -697,18 +697,25 @@ class ModelRunner:
 
     def _compile_eager_attention(self) -> None:
         """Compile now, once per attention shape of target and drafter, the cache-attention kernels only
-        eager forwards reach (`kernels.attention.compile_eager_variants`): compiled while serving, each
-        would stall every request for ~1 s."""
+        eager forwards reach (`kernels.attention.compile_eager_variants`, and for latent attention
+        `kernels.latent_attention.compile_eager_latent_variants`): compiled while serving, each would
+        stall every request for ~1 s."""
         from specserve.kernels.attention import compile_eager_variants
+        from specserve.kernels.latent_attention import compile_eager_latent_variants
         from specserve.model.layers import KVCacheAttention
+        from specserve.model.mla import LatentAttention
 
         done = set()
         for model in (self.target, self.drafter):
             for attn in model.attention_modules() if model is not None else ():
-                key = (attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.k_cache.dtype)
-                if type(attn) is not KVCacheAttention or key in done:  # (latent attention has kernels of its own)
+                key = (type(attn), attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.k_cache.dtype)
+                if key in done:
                     continue
                 done.add(key)
-                compile_eager_variants(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale, self.scratch,
-                                       self.kv.table, self.block_size, self.rows)
+                if type(attn) is LatentAttention:
+                    compile_eager_latent_variants(attn.k_cache, attn.num_heads, attn.latent_dim, attn.scale,
+                                                  self.scratch, self.kv.table, self.block_size, self.rows)
+                elif type(attn) is KVCacheAttention:
+                    compile_eager_variants(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale, self.scratch,
+                                           self.kv.table, self.block_size, self.rows)
         self.sync()

@@ -181,3 +181,27 @@ def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx
             L=L, BH=bh, BLOCK_Q=block_q, SPLITS=splits, DC=dc,
             num_warps=4, **pdl_args(q))
     return out
+
+
+def compile_eager_latent_variants(cache: torch.Tensor, num_heads: int, latent_dim: int, scale: float, scratch: int,
+                                  block_table, block_size: int, rows: int) -> None:
+    """Compile now the latent kernels only eager forwards reach (a catch-up or a chunk continuing a prompt of
+    up to LATENT_MAX_ROWS tokens a row, at any of `rows` batch sizes): each power-of-two query length (its
+    heads per program) at one batch size of each split count the combine is built for (one split: no
+    combine). Every query sits at the padding slot (`scratch`), so nothing is read or written."""
+    D = cache.shape[3]
+    length = block_table.shape[1] * block_size
+    sms = common.sm_count(cache.device)
+    T = 1
+    while T <= LATENT_MAX_ROWS:
+        n_hb = triton.cdiv(num_heads, min(triton.next_power_of_2(num_heads), LATENT_MAX_ROWS // T))
+        batches = {}  # the combine's SPLITS (1: none) -> the first batch size with it
+        for B in range(1, rows + 1):
+            batches.setdefault(triton.next_power_of_2(key_splits(length, LATENT_BLOCK_N, B * n_hb, sms)[0]), B)
+        for B in batches.values():
+            q = torch.zeros(B, T, num_heads, D, dtype=cache.dtype, device=cache.device)
+            at = torch.full((B, T), scratch, dtype=torch.long, device=cache.device)
+            if latent_attention_ok(q, cache, at, latent_dim):
+                latent_attention_triton(q, cache, latent_dim, 0, at, scratch, scale, block_table=block_table,
+                                        block_size=block_size)
+        T *= 2
