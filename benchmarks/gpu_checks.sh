@@ -5,14 +5,15 @@
 #   bash benchmarks/gpu_checks.sh                     every step, about 9 minutes (tests ~290 s, experts ~60, int4 ~70,
 #                                                     kimi ~90)
 #   STEPS="tests int4" bash benchmarks/gpu_checks.sh  some of them
-# Steps: tests (pytest -m gpu on the int4, MoE and speculation tests), experts (benchmarks/int4_moe_cuda.py: the
+# Steps: tests (pytest -m gpu on the int4, MoE and speculation tests), mla (the latent-attention and MLA rope kernel
+# tests, which run on the GPU when there is one), experts (benchmarks/int4_moe_cuda.py: the
 # routed int4 experts at Kimi-K2.5 width, CUDA against Triton, 1-8 tokens), int4 (benchmarks/int4_linear_gpu.py on the
 # shapes of BENCHMARKS 13.2 at 1, 16 and 64 rows), kimi (benchmarks/moe_layers_gpu.py: Kimi-K2.5 layers with int4
 # experts, 4 MoE layers, the experts' launch-shape sweep included). Each step's output: $OUT/<step>.log; JSON
 # files beside it.
 set -u
 . benchmarks/gpu_env.sh
-STEPS=${STEPS:-tests experts int4 kimi}
+STEPS=${STEPS:-tests mla experts int4 kimi}
 step() {  # name, seconds, command...
   local name=$1 limit=$2 t0=$SECONDS
   shift 2
@@ -23,12 +24,13 @@ step() {  # name, seconds, command...
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 for s in $STEPS; do
   case $s in
-    tests) step tests 330 python -m pytest -q -p no:cacheprovider -m gpu tests/test_quant.py tests/test_moe_kernels.py \
+    tests) step tests 360 python -m pytest -q -p no:cacheprovider -m gpu tests/test_quant.py tests/test_moe_kernels.py \
              tests/test_quant_moe.py tests/test_moe.py tests/test_speculative.py ;;
+    mla) step mla 200 python -m pytest -q -p no:cacheprovider tests/test_mla_kernel.py -m "not slow" ;;
     experts) step experts 120 python benchmarks/int4_moe_cuda.py --out "$OUT/int4_moe_cuda.json" ;;
     int4) step int4 100 python benchmarks/int4_linear_gpu.py --shapes kimi.kv_a kimi.q_a kimi.shared_gate_up kimi.o \
             llama8b.down llama8b.qkv --group 32 --rows 1 16 64 --out "$OUT/int4_linear.json" ;;
     kimi) step kimi 170 python benchmarks/moe_layers_gpu.py --shape kimi-k2.5 --experts int4 --moe-layers 4 ;;
-    *) echo "unknown step $s (tests, experts, int4, kimi)" ;;
+    *) echo "unknown step $s (tests, mla, experts, int4, kimi)" ;;
   esac
 done

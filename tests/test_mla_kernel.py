@@ -163,6 +163,38 @@ def test_latent_kernel_on_gpu_at_real_width(H, T, block_size, monkeypatch):
     _close(want, sdpa, real, torch.bfloat16)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T, block_size", [(1, 1, 0), (3, 1, 16), (2, 4, 16), (2, 3, 0)])
+def test_rope_store_latent_equals_the_reference_steps(dtype, B, T, block_size):
+    """One launch for MLA's rotations, query concatenation and cache write gives the reference's query
+    and cache bit for bit (strided views of the projections as the model passes them; YaRN-scaled
+    tables; slot and paged caches, a padding token; bfloat16 in the interpreter to its truncating casts)."""
+    from specserve.model.layers import KVCacheAttention, RotaryEmbedding
+
+    g = torch.Generator().manual_seed(B * 10 + T)
+    H, nope, L, R = 4, 8, 32, 16
+    attn, _, _, ctx, _ = _case(B, T, H, L, R, 96, dtype, g, padding=B > 1, block_size=block_size)
+    ctx.positions = ctx.write_idx.clone()
+    rope = RotaryEmbedding(R, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0,
+                                            "original_max_position_embeddings": 32}).to(DEV)
+    q = torch.randn(B, T, H * (nope + R), generator=g).to(DEV, dtype)
+    kv = torch.randn(B, T, L + R, generator=g).to(DEV, dtype)
+    q_rot = q.view(B, T, H, nope + R)[..., nope:]
+    c, k_rot = kv[..., :L] * 2, kv[..., L:].unsqueeze(2)
+    q_latent = torch.randn(B, T, H, L, generator=g).to(DEV, dtype)
+    assert la.rope_store_latent_fits(q_rot, k_rot, attn.k_cache, ctx.write_idx, ctx.positions, L)
+    cache = attn.k_cache.clone()
+    got = la.rope_store_latent_triton(q_latent, q_rot, c, k_rot, rope.cos, rope.sin, ctx.positions, cache, 1,
+                                      ctx.write_idx, ctx.block_table, ctx.block_size)
+    want = torch.cat([q_latent, KVCacheAttention._rotate(q_rot, ctx, rope)], dim=-1)
+    ctx.store(attn.k_cache, torch.cat([c.unsqueeze(2), KVCacheAttention._rotate(k_rot, ctx, rope)], dim=-1))
+    for a, b in ((got, want), (cache, attn.k_cache)):
+        if DEV == "cpu" and dtype == torch.bfloat16:  # the interpreter's bfloat16 casts truncate
+            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=2 ** -6)
+        else:
+            assert torch.equal(a, b)
+
+
 @pytest.fixture(scope="module")
 def moe_pair(tmp_path_factory):
     """A tiny DeepSeek-V3 target (4 heads, latent 32, rope 16) and a random EAGLE-3 drafter."""
@@ -179,8 +211,9 @@ def moe_pair(tmp_path_factory):
                          ids=["plain", "chain", "tree"])
 def test_tiny_deepseek_decodes_the_same_through_the_kernel(moe_pair, spec, monkeypatch):
     """Greedy decoding, and speculation (chain and tree verify blocks), of a tiny DeepSeek-V3
-    target give the same tokens with every latent attention through the kernel (interpreter,
-    float32, paged blocks of 8) as through SDPA."""
+    target give the same tokens with every latent attention through the kernel and the rotations
+    and cache writes through their one-launch kernel (interpreter, float32, paged blocks of 8) as
+    through SDPA and the reference steps."""
     from specserve.config import EngineConfig
     from specserve.engine.engine import Engine
     from specserve.engine.sampling import SamplingParams
@@ -206,9 +239,16 @@ def test_tiny_deepseek_decodes_the_same_through_the_kernel(moe_pair, spec, monke
         return la.latent_attention_triton(q, *a, **kw)
     monkeypatch.setattr(mla, "latent_attention_ok", lambda *a: la.latent_attention_fits(*a))
     monkeypatch.setattr(mla, "latent_attention_triton", kernel)
+    fused = []
+
+    def rope_store(*a, **kw):
+        fused.append(1)
+        return la.rope_store_latent_triton(*a, **kw)
+    monkeypatch.setattr(mla, "rope_store_latent_ok", lambda *a: la.rope_store_latent_fits(*a))
+    monkeypatch.setattr(mla, "rope_store_latent_triton", rope_store)
     monkeypatch.setattr(la.common, "sm_count", lambda device: 4)
     out, engine = generate()
-    assert out == base
+    assert out == base and fused
     if not spec:
         assert (1, False) in calls  # decode steps
     elif "spec_topk" in spec:

@@ -22,12 +22,14 @@ import torch
 from specserve.kernels import common
 from specserve.kernels.attention import key_splits
 from specserve.kernels.common import interpreted, pdl_args, triton, use_triton
+from specserve.kernels.norm import _token_stride
 
 if triton is not None:
     import triton.language as tl
 
     from specserve.kernels.attention import key_offsets, key_range, softmax_tile, split_weights, tree_bits
     from specserve.kernels.common import wait_for_previous
+    from specserve.kernels.norm import _rotate
 
     # The split count and chunk are run-time values, as in `kernels.attention`.
     @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "anc_stride", "length", "row_start",
@@ -109,6 +111,49 @@ if triton is not None:
             acc = tl.load(o_ptr + part[:, None] * L + offs_d[None, :], mask=smask[:, None], other=0.0)
             o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
             tl.store(out_ptr + ((b * T + t) * H + h) * L + offs_d, o.to(out_ptr.dtype.element_ty))
+
+
+if triton is not None:
+    # Program (token, head): heads 0..H-1 build the absorbed query [latent | rotated rope] of one head,
+    # head H writes the token's cache entry [normed latent | rotated k_rot]. (Token counts, strides and
+    # rows change from call to call: not specialized on.)
+    @triton.jit(do_not_specialize=["T", "qr_tok", "c_tok", "kr_tok", "idx_stride", "row_start", "bt_stride"])
+    def _rope_latent_kernel(ql_ptr, qr_ptr, c_ptr, kr_ptr, q_out_ptr, cos_ptr, sin_ptr, pos_ptr, widx_ptr,
+                            cache_ptr, bt_ptr, T, H, qr_tok, qr_head, c_tok, kr_tok, idx_stride, row_start,
+                            bt_stride, c_row, c_pos, L: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr,
+                            PAGED: tl.constexpr, PDL: tl.constexpr):
+        tok = tl.program_id(0)
+        head = tl.program_id(1)
+        dt = q_out_ptr.dtype.element_ty
+        wait_for_previous(PDL)
+        offs = tl.arange(0, HALF)
+        lat = tl.arange(0, L)
+        idx = (tok // T) * idx_stride + tok % T  # positions/write_idx may be column slices of a wider buffer
+        pos = tl.load(pos_ptr + idx)
+        # the float32 tables are rounded to the model dtype first, as the reference does
+        c1 = tl.load(cos_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
+        if head < H:
+            out = q_out_ptr + (tok * H + head) * (L + 2 * HALF)
+            tl.store(out + lat, tl.load(ql_ptr + (tok * H + head) * L + lat))
+            o1, o2 = _rotate(qr_ptr + tok * qr_tok + head * qr_head, c1, c2, s1, s2, offs, HALF, dt)
+            tl.store(out + L + offs, o1)
+            tl.store(out + L + HALF + offs, o2)
+        else:
+            o1, o2 = _rotate(kr_ptr + tok * kr_tok, c1, c2, s1, s2, offs, HALF, dt)
+            w = tl.load(widx_ptr + idx)
+            row = row_start + tok // T
+            if PAGED:  # index w of the row lives in block table[row, w // BS] at offset w % BS
+                block = tl.load(bt_ptr + row * bt_stride + w // BS)
+                slot = (block * c_row + (w % BS) * c_pos).to(tl.int64)
+            else:
+                slot = (row * c_row + w * c_pos).to(tl.int64)
+            cdt = cache_ptr.dtype.element_ty
+            tl.store(cache_ptr + slot + lat, tl.load(c_ptr + tok * c_tok + lat).to(cdt))
+            tl.store(cache_ptr + slot + L + offs, o1.to(cdt))
+            tl.store(cache_ptr + slot + L + HALF + offs, o2.to(cdt))
 
 
 LATENT_BLOCK_N = 32  # keys per tile: 32 x (512 + 64) bf16 is 36 KB of shared memory a stage
@@ -205,3 +250,45 @@ def compile_eager_latent_variants(cache: torch.Tensor, num_heads: int, latent_di
                 latent_attention_triton(q, cache, latent_dim, 0, at, scratch, scale, block_table=block_table,
                                         block_size=block_size)
         T *= 2
+
+
+def rope_store_latent_fits(q_rot: torch.Tensor, k_rot: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor,
+                           positions: torch.Tensor, latent_dim: int) -> bool:
+    """Do the rope parts q_rot [B, T, H, R] and k_rot [B, T, 1, R] and a latent cache have the layout
+    `rope_store_latent_triton` takes?"""
+    R = q_rot.shape[-1]
+    return (triton is not None and R % 2 == 0 and triton.next_power_of_2(R // 2) == R // 2
+            and triton.next_power_of_2(latent_dim) == latent_dim and cache.shape[3] == latent_dim + R
+            and cache.stride(3) == 1 and q_rot.stride(3) == 1 and k_rot.stride(3) == 1
+            and all(t.shape[1] == 1 or t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
+                    for t in (q_rot, k_rot))
+            and positions.stride() == write_idx.stride() and write_idx.stride(1) == 1)
+
+
+def rope_store_latent_ok(q_rot: torch.Tensor, k_rot: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor,
+                         positions: torch.Tensor, latent_dim: int) -> bool:
+    """Can `rope_store_latent_triton` serve these on this device?"""
+    return use_triton(q_rot, k_rot) and rope_store_latent_fits(q_rot, k_rot, cache, write_idx, positions, latent_dim)
+
+
+def rope_store_latent_triton(q_latent, q_rot, c, k_rot, cos, sin, positions, cache, row_start: int, write_idx,
+                             block_table=None, block_size: int = 0) -> torch.Tensor:
+    """MLA's step between the projections and the attention, in one launch: the absorbed query
+    [q_latent | rope(q_rot)] [B, T, H, L + R] is returned, and each token's cache entry
+    [c | rope(k_rot)] is written for rows row_start.. at cache index `write_idx` [B, T] (cache
+    [rows, 1, len, L + R], or with a `block_table` a pool [blocks, 1, block_size, L + R]). The
+    rotations round as the reference's (`KVCacheAttention._rotate`); q_latent [B, T, H, L],
+    c [B, T, L] (the normed latent)."""
+    B, T, H, L = q_latent.shape
+    R = q_rot.shape[-1]
+    q_latent = q_latent.contiguous()
+    c = c.contiguous()
+    q_out = torch.empty(B, T, H, L + R, dtype=q_rot.dtype, device=q_rot.device)
+    paged = block_table is not None
+    _rope_latent_kernel[(B * T, H + 1)](
+        q_latent, q_rot, c, k_rot, q_out, cos, sin, positions, write_idx, cache,
+        block_table if paged else write_idx, T, H, _token_stride(q_rot), q_rot.stride(2), c.shape[-1],
+        _token_stride(k_rot), write_idx.stride(0), row_start, block_table.stride(0) if paged else 0,
+        cache.stride(0), cache.stride(2), L=L, HALF=R // 2, BS=block_size if paged else 1, PAGED=paged,
+        num_warps=2, enable_fp_fusion=False, **pdl_args(q_rot))  # (no fused multiply-add: the reference rounds each product)
+    return q_out

@@ -18,7 +18,8 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import tp_rank, tp_size
-from specserve.kernels.latent_attention import latent_attention_ok, latent_attention_triton
+from specserve.kernels.latent_attention import (latent_attention_ok, latent_attention_triton, rope_store_latent_ok,
+                                                rope_store_latent_triton)
 from specserve.model.layers import (
     ColumnParallelLinear,
     ForwardContext,
@@ -48,6 +49,10 @@ class LatentAttention(KVCacheAttention):
     def forward(self, q: torch.Tensor, latent: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """q [B, T, H, latent + rope] (absorbed, rotated), latent [B, T, 1, latent + rope] -> [B, T, H * latent]."""
         ctx.store(self.k_cache, latent)
+        return self.attend(q, ctx)
+
+    def attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """`forward` once the tokens' latents are in the cache."""
         if latent_attention_ok(q, self.k_cache, ctx.write_idx, self.latent_dim):  # decode/verify/draft
             B, T = q.shape[:2]
             out = latent_attention_triton(q, self.k_cache, self.latent_dim, ctx.row_start, ctx.write_idx,
@@ -121,11 +126,18 @@ class MLASelfAttention(HotPathModule):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_rot = q.view(B, T, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
         c, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope_dim], dim=-1)
-        q_rot = KVCacheAttention._rotate(q_rot, ctx, self.rope)
-        k_rot = KVCacheAttention._rotate(k_rot.unsqueeze(2), ctx, self.rope)
-        latent = torch.cat([self.kv_a_layernorm(c).unsqueeze(2), k_rot], dim=-1)
+        c, k_rot = self.kv_a_layernorm(c), k_rot.unsqueeze(2)
         q_latent = torch.einsum("bthn,hnl->bthl", q_nope, self.kv_b[:, : self.nope])
-        out = self.attn(torch.cat([q_latent, q_rot], dim=-1), latent, ctx)
+        cache = self.attn.k_cache
+        if rope_store_latent_ok(q_rot, k_rot, cache, ctx.write_idx, ctx.positions, self.latent):
+            # (one launch for both rotations, the query's concatenation and the cache write)
+            q = rope_store_latent_triton(q_latent, q_rot, c, k_rot, self.rope.cos, self.rope.sin, ctx.positions, cache,
+                                         ctx.row_start, ctx.write_idx, ctx.block_table, ctx.block_size)
+            out = self.attn.attend(q, ctx)
+        else:
+            q_rot = KVCacheAttention._rotate(q_rot, ctx, self.rope)
+            latent = torch.cat([c.unsqueeze(2), KVCacheAttention._rotate(k_rot, ctx, self.rope)], dim=-1)
+            out = self.attn(torch.cat([q_latent, q_rot], dim=-1), latent, ctx)
         v = torch.einsum("bthl,hvl->bthv", out.view(B, T, self.heads, self.latent), self.kv_b[:, self.nope:])
         return self.o_proj(v.reshape(B, T, self.heads * self.v_dim))
 
