@@ -29,7 +29,7 @@ if triton is not None:
 
     from specserve.kernels.attention import key_offsets, key_range, softmax_tile, split_weights, tree_bits
     from specserve.kernels.common import wait_for_previous
-    from specserve.kernels.norm import _rotate
+    from specserve.kernels.norm import _rope_tables, _rotate
 
     # The split count and chunk are run-time values, as in `kernels.attention`.
     @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "anc_stride", "length", "row_start",
@@ -129,12 +129,7 @@ if triton is not None:
         offs = tl.arange(0, HALF)
         lat = tl.arange(0, L)
         idx = (tok // T) * idx_stride + tok % T  # positions/write_idx may be column slices of a wider buffer
-        pos = tl.load(pos_ptr + idx)
-        # the float32 tables are rounded to the model dtype first, as the reference does
-        c1 = tl.load(cos_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
-        s1 = tl.load(sin_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
-        s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
+        c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, tl.load(pos_ptr + idx), offs, HALF, dt)
         if head < H:
             out = q_out_ptr + (tok * H + head) * (L + 2 * HALF)
             tl.store(out + lat, tl.load(ql_ptr + (tok * H + head) * L + lat))

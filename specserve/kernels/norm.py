@@ -42,6 +42,16 @@ if triton is not None:
         tl.store(out_ptr + row * N + offs, (w * y).to(dt), mask=mask)
 
     @triton.jit
+    def _rope_tables(cos_ptr, sin_ptr, pos, offs, HALF: tl.constexpr, dt: tl.constexpr):
+        """The halves of the cos and sin rows at `pos`, the float32 tables rounded to the model dtype
+        first, as the reference does."""
+        c1 = tl.load(cos_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
+        c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
+        s1 = tl.load(sin_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
+        s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
+        return c1, c2, s1, s2
+
+    @triton.jit
     def _rotate(base, c1, c2, s1, s2, offs, HALF: tl.constexpr, dt: tl.constexpr):
         x1 = tl.load(base + offs).to(tl.float32)
         x2 = tl.load(base + HALF + offs).to(tl.float32)
@@ -62,12 +72,7 @@ if triton is not None:
         wait_for_previous(PDL)
         offs = tl.arange(0, HALF)
         idx = (tok // T) * idx_stride + tok % T  # positions/write_idx may be column slices of a wider buffer
-        pos = tl.load(pos_ptr + idx)
-        # the float32 tables are rounded to the model dtype first, as the reference does
-        c1 = tl.load(cos_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
-        c2 = tl.load(cos_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
-        s1 = tl.load(sin_ptr + pos * 2 * HALF + offs).to(dt).to(tl.float32)
-        s2 = tl.load(sin_ptr + pos * 2 * HALF + HALF + offs).to(dt).to(tl.float32)
+        c1, c2, s1, s2 = _rope_tables(cos_ptr, sin_ptr, tl.load(pos_ptr + idx), offs, HALF, dt)
         if head < H:
             o1, o2 = _rotate(q_ptr + tok * q_stride + head * 2 * HALF, c1, c2, s1, s2, offs, HALF, dt)
             out = q_out_ptr + (tok * H + head) * 2 * HALF
