@@ -5,7 +5,8 @@ engine, in alternating rounds.
     python benchmarks/step_trace.py --model M --draft D --prompts A.jsonl [B.jsonl] [--batch B] [--out FILE.json]
 
 Each `Engine.step()` is timed on the host with the K it ran and whether it prefilled; the drafter's
-catch-up after plain stretches is timed apart. Per config: wall, steps per K with their median, mean
+catch-up after plain stretches is timed apart, and the switches from plain decoding to speculation (each one
+catch-up) are counted, the run of K values kept (`k_runs`). Per config: wall, steps per K with their median, mean
 and total milliseconds, prefill steps, and decode steps slower than 3x their K's median (count, total,
 the slowest). The adaptive config's choices of K > 0 are logged with the rates the policy ranked them by
 (explorations apart). `--cprofile` adds each config's top functions by own time (one more round, profiled).
@@ -154,7 +155,17 @@ def summarize(wall: float, steps, catch: float, tokens: int) -> dict:
         if not pf:
             by_k.setdefault(k, []).append(dt)
     compiled = [(k, pf, round(1e3 * dt, 1), names) for k, pf, dt, names in steps if names]
+    runs: list[list[int]] = []  # the K of successive decode steps, run-length encoded
+    for k, _, _, _ in steps:
+        if k < 0:
+            continue
+        if runs and runs[-1][0] == k:
+            runs[-1][1] += 1
+        else:
+            runs.append([k, 1])
+    switches = sum(1 for a, b in zip(runs, runs[1:]) if a[0] == 0 and b[0] > 0)
     out = {"wall_s": round(wall, 4), "tok_s": round(tokens / wall, 1), "steps": len(steps),
+           "switches_to_speculation": switches, "k_runs": runs,
            "compiling_steps": [{"K": k, "prefill": pf, "ms": ms, "kernels": names} for k, pf, ms, names in compiled],
            "prefill_steps": len(prefill), "prefill_ms": round(1e3 * sum(prefill), 2),
            "catch_up_ms": round(1e3 * catch, 2), "by_k": {}}
@@ -230,14 +241,15 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'config':<16}{'round':>6}{'tok/s':>9}{'K0 med':>9}{'K0 mean':>9}{'K>0 n':>7}{'K>0 ms':>9}"
-          f"{'slow K0':>9}{'catch':>8}{'prefill':>9}")
+          f"{'slow K0':>9}{'catch':>8}{'switch':>7}{'prefill':>9}")
     for name, rs in result["rounds"].items():
         for i, r in enumerate(rs):
             k0 = r["by_k"].get("0", {})
             spec = [v for k, v in r["by_k"].items() if k not in ("0", "-1")]
             print(f"{name:<16}{i:>6}{r['tok_s']:>9.1f}{k0.get('median_ms', 0):>9.3f}{k0.get('mean_ms', 0):>9.3f}"
                   f"{sum(v['n'] for v in spec):>7}{sum(v['total_ms'] for v in spec):>9.1f}"
-                  f"{k0.get('slow_ms', 0):>9.1f}{r['catch_up_ms']:>8.1f}{r['prefill_ms']:>9.1f}")
+                  f"{k0.get('slow_ms', 0):>9.1f}{r['catch_up_ms']:>8.1f}{r['switches_to_speculation']:>7}"
+                  f"{r['prefill_ms']:>9.1f}")
     print(f"K > 0 chosen {len(DECISIONS)} times, {len(explored)} of them explorations; the others by their rates:")
     for d in result["spec_decisions"]["best_not_explored"][:12]:
         print(f"  B={d['B']} K={d['K']} stale={d['stale']} job={d['job']} tokens/ms {d['rates']} cost ms {d['cost_ms']}")
