@@ -412,6 +412,33 @@ def test_client_disconnect_frees_its_row(live):
     assert info["requests"]["aborted"] == before["aborted"] + 2
 
 
+def test_admit_wait_serves_the_same_tokens_and_leaves_nothing_behind(http, pair, offline):
+    """`serve --admit-wait 3` with 4 rows under 24 concurrent streams: arrivals are let in together, every
+    stream gets the tokens offline generation gives, and the server ends idle with its KV whole."""
+    kw = serve_kwargs(pair, "--max-num-seqs", "4", "--admit-wait", "3")
+    assert kw["admit_wait"] == 3
+    srv = Live(lambda: LLM(**kw), max_num_seqs=4, max_queue=64)
+    try:
+        srv.wait_ready()
+        texts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
+        lengths = [4 + 3 * (i % 5) for i in range(24)]  # rows end at different steps
+        want = [offline.generate([t], SamplingParams(temperature=0, max_tokens=n))[0].text
+                for t, n in zip(texts, lengths)]
+
+        async def one(client, i):
+            r = await client.completions.create(model=NAME, prompt=texts[i], max_tokens=lengths[i], temperature=0)
+            return r.choices[0].text
+
+        async def all_of_them():
+            client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+            return await asyncio.gather(*(one(client, i) for i in range(24)))
+        assert asyncio.run(all_of_them()) == want
+        info = srv.wait_idle()
+        assert info["kv"]["rows_used"] == 0 and info["requests"]["success"]
+    finally:
+        srv.close()
+
+
 # --------------------------------------------------------------- admission
 @pytest.fixture(scope="module")
 def small(http, pair):
