@@ -18,6 +18,9 @@
 #   PHASE=serve bash benchmarks/grow_moe_gpu.sh               the served figure: plain vs adaptive behind
 #                                                            `specserve serve`, CONCURRENCY (64) in flight
 #                                                            (ADMIT_WAIT=N: both with --admit-wait N)
+#   PHASE=probe bash benchmarks/grow_moe_gpu.sh               why adaptive loses where it does: step traces at batch 64
+#                                                            and served (64 in flight, ADMIT_WAIT steps), each choice
+#                                                            of K > 0 logged, and a profile of prefill chunks (~4 min)
 # Results under $OUT (grow_check.json, bench-<batches>.json/.md, online-c<C>-{plain,adaptive}.json).
 # Env: PRESET (default qwen3-moe-30b-a3b; mixtral-8x7b needs ~88 GiB of disk: nvidia-h200-x2),
 #      LAYERS (fewer layers when the disk is short), W (where the pair is written), CONFIGS, BATCHES.
@@ -93,8 +96,18 @@ for mode in ("plain", "adaptive"):
     print(f"{mode}: {tok[mode]:.1f} tok/s, acceptance length {r['accept_length'] or '-'}")
 print(f"adaptive / plain at {c} in flight: {tok['adaptive'] / tok['plain']:.2f}x")
 EOF
+elif [ "$PHASE" = probe ]; then
+  [ -f "$W/draft/config.json" ] || { echo "error: no grown pair in $W; run PHASE=grow first on this machine" >&2; exit 1; }
+  P=specserve/bench/prompts.jsonl
+  timeout 150 python3 benchmarks/step_trace.py --model "$W" --draft "$W/draft" --prompts $P --num-prompts 24 \
+    --max-tokens 64 --batch 64 --steps 5 --rounds 2 --out "$OUT/trace-b64.json" 2>&1 | grep -v -i warn | tail -12
+  timeout 150 python3 benchmarks/step_trace.py --model "$W" --draft "$W/draft" --prompts $P --num-prompts 24 \
+    --max-tokens 64 --in-flight 64 --requests 384 --admit-wait "${ADMIT_WAIT:-0}" --steps 5 --rounds 2 \
+    --out "$OUT/trace-served-w${ADMIT_WAIT:-0}.json" 2>&1 | grep -v -i warn | tail -12
+  timeout 120 python3 benchmarks/prefill_profile.py --model "$W" --shapes 1x512 6x50 10x48 --out "$OUT/prefill.json" \
+    2>&1 | grep -v -i warn | tail -50
 else
-  echo "error: PHASE must be grow, check, bench or serve, got '$PHASE'" >&2
+  echo "error: PHASE must be grow, check, bench, serve or probe, got '$PHASE'" >&2
   exit 1
 fi
 nvidia-smi --query-gpu=index,memory.used --format=csv

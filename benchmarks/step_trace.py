@@ -192,12 +192,13 @@ def main() -> None:
     ap.add_argument("--in-flight", type=int, default=0,
                     help="serve instead: this many requests in flight, each replaced as it ends (no batch job)")
     ap.add_argument("--requests", type=int, default=256, help="requests a round with --in-flight")
+    ap.add_argument("--admit-wait", type=int, default=0, help="the engine's --admit-wait (steps)")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
 
     llm = LLM(args.model, args.draft, spec_steps=0, max_spec_steps=args.steps, adaptive=True,
-              max_num_seqs=max(args.batch, args.in_flight, 8))
+              max_num_seqs=max(args.batch, args.in_flight, 8), admit_wait=args.admit_wait)
     rows = []
     for f in args.prompts:
         with open(f) as fh:
