@@ -143,6 +143,15 @@ if triton is not None:
 ATTN_BLOCK_N = 64
 
 
+def split_classes(length: int, block_n: int, programs: int, rows: int, sm_count: int) -> list[int]:
+    """One batch size (the first) of each power-of-two split count `key_splits` gives 1..`rows` sequences
+    of `programs` programs a split each: the batch sizes that compile every variant a combine is built for."""
+    batches: dict[int, int] = {}
+    for B in range(1, rows + 1):
+        batches.setdefault(triton.next_power_of_2(key_splits(length, block_n, B * programs, sm_count)[0]), B)
+    return list(batches.values())
+
+
 def compile_eager_variants(k_cache, v_cache, num_heads: int, scale: float, scratch: int, block_table,
                            block_size: int, rows: int) -> None:
     """Compile now the `cache_attention_triton` kernels only eager forwards reach (a drafter's feed of pending
@@ -153,10 +162,7 @@ def compile_eager_variants(k_cache, v_cache, num_heads: int, scale: float, scrat
     G = num_heads // n_kv
     length = block_table.shape[1] * block_size
     sms = common.sm_count(k_cache.device)
-    batches = {}  # the combine's SPLITS -> the first batch size with it
-    for B in range(1, rows + 1):
-        batches.setdefault(triton.next_power_of_2(key_splits(length, ATTN_BLOCK_N, B * n_kv, sms)[0]), B)
-    for B in batches.values():
+    for B in split_classes(length, ATTN_BLOCK_N, n_kv, rows, sms):
         block_q = 16
         while block_q <= ATTN_MAX_QUERIES:
             T = max(1, block_q // G)

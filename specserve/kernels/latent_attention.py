@@ -20,16 +20,16 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels import common
-from specserve.kernels.attention import key_splits
+from specserve.kernels.attention import key_splits, split_classes
 from specserve.kernels.common import interpreted, pdl_args, triton, use_triton
-from specserve.kernels.norm import _token_stride
+from specserve.kernels.norm import _token_stride, _tokens_even
 
 if triton is not None:
     import triton.language as tl
 
     from specserve.kernels.attention import key_offsets, key_range, softmax_tile, split_weights, tree_bits
     from specserve.kernels.common import wait_for_previous
-    from specserve.kernels.norm import _rope_tables, _rotate
+    from specserve.kernels.norm import _cache_slot, _rope_tables, _rotate
 
     # The split count and chunk are run-time values, as in `kernels.attention`.
     @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "anc_stride", "length", "row_start",
@@ -138,13 +138,8 @@ if triton is not None:
             tl.store(out + L + HALF + offs, o2)
         else:
             o1, o2 = _rotate(kr_ptr + tok * kr_tok, c1, c2, s1, s2, offs, HALF, dt)
-            w = tl.load(widx_ptr + idx)
-            row = row_start + tok // T
-            if PAGED:  # index w of the row lives in block table[row, w // BS] at offset w % BS
-                block = tl.load(bt_ptr + row * bt_stride + w // BS)
-                slot = (block * c_row + (w % BS) * c_pos).to(tl.int64)
-            else:
-                slot = (row * c_row + w * c_pos).to(tl.int64)
+            slot = _cache_slot(bt_ptr, row_start + tok // T, tl.load(widx_ptr + idx), bt_stride, c_row, c_pos, BS,
+                               PAGED)
             cdt = cache_ptr.dtype.element_ty
             tl.store(cache_ptr + slot + lat, tl.load(c_ptr + tok * c_tok + lat).to(cdt))
             tl.store(cache_ptr + slot + L + offs, o1.to(cdt))
@@ -235,10 +230,7 @@ def compile_eager_latent_variants(cache: torch.Tensor, num_heads: int, latent_di
     T = 1
     while T <= LATENT_MAX_ROWS:
         n_hb = triton.cdiv(num_heads, min(triton.next_power_of_2(num_heads), LATENT_MAX_ROWS // T))
-        batches = {}  # the combine's SPLITS (1: none) -> the first batch size with it
-        for B in range(1, rows + 1):
-            batches.setdefault(triton.next_power_of_2(key_splits(length, LATENT_BLOCK_N, B * n_hb, sms)[0]), B)
-        for B in batches.values():
+        for B in split_classes(length, LATENT_BLOCK_N, n_hb, rows, sms):
             q = torch.zeros(B, T, num_heads, D, dtype=cache.dtype, device=cache.device)
             at = torch.full((B, T), scratch, dtype=torch.long, device=cache.device)
             if latent_attention_ok(q, cache, at, latent_dim):
@@ -255,8 +247,7 @@ def rope_store_latent_fits(q_rot: torch.Tensor, k_rot: torch.Tensor, cache: torc
     return (triton is not None and R % 2 == 0 and triton.next_power_of_2(R // 2) == R // 2
             and triton.next_power_of_2(latent_dim) == latent_dim and cache.shape[3] == latent_dim + R
             and cache.stride(3) == 1 and q_rot.stride(3) == 1 and k_rot.stride(3) == 1
-            and all(t.shape[1] == 1 or t.shape[0] == 1 or t.stride(0) == t.shape[1] * t.stride(1)
-                    for t in (q_rot, k_rot))
+            and _tokens_even(q_rot) and _tokens_even(k_rot)
             and positions.stride() == write_idx.stride() and write_idx.stride(1) == 1)
 
 

@@ -52,6 +52,16 @@ if triton is not None:
         return c1, c2, s1, s2
 
     @triton.jit
+    def _cache_slot(bt_ptr, row, w, bt_stride, c_row, c_pos, BS: tl.constexpr, PAGED: tl.constexpr):
+        """Element offset of cache index `w` of KV row `row` (head 0): in the row's slot, or with PAGED in
+        block table[row, w // BS] at offset w % BS."""
+        if PAGED:
+            block = tl.load(bt_ptr + row * bt_stride + w // BS)
+            return (block * c_row + (w % BS) * c_pos).to(tl.int64)
+        else:
+            return (row * c_row + w * c_pos).to(tl.int64)
+
+    @triton.jit
     def _rotate(base, c1, c2, s1, s2, offs, HALF: tl.constexpr, dt: tl.constexpr):
         x1 = tl.load(base + offs).to(tl.float32)
         x2 = tl.load(base + HALF + offs).to(tl.float32)
@@ -81,13 +91,8 @@ if triton is not None:
         else:
             kh = head - H
             o1, o2 = _rotate(k_ptr + tok * k_stride + kh * 2 * HALF, c1, c2, s1, s2, offs, HALF, dt)
-            w = tl.load(widx_ptr + idx)
-            row = row_start + tok // T
-            if PAGED:  # index w of the row lives in block table[row, w // BS] at offset w % BS
-                block = tl.load(bt_ptr + row * bt_stride + w // BS)
-                slot = (block * c_row + kh * c_head + (w % BS) * c_pos).to(tl.int64)
-            else:
-                slot = (row * c_row + kh * c_head + w * c_pos).to(tl.int64)
+            slot = _cache_slot(bt_ptr, row_start + tok // T, tl.load(widx_ptr + idx), bt_stride, c_row, c_pos, BS,
+                               PAGED) + kh * c_head
             cdt = kc_ptr.dtype.element_ty
             tl.store(kc_ptr + slot + offs, o1.to(cdt))
             tl.store(kc_ptr + slot + HALF + offs, o2.to(cdt))
@@ -180,10 +185,16 @@ def rms_norm_triton(x, weight, eps: float, residual=None):
     return out if residual is None else (out, total)
 
 
+def _tokens_even(t: torch.Tensor) -> bool:
+    """[B, T, ...] whose tokens b*T+t lie one `_token_stride` apart (dims past the second aside)."""
+    B, T = t.shape[:2]
+    return B == 1 or T == 1 or t.stride(0) == T * t.stride(1)
+
+
 def _tokens_strided(t: torch.Tensor) -> bool:
     """[B, T, heads, D] with heads and D packed and tokens evenly strided (e.g. views of a qkv row)."""
-    B, T, Hh, D = t.shape
-    return t.stride(3) == 1 and t.stride(2) == D and (B == 1 or T == 1 or t.stride(0) == T * t.stride(1))
+    D = t.shape[3]
+    return t.stride(3) == 1 and t.stride(2) == D and _tokens_even(t)
 
 
 def _token_stride(t: torch.Tensor) -> int:

@@ -122,9 +122,12 @@ struct alignas(16) Stage {
 };
 #endif
 
-// A lane's scale word: the 32-bit word holding the scale of features k.., as a bf16 pair of that scale.
+// The bf16 bits of scale `gi` from the 32-bit word holding it (scales gi & ~1 and gi | 1).
+__device__ __forceinline__ u32 scale_bits(u32 word, int gi) { return (gi & 1) ? word >> 16 : word & 0xFFFFu; }
+
+// ... as a bf16 pair of that scale.
 __device__ __forceinline__ u32 scale_pair(u32 word, int gi) {
-    u32 h = (gi & 1) ? word >> 16 : word & 0xFFFFu;
+    u32 h = scale_bits(word, gi);
     return h | (h << 16);
 }
 
@@ -188,8 +191,8 @@ __device__ __forceinline__ void row_pair_dot(float* acc, Stage* st, const u32* w
 #pragma unroll
         for (int j = 0; j < 4; j++) {
             const int gi = (128 * c + 32 * j) / group;
-            const float fa = bf16_to_f32(scale_pair(s.s[j][0][lane], gi) & 0xFFFFu);
-            const float fb = bf16_to_f32(scale_pair(s.s[j][1][lane], gi) & 0xFFFFu);
+            const float fa = bf16_to_f32(scale_bits(s.s[j][0][lane], gi));
+            const float fb = bf16_to_f32(scale_bits(s.s[j][1][lane], gi));
             u32 a[4], b[4];
             dequant_unscaled(s.w[g][4 * j + q], a);
             dequant_unscaled(s.w[g + 8][4 * j + q], b);
