@@ -7,8 +7,8 @@ top-8, int4 in groups of 32, random weights), on one GPU.
 Per token count: the largest difference of each path from the reference (relative to the reference's
 largest value), and each path's time as a CUDA-graph replay with the int4 bytes and scales of the
 distinct experts touched, streamed from memory (8 experts are ~200 MB, four times the L2). `--sweep` also
-times the CUDA kernels compiled with other pipeline depths (chunks in flight) and warps a block, and the
-GROUP_MMA variant of `csrc/int4_moe.cu` (its error beside each time).
+times the CUDA kernels compiled with other pipeline depths (chunks in flight) and warps a block (the error
+beside each time).
 """
 
 from __future__ import annotations
@@ -57,21 +57,19 @@ def graph_ms(fn) -> float:
 
 
 def sweep(run, ref, scale) -> dict:
-    """ms (and the error) of `run` with the kernels compiled for other pipeline depths and warps a block, in
-    the default layout and in the GROUP_MMA variant (each 32-feature group's product scaled once, in float32)."""
+    """ms (and the error) of `run` with the kernels compiled for other pipeline depths and warps a block."""
     kept, warps = moe._cuda_kernels, moe.CUDA_WARPS
     out = {}
     try:
-        for variant, stage_bytes in (("", 1280), ("GROUP_MMA", 2304)):  # (static shared memory a warp and stage)
-            for stages in (2, 3, 4, 6, 8):
-                for w in (2, 4, 8):
-                    if stages * w * stage_bytes > 48 * 1024:
-                        continue
-                    options = (f"-DSTAGES={stages}",) + ((f"-D{variant}",) if variant else ())
-                    compiled = moe.compile_cuda_kernels(w, options)
-                    moe._cuda_kernels, moe.CUDA_WARPS = (lambda c=compiled: c), w
-                    out[f"{variant.lower() + '-' if variant else ''}stages{stages}-warps{w}"] = {
-                        "ms": graph_ms(run), "rel_err": (run().float() - ref).abs().max().item() / scale}
+        stage_bytes = 1280  # static shared memory a warp and stage
+        for stages in (2, 3, 4, 6, 8):
+            for w in (2, 4, 8):
+                if stages * w * stage_bytes > 48 * 1024:
+                    continue
+                compiled = moe.compile_cuda_kernels(w, (f"-DSTAGES={stages}",))
+                moe._cuda_kernels, moe.CUDA_WARPS = (lambda c=compiled: c), w
+                out[f"stages{stages}-warps{w}"] = {
+                    "ms": graph_ms(run), "rel_err": (run().float() - ref).abs().max().item() / scale}
     finally:
         moe._cuda_kernels, moe.CUDA_WARPS = kept, warps
     return out

@@ -5,14 +5,17 @@ token, so the chunk and one decode step), timed and profiled by kernel.
 
 A shape PxT is P random prompts of T tokens at once (their chunks up to the engine's prefill chunk). Per shape:
 the wall of the call (median of --repeats after a warm-up) and the kernels of one profiled call, by total time
-(GPU: CUDA kernels; CPU: operators). On a MoE target a chunk reads nearly every expert whatever its length:
+(GPU: CUDA kernels; CPU: operators), their sum, and the specserve and Triton functions the host spends most
+time in (cProfile of one more call). On a MoE target a chunk reads nearly every expert whatever its length:
 compare the time with that of reading the expert weights once.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import sys
 import time
@@ -75,10 +78,27 @@ def main() -> None:
             events = [e for e in events if e.device_type.name == "CUDA"] or events
         events.sort(key=lambda e: getattr(e, key), reverse=True)
         top = [{"kernel": e.key[:100], "calls": e.count, "us": round(getattr(e, key), 1)} for e in events[: args.top]]
-        result["shapes"][f"{P}x{T}"] = {"wall_ms": round(1e3 * statistics.median(walls), 3), "kernels": top}
-        print(f"{P} x {T} tokens: {1e3 * statistics.median(walls):.2f} ms a call (prefill + one step)")
+        busy_ms = sum(getattr(e, key) for e in events) / 1e3
+        # The host's side: the specserve functions taking the most time, as cProfile sees one more call
+        # (the wall a call spends beyond its kernels is the host's, where the GPU waits on it).
+        prof_py = cProfile.Profile()
+        ids = prompts()
+        prof_py.enable()
+        call(ids)
+        prof_py.disable()
+        stats = pstats.Stats(prof_py).stats
+        host = sorted(((v[3], v[1], f"{Path(k[0]).name}:{k[1]}:{k[2]}") for k, v in stats.items()
+                       if "specserve" in k[0] or "triton" in k[0]), reverse=True)[: args.top]
+        result["shapes"][f"{P}x{T}"] = {
+            "wall_ms": round(1e3 * statistics.median(walls), 3), "kernels_ms": round(busy_ms, 3), "kernels": top,
+            "host": [{"function": f, "calls": n, "cumulative_ms": round(1e3 * t, 2)} for t, n, f in host]}
+        print(f"{P} x {T} tokens: {1e3 * statistics.median(walls):.2f} ms a call (prefill + one step), "
+              f"{busy_ms:.2f} ms of {'kernels' if cuda else 'operators'}")
         for k in top:
             print(f"  {k['us']:>10.1f} us {k['calls']:>6}x  {k['kernel']}")
+        print("  host (cProfile, cumulative):")
+        for t, n, f in host:
+            print(f"  {1e3 * t:>10.2f} ms {n:>6}x  {f}")
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
 

@@ -661,7 +661,7 @@ def test_policy_skips_a_first_live_timing_that_is_warm_up():
 def test_policy_is_not_moved_by_one_slow_step():
     """H200, SmolLM2 at batch 1: plain decoding is best (0.59 ms a step against 1.45 ms for K=2's
     ~1.75 tokens). One plain step timed slow (a host pause) priced plain decoding out for dozens of
-    steps under a moving average; the median of recent timings ignores it, and follows a lasting change."""
+    steps under a moving average; the trimmed mean of recent timings ignores it, and follows a lasting change."""
     from specserve.spec.policy import LIVE_WINDOW, SpecPolicy
 
     policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
@@ -676,7 +676,28 @@ def test_policy_is_not_moved_by_one_slow_step():
     assert [policy.choose(1) for _ in range(20)] == [0] * 20
     for _ in range(LIVE_WINDOW // 2 + 1):  # plain steps that stay slow are learned
         policy.observe_cost(1, 0, 5e-3)
-    assert policy.predicted_cost(1, 0) == pytest.approx(5e-3) and policy.choose(1) > 0
+    assert policy.predicted_cost(1, 0) > 3e-3 and policy.choose(1) > 0
+
+
+def test_policy_prices_the_long_tail_of_speculative_cycles():
+    """H200, SmolLM2 at batch 16: K=2 cycles timed 1.4-2.4 ms (median 1.54, mean 1.72: the host does much of
+    a cycle on a 135M model) for ~1.46 tokens a row, plain steps a steady 1.08 ms. By the median K=2 looked
+    3% faster and ran 33 of 51 steps; adaptive came out at 0.86x plain. The cost a step pays is its mean."""
+    from specserve.spec.policy import SpecPolicy
+
+    policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
+    policy.seed_costs({(16, 0): 1.0e-3, (16, 1): 1.15e-3, (16, 2): 1.29e-3})
+    uncond = [0.36, 0.10]  # P(A >= 1), P(A >= 2): 1.46 tokens a cycle at K=2
+    policy.acc_hits[False] = [1000.0 * u for u in uncond]
+    policy.acc_seen[False] = [1000.0] + [1000.0 * u for u in uncond[:-1]]
+    assert policy.expected_tokens(2) == pytest.approx(1.46)
+    timings = {0: [1.083e-3] * 9, 1: [1.56e-3] * 9,
+               2: [t * 1e-3 for t in (1.40, 1.45, 1.50, 1.52, 1.535, 1.60, 1.9, 2.2, 2.4)]}
+    for K, ts in timings.items():
+        for t in ts:
+            policy.observe_cost(16, K, t)
+    assert 1.6e-3 < policy.predicted_cost(16, 2) < 1.7e-3  # the slowest dropped, the tail kept
+    assert [policy.choose(16) for _ in range(10)] == [0] * 10
 
 
 def test_policy_judges_a_batch_job_by_its_last_sequence():

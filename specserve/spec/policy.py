@@ -26,9 +26,11 @@ step is best. Coming from plain decoding (`stale`), a K > 0 first catches the dr
 charges it to every K > 0. An exploration's timing ends the back-off only if it wins by
 the same rule.
 
-Costs per (batch bucket, K): once a K has run at a bucket, the median of its last
-LIVE_WINDOW live step times (one slow step, a pause of the host, moves no median, where a
-moving average would price plain decoding out for dozens of steps); before that, the
+Costs per (batch bucket, K): once a K has run at a bucket, the mean of its last
+LIVE_WINDOW live step times without the slowest (`_window_cost`: one slow step, a pause of
+the host, moves it little, where a moving average would price plain decoding out for dozens
+of steps; a median would miss the long tail speculative cycles have where the host does much
+of their work, as on a 135M model, and pick K > 0 at no gain); before that, the
 start-up measurement (`seed_costs`: the runner times plain steps and K-cycles on dummy rows at a few buckets and K,
 `startup_grid`, and `interpolate_costs` fills in the rest) plus a learned offset for
 what that timing cannot see (host bookkeeping, longer contexts), one per bucket
@@ -61,7 +63,7 @@ from statistics import NormalDist
 from specserve.config import EngineConfig
 
 _EMA = 0.2
-LIVE_WINDOW = 9  # live timings a (bucket, K)'s cost is the median of
+LIVE_WINDOW = 9  # live timings a (bucket, K)'s cost is taken from (`_window_cost`)
 OWN_PRIOR = 8  # sequence-cycles of weight the pooled model keeps in a K's own tokens-per-cycle mean
 EXPLORE_EVERY = 24
 EXPLORE_WITHIN = 0.7  # explore a K only if its optimistic tokens/s is at least this share of the best
@@ -74,6 +76,13 @@ EXPLORE_SHARE = 0.02
 # The first live timing of a (bucket, K) may be a batch size start-up did not time, paying one-off warm-up
 # (kernels compiled, graphs captured): above this multiple of its prediction it is skipped; a second is kept.
 WARMUP_OUTLIER = 4.0
+
+
+def _window_cost(times) -> float:
+    """A step's cost from its recent timings: their mean without the slowest once there are three (a lone
+    pause is dropped; a tail of steady slow steps, which throughput pays, is kept), else the lowest."""
+    ordered = sorted(times)
+    return sum(ordered[:-1]) / (len(ordered) - 1) if len(ordered) >= 3 else ordered[0]
 
 
 @lru_cache(maxsize=1024)
@@ -304,7 +313,7 @@ class SpecPolicy:
             self.explored.pop(key[0], None)  # this timing would make K the best: worth another look soon
         recent = self.recent.setdefault(key, deque(maxlen=LIVE_WINDOW))
         recent.append(seconds)
-        self.cost[key] = sorted(recent)[(len(recent) - 1) // 2]
+        self.cost[key] = _window_cost(recent)
 
     def snapshot(self) -> dict:
         """Per bucket and K: start-up and live cost (ms) and how often K was timed (bench details)."""

@@ -105,22 +105,10 @@ __device__ __forceinline__ void dequant(u32 w, u32 s2, u32* out) {
 #define STAGES 4
 #endif
 
-#ifndef GROUP_MMA
 struct Stage {  // one chunk of a warp: each lane's 16-byte pieces of rows g and g + 8, and the words holding their scales
     U4 w[2][32];
     u32 s[2][32];
 };
-#else
-// GROUP_MMA (a variant `benchmarks/int4_moe_cuda.py --sweep` times): the lanes of a row take word q of each
-// 32-feature group of the chunk instead of a group each, so the four lanes' k-slots of an MMA hold one group:
-// the weights enter the MMA unscaled (v - 8, exact) and each group's float32 product is scaled once after it.
-// The chunk sits [row][word] (rows padded to 20 words, so gathering word q of every group hits distinct banks),
-// with each lane's scale words for its two rows and the chunk's four groups.
-struct alignas(16) Stage {
-    u32 w[16][20];
-    u32 s[4][2][32];
-};
-#endif
 
 // The bf16 bits of scale `gi` from the 32-bit word holding it (scales gi & ~1 and gi | 1).
 __device__ __forceinline__ u32 scale_bits(u32 word, int gi) { return (gi & 1) ? word >> 16 : word & 0xFFFFu; }
@@ -135,7 +123,6 @@ __device__ __forceinline__ u32 scale_pair(u32 word, int gi) {
 __device__ __forceinline__ void row_pair_dot(float* acc, Stage* st, const u32* wa, const u32* wb, const u16* sa,
                                              const u16* sb, const u16* x, int K, int lane, int q, int group) {
     const int chunks = K >> 7;
-#ifndef GROUP_MMA
     auto issue = [&](int c) {
         Stage& s = st[c % STAGES];
         const int gi = (128 * c + 32 * q) / group;
@@ -144,40 +131,19 @@ __device__ __forceinline__ void row_pair_dot(float* acc, Stage* st, const u32* w
         copy4(&s.s[0][lane], sa + (gi & ~1));
         copy4(&s.s[1][lane], sb + (gi & ~1));
     };
-#else
-    const int g = lane >> 2;
-    auto issue = [&](int c) {
-        Stage& s = st[c % STAGES];
-        copy16(&s.w[g][4 * q], wa + 16 * c + 4 * q);
-        copy16(&s.w[g + 8][4 * q], wb + 16 * c + 4 * q);
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int gi = (128 * c + 32 * j) / group;
-            copy4(&s.s[j][0][lane], sa + (gi & ~1));
-            copy4(&s.s[j][1][lane], sb + (gi & ~1));
-        }
-    };
-#endif
 #pragma unroll
     for (int c = 0; c < STAGES - 1; c++) {
         if (c < chunks) issue(c);
         commit();
     }
     for (int c = 0; c < chunks; c++) {
-#ifdef GROUP_MMA
-        __syncwarp();  // every lane is done reading the stage this issue refills
-#endif
         if (c + STAGES - 1 < chunks) issue(c + STAGES - 1);
         commit();
         u32 r[16];
         if (x) {
 #pragma unroll
             for (int j = 0; j < 4; j++) {
-#ifndef GROUP_MMA
                 U4 v = load_features(x + 128 * c + 32 * q + 8 * j);
-#else
-                U4 v = load_features(x + 128 * c + 32 * j + 8 * q);  // word q of group j
-#endif
                 r[4 * j] = v.x, r[4 * j + 1] = v.y, r[4 * j + 2] = v.z, r[4 * j + 3] = v.w;
             }
         } else {
@@ -186,28 +152,6 @@ __device__ __forceinline__ void row_pair_dot(float* acc, Stage* st, const u32* w
         }
         wait_all_but<STAGES - 1>();  // this lane's copies of chunk c have landed
         const Stage& s = st[c % STAGES];
-#ifdef GROUP_MMA
-        __syncwarp();  // and every other lane's, which this lane reads
-#pragma unroll
-        for (int j = 0; j < 4; j++) {
-            const int gi = (128 * c + 32 * j) / group;
-            const float fa = bf16_to_f32(scale_bits(s.s[j][0][lane], gi));
-            const float fb = bf16_to_f32(scale_bits(s.s[j][1][lane], gi));
-            u32 a[4], b[4];
-            dequant_unscaled(s.w[g][4 * j + q], a);
-            dequant_unscaled(s.w[g + 8][4 * j + q], b);
-            float t[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int i = 0; i < 4; i += 2) {
-                u32 lo = r[4 * j + i / 2], hi = r[4 * j + i / 2 + 2];
-                mma_bf16(t, a[i], b[i], a[i + 1], b[i + 1], prmt(lo, hi, 0x5410), prmt(lo, hi, 0x7632));
-            }
-            acc[0] = fmaf(fa, t[0], acc[0]);
-            acc[1] = fmaf(fa, t[1], acc[1]);
-            acc[2] = fmaf(fb, t[2], acc[2]);
-            acc[3] = fmaf(fb, t[3], acc[3]);
-        }
-#else
         const int gi = (128 * c + 32 * q) / group;
         const U4 wa4 = s.w[0][lane], wb4 = s.w[1][lane];
         const u32 s2a = scale_pair(s.s[0][lane], gi), s2b = scale_pair(s.s[1][lane], gi);
@@ -224,7 +168,6 @@ __device__ __forceinline__ void row_pair_dot(float* acc, Stage* st, const u32* w
                 mma_bf16(acc, a[i], b[i], a[i + 1], b[i + 1], prmt(lo, hi, 0x5410), prmt(lo, hi, 0x7632));
             }
         }
-#endif
     }
 }
 
