@@ -173,12 +173,13 @@ class KVCache:
             for a, (k, v) in zip(mods, saved):
                 a.k_cache, a.v_cache = k, v
 
-    def unstage_target(self, row: int, T: int) -> None:
-        """Copy a staged prompt's first T positions of target KV into `row`'s blocks (all layers at once)."""
+    def unstage_target(self, row: int, T: int, src: int = 0) -> None:
+        """Copy T positions of staged target KV from index `src` (a packed prompt's first) into `row`'s
+        blocks from index 0 (all layers at once)."""
         block, offset = self.slots(row, T)
         for cache, staged in ((self.k_all, self.k_stage), (self.v_all, self.v_stage)):
             if cache is not None:
-                cache[:, block, :, offset] = staged[:, 0, :, :T].permute(2, 0, 1, 3)
+                cache[:, block, :, offset] = staged[:, 0, :, src:src + T].permute(2, 0, 1, 3)
 
     def unstage_drafter(self, row: int, T: int) -> None:
         """Copy a staged prompt's first T positions of drafter KV into `row`'s blocks."""

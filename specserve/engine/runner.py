@@ -30,6 +30,7 @@ import torch
 
 from specserve.config import (
     MAX_TREE_NODES,
+    PREFILL_GRAPH_PROMPTS,
     PREFILL_GRAPH_TOKENS,
     ConfigError,
     DraftConfig,
@@ -208,9 +209,14 @@ class ModelRunner:
         W = max(self.room + 1, 1)
         self.s_ids = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
         P = max(self.prefill_buckets, default=0)
+        # Prefill graphs: prompts packed one after another into the staging row; each token's staging index
+        # (padding: the scratch slot), rope position within its prompt, and its prompt's first index (a
+        # query sees no key below it); the last index of each prompt, whose logits come out.
         self.s_pf_ids = torch.zeros(1, P, dtype=torch.long, device=self.device)
         self.s_pf_pos = torch.zeros(1, P, dtype=torch.long, device=self.device)
-        self.s_pf_last = torch.zeros(1, dtype=torch.long, device=self.device)
+        self.s_pf_rope = torch.zeros(1, P, dtype=torch.long, device=self.device)
+        self.s_pf_lo = torch.zeros(1, P, dtype=torch.long, device=self.device)
+        self.s_pf_last = torch.zeros(PREFILL_GRAPH_PROMPTS, dtype=torch.long, device=self.device)
         self.s_pf_tok = torch.zeros(1, P, dtype=torch.long, device=self.device)  # the drafter's next tokens
         self._graph_prefilled: tuple[int, int] | None = None  # (row, tokens) of the last graph prefill
         self.s_pos = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
@@ -252,22 +258,11 @@ class ModelRunner:
         logits at each row's last chunk token [m, V] and the features [m, T, 3H]
         (None without a drafter)."""
         m, T = len(chunks), max(len(c) for c in chunks)
-        Tb = self._prefill_bucket(T)
-        graph = self.graphs.get(GraphKey("prefill", 1, tokens=Tb))
         self._graph_prefilled = None
-        if m == 1 and starts[0] == 0 and graph is not None:
-            ids = torch.zeros(1, Tb, dtype=torch.long)
-            ids[0, :T] = torch.tensor(chunks[0])
-            pos = torch.full((1, Tb), self.kv.stage_scratch, dtype=torch.long)
-            pos[0, :T] = torch.arange(T)
-            self.s_pf_ids[:, :Tb].copy_(ids, non_blocking=True)
-            self.s_pf_pos[:, :Tb].copy_(pos, non_blocking=True)
-            self.s_pf_last.fill_(T - 1)
-            graph.graph.replay()
-            self.kv.unstage_target(row_start, T)
-            self._graph_prefilled = (row_start, T)
-            logits, feats = graph.outputs
-            return logits, (feats[:, :T] if feats is not None else None)
+        if not any(starts) and m <= PREFILL_GRAPH_PROMPTS:
+            out = self._graph_prefill(row_start, chunks)
+            if out is not None:
+                return out
         ids = torch.zeros(m, T, dtype=torch.long)
         pos = torch.full((m, T), self.scratch, dtype=torch.long)
         last = torch.zeros(m, dtype=torch.long)
@@ -283,12 +278,49 @@ class ModelRunner:
         h_last = hidden[torch.arange(m, device=self.device), last]
         return self.target.logits(h_last), feats
 
+    def _graph_prefill(self, row_start: int, chunks: list[list[int]]):
+        """`prefill` of fresh prompts (each from its first token) by one prefill graph, packed one after
+        another into the staging row, each prompt's KV then copied to its own row; None (nothing done)
+        when their lengths sum past every graph."""
+        lens = [len(c) for c in chunks]
+        total, m = sum(lens), len(chunks)
+        Tb = self._prefill_bucket(total)
+        graph = self.graphs.get(GraphKey("prefill", 1, tokens=Tb))
+        if graph is None:
+            return None
+        n = torch.tensor(lens)
+        first = n.cumsum(0) - n
+        host = torch.zeros(4, Tb, dtype=torch.long)  # ids, staging index, rope position, prompt's first index
+        host[1].fill_(self.kv.stage_scratch)
+        host[0, :total] = torch.tensor([t for c in chunks for t in c])
+        host[1, :total] = torch.arange(total)
+        host[3, :total] = torch.repeat_interleave(first, n)
+        host[2, :total] = host[1, :total] - host[3, :total]
+        last = torch.zeros(PREFILL_GRAPH_PROMPTS, dtype=torch.long)
+        last[:m] = first + n - 1
+        host, last = host.to(self.device, non_blocking=True), last.to(self.device, non_blocking=True)
+        for buf, row in zip((self.s_pf_ids, self.s_pf_pos, self.s_pf_rope, self.s_pf_lo), host):
+            buf[0, :Tb].copy_(row)
+        self.s_pf_last.copy_(last)
+        graph.graph.replay()
+        for i, (f, k) in enumerate(zip(first.tolist(), lens)):
+            self.kv.unstage_target(row_start + i, k, src=f)
+        logits, feats = graph.outputs
+        if m == 1:
+            self._graph_prefilled = (row_start, total)  # (the drafter's prefill graph reads this one's features)
+            return logits[:1], (feats[:, :total] if feats is not None else None)
+        if feats is not None:  # [1, Tb, 3H] -> [m, T, 3H]: each prompt's from its first index (its last repeated)
+            at = first.unsqueeze(1) + torch.minimum(torch.arange(max(lens)).unsqueeze(0), (n - 1).unsqueeze(1))
+            feats = feats[0, at.to(self.device, non_blocking=True)]
+        return logits[:m], feats
+
     def _prefill_body(self, Tb: int):
-        """One prompt's first Tb tokens (padding at the staging scratch slot) in the staging cache;
-        keys past the prompt are never seen (each query sees indices up to its own)."""
-        ids, pos = self.s_pf_ids[:, :Tb], self.s_pf_pos[:, :Tb]
+        """Packed prompts (`_graph_prefill`), Tb tokens with padding at the staging scratch slot, in the
+        staging cache; a query sees the keys of its own prompt up to itself."""
+        ids, pos, lo = self.s_pf_ids[:, :Tb], self.s_pf_pos[:, :Tb], self.s_pf_lo[:, :Tb]
         with self.kv.staged(self.target.attention_modules()):
-            hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(pos), pos, Tb))
+            hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(self.s_pf_rope[:, :Tb]), pos, Tb,
+                                                            key_lo=lo))
         return self.target.logits(hidden[0, self.s_pf_last]), feats
 
     def _drafter_prefill_body(self, Tb: int):
@@ -691,6 +723,8 @@ class ModelRunner:
         self.s_last.zero_()
         self.s_temp.fill_(1.0)
         self.s_pf_pos.fill_(self.kv.stage_scratch)
+        self.s_pf_rope.zero_()
+        self.s_pf_lo.zero_()
         self.graph_pool = capture(jobs, self.device, self.graphs, on_progress)
         self._compile_eager_attention()
         return time.perf_counter() - t0

@@ -210,6 +210,9 @@ class ForwardContext:
     block_size] at offset i % block_size. Without one, a cache is one block per row
     ([row, kv_head, index, dim]), which is how training and checks use a plain cache.
 
+    Prompts packed into one row (a prefill graph's staging row) add a lower bound: a query sees no
+    key below `key_lo[b, t]`, its own prompt's first index.
+
     A tree of drafts adds a second rule: keys at or past `tree_base[b]` (the tree's first slot)
     are visible only where bit (key - tree_base[b]) of `tree_anc[b, t]` is set, i.e. to the
     query's ancestors in the tree and itself. Rope positions then differ from cache indices
@@ -225,6 +228,7 @@ class ForwardContext:
     tree_anc: torch.Tensor | None = None  # [B, T] int64: tree slots the query sees, as bits
     block_table: torch.Tensor | None = None  # [rows, blocks] int64 (paged caches), see above
     block_size: int = 0
+    key_lo: torch.Tensor | None = None  # [B, T] the lowest key index each query sees (packed prompts)
     _bias: dict = field(default_factory=dict)
     _at: tuple | None = None
     _rope: dict = field(default_factory=dict)
@@ -241,6 +245,8 @@ class ForwardContext:
             B, T = self.write_idx.shape
             keys = torch.arange(self.kv_len, device=self.write_idx.device)
             visible = keys.view(1, 1, -1) <= self.write_idx.unsqueeze(-1)  # [B, T, L]
+            if self.key_lo is not None:
+                visible &= keys.view(1, 1, -1) >= self.key_lo.unsqueeze(-1)
             if self.tree_anc is not None:
                 rel = keys.view(1, 1, -1) - self.tree_base.view(B, 1, 1)
                 bit = (self.tree_anc.unsqueeze(-1) >> rel.clamp(0, 62)) & 1
@@ -352,7 +358,7 @@ class KVCacheAttention(HotPathModule):
         if q.is_cuda:
             q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
                               ctx.row_start, ctx.write_idx, ctx.block_table, ctx.block_size)
-            if cache_attention_ok(q, self.k_cache, ctx.write_idx):  # decode/verify/draft: reads only the filled part
+            if ctx.key_lo is None and cache_attention_ok(q, self.k_cache, ctx.write_idx):  # decode/verify/draft
                 B, T = q.shape[:2]
                 scratch = ctx.cache_length(self.k_cache) - 1  # the runner's padding slot
                 out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
@@ -369,7 +375,7 @@ class KVCacheAttention(HotPathModule):
         side by side. q and k are rotated in one go (half the rope ops)."""
         H, Hkv = self.num_heads, self.num_kv_heads
         native = fused_ops() if heads.dtype == torch.float32 and heads.is_contiguous() and heads.shape[-1] % 16 == 0 \
-            and ctx.tree_anc is None else None
+            and ctx.tree_anc is None and ctx.key_lo is None else None
         if native is not None:  # one call each for rope + KV write and for attention, the keys read where they lie
             B, T, _, D = heads.shape
             cos, sin = ctx.rope_tables(rope, heads.dtype)

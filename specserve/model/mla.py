@@ -53,7 +53,7 @@ class LatentAttention(KVCacheAttention):
 
     def attend(self, q: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """`forward` once the tokens' latents are in the cache."""
-        if latent_attention_ok(q, self.k_cache, ctx.write_idx, self.latent_dim):  # decode/verify/draft
+        if ctx.key_lo is None and latent_attention_ok(q, self.k_cache, ctx.write_idx, self.latent_dim):  # decode...
             B, T = q.shape[:2]
             out = latent_attention_triton(q, self.k_cache, self.latent_dim, ctx.row_start, ctx.write_idx,
                                           ctx.cache_length(self.k_cache) - 1, self.scale, tree_base=ctx.tree_base,

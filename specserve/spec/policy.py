@@ -10,7 +10,9 @@ where the text is harder to guess, more often the longer the drafts, so rates le
 while running a long K undervalue a shorter one and would keep the policy on the long
 K where the shorter is faster. The policy
 picks the K with the highest expected tokens per second at the current batch size,
-K = 0 included, so speculation is used only where it pays.
+K = 0 included, so speculation is used only where it pays: by SPEC_MARGIN at least, as
+what a K > 0 costs beyond its cycles (the drafter's upkeep on plain steps, its catch-ups,
+explorations) is not in its rate.
 
 A batch job (`choose(B, remaining=...)`: the caller waits for every running sequence and
 nothing waits to replace those that end) is judged by when its last sequence ends instead.
@@ -66,6 +68,9 @@ _EMA = 0.2
 LIVE_WINDOW = 9  # live timings a (bucket, K)'s cost is taken from (`_window_cost`)
 OWN_PRIOR = 8  # sequence-cycles of weight the pooled model keeps in a K's own tokens-per-cycle mean
 EXPLORE_EVERY = 24
+# Speculation is chosen over plain decoding only when expected to be this much faster: what a K > 0 costs
+# beyond its cycles (the drafter's upkeep and catch-ups, explorations) goes unpriced, so a near tie loses.
+SPEC_MARGIN = 0.05
 EXPLORE_WITHIN = 0.7  # explore a K only if its optimistic tokens/s is at least this share of the best
 # A K > 0 explored from plain decoding first catches the drafter up on the plain steps before it, so at a
 # bucket each exploration of any K > 0 that leaves plain best doubles the decisions before the next, up to this.
@@ -83,6 +88,12 @@ def _window_cost(times) -> float:
     pause is dropped; a tail of steady slow steps, which throughput pays, is kept), else the lowest."""
     ordered = sorted(times)
     return sum(ordered[:-1]) / (len(ordered) - 1) if len(ordered) >= 3 else ordered[0]
+
+
+def _best(rate: dict[int, float]) -> int:
+    """The K of the highest rate, plain decoding unless a K > 0 beats it by SPEC_MARGIN."""
+    K = max(rate, key=rate.get)
+    return 0 if K and 0 in rate and rate[K] < (1 + SPEC_MARGIN) * rate[0] else K
 
 
 @lru_cache(maxsize=1024)
@@ -222,7 +233,7 @@ class SpecPolicy:
             if untried:
                 K = untried[0]
             else:
-                K = max(rate, key=rate.get)
+                K = _best(rate)
                 if K:
                     self.explored.pop(bucket, None)  # speculation is best: explored at the base rate once it is not
                 if n % EXPLORE_EVERY == 0:
@@ -292,8 +303,7 @@ class SpecPolicy:
         remaining = self.job.get(bucket)
         costs = {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
         costs[K] = seconds
-        rates = self._rates(bucket, self.tree(B), remaining, B, costs)
-        return rates[K] > max((r for k, r in rates.items() if k != K), default=0.0)
+        return _best(self._rates(bucket, self.tree(B), remaining, B, costs)) == K
 
     def observe_cost(self, B: int, K: int, seconds: float) -> None:
         key = (_bucket(B), K)
