@@ -1077,6 +1077,15 @@ class _EagerGraph:
                 out.copy_(new)
 
 
+def _eager_prefill_graphs(r) -> None:
+    """The runner's prompt prefill graphs (target and drafter, every bucket) played eagerly."""
+    for Tb in r.prefill_buckets:
+        g = _EagerGraph(lambda Tb=Tb: r._prefill_body(Tb))
+        r.graphs[GraphKey("prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
+        g = _EagerGraph(lambda Tb=Tb: r._drafter_prefill_body(Tb))
+        r.graphs[GraphKey("drafter_prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
+
+
 @pytest.mark.slow
 def test_prefill_through_the_staging_cache(pair, monkeypatch):
     """The prompt prefill that CUDA graphs run, played eagerly on the CPU: target and drafter
@@ -1094,11 +1103,7 @@ def test_prefill_through_the_staging_cache(pair, monkeypatch):
             engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
         r = engine.runner
         assert r.kv.stage_len == 80 and r.kv.k_stage.shape[1] == 1 and r.kv.table.shape[0] == 3
-        for Tb in r.prefill_buckets:
-            g = _EagerGraph(lambda Tb=Tb: r._prefill_body(Tb))
-            r.graphs[GraphKey("prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
-            g = _EagerGraph(lambda Tb=Tb: r._drafter_prefill_body(Tb))
-            r.graphs[GraphKey("drafter_prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
+        _eager_prefill_graphs(r)
         staged = []
         real_prefill = r.prefill
         monkeypatch.setattr(r, "prefill", lambda *a: (real_prefill(*a), staged.append(r._graph_prefilled))[0])
@@ -1133,11 +1138,7 @@ def test_prompts_arriving_together_share_one_prefill_graph(pair, monkeypatch):
             m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
             engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=4, **kw))
         r = engine.runner
-        for Tb in r.prefill_buckets:
-            g = _EagerGraph(lambda Tb=Tb: r._prefill_body(Tb))
-            r.graphs[GraphKey("prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
-            g = _EagerGraph(lambda Tb=Tb: r._drafter_prefill_body(Tb))
-            r.graphs[GraphKey("drafter_prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
+        _eager_prefill_graphs(r)
         packed = []
         real = r._graph_prefill
         monkeypatch.setattr(r, "_graph_prefill", lambda row, chunks: (
