@@ -12,7 +12,7 @@ from specserve.config import ConfigError, EngineConfig, ModelConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 from specserve.model.loader import load_target
-from tiny import assert_decode_matches, make_drafter, make_moe_target
+from tiny import assert_decode_matches, eager_prefill_graphs, make_drafter, make_moe_target
 
 VARIANTS = {
     "deepseek_v3": dict(arch="deepseek_v3"),
@@ -34,6 +34,38 @@ def checkpoint(request, tmp_path_factory):
 def test_prefill_and_32_decode_steps_match_transformers(checkpoint):
     d, hf = checkpoint
     assert_decode_matches(d, hf, prompt_len=20, steps=32)
+
+
+def test_packed_prefill_graph_equals_eager_prefill(checkpoint, monkeypatch):
+    """Prompts prefilled together through one prefill graph (played eagerly here), packed one after another in
+    the staging row, give each row the logits and KV (MLA: the latent cache) of the eager prefill of the rows."""
+    from specserve.engine.runner import ModelRunner
+
+    monkeypatch.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
+    engine = Engine(EngineConfig(model=str(checkpoint[0]), device="cpu", max_num_seqs=3))
+    r = engine.runner
+    r.reserve_every_row()
+    eager_prefill_graphs(r)
+    lens = (7, 1, 30)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 95, (n,), generator=g).tolist() for n in lens]
+
+    def run():
+        logits, _ = r.prefill(0, prompts, [0, 0, 0])
+        kv = []
+        for i, n in enumerate(lens):
+            block, offset = r.kv.slots(i, n)
+            kv += [c[:, block, :, offset].clone() for c in (r.kv.k_all, r.kv.v_all) if c is not None]
+        return [logits.clone()] + kv
+
+    got = run()
+    for c in (r.kv.k_all, r.kv.v_all):
+        if c is not None:
+            c.zero_()
+    r.graphs = {}
+    want = run()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_latent_attention_caches_only_the_latent(checkpoint):

@@ -11,11 +11,11 @@ import torch
 
 from specserve.config import ConfigError, DraftConfig, EngineConfig
 from specserve.engine.engine import Engine
-from specserve.engine.graphs import Graph, GraphKey
+from specserve.engine.graphs import GraphKey
 from specserve.engine.sampling import BatchSampling, SamplingParams, draft_noise, processed_probs, sample_from
 from specserve.spec.proposer import DraftResult
 from specserve.spec.verify import accept_drafts, emitted_tokens
-from tiny import make_drafter
+from tiny import eager_prefill_graphs, make_drafter
 
 # A small vocabulary makes a random drafter agree with the target often enough
 # to exercise partial acceptance, full acceptance and the bonus token.
@@ -1062,30 +1062,6 @@ def test_drafts_queued_ahead_on_gpu(pair):
             assert outs[0] == outs[1], (params, kw)
 
 
-class _EagerGraph:
-    """Stands in for a captured CUDA graph on the CPU: replay() runs the body again, into the
-    output tensors of its first run (as a graph's replay refills its static outputs)."""
-
-    def __init__(self, body):
-        self.body = body
-        with torch.inference_mode():
-            self.outputs = body()
-
-    def replay(self):
-        for out, new in zip(self.outputs, self.body()):
-            if out is not None:
-                out.copy_(new)
-
-
-def _eager_prefill_graphs(r) -> None:
-    """The runner's prompt prefill graphs (target and drafter, every bucket) played eagerly."""
-    for Tb in r.prefill_buckets:
-        g = _EagerGraph(lambda Tb=Tb: r._prefill_body(Tb))
-        r.graphs[GraphKey("prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
-        g = _EagerGraph(lambda Tb=Tb: r._drafter_prefill_body(Tb))
-        r.graphs[GraphKey("drafter_prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
-
-
 @pytest.mark.slow
 def test_prefill_through_the_staging_cache(pair, monkeypatch):
     """The prompt prefill that CUDA graphs run, played eagerly on the CPU: target and drafter
@@ -1103,7 +1079,7 @@ def test_prefill_through_the_staging_cache(pair, monkeypatch):
             engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
         r = engine.runner
         assert r.kv.stage_len == 80 and r.kv.k_stage.shape[1] == 1 and r.kv.table.shape[0] == 3
-        _eager_prefill_graphs(r)
+        eager_prefill_graphs(r)
         staged = []
         real_prefill = r.prefill
         monkeypatch.setattr(r, "prefill", lambda *a: (real_prefill(*a), staged.append(r._graph_prefilled))[0])
@@ -1138,7 +1114,7 @@ def test_prompts_arriving_together_share_one_prefill_graph(pair, monkeypatch):
             m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
             engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=4, **kw))
         r = engine.runner
-        _eager_prefill_graphs(r)
+        eager_prefill_graphs(r)
         packed = []
         real = r._graph_prefill
         monkeypatch.setattr(r, "_graph_prefill", lambda row, chunks: (

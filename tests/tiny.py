@@ -1,4 +1,5 @@
-"""Tiny random checkpoints written the way real tools write them."""
+"""Tiny random checkpoints written the way real tools write them, and the CPU stand-in for the CUDA graphs
+the engine captures on a GPU."""
 
 from __future__ import annotations
 
@@ -244,3 +245,32 @@ def assert_decode_matches(model_dir: Path, hf, prompt_len: int = 21, steps: int 
         ref = hf(token, past_key_values=cache, use_cache=True)
         torch.testing.assert_close(ours.logits(hidden)[:, -1], ref.logits[:, -1], rtol=1e-4, atol=1e-4)
         cache, token = ref.past_key_values, ref.logits[:, -1].argmax(-1, keepdim=True)
+
+
+class EagerGraph:
+    """Stands in for a captured CUDA graph on the CPU: replay() runs the body again, into the
+    output tensors of its first run (as a graph's replay refills its static outputs)."""
+
+    def __init__(self, body):
+        self.body = body
+        with torch.inference_mode():
+            self.outputs = body()
+
+    def replay(self):
+        for out, new in zip(self.outputs, self.body()):
+            if out is not None:
+                out.copy_(new)
+
+
+def eager_prefill_graphs(runner) -> None:
+    """The runner's prompt prefill graphs (the target's and, with a drafter, the drafter's; every bucket)
+    played eagerly."""
+    from specserve.engine.graphs import Graph, GraphKey
+
+    for Tb in runner.prefill_buckets:
+        bodies = {"prefill": runner._prefill_body}
+        if runner.drafter is not None:
+            bodies["drafter_prefill"] = runner._drafter_prefill_body
+        for kind, body in bodies.items():
+            g = EagerGraph(lambda Tb=Tb, body=body: body(Tb))
+            runner.graphs[GraphKey(kind, 1, tokens=Tb)] = Graph(g, g.outputs)
