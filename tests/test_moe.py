@@ -62,9 +62,23 @@ def test_packed_prefill_graph_equals_eager_prefill(checkpoint, monkeypatch):
     for c in (r.kv.k_all, r.kv.v_all):
         if c is not None:
             c.zero_()
-    r.graphs = {}
+    graphs, r.graphs = r.graphs, {}
     want = run()
     for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    # Chunks past a history (a prefix-cache hit): the graph computes it again, the eager prefill reads its KV.
+    chunks = [torch.randint(0, 95, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    results = []
+    for use in (graphs, {}):
+        r.graphs = use
+        assert r.graph_prefill_tokens() == (64 if use else 0)  # (38 + 16 tokens: the graph of 64 takes them)
+        logits, _ = r.prefill(0, chunks, list(lens), prompts if use else None)
+        out = [logits.clone()]
+        for i, (s0, c) in enumerate(zip(lens, chunks)):
+            block, offset = r.kv.slots(i, len(c), s0)
+            out += [kv[:, block, :, offset].clone() for kv in (r.kv.k_all, r.kv.v_all) if kv is not None]
+        results.append(out)
+    for a, b in zip(*results):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 

@@ -1117,8 +1117,12 @@ def test_prompts_arriving_together_share_one_prefill_graph(pair, monkeypatch):
         eager_prefill_graphs(r)
         packed = []
         real = r._graph_prefill
-        monkeypatch.setattr(r, "_graph_prefill", lambda row, chunks: (
-            packed.append((len(chunks), real(row, chunks) is not None)), real(row, chunks))[1])
+
+        def counted(*a):
+            out = real(*a)
+            packed.append((len(a[1]), out is not None))
+            return out
+        monkeypatch.setattr(r, "_graph_prefill", counted)
         for batch in (prompts[:3], prompts):  # 44 tokens: one graph of 64; 74: eager
             for params in (GREEDY, seeded):
                 outs = []
@@ -1131,6 +1135,44 @@ def test_prompts_arriving_together_share_one_prefill_graph(pair, monkeypatch):
                 assert outs[0] == outs[1], (kw, params)
         assert engine.totals.as_dict()["accepted_tokens"] > 0
         assert packed == [(3, True)] * 2 + [(4, False)] * 2, packed
+
+
+@pytest.mark.slow
+def test_prefix_cache_hits_take_the_prefill_graph_with_their_history(pair, monkeypatch):
+    """A prompt whose first blocks the prefix cache holds starts its chunk past them: a prefill graph takes it
+    with its tokens before the chunk computed again (their cached KV left as it is), packed with the other
+    arrivals; generation equals that without graphs and without the cache, drafts included."""
+    from specserve.engine.runner import ModelRunner
+
+    target, draft = pair
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (22, 35, 18)]
+    outs = []
+    for cache, graphs in ((False, False), (True, False), (True, True)):
+        with monkeypatch.context() as m:
+            if graphs:
+                m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64, 128))
+            e = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, spec_steps=3,
+                                    prefix_cache=cache, kv_block_size=16))
+        calls = []
+        if graphs:
+            eager_prefill_graphs(e.runner)
+            real = e.runner.prefill
+            monkeypatch.setattr(e.runner, "prefill", lambda row, chunks, starts, history=None: (
+                calls.append((tuple(starts), history is not None, e.runner.graph_prefill_tokens())),
+                real(row, chunks, starts, history))[1])
+        got = []
+        for _ in range(2):  # the second time round, the prompts' full blocks are cached
+            seqs = [e.add_request(p, GREEDY) for p in prompts]
+            while e.has_work():
+                e.step()
+            e.check_idle_integrity()
+            got.append([s.output_ids for s in seqs])
+        outs.append(got)
+        if graphs:
+            assert calls[0][:2] == ((0, 0, 0), False) and calls[-1] == ((16, 32, 16), True, 128), calls
+            assert e.totals.as_dict()["accepted_tokens"] > 0
+    assert outs[0] == outs[1] == outs[2]
 
 
 @pytest.mark.gpu
@@ -1166,6 +1208,23 @@ def test_packed_prefill_graph_equals_eager_prefill_on_gpu(pair):
         for a, b in zip(got, want):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    # Chunks past a history (a prefix-cache hit): the graph computes the history again, the eager prefill reads it.
+    hist, chunk = ([torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in ns] for ns in ((16, 48, 1), (9, 30, 20)))
+    starts = [len(h) for h in hist]
+    graphs, r.graphs = r.graphs, {}
+    r.prefill(0, hist, [0, 0, 0])  # the history's KV, eagerly
+    results = []
+    for use in (graphs, {}):
+        r.graphs = use
+        out = [t.clone() for t in r.prefill(0, chunk, starts, hist if use else None)]
+        for i, (s0, c) in enumerate(zip(starts, chunk)):
+            block, offset = r.kv.slots(i, len(c), s0)
+            out += [kv[:, block, :, offset].clone() for kv in (r.kv.k_all, r.kv.v_all)]
+            out[1][i, len(c):] = 0
+        results.append(out)
+    r.graphs = graphs
+    for a, b in zip(*results):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.gpu

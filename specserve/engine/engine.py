@@ -247,7 +247,13 @@ class Engine(ServingEngine):
             starts.append(seq.prefilled)
             seqs.append(seq)
             budget -= take
-        logits, feats = self.runner.prefill(self.n_running, chunks, starts)
+        # Rows that do not start at their first token (a prefix-cache hit, an earlier chunk) give a prefill graph
+        # their tokens before the chunk, where all rows' tokens fit it: their recomputation costs less than the
+        # eager forward it saves (on a GPU a forward of short chunks is bound by the host).
+        history = None
+        if any(starts) and sum(s.prefilled for s in seqs) + sum(map(len, chunks)) <= self.runner.graph_prefill_tokens():
+            history = [s.tokens(0, s.prefilled) for s in seqs]
+        logits, feats = self.runner.prefill(self.n_running, chunks, starts, history)
         done = [i for i, s in enumerate(seqs) if s.prefilled + len(chunks[i]) == s.prefill_len]
         # A resumed sequence (preempted earlier) already has the token its prefill ends at.
         fresh = [i for i in done if not seqs[i].resumed]

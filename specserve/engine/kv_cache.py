@@ -155,9 +155,9 @@ class KVCache:
         """A sequence moves to another row: its table row goes with it (its KV stays put)."""
         self.table[dst] = self.table[src]
 
-    def slots(self, row: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(block, offset) of indices 0..n-1 of a row."""
-        idx = torch.arange(n, device=self.device)
+    def slots(self, row: int, n: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block, offset) of indices start..start+n-1 of a row."""
+        idx = torch.arange(start, start + n, device=self.device)
         return self.table[row, idx // self.block_size], idx % self.block_size
 
     @contextlib.contextmanager
@@ -173,10 +173,10 @@ class KVCache:
             for a, (k, v) in zip(mods, saved):
                 a.k_cache, a.v_cache = k, v
 
-    def unstage_target(self, row: int, T: int, src: int = 0) -> None:
-        """Copy T positions of staged target KV from index `src` (a packed prompt's first) into `row`'s
-        blocks from index 0 (all layers at once)."""
-        block, offset = self.slots(row, T)
+    def unstage_target(self, row: int, T: int, src: int = 0, dst: int = 0) -> None:
+        """Copy T positions of staged target KV from index `src` (a packed chunk's first) into `row`'s
+        blocks from index `dst` (all layers at once)."""
+        block, offset = self.slots(row, T, dst)
         for cache, staged in ((self.k_all, self.k_stage), (self.v_all, self.v_stage)):
             if cache is not None:
                 cache[:, block, :, offset] = staged[:, 0, :, src:src + T].permute(2, 0, 1, 3)

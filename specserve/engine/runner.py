@@ -253,14 +253,16 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- prefill
     @torch.inference_mode()
-    def prefill(self, row_start: int, chunks: list[list[int]], starts: list[int]):
-        """Run the target over one chunk per row (rows row_start..). Returns the
-        logits at each row's last chunk token [m, V] and the features [m, T, 3H]
-        (None without a drafter)."""
+    def prefill(self, row_start: int, chunks: list[list[int]], starts: list[int],
+                history: list[list[int]] | None = None):
+        """Run the target over one chunk per row (rows row_start..), chunk i from index starts[i]. Returns the
+        logits at each row's last chunk token [m, V] and the features [m, T, 3H] (None without a drafter).
+        `history`: each row's tokens before its chunk (a prefix-cache hit, an earlier chunk), with which a
+        prefill graph can take rows that do not start at 0 (`_graph_prefill`)."""
         m, T = len(chunks), max(len(c) for c in chunks)
         self._graph_prefilled = None
-        if not any(starts) and m <= PREFILL_GRAPH_PROMPTS:
-            out = self._graph_prefill(row_start, chunks)
+        if m <= PREFILL_GRAPH_PROMPTS and (history is not None or not any(starts)):
+            out = self._graph_prefill(row_start, chunks, starts, history)
             if out is not None:
                 return out
         ids = torch.zeros(m, T, dtype=torch.long)
@@ -278,11 +280,19 @@ class ModelRunner:
         h_last = hidden[torch.arange(m, device=self.device), last]
         return self.target.logits(h_last), feats
 
-    def _graph_prefill(self, row_start: int, chunks: list[list[int]]):
-        """`prefill` of fresh prompts (each from its first token) by one prefill graph, packed one after
-        another into the staging row, each prompt's KV then copied to its own row; None (nothing done)
-        when their lengths sum past every graph."""
-        lens = [len(c) for c in chunks]
+    def graph_prefill_tokens(self) -> int:
+        """Tokens (a chunk's rows from their first token, packed) the largest prefill graph takes; 0 where
+        none was captured (the CPU)."""
+        return max((k.tokens for k in self.graphs if k.kind == "prefill"), default=0)
+
+    def _graph_prefill(self, row_start: int, chunks: list[list[int]], starts: list[int],
+                       history: list[list[int]] | None):
+        """`prefill` by one prefill graph: each row's tokens from its first (history, then chunk) packed one
+        after another into the staging row, each chunk's KV then copied to its row (a history's tokens are
+        computed again, their KV left where it is: a prefix-cache hit's blocks may be shared); None (nothing
+        done) when they sum past every graph."""
+        full = [h + c for h, c in zip(history, chunks)] if history is not None else chunks
+        lens = [len(f) for f in full]
         total, m = sum(lens), len(chunks)
         Tb = self._prefill_bucket(total)
         graph = self.graphs.get(GraphKey("prefill", 1, tokens=Tb))
@@ -290,9 +300,9 @@ class ModelRunner:
             return None
         n = torch.tensor(lens)
         first = n.cumsum(0) - n
-        host = torch.zeros(4, Tb, dtype=torch.long)  # ids, staging index, rope position, prompt's first index
+        host = torch.zeros(4, Tb, dtype=torch.long)  # ids, staging index, rope position, row's first index
         host[1].fill_(self.kv.stage_scratch)
-        host[0, :total] = torch.tensor([t for c in chunks for t in c])
+        host[0, :total] = torch.tensor([t for f in full for t in f])
         host[1, :total] = torch.arange(total)
         host[3, :total] = torch.repeat_interleave(first, n)
         host[2, :total] = host[1, :total] - host[3, :total]
@@ -303,14 +313,16 @@ class ModelRunner:
             buf[0, :Tb].copy_(row)
         self.s_pf_last.copy_(last)
         graph.graph.replay()
-        for i, (f, k) in enumerate(zip(first.tolist(), lens)):
-            self.kv.unstage_target(row_start + i, k, src=f)
+        for i, (f, s, chunk) in enumerate(zip(first.tolist(), starts, chunks)):
+            self.kv.unstage_target(row_start + i, len(chunk), src=f + s, dst=s)
         logits, feats = graph.outputs
-        if m == 1:
+        if m == 1 and not starts[0]:
             self._graph_prefilled = (row_start, total)  # (the drafter's prefill graph reads this one's features)
             return logits[:1], (feats[:, :total] if feats is not None else None)
-        if feats is not None:  # [1, Tb, 3H] -> [m, T, 3H]: each prompt's from its first index (its last repeated)
-            at = first.unsqueeze(1) + torch.minimum(torch.arange(max(lens)).unsqueeze(0), (n - 1).unsqueeze(1))
+        if feats is not None:  # [1, Tb, 3H] -> [m, T, 3H]: each chunk's from its first index (its last repeated)
+            clen = torch.tensor([len(chunk) for chunk in chunks])
+            at = (first + torch.tensor(starts)).unsqueeze(1) + torch.minimum(torch.arange(int(clen.max())).unsqueeze(0),
+                                                                               (clen - 1).unsqueeze(1))
             feats = feats[0, at.to(self.device, non_blocking=True)]
         return logits[:m], feats
 
