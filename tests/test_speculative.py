@@ -1138,6 +1138,24 @@ def test_prompts_arriving_together_share_one_prefill_graph(pair, monkeypatch):
 
 
 @pytest.mark.slow
+def test_graph_prefill_results_outlive_the_next_replay(pair, monkeypatch):
+    """A graph's outputs are refilled by its next replay; what `prefill` returns is the caller's to keep (the
+    drafter's regeneration concatenates the logits of several calls)."""
+    from specserve.engine.runner import ModelRunner
+
+    target, _ = pair
+    monkeypatch.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
+    r = Engine(EngineConfig(model=str(target), device="cpu", max_num_seqs=2)).runner
+    r.reserve_every_row()
+    eager_prefill_graphs(r)
+    prompts = _prompts(4, seed=5)
+    first = r.prefill(0, prompts[:2], [0, 0])[0]
+    kept = first.clone()
+    second = r.prefill(0, prompts[2:], [0, 0])[0]
+    assert torch.equal(first, kept) and not torch.equal(first, second)
+
+
+@pytest.mark.slow
 def test_prefix_cache_hits_take_the_prefill_graph_with_their_history(pair, monkeypatch):
     """A prompt whose first blocks the prefix cache holds starts its chunk past them: a prefill graph takes it
     with its tokens before the chunk computed again (their cached KV left as it is), packed with the other

@@ -315,16 +315,17 @@ class ModelRunner:
         graph.graph.replay()
         for i, (f, s, chunk) in enumerate(zip(first.tolist(), starts, chunks)):
             self.kv.unstage_target(row_start + i, len(chunk), src=f + s, dst=s)
+        # (copies: the graph's outputs are refilled by its next replay)
         logits, feats = graph.outputs
         if m == 1 and not starts[0]:
             self._graph_prefilled = (row_start, total)  # (the drafter's prefill graph reads this one's features)
-            return logits[:1], (feats[:, :total] if feats is not None else None)
+            return logits[:1].clone(), (feats[:, :total].clone() if feats is not None else None)
         if feats is not None:  # [1, Tb, 3H] -> [m, T, 3H]: each chunk's from its first index (its last repeated)
             clen = torch.tensor([len(chunk) for chunk in chunks])
             at = (first + torch.tensor(starts)).unsqueeze(1) + torch.minimum(torch.arange(int(clen.max())).unsqueeze(0),
                                                                                (clen - 1).unsqueeze(1))
             feats = feats[0, at.to(self.device, non_blocking=True)]
-        return logits[:m], feats
+        return logits[:m].clone(), feats
 
     def _prefill_body(self, Tb: int):
         """Packed prompts (`_graph_prefill`), Tb tokens with padding at the staging scratch slot, in the
