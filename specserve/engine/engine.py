@@ -247,11 +247,11 @@ class Engine(ServingEngine):
             starts.append(seq.prefilled)
             seqs.append(seq)
             budget -= take
-        # Rows that do not start at their first token (a prefix-cache hit, an earlier chunk) give a prefill graph
-        # their tokens before the chunk, where all rows' tokens fit it: their recomputation costs less than the
-        # eager forward it saves (on a GPU a forward of short chunks is bound by the host).
+        # Rows that do not start at their first token (a prefix-cache hit, an earlier chunk) give the prefill graphs
+        # their tokens before the chunk, where each row's fit one: computing them again costs less than the eager
+        # forward it saves (on a GPU a forward of short chunks is bound by the host; `ModelRunner._prefill_groups`).
         history = None
-        if any(starts) and sum(s.prefilled for s in seqs) + sum(map(len, chunks)) <= self.runner.graph_prefill_tokens():
+        if any(starts) and max(s.prefilled + len(c) for s, c in zip(seqs, chunks)) <= self.runner.graph_prefill_tokens():
             history = [s.tokens(0, s.prefilled) for s in seqs]
         logits, feats = self.runner.prefill(self.n_running, chunks, starts, history)
         done = [i for i, s in enumerate(seqs) if s.prefilled + len(chunks[i]) == s.prefill_len]

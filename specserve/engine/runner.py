@@ -261,10 +261,20 @@ class ModelRunner:
         prefill graph can take rows that do not start at 0 (`_graph_prefill`)."""
         m, T = len(chunks), max(len(c) for c in chunks)
         self._graph_prefilled = None
-        if m <= PREFILL_GRAPH_PROMPTS and (history is not None or not any(starts)):
-            out = self._graph_prefill(row_start, chunks, starts, history)
-            if out is not None:
-                return out
+        groups = None
+        if history is not None or not any(starts):
+            groups = self._prefill_groups([len(c) + (len(history[i]) if history else 0) for i, c in enumerate(chunks)])
+        if groups:
+            outs = [self._graph_prefill(row_start + a, chunks[a:b], starts[a:b], history[a:b] if history else None)
+                    for a, b in groups]
+            if len(outs) == 1:
+                return outs[0]
+            feats = None
+            if outs[0][1] is not None:
+                feats = outs[0][1].new_zeros(m, T, outs[0][1].shape[-1])
+                for (a, b), (_, f) in zip(groups, outs):
+                    feats[a:b, : f.shape[1]] = f
+            return torch.cat([lg for lg, _ in outs]), feats
         ids = torch.zeros(m, T, dtype=torch.long)
         pos = torch.full((m, T), self.scratch, dtype=torch.long)
         last = torch.zeros(m, dtype=torch.long)
@@ -280,6 +290,24 @@ class ModelRunner:
         h_last = hidden[torch.arange(m, device=self.device), last]
         return self.target.logits(h_last), feats
 
+    def _prefill_groups(self, lens: list[int]) -> list[tuple[int, int]] | None:
+        """Rows (their tokens from the first: `lens`) cut into consecutive groups that one prefill graph each
+        takes, packed (up to PREFILL_GRAPH_PROMPTS rows, their tokens summed within the largest graph): [(first
+        row, past the last)], or None where a row fits no graph or the groups' graphs would replay more than two
+        largest graphs' tokens (a history computed again costs more than the eager forward then saves)."""
+        most = self.graph_prefill_tokens()
+        if not most or max(lens) > most:
+            return None
+        groups, a, total = [], 0, 0
+        for i, n in enumerate(lens):
+            if i > a and (total + n > most or i - a == PREFILL_GRAPH_PROMPTS):
+                groups.append((a, i))
+                a, total = i, 0
+            total += n
+        groups.append((a, len(lens)))
+        replayed = sum(self._prefill_bucket(sum(lens[a:b])) for a, b in groups)
+        return groups if replayed <= 2 * most else None
+
     def graph_prefill_tokens(self) -> int:
         """Tokens (a chunk's rows from their first token, packed) the largest prefill graph takes; 0 where
         none was captured (the CPU)."""
@@ -287,17 +315,15 @@ class ModelRunner:
 
     def _graph_prefill(self, row_start: int, chunks: list[list[int]], starts: list[int],
                        history: list[list[int]] | None):
-        """`prefill` by one prefill graph: each row's tokens from its first (history, then chunk) packed one
-        after another into the staging row, each chunk's KV then copied to its row (a history's tokens are
-        computed again, their KV left where it is: a prefix-cache hit's blocks may be shared); None (nothing
-        done) when they sum past every graph."""
+        """`prefill` of a group of rows (`_prefill_groups`) by one prefill graph: each row's tokens from its
+        first (history, then chunk) packed one after another into the staging row, each chunk's KV then copied
+        to its row (a history's tokens are computed again, their KV left where it is: a prefix-cache hit's
+        blocks may be shared)."""
         full = [h + c for h, c in zip(history, chunks)] if history is not None else chunks
         lens = [len(f) for f in full]
         total, m = sum(lens), len(chunks)
         Tb = self._prefill_bucket(total)
-        graph = self.graphs.get(GraphKey("prefill", 1, tokens=Tb))
-        if graph is None:
-            return None
+        graph = self.graphs[GraphKey("prefill", 1, tokens=Tb)]
         n = torch.tensor(lens)
         first = n.cumsum(0) - n
         host = torch.zeros(4, Tb, dtype=torch.long)  # ids, staging index, rope position, row's first index
