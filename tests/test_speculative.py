@@ -1134,6 +1134,32 @@ def test_prompts_arriving_together_share_one_prefill_graph(pair, monkeypatch):
         assert packed == [3] * 2 + [3, 1] * 2, packed
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_drafter_write_kv_writes_what_its_forward_writes(pair, dtype):
+    """A prompt's prefill and a catch-up need only the drafter's KV: `write_kv` skips its attention, output
+    projection and MLP and writes, bit for bit, the keys and values its forward writes (float32 through the
+    native CPU kernels, bfloat16 through torch)."""
+    target, draft = pair
+    r = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", dtype=dtype, max_num_seqs=2)).runner
+    r.reserve_every_row()
+    attn = r.drafter.attention_modules()[0]
+    g = torch.Generator().manual_seed(4)
+    T = 13
+    tok = torch.randint(0, VOCAB - 1, (2, T), generator=g)
+    feat = torch.randn(2, T, 3 * r.model_cfg.hidden_size, generator=g).to(r.dtype)
+    pos = torch.arange(T).repeat(2, 1)
+    pos[1, 9:] = r.scratch  # a shorter row: padding at the scratch slot
+    written = []
+    for run in (lambda ctx: r.drafter(tok, feat, ctx), lambda ctx: r.drafter.write_kv(tok, feat, ctx)):
+        attn.k_cache.zero_()
+        attn.v_cache.zero_()
+        with torch.inference_mode():
+            run(r._context(pos, pos, 0))
+        written.append((attn.k_cache.clone(), attn.v_cache.clone()))
+    assert written[0][0].abs().sum() > 0
+    assert all(torch.equal(a, b) for a, b in zip(*written))
+
+
 @pytest.mark.slow
 def test_graph_prefill_results_outlive_the_next_replay(pair, monkeypatch):
     """A graph's outputs are refilled by its next replay; what `prefill` returns is the caller's to keep (the

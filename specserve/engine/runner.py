@@ -367,7 +367,7 @@ class ModelRunner:
         feats = self.graphs[GraphKey("prefill", 1, tokens=Tb)].outputs[1]
         pos = self._drafter_positions(self.s_pf_pos[:, :Tb], self.kv.stage_scratch)
         with self.kv.staged(self.drafter.attention_modules()):
-            self.drafter(self.s_pf_tok[:, :Tb], feats, ForwardContext(0, pos, pos, Tb))
+            self.drafter.write_kv(self.s_pf_tok[:, :Tb], feats, ForwardContext(0, pos, pos, Tb))
         return ()
 
     @torch.inference_mode()
@@ -398,7 +398,7 @@ class ModelRunner:
         """Eagerly write the drafter's KV for (feature, next token) entries; padding at scratch
         positions, and at positions past the drafter's."""
         pos = self._drafter_positions(pos, self.scratch)
-        self.drafter(tok, feat, self._context(pos, pos, row_start))
+        self.drafter.write_kv(tok, feat, self._context(pos, pos, row_start))
 
     # ------------------------------------------------------------- graph parts
     def _bucket(self, B: int) -> int:

@@ -56,6 +56,13 @@ class DraftAttention(HotPathModule):
         v = self.v_proj(x).view(B, T, self.kv_heads, self.head_dim)
         return self.o_proj(self.attn(q, k, v, ctx, self.rope))
 
+    def write_kv(self, x: torch.Tensor, ctx: ForwardContext) -> None:
+        """`forward`'s cache writes alone (the KV it writes, nothing attended, nothing returned)."""
+        B, T, _ = x.shape
+        w = self.qkv_weight if self.qkv_weight is not None else \
+            torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        self.attn.write_kv(linear(x, w).view(B, T, -1, self.head_dim), ctx, self.rope)
+
 
 class DraftMLP(HotPathModule):
     def __init__(self, hidden: int, intermediate: int):
@@ -81,9 +88,11 @@ class DraftMidLayer(HotPathModule):
         self.mlp = DraftMLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        x = torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
-        x, h = self.post_attention_layernorm(self.self_attn(x, ctx), hidden)
+        x, h = self.post_attention_layernorm(self.self_attn(self._attention_input(embeds, hidden), ctx), hidden)
         return h + self.mlp(x)
+
+    def _attention_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.input_layernorm(embeds), self.hidden_norm(hidden)), dim=-1)
 
 
 class Eagle3Drafter(nn.Module):
@@ -137,6 +146,15 @@ class Eagle3Drafter(nn.Module):
         if hidden.shape[-1] != self.cfg.hidden_size:
             hidden = self.fc(hidden)
         return self.midlayer(self.embed(ids).to(hidden.dtype), hidden, ctx)
+
+    def write_kv(self, ids: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> None:
+        """The KV `forward` writes for entries (ids [B, T], target features [B, T, 3H]) and nothing more: what a
+        prompt's prefill or a catch-up needs of the drafter (their outputs feed nothing), without the
+        attention, output projection and MLP of its layer."""
+        if hidden.shape[-1] != self.cfg.hidden_size:
+            hidden = self.fc(hidden)
+        m = self.midlayer
+        m.self_attn.write_kv(m._attention_input(self.embed(ids).to(hidden.dtype), hidden), ctx)
 
     def logits(self, out: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """Draft-vocabulary logits (float32, or the model's dtype for kernels that upcast as they read)."""

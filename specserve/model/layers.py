@@ -388,6 +388,24 @@ class KVCacheAttention(HotPathModule):
         self._store(qk[:, :, H:], heads[:, :, H + Hkv:], ctx)
         return self._attend(qk[:, :, :H], ctx)
 
+    def write_kv(self, heads: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> None:
+        """The cache writes of `forward_packed` (rotated keys, values) for heads [B, T, H + 2 Hkv, D], attending
+        to nothing: entries whose outputs feed nothing (a drafter's prefill)."""
+        H, Hkv = self.num_heads, self.num_kv_heads
+        q, k, v = heads.split([H, Hkv, Hkv], dim=2)
+        if heads.is_cuda:
+            rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache, ctx.row_start,
+                          ctx.write_idx, ctx.block_table, ctx.block_size)
+            return
+        native = fused_ops() if heads.dtype == torch.float32 and heads.is_contiguous() and heads.shape[-1] % 16 == 0 \
+            else None
+        if native is not None:
+            cos, sin = ctx.rope_tables(rope, heads.dtype)
+            blocks = ctx.row_table() if ctx.block_table is not None else None
+            native.rope_store_(heads, H, cos, sin, self.k_cache, self.v_cache, blocks, ctx.row_start, ctx.write_idx)
+            return
+        self._store(self._rotate(k, ctx, rope), v, ctx)
+
     @staticmethod
     def _rotate(x: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> torch.Tensor:
         """CPU rope: the reference's arithmetic with tables gathered once per forward."""
