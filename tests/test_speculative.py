@@ -907,18 +907,26 @@ def _plain_alone(target, prompts, params, **kw):
     return [_run(target, prompts=[p], params=sp, max_num_seqs=1, **kw)[0][0] for p, sp in zip(prompts, params)]
 
 
-def _alternating(target, draft, prompts, params, ahead=False, **kw):
+def _alternating(target, draft, prompts, params, ahead=False, prefill_graphs=(), **kw):
     """Run an adaptive engine whose policy follows ALTERNATING; returns the outputs, the engine
     and what happened: drafter forwards run inside plain steps (`plain_forwards`), plain steps
     run from a step queued ahead while stale (`queued_stale`), the most stale entries of each
-    catch-up (`caught_up`) and each cycle's draft tokens (`drafts`)."""
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
-                                 device="cpu", **kw))
+    catch-up (`caught_up`) and each cycle's draft tokens (`drafts`). `prefill_graphs`: buckets of
+    prefill graphs, played eagerly."""
+    from unittest import mock
+
+    from specserve.engine.runner import ModelRunner
+
+    with mock.patch.object(ModelRunner, "_prefill_graph_buckets", lambda self: tuple(prefill_graphs)):
+        engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
+                                     device="cpu", **kw))
+    if prefill_graphs:
+        eager_prefill_graphs(engine.runner)
     engine.launch_ahead = ahead
     steps = iter(ALTERNATING * 20)
     engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
-    seen = {"plain_forwards": 0, "queued_stale": 0, "caught_up": [], "drafts": []}
-    in_plain = [False]
+    seen = {"plain_forwards": 0, "queued_stale": 0, "caught_up": [], "drafts": [], "graph_catch_ups": 0}
+    in_plain, in_catch_up = [False], [False]
 
     def plain_step(seqs, _f=engine._plain_step):
         seen["queued_stale"] += engine.overlap.plain is not None and any(s.stale for s in seqs)
@@ -934,7 +942,16 @@ def _alternating(target, draft, prompts, params, ahead=False, **kw):
 
     def catch_up(seqs, budget, _f=engine.proposer.catch_up):
         seen["caught_up"].append(max(s.stale for s in seqs))
-        return _f(seqs, budget)
+        in_catch_up[0] = True
+        try:
+            return _f(seqs, budget)
+        finally:
+            in_catch_up[0] = False
+
+    def graph_prefill(*a, _f=engine.runner._graph_prefill):
+        seen["graph_catch_ups"] += in_catch_up[0]
+        return _f(*a)
+    engine.runner._graph_prefill = graph_prefill
 
     def draft(*a, _f=engine.proposer.draft):
         out = _f(*a)
@@ -973,6 +990,11 @@ def test_plain_stretches_skip_drafter_upkeep(pair, monkeypatch, batch, tree):
     # Queued ahead, all sequences admitted at once (plain steps are queued only while none waits).
     ahead, _, queued = _alternating(target, draft, prompts, params, ahead=True, **{**kw, "max_num_seqs": len(prompts)})
     assert ahead == base and queued["plain_forwards"] == 0 and queued["queued_stale"] > 0
+    # Catch-ups through prefill graphs (their rows' tokens before computed again): the same tokens and drafts.
+    graphed, engine, seen_g = _alternating(target, draft, prompts, params, prefill_graphs=(16, 64, 128, 256), **kw)
+    assert graphed == base and seen_g["drafts"] == seen["drafts"] and engine.runner.graph_prefill_tokens() == 256
+    if batch == 1:  # (3 rows of up to 256 tokens are past two graphs' worth: eager)
+        assert seen_g["graph_catch_ups"] > 0
     monkeypatch.setattr("specserve.engine.runner.PENDING_WIDTH", 512)
     _, _, stored = _alternating(target, draft, prompts, params, **kw)
     assert not stored["caught_up"] and stored["drafts"] == seen["drafts"]

@@ -262,7 +262,7 @@ class ModelRunner:
         m, T = len(chunks), max(len(c) for c in chunks)
         self._graph_prefilled = None
         groups = None
-        if history is not None or not any(starts):
+        if all(chunks) and (history is not None or not any(starts)):
             groups = self._prefill_groups([len(c) + (len(history[i]) if history else 0) for i, c in enumerate(chunks)])
         if groups:
             outs = [self._graph_prefill(row_start + a, chunks[a:b], starts[a:b], history[a:b] if history else None)
