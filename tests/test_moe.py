@@ -333,3 +333,37 @@ def test_moe_target_on_gpu_greedy_and_speculation(moe_pair):
         assert engine.totals.accepted > 0
     out, _ = _generate(target, draft, prompts, device="cuda", dtype="bfloat16", spec_steps=3)
     assert [len(o) for o in out] == [GREEDY.max_tokens] * 3
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_prefix_cache_hits_take_the_prefill_graphs_on_an_moe_target(moe_pair, device, monkeypatch):
+    """Prompts whose first blocks the prefix cache holds go through the prefill graphs (on the CPU played
+    eagerly) with their cached tokens computed again: outputs equal those without the cache, plain and
+    speculative, on the tiny DeepSeek-V3 target (float32)."""
+    from specserve.engine.runner import ModelRunner
+
+    target, draft = moe_pair
+    g = torch.Generator().manual_seed(6)
+    shared = torch.randint(0, 11, (20,), generator=g).tolist()
+    prompts = [shared + torch.randint(0, 11, (n,), generator=g).tolist() for n in (3, 9, 1)]
+    base, _ = _generate(target, None, prompts, device=device, dtype="float32")
+    for d in (None, draft):
+        with monkeypatch.context() as m:
+            if device == "cpu":
+                m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64, 128))
+            engine = Engine(EngineConfig(model=str(target), draft=str(d) if d else None, device=device,
+                                         dtype="float32", max_num_seqs=3, prefix_cache=True, kv_block_size=8,
+                                         **({"spec_steps": 3} if d else {})))
+        if device == "cpu":
+            eager_prefill_graphs(engine.runner)
+        histories = []
+        real = engine.runner.prefill
+        monkeypatch.setattr(engine.runner, "prefill", lambda row, chunks, starts, history=None: (
+            histories.append(history is not None), real(row, chunks, starts, history))[1])
+        for _ in range(2):  # the second time round, the shared blocks are cached
+            seqs = [engine.add_request(p, GREEDY) for p in prompts]
+            while engine.has_work():
+                engine.step()
+            engine.check_idle_integrity()
+            assert [s.output_ids for s in seqs] == base, d
+        assert any(histories) and engine.kv_usage()["prefix_hit_tokens"] > 0
