@@ -1002,17 +1002,20 @@ def test_plain_stretches_skip_drafter_upkeep(pair, monkeypatch, batch, tree):
 
 def test_plain_stretches_with_preemption_and_prefix_cache(pair):
     """Long plain stretches in a pool too small for every sequence, with prefix caching: stale
-    sequences are preempted and recomputed, and output still equals plain decoding's."""
+    sequences are preempted and recomputed, and output still equals plain decoding's, with the
+    prefill graphs too (prefix hits, recomputed sequences and catch-ups going through them)."""
     target, draft = pair
     shared = _prompts(1, seed=50)[0] * 3
     prompts = [shared + p for p in _prompts(4, seed=51)]
     params = _greedy_and_sampled((100, 70, 100, 40))
     kw = dict(max_num_seqs=4, kv_block_size=8, max_model_len=192)
     base = _plain_alone(target, prompts, params, max_model_len=192)
-    out, engine, seen = _alternating(target, draft, prompts, params, kv_cache_tokens=320, prefix_cache=True, **kw)
-    assert out == base
-    kv = engine.kv_usage()
-    assert kv["preemptions"] > 0 and kv["prefix_hit_tokens"] > 0 and seen["caught_up"]
+    for graphs in ((), (16, 64, 128, 256)):  # (prefill graphs played eagerly: hits and recomputes take them)
+        out, engine, seen = _alternating(target, draft, prompts, params, kv_cache_tokens=320, prefix_cache=True,
+                                         prefill_graphs=graphs, **kw)
+        assert out == base, graphs
+        kv = engine.kv_usage()
+        assert kv["preemptions"] > 0 and kv["prefix_hit_tokens"] > 0 and seen["caught_up"]
 
 
 @pytest.mark.slow
