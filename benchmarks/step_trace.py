@@ -7,8 +7,8 @@ engine, in alternating rounds.
 Each `Engine.step()` is timed on the host with the K it ran and whether it prefilled; the drafter's
 catch-up after plain stretches is timed apart, and the switches from plain decoding to speculation (each one
 catch-up) are counted, the run of K values kept (`k_runs`). Per config: wall, steps per K with their median, mean
-and total milliseconds, prefill steps, and decode steps slower than 3x their K's median (count, total,
-the slowest). The adaptive config's choices of K > 0 are logged with the rates the policy ranked them by
+and total milliseconds, prefill steps (and of the target's prefill forwards, those a prefill graph served), and
+decode steps slower than 3x their K's median (count, total, the slowest). The adaptive config's choices of K > 0 are logged with the rates the policy ranked them by
 (explorations apart). `--cprofile` adds each config's top functions by own time (one more round, profiled).
 Prompt files: JSON lines with "messages" (chat) or "prompt"; `--batch` runs them in groups of B (as one
 `generate` call each, cycling through the prompts to fill the last group); `--in-flight C` serves them
@@ -108,9 +108,10 @@ def serve(eng, ids, params, in_flight: int, requests: int) -> None:
 
 
 def run_round(llm, ids, params, batch: int = 1, in_flight: int = 0,
-              requests: int = 0) -> tuple[float, list[tuple[int, bool, float]], float]:
-    """(wall seconds, [(K, prefilled, seconds) per step], catch-up seconds) over the prompts, `batch` at a
-    time (a `generate` call each), or served (`in_flight` > 0: `requests` of them, replaced as they end)."""
+              requests: int = 0) -> tuple[float, list[tuple], float, dict]:
+    """(wall seconds, [(K, prefilled, seconds, kernels compiled) per step], catch-up seconds, prefill forwards
+    and how many the prefill graphs served) over the prompts, `batch` at a time (a `generate` call each), or
+    served (`in_flight` > 0: `requests` of them, replaced as they end)."""
     eng = llm.engine
     steps: list[tuple] = []
     catch = [0.0]
@@ -124,6 +125,24 @@ def run_round(llm, ids, params, batch: int = 1, in_flight: int = 0,
         catch[0] += time.perf_counter() - t
 
     pr.catch_up = timed_catch_up
+    # prefill forwards, and how many of them the prefill graphs served (the rest: eager, bound by the host)
+    prefills = {"forwards": 0, "graphed": 0}
+    runner = eng.runner
+    real_prefill, real_graph_prefill = runner.prefill, runner._graph_prefill
+    graphed = [False]
+
+    def counted_prefill(*a, **k):
+        graphed[0] = False
+        out = real_prefill(*a, **k)
+        prefills["forwards"] += 1
+        prefills["graphed"] += graphed[0]
+        return out
+
+    def counted_graph_prefill(*a, **k):
+        graphed[0] = True
+        return real_graph_prefill(*a, **k)
+
+    runner.prefill, runner._graph_prefill = counted_prefill, counted_graph_prefill
     real_step = eng.step
 
     def timed_step():
@@ -145,10 +164,11 @@ def run_round(llm, ids, params, batch: int = 1, in_flight: int = 0,
     finally:
         eng.step = real_step
         pr.catch_up = real_catch_up
-    return time.perf_counter() - t0, steps, catch[0]
+        runner.prefill, runner._graph_prefill = real_prefill, real_graph_prefill
+    return time.perf_counter() - t0, steps, catch[0], prefills
 
 
-def summarize(wall: float, steps, catch: float, tokens: int) -> dict:
+def summarize(wall: float, steps, catch: float, prefills: dict, tokens: int) -> dict:
     by_k: dict[int, list[float]] = {}
     prefill = [dt for _, pf, dt, _ in steps if pf]
     for k, pf, dt, _ in steps:
@@ -168,7 +188,7 @@ def summarize(wall: float, steps, catch: float, tokens: int) -> dict:
            "switches_to_speculation": switches, "k_runs": runs,
            "compiling_steps": [{"K": k, "prefill": pf, "ms": ms, "kernels": names} for k, pf, ms, names in compiled],
            "prefill_steps": len(prefill), "prefill_ms": round(1e3 * sum(prefill), 2),
-           "catch_up_ms": round(1e3 * catch, 2), "by_k": {}}
+           "catch_up_ms": round(1e3 * catch, 2), "prefill_forwards": prefills, "by_k": {}}
     for k, xs in sorted(by_k.items()):
         med = statistics.median(xs)
         slow = sorted((x for x in xs if x > 3 * med), reverse=True)
@@ -242,7 +262,7 @@ def main() -> None:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'config':<16}{'round':>6}{'tok/s':>9}{'K0 med':>9}{'K0 mean':>9}{'K>0 n':>7}{'K>0 ms':>9}"
-          f"{'slow K0':>9}{'catch':>8}{'switch':>7}{'prefill':>9}")
+          f"{'slow K0':>9}{'catch':>8}{'switch':>7}{'prefill':>9}{'graphed':>9}")
     for name, rs in result["rounds"].items():
         for i, r in enumerate(rs):
             k0 = r["by_k"].get("0", {})
@@ -250,7 +270,7 @@ def main() -> None:
             print(f"{name:<16}{i:>6}{r['tok_s']:>9.1f}{k0.get('median_ms', 0):>9.3f}{k0.get('mean_ms', 0):>9.3f}"
                   f"{sum(v['n'] for v in spec):>7}{sum(v['total_ms'] for v in spec):>9.1f}"
                   f"{k0.get('slow_ms', 0):>9.1f}{r['catch_up_ms']:>8.1f}{r['switches_to_speculation']:>7}"
-                  f"{r['prefill_ms']:>9.1f}")
+                  f"{r['prefill_ms']:>9.1f}{r['prefill_forwards']['graphed']:>4}/{r['prefill_forwards']['forwards']:<4}")
     print(f"K > 0 chosen {len(DECISIONS)} times, {len(explored)} of them explorations; the others by their rates:")
     for d in result["spec_decisions"]["best_not_explored"][:12]:
         print(f"  B={d['B']} K={d['K']} stale={d['stale']} job={d['job']} tokens/ms {d['rates']} cost ms {d['cost_ms']}")
