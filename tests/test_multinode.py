@@ -22,7 +22,6 @@ import torch
 from specserve.config import ConfigError, ParallelConfig
 from specserve.engine.llm import LLM
 from specserve.engine.sampling import SamplingParams
-from specserve.ops.process_tree import ProcessTree
 from test_tp import PROMPTS, make_lagging_drafter  # prompts on which the lagging drafter is accepted
 
 ENGINE = ["--device", "cpu", "--max-model-len", "96", "--disable-cuda-graph"]
@@ -215,8 +214,10 @@ def test_killing_one_node_ends_the_other_with_no_process_left(pair, killed):
     node0 = _node("serve", 0, port, [*args, "--port", str(http)], timeout=60)
     try:
         _wait_healthy(f"http://127.0.0.1:{http}", node0, time.monotonic() + WAIT)
-        trees = [ProcessTree(node0.pid), ProcessTree(node1.pid)]
-        members = list({p.pid: p for t in trees for p in t.members()}.values())  # both trees share our session
+        # What the nodes started, taken while each is still a descendant of its node (a session-wide view, as
+        # ProcessTree has, would also count whatever else this test's session runs meanwhile).
+        nodes = [psutil.Process(node0.pid), psutil.Process(node1.pid)]
+        members = nodes + [c for n in nodes for c in n.children(recursive=True)]
         workers = [p for p in members if "specserve.distributed.worker" in " ".join(p.cmdline())]
         assert len(workers) == 2  # one worker on each node
         victim, other = (node1, node0) if killed == 1 else (node0, node1)
