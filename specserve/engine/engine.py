@@ -247,13 +247,8 @@ class Engine(ServingEngine):
             starts.append(seq.prefilled)
             seqs.append(seq)
             budget -= take
-        # Rows that do not start at their first token (a prefix-cache hit, an earlier chunk) give the prefill graphs
-        # their tokens before the chunk, where each row's fit one: computing them again costs less than the eager
-        # forward it saves (on a GPU a forward of short chunks is bound by the host; `ModelRunner._prefill_groups`).
-        history = None
-        if any(starts) and max(s.prefilled + len(c) for s, c in zip(seqs, chunks)) <= self.runner.graph_prefill_tokens():
-            history = [s.tokens(0, s.prefilled) for s in seqs]
-        logits, feats = self.runner.prefill(self.n_running, chunks, starts, history)
+        logits, feats = self.runner.prefill(self.n_running, chunks, starts,
+                                            self.runner.prefill_history(seqs, chunks, starts))
         done = [i for i, s in enumerate(seqs) if s.prefilled + len(chunks[i]) == s.prefill_len]
         # A resumed sequence (preempted earlier) already has the token its prefill ends at.
         fresh = [i for i in done if not seqs[i].resumed]

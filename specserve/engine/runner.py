@@ -313,6 +313,16 @@ class ModelRunner:
         none was captured (the CPU)."""
         return max((k.tokens for k in self.graphs if k.kind == "prefill"), default=0)
 
+    def prefill_history(self, seqs, chunks: list[list[int]], starts: list[int]) -> list[list[int]] | None:
+        """`prefill`'s `history` for sequences whose chunks start past their first token (a prefix-cache hit,
+        an earlier chunk, a catch-up): their tokens before the chunk, where each row's tokens from the first
+        fit a prefill graph (computing them again costs less than the eager forward it saves: on a GPU a
+        forward of short chunks is bound by the host; `_prefill_groups` bounds the rest); else None."""
+        if not any(starts) or not all(chunks) or \
+                max(s + len(c) for s, c in zip(starts, chunks)) > self.graph_prefill_tokens():
+            return None
+        return [seq.tokens(0, s) for seq, s in zip(seqs, starts)]
+
     def _graph_prefill(self, row_start: int, chunks: list[list[int]], starts: list[int],
                        history: list[list[int]] | None):
         """`prefill` of a group of rows (`_prefill_groups`) by one prefill graph: each row's tokens from its
@@ -341,11 +351,10 @@ class ModelRunner:
         graph.graph.replay()
         for i, (f, s, chunk) in enumerate(zip(first.tolist(), starts, chunks)):
             self.kv.unstage_target(row_start + i, len(chunk), src=f + s, dst=s)
-        # (copies: the graph's outputs are refilled by its next replay)
-        logits, feats = graph.outputs
         if m == 1 and not starts[0]:
             self._graph_prefilled = (row_start, total)  # (the drafter's prefill graph reads this one's features)
-            return logits[:1].clone(), (feats[:, :total].clone() if feats is not None else None)
+        # (copies: the graph's outputs are refilled by its next replay)
+        logits, feats = graph.outputs
         if feats is not None:  # [1, Tb, 3H] -> [m, T, 3H]: each chunk's from its first index (its last repeated)
             clen = torch.tensor([len(chunk) for chunk in chunks])
             at = (first + torch.tensor(starts)).unsqueeze(1) + torch.minimum(torch.arange(int(clen.max())).unsqueeze(0),

@@ -338,6 +338,13 @@ class ForwardContext:
         return self.block_table.shape[1] * self.block_size
 
 
+def _native_ops(heads: torch.Tensor):
+    """The native CPU kernels where they take packed heads [B, T, H + 2 Hkv, D] (float32, contiguous, D a
+    multiple of 16), else None."""
+    ok = heads.dtype == torch.float32 and heads.is_contiguous() and heads.shape[-1] % 16 == 0
+    return fused_ops() if ok else None
+
+
 class KVCacheAttention(HotPathModule):
     """Scaled dot-product attention over the KV cache (paged or one block per row) with GQA."""
 
@@ -374,14 +381,10 @@ class KVCacheAttention(HotPathModule):
         """CPU: `forward` for heads [B, T, H + 2 Hkv, D], the q, k and v heads of one projection
         side by side. q and k are rotated in one go (half the rope ops)."""
         H, Hkv = self.num_heads, self.num_kv_heads
-        native = fused_ops() if heads.dtype == torch.float32 and heads.is_contiguous() and heads.shape[-1] % 16 == 0 \
-            and ctx.tree_anc is None and ctx.key_lo is None else None
+        native = _native_ops(heads) if ctx.tree_anc is None and ctx.key_lo is None else None
         if native is not None:  # one call each for rope + KV write and for attention, the keys read where they lie
-            B, T, _, D = heads.shape
-            cos, sin = ctx.rope_tables(rope, heads.dtype)
+            self.write_kv(heads, ctx, rope)  # (q rotated in place too: the projection's output is this call's own)
             blocks = ctx.row_table() if ctx.block_table is not None else None
-            # (rotated in place: the projection's output is this call's own)
-            native.rope_store_(heads, H, cos, sin, self.k_cache, self.v_cache, blocks, ctx.row_start, ctx.write_idx)
             return native.cache_attention(heads, H, self.k_cache, self.v_cache, blocks, ctx.row_start, ctx.write_idx,
                                           ctx.kv_len, self.scale)
         qk = self._rotate(heads[:, :, : H + Hkv], ctx, rope)
@@ -397,9 +400,8 @@ class KVCacheAttention(HotPathModule):
             rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache, ctx.row_start,
                           ctx.write_idx, ctx.block_table, ctx.block_size)
             return
-        native = fused_ops() if heads.dtype == torch.float32 and heads.is_contiguous() and heads.shape[-1] % 16 == 0 \
-            else None
-        if native is not None:
+        native = _native_ops(heads)
+        if native is not None:  # (rotates q in place as well)
             cos, sin = ctx.rope_tables(rope, heads.dtype)
             blocks = ctx.row_table() if ctx.block_table is not None else None
             native.rope_store_(heads, H, cos, sin, self.k_cache, self.v_cache, blocks, ctx.row_start, ctx.write_idx)

@@ -151,10 +151,7 @@ class Proposer:
                 left[i] -= take
                 if take and not left[i]:
                     done.append(i)
-            # (with their tokens before, prefill graphs take rows that fit them: `ModelRunner._prefill_groups`)
-            fits = all(chunks) and max(s + len(c) for s, c in zip(starts, chunks)) <= self.runner.graph_prefill_tokens()
-            history = [seq.tokens(0, s) for seq, s in zip(seqs, starts)] if fits else None
-            _, feats = self.runner.prefill(0, chunks, starts, history)
+            _, feats = self.runner.prefill(0, chunks, starts, self.runner.prefill_history(seqs, chunks, starts))
             self.prefill(0, seqs, chunks, starts, feats, done, [])
         for seq in seqs:
             if seq.stale:
