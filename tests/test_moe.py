@@ -12,7 +12,7 @@ from specserve.config import ConfigError, EngineConfig, ModelConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 from specserve.model.loader import load_target
-from tiny import assert_decode_matches, eager_prefill_graphs, make_drafter, make_moe_target
+from tiny import assert_decode_matches, engine_with_prefill_graphs, make_drafter, make_moe_target
 
 VARIANTS = {
     "deepseek_v3": dict(arch="deepseek_v3"),
@@ -36,16 +36,11 @@ def test_prefill_and_32_decode_steps_match_transformers(checkpoint):
     assert_decode_matches(d, hf, prompt_len=20, steps=32)
 
 
-def test_packed_prefill_graph_equals_eager_prefill(checkpoint, monkeypatch):
+def test_packed_prefill_graph_equals_eager_prefill(checkpoint):
     """Prompts prefilled together through one prefill graph (played eagerly here), packed one after another in
     the staging row, give each row the logits and KV (MLA: the latent cache) of the eager prefill of the rows."""
-    from specserve.engine.runner import ModelRunner
-
-    monkeypatch.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
-    engine = Engine(EngineConfig(model=str(checkpoint[0]), device="cpu", max_num_seqs=3))
-    r = engine.runner
+    r = engine_with_prefill_graphs((16, 64), model=str(checkpoint[0]), device="cpu", max_num_seqs=3).runner
     r.reserve_every_row()
-    eager_prefill_graphs(r)
     lens = (7, 1, 30)
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 95, (n,), generator=g).tolist() for n in lens]
@@ -340,22 +335,15 @@ def test_prefix_cache_hits_take_the_prefill_graphs_on_an_moe_target(moe_pair, de
     """Prompts whose first blocks the prefix cache holds go through the prefill graphs (on the CPU played
     eagerly) with their cached tokens computed again: outputs equal those without the cache, plain and
     speculative, on the tiny DeepSeek-V3 target (float32)."""
-    from specserve.engine.runner import ModelRunner
-
     target, draft = moe_pair
     g = torch.Generator().manual_seed(6)
     shared = torch.randint(0, 11, (20,), generator=g).tolist()
     prompts = [shared + torch.randint(0, 11, (n,), generator=g).tolist() for n in (3, 9, 1)]
     base, _ = _generate(target, None, prompts, device=device, dtype="float32")
     for d in (None, draft):
-        with monkeypatch.context() as m:
-            if device == "cpu":
-                m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64, 128))
-            engine = Engine(EngineConfig(model=str(target), draft=str(d) if d else None, device=device,
-                                         dtype="float32", max_num_seqs=3, prefix_cache=True, kv_block_size=8,
-                                         **({"spec_steps": 3} if d else {})))
-        if device == "cpu":
-            eager_prefill_graphs(engine.runner)
+        config = dict(model=str(target), draft=str(d) if d else None, device=device, dtype="float32", max_num_seqs=3,
+                      prefix_cache=True, kv_block_size=8, **({"spec_steps": 3} if d else {}))
+        engine = engine_with_prefill_graphs((16, 64, 128), **config) if device == "cpu" else Engine(EngineConfig(**config))
         histories = []
         real = engine.runner.prefill
         monkeypatch.setattr(engine.runner, "prefill", lambda row, chunks, starts, history=None: (

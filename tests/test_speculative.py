@@ -15,7 +15,7 @@ from specserve.engine.graphs import GraphKey
 from specserve.engine.sampling import BatchSampling, SamplingParams, draft_noise, processed_probs, sample_from
 from specserve.spec.proposer import DraftResult
 from specserve.spec.verify import accept_drafts, emitted_tokens
-from tiny import eager_prefill_graphs, make_drafter
+from tiny import engine_with_prefill_graphs, make_drafter
 
 # A small vocabulary makes a random drafter agree with the target often enough
 # to exercise partial acceptance, full acceptance and the bonus token.
@@ -913,15 +913,8 @@ def _alternating(target, draft, prompts, params, ahead=False, prefill_graphs=(),
     run from a step queued ahead while stale (`queued_stale`), the most stale entries of each
     catch-up (`caught_up`) and each cycle's draft tokens (`drafts`). `prefill_graphs`: buckets of
     prefill graphs, played eagerly."""
-    from unittest import mock
-
-    from specserve.engine.runner import ModelRunner
-
-    with mock.patch.object(ModelRunner, "_prefill_graph_buckets", lambda self: tuple(prefill_graphs)):
-        engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
-                                     device="cpu", **kw))
-    if prefill_graphs:
-        eager_prefill_graphs(engine.runner)
+    config = dict(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3, device="cpu", **kw)
+    engine = engine_with_prefill_graphs(prefill_graphs, **config) if prefill_graphs else Engine(EngineConfig(**config))
     engine.launch_ahead = ahead
     steps = iter(ALTERNATING * 20)
     engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
@@ -1093,18 +1086,14 @@ def test_prefill_through_the_staging_cache(pair, monkeypatch):
     write a one-row staging cache (the same graph serves every row), the KV is copied to the
     sequence's row, and generation equals that of the ordinary prefill, chains and trees, at
     rows other than 0 and prompt lengths padded within a bucket; so do the drafts (acceptance)."""
-    from specserve.engine.runner import ModelRunner
-
     target, draft = pair
     prompts = [list(range(1, VOCAB - 1)) * 5] + _prompts(3, seed=21)  # lengths 50 (bucket 64) and 1-29
     for kw in (dict(spec_steps=3), dict(spec_steps=3, spec_topk=2, spec_tree_max_batch=4)):
         ref = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
-        with monkeypatch.context() as m:
-            m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
-            engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
+        engine = engine_with_prefill_graphs((16, 64), model=str(target), draft=str(draft), device="cpu",
+                                            max_num_seqs=3, **kw)
         r = engine.runner
         assert r.kv.stage_len == 80 and r.kv.k_stage.shape[1] == 1 and r.kv.table.shape[0] == 3
-        eager_prefill_graphs(r)
         staged = []
         real_prefill = r.prefill
         monkeypatch.setattr(r, "prefill", lambda *a: (real_prefill(*a), staged.append(r._graph_prefilled))[0])
@@ -1129,18 +1118,14 @@ def test_prompts_arriving_together_share_one_prefill_graph(pair, monkeypatch):
     and into consecutive graphs where one is too short: generation equals the ordinary prefill's, greedy
     and seeded, chains and trees, drafts included. Where the graphs would replay more than two of the
     largest's tokens, the eager prefill serves."""
-    from specserve.engine.runner import ModelRunner
-
     target, draft = pair
     prompts = _prompts(3, seed=21) + [list(range(1, VOCAB - 1)) * 3]  # 11, 11, 22 and 30 tokens
     seeded = SamplingParams(temperature=0.8, max_tokens=16, seed=3)
     for kw in (dict(spec_steps=3), dict(spec_steps=3, spec_topk=2, spec_tree_max_batch=4)):
         ref = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=4, **kw))
-        with monkeypatch.context() as m:
-            m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
-            engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=4, **kw))
+        engine = engine_with_prefill_graphs((16, 64), model=str(target), draft=str(draft), device="cpu",
+                                            max_num_seqs=4, **kw)
         r = engine.runner
-        eager_prefill_graphs(r)
         packed = []
         real = r._graph_prefill
         monkeypatch.setattr(r, "_graph_prefill", lambda *a: (packed.append(len(a[1])), real(*a))[1])
@@ -1186,16 +1171,12 @@ def test_drafter_write_kv_writes_what_its_forward_writes(pair, dtype):
 
 
 @pytest.mark.slow
-def test_graph_prefill_results_outlive_the_next_replay(pair, monkeypatch):
+def test_graph_prefill_results_outlive_the_next_replay(pair):
     """A graph's outputs are refilled by its next replay; what `prefill` returns is the caller's to keep (the
     drafter's regeneration concatenates the logits of several calls)."""
-    from specserve.engine.runner import ModelRunner
-
     target, _ = pair
-    monkeypatch.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64))
-    r = Engine(EngineConfig(model=str(target), device="cpu", max_num_seqs=2)).runner
+    r = engine_with_prefill_graphs((16, 64), model=str(target), device="cpu", max_num_seqs=2).runner
     r.reserve_every_row()
-    eager_prefill_graphs(r)
     prompts = _prompts(4, seed=5)
     first = r.prefill(0, prompts[:2], [0, 0])[0]
     kept = first.clone()
@@ -1208,21 +1189,16 @@ def test_prefix_cache_hits_take_the_prefill_graph_with_their_history(pair, monke
     """A prompt whose first blocks the prefix cache holds starts its chunk past them: a prefill graph takes it
     with its tokens before the chunk computed again (their cached KV left as it is), packed with the other
     arrivals; generation equals that without graphs and without the cache, drafts included."""
-    from specserve.engine.runner import ModelRunner
-
     target, draft = pair
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (22, 35, 18)]
     outs = []
     for cache, graphs in ((False, False), (True, False), (True, True)):
-        with monkeypatch.context() as m:
-            if graphs:
-                m.setattr(ModelRunner, "_prefill_graph_buckets", lambda self: (16, 64, 128))
-            e = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, spec_steps=3,
-                                    prefix_cache=cache, kv_block_size=16))
+        config = dict(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, spec_steps=3,
+                      prefix_cache=cache, kv_block_size=16)
+        e = engine_with_prefill_graphs((16, 64, 128), **config) if graphs else Engine(EngineConfig(**config))
         calls = []
         if graphs:
-            eager_prefill_graphs(e.runner)
             real = e.runner.prefill
             monkeypatch.setattr(e.runner, "prefill", lambda row, chunks, starts, history=None: (
                 calls.append((tuple(starts), history is not None, e.runner.graph_prefill_tokens())),

@@ -274,3 +274,18 @@ def eager_prefill_graphs(runner) -> None:
         for kind, body in bodies.items():
             g = EagerGraph(lambda Tb=Tb, body=body: body(Tb))
             runner.graphs[GraphKey(kind, 1, tokens=Tb)] = Graph(g, g.outputs)
+
+
+def engine_with_prefill_graphs(buckets, **config):
+    """An Engine (`config`: EngineConfig's options) whose runner holds prefill graphs for prompts of up to
+    `buckets` tokens, played eagerly: on the CPU, the stand-in for the ones a GPU captures."""
+    from unittest import mock
+
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import Engine
+    from specserve.engine.runner import ModelRunner
+
+    with mock.patch.object(ModelRunner, "_prefill_graph_buckets", lambda self: tuple(buckets)):
+        engine = Engine(EngineConfig(**config))
+    eager_prefill_graphs(engine.runner)
+    return engine
