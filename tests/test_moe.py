@@ -346,8 +346,8 @@ def test_prefix_cache_hits_take_the_prefill_graphs_on_an_moe_target(moe_pair, de
         engine = engine_with_prefill_graphs((16, 64, 128), **config) if device == "cpu" else Engine(EngineConfig(**config))
         histories = []
         real = engine.runner.prefill
-        monkeypatch.setattr(engine.runner, "prefill", lambda row, chunks, starts, history=None: (
-            histories.append(history is not None), real(row, chunks, starts, history))[1])
+        monkeypatch.setattr(engine.runner, "prefill", lambda row, chunks, starts, history=None, after=None: (
+            histories.append(history is not None), real(row, chunks, starts, history, after))[1])
         for _ in range(2):  # the second time round, the shared blocks are cached
             seqs = [engine.add_request(p, GREEDY) for p in prompts]
             while engine.has_work():

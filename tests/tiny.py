@@ -263,17 +263,12 @@ class EagerGraph:
 
 
 def eager_prefill_graphs(runner) -> None:
-    """The runner's prompt prefill graphs (the target's and, with a drafter, the drafter's; every bucket)
-    played eagerly."""
+    """The runner's prompt prefill graphs (every bucket) played eagerly."""
     from specserve.engine.graphs import Graph, GraphKey
 
     for Tb in runner.prefill_buckets:
-        bodies = {"prefill": runner._prefill_body}
-        if runner.drafter is not None:
-            bodies["drafter_prefill"] = runner._drafter_prefill_body
-        for kind, body in bodies.items():
-            g = EagerGraph(lambda Tb=Tb, body=body: body(Tb))
-            runner.graphs[GraphKey(kind, 1, tokens=Tb)] = Graph(g, g.outputs)
+        g = EagerGraph(lambda Tb=Tb: runner._prefill_body(Tb))
+        runner.graphs[GraphKey("prefill", 1, tokens=Tb)] = Graph(g, g.outputs)
 
 
 def engine_with_prefill_graphs(buckets, **config):

@@ -247,9 +247,11 @@ class Engine(ServingEngine):
             starts.append(seq.prefilled)
             seqs.append(seq)
             budget -= take
+        ends = [s.prefilled + len(chunks[i]) == s.prefill_len for i, s in enumerate(seqs)]
+        done = [i for i, end in enumerate(ends) if end]
         logits, feats = self.runner.prefill(self.n_running, chunks, starts,
-                                            self.runner.prefill_history(seqs, chunks, starts))
-        done = [i for i, s in enumerate(seqs) if s.prefilled + len(chunks[i]) == s.prefill_len]
+                                            self.runner.prefill_history(seqs, chunks, starts),
+                                            self.proposer.after(seqs, chunks, starts, ends) if self.drafting else None)
         # A resumed sequence (preempted earlier) already has the token its prefill ends at.
         fresh = [i for i in done if not seqs[i].resumed]
         first = {i: seqs[i].last_token for i in done}  # chunk index -> the token after its prefill
@@ -268,7 +270,7 @@ class Engine(ServingEngine):
             seq.prefilled += len(chunks[i])
             seq.num_cached = seq.prefilled
         if self.drafting:
-            self.proposer.prefill(self.n_running, seqs, chunks, starts, feats, done, [first[i] for i in done])
+            self.proposer.prefilled(seqs, done, [first[i] for i in done], feats)
         for seq in seqs:
             self.scheduler.prefilled(seq)
         finished_prefill = []

@@ -16,7 +16,7 @@ class GraphKey(NamedTuple):
     """One captured graph. A tuple underneath: building and hashing one per replay costs what
     the replay lookup costs anyway."""
 
-    kind: str  # "prefill" | "drafter_prefill" | "decode" | "verify" | "draft" | "tree_draft" | "tree_verify"
+    kind: str  # "prefill" | "decode" | "verify" | "draft" | "tree_draft" | "tree_verify"
     batch: int  # the batch bucket it was captured at (prefill graphs: 1)
     K: int = 0  # draft steps of a cycle's graphs
     tokens: int = 0  # prefill graphs: the prompt length it is padded to

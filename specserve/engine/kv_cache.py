@@ -181,10 +181,10 @@ class KVCache:
             if cache is not None:
                 cache[:, block, :, offset] = staged[:, 0, :, src:src + T].permute(2, 0, 1, 3)
 
-    def unstage_drafter(self, row: int, T: int) -> None:
-        """Copy a staged prompt's first T positions of drafter KV into `row`'s blocks."""
-        block, offset = self.slots(row, T)
+    def unstage_drafter(self, row: int, T: int, src: int = 0, dst: int = 0) -> None:
+        """As `unstage_target`, for the drafter's KV."""
+        block, offset = self.slots(row, T, dst)
         for a in self.drafter_mods:
             k, v = self.stage[a]
-            a.k_cache[block, :, offset] = k[0, :, :T].transpose(0, 1)
-            a.v_cache[block, :, offset] = v[0, :, :T].transpose(0, 1)
+            a.k_cache[block, :, offset] = k[0, :, src:src + T].transpose(0, 1)
+            a.v_cache[block, :, offset] = v[0, :, src:src + T].transpose(0, 1)

@@ -217,8 +217,8 @@ class ModelRunner:
         self.s_pf_rope = torch.zeros(1, P, dtype=torch.long, device=self.device)
         self.s_pf_lo = torch.zeros(1, P, dtype=torch.long, device=self.device)
         self.s_pf_last = torch.zeros(PREFILL_GRAPH_PROMPTS, dtype=torch.long, device=self.device)
-        self.s_pf_tok = torch.zeros(1, P, dtype=torch.long, device=self.device)  # the drafter's next tokens
-        self._graph_prefilled: tuple[int, int] | None = None  # (row, tokens) of the last graph prefill
+        # With a drafter: the token after each packed index, the second half of its drafter entry (-1: no entry)
+        self.s_pf_tok = torch.zeros(1, P, dtype=torch.long, device=self.device)
         self.s_pos = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
         # Trees: the drafted tree (written by the draft graph, read by the verify graph) and the
         # verify inputs staged by the host.
@@ -254,26 +254,24 @@ class ModelRunner:
     # ----------------------------------------------------------------- prefill
     @torch.inference_mode()
     def prefill(self, row_start: int, chunks: list[list[int]], starts: list[int],
-                history: list[list[int]] | None = None):
+                history: list[list[int]] | None = None, after: list[int] | None = None):
         """Run the target over one chunk per row (rows row_start..), chunk i from index starts[i]. Returns the
-        logits at each row's last chunk token [m, V] and the features [m, T, 3H] (None without a drafter).
-        `history`: each row's tokens before its chunk (a prefix-cache hit, an earlier chunk), with which a
-        prefill graph can take rows that do not start at 0 (`_graph_prefill`)."""
+        logits at each row's last chunk token [m, V] and the EAGLE features there [m, 3H] (None without a
+        drafter). `history`: each row's tokens before its chunk (a prefix-cache hit, an earlier chunk), with
+        which a prefill graph can take rows that do not start at 0 (`_graph_prefill`). `after` (with a drafter):
+        each row's token after its chunk, or -1 where none is known yet; the drafter's KV is written too, for
+        the chunk's entries (feature t, token t + 1) that have their token (a row's last without one is left
+        to the caller: a prompt's waits for its first cycle)."""
         m, T = len(chunks), max(len(c) for c in chunks)
-        self._graph_prefilled = None
         groups = None
         if all(chunks) and (history is not None or not any(starts)):
             groups = self._prefill_groups([len(c) + (len(history[i]) if history else 0) for i, c in enumerate(chunks)])
         if groups:
-            outs = [self._graph_prefill(row_start + a, chunks[a:b], starts[a:b], history[a:b] if history else None)
-                    for a, b in groups]
+            outs = [self._graph_prefill(row_start + a, chunks[a:b], starts[a:b], history[a:b] if history else None,
+                                        after[a:b] if after is not None else None) for a, b in groups]
             if len(outs) == 1:
                 return outs[0]
-            feats = None
-            if outs[0][1] is not None:
-                feats = outs[0][1].new_zeros(m, T, outs[0][1].shape[-1])
-                for (a, b), (_, f) in zip(groups, outs):
-                    feats[a:b, : f.shape[1]] = f
+            feats = None if outs[0][1] is None else torch.cat([f for _, f in outs])
             return torch.cat([lg for lg, _ in outs]), feats
         ids = torch.zeros(m, T, dtype=torch.long)
         pos = torch.full((m, T), self.scratch, dtype=torch.long)
@@ -282,13 +280,21 @@ class ModelRunner:
             ids[i, : len(c)] = torch.tensor(c)
             pos[i, : len(c)] = torch.arange(s, s + len(c))
             last[i] = max(len(c) - 1, 0)
-        ids, pos, last = ids.to(self.device), pos.to(self.device), last.to(self.device)
+        ids, pos_d, last = ids.to(self.device), pos.to(self.device), last.to(self.device)
         kv_len = max(s + len(c) for c, s in zip(chunks, starts))
-        ctx = ForwardContext(row_start, self._rope_pos(pos), pos, kv_len, block_table=self.kv.table,
+        ctx = ForwardContext(row_start, self._rope_pos(pos_d), pos_d, kv_len, block_table=self.kv.table,
                              block_size=self.block_size)
         hidden, feats = self.target(ids, ctx)
-        h_last = hidden[torch.arange(m, device=self.device), last]
-        return self.target.logits(h_last), feats
+        rows = torch.arange(m, device=self.device)
+        if after is not None and self.drafter is not None:
+            nxt = torch.zeros(m, T, dtype=torch.long)
+            for i, c in enumerate(chunks):
+                if c:
+                    nxt[i, : len(c)] = torch.tensor(c[1:] + [after[i]])
+                    if after[i] < 0:
+                        pos[i, len(c) - 1] = self.scratch
+            self.drafter_extend(row_start, nxt.clamp(min=0).to(self.device), feats, pos.to(self.device))
+        return self.target.logits(hidden[rows, last]), None if feats is None else feats[rows, last]
 
     def _prefill_groups(self, lens: list[int]) -> list[tuple[int, int]] | None:
         """Rows (their tokens from the first: `lens`) cut into consecutive groups that one prefill graph each
@@ -324,11 +330,11 @@ class ModelRunner:
         return [seq.tokens(0, s) for seq, s in zip(seqs, starts)]
 
     def _graph_prefill(self, row_start: int, chunks: list[list[int]], starts: list[int],
-                       history: list[list[int]] | None):
+                       history: list[list[int]] | None, after: list[int] | None):
         """`prefill` of a group of rows (`_prefill_groups`) by one prefill graph: each row's tokens from its
-        first (history, then chunk) packed one after another into the staging row, each chunk's KV then copied
-        to its row (a history's tokens are computed again, their KV left where it is: a prefix-cache hit's
-        blocks may be shared)."""
+        first (history, then chunk) packed one after another into the staging row, each chunk's KV (the
+        target's, and the drafter's where `after` is given) then copied to its row (a history's tokens are
+        computed again, their KV left where it is: a prefix-cache hit's blocks may be shared)."""
         full = [h + c for h, c in zip(history, chunks)] if history is not None else chunks
         lens = [len(f) for f in full]
         total, m = sum(lens), len(chunks)
@@ -336,62 +342,53 @@ class ModelRunner:
         graph = self.graphs[GraphKey("prefill", 1, tokens=Tb)]
         n = torch.tensor(lens)
         first = n.cumsum(0) - n
-        host = torch.zeros(4, Tb, dtype=torch.long)  # ids, staging index, rope position, row's first index
+        at = first + torch.tensor(starts)  # each chunk's first packed index
+        clen = torch.tensor([len(c) for c in chunks])
+        # ids, staging index, rope position, row's first index, the drafter entry's next token
+        host = torch.zeros(5, Tb, dtype=torch.long)
         host[1].fill_(self.kv.stage_scratch)
         host[0, :total] = torch.tensor([t for f in full for t in f])
         host[1, :total] = torch.arange(total)
         host[3, :total] = torch.repeat_interleave(first, n)
         host[2, :total] = host[1, :total] - host[3, :total]
+        host[4].fill_(-1)
+        if after is not None:
+            chunk_idx = torch.cat([torch.arange(a, a + c) for a, c in zip(at.tolist(), clen.tolist())])
+            host[4, chunk_idx] = torch.tensor([t for c, a in zip(chunks, after) for t in c[1:] + [a]])
         last = torch.zeros(PREFILL_GRAPH_PROMPTS, dtype=torch.long)
         last[:m] = first + n - 1
         host, last = host.to(self.device, non_blocking=True), last.to(self.device, non_blocking=True)
-        for buf, row in zip((self.s_pf_ids, self.s_pf_pos, self.s_pf_rope, self.s_pf_lo), host):
+        for buf, row in zip((self.s_pf_ids, self.s_pf_pos, self.s_pf_rope, self.s_pf_lo, self.s_pf_tok), host):
             buf[0, :Tb].copy_(row)
         self.s_pf_last.copy_(last)
         graph.graph.replay()
-        for i, (f, s, chunk) in enumerate(zip(first.tolist(), starts, chunks)):
-            self.kv.unstage_target(row_start + i, len(chunk), src=f + s, dst=s)
-        if m == 1 and not starts[0]:
-            self._graph_prefilled = (row_start, total)  # (the drafter's prefill graph reads this one's features)
+        for i, (a, s, c) in enumerate(zip(at.tolist(), starts, clen.tolist())):
+            self.kv.unstage_target(row_start + i, c, src=a, dst=s)
+            if after is not None and self.drafter is not None:
+                self.kv.unstage_drafter(row_start + i, c, src=a, dst=s)
         # (copies: the graph's outputs are refilled by its next replay)
         logits, feats = graph.outputs
-        if feats is not None:  # [1, Tb, 3H] -> [m, T, 3H]: each chunk's from its first index (its last repeated)
-            clen = torch.tensor([len(chunk) for chunk in chunks])
-            at = (first + torch.tensor(starts)).unsqueeze(1) + torch.minimum(torch.arange(int(clen.max())).unsqueeze(0),
-                                                                               (clen - 1).unsqueeze(1))
-            feats = feats[0, at.to(self.device, non_blocking=True)]
+        if feats is not None:  # each chunk's last token's
+            feats = feats[0, (at + clen - 1).to(self.device, non_blocking=True)]
         return logits[:m].clone(), feats
 
     def _prefill_body(self, Tb: int):
         """Packed prompts (`_graph_prefill`), Tb tokens with padding at the staging scratch slot, in the
-        staging cache; a query sees the keys of its own prompt up to itself."""
-        ids, pos, lo = self.s_pf_ids[:, :Tb], self.s_pf_pos[:, :Tb], self.s_pf_lo[:, :Tb]
+        staging cache; a query sees the keys of its own prompt up to itself. With a drafter, its KV for the
+        entries that have a next token (`s_pf_tok`), from the features just computed."""
+        ids, pos, lo, rope = self.s_pf_ids[:, :Tb], self.s_pf_pos[:, :Tb], self.s_pf_lo[:, :Tb], self.s_pf_rope[:, :Tb]
         with self.kv.staged(self.target.attention_modules()):
-            hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(self.s_pf_rope[:, :Tb]), pos, Tb,
-                                                            key_lo=lo))
+            hidden, feats = self.target(ids, ForwardContext(0, self._rope_pos(rope), pos, Tb, key_lo=lo))
+        if self.drafter is not None:
+            tok = self.s_pf_tok[:, :Tb]
+            keep = tok >= 0
+            if self.drafter_max_pos is not None:
+                keep &= rope < self.drafter_max_pos
+            scratch = self.kv.stage_scratch
+            with self.kv.staged(self.drafter.attention_modules()):
+                self.drafter.write_kv(tok.clamp(min=0), feats, ForwardContext(
+                    0, torch.where(keep, rope, 0), torch.where(keep, pos, scratch), Tb))
         return self.target.logits(hidden[0, self.s_pf_last]), feats
-
-    def _drafter_prefill_body(self, Tb: int):
-        """The drafter's KV for a graph-prefilled prompt (staging cache), from that graph's features."""
-        feats = self.graphs[GraphKey("prefill", 1, tokens=Tb)].outputs[1]
-        pos = self._drafter_positions(self.s_pf_pos[:, :Tb], self.kv.stage_scratch)
-        with self.kv.staged(self.drafter.attention_modules()):
-            self.drafter.write_kv(self.s_pf_tok[:, :Tb], feats, ForwardContext(0, pos, pos, Tb))
-        return ()
-
-    @torch.inference_mode()
-    def drafter_prefill(self, row: int, tok: torch.Tensor) -> bool:
-        """After the graph prefill of a prompt at `row`: the drafter's KV for its entries (feature t,
-        token t+1: `tok` [T] on the device) by graph, copied to the row. False (nothing done) when
-        the last prefill was not that one or no graph fits."""
-        T = tok.shape[0]
-        graph = self.graphs.get(GraphKey("drafter_prefill", 1, tokens=self._prefill_bucket(T)))
-        if self._graph_prefilled != (row, T) or graph is None:
-            return False
-        self.s_pf_tok[0, :T].copy_(tok)
-        graph.graph.replay()
-        self.kv.unstage_drafter(row, T)
-        return True
 
     def _rope_pos(self, pos: torch.Tensor) -> torch.Tensor:
         return pos  # outside trees, rope position == cache index
@@ -747,8 +744,6 @@ class ModelRunner:
         jobs = []
         for Tb in reversed(self.prefill_buckets):
             jobs.append((GraphKey("prefill", 1, tokens=Tb), lambda b, Tb=Tb: self._prefill_body(Tb)))
-            if self.drafter is not None:  # (reads the prefill graph's features: captured after it)
-                jobs.append((GraphKey("drafter_prefill", 1, tokens=Tb), lambda b, Tb=Tb: self._drafter_prefill_body(Tb)))
         tree_buckets = {self._bucket(n) for n in range(1, max(sizes) + 1) if self.cfg.spec.drafts_tree(n)}
         for B in sorted(sizes, reverse=True):
             jobs.append((GraphKey("decode", B), self._decode_body))

@@ -151,8 +151,10 @@ class Proposer:
                 left[i] -= take
                 if take and not left[i]:
                     done.append(i)
-            _, feats = self.runner.prefill(0, chunks, starts, self.runner.prefill_history(seqs, chunks, starts))
-            self.prefill(0, seqs, chunks, starts, feats, done, [])
+            ends = [bool(c) and not left[i] for i, c in enumerate(chunks)]
+            _, feats = self.runner.prefill(0, chunks, starts, self.runner.prefill_history(seqs, chunks, starts),
+                                           self.after(seqs, chunks, starts, ends))
+            self.prefilled(seqs, done, [seqs[i].token_at(starts[i] + len(chunks[i])) for i in done], feats)
         for seq in seqs:
             if seq.stale:
                 seq.pending, seq.stale = 1, 0
@@ -172,24 +174,17 @@ class Proposer:
         entries = to_device([s.pending - 1 if ok else -1 for s, ok in zip(seqs, spec_ok)], self.device)
         return self.draft(len(seqs), K, self.entry_positions(K, start, entries), last_idx, sampling)
 
-    def prefill(self, row_start: int, seqs, chunks, starts, feats, done, first) -> None:
-        """Write the drafter's KV for a prefill chunk's (feature_t, token_t+1) entries; a
-        completed prompt also leaves its last entry pending for the first cycle. `first`: the
-        token after each completed prompt (read only where the sequence does not hold it yet:
-        a fresh prompt)."""
-        r = self.runner
-        m, T = len(seqs), max(len(c) for c in chunks)
-        tok = torch.zeros(m, T, dtype=torch.long)
-        pos = torch.full((m, T), self.scratch, dtype=torch.long)
-        first_of = dict(zip(done, first or []))
-        for i, seq in enumerate(seqs):
-            n = len(chunks[i])
-            nxt = [seq.token_at(t + 1) if t + 1 < seq.total_len else first_of[i] for t in range(starts[i], starts[i] + n)]
-            tok[i, :n] = torch.tensor(nxt)
-            pos[i, :n] = torch.arange(starts[i], starts[i] + n)
-        tok, pos = tok.to(self.device), pos.to(self.device)
-        if not (m == 1 and r.drafter_prefill(row_start, tok[0])):
-            r.drafter_extend(row_start, tok, feats, pos)
-        for i in done:
-            n = len(chunks[i])
-            self.pending.set_first(seqs[i].row, tok[i, n - 1], feats[i, n - 1])
+    @staticmethod
+    def after(seqs, chunks, starts, ends: list[bool]) -> list[int]:
+        """The runner's `prefill(after=...)`: each row's token after its chunk, -1 where the chunk ends the
+        row's prefill (that last entry is left pending for the first cycle: `prefilled`)."""
+        return [-1 if end or not c else seq.token_at(s + len(c)) for seq, c, s, end in zip(seqs, chunks, starts, ends)]
+
+    def prefilled(self, seqs, done: list[int], tokens: list[int], feats: torch.Tensor) -> None:
+        """Rows `done` (indices into seqs) ended their prefill: each one's last entry (its last chunk
+        token's features `feats[i]`, and the token after it, `tokens`) waits for the first cycle."""
+        if not done:
+            return
+        rows = to_device([seqs[i].row for i in done], self.device)
+        at = torch.zeros_like(rows)
+        self.pending.set_at(rows, at, to_device(tokens, self.device), feats[to_device(done, self.device)])
