@@ -175,8 +175,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); outputs are then "
                                                                   "checked against plain decoding")
     g.add_argument("--seed", type=int, default=0, help="base seed of sampled requests")
-    g.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="stop at EOS (default: every request generates exactly --max-tokens)")
+    eos = g.add_mutually_exclusive_group()
+    eos.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=None,
+                     help="every request generates exactly --max-tokens, chat answers past their end of turn too")
+    eos.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                     help="every request stops at EOS (and a chat answer at its end of turn). Default: plain-text "
+                          "prompts generate exactly --max-tokens, chat prompts stop at their end of turn (what a "
+                          "chat model writes past it is no answer, and drafters are trained on answers)")
     g.add_argument("--peers", nargs="*", default=None, choices=PEERS,
                    help="also run transformers generate() (hf) and assisted generation (hf-assisted); "
                         "default: hf with the bundled demo pair, none with --model (a second copy of a "

@@ -234,9 +234,15 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
             raise ConfigError(f"the longest prompt ({need - args.max_tokens - 1} tokens) plus --max-tokens "
                               f"{args.max_tokens} exceeds the model's {limit} positions")
         base_kw["max_model_len"] = min(limit, -(-need // 64) * 64)
+    # Chat answers end at their end of turn unless --ignore-eos; plain text runs --max-tokens unless --no-ignore-eos.
+    chat = bool(tok.chat_template) and all(p["messages"] is not None for p in prompts)
+    if args.ignore_eos is None:
+        args.ignore_eos = not chat
     eos_ids = set(tok.eos_token_ids)
+    stop = [tok.end_of_turn_id] if chat and not args.ignore_eos and tok.end_of_turn_id is not None else []
+    eos_ids.update(stop)
     params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i,
-                             ignore_eos=args.ignore_eos) for i in range(len(prompts))]
+                             ignore_eos=args.ignore_eos, stop_token_ids=stop) for i in range(len(prompts))]
 
     log = (lambda m: print(m, file=sys.stderr, flush=True))
     if args.num_prompts is None and args.max_seconds > 0:

@@ -137,7 +137,7 @@ async def _one(client, base: str, model: str, prompt: dict, args) -> Result:
     chat = prompt["prompt"] is None
     body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
             "stream_options": {"include_usage": True}}
-    if args.ignore_eos:
+    if args.ignore_eos or (args.ignore_eos is None and not chat):  # (a chat answer ends at its turn by default)
         body["ignore_eos"] = True  # an extension (vLLM, SGLang, specserve) for equal output lengths
     if chat:
         body["messages"] = prompt["messages"]
@@ -295,7 +295,8 @@ async def _run(args, prompts: list[dict]) -> dict:
         "schema_version": report.SCHEMA_VERSION, "mode": "online", "created": report.now_iso(),
         "command": report.command_line(), "machine": report.machine_info(None), "versions": report.versions(),
         "model": {"path": None, "name": model, "preset": None}, "draft": None,
-        "settings": {"max_tokens": args.max_tokens, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
+        "settings": {"max_tokens": args.max_tokens, "temperature": args.temperature,
+                     "ignore_eos": "plain-text prompts" if args.ignore_eos is None else args.ignore_eos,
                      "prompts": {"path": str(args.prompts or "bundled"), "count": len(prompts)}},
         "wall_s": round(duration, 3), "load_average": {"start": load_avg_start, "end": report.load_average()},
         "results": [row], "by_category": [], "cost_model": None, "online": online,

@@ -141,7 +141,8 @@ def _header(r: dict) -> list[str]:
         p = s["prompts"]
         cats = ", ".join(f"{k} {v}" for k, v in p["categories"].items())
         lines.append(f"workload: {p['count']} prompts ({cats}; {p['mean_prompt_tokens']} tokens mean), "
-                     f"{s['max_tokens']} new tokens, temperature {s['temperature']}, {s['repeats']} repeats, "
+                     f"{s['max_tokens']} new tokens{'' if s.get('ignore_eos', True) else ' at most (to the end of turn or EOS)'}, "
+                     f"temperature {s['temperature']}, {s['repeats']} repeats, "
                      f"{s['warmup']} warm-up, {s.get('torch_threads')} torch threads; load {r.get('load_s')} s, "
                      f"run {r['wall_s']} s")
         own = p.get("own_answers")
