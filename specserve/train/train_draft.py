@@ -19,7 +19,7 @@ What it does, in order:
 5. writes ``config.json`` + ``model.safetensors`` in the SpecForge/SGLang layout
    (``LlamaForCausalLMEagle3``; no ``embed_tokens``: the target's is shared).
 
-Alignment with the engine (`Proposer.prefill`, `Engine._spec_step`, runner.py `_draft_body`):
+Alignment with the engine (runner.py `prefill` with `after`, `Engine._spec_step`, runner.py `_draft_body`):
 the drafter entry at position t reads the target feature f_t (residual streams entering the
 aux layers) and token x[t+1] at rope position t, and predicts x[t+2]. Draft step k of a chain
 based at position b runs at position b+k on the step k-1 output of position b+k-1 and token
