@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.block_pool import BlockPool
