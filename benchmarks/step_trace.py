@@ -9,7 +9,7 @@ catch-up after plain stretches is timed apart, and the switches from plain decod
 catch-up) are counted, the run of K values kept (`k_runs`). Per config: wall, steps per K with their median, mean
 and total milliseconds, prefill steps (and of the target's prefill forwards, those a prefill graph served), and
 decode steps slower than 3x their K's median (count, total, the slowest). The adaptive config's choices of K > 0 are logged with the rates the policy ranked them by
-(explorations apart). `--cprofile` adds each config's top functions by own time (one more round, profiled).
+(explorations apart), and each exploration timing the policy judged, with whether it ended the back-off. `--cprofile` adds each config's top functions by own time (one more round, profiled).
 Prompt files: JSON lines with "messages" (chat) or "prompt"; `--batch` runs them in groups of B (as one
 `generate` call each, cycling through the prompts to fill the last group); `--in-flight C` serves them
 instead, as `specserve serve` would: C requests at a time, each replaced as soon as it ends.
@@ -40,6 +40,7 @@ def encode(tok, row: dict) -> list[int]:
 
 
 DECISIONS: list[dict] = []  # the adaptive config's choices of K > 0, with the rates the policy saw
+WINS: list[dict] = []  # explorations' timings the policy judged (`_would_win`): a win ends the back-off
 
 
 def logged_choose(policy, choose):
@@ -59,6 +60,20 @@ def logged_choose(policy, choose):
                               "cost_ms": {k: round(1e3 * (policy.predicted_cost(bucket, k) or 0), 3)
                                           for k in rates}})
         return K
+    return wrapped
+
+
+def logged_would_win(policy):
+    """`_would_win`, recording each exploration timing it judges: K, the timing (ms), its live cost before, and
+    whether it ended the back-off (one lucky cycle doing so brings the next exploration 24 choices closer)."""
+    would_win = policy._would_win
+
+    def wrapped(bucket, B, K, seconds):
+        won = would_win(bucket, B, K, seconds)
+        live = policy.cost.get((bucket, K))
+        WINS.append({"B": B, "K": K, "ms": round(1e3 * seconds, 3), "won": won,
+                     "live_ms": None if live is None else round(1e3 * live, 3)})
+        return won
     return wrapped
 
 
@@ -229,6 +244,7 @@ def main() -> None:
     serving = dict(in_flight=args.in_flight, requests=args.requests)
     eng = llm.engine
     choose = eng.policy.choose
+    eng.policy._would_win = logged_would_win(eng.policy)
     log_triton_compiles()
     for name in CONFIGS:  # warm-up
         set_config(eng, name, choose)
@@ -258,7 +274,8 @@ def main() -> None:
     result["policy_costs"] = eng.policy.snapshot()
     explored = [d for d in DECISIONS if d["best"] != d["K"]]
     result["spec_decisions"] = {"n": len(DECISIONS), "explorations": len(explored), "first": DECISIONS[:40],
-                                "best_not_explored": [d for d in DECISIONS if d["best"] == d["K"]][:40]}
+                                "best_not_explored": [d for d in DECISIONS if d["best"] == d["K"]][:40],
+                                "exploration_timings": WINS[:200]}
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     print(f"{'config':<16}{'round':>6}{'tok/s':>9}{'K0 med':>9}{'K0 mean':>9}{'K>0 n':>7}{'K>0 ms':>9}"
@@ -274,6 +291,9 @@ def main() -> None:
     print(f"K > 0 chosen {len(DECISIONS)} times, {len(explored)} of them explorations; the others by their rates:")
     for d in result["spec_decisions"]["best_not_explored"][:12]:
         print(f"  B={d['B']} K={d['K']} stale={d['stale']} job={d['job']} tokens/ms {d['rates']} cost ms {d['cost_ms']}")
+    won = [w for w in WINS if w["won"]]
+    print(f"exploration timings judged {len(WINS)}, {len(won)} ended the back-off" +
+          "".join(f"; K={w['K']} at B={w['B']}: {w['ms']} ms (live {w['live_ms']})" for w in won[:6]))
     for name, rs in result["rounds"].items():
         for i, r in enumerate(rs):
             for c in r["compiling_steps"]:
