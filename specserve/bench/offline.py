@@ -92,6 +92,7 @@ class EngineUnit:
             self.llm = LLM(profile=profile and cfg.name != "baseline", **kw)
         self.load_s = time.perf_counter() - t0
         self.details: dict = {"load_s": round(self.load_s, 3), "shared_engine": self.shared}
+        self.own_policy = None  # adaptive K on a shared engine: its policy (see run)
 
     @staticmethod
     def shared_llm(configs: list[BenchConfig], base_kw: dict, profile: bool):
@@ -113,14 +114,24 @@ class EngineUnit:
 
     def run(self, ids: list[list[int]], params: list) -> RunOutput:
         eng = getattr(self.llm, "engine", None)
+        shared_policy = None
         if self.shared:
             eng.set_spec_steps(0 if self.cfg.name == "baseline" else (None if self.cfg.get("adaptive") else self.cfg.spec_steps))
+            if self.cfg.get("adaptive") and eng.policy is not None:
+                # adaptive K learns in a policy of its own, as on its own engine: not from the fixed-K runs' timings
+                shared_policy = eng.policy
+                self.own_policy = self.own_policy or shared_policy.fresh()
+                eng.policy = self.own_policy
         before = _totals(eng)
         policy = getattr(eng, "policy", None)
         chosen = dict(policy.choices) if policy is not None else {}
         n_prof = len(getattr(eng, "profile", []) or [])
         t0 = time.perf_counter()
-        outs = self.llm.generate(ids, params)
+        try:
+            outs = self.llm.generate(ids, params)
+        finally:
+            if shared_policy is not None:
+                eng.policy = shared_policy
         wall = time.perf_counter() - t0
         after = _totals(eng)
         spec = None

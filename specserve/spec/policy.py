@@ -155,6 +155,7 @@ def interpolate_costs(timed: dict[tuple[int, int], float], buckets: list[int], k
 
 class SpecPolicy:
     def __init__(self, cfg: EngineConfig, k_max: int):
+        self.cfg = cfg
         self.fixed = None if cfg.spec.adaptive else cfg.spec.steps
         self.k_max = k_max
         self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds per step, measured live
@@ -198,6 +199,14 @@ class SpecPolicy:
             mean += run
             second += (2 * i - 1) * run
         return max(second - mean * mean, 0.0)
+
+    def fresh(self) -> "SpecPolicy":
+        """A policy with this one's settings and start-up costs and nothing learnt live: what a new engine
+        starts from (the bench runs adaptive K on an engine shared with fixed-K runs, whose timings and
+        acceptance would otherwise carry over)."""
+        p = SpecPolicy(self.cfg, self.k_max)
+        p.fixed, p.seeded, p.sync_choice = self.fixed, dict(self.seeded), self.sync_choice
+        return p
 
     def seed_costs(self, costs: dict[tuple[int, int], float]) -> None:
         """Start-up timings {(batch size, K): seconds}; batch sizes are mapped to their bucket."""
