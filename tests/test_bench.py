@@ -81,14 +81,14 @@ def run_cli(monkeypatch, argv: list[str]) -> int:
 
 def test_adaptive_learns_apart_from_the_fixed_k_runs_of_a_shared_engine(pair):
     """Configs of one bench share an engine; adaptive K learns in a policy of its own (the start-up costs, then
-    its own timings), as it would on its own engine: the fixed-K runs' timings and acceptance are not its, and
-    its are not theirs."""
+    its own timings), as it would on its own engine: the fixed-K runs' timings and acceptance are not its, its are
+    not theirs, and it drafts up to its own largest K, not the engine's."""
     from specserve.bench.offline import EngineUnit
     from specserve.engine.sampling import SamplingParams
 
     target, draft, _ = pair
     base_kw = dict(model=str(target), draft=str(draft), device="cpu", max_num_seqs=1)
-    fixed, adaptive = bench_cmd.parse_config("eagle3:steps=2"), bench_cmd.parse_config("eagle3:adaptive,steps=2")
+    fixed, adaptive = bench_cmd.parse_config("eagle3:steps=3"), bench_cmd.parse_config("eagle3:adaptive,steps=2")
     llm = EngineUnit.shared_llm([fixed, adaptive], base_kw, False)
     eng = llm.engine
     shared = eng.policy
@@ -96,11 +96,12 @@ def test_adaptive_learns_apart_from_the_fixed_k_runs_of_a_shared_engine(pair):
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
     units[0].run([[5, 6, 7, 8]], params)
     timed = dict(shared.tries)
-    assert timed.get((1, 2), 0) > 0 and shared.cost  # the fixed run's cycles, timed live
+    assert timed.get((1, 3), 0) > 0 and shared.cost and shared.k_max == 3  # the fixed run's cycles, timed live
     out = units[1].run([[5, 6, 7, 8]], params)
     own = units[1].own_policy
     assert eng.policy is shared and own is not shared and dict(shared.tries) == timed
     assert own.seeded == shared.seeded and sum(own.tries.values()) == sum(own.choices.values()) > 0
+    assert own.k_max == 2 and max(own.choices) <= 2
     assert sum(out.spec["steps_chosen"].values()) == sum(own.choices.values())  # (what the bench reports)
     units[1].run([[9, 10, 11]], params)  # its second run goes on from what its first learnt
     assert units[1].own_policy is own and sum(own.tries.values()) == sum(own.choices.values())

@@ -120,7 +120,7 @@ class EngineUnit:
             if self.cfg.get("adaptive") and eng.policy is not None:
                 # adaptive K learns in a policy of its own, as on its own engine: not from the fixed-K runs' timings
                 shared_policy = eng.policy
-                self.own_policy = self.own_policy or shared_policy.fresh()
+                self.own_policy = self.own_policy or shared_policy.fresh(self.cfg.spec_steps)
                 eng.policy = self.own_policy
         before = _totals(eng)
         policy = getattr(eng, "policy", None)

@@ -200,11 +200,11 @@ class SpecPolicy:
             second += (2 * i - 1) * run
         return max(second - mean * mean, 0.0)
 
-    def fresh(self) -> "SpecPolicy":
-        """A policy with this one's settings and start-up costs and nothing learnt live: what a new engine
-        starts from (the bench runs adaptive K on an engine shared with fixed-K runs, whose timings and
-        acceptance would otherwise carry over)."""
-        p = SpecPolicy(self.cfg, self.k_max)
+    def fresh(self, k_max: int | None = None) -> "SpecPolicy":
+        """A policy with this one's settings (K up to `k_max`, at most this one's) and start-up costs and nothing
+        learnt live: what a new engine starts from (the bench runs adaptive K on an engine shared with fixed-K
+        runs, whose timings and acceptance would otherwise carry over)."""
+        p = SpecPolicy(self.cfg, min(self.k_max, k_max or self.k_max))
         p.fixed, p.seeded, p.sync_choice = self.fixed, dict(self.seeded), self.sync_choice
         return p
 
