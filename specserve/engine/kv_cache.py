@@ -173,18 +173,14 @@ class KVCache:
             for a, (k, v) in zip(mods, saved):
                 a.k_cache, a.v_cache = k, v
 
-    def unstage_target(self, row: int, T: int, src: int = 0, dst: int = 0) -> None:
-        """Copy T positions of staged target KV from index `src` (a packed chunk's first) into `row`'s
-        blocks from index `dst` (all layers at once)."""
+    def unstage(self, row: int, T: int, src: int, dst: int, drafter: bool) -> None:
+        """Copy T positions of staged KV from index `src` (a packed chunk's first) into `row`'s blocks from index
+        `dst`: the target's (all layers at once) and, with `drafter`, the drafter's."""
         block, offset = self.slots(row, T, dst)
         for cache, staged in ((self.k_all, self.k_stage), (self.v_all, self.v_stage)):
             if cache is not None:
                 cache[:, block, :, offset] = staged[:, 0, :, src:src + T].permute(2, 0, 1, 3)
-
-    def unstage_drafter(self, row: int, T: int, src: int = 0, dst: int = 0) -> None:
-        """As `unstage_target`, for the drafter's KV."""
-        block, offset = self.slots(row, T, dst)
-        for a in self.drafter_mods:
+        for a in self.drafter_mods if drafter else ():
             k, v = self.stage[a]
             a.k_cache[block, :, offset] = k[0, :, src:src + T].transpose(0, 1)
             a.v_cache[block, :, offset] = v[0, :, src:src + T].transpose(0, 1)

@@ -362,10 +362,9 @@ class ModelRunner:
             buf[0, :Tb].copy_(row)
         self.s_pf_last.copy_(last)
         graph.graph.replay()
+        drafter = after is not None and self.drafter is not None
         for i, (a, s, c) in enumerate(zip(at.tolist(), starts, clen.tolist())):
-            self.kv.unstage_target(row_start + i, c, src=a, dst=s)
-            if after is not None and self.drafter is not None:
-                self.kv.unstage_drafter(row_start + i, c, src=a, dst=s)
+            self.kv.unstage(row_start + i, c, a, s, drafter)
         # (copies: the graph's outputs are refilled by its next replay)
         logits, feats = graph.outputs
         if feats is not None:  # each chunk's last token's
