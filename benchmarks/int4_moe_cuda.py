@@ -7,8 +7,8 @@ top-8, int4 in groups of 32, random weights), on one GPU.
 Per token count: the largest difference of each path from the reference (relative to the reference's
 largest value), and each path's time as a CUDA-graph replay with the int4 bytes and scales of the
 distinct experts touched, streamed from memory (8 experts are ~200 MB, four times the L2). `--sweep` also
-times the CUDA kernels compiled with other pipeline depths (chunks in flight) and warps a block (the error
-beside each time).
+times the CUDA kernels compiled with other pipeline depths (chunks in flight), row tiles a block and slices
+of the input features a tile's warps share (the error beside each time).
 """
 
 from __future__ import annotations
@@ -24,14 +24,20 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.gpu_engine import copy_bandwidth, gpu_ms  # noqa: E402
 from specserve.kernels import moe  # noqa: E402
-from specserve.kernels.int4 import dequantize_int4  # noqa: E402
+from specserve.kernels.int4 import dequantize_int4, tile_experts  # noqa: E402
 from specserve.kernels.moe import default_tiles, fused_experts, int4_cuda_experts, int4_cuda_fits  # noqa: E402
 
 
 def experts(E: int, rows: int, K: int, group: int, gen: torch.Generator) -> SimpleNamespace:
     packed = torch.randint(-2**31, 2**31 - 1, (E, rows, K // 8), dtype=torch.int32, device="cuda", generator=gen)
     scale = (torch.rand(E, rows, K // group, device="cuda", generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
-    return SimpleNamespace(packed=packed, scale=scale, zero=None)
+    return SimpleNamespace(packed=packed, scale=scale, zero=None, tiled=False)
+
+
+def tiled(w: SimpleNamespace, interleave: int) -> SimpleNamespace:
+    """The stack in the order loading gives int4 experts on a GPU (`kernels.int4.tile_experts`)."""
+    packed, scale = tile_experts(w.packed, w.scale, interleave)
+    return SimpleNamespace(packed=packed, scale=scale, zero=None, tiled=True)
 
 
 def reference(x, weights, ids, w13, w2) -> torch.Tensor:
@@ -56,22 +62,24 @@ def graph_ms(fn) -> float:
     return gpu_ms(g.replay, iters=100)
 
 
-def sweep(run, ref, scale) -> dict:
-    """ms (and the error) of `run` with the kernels compiled for other pipeline depths and warps a block."""
-    kept, warps = moe._cuda_kernels, moe.CUDA_WARPS
+def sweep(run, ref, scale, group: int) -> dict:
+    """ms (and the error) of `run` with the kernels compiled for other pipeline depths, warps a block and
+    slices of the input features."""
+    kept, warps, split = moe._cuda_kernels, moe.CUDA_WARPS, moe.CUDA_SPLIT
     out = {}
     try:
         stage_bytes = 1280  # static shared memory a warp and stage
-        for stages in (2, 3, 4, 6, 8):
+        for stages in (2, 4, 6):
             for w in (2, 4, 8):
-                if stages * w * stage_bytes > 48 * 1024:
-                    continue
-                compiled = moe.compile_cuda_kernels(w, (f"-DSTAGES={stages}",))
-                moe._cuda_kernels, moe.CUDA_WARPS = (lambda c=compiled: c), w
-                out[f"stages{stages}-warps{w}"] = {
-                    "ms": graph_ms(run), "rel_err": (run().float() - ref).abs().max().item() / scale}
+                for k in (1, 2, 4):
+                    if stages * w * k * stage_bytes + (k - 1) * w * 512 > 48 * 1024:
+                        continue
+                    compiled = moe.compile_cuda_kernels(w, k, group, (f"-DSTAGES={stages}",))
+                    moe._cuda_kernels, moe.CUDA_WARPS, moe.CUDA_SPLIT = (lambda g, c=compiled: c), w, k
+                    out[f"stages{stages}-warps{w}-split{k}"] = {
+                        "ms": graph_ms(run), "rel_err": (run().float() - ref).abs().max().item() / scale}
     finally:
-        moe._cuda_kernels, moe.CUDA_WARPS = kept, warps
+        moe._cuda_kernels, moe.CUDA_WARPS, moe.CUDA_SPLIT = kept, warps, split
     return out
 
 
@@ -84,7 +92,8 @@ def main() -> None:
     args = ap.parse_args()
     H, I, top_k, group, E = 7168, 2048, 8, 32, args.experts
     gen = torch.Generator(device="cuda").manual_seed(0)
-    w13, w2 = experts(E, 2 * I, H, group, gen), experts(E, H, I, group, gen)
+    w13, w2 = experts(E, 2 * I, H, group, gen), experts(E, H, I, group, gen)  # (the reference's)
+    t13, t2 = tiled(w13, I), tiled(w2, 0)  # (both kernels')
     bw = copy_bandwidth()
     expert_bytes = 2 * I * H // 2 + 2 * I * (H // group) * 2 + H * I // 2 + H * (I // group) * 2
     rows = []
@@ -93,11 +102,11 @@ def main() -> None:
         ids = torch.stack([torch.randperm(E, device="cuda", generator=gen)[:top_k] for _ in range(N)])
         weights = torch.rand(N, top_k, device="cuda", generator=gen).to(torch.bfloat16)
         P = N * top_k
-        assert int4_cuda_fits(x, w13, w2, P)
+        assert int4_cuda_fits(x, t13, t2, P)
         ref = reference(x, weights, ids, w13, w2).float()
         scale = ref.abs().max().item()
-        cuda = lambda: int4_cuda_experts(x, weights, ids, w13, w2)  # noqa: E731
-        tri = lambda: fused_experts(x, weights, ids, w13, w2, tiles=default_tiles(P, True))  # noqa: E731
+        cuda = lambda: int4_cuda_experts(x, weights, ids, t13, t2)  # noqa: E731
+        tri = lambda: fused_experts(x, weights, ids, t13, t2, tiles=default_tiles(P, True))  # noqa: E731
         err = {name: (fn().float() - ref).abs().max().item() / scale for name, fn in (("cuda", cuda), ("triton", tri))}
         touched = ids.unique().numel()
         ms = {name: graph_ms(fn) for name, fn in (("cuda", cuda), ("triton", tri))}
@@ -105,7 +114,7 @@ def main() -> None:
         row = {"tokens": N, "pairs": P, "experts_touched": touched, "bytes": nbytes, "rel_err": err, "ms": ms,
                "tb_s": {k: nbytes / (v * 1e-3) / 1e12 for k, v in ms.items()}, "roofline_ms": nbytes / bw * 1e3}
         if args.sweep:
-            row["sweep"] = sweep(lambda: int4_cuda_experts(x, weights, ids, w13, w2), ref, scale)
+            row["sweep"] = sweep(lambda: int4_cuda_experts(x, weights, ids, t13, t2), ref, scale, group)
         rows.append(row)
         print(json.dumps(row), flush=True)
     result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_tb_s": bw / 1e12, "shape": {

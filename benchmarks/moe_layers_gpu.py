@@ -107,6 +107,7 @@ def random_target(model_dir, device, dtype, max_positions, allow_pickle=False):
                 t.zero_()
             else:
                 t.normal_(0.0, 0.02, generator=g)
+    model.weights_loaded()
     return model.eval().requires_grad_(False)
 
 

@@ -18,7 +18,7 @@ from specserve.config import MoEConfig  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4  # noqa: E402
+from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4, tile_experts, untile_experts  # noqa: E402
 from specserve.kernels.moe import (COMBINE_BLOCK, INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles,  # noqa: E402
                                    _combine_kernel, _weight_tile, align_pairs, default_tiles, fused_experts)
 from specserve.kernels.moe_routing import fused_align, fused_route  # noqa: E402
@@ -231,7 +231,7 @@ def _tile_kernel(w_ptr, s_ptr, z_ptr, out_ptr, ROWS: tl.constexpr, K: tl.constex
     cols = k0 + tl.arange(0, BLOCK_K)
     nmask = rows < ROWS
     tile = _weight_tile(w_ptr, s_ptr, z_ptr, tl.zeros([], tl.int64), rows, nmask, k0, cols, ROWS, K, GROUPS, True,
-                        HAS_ZERO, out_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+                        HAS_ZERO, False, 0, out_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
     tl.store(out_ptr + rows[None, :] * K + cols[:, None], tile, mask=(cols < K)[:, None] & nmask[None, :])
 
 
@@ -374,13 +374,59 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(int4, dtype):
                                            atol=4 * 2 ** -7 * want.abs().max().item())
 
 
+def test_tiled_int4_experts_round_trip_and_dequantize_as_stored():
+    """`tile_experts` puts each 16-row x 128-feature tile of an expert in one run (gate/up: 8 gate rows,
+    then the same up rows), `untile_experts` gives the stored words and scales back, and tiled
+    `Int4Experts` dequantize to the weights they held before."""
+    g = torch.Generator().manual_seed(3)
+    E, I, H = 3, 32, 256
+    packed = torch.randint(-2**31, 2**31 - 1, (E, 2 * I, H // 8), dtype=torch.int32, generator=g)
+    scale = torch.rand(E, 2 * I, H // 32, generator=g)
+    words, scales = tile_experts(packed, scale, interleave=I)
+    assert words.shape == packed.shape and scales.shape == scale.shape
+    tiles = words.view(E, 2 * I // 16, H // 128, 16, 16)  # [expert, tile, chunk, row, word]
+    assert torch.equal(tiles[2, 3, 1, 5], packed[2, 3 * 8 + 5, 16:32])  # gate row 29
+    assert torch.equal(tiles[2, 3, 1, 13], packed[2, I + 3 * 8 + 5, 16:32])  # up row 29
+    assert torch.equal(scales.view(E, 2 * I // 16, H // 32, 16)[1, 2, 6, 9], scale[1, I + 2 * 8 + 1, 6])
+    for interleave in (I, 0):
+        back = untile_experts(*tile_experts(packed, scale, interleave), interleave)
+        assert torch.equal(back[0], packed) and torch.equal(back[1], scale)
+    with pytest.raises(ValueError, match="do not tile"):
+        tile_experts(packed[:, :, :8], scale, 0)
+    moe = _moe("softmax-8of16", shared=False, int4="g8-sym", hidden=128, inter=128)
+    before = moe.experts_weights()
+    moe.w13.tile()
+    moe.w2.tile()
+    assert moe.w13.tiled and not torch.equal(moe.w13.packed, pack_int4(quantize_int4(before[0], 8, True)[0]))
+    for a, b in zip(moe.experts_weights(), before):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [1, 9])
+def test_fused_int4_moe_on_tiled_experts_equals_the_stored_order(tokens):
+    """The Triton expert kernels read tiled int4 experts (their gate/up rows interleaved by eights)
+    as they read the stored order: the same result bit for bit, with and without split slices."""
+    moe = _moe("softmax-8of16", shared=False, int4="g8-sym", hidden=128, inter=128, seed=tokens)
+    x = torch.randn(tokens, 128, generator=torch.Generator().manual_seed(tokens))
+    weights, ids = moe.route(x)
+    moe.to(DEV)
+    args = (x.to(DEV), weights.to(DEV), ids.to(DEV))
+    want = {t: fused_experts(*args, moe.w13, moe.w2, tiles=TILE_VARIANTS[t]).cpu() for t in ("k16", "split3-k16")}
+    moe.w13.tile()
+    moe.w2.tile()
+    for t, w in want.items():
+        torch.testing.assert_close(fused_experts(*args, moe.w13, moe.w2, tiles=TILE_VARIANTS[t]).cpu(), w,
+                                   rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 2, 4, 16])
 def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
     """Kimi-K2.5's expert widths (hidden 7168, expert intermediate 2048, int4 in symmetric groups
     of 32; 16 experts, 8 a token: the launch shapes depend on the widths and the pair count, not
-    the expert count), bf16: the default launch shape for 8 to 128 pairs and the other int4
-    default are within a few bf16 steps of the reference loop."""
+    the expert count), bf16, experts tiled as loading tiles them: the default path for 8 to 128 pairs
+    (the CUDA kernels up to 64) and both Triton int4 launch shapes are within a few bf16 steps of the
+    reference loop."""
     m = MoEConfig(num_experts=16, top_k=8, intermediate_size=2048, scoring="softmax", norm_topk_prob=True,
                   routed_scaling_factor=1.0, n_group=1, topk_group=1, shared_intermediate_size=0, dense_layers=())
     quant = QuantConfig(groups=((("Linear",), Int4Weights(32, True)),), ignore=())
@@ -391,6 +437,8 @@ def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
         w.packed.copy_(torch.randint(-2**31, 2**31, w.packed.shape, dtype=torch.int32, device="cuda", generator=g))
         w.scale.copy_(torch.rand(w.scale.shape, device="cuda", generator=g) * 0.002 + 0.002)
     moe.gate.copy_(torch.randn(moe.gate.shape, device="cuda", generator=g))
+    moe.weights_loaded()
+    assert moe.w13.tiled and moe.w2.tiled  # (so 8-64 pairs take the CUDA kernels)
     x = torch.randn(tokens, 7168, device="cuda", dtype=torch.bfloat16, generator=g)
     with torch.inference_mode():
         weights, ids = moe.route(x)
@@ -588,25 +636,30 @@ def test_fused_route_and_align_equal_torch_on_cuda(router, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tokens,group", [(1, 32), (3, 32), (8, 32), (3, 128)])
-def test_cuda_int4_experts_equal_the_dequantized_reference(tokens, group):
+@pytest.mark.parametrize("tokens,group,H", [(1, 32, 256), (3, 32, 256), (8, 32, 256), (3, 128, 256), (2, 32, 384)])
+def test_cuda_int4_experts_equal_the_dequantized_reference(tokens, group, H):
     """bf16 tokens on symmetric int4 experts in groups of 32 (Kimi-K2.5's scheme) or 128 take the CUDA
     kernels up to CUDA_MAX_PAIRS pairs: 8, 24 and 64 pairs over 16 experts (some with several pairs) give
-    the dequantized experts' result to bf16 rounding."""
-    from specserve.kernels.moe import CUDA_MAX_PAIRS, int4_cuda_experts, int4_cuda_fits
+    the dequantized experts' result to bf16 rounding (hidden 384: three chunks of 128 features, split
+    unevenly between a block's slices)."""
+    from specserve.kernels.moe import CUDA_MAX_PAIRS, int4_cuda_experts, int4_cuda_fits, int4_cuda_layout_fits
 
-    H, I, E, top_k = 256, 256, 16, 8
+    I, E, top_k = 256, 16, 8
     g = torch.Generator().manual_seed(tokens)
     stacks = []
     for rows, K in ((2 * I, H), (H, I)):
         q, scale, _ = quantize_int4(torch.randn(E, rows, K, generator=g) * 0.2, group, True)
-        stacks.append(SimpleNamespace(packed=pack_int4(q).cuda(), scale=scale.to("cuda", torch.bfloat16), zero=None))
+        stacks.append(SimpleNamespace(packed=pack_int4(q).cuda(), scale=scale.to("cuda", torch.bfloat16), zero=None,
+                                      tiled=False))
     w13, w2 = stacks
+    assert int4_cuda_layout_fits(w13, w2)
+    t13, t2 = (SimpleNamespace(packed=p, scale=s, zero=None, tiled=True)
+               for p, s in (tile_experts(w13.packed, w13.scale, I), tile_experts(w2.packed, w2.scale)))
     x = torch.randn(tokens, H, generator=g).to("cuda", torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)]).cuda()
     weights = torch.rand(tokens, top_k, generator=g).to("cuda", torch.bfloat16)
-    assert tokens * top_k <= CUDA_MAX_PAIRS and int4_cuda_fits(x, w13, w2, tokens * top_k)
-    assert not int4_cuda_fits(x.float(), w13, w2, tokens * top_k)
+    assert tokens * top_k <= CUDA_MAX_PAIRS and int4_cuda_fits(x, t13, t2, tokens * top_k)
+    assert not int4_cuda_fits(x.float(), t13, t2, tokens * top_k) and not int4_cuda_fits(x, w13, w2, tokens * top_k)
     def dequantized(w, e):
         return dequantize_int4(w.packed[e], w.scale[e], None, torch.bfloat16).double().cpu()
 
@@ -616,9 +669,9 @@ def test_cuda_int4_experts_equal_the_dequantized_reference(tokens, group):
             e = int(ids[t, k])
             gu = x[t].double().cpu() @ dequantized(w13, e).T
             want[t] += float(weights[t, k]) * ((torch.nn.functional.silu(gu[:I]) * gu[I:]) @ dequantized(w2, e).T)
-    got = int4_cuda_experts(x, weights, ids, w13, w2).double().cpu()
+    got = int4_cuda_experts(x, weights, ids, t13, t2).double().cpu()
     assert (got - want).abs().max() <= 2e-2 * want.abs().max()
-    assert torch.equal(fused_experts(x, weights, ids, w13, w2).cpu(), got.to(torch.bfloat16).cpu())
+    assert torch.equal(fused_experts(x, weights, ids, t13, t2).cpu(), got.to(torch.bfloat16).cpu())
 
 
 def test_cuda_int4_kernels_fall_back_with_a_warning_when_they_cannot_be_built(monkeypatch, caplog):
@@ -632,8 +685,8 @@ def test_cuda_int4_kernels_fall_back_with_a_warning_when_they_cannot_be_built(mo
     moe_kernels._cuda_kernels.cache_clear()
     try:
         with caplog.at_level("WARNING", logger="specserve.kernels"):
-            assert moe_kernels._cuda_kernels() is None
-            assert moe_kernels._cuda_kernels() is None
+            assert moe_kernels._cuda_kernels(32) is None
+            assert moe_kernels._cuda_kernels(32) is None
         warnings = [r.getMessage() for r in caplog.records if "CUDA int4 expert kernels" in r.getMessage()]
         assert len(warnings) == 1 and "NVRTC_ERROR" in warnings[0] and "SPECSERVE_INT4_MOE_CUDA=0" in warnings[0]
     finally:

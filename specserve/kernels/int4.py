@@ -76,6 +76,58 @@ def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tenso
     return (v * scale.to(dtype).unsqueeze(-1)).flatten(-2)
 
 
+TILE_ROWS = 16  # rows of a tile in the experts' device layout (`tile_experts`)
+TILE_WORDS = 16  # words of a tile row a chunk holds: 128 input features
+
+
+def _rows_in_tiles(t: torch.Tensor, interleave: int) -> torch.Tensor:
+    """[..., R, C] -> [..., R / 16, 16, C]: each tile's rows (gate rows 8t..8t+7 then the same up rows
+    where `interleave` = I, the gate rows' count, is given)."""
+    *lead, R, C = t.shape
+    if not interleave:
+        return t.reshape(*lead, R // TILE_ROWS, TILE_ROWS, C)
+    half = TILE_ROWS // 2
+    gate = t[..., :interleave, :].reshape(*lead, interleave // half, half, C)
+    up = t[..., interleave:, :].reshape(*lead, interleave // half, half, C)
+    return torch.cat([gate, up], -2)
+
+
+def _tiles_as_rows(t: torch.Tensor, interleave: int) -> torch.Tensor:
+    """`_rows_in_tiles`' inverse: [..., R / 16, 16, C] -> [..., R, C]."""
+    *lead, T, _, C = t.shape
+    if not interleave:
+        return t.reshape(*lead, T * TILE_ROWS, C)
+    half = TILE_ROWS // 2
+    return torch.cat([t[..., :half, :].reshape(*lead, T * half, C), t[..., half:, :].reshape(*lead, T * half, C)], -2)
+
+
+def tile_experts(packed: torch.Tensor, scale: torch.Tensor, interleave: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Stacked int4 experts' words [..., R, K/8] and scales [..., R, G] in the device layout the CUDA
+    expert kernels stream: each expert's rows in tiles of 16, a tile's words chunk by chunk (16 rows x
+    16 words, 128 input features: one 1-KB run a warp reads whole) and its scales group by group (16
+    rows each). With `interleave` = I (a gate/up stack [.., 2I, K/8]) a tile holds gate rows 8t..8t+7
+    then up rows 8t..8t+7, so both halves of a SwiGLU meet in one tile. The tensors keep their shapes;
+    only the order inside each expert changes (`untile_experts` reverses it)."""
+    *lead, R, W = packed.shape
+    if R % TILE_ROWS or W % TILE_WORDS or (interleave and interleave % (TILE_ROWS // 2)):
+        raise ValueError(f"int4 experts of {R} rows and {W * PACK} input features do not tile into 16 rows x "
+                         f"{TILE_WORDS * PACK} features")
+    words = _rows_in_tiles(packed, interleave).unflatten(-1, (W // TILE_WORDS, TILE_WORDS)).transpose(-3, -2)
+    scales = _rows_in_tiles(scale, interleave).transpose(-2, -1)
+    return words.contiguous().view(packed.shape), scales.contiguous().view(scale.shape)
+
+
+def untile_experts(packed: torch.Tensor, scale: torch.Tensor, interleave: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tile_experts`' inverse: the stored row-major words and scales."""
+    *lead, R, W = packed.shape
+    G = scale.shape[-1]
+    T = R // TILE_ROWS
+    words = packed.reshape(*lead, T, W // TILE_WORDS, TILE_ROWS, TILE_WORDS).transpose(-3, -2)
+    scales = scale.reshape(*lead, T, G, TILE_ROWS).transpose(-2, -1)
+    return (_tiles_as_rows(words.reshape(*lead, T, TILE_ROWS, W), interleave).contiguous(),
+            _tiles_as_rows(scales, interleave).contiguous())
+
+
 def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
                 bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ W.T (+ bias) for an int4 weight W: the reference path, which dequantizes W for each
@@ -103,10 +155,19 @@ def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 if triton is not None:
 
     @triton.jit
+    def _group_at(rows, g, GROUPS: tl.constexpr, TILED: tl.constexpr):
+        """Where (row, group) lies in per-(row, group) values [.., rows, GROUPS]: row-major, or under
+        TILED `tile_experts`' order (16-row tiles, group by group)."""
+        if TILED:
+            return (rows // 16) * (16 * GROUPS) + g * 16 + rows % 16
+        else:
+            return rows * GROUPS + g
+
+    @triton.jit
     def _group_tile(p_ptr, rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr, ADD: tl.constexpr,
-                    DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """Per-(row, group) values p [.., rows, GROUPS] (scales or zero points) of weight rows
-        `rows` for a weight tile over columns `cols` (k0..k0+BLOCK_K), plus ADD, in DT,
+                    DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
+        """Per-(row, group) values p [.., rows, GROUPS] (scales or zero points; `_group_at`'s order) of
+        weight rows `rows` for a weight tile over columns `cols` (k0..k0+BLOCK_K), plus ADD, in DT,
         broadcastable to the [BLOCK_K, BLOCK_N] tile. Each (row, group) loads and converts once
         where the groups tile the tile evenly (the broadcast comes after, so no value of the tile
         pays a conversion): a tile inside one group (every tile, per channel) takes a
@@ -114,17 +175,17 @@ if triton is not None:
         group's columns; otherwise every element loads its own."""
         GS: tl.constexpr = K // GROUPS  # columns per group
         if GROUPS == 1 or GS % BLOCK_K == 0:
-            v = tl.load(p_ptr + rows * GROUPS + k0 // GS, mask=nmask, other=0)
+            v = tl.load(p_ptr + _group_at(rows, k0 // GS, GROUPS, TILED), mask=nmask, other=0)
             return (v[None, :].to(tl.float32) + ADD).to(DT)
         elif BLOCK_K % GS == 0:
             T: tl.constexpr = BLOCK_K // GS
             g = k0 // GS + tl.arange(0, T)
-            v = tl.load(p_ptr + rows[None, :] * GROUPS + g[:, None], mask=(g < GROUPS)[:, None] & nmask[None, :],
-                        other=0)
+            v = tl.load(p_ptr + _group_at(rows[None, :], g[:, None], GROUPS, TILED),
+                        mask=(g < GROUPS)[:, None] & nmask[None, :], other=0)
             v = (v.to(tl.float32) + ADD).to(DT)
             return tl.reshape(tl.broadcast_to(v[:, None, :], (T, GS, BLOCK_N)), (BLOCK_K, BLOCK_N))
         else:
-            v = tl.load(p_ptr + rows[None, :] * GROUPS + cols[:, None] // GS,
+            v = tl.load(p_ptr + _group_at(rows[None, :], cols[:, None] // GS, GROUPS, TILED),
                         mask=(cols < K)[:, None] & nmask[None, :], other=0)
             return (v.to(tl.float32) + ADD).to(DT)
 
@@ -147,9 +208,11 @@ if triton is not None:
 
     @triton.jit
     def int4_tile(w_ptr, s_ptr, z_ptr, rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr,
-                  HAS_ZERO: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  HAS_ZERO: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  TILED: tl.constexpr):
         """The int4 weight W [.., K] (packed words w_ptr [.., K/8], scales s_ptr and int8 zero
-        points z_ptr [.., GROUPS]) at rows `rows` [BLOCK_N] (where `nmask`) and columns `cols`
+        points z_ptr [.., GROUPS]; row-major, or under TILED in `tile_experts`' order, `rows` then
+        counting tile rows) at rows `rows` [BLOCK_N] (where `nmask`) and columns `cols`
         (k0..k0+BLOCK_K) as the transposed tile [BLOCK_K, BLOCK_N] in dt, zero outside W, equal
         to `dequantize_int4`'s weight bit for bit. No int-to-float conversion: a nibble ORed into
         the low mantissa bits of the dt constant 2^m (m: dt's mantissa width, so its last bit
@@ -157,8 +220,12 @@ if triton is not None:
         and the product with the scale (in dt) rounds once, as the reference dequantizes."""
         WORDS: tl.constexpr = K // 8
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptr + rows[None, :] * WORDS + offs_w[:, None],
-                        mask=(offs_w < WORDS)[:, None] & nmask[None, :], other=0)
+        if TILED:  # (`tile_experts`' order: 16-row tiles, 16 words of each row a chunk)
+            at = ((rows[None, :] // 16) * (16 * WORDS) + (offs_w[:, None] // 16) * 256 + (rows[None, :] % 16) * 16
+                  + offs_w[:, None] % 16)
+        else:
+            at = rows[None, :] * WORDS + offs_w[:, None]
+        words = tl.load(w_ptr + at, mask=(offs_w < WORDS)[:, None] & nmask[None, :], other=0)
         if dt == tl.float16:
             v = _nibbles(words, 0x6400, True, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^10 + nibble
             bias = 1024.0 + 8.0
@@ -169,10 +236,10 @@ if triton is not None:
             v = _nibbles(words, 0x4B000000, False, BLOCK_N, BLOCK_K).to(dt, bitcast=True)  # 2^23 + nibble
             bias = 8388608.0 + 8.0
         if HAS_ZERO:
-            offset = _group_tile(z_ptr, rows, nmask, k0, cols, K, GROUPS, bias, dt, BLOCK_N, BLOCK_K)
+            offset = _group_tile(z_ptr, rows, nmask, k0, cols, K, GROUPS, bias, dt, BLOCK_N, BLOCK_K, TILED)
         else:
             offset = tl.full([1, BLOCK_N], bias, dt)
-        scale = _group_tile(s_ptr, rows, nmask, k0, cols, K, GROUPS, 0.0, dt, BLOCK_N, BLOCK_K)
+        scale = _group_tile(s_ptr, rows, nmask, k0, cols, K, GROUPS, 0.0, dt, BLOCK_N, BLOCK_K, TILED)
         return (v - offset) * scale
 
     @triton.jit
@@ -297,7 +364,7 @@ if triton is not None:
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
                 w = int4_tile(w_ptr, s_ptr, z_ptr, offs_n, nmask, k0, cols, K, GROUPS, HAS_ZERO,
-                              x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+                              x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, False)
                 x = tl.load(x_ptr + offs_m[:, None] * K + cols[None, :],
                             mask=(offs_m[:, None] < M) & (cols < K)[None, :], other=0.0)
                 acc = tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=PRECISION)

@@ -25,7 +25,9 @@ the reference's dequantized weight exactly. Their launch shape follows the pair 
 (`default_tiles`); `Tiles` overrides it. Where experts see a few pairs each (decode, short
 verifies) and NVRTC is at hand, bf16 int4 experts take two CUDA kernels instead (`csrc/int4_moe.cu`,
 `int4_cuda_experts`): Triton's dequantization costs more instructions a weight than streaming
-a quarter of the bytes leaves time for.
+a quarter of the bytes leaves time for. Those kernels read the words in a tiled order made once
+at load (`kernels.int4.tile_experts`: each warp's share one contiguous run), which the Triton
+kernels read too.
 """
 
 from __future__ import annotations
@@ -52,14 +54,19 @@ if triton is not None:
 
     @triton.jit
     def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, cols, ROWS: tl.constexpr, K: tl.constexpr,
-                     GROUPS: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, dt: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     GROUPS: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, TILED: tl.constexpr,
+                     HALF: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """Expert e's weight [ROWS, K] at rows `rows` [BLOCK_N] and columns `cols` (k0..k0+BLOCK_K)
         as a [BLOCK_K, BLOCK_N] tile in dt, zero outside the weight. Float weights load and
-        convert; int4 ones load packed words and dequantize them in dt (`int4_tile`)."""
+        convert; int4 ones load packed words and dequantize them in dt (`int4_tile`), under TILED
+        from `kernels.int4.tile_experts`' order (HALF: a gate/up stack's gate rows, interleaved by
+        eights in its tiles; 0 for down)."""
         if INT4:
+            if TILED and HALF > 0:  # gate row i: tile i // 8, row i % 8; up row HALF + i: row 8 + i % 8
+                r = rows % HALF
+                rows = (r // 8) * 16 + r % 8 + (rows >= HALF).to(r.dtype) * 8
             return int4_tile(w_ptr, s_ptr, z_ptr, e * ROWS + rows, nmask, k0, cols, K, GROUPS, HAS_ZERO, dt,
-                             BLOCK_N, BLOCK_K)  # (int64 rows: the expert's offset)
+                             BLOCK_N, BLOCK_K, TILED)  # (int64 rows: the expert's offset)
         else:
             mask = (cols < K)[:, None] & nmask[None, :]
             return tl.load(w_ptr + (e * ROWS + rows[None, :]) * K + cols[:, None], mask=mask, other=0.0).to(dt)
@@ -104,7 +111,7 @@ if triton is not None:
     @triton.jit(do_not_specialize=["P", "E"])
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, g_ptr, pairs_ptr, block_expert_ptr, P, E,
                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, GROUPS: tl.constexpr,
-                        INT4: tl.constexpr, HAS_ZERO: tl.constexpr, SWAP: tl.constexpr,
+                        INT4: tl.constexpr, HAS_ZERO: tl.constexpr, TILED: tl.constexpr, SWAP: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr,
                         PRECISION: tl.constexpr, PDL: tl.constexpr):
         # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N gate and up features
@@ -133,9 +140,9 @@ if triton is not None:
             a = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=valid[:, None] & (cols < H)[None, :],
                         other=0.0)
             wg = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, cols, 2 * I, H, GROUPS, INT4, HAS_ZERO,
-                              dt, BLOCK_N, BLOCK_K)
+                              TILED, I, dt, BLOCK_N, BLOCK_K)
             wu = _weight_tile(w_ptr, s_ptr, z_ptr, e, I + offs_n, nmask, k0, cols, 2 * I, H, GROUPS, INT4, HAS_ZERO,
-                              dt, BLOCK_N, BLOCK_K)
+                              TILED, I, dt, BLOCK_N, BLOCK_K)
             acc_g = _mma(a, wg, acc_g, SWAP, PRECISION)
             acc_u = _mma(a, wu, acc_u, SWAP, PRECISION)
         acc_g = _unswap(acc_g, SWAP)
@@ -162,7 +169,8 @@ if triton is not None:
     @triton.jit(do_not_specialize=["P", "E"])
     def _down_kernel(h_ptr, w_ptr, s_ptr, z_ptr, rw_ptr, out_ptr, pairs_ptr, block_expert_ptr, P, E,
                      H: tl.constexpr, I: tl.constexpr, GROUPS: tl.constexpr, INT4: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     HAS_ZERO: tl.constexpr, TILED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+                     BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
         # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N output features over
         # input columns s*K_SPAN..(s+1)*K_SPAN. With the whole input (K_SPAN >= I) each row is
@@ -187,8 +195,8 @@ if triton is not None:
             cols = k0 + tl.arange(0, BLOCK_K)
             a = tl.load(h_ptr + pair[:, None] * I + cols[None, :], mask=valid[:, None] & (cols < I)[None, :],
                         other=0.0)
-            b = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, cols, H, I, GROUPS, INT4, HAS_ZERO, dt,
-                             BLOCK_N, BLOCK_K)
+            b = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, cols, H, I, GROUPS, INT4, HAS_ZERO, TILED, 0,
+                             dt, BLOCK_N, BLOCK_K)
             acc = _mma(a, b, acc, SWAP, PRECISION)
         acc = _unswap(acc, SWAP)
         out_at = out_ptr + pair[:, None] * H + offs_n[None, :]
@@ -237,11 +245,14 @@ MIN_DIM = 16  # tl.dot's smallest tile: experts narrower than this take the refe
 class Int4Stack(Protocol):
     """Stacked int4 experts as `model.moe.Int4Experts` holds them (`kernels.int4`'s layout):
     packed words [E, rows, K/8] int32, scales [E, rows, G] and, when asymmetric, zero points
-    unpacked to int8 [E, rows, G]; group g covers input columns g*K/G..(g+1)*K/G-1."""
+    unpacked to int8 [E, rows, G]; group g covers input columns g*K/G..(g+1)*K/G-1. Words and
+    scales are row-major, or where `tiled` is true in `kernels.int4.tile_experts`' order (gate/up
+    stacks interleaved by eights), the only one the CUDA expert kernels read."""
 
     packed: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor | None
+    tiled: bool
 
 
 Experts = Union[torch.Tensor, Int4Stack]  # float [E, rows, K] or int4
@@ -260,11 +271,11 @@ def _weight_args(w: Experts) -> dict:
     pointers are never read), int4 ones their words, scales and zero points."""
     if isinstance(w, torch.Tensor):
         w = w.contiguous()
-        return dict(w_ptr=w, s_ptr=w, z_ptr=w, GROUPS=1, INT4=False, HAS_ZERO=False)
+        return dict(w_ptr=w, s_ptr=w, z_ptr=w, GROUPS=1, INT4=False, HAS_ZERO=False, TILED=False)
     scale = w.scale.contiguous()
     zero = w.zero.contiguous() if w.zero is not None else scale  # (the scales again where there are none)
     return dict(w_ptr=w.packed.contiguous(), s_ptr=scale, z_ptr=zero, GROUPS=scale.shape[-1], INT4=True,
-                HAS_ZERO=w.zero is not None)
+                HAS_ZERO=w.zero is not None, TILED=_tiled(w))
 
 
 def fused_experts_supported(w13: Experts, w2: Experts) -> bool:
@@ -381,73 +392,88 @@ def _combine(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x: tor
 
 log = logging.getLogger("specserve.kernels")
 
-CUDA_WARPS = 4  # warps a block of the CUDA int4 kernels
+CUDA_WARPS = 4  # row tiles (warps a slice of the input features) a block of the CUDA int4 kernels
+CUDA_SPLIT = 2  # slices of the input features a block shares out: twice the warps for a decode's few rows
 CUDA_PAIRS = 8  # pairs a block serves: the m16n8k16 product's eight columns
 CUDA_MAX_PAIRS = 64  # up to this many pairs (more per expert: Triton's wider tiles read each expert once)
 
 
-@lru_cache(maxsize=1)
-def _cuda_kernels() -> dict | None:
-    """The CUDA int4 expert kernels, compiled once a process by NVRTC (through torch); None, with a
-    warning, where they cannot be built (no NVRTC library, a driver too old for its PTX): the Triton
-    kernels serve instead."""
+@lru_cache(maxsize=None)
+def _cuda_kernels(group: int) -> dict | None:
+    """The CUDA int4 expert kernels for scale groups of `group` input features, compiled once a process
+    by NVRTC (through torch); None, with a warning, where they cannot be built (no NVRTC library, a
+    driver too old for its PTX): the Triton kernels serve instead."""
     try:
-        return compile_cuda_kernels(CUDA_WARPS)
+        return compile_cuda_kernels(CUDA_WARPS, CUDA_SPLIT, group)
     except (RuntimeError, OSError) as e:
         log.warning("the CUDA int4 expert kernels could not be built (%s); int4 experts take the Triton kernels "
                     "(SPECSERVE_INT4_MOE_CUDA=0 skips this attempt)", e)
         return None
 
 
-def compile_cuda_kernels(warps: int, options: tuple[str, ...] = ()) -> dict:
-    """`kernels/csrc/int4_moe.cu` compiled for blocks of `warps` warps (plus nvcc-style `options`)."""
+def compile_cuda_kernels(warps: int, split: int, group: int, options: tuple[str, ...] = ()) -> dict:
+    """`kernels/csrc/int4_moe.cu` compiled for blocks of `warps` row tiles x `split` slices of the input
+    features and scale groups of `group` features (plus nvcc-style `options`)."""
     src = (Path(__file__).parent / "csrc" / "int4_moe.cu").read_text()
-    opts = [f"-DWARPS={warps}", *options]
+    opts = [f"-DWARPS={warps}", f"-DSPLIT={split}", f"-DGROUP={group}", *options]
     return {name: torch.cuda._compile_kernel(src, name, nvcc_options=opts) for name in ("int4_moe_gate_up", "int4_moe_down")}
 
 
-def int4_cuda_fits(x: torch.Tensor, w13: Experts, w2: Experts, pairs: int) -> bool:
-    """Whether `int4_cuda_experts` serves these: bf16 activations and scales, symmetric int4 experts
-    on an Ampere-or-later GPU, features in whole 128-column chunks and scale groups of whole 32-column
-    runs, an even number of groups a row (a lane copies its scale's 32-bit word), at most
-    CUDA_MAX_PAIRS pairs, with torch's NVRTC compiler (torch.cuda._compile_kernel)."""
-    if not (envs.INT4_MOE_CUDA.get() and x.is_cuda and pairs <= CUDA_MAX_PAIRS and x.dtype == torch.bfloat16
-            and hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(x.device) >= (8, 0)):
-        return False
+def _group(w: Int4Stack) -> int:
+    return expert_shape(w)[2] // w.scale.shape[-1]
+
+
+def _tiled(w: Int4Stack) -> bool:
+    return bool(getattr(w, "tiled", False))
+
+
+def int4_cuda_layout_fits(w13: Experts, w2: Experts) -> bool:
+    """Whether the CUDA expert kernels can serve these int4 experts once tiled (`kernels.int4.tile_experts`,
+    which `model.moe.MoE.weights_loaded` applies where this holds): symmetric int4 experts with bf16
+    scales on an Ampere-or-later GPU, features in whole 128-column chunks and scale groups of whole
+    32-column runs, whole tiles of rows, and torch's NVRTC compiler (torch.cuda._compile_kernel) at hand
+    (SPECSERVE_INT4_MOE_CUDA=0: never)."""
     if isinstance(w13, torch.Tensor) or isinstance(w2, torch.Tensor) or w13.zero is not None or w2.zero is not None:
+        return False
+    if not (envs.INT4_MOE_CUDA.get() and w13.packed.is_cuda and hasattr(torch.cuda, "_compile_kernel")
+            and torch.cuda.get_device_capability(w13.packed.device) >= (8, 0)):
         return False
     _, _, H = expert_shape(w13)
     _, _, I = expert_shape(w2)
     for w, K in ((w13, H), (w2, I)):
-        groups = w.scale.shape[-1]
-        group = K // groups
-        if w.scale.dtype != torch.bfloat16 or K % 128 or group % 32 or K % group or groups % 2:
+        group = K // w.scale.shape[-1]
+        if w.scale.dtype != torch.bfloat16 or K % 128 or group % 32 or K % group:
             return False
-    return I % (8 * CUDA_WARPS) == 0 and H % (16 * CUDA_WARPS) == 0 and _cuda_kernels() is not None
+    return (I % (8 * CUDA_WARPS) == 0 and H % (16 * CUDA_WARPS) == 0
+            and all(_cuda_kernels(_group(w)) is not None for w in (w13, w2)))
+
+
+def int4_cuda_fits(x: torch.Tensor, w13: Experts, w2: Experts, pairs: int) -> bool:
+    """Whether `int4_cuda_experts` serves these: tiled int4 experts (`int4_cuda_layout_fits` held when
+    they were tiled), bf16 activations and at most CUDA_MAX_PAIRS pairs."""
+    return (not isinstance(w13, torch.Tensor) and _tiled(w13) and _tiled(w2) and envs.INT4_MOE_CUDA.get()
+            and x.is_cuda and x.dtype == torch.bfloat16 and pairs <= CUDA_MAX_PAIRS)
 
 
 def int4_cuda_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Int4Stack, w2: Int4Stack,
                       first: int = 0, add: torch.Tensor | None = None) -> torch.Tensor:
-    """`fused_experts` for experts within `int4_cuda_fits`: pairs in blocks of eight of one expert, gate/up
-    with SwiGLU (one kernel) and down (another) on the tensor cores, then `_combine_kernel`."""
+    """`fused_experts` for tiled experts within `int4_cuda_fits`: pairs in blocks of eight of one expert,
+    gate/up with SwiGLU (one kernel) and down (another) on the tensor cores, then `_combine_kernel`."""
     N, H = x.shape
     E, _, I = expert_shape(w2)
     top_k = ids.shape[1]
     P = N * top_k
     pairs, block_expert = _align(ids, E, first, CUDA_PAIRS)
     blocks = block_expert.numel()
-    kernels = _cuda_kernels()
     x = x.contiguous()
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
-    threads = (32 * CUDA_WARPS, 1, 1)
+    threads = (32 * CUDA_WARPS * CUDA_SPLIT, 1, 1)
     # (the kernels index rows of whole experts: a rank's slice of a stack is contiguous, a copy otherwise)
-    kernels["int4_moe_gate_up"](grid=(blocks, I // (8 * CUDA_WARPS), 1), block=threads, args=[
-        x, w13.packed.contiguous(), w13.scale.contiguous(), h, pairs, block_expert, P, E, H, I, top_k,
-        H // w13.scale.shape[-1]])
+    _cuda_kernels(_group(w13))["int4_moe_gate_up"](grid=(blocks, I // (8 * CUDA_WARPS), 1), block=threads, args=[
+        x, w13.packed.contiguous(), w13.scale.contiguous(), h, pairs, block_expert, P, E, H, I, top_k])
     out = torch.empty(P, H, dtype=x.dtype, device=x.device)
-    kernels["int4_moe_down"](grid=(blocks, H // (16 * CUDA_WARPS), 1), block=threads, args=[
-        h, w2.packed.contiguous(), w2.scale.contiguous(), out, pairs, block_expert, P, E, H, I,
-        I // w2.scale.shape[-1]])
+    _cuda_kernels(_group(w2))["int4_moe_down"](grid=(blocks, H // (16 * CUDA_WARPS), 1), block=threads, args=[
+        h, w2.packed.contiguous(), w2.scale.contiguous(), out, pairs, block_expert, P, E, H, I])
     return _combine(out, weights, ids, x, add, first, E, split=True)  # (down products stored unweighted)
 
 

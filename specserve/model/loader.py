@@ -153,6 +153,7 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     # Tied models may still ship lm_head.weight (transformers writes it): drop it.
     weights = ((n, t) for n, t in tensors if not (cfg.tie_word_embeddings and text_name(n) == "lm_head.weight"))
     _fill(model, model.hf_weight_map(), weights, str(model_dir), rename=text_name)
+    model.weights_loaded()
     if skipped:
         log.info("%s: skipped the checkpoint's tensors under %s (not part of the %s text model)", model_dir,
                  ", ".join(sorted(skipped)), cfg.architecture)

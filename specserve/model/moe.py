@@ -28,9 +28,9 @@ from torch import nn
 from specserve.config import ConfigError, MoEConfig
 from specserve.distributed.parallel_state import all_reduce, tp_rank, tp_size
 from specserve.kernels.common import use_triton
-from specserve.kernels.int4 import PACK, dequantize_int4
+from specserve.kernels.int4 import PACK, dequantize_int4, tile_experts, untile_experts
 from specserve.kernels.linear import linear
-from specserve.kernels.moe import fused_experts, fused_experts_supported
+from specserve.kernels.moe import fused_experts, fused_experts_supported, int4_cuda_layout_fits
 from specserve.kernels.moe_routing import FLOATS, fused_route, fused_routing_fits
 from specserve.kernels.norm import silu_mul
 from specserve.model.int4_linear import check_float, check_int32, unpack_zero_points
@@ -93,7 +93,8 @@ class Int4Experts(nn.Module):
     rows, K/8], scales [E_local, rows, G] and, when asymmetric, zero points unpacked to int8
     [E_local, rows, G]. Each expert stacks `parts` Hugging Face modules of `rows_per_part` rows
     (gate then up: 2 of I; down: 1 of H) over `in_features` input columns. The fused kernels
-    read these three tensors as they are (`kernels.moe.Int4Stack`)."""
+    read these three tensors as they are (`kernels.moe.Int4Stack`): row-major as stored, or once
+    `tile` ran (`tiled`), in the order the CUDA expert kernels stream."""
 
     def __init__(self, local: int, first: int, rows_per_part: int, parts: int, in_features: int, fmt: Int4Weights):
         super().__init__()
@@ -102,6 +103,8 @@ class Int4Experts(nn.Module):
             raise ConfigError(f"int4 experts with {in_features} input features do not split into whole groups of "
                               f"{group} and words of {PACK}")
         rows, groups = rows_per_part * parts, fmt.groups(in_features)
+        self.interleave = rows_per_part if parts == 2 else 0  # (gate/up rows interleave in tiles)
+        self.tiled = False
         place = _expert_loader(first, rows_per_part)
         self.register_buffer("packed", torch.empty(local, rows, in_features // PACK, dtype=torch.int32))
         self.packed.weight_loader = _checked(check_int32, place)
@@ -126,10 +129,22 @@ class Int4Experts(nn.Module):
             out[f"{name}.weight_zero_point"] = (self.zero, shard)
         return out
 
+    def tile(self) -> None:
+        """Words and scales rewritten in place in `kernels.int4.tile_experts`' order (after loading:
+        the loaders place rows as stored)."""
+        if not self.tiled:
+            packed, scale = tile_experts(self.packed, self.scale, self.interleave)
+            self.packed.copy_(packed)
+            self.scale.copy_(scale)
+            self.tiled = True
+
     def weight(self, expert: int | slice, dtype: torch.dtype) -> torch.Tensor:
         """Local expert(s) `expert` dequantized to float weights [(E,) rows, in_features]."""
         zero = self.zero[expert] if self.zero is not None else None
-        return dequantize_int4(self.packed[expert], self.scale[expert], zero, dtype)
+        packed, scale = self.packed[expert], self.scale[expert]
+        if self.tiled:
+            packed, scale = untile_experts(packed, scale, self.interleave)
+        return dequantize_int4(packed, scale, zero, dtype)
 
 
 def _checked(check, place):
@@ -201,6 +216,12 @@ class MoE(HotPathModule):
         if self.score_bias is not None:
             return route_grouped_sigmoid(logits, self.score_bias, self.m)
         return route_softmax(logits, self.m)
+
+    def weights_loaded(self) -> None:
+        """Int4 experts the CUDA expert kernels can serve take the tiled order those kernels read."""
+        if self.int4 is not None and int4_cuda_layout_fits(self.w13, self.w2):
+            self.w13.tile()
+            self.w2.tile()
 
     @property
     def graph_safe(self) -> bool:

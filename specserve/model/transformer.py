@@ -166,6 +166,12 @@ class CausalLM(nn.Module):
         whose expert loop depends on the routing (MoE layers capture where they run fused)."""
         return all(layer.mlp.graph_safe for layer in self.layers if isinstance(layer.mlp, MoE))
 
+    def weights_loaded(self) -> None:
+        """Called once every weight is in place: layers rewrite what they keep in a device order."""
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.weights_loaded()
+
     def attention_modules(self) -> list[KVCacheAttention]:
         return [layer.self_attn.attn for layer in self.layers]
 
