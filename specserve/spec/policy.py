@@ -169,6 +169,9 @@ class SpecPolicy:
         self.acc_hits = {mode: [2.0] * k_max for mode in (False, True)}
         self.acc_seen = {mode: [3.0] * k_max for mode in (False, True)}
         self.own_tokens: dict[tuple[bool, int], list[float]] = {}  # (tree?, K) -> [tokens, sequence-cycles]
+        # (tree?, K) -> (expected tokens a cycle, their variance): every choice rates every K, but these change
+        # only as acceptance is observed (a host-bound plain step would pay tens of microseconds for them)
+        self._token_model: dict[tuple[bool, int], tuple[float, float]] = {}
         self.choices: dict[int, int] = {}  # how often each K was chosen
         self.decisions: dict[int, int] = {}  # bucket -> choices made there
         self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, K) -> decision count at its last live timing
@@ -183,22 +186,27 @@ class SpecPolicy:
         return [h / n for h, n in zip(self.acc_hits[tree], self.acc_seen[tree])]
 
     def expected_tokens(self, K: int, tree: bool = False) -> float:
-        total, run = 1.0, 1.0
-        for a in self.acceptance(tree)[:K]:
-            run *= a
-            total += run
-        tokens, n = self.own_tokens.get((tree, K), (0.0, 0))
-        return (tokens + OWN_PRIOR * total) / (n + OWN_PRIOR)
+        return self._tokens_of(K, tree)[0]
 
     def tokens_variance(self, K: int, tree: bool = False) -> float:
         """Variance of the tokens a K-cycle yields, from the pooled acceptance model:
         with A accepted drafts, E[A^2] = sum_i (2i - 1) P(A >= i)."""
-        run, mean, second = 1.0, 0.0, 0.0
-        for i, a in enumerate(self.acceptance(tree)[:K], 1):
-            run *= a
-            mean += run
-            second += (2 * i - 1) * run
-        return max(second - mean * mean, 0.0)
+        return self._tokens_of(K, tree)[1]
+
+    def _tokens_of(self, K: int, tree: bool) -> tuple[float, float]:
+        """(expected tokens, pooled-model variance) of a K-cycle, kept until acceptance is next observed."""
+        model = self._token_model.get((tree, K))
+        if model is None:
+            total, run, mean, second = 1.0, 1.0, 0.0, 0.0
+            for i, a in enumerate(self.acceptance(tree)[:K], 1):
+                run *= a
+                total += run
+                mean += run
+                second += (2 * i - 1) * run
+            tokens, n = self.own_tokens.get((tree, K), (0.0, 0))
+            model = self._token_model[(tree, K)] = ((tokens + OWN_PRIOR * total) / (n + OWN_PRIOR),
+                                                   max(second - mean * mean, 0.0))
+        return model
 
     def fresh(self, k_max: int | None = None) -> "SpecPolicy":
         """A policy with this one's settings (K up to `k_max`, at most this one's) and start-up costs and nothing
@@ -286,7 +294,7 @@ class SpecPolicy:
         end last, every K > 0 charged `switch` seconds once."""
         costs = costs or {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
         if not remaining or not max(remaining):
-            return {k: self.expected_tokens(k, tree) / c for k, c in costs.items() if c is not None}
+            return {k: self._tokens_of(k, tree)[0] / c for k, c in costs.items() if c is not None}
         if max(remaining[:B], default=0) < max(remaining):
             # The job's longest sequences are still in prefill, not in this step: it only delays them.
             return {k: 1.0 / c for k, c in costs.items() if c is not None}
@@ -301,8 +309,9 @@ class SpecPolicy:
         for k, c in costs.items():
             if c is None:
                 continue
-            E, v = self.expected_tokens(k, tree), self.tokens_variance(k, tree)
-            cycles = max(r / E + z * math.sqrt(r * v / E**3) for r, z in tops)
+            E, v = self._tokens_of(k, tree)
+            cycles = max([r / E + z * math.sqrt(r * v / E**3) for r, z in tops]) if len(tops) > 1 else (
+                R / E + tops[0][1] * math.sqrt(R * v / E**3))
             rates[k] = R / (cycles * c + (switch if k else 0.0))
         return rates
 
@@ -345,6 +354,7 @@ class SpecPolicy:
     def observe_acceptance(self, K: int, accepted: list[int], B: int) -> None:
         """Accepted counts of a cycle at depth K for a batch of B sequences."""
         mode = self.tree(B)
+        self._token_model.clear()
         hits, seen = self.acc_hits[mode], self.acc_seen[mode]
         own = self.own_tokens.setdefault((mode, K), [0.0, 0])
         own[0] += sum(accepted) + len(accepted)
