@@ -80,17 +80,19 @@ class MLASelfAttention(HotPathModule):
         self.heads, self.nope, self.rope_dim, self.latent, self.v_dim = (
             H, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim)
         qk = self.nope + self.rope_dim
+        # Both down-projections of x (q_a_proj's, with a query latent, and kv_a_proj_with_mqa's) are one
+        # replicated product, [q_lora_rank + latent + rope, hidden]: one launch and one read of x.
+        self.q_lora = m.q_lora_rank or 0
         if m.q_lora_rank is None:
-            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+            self.q_a_layernorm = self.q_b_proj = None
             self.q_proj = ColumnParallelLinear(hidden, [cfg.num_heads * qk])
             q_out = self.q_proj
         else:
             self.q_proj = None
-            self.q_a_proj = ReplicatedLinear(hidden, m.q_lora_rank, bias=cfg.o_bias)
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [cfg.num_heads * qk])
             q_out = self.q_b_proj
-        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, self.latent + self.rope_dim, bias=cfg.o_bias)
+        self.latent_proj = ReplicatedLinear(hidden, self.q_lora + self.latent + self.rope_dim, bias=cfg.o_bias)
         self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
         # kv_b_proj as [H, nope + v, latent]: W_UK = [:, :nope], W_UV = [:, nope:] (3-D, so the
         # linear tuning, which re-lays out 2-D weights, leaves it as it is).
@@ -105,12 +107,25 @@ class MLASelfAttention(HotPathModule):
             pairs = torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2)])
             q_rows = torch.cat([torch.arange(self.nope), self.nope + pairs])
             q_rows = (torch.arange(cfg.num_heads).unsqueeze(1) * qk + q_rows).flatten()
-            kv_rows = torch.cat([torch.arange(self.latent), self.latent + pairs])
+            self.kv_rows = torch.cat([torch.arange(self.latent), self.latent + pairs])
             q_out.weight.weight_loader = _rows_permuted(q_out.weight.weight_loader, q_rows)
-            for p in self.kv_a_proj_with_mqa.parameters():
-                p.weight_loader = _rows_permuted(p.weight_loader, kv_rows)
+        else:
+            self.kv_rows = None
+        for p in self.latent_proj.parameters():
+            p.weight_loader = self._load_latent_proj
         self.rope = rope
         self.attn = LatentAttention(H, self.latent, self.rope_dim, m.softmax_scale)
+
+    def _load_latent_proj(self, param: torch.Tensor, loaded: torch.Tensor, shard: str) -> None:
+        """q_a_proj's rows (shard "q") or kv_a_proj_with_mqa's ("kv", rope rows reordered where the
+        checkpoint interleaves them) into their part of the fused latent projection."""
+        lo, n = (0, self.q_lora) if shard == "q" else (self.q_lora, self.latent + self.rope_dim)
+        name = "q_a_proj" if shard == "q" else "kv_a_proj_with_mqa"
+        if loaded.shape[0] != n or loaded.shape[1:] != param.shape[1:]:
+            raise ValueError(f"{name}: expected shape {(n, *param.shape[1:])}, checkpoint has {tuple(loaded.shape)}")
+        if shard == "kv" and self.kv_rows is not None:
+            loaded = loaded.index_select(0, self.kv_rows.to(loaded.device))
+        param.data[lo:lo + n].copy_(loaded)
 
     def _load_kv_b(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
         want = (self.heads * tp_size() * (self.nope + self.v_dim), self.latent)
@@ -120,12 +135,9 @@ class MLASelfAttention(HotPathModule):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         B, T, _ = x.shape
-        if self.q_proj is not None:
-            q = self.q_proj(x)
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q_a, c, k_rot = self.latent_proj(x).split([self.q_lora, self.latent, self.rope_dim], dim=-1)
+        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_rot = q.view(B, T, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
-        c, k_rot = self.kv_a_proj_with_mqa(x).split([self.latent, self.rope_dim], dim=-1)
         c, k_rot = self.kv_a_layernorm(c), k_rot.unsqueeze(2)
         q_latent = torch.einsum("bthn,hnl->bthl", q_nope, self.kv_b[:, : self.nope])
         cache = self.attn.k_cache
@@ -143,11 +155,12 @@ class MLASelfAttention(HotPathModule):
 
     def hf_weights(self, prefix: str) -> dict[str, tuple[nn.Parameter, int | None]]:
         """Hugging Face tensor names under `prefix` (".../self_attn.") -> (parameter, shard)."""
-        mods = {"q_proj": self.q_proj, "q_a_proj": self.q_a_proj, "q_a_layernorm": self.q_a_layernorm,
-                "q_b_proj": self.q_b_proj,
-                "kv_a_proj_with_mqa": self.kv_a_proj_with_mqa, "kv_a_layernorm": self.kv_a_layernorm,
-                "o_proj": self.o_proj}
-        out: dict[str, tuple[nn.Parameter, int | None]] = {prefix + "kv_b_proj.weight": (self.kv_b, None)}
+        mods = {"q_proj": self.q_proj, "q_a_layernorm": self.q_a_layernorm, "q_b_proj": self.q_b_proj,
+                "kv_a_layernorm": self.kv_a_layernorm, "o_proj": self.o_proj}
+        out: dict[str, tuple[nn.Parameter, int | str | None]] = {prefix + "kv_b_proj.weight": (self.kv_b, None)}
+        for name, shard in (("q_a_proj", "q"), ("kv_a_proj_with_mqa", "kv")):
+            if shard == "kv" or self.q_lora:
+                out.update({f"{prefix}{name}.{p}": (t, shard) for p, t in self.latent_proj.named_parameters()})
         for name, mod in mods.items():
             if mod is not None:
                 out.update({f"{prefix}{name}.{p}": (t, None) for p, t in mod.named_parameters()})
