@@ -57,6 +57,22 @@ def test_rms_norm(dtype, with_residual):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_a_slice_of_wider_rows(dtype):
+    """A slice of a wider product's rows (MLA's query and kv latents share one product) normalises in
+    place of a copy: rows evenly apart take the kernel and equal the packed rows' result; rows that
+    are not evenly apart are not offered to it."""
+    g = torch.Generator().manual_seed(1)
+    wide = torch.randn(3, 5, 400, generator=g).to(DEV, dtype)
+    w = (torch.rand(96, generator=g) + 0.5).to(DEV, dtype)
+    part = wide[..., 300:396]
+    assert norm._row_stride(part) == 400 and norm._row_stride(wide[:1, :1, :96]) == 96
+    assert norm._row_stride(wide[:, ::2, :96]) is None and norm._row_stride(wide.transpose(0, 1)[..., :96]) is None
+    got = norm.rms_norm_triton(part, w, 1e-5)
+    assert got.is_contiguous() and torch.equal(got, norm.rms_norm_triton(part.contiguous(), w, 1e-5))
+    _check(got, norm.rms_norm_ref(part, w, 1e-5), dtype, reduction=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_silu_mul(dtype):
     x = torch.randn(2, 3, 2 * 1500, generator=torch.Generator().manual_seed(1)).to(DEV, dtype) * 4
     _check(norm.silu_mul_triton(x), norm.silu_mul_ref(x), dtype, reduction=True)  # exp may differ by an ulp

@@ -23,15 +23,16 @@ if triton is not None:
     from specserve.kernels.common import wait_for_previous
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, eps,
+    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, x_stride, eps,
                          HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # x's rows lie x_stride apart (a slice of a wider product's rows); the others are packed.
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
         mask = offs < N
         dt = x_ptr.dtype.element_ty
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         wait_for_previous(PDL)
-        x = tl.load(x_ptr + row * N + offs, mask=mask, other=0.0)
+        x = tl.load(x_ptr + row * x_stride + offs, mask=mask, other=0.0)
         if HAS_RES:
             r = tl.load(res_ptr + row * N + offs, mask=mask, other=0.0)
             x = (x.to(tl.float32) + r.to(tl.float32)).to(dt)  # rounded as torch's add rounds
@@ -153,8 +154,8 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm of x; with ``residual``: (norm(x + residual), x + residual), the sum being the
     new residual stream (one kernel on GPU instead of an add plus ~7)."""
-    if use_triton(x, weight, residual) and x.is_contiguous() and (residual is None or residual.is_contiguous()) \
-            and x.shape[-1] <= 16384:
+    if use_triton(x, weight, residual) and x.shape[-1] <= 16384 and (
+            _row_stride(x) is not None if residual is None else x.is_contiguous() and residual.is_contiguous()):
         return rms_norm_triton(x, weight, eps, residual)
     if x.dtype == torch.float32 and not x.is_cuda:
         native = fused_ops()
@@ -174,12 +175,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     return y if residual is None else (y, total)
 
 
+def _row_stride(x: torch.Tensor) -> int | None:
+    """The distance between consecutive rows of x [..., N] (its leading dims flattened) where each row is
+    packed and the rows lie evenly apart, as in a slice of a wider product's output; else None."""
+    if x.stride(-1) != 1:
+        return None
+    dims = [(n, st) for n, st in zip(x.shape[:-1], x.stride()[:-1]) if n > 1]
+    if any(st != st_in * n_in for (_, st), (n_in, st_in) in zip(dims, dims[1:])):
+        return None
+    return dims[-1][1] if dims else x.shape[-1]
+
+
 def rms_norm_triton(x, weight, eps: float, residual=None):
+    """The RMSNorm kernel; x's rows may lie evenly apart (`_row_stride`) where there is no residual."""
     N = x.shape[-1]
-    out = torch.empty_like(x)
-    total = torch.empty_like(x) if residual is not None else out
+    stride = _row_stride(x) if residual is None else N
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    total = torch.empty_like(out) if residual is not None else out
     block = triton.next_power_of_2(N)
-    _rms_norm_kernel[(x.numel() // N,)](x, residual if residual is not None else x, weight, out, total, N, eps,
+    _rms_norm_kernel[(x.numel() // N,)](x, residual if residual is not None else x, weight, out, total, N, stride, eps,
                                         HAS_RES=residual is not None, BLOCK=block,
                                         num_warps=min(16, max(1, block // 256)), **pdl_args(x))
     return out if residual is None else (out, total)
