@@ -244,8 +244,26 @@ def kernel_table(runner, B: int = 1, steps: int = 3, top: int = 30) -> list[dict
     return rows[:top]
 
 
+def linear_choices(runner, choices: dict | None = None) -> dict:
+    """The GEMV-or-cuBLAS choices of the runner's start-up tuning, {(N, K, dtype, rows): config or None};
+    with `choices` (another model's), those replace its own where both have the shape. Two models timed
+    for a difference then run the same kernels on the weights they share (the head, the dense layer,
+    attention): each start-up tuning may pick otherwise between near-equal candidates, and a 2.3 GB
+    head's other kernel would move a layer's figure by as much as the layer's kernels differ."""
+    tunings = {id(t): t for p in runner.target.parameters() if (t := getattr(p, "linear_tuning", None)) is not None}
+    merged: dict = {}
+    for t in tunings.values():
+        if choices:
+            t.gemv.update({k: v for k, v in choices.items() if k in t.gemv})
+        merged |= t.gemv
+    return merged
+
+
 def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: int, k_max: int,
-                sweep: bool = False) -> dict:
+                sweep: bool = False, choices: dict | None = None) -> dict:
+    """Decode, verify and prefill timings of the model in `model_dir` (random weights) in the engine's CUDA
+    graphs; `choices`: another model's linear-kernel choices, taken for the shapes both have (`linear_choices`;
+    the returned "choices" are this model's)."""
     import specserve.engine.runner as R
     from specserve.config import EngineConfig
 
@@ -255,9 +273,10 @@ def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: i
                        graph_batch_sizes=tuple(batches))
     t0 = time.perf_counter()
     runner = R.ModelRunner(cfg)
+    picked = linear_choices(runner, choices)  # (before the graphs capture the kernels)
     runner.reserve_every_row()
     graph_s = runner.capture_graphs(list(range(1, k_max + 1)))
-    res = {"build_s": time.perf_counter() - t0, "graph_s": graph_s, "graphs": len(runner.graphs),
+    res = {"build_s": time.perf_counter() - t0, "graph_s": graph_s, "graphs": len(runner.graphs), "choices": picked,
            "decode_ms": {}, "verify_ms": {}, "experts_decode": {}, "experts_verify": {}, "prefill_ms": {},
            "experts_prefill": {}}
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -400,9 +419,12 @@ def main() -> None:
           flush=True)
     gc.collect()
     torch.cuda.empty_cache()
-    base = time_engine(write_config(work / "base", shape, 2, int4), draft, args.batches, args.context, args.k_max)
+    base = time_engine(write_config(work / "base", shape, 2, int4), draft, args.batches, args.context, args.k_max,
+                       choices=full["choices"])
     print(f"base model (2 layers): decode ms {base['decode_ms']}", flush=True)
     res["full"], res["base"] = full, base
+    res["linear_choices"] = {f"{N}x{K} {str(dt).split('.')[-1]} rows {r}": c for (N, K, dt, r), c in full.pop("choices").items()}
+    base.pop("choices")
     extra = args.moe_layers - 1
     lb = full["layer_bytes"]
     rows = []
