@@ -395,9 +395,10 @@ def test_tiled_int4_experts_round_trip_and_dequantize_as_stored():
         tile_experts(packed[:, :, :8], scale, 0)
     moe = _moe("softmax-8of16", shared=False, int4="g8-sym", hidden=128, inter=128)
     before = moe.experts_weights()
+    want = tile_experts(moe.w13.packed, moe.w13.scale, interleave=128)
     moe.w13.tile()
     moe.w2.tile()
-    assert moe.w13.tiled and not torch.equal(moe.w13.packed, pack_int4(quantize_int4(before[0], 8, True)[0]))
+    assert moe.w13.tiled and torch.equal(moe.w13.packed, want[0]) and torch.equal(moe.w13.scale, want[1])
     for a, b in zip(moe.experts_weights(), before):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -131,11 +131,13 @@ class Int4Experts(nn.Module):
 
     def tile(self) -> None:
         """Words and scales rewritten in place in `kernels.int4.tile_experts`' order (after loading:
-        the loaders place rows as stored)."""
+        the loaders place rows as stored), an expert at a time: a model that fills its GPU has room
+        for one expert's copy, not a layer's."""
         if not self.tiled:
-            packed, scale = tile_experts(self.packed, self.scale, self.interleave)
-            self.packed.copy_(packed)
-            self.scale.copy_(scale)
+            for e in range(self.packed.shape[0]):
+                packed, scale = tile_experts(self.packed[e], self.scale[e], self.interleave)
+                self.packed[e].copy_(packed)
+                self.scale[e].copy_(scale)
             self.tiled = True
 
     def weight(self, expert: int | slice, dtype: torch.dtype) -> torch.Tensor:
