@@ -209,6 +209,10 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
         assert rows[("eagle3:steps=3,topk=3", bs)]["details"]["cycles"] > 0  # a tree config (own engine)
     assert rows[("hf", 1)]["details"]["cache"] in ("static", "dynamic")
     assert sum(rows[("eagle3:adaptive,steps=2", 1)]["details"]["steps_chosen"].values()) > 0
+    for config in ("baseline", "eagle3:steps=1", "eagle3:adaptive,steps=2"):  # engine configs: host time a step
+        host = rows[(config, 1)]["details"]["host_ms_per_step"]
+        assert host["in_step"] > 0 and host["waiting_for_device"] == 0  # (the CPU reads results as it computes)
+    assert "host_ms_per_step" not in rows[("hf", 1)]["details"]
 
     best1 = max((r for r in doc["results"] if r["config"].startswith("eagle3") and r["batch_size"] == 1),
                 key=lambda r: r["speedup"])

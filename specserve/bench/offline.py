@@ -41,6 +41,7 @@ class RunOutput:
     tpot: list[float | None]
     spec: dict | None = None  # summed counters (engine) or {"cycles", "tokens"} (assisted peer)
     profile: list[dict] = field(default_factory=list)
+    host: dict | None = None  # engine steps, host seconds inside them and of those waiting for the device
 
 
 @dataclass
@@ -122,7 +123,7 @@ class EngineUnit:
                 shared_policy = eng.policy
                 self.own_policy = self.own_policy or shared_policy.fresh(self.cfg.spec_steps)
                 eng.policy = self.own_policy
-        before = _totals(eng)
+        before, host0 = _totals(eng), _host(eng)
         policy = getattr(eng, "policy", None)
         chosen = dict(policy.choices) if policy is not None else {}
         n_prof = len(getattr(eng, "profile", []) or [])
@@ -146,7 +147,9 @@ class EngineUnit:
         tpot = [(o.latency_s - o.ttft_s) / (len(o.token_ids) - 1) if o.latency_s and len(o.token_ids) > 1 else None
                 for o in outs]
         prof = list(eng.profile[n_prof:]) if eng is not None and getattr(eng, "profile", None) else []
-        return RunOutput([list(o.token_ids) for o in outs], wall, ttft, tpot, spec, prof)
+        host1 = _host(eng)
+        host = {k: host1[k] - host0[k] for k in host1} if host0 and host1 else None
+        return RunOutput([list(o.token_ids) for o in outs], wall, ttft, tpot, spec, prof, host)
 
     def finish(self) -> None:
         if hasattr(self.llm, "close") and not self.shared:  # TP workers
@@ -181,6 +184,13 @@ def _totals(eng) -> dict | None:
     if hasattr(eng, "drafts_ahead"):  # (a TP engine's view does not count them)
         out["drafts_ahead"] = eng.drafts_ahead
     return out
+
+
+def _host(eng) -> dict | None:
+    """The engine's step count, host seconds inside its steps and of those the waits for device results."""
+    if not hasattr(eng, "step_s"):  # (a TP engine's view does not time them)
+        return None
+    return {"steps": eng.steps_taken, "step_s": eng.step_s, "wait_s": eng.device_waits.seconds}
 
 
 def _sub(a, b):
@@ -558,6 +568,13 @@ def summarize(label: str, unit, bs: int, category: str | None, runs, reason: str
 
     accept_len = per_pos = None
     details = dict(getattr(unit, "details", {}))
+    hosts = [r.out.host for r in mine if r.out.host]
+    if hosts and sum(h["steps"] for h in hosts):
+        # Per engine step, the host's time inside it and of that the wait for the device: a loop that
+        # barely waits is bound by the host, and the device idles between its steps.
+        steps = sum(h["steps"] for h in hosts)
+        details["host_ms_per_step"] = {"in_step": round(1e3 * sum(h["step_s"] for h in hosts) / steps, 4),
+                                       "waiting_for_device": round(1e3 * sum(h["wait_s"] for h in hosts) / steps, 4)}
     specs = [r.out.spec for r in mine if r.out.spec]
     if specs and "drafted_per_pos" in specs[0]:
         cycles = sum(s["cycles"] for s in specs)

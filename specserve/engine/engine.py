@@ -25,7 +25,7 @@ from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens, to_device
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, SpecStats, Status
-from specserve.spec.overlap import Launched, Overlap, host_lists
+from specserve.spec.overlap import DeviceWaits, Launched, Overlap, host_lists
 from specserve.spec.policy import SpecPolicy, bucket_sizes, interpolate_costs, startup_grid
 from specserve.spec.proposer import Proposer
 from specserve.spec.verify import accept_drafts, emitted_tokens
@@ -49,6 +49,8 @@ class Engine(ServingEngine):
         self.by_id: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.steps_taken = 0  # engine steps so far
+        self.step_s = 0.0  # host time inside `step`, and of it the waits for device results:
+        self.device_waits = DeviceWaits()
         self._deferred_since: int | None = None  # the step admissions began to wait (`cfg.admit_wait`)
         self.totals = SpecStats()
         self.tokens_generated = 0
@@ -179,6 +181,7 @@ class Engine(ServingEngine):
     @torch.inference_mode()
     def step(self) -> list[Sequence]:
         """Advance every active sequence; returns those that produced tokens or finished."""
+        t0 = time.perf_counter()
         for seq in self.rows[: self.n_running + self.n_prefill]:  # only these can hold last step's tokens
             seq.new_tokens = []
         touched: dict[str, Sequence] = {}
@@ -197,6 +200,7 @@ class Engine(ServingEngine):
         for s in out:
             if s.status == Status.FINISHED:
                 self.by_id.pop(s.seq_id, None)
+        self.step_s += time.perf_counter() - t0
         return out
 
     def _admission_deferred(self, ahead: int = 0) -> bool:
@@ -381,7 +385,8 @@ class Engine(ServingEngine):
         if pending_at is not None:
             rows = torch.arange(len(seqs), device=self.device)
             self.proposer.pending.set_at(rows, pending_at, tokens, feats[:, 0])
-        return Launched(list(seqs), tokens, pos, host_lists(self.device, tokens), pending_at, lp)
+        read = host_lists(self.device, tokens, waits=self.device_waits)
+        return Launched(list(seqs), tokens, pos, read, pending_at, lp)
 
     def _plain_step(self, seqs: list[Sequence]) -> list[Sequence]:
         """One token per sequence. On CUDA the next step is queued before this step's tokens are
@@ -496,7 +501,7 @@ class Engine(ServingEngine):
             lp = self._logprobs(seqs, logits, grid)
         if prof:
             marks[4].record()
-        results = host_lists(self.device, n_acc, grid)
+        results = host_lists(self.device, n_acc, grid, waits=self.device_waits)
         kept = ov.queue_draft(seqs, K, n_acc, pos0, sampling, self._batch_fixed(), self.policy, pr,
                               prof, self._job_remaining())
         acc_list, grid_list = results()  # the one host sync of the cycle

@@ -10,6 +10,7 @@ whether queueing is safe; the engine consumes it.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,7 +19,16 @@ import torch
 from specserve.engine.profiling import Mark
 
 
-def host_lists(device: torch.device, *tensors: torch.Tensor):
+class DeviceWaits:
+    """Seconds the host spent in `host_lists` reads waiting for the device. Beside the time a step takes
+    on the host it tells a host-bound loop (little waiting: the device idles between steps) from a
+    device-bound one (`specserve bench` reports both per config)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+
+def host_lists(device: torch.device, *tensors: torch.Tensor, waits: DeviceWaits | None = None):
     """Queue copies of small device tensors into pinned host memory now; the returned function
     waits for those copies alone (not for work queued after them) and gives the values as lists."""
     if device.type != "cuda":
@@ -30,7 +40,10 @@ def host_lists(device: torch.device, *tensors: torch.Tensor):
     done.record()
 
     def read():
+        t0 = time.perf_counter()
         done.synchronize()
+        if waits is not None:
+            waits.seconds += time.perf_counter() - t0
         return [h.tolist() for h in hosts]
     return read
 
