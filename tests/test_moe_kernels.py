@@ -21,7 +21,7 @@ import triton.language as tl  # noqa: E402
 from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4, tile_experts, untile_experts  # noqa: E402
 from specserve.kernels.moe import (COMBINE_BLOCK, INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles,  # noqa: E402
                                    _combine_kernel, _weight_tile, align_pairs, default_tiles, fused_experts)
-from specserve.kernels.moe_routing import fused_align, fused_route  # noqa: E402
+from specserve.kernels.moe_routing import ROUTER_ROWS, fused_align, fused_route, router_logits  # noqa: E402
 from specserve.model import moe as moe_module  # noqa: E402
 from specserve.model.moe import MoE, route_grouped_sigmoid, route_softmax  # noqa: E402
 from specserve.model.quant import Int4Weights, QuantConfig  # noqa: E402
@@ -533,6 +533,24 @@ def test_fused_route_equals_torch_routing(router, tokens):
     assert got_ids.dtype == want_ids.dtype and torch.equal(got_ids, want_ids)
     assert got_w.dtype == want_w.dtype
     torch.testing.assert_close(got_w, want_w, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
+    DEV == "cpu", reason="Triton's interpreter stores bf16 as uint16 and does integer arithmetic on it"))])
+def test_router_logits_are_float32_products_of_each_row_alone(dtype):
+    """A float32 router's logits of 1-8 tokens in one launch: the reference's float32 products and sums (to
+    float32's summation order), E not a multiple of the expert block, H not a multiple of the feature step;
+    and each row's bits do not depend on the rows beside it (decode and verify route a token alike)."""
+    g = torch.Generator().manual_seed(9)
+    E, H = 37, 700
+    w = (torch.randn(E, H, generator=g) * 0.05).to(DEV)
+    x = torch.randn(ROUTER_ROWS, H, generator=g).to(DEV, dtype)
+    want = torch.nn.functional.linear(x.float(), w)
+    full = router_logits(x, w)
+    assert full.dtype == torch.float32 and full.shape == (ROUTER_ROWS, E)
+    torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
+    for n in (1, 3):
+        assert torch.equal(router_logits(x[:n], w), full[:n])
 
 
 @pytest.mark.parametrize("router", ["deepseek-v3", "qwen3-moe"])

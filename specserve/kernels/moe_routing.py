@@ -10,6 +10,10 @@ of a graph replay; here they are two launches:
                    `align_pairs`, from a histogram of the experts, a sort of (expert, pair)
                    keys and a scatter.
 
+and before them ``router_logits``: a float32 router's logits of up to ROUTER_ROWS tokens in 16-bit
+activations, the cast and the product in one launch (the cast is a kernel of its own, and cuBLAS's
+float32 GEMV streams a 384 x 7168 router at ~1.5 TB/s).
+
 Both have fixed output sizes and never wait on the host, so a CUDA graph captures them. They
 serve up to `MAX_TOKENS` tokens, `MAX_TOP_K` experts a token and `MAX_EXPERTS` experts
 (`fused_routing_fits`); prefill takes the torch path.
@@ -27,6 +31,8 @@ from specserve.kernels.common import pdl_args, triton
 
 MAX_TOKENS, MAX_TOP_K, MAX_EXPERTS = 64, 8, 512
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+ROUTER_ROWS = 8  # tokens `router_logits` serves (a decode's or a short verify's); more take the cast and cuBLAS
+ROUTER_BLOCK_E, ROUTER_BLOCK_K = 2, 256  # experts a program, features a step (fixed: every row sums in one order)
 
 if triton is not None:
     import triton.language as tl
@@ -135,6 +141,56 @@ if triton is not None:
         tl.store(pairs_ptr + dest, key % P_PAD, mask=mine)
         # every used block starts with a pair of its expert (runs start on block boundaries)
         tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=mine & (dest % BLOCK_M == 0))
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["N"])
+    def _router_kernel(x_ptr, w_ptr, out_ptr, N, E, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+        # Program e: experts e*BLOCK_E.. for every token, each weight tile read once for all of them.
+        # Float32 products of the activations (exact in float32) and the weights, summed per step
+        # over BLOCK_K features, then across steps: the same order for a row whatever N is.
+        offs_e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+        offs_m = tl.arange(0, BLOCK_M)
+        emask, mmask = offs_e < E, offs_m < N
+        acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
+        offs_k = tl.arange(0, BLOCK_K)
+        # (the router does not depend on the kernel before: its first tile is read while that one drains)
+        w = tl.load(w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=emask[:, None] & (offs_k < H)[None, :],
+                    other=0.0)
+        wait_for_previous(PDL)
+        for k0 in range(0, H, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < H
+            if k0 > 0:
+                w = tl.load(w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=emask[:, None] & kmask[None, :],
+                            other=0.0)
+            x = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=mmask[:, None] & kmask[None, :],
+                        other=0.0).to(tl.float32)
+            acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
+        tl.store(out_ptr + offs_m[:, None] * E + offs_e[None, :], acc, mask=mmask[:, None] & emask[None, :])
+
+
+def router_logits_fit(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `router_logits` serves tokens x [N, H] and router w [E, H]: a float32 router on the GPU, at
+    most ROUTER_ROWS tokens."""
+    return (triton is not None and x.is_cuda and w.dtype == torch.float32 and x.dtype in FLOATS and x.dim() == 2
+            and 0 < x.shape[0] <= ROUTER_ROWS and w.is_contiguous())
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """float32 logits [N, E] = x.float() @ w.T for tokens x [N, H] (any float dtype) and a float32 router
+    w [E, H], as the reference computes them (float32 products and sums; the sums in another order than
+    cuBLAS's), in one launch; within `router_logits_fit`."""
+    N, H = x.shape
+    E = w.shape[0]
+    x = x.contiguous()
+    out = torch.empty(N, E, dtype=torch.float32, device=x.device)
+    # (one tile of ROUTER_ROWS rows whatever N is: a row's sums add in one order in every batch)
+    _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](x, w, out, N, E, H=H, BLOCK_M=ROUTER_ROWS, BLOCK_E=ROUTER_BLOCK_E,
+                                                     BLOCK_K=ROUTER_BLOCK_K, num_warps=4, **pdl_args(x))
+    return out
 
 
 def _pow2(n: int) -> int:
