@@ -300,3 +300,24 @@ def test_runner_compiles_eager_latent_blocks_reading_nothing(moe_pair, monkeypat
             splits = triton.next_power_of_2(key_splits(length, la.LATENT_BLOCK_N, B * n_hb, 8)[0])
             assert (t, splits) in compiled, (B, T)
     assert all(torch.equal(c, m.k_cache) for c, m in zip(caches, latent))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (2, 5)])
+def test_head_products_equal_einsum(dtype, B, T):
+    """The absorbed query (q_nope . W_UK, q_nope a slice of the query heads) and the values (out . W_UV^T)
+    per head in one launch equal torch.einsum over MLA's kv_b slices, for a decode step's one token a row
+    and a verify's several; 40 latent dims: a partial output block and a partial last feature step."""
+    g = torch.Generator().manual_seed(B * 10 + T)
+    H, nope, rope, v, L = 3, 32, 16, 24, 40
+    kv_b = (torch.randn(H, nope + v, L, generator=g) * 0.1).to(DEV, dtype)
+    q = torch.randn(B, T, H * (nope + rope), generator=g).to(DEV, dtype).view(B, T, H, nope + rope)
+    q_nope = q[..., :nope]  # (heads nope + rope apart: a strided view, as in the model)
+    out = torch.randn(B, T, H, L, generator=g).to(DEV, dtype)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    for a, w, transposed, spec in ((q_nope, kv_b[:, :nope], False, "bthn,hnl->bthl"),
+                                   (out, kv_b[:, nope:], True, "bthl,hvl->bthv")):
+        want = torch.einsum(spec, a.float(), w.float())
+        got = la.head_product_triton(a, w, transposed)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want, **tol)

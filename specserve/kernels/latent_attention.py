@@ -153,6 +153,72 @@ LATENT_MAX_ROWS = 32  # heads x tokens per program (see the module docstring)
 LATENT_COMBINE_TILE = 4096
 
 
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["M", "a_stride_m"])
+    def _head_product_kernel(a_ptr, w_ptr, out_ptr, M, a_stride_m, a_stride_h, H, w_stride_h, w_stride_r,
+                             K: tl.constexpr, N: tl.constexpr, W_KN: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr):
+        # Program (h, n): out[m, h, n..] = sum_k a[m, h, k] W_h[k, n..] for the M tokens, each weight tile
+        # read once for all of them. W_h is stored [K, N] (W_KN) or [N, K], rows w_stride_r apart.
+        h = tl.program_id(0)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_m = tl.arange(0, BLOCK_M)
+        mmask, nmask = offs_m < M, offs_n < N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        wait_for_previous(PDL)
+        for k0 in range(0, K, BLOCK_K):
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            kmask = offs_k < K
+            a = tl.load(a_ptr + offs_m[:, None] * a_stride_m + h * a_stride_h + offs_k[None, :],
+                        mask=mmask[:, None] & kmask[None, :], other=0.0)
+            if W_KN:
+                w = tl.load(w_ptr + h * w_stride_h + offs_k[:, None] * w_stride_r + offs_n[None, :],
+                            mask=kmask[:, None] & nmask[None, :], other=0.0)
+            else:
+                w = tl.load(w_ptr + h * w_stride_h + offs_n[None, :] * w_stride_r + offs_k[:, None],
+                            mask=kmask[:, None] & nmask[None, :], other=0.0)
+            if F32_DOT:
+                acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            else:
+                acc = tl.dot(a, w, acc)
+        tl.store(out_ptr + offs_m[:, None] * (H * N) + h * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=mmask[:, None] & nmask[None, :])
+
+
+HEAD_PRODUCT_MAX_TOKENS = 64  # tokens `head_product` serves at once (decode and verify); prefill takes einsum
+
+
+def head_product(a: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """Per head h, a[.., h, :] @ W_h for a [B, T, H, K] (unit-stride features, tokens evenly strided) and weights
+    w [H, K, N] (W_h = w[h]) or, `transposed`, [H, N, K] (W_h = w[h].T), each w[h] with unit-stride rows
+    (slices of MLA's kv_b_proj, [H, nope + v, L]: the absorbed query a.W_UK and the values out.W_UV^T).
+    -> [B, T, H, N] in a's dtype, float32 sums. On the GPU at decode and verify sizes one launch where
+    cuBLAS's batched product of one-row matrices streams the weights at under half the bandwidth;
+    else torch.einsum."""
+    B, T, H, K = a.shape
+    fits = (use_triton(a, w) and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
+            and B * T <= HEAD_PRODUCT_MAX_TOKENS and a.stride(3) == 1 and _tokens_even(a) and w.stride(2) == 1
+            and w.shape[0] == H and (w.shape[2] if transposed else w.shape[1]) == K)
+    if not fits:
+        return torch.einsum("bthk,hnk->bthn" if transposed else "bthk,hkn->bthn", a, w)
+    return head_product_triton(a, w, transposed)
+
+
+def head_product_triton(a: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
+    """`head_product`'s kernel, for inputs it accepts."""
+    B, T, H, K = a.shape
+    N = w.shape[1] if transposed else w.shape[2]
+    M = B * T
+    out = torch.empty(B, T, H, N, dtype=a.dtype, device=a.device)
+    block_n = 32 if transposed else 64  # (more programs where N is short: values, 128 a head)
+    _head_product_kernel[(H, triton.cdiv(N, block_n))](
+        a, w, out, M, _token_stride(a), a.stride(2), H, w.stride(0), w.stride(1), K=K, N=N, W_KN=not transposed,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=64, F32_DOT=_interpreted_bf16(a),
+        num_warps=4, **pdl_args(a))
+    return out
+
+
 def _interpreted_bf16(q: torch.Tensor) -> bool:
     """Triton's interpreter multiplies bfloat16 tiles as their int16 bits in tl.dot, so there the
     kernel multiplies in float32 (after loading, and before storing, in bfloat16 as on a GPU)."""
