@@ -199,3 +199,27 @@ def test_native_layer_step_equals_the_layer_op_by_op(ops, spec_steps, monkeypatc
         assert a.token_ids == b.token_ids
         torch.testing.assert_close([t.logprob for t in a.logprobs], [t.logprob for t in b.logprobs],
                                    rtol=1e-4, atol=1e-4)
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_for(tmp_path, caplog):
+    """torch's extension builder waits, silently and forever, while its directory's `lock` file exists;
+    a build killed part-way leaves that file behind. Holding the OS lock that every specserve builder
+    takes, such a file is a dead build's: it is removed (with a warning), and the OS lock is free again
+    once the builder is done, also for a second builder."""
+    import fcntl
+    import os
+
+    build = tmp_path / "specserve_cpu_kernels"
+    build.mkdir()
+    (build / "lock").touch()  # what a killed build leaves
+    with caplog.at_level(logging.WARNING, logger="specserve.kernels.cpu_native"):
+        with cpu_native.builder_lock(build):
+            assert not (build / "lock").exists()
+    assert any("did not finish" in r.getMessage() for r in caplog.records)
+    fd = os.open(build / "specserve.lock", os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # (raises if the builder still held it)
+    finally:
+        os.close(fd)
+    with cpu_native.builder_lock(build):  # a clean directory: nothing to remove
+        assert not (build / "lock").exists()

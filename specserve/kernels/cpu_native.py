@@ -24,10 +24,13 @@ _SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
 _state: dict = {}
 
 
+_NAME = "specserve_cpu_kernels"
+
+
 def _build():
     import os
 
-    from torch.utils.cpp_extension import load
+    from torch.utils.cpp_extension import _get_build_directory, load
 
     try:  # the ninja wheel's binary, also when its environment's bin/ is not on PATH
         import ninja
@@ -36,8 +39,47 @@ def _build():
     except ImportError:
         pass
     log.info("loading the native CPU kernels (built once per machine: about a minute the first time)")
-    return load(name="specserve_cpu_kernels", sources=[str(_SOURCE)],
-                extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False)
+    with builder_lock(Path(_get_build_directory(_NAME, verbose=False))):
+        return load(name=_NAME, sources=[str(_SOURCE)],
+                    extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False)
+
+
+class builder_lock:
+    """Context: this process is the one building or loading the kernels in `build_dir`. torch's builder
+    guards its directory with a `lock` file that only the process that made it removes, so a build killed
+    part-way (Ctrl-C, a timeout) leaves it behind, and every later process would wait for it forever
+    without a word. Here builders first take an OS lock (released by the kernel when its holder dies),
+    so a `lock` file found while holding it is a dead build's: it is removed, and said so."""
+
+    def __init__(self, build_dir: Path):
+        self.build_dir = build_dir
+        self.fd = None
+
+    def __enter__(self):
+        import os
+
+        try:
+            import fcntl
+        except ImportError:  # (not a POSIX system: torch's own lock alone)
+            return self
+        self.build_dir.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.build_dir / "specserve.lock", os.O_CREAT | os.O_RDWR)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process building the native CPU kernels in %s", self.build_dir)
+            fcntl.flock(self.fd, fcntl.LOCK_EX)
+        baton = self.build_dir / "lock"
+        if baton.exists():
+            log.warning("removed %s, left by a build of the native CPU kernels that did not finish", baton)
+            baton.unlink(missing_ok=True)
+        return self
+
+    def __exit__(self, *exc):
+        import os
+
+        if self.fd is not None:
+            os.close(self.fd)  # (closing releases the lock)
 
 
 def _supported() -> str | None:
