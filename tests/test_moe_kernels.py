@@ -21,7 +21,7 @@ import triton.language as tl  # noqa: E402
 from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4, tile_experts, untile_experts  # noqa: E402
 from specserve.kernels.moe import (COMBINE_BLOCK, INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles,  # noqa: E402
                                    _combine_kernel, _weight_tile, align_pairs, default_tiles, fused_experts)
-from specserve.kernels.moe_routing import ROUTER_ROWS, fused_align, fused_route, router_logits  # noqa: E402
+from specserve.kernels.moe_routing import ROUTER_ROWS, fused_align, fused_route, router_logits_triton  # noqa: E402
 from specserve.model import moe as moe_module  # noqa: E402
 from specserve.model.moe import MoE, route_grouped_sigmoid, route_softmax  # noqa: E402
 from specserve.model.quant import Int4Weights, QuantConfig  # noqa: E402
@@ -546,11 +546,11 @@ def test_router_logits_are_float32_products_of_each_row_alone(dtype):
     w = (torch.randn(E, H, generator=g) * 0.05).to(DEV)
     x = torch.randn(ROUTER_ROWS, H, generator=g).to(DEV, dtype)
     want = torch.nn.functional.linear(x.float(), w)
-    full = router_logits(x, w)
+    full = router_logits_triton(x, w)
     assert full.dtype == torch.float32 and full.shape == (ROUTER_ROWS, E)
     torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
     for n in (1, 3):
-        assert torch.equal(router_logits(x[:n], w), full[:n])
+        assert torch.equal(router_logits_triton(x[:n], w), full[:n])
 
 
 @pytest.mark.parametrize("router", ["deepseek-v3", "qwen3-moe"])

@@ -441,7 +441,7 @@ def int4_cuda_layout_fits(w13: Experts, w2: Experts) -> bool:
     _, _, H = expert_shape(w13)
     _, _, I = expert_shape(w2)
     for w, K in ((w13, H), (w2, I)):
-        group = K // w.scale.shape[-1]
+        group = _group(w)
         if w.scale.dtype != torch.bfloat16 or K % 128 or group % 32 or K % group:
             return False
     return (I % (8 * CUDA_WARPS) == 0 and H % (16 * CUDA_WARPS) == 0

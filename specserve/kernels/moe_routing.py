@@ -27,7 +27,8 @@ from __future__ import annotations
 import torch
 
 from specserve.config import MoEConfig
-from specserve.kernels.common import pdl_args, triton
+from specserve.kernels.common import pdl_args, triton, use_triton
+from specserve.kernels.linear import linear
 
 MAX_TOKENS, MAX_TOP_K, MAX_EXPERTS = 64, 8, 512
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
@@ -172,17 +173,25 @@ if triton is not None:
         tl.store(out_ptr + offs_m[:, None] * E + offs_e[None, :], acc, mask=mmask[:, None] & emask[None, :])
 
 
-def router_logits_fit(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `router_logits` serves tokens x [N, H] and router w [E, H]: a float32 router on the GPU, at
+def _router_kernel_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether `_router_kernel` serves tokens x [N, H] and router w [E, H]: a float32 router on the GPU, at
     most ROUTER_ROWS tokens."""
-    return (triton is not None and x.is_cuda and w.dtype == torch.float32 and x.dtype in FLOATS and x.dim() == 2
+    return (use_triton(x, w) and w.dtype == torch.float32 and x.dtype in FLOATS and x.dim() == 2
             and 0 < x.shape[0] <= ROUTER_ROWS and w.is_contiguous())
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """float32 logits [N, E] = x.float() @ w.T for tokens x [N, H] (any float dtype) and a float32 router
-    w [E, H], as the reference computes them (float32 products and sums; the sums in another order than
-    cuBLAS's), in one launch; within `router_logits_fit`."""
+    """Router logits x @ w.T in the router's dtype for tokens x [N, H] (cast to it first, as the reference
+    casts). A float32 router of at most ROUTER_ROWS tokens on the GPU takes one launch: the activations
+    multiplied in float32 without a cast kernel, float32 sums (in another order than cuBLAS's); else
+    `linear`."""
+    if not _router_kernel_fits(x, w):
+        return linear(x.to(w.dtype), w)
+    return router_logits_triton(x, w)
+
+
+def router_logits_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """`router_logits`' kernel, for inputs it accepts."""
     N, H = x.shape
     E = w.shape[0]
     x = x.contiguous()

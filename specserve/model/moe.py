@@ -31,7 +31,7 @@ from specserve.kernels.common import use_triton
 from specserve.kernels.int4 import PACK, dequantize_int4, tile_experts, untile_experts
 from specserve.kernels.linear import linear
 from specserve.kernels.moe import fused_experts, fused_experts_supported, int4_cuda_layout_fits
-from specserve.kernels.moe_routing import FLOATS, fused_route, fused_routing_fits, router_logits, router_logits_fit
+from specserve.kernels.moe_routing import FLOATS, fused_route, fused_routing_fits, router_logits
 from specserve.kernels.norm import silu_mul
 from specserve.model.int4_linear import check_float, check_int32, unpack_zero_points
 from specserve.model.layers import HotPathModule, SwiGLU
@@ -211,10 +211,7 @@ class MoE(HotPathModule):
         """(weights [N, k], expert ids [N, k]) for tokens x [N, hidden]. On CUDA a decode's or
         verify's few tokens route in one Triton program (`kernels.moe_routing.fused_route`),
         more tokens (and the CPU) through the torch functions."""
-        if use_triton(x, self.gate) and router_logits_fit(x, self.gate):
-            logits = router_logits(x, self.gate)  # (a float32 router: no cast of x, one launch)
-        else:
-            logits = linear(x.to(self.gate.dtype), self.gate)
+        logits = router_logits(x, self.gate)
         if (use_triton(logits, self.gate, self.score_bias) and logits.dtype in FLOATS
                 and fused_routing_fits(logits.shape[0], self.m.top_k, self.m.num_experts)):
             return fused_route(logits, self.m, self.score_bias)

@@ -310,8 +310,7 @@ class SpecPolicy:
             if c is None:
                 continue
             E, v = self._tokens_of(k, tree)
-            cycles = max([r / E + z * math.sqrt(r * v / E**3) for r, z in tops]) if len(tops) > 1 else (
-                R / E + tops[0][1] * math.sqrt(R * v / E**3))
+            cycles = max(r / E + z * math.sqrt(r * v / E**3) for r, z in tops)
             rates[k] = R / (cycles * c + (switch if k else 0.0))
         return rates
 

@@ -138,21 +138,19 @@ __device__ __forceinline__ u32 scale_pair(u32 word, int odd) {
     return h | (h << 16);
 }
 
-// Chunk c of the lane's words (wa: its first piece) and scale words (sa: its rows' word of group 0).
-#define W_AT(p, c) ((p) + 256 * (c))
-#define S_AT(p, c) ((p) + 16 * ((128 * (c) + 32 * q) / GROUP))
-
 // acc += rows (g, g + 8) x features of chunks [c0, c1) against the pairs' activations (x, null for a padding column).
+// wa / wb: the lane's piece of rows g / g + 8 in chunk 0 (a chunk is 256 words on); sa / sb: the word holding
+// their scales in group 0 (a group is 16 scales on).
 __device__ __forceinline__ void row_pair_dot(float* acc, Stage* st, const u32* wa, const u32* wb, const u16* sa,
                                              const u16* sb, const u16* x, int c0, int c1, int lane, int g, int q) {
     // shared-memory addresses of this lane's slots in stage 0 (stage k: + k * sizeof(Stage))
     const u32 base = smem_addr(st), dwa = base + 16 * lane, dwb = dwa + 512, dsa = base + 1024 + 4 * lane, dsb = dsa + 128;
     auto issue = [&](int c) {
         const u32 at = (c % STAGES) * (u32)sizeof(Stage);
-        copy16(dwa + at, W_AT(wa, c));
-        copy16(dwb + at, W_AT(wb, c));
-        copy4(dsa + at, S_AT(sa, c));
-        copy4(dsb + at, S_AT(sb, c));
+        copy16(dwa + at, wa + 256 * c);
+        copy16(dwb + at, wb + 256 * c);
+        copy4(dsa + at, sa + 16 * ((128 * c + 32 * q) / GROUP));  // (the group of the lane's features)
+        copy4(dsb + at, sb + 16 * ((128 * c + 32 * q) / GROUP));
     };
     const Magic m;
 #pragma unroll
