@@ -305,9 +305,10 @@ def test_runner_compiles_eager_latent_blocks_reading_nothing(moe_pair, monkeypat
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (2, 5)])
 def test_head_products_equal_einsum(dtype, B, T):
-    """The absorbed query (q_nope . W_UK, q_nope a slice of the query heads) and the values (out . W_UV^T)
-    per head in one launch equal torch.einsum over MLA's kv_b slices, for a decode step's one token a row
-    and a verify's several; 40 latent dims: a partial output block and a partial last feature step."""
+    """The absorbed query (q_nope . W_UK, q_nope a slice of the query heads) per head in one launch equals
+    torch.einsum over MLA's kv_b slice, for a decode step's one token a row and a verify's several; 40 latent
+    dims: a partial output block; 32 features in one partial step of 128 or two of 16. `head_product`
+    (the kernel where it serves, einsum for the values) equals einsum too."""
     g = torch.Generator().manual_seed(B * 10 + T)
     H, nope, rope, v, L = 3, 32, 16, 24, 40
     kv_b = (torch.randn(H, nope + v, L, generator=g) * 0.1).to(DEV, dtype)
@@ -315,9 +316,12 @@ def test_head_products_equal_einsum(dtype, B, T):
     q_nope = q[..., :nope]  # (heads nope + rope apart: a strided view, as in the model)
     out = torch.randn(B, T, H, L, generator=g).to(DEV, dtype)
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    want = torch.einsum("bthn,hnl->bthl", q_nope.float(), kv_b[:, :nope].float())
+    for cfg in (None, (16, 16, 4, 2)):
+        got = la.head_product_triton(q_nope, kv_b[:, :nope], cfg)
+        assert got.dtype == dtype and got.shape == want.shape
+        torch.testing.assert_close(got.float(), want, **tol)
     for a, w, transposed, spec in ((q_nope, kv_b[:, :nope], False, "bthn,hnl->bthl"),
                                    (out, kv_b[:, nope:], True, "bthl,hvl->bthv")):
         want = torch.einsum(spec, a.float(), w.float())
-        got = la.head_product_triton(a, w, transposed)
-        assert got.dtype == dtype and got.shape == want.shape
-        torch.testing.assert_close(got.float(), want, **tol)
+        torch.testing.assert_close(la.head_product(a, w, transposed).float(), want, **tol)

@@ -540,17 +540,18 @@ def test_fused_route_equals_torch_routing(router, tokens):
 def test_router_logits_are_float32_products_of_each_row_alone(dtype):
     """A float32 router's logits of 1-8 tokens in one launch: the reference's float32 products and sums (to
     float32's summation order), E not a multiple of the expert block, H not a multiple of the feature step;
-    and each row's bits do not depend on the rows beside it (decode and verify route a token alike)."""
+    and each row's bits do not depend on the rows beside it."""
     g = torch.Generator().manual_seed(9)
     E, H = 37, 700
     w = (torch.randn(E, H, generator=g) * 0.05).to(DEV)
     x = torch.randn(ROUTER_ROWS, H, generator=g).to(DEV, dtype)
     want = torch.nn.functional.linear(x.float(), w)
-    full = router_logits_triton(x, w)
-    assert full.dtype == torch.float32 and full.shape == (ROUTER_ROWS, E)
-    torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
-    for n in (1, 3):
-        assert torch.equal(router_logits_triton(x[:n], w), full[:n])
+    for cfg in (None, (2, 256, 4, 1)):  # the chosen launch shape (one feature step here) and a smaller one
+        full = router_logits_triton(x, w, cfg)
+        assert full.dtype == torch.float32 and full.shape == (ROUTER_ROWS, E)
+        torch.testing.assert_close(full, want, rtol=1e-5, atol=1e-5)
+        for n in (1, 3):
+            assert torch.equal(router_logits_triton(x[:n], w, cfg), full[:n])
 
 
 @pytest.mark.parametrize("router", ["deepseek-v3", "qwen3-moe"])

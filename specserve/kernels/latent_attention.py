@@ -156,11 +156,11 @@ LATENT_COMBINE_TILE = 4096
 if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "a_stride_m"])
-    def _head_product_kernel(a_ptr, w_ptr, out_ptr, M, a_stride_m, a_stride_h, H, w_stride_h, w_stride_r,
-                             K: tl.constexpr, N: tl.constexpr, W_KN: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr):
+    def _head_product_kernel(a_ptr, w_ptr, out_ptr, M, a_stride_m, a_stride_h, H, w_stride_h, w_stride_k,
+                             K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr):
         # Program (h, n): out[m, h, n..] = sum_k a[m, h, k] W_h[k, n..] for the M tokens, each weight tile
-        # read once for all of them. W_h is stored [K, N] (W_KN) or [N, K], rows w_stride_r apart.
+        # read once for all of them (W_h rows w_stride_k apart).
         h = tl.program_id(0)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.arange(0, BLOCK_M)
@@ -172,12 +172,8 @@ if triton is not None:
             kmask = offs_k < K
             a = tl.load(a_ptr + offs_m[:, None] * a_stride_m + h * a_stride_h + offs_k[None, :],
                         mask=mmask[:, None] & kmask[None, :], other=0.0)
-            if W_KN:
-                w = tl.load(w_ptr + h * w_stride_h + offs_k[:, None] * w_stride_r + offs_n[None, :],
-                            mask=kmask[:, None] & nmask[None, :], other=0.0)
-            else:
-                w = tl.load(w_ptr + h * w_stride_h + offs_n[None, :] * w_stride_r + offs_k[:, None],
-                            mask=kmask[:, None] & nmask[None, :], other=0.0)
+            w = tl.load(w_ptr + h * w_stride_h + offs_k[:, None] * w_stride_k + offs_n[None, :],
+                        mask=kmask[:, None] & nmask[None, :], other=0.0)
             if F32_DOT:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
@@ -186,36 +182,40 @@ if triton is not None:
                  mask=mmask[:, None] & nmask[None, :])
 
 
-HEAD_PRODUCT_MAX_TOKENS = 64  # tokens `head_product` serves at once (decode and verify); prefill takes einsum
+# The absorbed query's product at decode and verify sizes (H200, Kimi-K2.5 width, 64 heads of [128, 512]:
+# 4.1-4.9 us against einsum's 4.9-5.1 up to 32 tokens; benchmarks/mla_router_sweep.py). The values' product
+# (W_h read transposed) stays with einsum, which beat every launch shape tried there.
+HEAD_PRODUCT_MAX_TOKENS = 32
+HEAD_PRODUCT_CONFIG = (128, 128, 8, 1)  # BLOCK_N, BLOCK_K, warps, stages
 
 
 def head_product(a: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
     """Per head h, a[.., h, :] @ W_h for a [B, T, H, K] (unit-stride features, tokens evenly strided) and weights
     w [H, K, N] (W_h = w[h]) or, `transposed`, [H, N, K] (W_h = w[h].T), each w[h] with unit-stride rows
     (slices of MLA's kv_b_proj, [H, nope + v, L]: the absorbed query a.W_UK and the values out.W_UV^T).
-    -> [B, T, H, N] in a's dtype, float32 sums. On the GPU at decode and verify sizes one launch where
-    cuBLAS's batched product of one-row matrices streams the weights at under half the bandwidth;
-    else torch.einsum."""
+    -> [B, T, H, N] in a's dtype, float32 sums. On the GPU the absorbed query of up to
+    HEAD_PRODUCT_MAX_TOKENS tokens takes one launch (cuBLAS's batched product of one-row matrices
+    streams the weights slower there); else torch.einsum."""
     B, T, H, K = a.shape
-    fits = (use_triton(a, w) and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
+    fits = (not transposed and use_triton(a, w) and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
             and B * T <= HEAD_PRODUCT_MAX_TOKENS and a.stride(3) == 1 and _tokens_even(a) and w.stride(2) == 1
-            and w.shape[0] == H and (w.shape[2] if transposed else w.shape[1]) == K)
+            and w.shape[0] == H and w.shape[1] == K)
     if not fits:
         return torch.einsum("bthk,hnk->bthn" if transposed else "bthk,hkn->bthn", a, w)
-    return head_product_triton(a, w, transposed)
+    return head_product_triton(a, w)
 
 
-def head_product_triton(a: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """`head_product`'s kernel, for inputs it accepts."""
+def head_product_triton(a: torch.Tensor, w: torch.Tensor, cfg: tuple | None = None) -> torch.Tensor:
+    """`head_product`'s kernel (W_h as stored, [K, N]), for inputs it accepts; `cfg` as HEAD_PRODUCT_CONFIG."""
     B, T, H, K = a.shape
-    N = w.shape[1] if transposed else w.shape[2]
+    N = w.shape[2]
     M = B * T
+    block_n, block_k, warps, stages = cfg or HEAD_PRODUCT_CONFIG
     out = torch.empty(B, T, H, N, dtype=a.dtype, device=a.device)
-    block_n = 32 if transposed else 64  # (more programs where N is short: values, 128 a head)
     _head_product_kernel[(H, triton.cdiv(N, block_n))](
-        a, w, out, M, _token_stride(a), a.stride(2), H, w.stride(0), w.stride(1), K=K, N=N, W_KN=not transposed,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=64, F32_DOT=_interpreted_bf16(a),
-        num_warps=4, **pdl_args(a))
+        a, w, out, M, _token_stride(a), a.stride(2), H, w.stride(0), w.stride(1), K=K, N=N,
+        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=_interpreted_bf16(a),
+        num_warps=warps, num_stages=stages, **pdl_args(a))
     return out
 
 

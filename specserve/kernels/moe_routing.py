@@ -10,9 +10,10 @@ of a graph replay; here they are two launches:
                    `align_pairs`, from a histogram of the experts, a sort of (expert, pair)
                    keys and a scatter.
 
-and before them ``router_logits``: a float32 router's logits of up to ROUTER_ROWS tokens in 16-bit
-activations, the cast and the product in one launch (the cast is a kernel of its own, and cuBLAS's
-float32 GEMV streams a 384 x 7168 router at ~1.5 TB/s).
+and before them ``router_logits``: a float32 router's logits of 2 to ROUTER_ROWS tokens in 16-bit
+activations, the cast and the product in one launch (cuBLAS's float32 product of 2-8 rows by a
+384 x 7168 router takes ~25 us on an H200 with the cast, this kernel ~12; one row stays with the cast
+and cuBLAS's GEMV, ~10 us; benchmarks/mla_router_sweep.py).
 
 Both have fixed output sizes and never wait on the host, so a CUDA graph captures them. They
 serve up to `MAX_TOKENS` tokens, `MAX_TOP_K` experts a token and `MAX_EXPERTS` experts
@@ -32,8 +33,9 @@ from specserve.kernels.linear import linear
 
 MAX_TOKENS, MAX_TOP_K, MAX_EXPERTS = 64, 8, 512
 FLOATS = (torch.float32, torch.float16, torch.bfloat16)
-ROUTER_ROWS = 8  # tokens `router_logits` serves (a decode's or a short verify's); more take the cast and cuBLAS
-ROUTER_BLOCK_E, ROUTER_BLOCK_K = 2, 256  # experts a program, features a step (fixed: every row sums in one order)
+ROUTER_ROWS = 8  # tokens `router_logits`' kernel serves (a short verify's); more, or one, take the cast and cuBLAS
+# (experts a program, features a step, warps, pipeline stages): fixed, so every row sums in one order
+ROUTER_CONFIG = (1, 2048, 8, 2)
 
 if triton is not None:
     import triton.language as tl
@@ -174,15 +176,15 @@ if triton is not None:
 
 
 def _router_kernel_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether `_router_kernel` serves tokens x [N, H] and router w [E, H]: a float32 router on the GPU, at
-    most ROUTER_ROWS tokens."""
+    """Whether `_router_kernel` serves tokens x [N, H] and router w [E, H]: a float32 router on the GPU,
+    2 to ROUTER_ROWS tokens."""
     return (use_triton(x, w) and w.dtype == torch.float32 and x.dtype in FLOATS and x.dim() == 2
-            and 0 < x.shape[0] <= ROUTER_ROWS and w.is_contiguous())
+            and 1 < x.shape[0] <= ROUTER_ROWS and w.is_contiguous())
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """Router logits x @ w.T in the router's dtype for tokens x [N, H] (cast to it first, as the reference
-    casts). A float32 router of at most ROUTER_ROWS tokens on the GPU takes one launch: the activations
+    casts). A float32 router of 2 to ROUTER_ROWS tokens on the GPU takes one launch: the activations
     multiplied in float32 without a cast kernel, float32 sums (in another order than cuBLAS's); else
     `linear`."""
     if not _router_kernel_fits(x, w):
@@ -190,15 +192,16 @@ def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return router_logits_triton(x, w)
 
 
-def router_logits_triton(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """`router_logits`' kernel, for inputs it accepts."""
+def router_logits_triton(x: torch.Tensor, w: torch.Tensor, cfg: tuple | None = None) -> torch.Tensor:
+    """`router_logits`' kernel, for inputs it accepts; `cfg` as ROUTER_CONFIG."""
     N, H = x.shape
     E = w.shape[0]
+    block_e, block_k, warps, stages = cfg or ROUTER_CONFIG
     x = x.contiguous()
     out = torch.empty(N, E, dtype=torch.float32, device=x.device)
-    # (one tile of ROUTER_ROWS rows whatever N is: a row's sums add in one order in every batch)
-    _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E),)](x, w, out, N, E, H=H, BLOCK_M=ROUTER_ROWS, BLOCK_E=ROUTER_BLOCK_E,
-                                                     BLOCK_K=ROUTER_BLOCK_K, num_warps=4, **pdl_args(x))
+    # (one tile of 8 rows whatever N is (ROUTER_ROWS <= 8): a row's sums add in one order in every batch)
+    _router_kernel[(triton.cdiv(E, block_e),)](x, w, out, N, E, H=H, BLOCK_M=8, BLOCK_E=block_e, BLOCK_K=block_k,
+                                              num_warps=warps, num_stages=stages, **pdl_args(x))
     return out
 
 
