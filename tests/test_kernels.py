@@ -8,6 +8,8 @@ checked there to one bf16 step.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -282,6 +284,26 @@ def test_gemv(rows, dtype):
         torch.testing.assert_close(gemv.gemv_triton(x, w, cfg).float(), want, rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.gpu
+def test_cuda_gemv_equals_a_float32_reference_in_every_launch_shape():
+    """The one-row CUDA GEMV (kernels/csrc/gemv.cu) against F.linear in float32, for every launch shape the
+    sweep tries: N not a multiple of a block's rows, K of 1, 9 and 28 steps of 256 (not a multiple of the
+    steps a batch loads, nor of the warps sharing a row). Its float32 sums round once to bf16, so it is
+    within one bf16 rounding."""
+    if not gemv.gemv_cuda_fits(torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16),
+                               torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)):
+        pytest.skip("the CUDA GEMV needs a Hopper or later GPU and torch.cuda._compile_kernel")
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for N, K in ((100, 256), (333, 2304), (4096, 7168)):
+        w = (torch.randn(N, K, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+        x = torch.randn(1, K, device="cuda", generator=g).to(torch.bfloat16)
+        want = F.linear(x.float(), w.float())
+        for warps, rows, split, unroll in itertools.product((4, 8), (1, 2), (1, 2, 4), (2, 4, 8)):
+            got = gemv.gemv_cuda(x, w, ("cuda", warps, rows, split, unroll))
+            assert got.shape == (1, N) and got.dtype == torch.bfloat16
+            torch.testing.assert_close(got.float(), want, rtol=8e-3, atol=1e-3 * want.abs().max().item())
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_gemv_fixed_row_tile_gives_each_row_the_same_result_at_any_row_count(dtype):
     """With BLOCK_M fixed (--batch-invariant) one row and a verify's rows run the same tile, so
@@ -417,8 +439,8 @@ def test_linear_follows_the_weights_own_tuning(monkeypatch):
     """`linear` takes the GEMV only for a weight whose own tuning chose it: a weight of the same
     shape without a tuning (another model's) keeps cuBLAS."""
     calls = []
-    real = linear_k.gemv_triton
-    monkeypatch.setattr(linear_k, "gemv_triton", lambda *a: calls.append(a[2]) or real(*a))
+    real = linear_k.gemv
+    monkeypatch.setattr(linear_k, "gemv", lambda *a: calls.append(a[2]) or real(*a))
     cfg = gemv.GEMV_CONFIGS[1][0]
     tuned, plain = (torch.randn(256, 512, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     tuned.linear_tuning = gemv.LinearTuning({(256, 512, torch.bfloat16, 1): cfg})

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -37,6 +39,13 @@ ROW_INVARIANT_GEMV = (32, 256, 4, 4, 16)
 GEMV_CONFIGS = {1: ((8, 512, 4, 4), (8, 512, 8, 4), (8, 256, 4, 4), (8, 1024, 8, 4)),
                 2: ((32, 256, 4, 4), (64, 256, 4, 4), (32, 128, 4, 3)),
                 16: ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))}
+# One row also tries the CUDA GEMV (kernels/csrc/gemv.cu: Hopper or later, bf16, K a multiple of 256):
+# ("cuda", warps a block, weight rows a warp, warps sharing a row's features, 16-byte loads a lane per
+# row and batch of steps).
+# The best of the sweep at Kimi-K2.5's shapes (benchmarks/gemv_sweep.py --shapes kimi, H200): its latent
+# projection 3.3 TB/s against Triton's 2.1 and cuBLAS's 2.4; o, shared gate_up and lm_head 4.1, 3.8, 4.7.
+GEMV_CUDA_CONFIGS = (("cuda", 8, 1, 2, 2), ("cuda", 4, 2, 1, 2), ("cuda", 8, 2, 2, 2), ("cuda", 4, 1, 4, 2),
+                     ("cuda", 8, 1, 1, 2))
 
 
 @dataclass
@@ -106,6 +115,38 @@ def gemv_triton(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
                                              BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1 and not fixed_m,
                                              num_warps=warps, num_stages=stages, **pdl_args(x2))
     return y
+
+
+@functools.cache
+def _gemv_cuda_kernel(warps: int, rows_a_warp: int, split: int, unroll: int):
+    if warps % split:
+        raise ValueError(f"CUDA GEMV: {split} warps a row do not divide {warps} warps a block")
+    src = (Path(__file__).parent / "csrc" / "gemv.cu").read_text()
+    return torch.cuda._compile_kernel(src, "gemv_bf16", nvcc_options=[
+        f"-DWARPS={warps}", f"-DRPW={rows_a_warp}", f"-DSPLIT={split}", f"-DUNROLL={unroll}"])
+
+
+def gemv_cuda_fits(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether the CUDA GEMV serves x2 [rows, K] @ w [N, K]^T (it may still fail to compile: the tuner
+    then keeps to the other kernels)."""
+    return (x2.shape[0] == 1 and x2.dtype == w.dtype == torch.bfloat16 and x2.shape[1] % 256 == 0 and x2.is_cuda
+            and hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(x2.device) >= (9, 0))
+
+
+def gemv_cuda(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
+    """x2 [1, K] (contiguous) @ w [N, K]^T (contiguous) by kernels/csrc/gemv.cu, within `gemv_cuda_fits`."""
+    _, warps, rows_a_warp, split, unroll = cfg
+    N, K = w.shape
+    y = torch.empty(1, N, dtype=x2.dtype, device=x2.device)
+    rows_a_block = warps // split * rows_a_warp
+    _gemv_cuda_kernel(warps, rows_a_warp, split, unroll)(grid=(-(-N // rows_a_block), 1, 1), block=(32 * warps, 1, 1),
+                                                         args=[x2, w, y, N, K])
+    return y
+
+
+def gemv(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
+    """x2 @ w^T by a GEMV config of the tuner's: a CUDA one (cfg[0] == "cuda") or a Triton one."""
+    return gemv_cuda(x2, w, cfg) if cfg[0] == "cuda" else gemv_triton(x2, w, cfg)
 
 
 def gemv_config_group(rows: int) -> int:
@@ -194,10 +235,11 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8, invariant: bool 
             ref = F.linear(x, ws[0]).float()
             t_cublas = graph_us([lambda w=w: F.linear(x, w) for w in ws])
             best, t_best = None, t_cublas
-            for cfg in GEMV_CONFIGS[gemv_config_group(rows)]:
+            cuda = GEMV_CUDA_CONFIGS if gemv_cuda_fits(x, ws[0]) else ()
+            for cfg in GEMV_CONFIGS[gemv_config_group(rows)] + cuda:
                 try:
-                    err = ((gemv_triton(x, ws[0], cfg).float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
-                    t = graph_us([lambda w=w, c=cfg: gemv_triton(x, w, c) for w in ws]) if err <= 1e-2 else None
+                    err = ((gemv(x, ws[0], cfg).float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+                    t = graph_us([lambda w=w, c=cfg: gemv(x, w, c) for w in ws]) if err <= 1e-2 else None
                 except Exception as e:  # a config this GPU or Triton cannot run: skip it, keep cuBLAS
                     # (64-row tiles of the widest candidates need more shared memory than a GPU has:
                     # expected, so not worth a warning at every start-up)

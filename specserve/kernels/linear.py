@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from specserve.kernels.common import use_triton
 from specserve.kernels.cpu_linear import CPU_ROWS, NATIVE, ONEDNN
 from specserve.kernels.cpu_native import ops as native_ops
-from specserve.kernels.gemv import gemv_triton
+from specserve.kernels.gemv import gemv
 
 _MAX_TUNED = CPU_ROWS[-1]
 
@@ -43,5 +43,5 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None) -> t
     cfg = tuning.gemv_config(w, x.dtype, rows) if tuning is not None else None
     if cfg is None or not use_triton(x, w, b):
         return F.linear(x, w, b)
-    y = gemv_triton(x.reshape(rows, -1).contiguous(), w, cfg).view(*x.shape[:-1], w.shape[0])
+    y = gemv(x.reshape(rows, -1).contiguous(), w, cfg).view(*x.shape[:-1], w.shape[0])
     return y + b if b is not None else y
