@@ -210,6 +210,7 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8, invariant: bool 
     if not common.FUSED or triton is None or not weights or not weights[0].is_cuda:
         return {}
     tuning = LinearTuning()
+    cuda_ok = True
     by_shape: dict[tuple, list[torch.Tensor]] = {}
     for w in weights:
         w.linear_tuning = tuning
@@ -235,12 +236,16 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8, invariant: bool 
             ref = F.linear(x, ws[0]).float()
             t_cublas = graph_us([lambda w=w: F.linear(x, w) for w in ws])
             best, t_best = None, t_cublas
-            cuda = GEMV_CUDA_CONFIGS if gemv_cuda_fits(x, ws[0]) else ()
+            cuda = GEMV_CUDA_CONFIGS if cuda_ok and gemv_cuda_fits(x, ws[0]) else ()
             for cfg in GEMV_CONFIGS[gemv_config_group(rows)] + cuda:
                 try:
                     err = ((gemv(x, ws[0], cfg).float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
                     t = graph_us([lambda w=w, c=cfg: gemv(x, w, c) for w in ws]) if err <= 1e-2 else None
                 except Exception as e:  # a config this GPU or Triton cannot run: skip it, keep cuBLAS
+                    if cfg[0] == "cuda":  # (not built here, e.g. no NVRTC library: said once, not tried again)
+                        log.warning("the CUDA GEMV could not run (%s); products take Triton's GEMV or cuBLAS", e)
+                        cuda_ok = False
+                        break
                     # (64-row tiles of the widest candidates need more shared memory than a GPU has:
                     # expected, so not worth a warning at every start-up)
                     level = logging.DEBUG if "out of resource" in str(e) else logging.WARNING
