@@ -196,6 +196,23 @@ def test_kimi_k25_checkpoint_loads_its_text_model(tmp_path, checkpoint):
         assert torch.equal(p, q), n
 
 
+def test_a_misshapen_part_of_the_fused_latent_projection_is_named(tmp_path, checkpoint):
+    """q_a_proj and kv_a_proj_with_mqa load into one product; a checkpoint tensor of the wrong shape is
+    refused by its own name and shapes, not the fused weight's."""
+    from safetensors.torch import load_file, save_file
+
+    d, _ = checkpoint
+    if ModelConfig.from_dir(d).mla is None:
+        pytest.skip("latent attention only")
+    tensors = load_file(d / "model.safetensors")
+    name = next(k for k in tensors if k.endswith("kv_a_proj_with_mqa.weight"))
+    tensors[name] = tensors[name][:-1].contiguous()
+    save_file(tensors, tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text((d / "config.json").read_text())
+    with pytest.raises(Exception, match=r"kv_a_proj_with_mqa: expected (shape|\d+ rows)"):
+        load_target(tmp_path, torch.device("cpu"), torch.float32, 64)
+
+
 @pytest.mark.parametrize("where", ["top", "text_config"])
 def test_quantized_latent_attention_is_refused_wherever_the_config_sits(tmp_path, where):
     text = dict(KIMI_TEXT)

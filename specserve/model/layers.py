@@ -70,10 +70,24 @@ class RMSNorm(HotPathModule):
 
 
 class ReplicatedLinear(HotPathModule, nn.Linear):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False):
+    """The same weight on every rank. `parts`: checkpoint tensors (name -> output rows) stacked in order
+    into this one product, each loaded with its name as the shard."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, parts: dict[str, int] | None = None):
         super().__init__(in_features, out_features, bias=bias)
+        if parts is not None and sum(parts.values()) != out_features:
+            raise ValueError(f"parts {parts} do not add up to {out_features} output features")
+        self.parts = parts
         for p in self.parameters():
-            p.weight_loader = lambda param, t, shard=None, _n="replicated": _copy_checked(param, t, _n)
+            p.weight_loader = self._load
+
+    def _load(self, param: torch.Tensor, loaded: torch.Tensor, shard: str | None = None) -> None:
+        if shard is None:
+            _copy_checked(param, loaded, "replicated")
+            return
+        names = list(self.parts)
+        lo = sum(self.parts[n] for n in names[: names.index(shard)])
+        _copy_checked(param.data[lo:lo + self.parts[shard]], loaded, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

@@ -64,10 +64,18 @@ class LatentAttention(KVCacheAttention):
         return self._sdpa(q, keys, keys[..., : self.latent_dim], ctx)
 
 
-def _rows_permuted(loader, rows: torch.Tensor):
-    """A weight loader that stores the checkpoint's rows in the order `rows`."""
+KV_A = "kv_a_proj_with_mqa"  # the checkpoint's key/value down-projection (latent + rope rows)
+
+
+def _rows_permuted(loader, rows: torch.Tensor, name: str, only_shard: str | None = None):
+    """A weight loader that stores the checkpoint tensor `name`'s rows in the order `rows` (of shard
+    `only_shard` alone where given)."""
     def load(param, loaded, shard=None):
-        loader(param, loaded.index_select(0, rows.to(loaded.device)), shard)
+        if only_shard is None or shard == only_shard:
+            if loaded.shape[0] != rows.numel():
+                raise ValueError(f"{name}: expected {rows.numel()} rows, checkpoint has shape {tuple(loaded.shape)}")
+            loaded = loaded.index_select(0, rows.to(loaded.device))
+        loader(param, loaded, shard)
 
     return load
 
@@ -92,7 +100,8 @@ class MLASelfAttention(HotPathModule):
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [cfg.num_heads * qk])
             q_out = self.q_b_proj
-        self.latent_proj = ReplicatedLinear(hidden, self.q_lora + self.latent + self.rope_dim, bias=cfg.o_bias)
+        self.latent_proj = ReplicatedLinear(hidden, self.q_lora + self.latent + self.rope_dim, bias=cfg.o_bias,
+                                            parts={"q_a_proj": self.q_lora, KV_A: self.latent + self.rope_dim})
         self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
         # kv_b_proj as [H, nope + v, latent]: W_UK = [:, :nope], W_UV = [:, nope:] (3-D, so the
         # linear tuning, which re-lays out 2-D weights, leaves it as it is).
@@ -107,25 +116,13 @@ class MLASelfAttention(HotPathModule):
             pairs = torch.cat([torch.arange(0, R, 2), torch.arange(1, R, 2)])
             q_rows = torch.cat([torch.arange(self.nope), self.nope + pairs])
             q_rows = (torch.arange(cfg.num_heads).unsqueeze(1) * qk + q_rows).flatten()
-            self.kv_rows = torch.cat([torch.arange(self.latent), self.latent + pairs])
-            q_out.weight.weight_loader = _rows_permuted(q_out.weight.weight_loader, q_rows)
-        else:
-            self.kv_rows = None
-        for p in self.latent_proj.parameters():
-            p.weight_loader = self._load_latent_proj
+            kv_rows = torch.cat([torch.arange(self.latent), self.latent + pairs])
+            q_name = "q_b_proj" if self.q_lora else "q_proj"
+            q_out.weight.weight_loader = _rows_permuted(q_out.weight.weight_loader, q_rows, q_name)
+            for p in self.latent_proj.parameters():
+                p.weight_loader = _rows_permuted(p.weight_loader, kv_rows, KV_A, only_shard=KV_A)
         self.rope = rope
         self.attn = LatentAttention(H, self.latent, self.rope_dim, m.softmax_scale)
-
-    def _load_latent_proj(self, param: torch.Tensor, loaded: torch.Tensor, shard: str) -> None:
-        """q_a_proj's rows (shard "q") or kv_a_proj_with_mqa's ("kv", rope rows reordered where the
-        checkpoint interleaves them) into their part of the fused latent projection."""
-        lo, n = (0, self.q_lora) if shard == "q" else (self.q_lora, self.latent + self.rope_dim)
-        name = "q_a_proj" if shard == "q" else "kv_a_proj_with_mqa"
-        if loaded.shape[0] != n or loaded.shape[1:] != param.shape[1:]:
-            raise ValueError(f"{name}: expected shape {(n, *param.shape[1:])}, checkpoint has {tuple(loaded.shape)}")
-        if shard == "kv" and self.kv_rows is not None:
-            loaded = loaded.index_select(0, self.kv_rows.to(loaded.device))
-        param.data[lo:lo + n].copy_(loaded)
 
     def _load_kv_b(self, param: torch.Tensor, loaded: torch.Tensor, shard=None) -> None:
         want = (self.heads * tp_size() * (self.nope + self.v_dim), self.latent)
@@ -158,9 +155,8 @@ class MLASelfAttention(HotPathModule):
         mods = {"q_proj": self.q_proj, "q_a_layernorm": self.q_a_layernorm, "q_b_proj": self.q_b_proj,
                 "kv_a_layernorm": self.kv_a_layernorm, "o_proj": self.o_proj}
         out: dict[str, tuple[nn.Parameter, int | str | None]] = {prefix + "kv_b_proj.weight": (self.kv_b, None)}
-        for name, shard in (("q_a_proj", "q"), ("kv_a_proj_with_mqa", "kv")):
-            if shard == "kv" or self.q_lora:
-                out.update({f"{prefix}{name}.{p}": (t, shard) for p, t in self.latent_proj.named_parameters()})
+        for name in ("q_a_proj", KV_A) if self.q_lora else (KV_A,):
+            out.update({f"{prefix}{name}.{p}": (t, name) for p, t in self.latent_proj.named_parameters()})
         for name, mod in mods.items():
             if mod is not None:
                 out.update({f"{prefix}{name}.{p}": (t, None) for p, t in mod.named_parameters()})
