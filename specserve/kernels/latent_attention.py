@@ -184,29 +184,28 @@ if triton is not None:
 
 # The absorbed query's product at decode and verify sizes (H200, Kimi-K2.5 width, 64 heads of [128, 512]:
 # 4.1-4.9 us against einsum's 4.9-5.1 up to 32 tokens; benchmarks/mla_router_sweep.py). The values' product
-# (W_h read transposed) stays with einsum, which beat every launch shape tried there.
+# (W_UV read transposed) is einsum's, which beat every launch shape tried there.
 HEAD_PRODUCT_MAX_TOKENS = 32
 HEAD_PRODUCT_CONFIG = (128, 128, 8, 1)  # BLOCK_N, BLOCK_K, warps, stages
 
 
-def head_product(a: torch.Tensor, w: torch.Tensor, transposed: bool) -> torch.Tensor:
-    """Per head h, a[.., h, :] @ W_h for a [B, T, H, K] (unit-stride features, tokens evenly strided) and weights
-    w [H, K, N] (W_h = w[h]) or, `transposed`, [H, N, K] (W_h = w[h].T), each w[h] with unit-stride rows
-    (slices of MLA's kv_b_proj, [H, nope + v, L]: the absorbed query a.W_UK and the values out.W_UV^T).
-    -> [B, T, H, N] in a's dtype, float32 sums. On the GPU the absorbed query of up to
-    HEAD_PRODUCT_MAX_TOKENS tokens takes one launch (cuBLAS's batched product of one-row matrices
-    streams the weights slower there); else torch.einsum."""
+def head_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Per head h, a[.., h, :] @ w[h] for a [B, T, H, K] (unit-stride features, tokens evenly strided) and
+    weights w [H, K, N] with unit-stride rows (MLA's absorbed query: q_nope times W_UK, a slice of kv_b_proj)
+    -> [B, T, H, N] in a's dtype, float32 sums. On the GPU up to HEAD_PRODUCT_MAX_TOKENS tokens take one
+    launch (cuBLAS's batched product of one-row matrices streams the weights slower there); else
+    torch.einsum."""
     B, T, H, K = a.shape
-    fits = (not transposed and use_triton(a, w) and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
+    fits = (use_triton(a, w) and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
             and B * T <= HEAD_PRODUCT_MAX_TOKENS and a.stride(3) == 1 and _tokens_even(a) and w.stride(2) == 1
             and w.shape[0] == H and w.shape[1] == K)
     if not fits:
-        return torch.einsum("bthk,hnk->bthn" if transposed else "bthk,hkn->bthn", a, w)
+        return torch.einsum("bthk,hkn->bthn", a, w)
     return head_product_triton(a, w)
 
 
 def head_product_triton(a: torch.Tensor, w: torch.Tensor, cfg: tuple | None = None) -> torch.Tensor:
-    """`head_product`'s kernel (W_h as stored, [K, N]), for inputs it accepts; `cfg` as HEAD_PRODUCT_CONFIG."""
+    """`head_product`'s kernel, for inputs it accepts; `cfg` as HEAD_PRODUCT_CONFIG."""
     B, T, H, K = a.shape
     N = w.shape[2]
     M = B * T

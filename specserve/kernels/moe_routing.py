@@ -145,9 +145,6 @@ if triton is not None:
         # every used block starts with a pair of its expert (runs start on block boundaries)
         tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=mine & (dest % BLOCK_M == 0))
 
-
-if triton is not None:
-
     @triton.jit(do_not_specialize=["N"])
     def _router_kernel(x_ptr, w_ptr, out_ptr, N, E, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
                        BLOCK_K: tl.constexpr, PDL: tl.constexpr):

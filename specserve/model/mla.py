@@ -136,7 +136,7 @@ class MLASelfAttention(HotPathModule):
         q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(q_a))
         q_nope, q_rot = q.view(B, T, self.heads, -1).split([self.nope, self.rope_dim], dim=-1)
         c, k_rot = self.kv_a_layernorm(c), k_rot.unsqueeze(2)
-        q_latent = head_product(q_nope, self.kv_b[:, : self.nope], transposed=False)  # W_UK^T q_nope a head
+        q_latent = head_product(q_nope, self.kv_b[:, : self.nope])  # W_UK^T q_nope a head
         cache = self.attn.k_cache
         if rope_store_latent_ok(q_rot, k_rot, cache, ctx.write_idx, ctx.positions, self.latent):
             # (one launch for both rotations, the query's concatenation and the cache write)
@@ -147,7 +147,7 @@ class MLASelfAttention(HotPathModule):
             q_rot = KVCacheAttention._rotate(q_rot, ctx, self.rope)
             latent = torch.cat([c.unsqueeze(2), KVCacheAttention._rotate(k_rot, ctx, self.rope)], dim=-1)
             out = self.attn(torch.cat([q_latent, q_rot], dim=-1), latent, ctx)
-        v = head_product(out.view(B, T, self.heads, self.latent), self.kv_b[:, self.nope:], transposed=True)  # W_UV
+        v = torch.einsum("bthl,hvl->bthv", out.view(B, T, self.heads, self.latent), self.kv_b[:, self.nope:])
         return self.o_proj(v.reshape(B, T, self.heads * self.v_dim))
 
     def hf_weights(self, prefix: str) -> dict[str, tuple[nn.Parameter, int | None]]:
