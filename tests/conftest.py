@@ -1,5 +1,4 @@
 import os
-import sys
 
 import pytest
 import torch
@@ -9,7 +8,6 @@ if not torch.cuda.is_available():
     # before they are defined. It changes nothing else: without CUDA the engine never calls them.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/tiny.py
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
@@ -33,6 +31,7 @@ def make_pair(tmp_path_factory):
     import shutil
 
     from specserve.config import DEMO_DIR
+
     from tiny import make_drafter, make_target
 
     built: dict[tuple, tuple] = {}
@@ -56,8 +55,29 @@ def make_pair(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def small_pair(make_pair) -> tuple:
+    """A random 12-token target and its drafter: small enough that random drafts are often accepted."""
+    return make_pair(vocab=12, hidden=32, layers=4, heads=2, kv_heads=1, draft={"draft_vocab": 8})
+
+
+@pytest.fixture(scope="session")
 def demo_pair() -> tuple[str, str]:
     """The bundled demo pair: the small trained target and its trained drafter."""
     from specserve.config import DEMO_DIR
 
     return str(DEMO_DIR), str(DEMO_DIR / "draft")
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Replace NVML: each argument is (used MiB, total MiB) of one GPU."""
+    from specserve.ops import nvml
+
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+
+    def install(*mem: tuple[float, float]) -> None:
+        gpus = [nvml.Gpu(index=i, name="FakeGPU", uuid=f"GPU-fake-{i}", minor=i, memory_used_mib=u,
+                         memory_total_mib=t, utilization_pct=0) for i, (u, t) in enumerate(mem)]
+        monkeypatch.setattr(nvml, "query", lambda processes=True: nvml.GpuQuery(True, "", "1.0", gpus))
+
+    return install

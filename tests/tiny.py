@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 
 def make_target(out: Path, arch: str = "llama", vocab: int = 96, hidden: int = 64, layers: int = 4,
@@ -284,3 +284,66 @@ def engine_with_prefill_graphs(buckets, **config):
         engine = Engine(EngineConfig(**config))
     eager_prefill_graphs(engine.runner)
     return engine
+
+
+# Prompts of the demo tokenizer on which make_lagging_drafter's drafts are accepted.
+CODE_PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):", "for i in range(10):"]
+
+
+def make_lagging_drafter(out: Path, target_dir: Path) -> Path:
+    """An EAGLE-3 drafter that proposes from the target's own distribution, one
+    position late: it taps the target's final hidden state (aux id L-1 in the
+    SGLang convention = the input of layer L), passes it through unchanged
+    (o_proj and down_proj are zero) and applies the target's norm and head. An
+    EAGLE-3 head must predict p+2 from the features at p; this one predicts p+1,
+    so greedy drafts are accepted where the target repeats a token and sampled
+    ones where consecutive distributions overlap: real, multi-token acceptance
+    on a random target, deterministic for fixed prompts and seeds."""
+    cfg = json.loads((target_dir / "config.json").read_text())
+    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
+    heads, kv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
+    hd = H // heads
+    w = load_file(str(target_dir / "model.safetensors"))
+    g = torch.Generator().manual_seed(3)
+    r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
+    t = {
+        "fc.weight": torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], 1),
+        "midlayer.input_layernorm.weight": torch.ones(H), "midlayer.hidden_norm.weight": torch.ones(H),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H),
+        "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * H), "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * H),
+        "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * H), "midlayer.self_attn.o_proj.weight": torch.zeros(H, heads * hd),
+        "midlayer.mlp.gate_proj.weight": r(inter, H), "midlayer.mlp.up_proj.weight": r(inter, H),
+        "midlayer.mlp.down_proj.weight": torch.zeros(H, inter),
+        "norm.weight": w["model.norm.weight"].float(), "lm_head.weight": w["lm_head.weight"].float(),
+        "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool),
+    }
+    dcfg = {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "hidden_size": H,
+            "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter, "rms_norm_eps": 1e-6,
+            "vocab_size": V, "draft_vocab_size": V, "max_position_embeddings": 512,
+            "rope_theta": cfg.get("rope_theta", 10000.0), "torch_dtype": "float32",
+            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [L - 1, L - 1, L - 1]}}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(dcfg))
+    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
+    return out
+
+
+# Token-id prompts for greedy engine runs (generate_greedy).
+INT_PROMPTS = [[1, 5, 2, 7], [3] * 11, [4, 9, 0, 10, 2, 2, 6]]
+
+
+def generate_greedy(model, prompts, draft=None, **kw):
+    """Greedy 24-token outputs of `prompts` on one engine, checked idle afterwards; (outputs, engine)."""
+    from specserve.config import EngineConfig
+    from specserve.engine.engine import Engine
+    from specserve.engine.sampling import SamplingParams
+
+    kw.setdefault("device", "cpu")
+    engine = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, max_num_seqs=len(prompts),
+                                 **kw))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    seqs = [engine.add_request(p, params) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    engine.check_idle_integrity()
+    return [s.output_ids for s in seqs], engine

@@ -7,16 +7,12 @@ Shares the demo pair and the in-process `Live` server of test_server.py.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from specserve.engine.llm import LLM, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_server import NAME, PROMPTS, Live, http, pair, serve_kwargs  # noqa: E402,F401
+from serving import NAME, PROMPTS, Live, serve_kwargs
 
 TOL = 1e-4
 

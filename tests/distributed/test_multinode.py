@@ -22,16 +22,11 @@ import torch
 from specserve.config import ConfigError, ParallelConfig
 from specserve.engine.llm import LLM
 from specserve.engine.sampling import SamplingParams
-from test_tp import PROMPTS, make_lagging_drafter  # prompts on which the lagging drafter is accepted
+
+from tiny import CODE_PROMPTS  # prompts on which the lagging drafter is accepted
 
 ENGINE = ["--device", "cpu", "--max-model-len", "96", "--disable-cuda-graph"]
 WAIT = 180  # generous: five agents share two cores
-
-
-@pytest.fixture(scope="module")
-def pair(make_pair):
-    return make_pair(vocab=4096, hidden=64, layers=4, heads=4, kv_heads=2, tokenizer="demo",
-                     drafter=make_lagging_drafter)
 
 
 def _free_port_pair() -> int:
@@ -75,7 +70,7 @@ def _generate_args(target, draft, extra=()) -> list[str]:
     args = ["--model", str(target), "--max-tokens", "24", "--ignore-eos", "--json", *extra]
     if draft is not None:
         args += ["--draft", str(draft), "--spec-steps", "3"]
-    for p in PROMPTS:
+    for p in CODE_PROMPTS:
         args += ["--prompt", p]
     return args
 
@@ -114,7 +109,7 @@ def test_two_nodes_equal_one_process_and_every_worker_reports_env(pair):
     target, draft = pair
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = LLM(model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_model_len=96,
-              max_num_seqs=4).generate(PROMPTS, greedy)
+              max_num_seqs=4).generate(CODE_PROMPTS, greedy)
     port = _free_port_pair()
     args = _generate_args(target, draft, ["--env", "SPECSERVE_TEST_MARK=mn-7"])
     node1 = _node("generate", 1, port, args)
@@ -264,7 +259,7 @@ def test_two_nodes_on_two_gpus_with_nccl_and_graphs_equal_one_gpu(pair):
     target, draft = pair
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     ref = LLM(model=str(target), draft=str(draft), spec_steps=3, device="cuda", dtype="float32", max_model_len=96,
-              max_num_seqs=4).generate(PROMPTS, greedy)
+              max_num_seqs=4).generate(CODE_PROMPTS, greedy)
     port = _free_port_pair()
     args = _generate_args(target, draft)
     gpu = ["--device", "cuda", "--dtype", "float32", "--max-model-len", "96"]

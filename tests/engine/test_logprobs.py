@@ -24,15 +24,10 @@ MODES = {
 
 
 @pytest.fixture(scope="module")
-def pair(make_pair):
-    return make_pair(vocab=VOCAB, hidden=32, layers=4, heads=2, kv_heads=1, draft={"draft_vocab": 8})
-
-
-@pytest.fixture(scope="module")
-def hf_model(pair):
+def hf_model(small_pair):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(str(pair[0]), torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(str(small_pair[0]), torch_dtype=torch.float32).eval()
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -40,11 +35,11 @@ def _prompts(n: int) -> list[list[int]]:
     return [torch.randint(0, VOCAB - 1, (4 + 5 * i,), generator=g).tolist() for i in range(n)]
 
 
-def _run(pair, mode: str, prompts, params):
+def _run(small_pair, mode: str, prompts, params):
     kw = dict(MODES[mode])
     ahead = kw.pop("launch_ahead", False)
-    draft = str(pair[1]) if "spec_steps" in kw else None
-    engine = Engine(EngineConfig(model=str(pair[0]), draft=draft, device="cpu", max_num_seqs=len(prompts), **kw))
+    draft = str(small_pair[1]) if "spec_steps" in kw else None
+    engine = Engine(EngineConfig(model=str(small_pair[0]), draft=draft, device="cpu", max_num_seqs=len(prompts), **kw))
     engine.launch_ahead = ahead
     plist = params if isinstance(params, list) else [params] * len(prompts)
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, plist)]
@@ -83,19 +78,19 @@ def _check_against_reference(hf_model, seq, k: int) -> None:
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("batch", [1, 3])
-def test_greedy_logprobs_equal_transformers(pair, hf_model, mode, batch):
+def test_greedy_logprobs_equal_transformers(small_pair, hf_model, mode, batch):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=5)
-    seqs = _run(pair, mode, _prompts(batch), params)
+    seqs = _run(small_pair, mode, _prompts(batch), params)
     for seq in seqs:
         _check_against_reference(hf_model, seq, 5)
         assert seq.logprobs[0].top[0][0] == seq.output_ids[0]  # greedy emits the most likely token
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_speculation_reports_what_plain_decoding_reports(pair, mode):
+def test_speculation_reports_what_plain_decoding_reports(small_pair, mode):
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=3)
-    plain = _run(pair, "plain", _prompts(3), params)
-    spec = _run(pair, mode, _prompts(3), params)
+    plain = _run(small_pair, "plain", _prompts(3), params)
+    spec = _run(small_pair, mode, _prompts(3), params)
     for a, b in zip(plain, spec):
         assert a.output_ids == b.output_ids
         for x, y in zip(a.logprobs, b.logprobs):
@@ -104,18 +99,18 @@ def test_speculation_reports_what_plain_decoding_reports(pair, mode):
 
 
 @pytest.mark.parametrize("mode", ["plain", "chain", "tree"])
-def test_sampled_requests_report_the_raw_distribution(pair, hf_model, mode):
+def test_sampled_requests_report_the_raw_distribution(small_pair, hf_model, mode):
     """Temperature and top-k change what is drawn, not what is reported: the target's own
     distribution at temperature 1."""
     params = SamplingParams(temperature=0.7, top_k=4, seed=11, max_tokens=20, ignore_eos=True, logprobs=2)
-    for seq in _run(pair, mode, _prompts(2), params):
+    for seq in _run(small_pair, mode, _prompts(2), params):
         _check_against_reference(hf_model, seq, 2)
 
 
-def test_only_requests_that_ask_get_logprobs(pair, hf_model):
+def test_only_requests_that_ask_get_logprobs(small_pair, hf_model):
     asks = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
     silent = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    seqs = _run(pair, "chain", _prompts(3), [silent, asks, silent])
+    seqs = _run(small_pair, "chain", _prompts(3), [silent, asks, silent])
     assert seqs[0].logprobs is None and seqs[2].logprobs is None
     _check_against_reference(hf_model, seqs[1], 0)
 

@@ -9,15 +9,23 @@ import json
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import assert_decode_matches, make_drafter, make_moe_target, make_target
 
-from specserve.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, default_aux_layers, resolve_aux_layers
+from specserve.config import (
+    ConfigError,
+    DraftConfig,
+    EngineConfig,
+    ModelConfig,
+    default_aux_layers,
+    resolve_aux_layers,
+)
 from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 from specserve.model.layers import ForwardContext
 from specserve.model.loader import load_drafter, load_target
 from specserve.train import grow as G
 from specserve.train.shapes import PRESETS
+
+from tiny import assert_decode_matches, make_drafter, make_moe_target, make_target
 
 CPU = torch.device("cpu")
 # The MoE grow: SHAPE's attention with 6 experts of 160 units (the MLP's 128 copied once or twice), top-2;
@@ -43,7 +51,7 @@ def useful_drafter(draft_dir, target_dir) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(make_pair, tmp_path_factory):
+def grown(make_pair, tmp_path_factory):
     # initializer_range 0.2: layers strong enough that greedy text does not just repeat the last token
     small, draft = make_pair(hidden=64, layers=6, heads=4, kv_heads=2, tie_word_embeddings=True,
                              initializer_range=0.2, drafter=_useful_drafter)
@@ -78,8 +86,8 @@ def run_target(path, ids: list[int], decode: int = 3, aux=()):
     return m, torch.cat(logits), (torch.cat(feats) if aux else None)
 
 
-def test_shape_and_config(pair):
-    small, big, summary = pair
+def test_shape_and_config(grown):
+    small, big, summary = grown
     cfg = ModelConfig.from_dir(big)
     assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == \
         (192, 12, 8, 4, 64, 300)
@@ -95,8 +103,8 @@ def test_shape_and_config(pair):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("read", G.READ_MODES)
-def test_target_logits_match_specserve(pair, read, tmp_path):
-    small, big, _ = pair
+def test_target_logits_match_specserve(grown, read, tmp_path):
+    small, big, _ = grown
     if read != "one":  # the fixture grew with the default
         big = tmp_path / "big"
         G.grow(small, big, SHAPE, dtype="float32", device="cpu", read=read)
@@ -109,10 +117,10 @@ def test_target_logits_match_specserve(pair, read, tmp_path):
     assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_target_logits_match_transformers(pair):
+def test_target_logits_match_transformers(grown):
     from transformers import AutoModelForCausalLM
 
-    small, big, _ = pair
+    small, big, _ = grown
     ids = torch.tensor([[5, 17, 3, 88, 41, 9, 60, 22, 71, 14]])
     outs = []
     for path in (small, big):
@@ -124,8 +132,8 @@ def test_target_logits_match_transformers(pair):
 
 
 @pytest.mark.slow
-def test_drafter_logits_match(pair):
-    small, big, _ = pair
+def test_drafter_logits_match(grown):
+    small, big, _ = grown
     ids = [5, 17, 3, 88, 41, 9, 60, 22, 71, 14]
     logits = []
     for path in (small, big):
@@ -177,8 +185,8 @@ def test_speculative_run_identical(grown, request):
 
 
 @pytest.mark.slow
-def test_padded_vocabulary_is_never_chosen(tmp_path, pair):
-    small, _, _ = pair
+def test_padded_vocabulary_is_never_chosen(tmp_path, grown):
+    small, _, _ = grown
     big = tmp_path / "big"
     G.grow(small, big, SHAPE, draft_dir=small / "draft", dtype="float32", device="cpu", pad_vocab=300)
     cfg = ModelConfig.from_dir(big)
@@ -270,8 +278,8 @@ def test_bf16_weights_are_exact(tmp_path, read):
     assert torch.equal(big["model.embed_tokens.weight"][:, ::3], src["model.embed_tokens.weight"])
 
 
-def test_bad_shapes_and_inputs(tmp_path, pair):
-    small, _, _ = pair
+def test_bad_shapes_and_inputs(tmp_path, grown):
+    small, _, _ = grown
     with pytest.raises(ConfigError, match="hidden size 100 is not a multiple of the source's 64"):
         G.grow(small, tmp_path / "x", G.Shape(100, 12, 8, 4, 64, 300), dtype="float32", device="cpu")
     with pytest.raises(ConfigError, match="intermediate size 64 is smaller"):
@@ -289,8 +297,8 @@ def test_bad_shapes_and_inputs(tmp_path, pair):
         G.grow(qwen, tmp_path / "y", SHAPE, dtype="float32", device="cpu")
 
 
-def test_cli(tmp_path, pair, capsys):
-    small, _, _ = pair
+def test_cli(tmp_path, grown, capsys):
+    small, _, _ = grown
     from specserve.train import grow_cmd
 
     p = argparse.ArgumentParser()
@@ -308,9 +316,9 @@ def test_cli(tmp_path, pair, capsys):
 
 
 @pytest.mark.gpu
-def test_grow_on_cuda_matches_cpu(tmp_path, pair):
+def test_grow_on_cuda_matches_cpu(tmp_path, grown):
     """Building on the GPU (how llama3-8b is grown) writes the same checkpoint as on the CPU."""
-    small, _, _ = pair
+    small, _, _ = grown
     shape = G.Shape(128, 12, 8, 4, 64, 300)
     G.grow(small, tmp_path / "cpu", shape, draft_dir=small / "draft", dtype="bfloat16", device="cpu")
     G.grow(small, tmp_path / "gpu", shape, draft_dir=small / "draft", dtype="bfloat16", device="cuda")
@@ -343,8 +351,8 @@ def test_mixtral_matches_transformers(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def moe_pair(pair, tmp_path_factory):
-    small = pair[0]
+def moe_pair(grown, tmp_path_factory):
+    small = grown[0]
     big = tmp_path_factory.mktemp("grow_moe") / "big"
     summary = G.grow(small, big, MOE_SHAPE, draft_dir=small / "draft", dtype="float32", device="cpu")
     return small, big, summary
@@ -396,7 +404,7 @@ def test_moe_target_matches_transformers_mixtral(moe_pair):
         torch.testing.assert_close(hf(ids).logits, small_hf(ids).logits, atol=2e-4, rtol=1e-4)
 
 
-def test_moe_presets_and_flags(tmp_path, pair, capsys):
+def test_moe_presets_and_flags(tmp_path, grown, capsys):
     from specserve.config import DEMO_DIR
     from specserve.train import grow_cmd
 
@@ -412,7 +420,7 @@ def test_moe_presets_and_flags(tmp_path, pair, capsys):
     assert parse("--preset", "llama3-8b", "--moe", "8", "--moe-top-k", "2").target_intermediate == 14336
     with pytest.raises(ConfigError, match="--moe-intermediate must be positive"):
         parse("--preset", "llama3-8b", "--moe", "8", "--moe-intermediate", "0")
-    small = pair[0]
+    small = grown[0]
     base = ["--model", str(small), "--no-draft", "--hidden", "128", "--layers", "8", "--heads", "4",
             "--kv-heads", "2", "--head-dim", "16", "--intermediate", "128", "--dtype", "float32", "--device", "cpu"]
     for extra, error in ((["--moe", "4", "--moe-top-k", "5"], "--moe-top-k 5 must be in 1..4"),
@@ -429,9 +437,9 @@ def test_moe_presets_and_flags(tmp_path, pair, capsys):
 
 
 @pytest.mark.gpu
-def test_moe_grow_on_cuda_greedy_and_speculation(tmp_path, pair):
+def test_moe_grow_on_cuda_greedy_and_speculation(tmp_path, grown):
     """Built on the GPU and run there through the MoE path (float32): the small pair's tokens and acceptances."""
-    small = pair[0]
+    small = grown[0]
     big = tmp_path / "big"
     G.grow(small, big, MOE_SHAPE, draft_dir=small / "draft", dtype="float32", device="cuda")
 

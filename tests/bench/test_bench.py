@@ -26,7 +26,7 @@ try:
 except ImportError:  # a GPU machine without the test extras still runs the GPU test
     jsonschema = None
 SCHEMA = json.loads(report.SCHEMA_PATH.read_text())
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 needs_jsonschema = pytest.mark.skipif(jsonschema is None, reason="needs jsonschema")
 
 
@@ -65,7 +65,7 @@ def _char_tokenizer_96(d: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def pair(make_pair, tmp_path_factory):
+def bench_pair(make_pair, tmp_path_factory):
     target, draft = make_pair(vocab=96, hidden=64, layers=4, tokenizer=_char_tokenizer_96)
     prompts = tmp_path_factory.mktemp("bench") / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
@@ -79,14 +79,14 @@ def run_cli(monkeypatch, argv: list[str]) -> int:
     return main(argv)
 
 
-def test_adaptive_learns_apart_from_the_fixed_k_runs_of_a_shared_engine(pair):
+def test_adaptive_learns_apart_from_the_fixed_k_runs_of_a_shared_engine(bench_pair):
     """Configs of one bench share an engine; adaptive K learns in a policy of its own (the start-up costs, then
     its own timings), as it would on its own engine: the fixed-K runs' timings and acceptance are not its, its are
     not theirs, and it drafts up to its own largest K, not the engine's."""
     from specserve.bench.offline import EngineUnit
     from specserve.engine.sampling import SamplingParams
 
-    target, draft, _ = pair
+    target, draft, _ = bench_pair
     base_kw = dict(model=str(target), draft=str(draft), device="cpu", max_num_seqs=1)
     fixed, adaptive = bench_cmd.parse_config("eagle3:steps=3"), bench_cmd.parse_config("eagle3:adaptive,steps=2")
     llm = EngineUnit.shared_llm([fixed, adaptive], base_kw, False)
@@ -151,8 +151,8 @@ def test_bad_prompt_files(tmp_path):
         bench_cmd.load_prompts(tmp_path / "missing.jsonl")
 
 
-def test_cli_rejects_bad_options(monkeypatch, capsys, pair, tmp_path):
-    target, _, prompts = pair
+def test_cli_rejects_bad_options(monkeypatch, capsys, bench_pair, tmp_path):
+    target, _, prompts = bench_pair
     assert run_cli(monkeypatch, ["bench", "--model", str(target), "--spec-steps", "3"]) == 1
     assert "--configs" in capsys.readouterr().err
     assert run_cli(monkeypatch, ["bench", "--model", str(target), "--prompts", str(prompts),
@@ -164,8 +164,8 @@ def test_cli_rejects_bad_options(monkeypatch, capsys, pair, tmp_path):
 
 # ---------------------------------------------------------------- offline end to end
 @pytest.mark.slow
-def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
-    target, draft, prompts = pair
+def test_offline_bench_end_to_end(monkeypatch, bench_pair, tmp_path):
+    target, draft, prompts = bench_pair
     out = tmp_path / "r.json"
     t0 = time.perf_counter()
     rc = run_cli(monkeypatch, [
@@ -237,8 +237,8 @@ def test_offline_bench_end_to_end(monkeypatch, pair, tmp_path):
 
 
 @pytest.mark.slow
-def test_sampled_bench_has_no_greedy_check(monkeypatch, pair, tmp_path):
-    target, draft, prompts = pair
+def test_sampled_bench_has_no_greedy_check(monkeypatch, bench_pair, tmp_path):
+    target, draft, prompts = bench_pair
     out = tmp_path / "s.json"
     rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
                                "--configs", "eagle3:steps=2", "--batch-sizes", "2", "--max-tokens", "6",
@@ -252,8 +252,8 @@ def test_sampled_bench_has_no_greedy_check(monkeypatch, pair, tmp_path):
         assert r["matches_baseline"] is None and r["tokens_per_repeat"] == 6 * 6
 
 
-def test_bench_sizes_its_run_from_a_calibration(monkeypatch, pair, tmp_path, capsys):
-    target, draft, prompts = pair
+def test_bench_sizes_its_run_from_a_calibration(monkeypatch, bench_pair, tmp_path, capsys):
+    target, draft, prompts = bench_pair
     out = tmp_path / "sized.json"
     rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
                                "--configs", "eagle3:steps=2", "--batch-sizes", "1", "--max-tokens", "4",
@@ -472,8 +472,8 @@ def fake_server():
     srv.server_close()
 
 
-def test_online_bench_against_fake_server_without_torch(fake_server, tmp_path, pair):
-    _, _, prompts = pair
+def test_online_bench_against_fake_server_without_torch(fake_server, tmp_path, bench_pair):
+    _, _, prompts = bench_pair
     out = tmp_path / "online.json"
     argv = ["bench", "--url", fake_server, "--prompts", str(prompts), "--concurrency", "3", "--num-requests", "9",
             "--max-tokens", "8", "--no-progress", "--out", str(out), "--markdown", str(tmp_path / "o.md")]
@@ -505,8 +505,8 @@ def test_online_bench_against_fake_server_without_torch(fake_server, tmp_path, p
     assert "| TTFT ms |" in (tmp_path / "o.md").read_text()
 
 
-def test_online_poisson_rate(fake_server, monkeypatch, tmp_path, pair):
-    _, _, prompts = pair
+def test_online_poisson_rate(fake_server, monkeypatch, tmp_path, bench_pair):
+    _, _, prompts = bench_pair
     out = tmp_path / "p.json"
     rc = run_cli(monkeypatch, ["bench", "--url", fake_server, "--prompts", str(prompts), "--request-rate", "200",
                                "--num-requests", "6", "--max-tokens", "4", "--no-progress", "--out", str(out)])
@@ -557,11 +557,11 @@ def test_metrics_parsing_vllm_and_sglang():
 
 # ---------------------------------------------------------------- GPU
 @pytest.mark.gpu
-def test_offline_bench_on_gpu_with_cuda_graphs(monkeypatch, pair, tmp_path):
+def test_offline_bench_on_gpu_with_cuda_graphs(monkeypatch, bench_pair, tmp_path):
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target, draft, prompts = pair
+    target, draft, prompts = bench_pair
     out = tmp_path / "g.json"
     rc = run_cli(monkeypatch, [
         "bench", "--device", "cuda", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
@@ -633,9 +633,9 @@ def test_peer_process_dies_with_a_killed_bench(tmp_path):
 
 
 # ---------------------------------------------------------------- benchmark datasets
-def test_bench_per_dataset_table(monkeypatch, pair, tmp_path):
+def test_bench_per_dataset_table(monkeypatch, bench_pair, tmp_path):
     """Two jsonl datasets: one column pair (speedup, tau) each plus their mean, in the JSON and the text."""
-    target, draft, _ = pair
+    target, draft, _ = bench_pair
     a, b = tmp_path / "alpha.jsonl", tmp_path / "beta.jsonl"
     a.write_text(json.dumps(PROMPTS[0] | {"category": "x"}) + "\n" + json.dumps(PROMPTS[1]) + "\n")
     b.write_text(json.dumps(PROMPTS[3]) + "\n")
@@ -687,14 +687,14 @@ def mt_bench_questions(monkeypatch, tmp_path):
     return MT_BENCH_TURNS
 
 
-def test_mt_bench_second_turns_follow_the_models_own_answer(monkeypatch, pair, tmp_path, mt_bench_questions):
+def test_mt_bench_second_turns_follow_the_models_own_answer(monkeypatch, bench_pair, tmp_path, mt_bench_questions):
     """The target answers each first turn once (plain greedy, before any config runs); every config and the hf
     peer then get the same second-turn conversation [turn 1, that answer, turn 2] through the chat template."""
     from specserve.bench import offline, peers
     from specserve.engine.llm import LLM, SamplingParams
     from specserve.engine.tokenizer import Tokenizer
 
-    target, draft, _ = pair
+    target, draft, _ = bench_pair
     calls = []  # (unit, prompt ids, params, output tokens) per run, in order
 
     def record(run):
@@ -738,10 +738,10 @@ def test_mt_bench_second_turns_follow_the_models_own_answer(monkeypatch, pair, t
     assert list(doc["datasets"]["rows"][0]["datasets"]) == ["mt-bench-turn2"]
 
 
-def test_mt_bench_second_turns_need_a_chat_model(monkeypatch, capsys, pair, tmp_path, mt_bench_questions):
+def test_mt_bench_second_turns_need_a_chat_model(monkeypatch, capsys, bench_pair, tmp_path, mt_bench_questions):
     import shutil
 
-    target, _, _ = pair
+    target, _, _ = bench_pair
     plain = tmp_path / "no-template"
     shutil.copytree(target, plain)
     cfg = json.loads((plain / "tokenizer_config.json").read_text())

@@ -12,19 +12,21 @@ import torch
 from specserve.config import ConfigError, DraftConfig, EngineConfig
 from specserve.engine.engine import Engine
 from specserve.engine.graphs import GraphKey
-from specserve.engine.sampling import BatchSampling, SamplingParams, draft_noise, processed_probs, sample_from
+from specserve.engine.sampling import (
+    BatchSampling,
+    SamplingParams,
+    draft_noise,
+    processed_probs,
+    sample_from,
+)
 from specserve.spec.proposer import DraftResult
 from specserve.spec.verify import accept_drafts, emitted_tokens
+
 from tiny import engine_with_prefill_graphs, make_drafter
 
 # A small vocabulary makes a random drafter agree with the target often enough
 # to exercise partial acceptance, full acceptance and the bonus token.
 VOCAB = 12
-
-
-@pytest.fixture(scope="module")
-def pair(make_pair):
-    return make_pair(vocab=VOCAB, hidden=32, layers=4, heads=2, kv_heads=1, draft={"draft_vocab": 8})
 
 
 def _run(target, draft=None, prompts=(), params=None, **kw):
@@ -48,8 +50,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_greedy_speculation_is_token_identical(pair, batch):
-    target, draft = pair
+def test_greedy_speculation_is_token_identical(small_pair, batch):
+    target, draft = small_pair
     prompts = _prompts(batch, seed=batch)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=batch)
     accepted = 0
@@ -61,8 +63,8 @@ def test_greedy_speculation_is_token_identical(pair, batch):
     assert accepted > 0  # partial acceptance really happened, not just rejections
 
 
-def test_adaptive_speculation_is_token_identical(pair):
-    target, draft = pair
+def test_adaptive_speculation_is_token_identical(small_pair):
+    target, draft = small_pair
     prompts = _prompts(5, seed=7)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=5)
     t0 = time.perf_counter()
@@ -89,11 +91,11 @@ def test_adaptive_speculation_is_token_identical(pair):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("batch", [1, 3, 8])
-def test_tree_speculation_is_token_identical(pair, batch):
+def test_tree_speculation_is_token_identical(small_pair, batch):
     """Greedy tree drafting (top-k branches per depth, the best N nodes verified under an ancestor
     mask, the accepted branch's KV moved into place) emits exactly plain greedy's tokens, and its
     branches accept more than a chain of the same depth."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(batch, seed=20 + batch)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=batch)
     for K, topk, tokens in [(1, 3, None), (3, 2, None), (4, 4, 10), (5, 3, 3), (6, 8, 40)]:
@@ -107,10 +109,10 @@ def test_tree_speculation_is_token_identical(pair, batch):
 
 
 @pytest.mark.slow
-def test_tree_with_adaptive_steps_and_sampled_rows(pair):
+def test_tree_with_adaptive_steps_and_sampled_rows(small_pair):
     """A tree engine under the adaptive policy stays lossless; batches above --spec-tree-max-batch
     switch to chains; sampled requests emit exactly plain sampling's tokens."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(4, seed=31)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=4)
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=4,
@@ -160,10 +162,10 @@ def test_tree_with_adaptive_steps_and_sampled_rows(pair):
 
 
 @pytest.mark.slow
-def test_tree_up_to_max_model_len(pair):
+def test_tree_up_to_max_model_len(small_pair):
     """Sequences that run into max_model_len mid-tree (verify nodes and drafter tree slots past the
     end land in the cache's extra room): greedy and sampled rows still equal plain decoding."""
-    target, draft = pair
+    target, draft = small_pair
     g = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (5, 17, 29, 40)]
     params = [GREEDY, GREEDY] + [SamplingParams(temperature=0.7, seed=4, max_tokens=100, ignore_eos=True)] * 2
@@ -200,8 +202,8 @@ def test_accept_tree_follows_the_matching_branch():
     assert n_acc.tolist() == [0] and nxt.tolist() == [6] and path.tolist() == [[0, 0, 0]]
 
 
-def test_tree_settings_are_checked(pair):
-    target, draft = pair
+def test_tree_settings_are_checked(small_pair):
+    target, draft = small_pair
     with pytest.raises(ConfigError, match="--spec-tokens"):
         EngineConfig(model=str(target), draft=str(draft), spec_steps=3, spec_tokens=8)
     with pytest.raises(ConfigError, match="tree slots"):
@@ -211,12 +213,12 @@ def test_tree_settings_are_checked(pair):
 
 
 @pytest.mark.gpu
-def test_tree_on_gpu_with_cuda_graphs(pair, monkeypatch):
+def test_tree_on_gpu_with_cuda_graphs(small_pair, monkeypatch):
     """On CUDA: float32 with graphs is lossless (mask-built SDPA attention); in bf16 the tree verify
     graph (Triton attention with the ancestor mask) gives the logits SDPA gives for the same tree."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(5, seed=41)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=5, device="cuda", dtype="float32")
     # Trees at every batch size here (spec_tree_max_batch=5).
@@ -271,9 +273,9 @@ def test_engine_config_groups_flat_options_and_is_frozen():
 
 
 @pytest.mark.slow
-def test_rows_freed_and_reused_mid_batch(pair):
+def test_rows_freed_and_reused_mid_batch(small_pair):
     """Sequences of different lengths finish at different steps; later ones keep the right KV."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(6, seed=3)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (3, 40, 9, 25, 1, 17)]
     engine = Engine(EngineConfig(model=str(target), device="cpu", max_num_seqs=3))
@@ -287,15 +289,17 @@ def test_rows_freed_and_reused_mid_batch(pair):
         spec.step()
     spec.check_idle_integrity()
     assert [s.output_ids for s in seqs] == [s.output_ids for s in base]
-    from specserve.engine.protocol import ServingEngine  # what the server reads of any engine
+    from specserve.engine.protocol import (
+        ServingEngine,  # what the server reads of any engine
+    )
 
     members = [*ServingEngine.__annotations__, *(n for n, v in vars(ServingEngine).items() if callable(v))]
     assert not [m for m in members if not m.startswith("_") and not hasattr(spec, m)]
 
 
 @pytest.mark.slow
-def test_drafter_position_limit_falls_back_to_plain_decoding(tmp_path, pair):
-    target, _ = pair
+def test_drafter_position_limit_falls_back_to_plain_decoding(tmp_path, small_pair):
+    target, _ = small_pair
     short = make_drafter(tmp_path / "short", target, draft_vocab=8, max_pos=24)
     prompts = _prompts(3, seed=11)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=3)
@@ -309,8 +313,8 @@ def test_drafter_position_limit_falls_back_to_plain_decoding(tmp_path, pair):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["specforge", "sglang", "eagle"])
-def test_drafter_layouts_load_and_stay_lossless(tmp_path, pair, layout):
-    target, _ = pair
+def test_drafter_layouts_load_and_stay_lossless(tmp_path, small_pair, layout):
+    target, _ = small_pair
     d = make_drafter(tmp_path / layout, target, layout=layout, draft_vocab=8, with_embedding=layout == "eagle",
                      aux_ids=[0, 1, 2] if layout == "sglang" else None)
     cfg = DraftConfig.from_dir(d)
@@ -325,10 +329,10 @@ def test_drafter_layouts_load_and_stay_lossless(tmp_path, pair, layout):
         assert engine.runner.target.aux_layers == (0, 1, 2)
 
 
-def test_drafter_errors_name_the_tensor(tmp_path, pair):
+def test_drafter_errors_name_the_tensor(tmp_path, small_pair):
     from safetensors.torch import load_file, save_file
 
-    target, _ = pair
+    target, _ = small_pair
     d = make_drafter(tmp_path / "bad", target, draft_vocab=8)
     t = load_file(d / "model.safetensors")
     t["fc.weight"] = t["fc.weight"][:, :10].contiguous()
@@ -342,8 +346,8 @@ def test_drafter_errors_name_the_tensor(tmp_path, pair):
 
 
 @pytest.mark.slow
-def test_sampled_speculation_is_reproducible_and_batch_independent(pair):
-    target, draft = pair
+def test_sampled_speculation_is_reproducible_and_batch_independent(small_pair):
+    target, draft = small_pair
     prompts = _prompts(4, seed=9)
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=30, seed=123, ignore_eos=True)
     a, _ = _run(target, draft, prompts, params, spec_steps=3, max_num_seqs=4)
@@ -355,11 +359,11 @@ def test_sampled_speculation_is_reproducible_and_batch_independent(pair):
 
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("mode", [f"chain-K{K}" for K in range(1, 6)] + ["tree", "adaptive"])
-def test_seeded_sampling_equals_plain_decoding(pair, mode, batch):
+def test_seeded_sampling_equals_plain_decoding(small_pair, mode, batch):
     """A seeded sampled request emits plain seeded decoding's tokens whatever K (chains 1..5, a
     tree, the adaptive policy switching K), alone or beside other requests (other seeds, greedy,
     filtered sampling)."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(batch, seed=41)
     params = [SamplingParams(temperature=0.8, max_tokens=40, seed=7, ignore_eos=True),
               SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_tokens=40, seed=11, ignore_eos=True),
@@ -385,13 +389,13 @@ def test_seeded_sampling_equals_plain_decoding(pair, mode, batch):
 
 
 @pytest.mark.gpu
-def test_batch_invariant_bf16_speculation_equals_plain_on_gpu(pair):
+def test_batch_invariant_bf16_speculation_equals_plain_on_gpu(small_pair):
     """On CUDA in bf16 with --batch-invariant: one sequence at a time, chains, trees and the
     adaptive policy emit plain decoding's greedy tokens exactly (a decode step's one row and a
     verify's rows run the same product tiles, so no near-tie flips between them)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(6, seed=47)
     gpu = dict(max_num_seqs=1, device="cuda", dtype="bfloat16", batch_invariant=True)
     base, _ = _run(target, prompts=prompts, params=GREEDY, **gpu)
@@ -402,12 +406,12 @@ def test_batch_invariant_bf16_speculation_equals_plain_on_gpu(pair):
 
 
 @pytest.mark.gpu
-def test_seeded_sampling_equals_plain_decoding_on_gpu(pair):
+def test_seeded_sampling_equals_plain_decoding_on_gpu(small_pair):
     """On CUDA with graphs (float32): the sampled draft graphs (drafts over the target's noise) and
     chain verification emit plain seeded decoding's tokens, at fixed K and under the adaptive policy."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(4, seed=43)
     params = SamplingParams(temperature=0.9, top_p=0.95, top_k=8, max_tokens=40, seed=3, ignore_eos=True)
     gpu = dict(max_num_seqs=4, device="cuda", dtype="float32")
@@ -506,12 +510,12 @@ def test_distribution_test_catches_a_wrong_rule():
 
 
 @pytest.mark.slow
-def test_end_to_end_sampling_distribution(pair):
+def test_end_to_end_sampling_distribution(small_pair):
     """The second generated token (the first one produced by a speculative cycle)
     follows the target's exact marginal, computed by enumeration."""
     from specserve.model.layers import ForwardContext
 
-    target, draft = pair
+    target, draft = small_pair
     prompt = [3, 1, 4, 1, 5]
     n = 4000
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_num_seqs=500))
@@ -534,9 +538,9 @@ def test_end_to_end_sampling_distribution(pair):
 
 
 @pytest.mark.slow
-def test_one_engine_switches_between_plain_fixed_and_adaptive(pair):
+def test_one_engine_switches_between_plain_fixed_and_adaptive(small_pair):
     """bench reuses one engine's weights and graphs for every setting."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(3, seed=21)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=3)
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
@@ -556,11 +560,11 @@ def test_one_engine_switches_between_plain_fixed_and_adaptive(pair):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
-def test_plain_steps_queued_ahead_change_nothing(pair, temperature):
+def test_plain_steps_queued_ahead_change_nothing(small_pair, temperature):
     """Plain decoding with the next step queued before the last is read (as on CUDA): the same
     tokens, also when sequences end mid-batch at data-dependent points (stop ids) or by length,
     and rows move; then a new request joins the idle engine."""
-    target, _ = pair
+    target, _ = small_pair
     prompts = _prompts(7, seed=11)
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, stop_token_ids=[3, 17])
               for i, n in enumerate((30, 4, 30, 12, 30, 1, 30))]
@@ -582,9 +586,9 @@ def test_plain_steps_queued_ahead_change_nothing(pair, temperature):
     assert run(True) == base
 
 
-def test_sequence_ending_with_its_first_token(pair):
+def test_sequence_ending_with_its_first_token(small_pair):
     """max_tokens=1 (and a first token that is a stop id) end at prefill: no decode step adds more."""
-    target, _ = pair
+    target, _ = small_pair
     prompts = _prompts(3, seed=5)
     out, _ = _run(target, prompts=prompts, params=SamplingParams(temperature=0, max_tokens=1), max_num_seqs=2)
     assert [len(o) for o in out] == [1, 1, 1]
@@ -620,13 +624,13 @@ def test_policy_with_seeded_costs_needs_no_exploration():
     assert unseeded.predicted_cost(4, 0) is None
 
 
-def test_a_switch_waits_for_the_device_outside_the_step_timing(pair, monkeypatch):
+def test_a_switch_waits_for_the_device_outside_the_step_timing(small_pair, monkeypatch):
     """A speculative cycle that drops a plain step queued ahead waits for the device to finish it;
     that wait (and any work run untimed, such as the drafter's catch-up) moves the step's start
     later, so the policy does not charge it to K. The device's wait is faked as a 50 ms sleep."""
     import time
 
-    target, draft = pair
+    target, draft = small_pair
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=2))
     waits = iter([0.05])
     monkeypatch.setattr(engine.runner, "sync", lambda: time.sleep(next(waits, 0.0)))
@@ -760,10 +764,10 @@ def test_policy_judges_a_batch_job_by_its_last_sequence():
     assert not p._would_win(64, 64, 5, 8.72e-3)
 
 
-def test_startup_times_a_bounded_grid_and_logs_progress(pair, caplog):
+def test_startup_times_a_bounded_grid_and_logs_progress(small_pair, caplog):
     """Adaptive start-up times a few (batch bucket, K) points, logging each, and seeds every
     (bucket, K) pair from them."""
-    target, draft = pair
+    target, draft = small_pair
     caplog.set_level(logging.INFO, logger="specserve.runner")
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=5,
                                  adaptive=True, max_num_seqs=64))
@@ -863,11 +867,11 @@ def test_policy_judges_each_k_by_its_own_cycles():
     assert policy.choose(16) == 4  # 3.2 tokens / 6.4 ms beats 3.84 / 8.0 ms
 
 
-def test_plain_steps_queued_ahead_while_drafting(pair):
+def test_plain_steps_queued_ahead_while_drafting(small_pair):
     """Adaptive mode switching between plain steps (queued ahead, drafter inputs written on the
     device) and speculative cycles (which drop a queued step): the same tokens as without
     queueing, also across the drafter-input flush and sequences ending mid-batch."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(5, seed=13)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (60, 9, 45, 60, 20)]
     pattern = [0] * 20 + [2, 0, 0, 3, 0, 0, 0, 1] * 20  # long plain runs force flushes of the pending inputs
@@ -961,14 +965,14 @@ def _alternating(target, draft, prompts, params, ahead=False, prefill_graphs=(),
 
 @pytest.mark.parametrize("batch", [1, 3])
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_plain_stretches_skip_drafter_upkeep(pair, monkeypatch, batch, tree):
+def test_plain_stretches_skip_drafter_upkeep(small_pair, monkeypatch, batch, tree):
     """Adaptive mode held on plain decoding for long stretches: plain steps run no drafter forward
     (they store drafter inputs only while the buffer has room, then none), and the next cycle
     catches the drafter up by recomputing the target's features. Output (greedy and seeded
     sampling) equals plain decoding's, with sequences of different lengths joining and leaving
     and plain steps queued ahead, and the drafts equal those of an engine whose buffer stores
     every plain step's inputs (wrong drafter KV would change the drafts, not the tokens)."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(batch + 2, seed=40 + batch)
     params = _greedy_and_sampled((150, 35, 90, 120, 60))
     kw = dict(max_num_seqs=batch, max_model_len=256, prefill_chunk=16)
@@ -993,11 +997,11 @@ def test_plain_stretches_skip_drafter_upkeep(pair, monkeypatch, batch, tree):
     assert not stored["caught_up"] and stored["drafts"] == seen["drafts"]
 
 
-def test_plain_stretches_with_preemption_and_prefix_cache(pair):
+def test_plain_stretches_with_preemption_and_prefix_cache(small_pair):
     """Long plain stretches in a pool too small for every sequence, with prefix caching: stale
     sequences are preempted and recomputed, and output still equals plain decoding's, with the
     prefill graphs too (prefix hits, recomputed sequences and catch-ups going through them)."""
-    target, draft = pair
+    target, draft = small_pair
     shared = _prompts(1, seed=50)[0] * 3
     prompts = [shared + p for p in _prompts(4, seed=51)]
     params = _greedy_and_sampled((100, 70, 100, 40))
@@ -1013,13 +1017,13 @@ def test_plain_stretches_with_preemption_and_prefix_cache(pair):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chain", "tree", "sampled", "adaptive", "position-limit"])
-def test_drafts_queued_ahead_change_nothing(pair, tmp_path, mode):
+def test_drafts_queued_ahead_change_nothing(small_pair, tmp_path, mode):
     """Each cycle's draft queued behind the previous verify, from entries computed on the device
     (as on CUDA): the same tokens as drafting after the host read the results, with sequences
     ending mid-batch (stop ids, lengths), rows moving, K changing between cycles, sampled rows
     and a drafter position limit (also the same drafts: acceptance per position is equal); and
     queued drafts were really used."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(5, seed=17)
     temperature = 0.8 if mode == "sampled" else 0.0
     params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, stop_token_ids=[5] if i % 2 else [],
@@ -1057,12 +1061,12 @@ def test_drafts_queued_ahead_change_nothing(pair, tmp_path, mode):
 
 
 @pytest.mark.gpu
-def test_drafts_queued_ahead_on_gpu(pair):
+def test_drafts_queued_ahead_on_gpu(small_pair):
     """On CUDA with graphs (float32): drafts queued behind the previous verify give the tokens that
     drafting after the host read gives, for chains and trees, greedy and sampled."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(4, seed=43)
     sampled = SamplingParams(temperature=0.9, max_tokens=40, seed=3, ignore_eos=True)
     for params in (GREEDY, sampled):
@@ -1081,12 +1085,12 @@ def test_drafts_queued_ahead_on_gpu(pair):
 
 
 @pytest.mark.slow
-def test_prefill_through_the_staging_cache(pair, monkeypatch):
+def test_prefill_through_the_staging_cache(small_pair, monkeypatch):
     """The prompt prefill that CUDA graphs run, played eagerly on the CPU: target and drafter
     write a one-row staging cache (the same graph serves every row), the KV is copied to the
     sequence's row, and generation equals that of the ordinary prefill, chains and trees, at
     rows other than 0 and prompt lengths padded within a bucket; so do the drafts (acceptance)."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = [list(range(1, VOCAB - 1)) * 5] + _prompts(3, seed=21)  # lengths 50 (bucket 64) and 1-29
     for kw in (dict(spec_steps=3), dict(spec_steps=3, spec_topk=2, spec_tree_max_batch=4)):
         ref = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
@@ -1112,13 +1116,13 @@ def test_prefill_through_the_staging_cache(pair, monkeypatch):
 
 
 @pytest.mark.slow
-def test_prompts_arriving_together_share_one_prefill_graph(pair, monkeypatch):
+def test_prompts_arriving_together_share_one_prefill_graph(small_pair, monkeypatch):
     """Prompts admitted together are packed one after another into one prefill graph (each query seeing
     only its own prompt's keys, rope positions restarting at each prompt), their KV copied to their rows,
     and into consecutive graphs where one is too short: generation equals the ordinary prefill's, greedy
     and seeded, chains and trees, drafts included. Where the graphs would replay more than two of the
     largest's tokens, the eager prefill serves."""
-    target, draft = pair
+    target, draft = small_pair
     prompts = _prompts(3, seed=21) + [list(range(1, VOCAB - 1)) * 3]  # 11, 11, 22 and 30 tokens
     seeded = SamplingParams(temperature=0.8, max_tokens=16, seed=3)
     for kw in (dict(spec_steps=3), dict(spec_steps=3, spec_topk=2, spec_tree_max_batch=4)):
@@ -1145,11 +1149,11 @@ def test_prompts_arriving_together_share_one_prefill_graph(pair, monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_drafter_write_kv_writes_what_its_forward_writes(pair, dtype):
+def test_drafter_write_kv_writes_what_its_forward_writes(small_pair, dtype):
     """A prompt's prefill and a catch-up need only the drafter's KV: `write_kv` skips its attention, output
     projection and MLP and writes, bit for bit, the keys and values its forward writes (float32 through the
     native CPU kernels, bfloat16 through torch)."""
-    target, draft = pair
+    target, draft = small_pair
     r = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", dtype=dtype, max_num_seqs=2)).runner
     r.reserve_every_row()
     attn = r.drafter.attention_modules()[0]
@@ -1171,10 +1175,10 @@ def test_drafter_write_kv_writes_what_its_forward_writes(pair, dtype):
 
 
 @pytest.mark.slow
-def test_graph_prefill_results_outlive_the_next_replay(pair):
+def test_graph_prefill_results_outlive_the_next_replay(small_pair):
     """A graph's outputs are refilled by its next replay; what `prefill` returns is the caller's to keep (the
     drafter's regeneration concatenates the logits of several calls)."""
-    target, _ = pair
+    target, _ = small_pair
     r = engine_with_prefill_graphs((16, 64), model=str(target), device="cpu", max_num_seqs=2).runner
     r.reserve_every_row()
     prompts = _prompts(4, seed=5)
@@ -1185,11 +1189,11 @@ def test_graph_prefill_results_outlive_the_next_replay(pair):
 
 
 @pytest.mark.slow
-def test_prefix_cache_hits_take_the_prefill_graph_with_their_history(pair, monkeypatch):
+def test_prefix_cache_hits_take_the_prefill_graph_with_their_history(small_pair, monkeypatch):
     """A prompt whose first blocks the prefix cache holds starts its chunk past them: a prefill graph takes it
     with its tokens before the chunk computed again (their cached KV left as it is), packed with the other
     arrivals; generation equals that without graphs and without the cache, drafts included."""
-    target, draft = pair
+    target, draft = small_pair
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (22, 35, 18)]
     outs = []
@@ -1267,29 +1271,29 @@ def _graph_prefill_equals_eager(r, graphs, tol):
 
 
 @pytest.mark.slow
-def test_graph_prefill_writes_the_target_and_drafter_kv_of_the_eager_prefill(pair):
+def test_graph_prefill_writes_the_target_and_drafter_kv_of_the_eager_prefill(small_pair):
     """The prefill graph (played eagerly on the CPU) writes what the eager prefill writes, the drafter's
     entries included (`_graph_prefill_equals_eager`)."""
-    target, draft = pair
+    target, draft = small_pair
     r = engine_with_prefill_graphs((16, 64, 128), model=str(target), draft=str(draft), device="cpu",
                                    max_num_seqs=4).runner
     _graph_prefill_equals_eager(r, r.graphs, 1e-5)
 
 
 @pytest.mark.gpu
-def test_prefill_graphs_equal_eager_prefill_on_gpu(pair):
+def test_prefill_graphs_equal_eager_prefill_on_gpu(small_pair):
     """On CUDA: the captured prefill graphs (the Triton and SDPA attention paths) write and return what the
     eager prefill does (`_graph_prefill_equals_eager`)."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    target, draft = pair
+    target, draft = small_pair
     r = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=4)).runner
     assert GraphKey("prefill", 1, tokens=64) in r.graphs
     _graph_prefill_equals_eager(r, r.graphs, 1e-4)
 
 
 @pytest.mark.gpu
-def test_no_reference_fallbacks_on_gpu(pair, monkeypatch):
+def test_no_reference_fallbacks_on_gpu(small_pair, monkeypatch):
     """On CUDA every step of plain, chain and tree decoding at batch 1 and 3 runs the fused
     kernels: the PyTorch references (kept for CPU and odd layouts) are never called. A layout the
     kernels refuse falls back silently and slowly (a batched decode step once did, 45% slower)."""
@@ -1297,7 +1301,7 @@ def test_no_reference_fallbacks_on_gpu(pair, monkeypatch):
         pytest.skip("needs CUDA")
     from specserve.kernels import norm, tree
 
-    target, draft = pair
+    target, draft = small_pair
     calls = []
     for mod, name in ((norm, "rms_norm_ref"), (norm, "rope_store_kv_ref"), (norm, "silu_mul_ref"),
                       (tree, "tree_level_ref")):
@@ -1330,14 +1334,14 @@ def test_generate_cli_with_a_tree(capsys):
     assert "at most 63" in capsys.readouterr().err
 
 
-def test_step_costs_include_the_handling_of_their_own_tokens(pair):
+def test_step_costs_include_the_handling_of_their_own_tokens(small_pair):
     """The adaptive policy charges each step from its start to the start of the next one, so the
     caller's handling of a step's tokens (which grows with them: a speculative cycle emits several)
     lands on that step, not on whichever K runs next. Here the caller spends a fixed pause after
     each speculative cycle and none after a plain step, and K alternates 0, 2, 0, 2, ...: every
     cycle's recorded cost includes its pause (a lower bound, whatever the machine's load; charged
     to the next step instead, it would land on a plain step)."""
-    target, draft = pair
+    target, draft = small_pair
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", adaptive=True, spec_steps=2,
                                  max_num_seqs=2))
     policy = engine.policy

@@ -14,6 +14,7 @@ import torch
 from specserve.config import ConfigError, ModelConfig
 from specserve.model.layers import ForwardContext
 from specserve.model.loader import load_target
+
 from tiny import make_target
 
 gguf = pytest.importorskip("gguf", reason="the gguf package is not installed (pip install gguf)")
@@ -316,11 +317,11 @@ def test_smollm2_writes_its_own_instruction_prompts(tmp_path, monkeypatch):
     sampled continuations are finished, distinct user requests that train-draft reads as chat records."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks import synth_prompts
     from specserve.engine.tokenizer import Tokenizer
     from specserve.model.gguf import find_gguf
     from specserve.train.data import read_records
+
+    from benchmarks import synth_prompts
 
     tok = Tokenizer(find_gguf(SMOLLM2))
     assert tok.decode(synth_prompts.user_prefix(tok), skip_special_tokens=False).endswith("<|im_start|>user\n")

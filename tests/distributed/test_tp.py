@@ -14,7 +14,6 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
 from specserve.config import ConfigError
 from specserve.distributed import group as group_mod
@@ -29,58 +28,14 @@ from specserve.distributed.nccl_profiles import (
 from specserve.engine.llm import LLM
 from specserve.engine.sampling import SamplingParams
 
-PROMPTS = ["def add(a, b):", "import os\n", "class Stack:\n    def push(self, x):", "for i in range(10):"]
+from tiny import CODE_PROMPTS
+
 ENGINE = dict(device="cpu", max_num_seqs=4, max_model_len=96)
 HANGING_WORKER = Path(__file__).with_name("tp_capture_hang.py")  # a worker whose capture phase stalls
 
 
-def make_lagging_drafter(out: Path, target_dir: Path) -> Path:
-    """An EAGLE-3 drafter that proposes from the target's own distribution, one
-    position late: it taps the target's final hidden state (aux id L-1 in the
-    SGLang convention = the input of layer L), passes it through unchanged
-    (o_proj and down_proj are zero) and applies the target's norm and head. An
-    EAGLE-3 head must predict p+2 from the features at p; this one predicts p+1,
-    so greedy drafts are accepted where the target repeats a token and sampled
-    ones where consecutive distributions overlap: real, multi-token acceptance
-    on a random target, deterministic for fixed prompts and seeds."""
-    cfg = json.loads((target_dir / "config.json").read_text())
-    H, V, L = cfg["hidden_size"], cfg["vocab_size"], cfg["num_hidden_layers"]
-    heads, kv, inter = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"]
-    hd = H // heads
-    w = load_file(str(target_dir / "model.safetensors"))
-    g = torch.Generator().manual_seed(3)
-    r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
-    t = {
-        "fc.weight": torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], 1),
-        "midlayer.input_layernorm.weight": torch.ones(H), "midlayer.hidden_norm.weight": torch.ones(H),
-        "midlayer.post_attention_layernorm.weight": torch.ones(H),
-        "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * H), "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * H),
-        "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * H), "midlayer.self_attn.o_proj.weight": torch.zeros(H, heads * hd),
-        "midlayer.mlp.gate_proj.weight": r(inter, H), "midlayer.mlp.up_proj.weight": r(inter, H),
-        "midlayer.mlp.down_proj.weight": torch.zeros(H, inter),
-        "norm.weight": w["model.norm.weight"].float(), "lm_head.weight": w["lm_head.weight"].float(),
-        "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool),
-    }
-    dcfg = {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "hidden_size": H,
-            "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter, "rms_norm_eps": 1e-6,
-            "vocab_size": V, "draft_vocab_size": V, "max_position_embeddings": 512,
-            "rope_theta": cfg.get("rope_theta", 10000.0), "torch_dtype": "float32",
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [L - 1, L - 1, L - 1]}}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(dcfg))
-    save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
-    return out
-
-
-@pytest.fixture(scope="module")
-def pair(make_pair):
-    # The demo tokenizer (vocab 4096) so that LLM and TPLLM can take text prompts.
-    return make_pair(vocab=4096, hidden=64, layers=4, heads=4, kv_heads=2, tokenizer="demo",
-                     drafter=make_lagging_drafter)
-
-
 def _tp1(target, draft, params, **kw):
-    return LLM(model=str(target), draft=str(draft) if draft else None, **ENGINE, **kw).generate(PROMPTS, params)
+    return LLM(model=str(target), draft=str(draft) if draft else None, **ENGINE, **kw).generate(CODE_PROMPTS, params)
 
 
 @pytest.mark.slow
@@ -89,10 +44,10 @@ def test_tp2_plain_equals_tp1_and_env_reaches_both_workers(pair):
 
     target, _ = pair
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    sampled = [SamplingParams(temperature=1.0, max_tokens=12, seed=5 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    sampled = [SamplingParams(temperature=1.0, max_tokens=12, seed=5 + i, ignore_eos=True) for i in range(len(CODE_PROMPTS))]
     ref_g, ref_s = _tp1(target, None, greedy), _tp1(target, None, sampled)
     with TPLLM(model=str(target), tp=2, env={"SPECSERVE_TEST_MARK": "tp-42"}, **ENGINE) as llm:
-        out_g, out_s = llm.generate(PROMPTS, greedy), llm.generate(PROMPTS, sampled)
+        out_g, out_s = llm.generate(CODE_PROMPTS, greedy), llm.generate(CODE_PROMPTS, sampled)
         report = llm.worker_env()
     assert not _worker_children()  # close() stopped both workers
     assert [o.token_ids for o in out_g] == [o.token_ids for o in ref_g]
@@ -112,17 +67,17 @@ def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     from specserve.distributed.tp_llm import TPLLM
 
     target, draft = pair
-    spec = dict(spec_steps=3, spec_topk=topk, spec_tree_max_batch=len(PROMPTS))
+    spec = dict(spec_steps=3, spec_topk=topk, spec_tree_max_batch=len(CODE_PROMPTS))
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=11 + i, ignore_eos=True)
-               for i in range(len(PROMPTS))]
+               for i in range(len(CODE_PROMPTS))]
     ref_g, ref_s = _tp1(target, draft, greedy, **spec), _tp1(target, draft, sampled, **spec)
     with TPLLM(model=str(target), draft=str(draft), tp=2, **ENGINE, **spec) as llm:
-        out_g = llm.generate(PROMPTS, greedy)
-        out_s = llm.generate(PROMPTS, sampled)
+        out_g = llm.generate(CODE_PROMPTS, greedy)
+        out_s = llm.generate(CODE_PROMPTS, sampled)
         # Step-wise driving (what the server does) gives the same tokens as generate().
         eng = llm.engine
-        seqs = [eng.add_request(p, greedy) for p in llm.encode_prompts(PROMPTS[:2])]
+        seqs = [eng.add_request(p, greedy) for p in llm.encode_prompts(CODE_PROMPTS[:2])]
         while eng.has_work():
             eng.step()
         eng.check_idle_integrity()
@@ -152,7 +107,7 @@ def test_tp2_step_wise_logprobs_equal_tp1(pair):
     ref = _tp1(target, draft, params, **spec)[:2]
     with TPLLM(model=str(target), draft=str(draft), tp=2, **ENGINE, **spec) as llm:
         eng = llm.engine
-        seqs = [eng.add_request(p, params) for p in llm.encode_prompts(PROMPTS[:2])]
+        seqs = [eng.add_request(p, params) for p in llm.encode_prompts(CODE_PROMPTS[:2])]
         while eng.has_work():
             eng.step()
     for s, r in zip(seqs, ref):
@@ -180,7 +135,7 @@ def test_tp2_adaptive_k_is_synchronized(pair):
     greedy = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     ref = _tp1(target, draft, greedy, **spec)
     with TPLLM(model=str(target), draft=str(draft), tp=2, **ENGINE, **spec) as llm:
-        outs = llm.generate(PROMPTS, greedy)
+        outs = llm.generate(CODE_PROMPTS, greedy)
         choices = llm.engine.policy.choices
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]  # greedy output does not depend on K
     assert len(choices) > 1 and sum(choices.values()) > 8
@@ -307,9 +262,9 @@ def test_tp2_with_cuda_graphs_equals_tp1_gpu(pair):
     target, draft = pair
     gpu = dict(device="cuda", dtype="float32", max_num_seqs=4, max_model_len=96, spec_steps=3)
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(model=str(target), draft=str(draft), **gpu).generate(PROMPTS, greedy)
+    ref = LLM(model=str(target), draft=str(draft), **gpu).generate(CODE_PROMPTS, greedy)
     with TPLLM(model=str(target), draft=str(draft), tp=2, graph_capture_timeout=60, **gpu) as llm:
-        outs = llm.generate(PROMPTS, greedy)
+        outs = llm.generate(CODE_PROMPTS, greedy)
         info, warnings = llm.info, llm.warnings
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert info["graphs"] > 0 and not warnings, (info, warnings)
@@ -331,7 +286,7 @@ def test_stalled_graph_capture_falls_back_to_eager_instead_of_hanging(pair, monk
     with tp_llm.TPLLM(model=str(target), tp=2, graph_capture_timeout=3, **ENGINE) as llm:
         # Only the restarted pair is alive: the stuck workers were killed, not left behind.
         assert sorted(p.pid for p in _worker_children()) == sorted(llm.worker_pids())
-        outs = llm.generate(PROMPTS[:2], params)
+        outs = llm.generate(CODE_PROMPTS[:2], params)
         assert llm.info["graphs_enabled"] is False
         assert len(llm.warnings) == 1 and "restarted the TP workers without CUDA graphs" in llm.warnings[0]
         assert "worker 1 made no progress for 3 s" in llm.warnings[0]

@@ -17,13 +17,8 @@ MODES = {"plain": {}, "chain": dict(spec_steps=3),
          "tree": dict(spec_steps=3, spec_topk=3, spec_tree_max_batch=8)}
 
 
-@pytest.fixture(scope="module")
-def pair(make_pair):
-    return make_pair(vocab=VOCAB, hidden=32, layers=4, heads=2, kv_heads=1, draft={"draft_vocab": 8})
-
-
-def _engine(pair, mode, **kw):
-    target, draft = pair
+def _engine(small_pair, mode, **kw):
+    target, draft = small_pair
     kw.setdefault("max_model_len", 128)
     kw.setdefault("device", "cpu")
     return Engine(EngineConfig(model=str(target), draft=str(draft) if mode != "plain" else None, **MODES[mode], **kw))
@@ -54,29 +49,29 @@ def _params(n, max_tokens=30):
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_small_blocks_equal_one_block_per_row(pair, mode):
+def test_small_blocks_equal_one_block_per_row(small_pair, mode):
     """Blocks of 4 tokens (many per sequence, every step crossing block edges somewhere) give the
     tokens of one block per sequence (the layout of a slot cache), batch 1 and 8, mixed lengths,
     greedy and seeded sampling."""
     for batch in (1, 8):
         prompts = _prompts(batch, seed=batch)
         params = _params(batch)
-        slot = _drain(_engine(pair, mode, max_num_seqs=batch, kv_block_size=256), prompts, params)
-        paged_engine = _engine(pair, mode, max_num_seqs=batch, kv_block_size=4)
+        slot = _drain(_engine(small_pair, mode, max_num_seqs=batch, kv_block_size=256), prompts, params)
+        paged_engine = _engine(small_pair, mode, max_num_seqs=batch, kv_block_size=4)
         assert paged_engine.runner.kv.max_blocks > 8
         assert _drain(paged_engine, prompts, params) == slot, (mode, batch)
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_prefix_cache_on_equals_off(pair, mode):
+def test_prefix_cache_on_equals_off(small_pair, mode):
     """Requests sharing a 40-token prefix (and one repeating a prompt exactly): with the prefix
     cache, the later ones skip the shared blocks (target and drafter) and still emit the same tokens."""
     shared = _prompts(1, seed=3, lo=40, hi=41)[0]
     prompts = [shared + t for t in _prompts(5, seed=4, lo=1, hi=20)] + [shared + [1]]
     prompts.append(prompts[0])
     params = _params(len(prompts))
-    off = _drain(_engine(pair, mode, max_num_seqs=4, kv_block_size=8), prompts, params, waves=2)
-    engine = _engine(pair, mode, max_num_seqs=4, kv_block_size=8, prefix_cache=True)
+    off = _drain(_engine(small_pair, mode, max_num_seqs=4, kv_block_size=8), prompts, params, waves=2)
+    engine = _engine(small_pair, mode, max_num_seqs=4, kv_block_size=8, prefix_cache=True)
     on = _drain(engine, prompts, params, waves=2)
     assert on == off
     kv = engine.kv_usage()
@@ -87,51 +82,51 @@ def test_prefix_cache_on_equals_off(pair, mode):
         assert engine.totals.accepted > 0
 
 
-def test_hit_rate_is_the_same_with_speculation(pair):
+def test_hit_rate_is_the_same_with_speculation(small_pair):
     shared = _prompts(1, seed=8, lo=50, hi=51)[0]
     prompts = [shared + t for t in _prompts(8, seed=9, lo=1, hi=10)]
     params = _params(len(prompts), max_tokens=10)
     hits = []
     for mode in MODES:
-        engine = _engine(pair, mode, max_num_seqs=2, kv_block_size=8, prefix_cache=True)
+        engine = _engine(small_pair, mode, max_num_seqs=2, kv_block_size=8, prefix_cache=True)
         _drain(engine, prompts, params, waves=4)
         hits.append(engine.kv_usage()["prefix_hit_tokens"])
     assert hits[0] > 0 and len(set(hits)) == 1, hits
 
 
-def test_eviction_under_pressure(pair):
+def test_eviction_under_pressure(small_pair):
     """A pool too small to keep every prefix: cached blocks are evicted (least recently used) and
     a later hit still finds only valid blocks."""
     prompts = _prompts(12, seed=11, lo=30, hi=60)
     prompts += prompts[:3]  # come back to early prefixes after the pool has turned over
     params = _params(len(prompts), max_tokens=12)
     kw = dict(max_num_seqs=2, kv_block_size=8, max_model_len=96, kv_cache_tokens=256)
-    off = _drain(_engine(pair, "chain", **kw), prompts, params, waves=len(prompts))
-    engine = _engine(pair, "chain", prefix_cache=True, **kw)
+    off = _drain(_engine(small_pair, "chain", **kw), prompts, params, waves=len(prompts))
+    engine = _engine(small_pair, "chain", prefix_cache=True, **kw)
     assert _drain(engine, prompts, params, waves=len(prompts)) == off
     kv = engine.kv_usage()
     assert kv["prefix_evictions"] > 0 and kv["blocks_total"] == 32
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_preemption_recomputes_and_continues_exactly(pair, mode):
+def test_preemption_recomputes_and_continues_exactly(small_pair, mode):
     """Four long generations in a pool that holds about two: sequences are preempted mid-decode,
     recomputed later, and every one emits the tokens it emits with room to spare."""
     prompts = _prompts(4, seed=13, lo=5, hi=15)
     params = _params(4, max_tokens=45)
-    roomy = _drain(_engine(pair, mode, max_num_seqs=4, kv_block_size=8, max_model_len=64), prompts, params)
-    engine = _engine(pair, mode, max_num_seqs=4, kv_block_size=8, max_model_len=64, kv_cache_tokens=96,
+    roomy = _drain(_engine(small_pair, mode, max_num_seqs=4, kv_block_size=8, max_model_len=64), prompts, params)
+    engine = _engine(small_pair, mode, max_num_seqs=4, kv_block_size=8, max_model_len=64, kv_cache_tokens=96,
                      prefix_cache=True)
     assert _drain(engine, prompts, params) == roomy
     assert engine.kv_usage()["preemptions"] > 0
 
 
-def test_random_workload_leaves_the_pool_whole(pair):
+def test_random_workload_leaves_the_pool_whole(small_pair):
     """Random arrivals, lengths, aborts and sampling over a small pool with prefix caching: when
     idle no block is referenced and every block is free or cached exactly once (checked by
     check_idle_integrity), and the table points nowhere."""
     g = random.Random(21)
-    engine = _engine(pair, "chain", max_num_seqs=3, kv_block_size=4, max_model_len=64, kv_cache_tokens=160,
+    engine = _engine(small_pair, "chain", max_num_seqs=3, kv_block_size=4, max_model_len=64, kv_cache_tokens=160,
                      prefix_cache=True)
     base = _prompts(3, seed=22, lo=8, hi=20)
     live = []
@@ -173,8 +168,8 @@ def test_block_pool_keys_refcounts_and_lru():
         pool.release([b[0]])
 
 
-def test_pool_sizes_are_checked(pair):
-    target, _ = pair
+def test_pool_sizes_are_checked(small_pair):
+    target, _ = small_pair
     with pytest.raises(ConfigError, match="less than one sequence"):
         Engine(EngineConfig(model=str(target), device="cpu", max_model_len=128, kv_cache_tokens=64))
     with pytest.raises(ConfigError, match="on CPU use --kv-cache-tokens"):
@@ -185,18 +180,18 @@ def test_pool_sizes_are_checked(pair):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", list(MODES))
-def test_paged_kernels_on_gpu(pair, mode):
+def test_paged_kernels_on_gpu(small_pair, mode):
     """CUDA graphs and the Triton kernels reading block tables (bfloat16): blocks of 4 tokens emit
     one block per row's tokens, and the prefix cache changes nothing."""
     prompts = _prompts(8, seed=31)
     params = _params(8)
     kw = dict(device="cuda", dtype="bfloat16", max_num_seqs=8)
-    slot = _drain(_engine(pair, mode, kv_block_size=256, **kw), prompts, params)
-    assert _drain(_engine(pair, mode, kv_block_size=4, **kw), prompts, params) == slot
+    slot = _drain(_engine(small_pair, mode, kv_block_size=256, **kw), prompts, params)
+    assert _drain(_engine(small_pair, mode, kv_block_size=4, **kw), prompts, params) == slot
     shared = _prompts(1, seed=3, lo=40, hi=41)[0]
     prompts = [shared + t for t in _prompts(6, seed=4, lo=1, hi=20)]
-    off = _drain(_engine(pair, mode, kv_block_size=8, **kw), prompts, params[:6], waves=2)
-    engine = _engine(pair, mode, kv_block_size=8, prefix_cache=True, **kw)
+    off = _drain(_engine(small_pair, mode, kv_block_size=8, **kw), prompts, params[:6], waves=2)
+    engine = _engine(small_pair, mode, kv_block_size=8, prefix_cache=True, **kw)
     assert _drain(engine, prompts, params[:6], waves=2) == off
     assert engine.kv_usage()["prefix_hit_tokens"] > 0
 
@@ -212,26 +207,26 @@ def _count_prefill_chunks(engine) -> list[int]:
 
 
 @pytest.mark.parametrize("mode", ["plain", "chain"])
-def test_admit_wait_prefills_freed_rows_together_and_changes_no_output(pair, mode):
+def test_admit_wait_prefills_freed_rows_together_and_changes_no_output(small_pair, mode):
     """Twelve requests through four rows, ending at different steps: with --admit-wait the rows they free
     are refilled in fewer prefill chunks, and every request emits the same tokens (greedy and seeded)."""
     prompts = _prompts(12, seed=21, lo=3, hi=12)
     kinds = _params(12)
     params = [SamplingParams(temperature=k.temperature, top_p=k.top_p, seed=k.seed, max_tokens=4 + 3 * (i % 5),
                              ignore_eos=True) for i, k in enumerate(kinds)]
-    at_once = _engine(pair, mode, max_num_seqs=4)
+    at_once = _engine(small_pair, mode, max_num_seqs=4)
     chunks_at_once = _count_prefill_chunks(at_once)
     want = _drain(at_once, prompts, params)
-    together = _engine(pair, mode, max_num_seqs=4, admit_wait=6)
+    together = _engine(small_pair, mode, max_num_seqs=4, admit_wait=6)
     chunks_together = _count_prefill_chunks(together)
     assert _drain(together, prompts, params) == want
     assert chunks_together[0] < chunks_at_once[0], (chunks_together, chunks_at_once)
 
 
-def test_admit_wait_bounds_the_wait_and_never_holds_an_idle_engine(pair):
+def test_admit_wait_bounds_the_wait_and_never_holds_an_idle_engine(small_pair):
     """A lone arrival while another request decodes waits exactly --admit-wait steps once a row is free for
     it; with nothing decoding, arrivals start at once; a whole prefill chunk's worth starts at once too."""
-    engine = _engine(pair, "plain", max_num_seqs=4, admit_wait=3, prefill_chunk=20)
+    engine = _engine(small_pair, "plain", max_num_seqs=4, admit_wait=3, prefill_chunk=20)
     first = engine.add_request([1, 2, 3], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     engine.step()
     assert first.output_ids  # nothing decoded before it: admitted and prefilled at once
@@ -245,4 +240,4 @@ def test_admit_wait_bounds_the_wait_and_never_holds_an_idle_engine(pair):
     engine.step()
     assert big.output_ids  # its 20 prompt tokens fill a prefill chunk: no reason to wait
     with pytest.raises(ConfigError, match="--admit-wait"):
-        EngineConfig(model=str(pair[0]), admit_wait=-1)
+        EngineConfig(model=str(small_pair[0]), admit_wait=-1)

@@ -10,17 +10,15 @@ from __future__ import annotations
 import json
 import shutil
 import struct
-import sys
 from pathlib import Path
 
 import pytest
 
 from specserve.cli import main
 from specserve.config import DEMO_DIR
-from specserve.ops import check, nvml
+from specserve.ops import check
 
-sys.path.insert(0, str(Path(__file__).parent))
-from tiny import make_drafter, make_target  # noqa: E402
+from tiny import make_drafter, make_target
 
 LAYERS = 8  # target layers; the sglang drafter's aux ids are [1, 3, 4] -> captured inputs [2, 4, 5]
 
@@ -49,7 +47,7 @@ def _word_tokenizer(target: Path) -> None:
 
 
 @pytest.fixture
-def pair(base, tmp_path) -> tuple[Path, Path]:
+def check_pair(base, tmp_path) -> tuple[Path, Path]:
     shutil.copytree(base, tmp_path / "p")
     return tmp_path / "p" / "target", tmp_path / "p" / "draft"
 
@@ -90,8 +88,8 @@ def cli(capsys, *argv: str) -> tuple[int, str]:
     return rc, capsys.readouterr().out
 
 
-def run_pair(capsys, pair, *extra: str) -> tuple[int, str]:
-    target, draft = pair
+def run_pair(capsys, check_pair, *extra: str) -> tuple[int, str]:
+    target, draft = check_pair
     return cli(capsys, "--model", str(target), "--draft", str(draft), "--device", "cpu", *extra)
 
 
@@ -100,8 +98,8 @@ def lines(out: str, level: str) -> list[str]:
 
 
 # ------------------------------------------------------------------ good pair
-def test_good_pair_passes(capsys, pair):
-    rc, out = run_pair(capsys, pair)
+def test_good_pair_passes(capsys, check_pair):
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 0, out
     assert not lines(out, "ERROR") and not lines(out, "WARNING")
     assert out.strip().splitlines()[-1] == "check passed: 0 errors, 0 warnings"
@@ -113,9 +111,9 @@ def test_good_pair_passes(capsys, pair):
     assert "memory estimate per device" in out
 
 
-def test_json_output(capsys, pair):
-    edit(pair[1], vocab_size=128)
-    rc, out = run_pair(capsys, pair, "--json")
+def test_json_output(capsys, check_pair):
+    edit(check_pair[1], vocab_size=128)
+    rc, out = run_pair(capsys, check_pair, "--json")
     assert rc == 1
     doc = json.loads(out)
     assert doc["ok"] is False and doc["errors"] >= 1
@@ -125,38 +123,38 @@ def test_json_output(capsys, pair):
     assert est["total"] == est["weights"] + est["kv"] + est["other"]
 
 
-def test_target_alone_passes(capsys, pair):
-    rc, out = cli(capsys, "--model", str(pair[0]), "--device", "cpu")
+def test_target_alone_passes(capsys, check_pair):
+    rc, out = cli(capsys, "--model", str(check_pair[0]), "--device", "cpu")
     assert rc == 0, out
     assert "drafter" not in out
 
 
 # ------------------------------------------------------------- each mismatch
-def test_unsupported_architecture(capsys, pair):
-    edit(pair[0], architectures=["MistralForCausalLM"])
-    rc, out = run_pair(capsys, pair)
+def test_unsupported_architecture(capsys, check_pair):
+    edit(check_pair[0], architectures=["MistralForCausalLM"])
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     (err,) = [ln for ln in lines(out, "ERROR") if "Mistral" in ln]
     assert "'MistralForCausalLM' is not supported" in err
     assert "LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM" in err
 
 
-def test_not_a_drafter(capsys, pair):
-    rc, out = cli(capsys, "--model", str(pair[0]), "--draft", str(pair[0]), "--device", "cpu")
+def test_not_a_drafter(capsys, check_pair):
+    rc, out = cli(capsys, "--model", str(check_pair[0]), "--draft", str(check_pair[0]), "--device", "cpu")
     assert rc == 1
     assert any("is not an EAGLE-3 drafter" in ln or "num_hidden_layers 1" in ln for ln in lines(out, "ERROR"))
 
 
-def test_vocab_size_mismatch(capsys, pair):
-    edit(pair[1], vocab_size=128)
-    rc, out = run_pair(capsys, pair)
+def test_vocab_size_mismatch(capsys, check_pair):
+    edit(check_pair[1], vocab_size=128)
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     assert any("drafter vocab_size 128 differs from the target's 96" in ln for ln in lines(out, "ERROR"))
 
 
-def test_hidden_size_mismatch(capsys, pair):
-    edit(pair[1], target_hidden_size=80)
-    rc, out = run_pair(capsys, pair)
+def test_hidden_size_mismatch(capsys, check_pair):
+    edit(check_pair[1], target_hidden_size=80)
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     errs = "\n".join(lines(out, "ERROR"))
     assert "3 x 80 = 240" in errs and "target's hidden size 64 gives 192" in errs
@@ -164,113 +162,113 @@ def test_hidden_size_mismatch(capsys, pair):
     assert "fc.weight is [64, 192] in the checkpoint but config.json implies [64, 240]" in errs
 
 
-def test_fc_header_disagrees_with_config(capsys, pair):
-    retag(pair[1], **{"fc.weight": ("F32", (64, 128))})
-    rc, out = run_pair(capsys, pair)
+def test_fc_header_disagrees_with_config(capsys, check_pair):
+    retag(check_pair[1], **{"fc.weight": ("F32", (64, 128))})
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     (err,) = [ln for ln in lines(out, "ERROR") if "fc.weight" in ln]
     assert "fc.weight is [64, 128] in the checkpoint but config.json implies [64, 192]" in err
 
 
-def test_lm_head_and_d2t_must_match_draft_vocab(capsys, pair):
-    edit(pair[1], draft_vocab_size=40)
-    rc, out = run_pair(capsys, pair)
+def test_lm_head_and_d2t_must_match_draft_vocab(capsys, check_pair):
+    edit(check_pair[1], draft_vocab_size=40)
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     errs = "\n".join(lines(out, "ERROR"))
     assert "lm_head.weight is [48, 64] in the checkpoint but config.json implies [40, 64]" in errs
     assert "d2t is [48]" in errs
 
 
-def test_aux_layer_ids_out_of_range(capsys, pair):
-    edit(pair[1], eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 4, 8]})
-    rc, out = run_pair(capsys, pair)
+def test_aux_layer_ids_out_of_range(capsys, check_pair):
+    edit(check_pair[1], eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 4, 8]})
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     (err,) = [ln for ln in lines(out, "ERROR") if "aux" in ln]
     assert "[1, 4, 8]" in err and "[2, 5, 9]" in err and "0..8" in err and "sglang" in err
     assert "they fit under --aux-layer-convention vllm" in err
     # Read as vLLM does (captured as listed), the same ids fit.
-    rc, out = run_pair(capsys, pair, "--aux-layer-convention", "vllm")
+    rc, out = run_pair(capsys, check_pair, "--aux-layer-convention", "vllm")
     assert rc == 0, out
     assert "captures the inputs of target layers [1, 4, 8] of 0..8" in out
 
 
-def test_aux_layer_ids_need_three(capsys, pair):
-    edit(pair[1], eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 4]})
-    rc, out = run_pair(capsys, pair)
+def test_aux_layer_ids_need_three(capsys, check_pair):
+    edit(check_pair[1], eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 4]})
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     assert any("has 2 ids; EAGLE-3's fc takes exactly 3" in ln for ln in lines(out, "ERROR"))
 
 
-def test_tokenizer_vocabularies_compared(capsys, pair):
-    target, draft = pair
+def test_tokenizer_vocabularies_compared(capsys, check_pair):
+    target, draft = check_pair
     write_tokenizer(draft / "tokenizer.json", VOCAB)
-    rc, out = run_pair(capsys, pair)
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 0 and "drafter tokenizer.json matches the target's (96 tokens)" in out
     swapped = dict(VOCAB, t5=6, t6=5)
     write_tokenizer(draft / "tokenizer.json", swapped)
-    rc, out = run_pair(capsys, pair)
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     (err,) = [ln for ln in lines(out, "ERROR") if "tokenizer" in ln]
     assert "2 tokens differ" in err
     assert "'t5': target id 5, drafter id 6" in err and "'t6': target id 6, drafter id 5" in err
 
 
-def test_target_tokenizer_larger_than_model_vocab(capsys, pair):
-    write_tokenizer(pair[0] / "tokenizer.json", {f"t{i}": i for i in range(100)})
-    rc, out = run_pair(capsys, pair)
+def test_target_tokenizer_larger_than_model_vocab(capsys, check_pair):
+    write_tokenizer(check_pair[0] / "tokenizer.json", {f"t{i}": i for i in range(100)})
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     assert any("token ids up to 99 but the model's vocab_size is 96" in ln for ln in lines(out, "ERROR"))
 
 
-def test_dtype_mismatch_is_a_warning(capsys, pair):
-    edit(pair[1], torch_dtype="bfloat16")
-    rc, out = run_pair(capsys, pair)
+def test_dtype_mismatch_is_a_warning(capsys, check_pair):
+    edit(check_pair[1], torch_dtype="bfloat16")
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 0, out
     assert any("drafter dtype bfloat16 differs from the target's float32" in ln for ln in lines(out, "WARNING"))
 
 
-def test_unsupported_weight_dtype_is_an_error(capsys, pair):
-    retag(pair[1], **{"fc.weight": ("F8_E4M3", (64, 192))})
-    rc, out = run_pair(capsys, pair)
+def test_unsupported_weight_dtype_is_an_error(capsys, check_pair):
+    retag(check_pair[1], **{"fc.weight": ("F8_E4M3", (64, 192))})
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     assert any("unsupported dtypes: F8_E4M3 (fc.weight)" in ln for ln in lines(out, "ERROR"))
 
 
-def test_quantized_target_config(capsys, pair):
-    edit(pair[0], quantization_config={"quant_method": "fp8"})
-    rc, out = run_pair(capsys, pair)
+def test_quantized_target_config(capsys, check_pair):
+    edit(check_pair[0], quantization_config={"quant_method": "fp8"})
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     assert any("quant_method 'fp8'" in ln for ln in lines(out, "ERROR"))
 
 
 # ----------------------------------------------------- the 131072 / 262144 story
-def test_draft_positions_story(capsys, pair):
-    target, draft = pair
+def test_draft_positions_story(capsys, check_pair):
+    target, draft = check_pair
     edit(target, max_position_embeddings=262144)
     edit(draft, max_position_embeddings=131072)
     small = ("--max-num-seqs", "1")
     # Serving the target's full context: refused, naming both numbers and both ways out.
-    rc, out = run_pair(capsys, pair, "--max-model-len", "262144", *small)
+    rc, out = run_pair(capsys, check_pair, "--max-model-len", "262144", *small)
     assert rc == 1
     (err,) = [ln for ln in lines(out, "ERROR") if "max_position_embeddings" in ln]
     assert "context length 262144" in err and "max_position_embeddings 131072" in err
     assert "--max-model-len 131072" in err and "--allow-draft-position-extension" in err
     # Way out 1: allow extension -> a warning instead.
-    rc, out = run_pair(capsys, pair, "--max-model-len", "262144", "--allow-draft-position-extension", *small)
+    rc, out = run_pair(capsys, check_pair, "--max-model-len", "262144", "--allow-draft-position-extension", *small)
     assert rc == 0, out
     assert any("drafting continues past 131072" in ln for ln in lines(out, "WARNING"))
     # Way out 2: cap the served length at the drafter's limit.
-    rc, out = run_pair(capsys, pair, "--max-model-len", "131072", *small)
+    rc, out = run_pair(capsys, check_pair, "--max-model-len", "131072", *small)
     assert rc == 0, out
     # Merely differing limits are fine: the default served length (1024 on CPU) is within both.
-    rc, out = run_pair(capsys, pair)
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 0, out
     assert "context length 1024 (default" in out
 
 
-def test_eagle3_2048_drafter_against_cuda_default(pair, fake_gpus):
+def test_eagle3_2048_drafter_against_cuda_default(check_pair, fake_gpus):
     """A typical EAGLE-3 drafter (2048) under the CUDA default length (4096) is refused."""
-    target, draft = pair
+    target, draft = check_pair
     edit(target, max_position_embeddings=262144)
     edit(draft, max_position_embeddings=2048)
     fake_gpus((0, 140000))
@@ -282,96 +280,83 @@ def test_eagle3_2048_drafter_against_cuda_default(pair, fake_gpus):
 
 
 # ------------------------------------------------------------------------- TP
-def test_tp_divisibility_names_what_does_not_divide(capsys, pair):
-    rc, out = run_pair(capsys, pair, "--tp", "3")
+def test_tp_divisibility_names_what_does_not_divide(capsys, check_pair):
+    rc, out = run_pair(capsys, check_pair, "--tp", "3")
     assert rc == 1
     (err,) = [ln for ln in lines(out, "ERROR") if ln.startswith("ERROR: --tp 3")]
     assert "num_attention_heads 4" in err and "num_key_value_heads 2" in err and "intermediate_size 128" in err
     assert "vocab_size" not in err  # 96 divides by 3
-    found = check.run_checks(str(pair[0]), str(pair[1]), tp=2, device="cpu")
+    found = check.run_checks(str(check_pair[0]), str(check_pair[1]), tp=2, device="cpu")
     assert [f.level for f in found if f.code == "tp"] == ["ok"]
 
 
 # --------------------------------------------------------------------- memory
-@pytest.fixture
-def fake_gpus(monkeypatch):
-    """Replace NVML: each argument is (used MiB, total MiB) of one GPU."""
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-
-    def install(*mem: tuple[float, float]) -> None:
-        gpus = [nvml.Gpu(index=i, name="FakeGPU", uuid=f"GPU-fake-{i}", minor=i, memory_used_mib=u,
-                         memory_total_mib=t, utilization_pct=0) for i, (u, t) in enumerate(mem)]
-        monkeypatch.setattr(nvml, "query", lambda processes=True: nvml.GpuQuery(True, "", "1.0", gpus))
-
-    return install
-
-
-def test_memory_fits(pair, fake_gpus):
+def test_memory_fits(check_pair, fake_gpus):
     fake_gpus((500, 81920))
-    found = check.run_checks(str(pair[0]), str(pair[1]), device="auto")
+    found = check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto")
     mem = [f for f in found if f.code == "memory"]
     assert [f.level for f in mem] == ["ok"] and "GPU 0 (FakeGPU)" in mem[0].message
     assert not check.has_errors(found)
 
 
-def test_memory_too_small_suggests_what_fits(pair, fake_gpus):
+def test_memory_too_small_suggests_what_fits(check_pair, fake_gpus):
     fake_gpus((0, 4096))  # 4 GiB GPU: usable 0.9 * 4 GiB = 3.6 GiB
-    found = check.run_checks(str(pair[0]), str(pair[1]), device="auto", max_num_seqs=4000, max_model_len=512)
+    found = check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto", max_num_seqs=4000, max_model_len=512)
     (err,) = [f for f in found if f.code == "memory"]
     assert err.level == "error" and "GPU 0 (FakeGPU)" in err.message
     fit = err.data["max_num_seqs_fit"]
     assert 1 <= fit < 4000 and f"lower --max-num-seqs to {fit}" in err.message
-    ok = check.run_checks(str(pair[0]), str(pair[1]), device="auto", max_num_seqs=fit, max_model_len=512)
+    ok = check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto", max_num_seqs=fit, max_model_len=512)
     assert not check.has_errors(ok), check.format_report(ok)
-    bad = check.run_checks(str(pair[0]), str(pair[1]), device="auto", max_num_seqs=fit + 1, max_model_len=512)
+    bad = check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto", max_num_seqs=fit + 1, max_model_len=512)
     assert check.has_errors(bad)
 
 
-def test_memory_names_how_many_gpus_the_model_needs(pair, fake_gpus, monkeypatch):
+def test_memory_names_how_many_gpus_the_model_needs(check_pair, fake_gpus, monkeypatch):
     monkeypatch.setattr(check, "OVERHEAD_BYTES", 0)  # else the fixed allowance, the same on every GPU, dominates
     fake_gpus((0, 81920))
     run = dict(device="auto", max_num_seqs=1, max_model_len=512)
-    total = {tp: next(f for f in check.run_checks(str(pair[0]), str(pair[1]), tp=tp, **run)
+    total = {tp: next(f for f in check.run_checks(str(check_pair[0]), str(check_pair[1]), tp=tp, **run)
                       if f.code == "memory_estimate").data["total"] for tp in (1, 2)}
     assert total[2] < total[1]
     fake_gpus((0, (total[1] + total[2]) / 2 / 0.9 / 2**20))  # room for TP 2's share, not for the whole model
-    (err,) = [f for f in check.run_checks(str(pair[0]), str(pair[1]), **run) if f.code == "memory"]
+    (err,) = [f for f in check.run_checks(str(check_pair[0]), str(check_pair[1]), **run) if f.code == "memory"]
     assert err.level == "error" and err.data["gpus_needed"] == 2
     assert "it needs at least 2 GPUs of this size (--tp 2)" in err.message
 
 
-def test_memory_busy_gpu_and_visible_devices(pair, fake_gpus, monkeypatch):
+def test_memory_busy_gpu_and_visible_devices(check_pair, fake_gpus, monkeypatch):
     fake_gpus((0, 81920), (81000, 81920))  # GPU 1 almost full (another process)
-    assert not check.has_errors(check.run_checks(str(pair[0]), device="auto"))
+    assert not check.has_errors(check.run_checks(str(check_pair[0]), device="auto"))
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
-    found = check.run_checks(str(pair[0]), device="auto")
+    found = check.run_checks(str(check_pair[0]), device="auto")
     (err,) = [f for f in found if f.level == "error"]
     assert "GPU 1" in err.message and "weights and overhead alone do not fit" in err.message
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
-    found = check.run_checks(str(pair[0]), device="auto", tp=2)
+    found = check.run_checks(str(check_pair[0]), device="auto", tp=2)
     assert [f.data["gpu"] for f in found if f.code == "memory"] == [0, 1]
-    found = check.run_checks(str(pair[0]), device="cuda:1", tp=2)
+    found = check.run_checks(str(check_pair[0]), device="cuda:1", tp=2)
     assert any("TP workers use cuda:0..cuda:1" in f.message for f in found if f.level == "error")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-fake-1")  # UUIDs select too
-    found = check.run_checks(str(pair[0]), device="auto")
+    found = check.run_checks(str(check_pair[0]), device="auto")
     assert [f.data["gpu"] for f in found if f.code == "memory"] == [1]
 
 
-def test_tp_needs_enough_gpus(capsys, pair, fake_gpus):
+def test_tp_needs_enough_gpus(capsys, check_pair, fake_gpus):
     fake_gpus((0, 81920))
-    rc, out = cli(capsys, "--model", str(pair[0]), "--tp", "2")
+    rc, out = cli(capsys, "--model", str(check_pair[0]), "--tp", "2")
     assert rc == 1
     assert "ERROR: --tp 2 needs 2 GPUs; 1 visible" in out
     # Spread over two machines, each needs tp / nnodes GPUs.
-    rc, out = cli(capsys, "--model", str(pair[0]), "--tp", "2", "--nnodes", "2", "--dist-init-addr", "h:29500")
+    rc, out = cli(capsys, "--model", str(check_pair[0]), "--tp", "2", "--nnodes", "2", "--dist-init-addr", "h:29500")
     assert rc == 0 and "GPUs; " not in out
-    rc, out = cli(capsys, "--model", str(pair[0]), "--tp", "4", "--nnodes", "2", "--dist-init-addr", "h:29500")
+    rc, out = cli(capsys, "--model", str(check_pair[0]), "--tp", "4", "--nnodes", "2", "--dist-init-addr", "h:29500")
     assert rc == 1 and "ERROR: --tp 4 needs 2 GPUs on each of the 2 nodes; 1 visible" in out
 
 
-def test_memory_cli_error_line(capsys, pair, fake_gpus):
+def test_memory_cli_error_line(capsys, check_pair, fake_gpus):
     fake_gpus((81000, 81920))
-    rc, out = cli(capsys, "--model", str(pair[0]), "--draft", str(pair[1]), "--gpu-memory-utilization", "0.95")
+    rc, out = cli(capsys, "--model", str(check_pair[0]), "--draft", str(check_pair[1]), "--gpu-memory-utilization", "0.95")
     assert rc == 1
     (err,) = [ln for ln in lines(out, "ERROR")]
     assert err.startswith("ERROR: GPU 0 (FakeGPU): needs ~") and "--gpu-memory-utilization 0.95" in err
@@ -384,43 +369,43 @@ def test_missing_config(capsys, tmp_path):
     assert "config.json not found" in out and "has no tokenizer.json" in out
 
 
-def test_pickle_only_weights(capsys, pair):
-    target = pair[0]
+def test_pickle_only_weights(capsys, check_pair):
+    target = check_pair[0]
     (target / "model.safetensors").rename(target / "pytorch_model.bin")
-    rc, out = run_pair(capsys, pair)
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1
     assert any("only pickle checkpoints (pytorch_model.bin)" in ln and "--allow-pickle" in ln
                for ln in lines(out, "ERROR"))
-    rc, out = run_pair(capsys, pair, "--allow-pickle")
+    rc, out = run_pair(capsys, check_pair, "--allow-pickle")
     assert rc == 0, out
     assert any("pickle" in ln for ln in lines(out, "WARNING"))
 
 
-def test_no_weights_and_missing_shard(capsys, pair):
-    target, draft = pair
+def test_no_weights_and_missing_shard(capsys, check_pair):
+    target, draft = check_pair
     (draft / "model.safetensors").unlink()
-    rc, out = run_pair(capsys, pair)
+    rc, out = run_pair(capsys, check_pair)
     assert rc == 1 and "has no weights" in out
     (target / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-00002.safetensors"}}))
     rc, out = cli(capsys, "--model", str(target), "--device", "cpu")
     assert rc == 1 and "lists shard(s) that do not exist: model-00002.safetensors" in out
 
 
-def test_truncated_safetensors(capsys, pair):
-    st = pair[0] / "model.safetensors"
+def test_truncated_safetensors(capsys, check_pair):
+    st = check_pair[0] / "model.safetensors"
     data = st.read_bytes()
     st.write_bytes(data[: len(data) - 100])
-    rc, out = cli(capsys, "--model", str(pair[0]), "--device", "cpu")
+    rc, out = cli(capsys, "--model", str(check_pair[0]), "--device", "cpu")
     assert rc == 1 and "is truncated" in out
     st.write_bytes(b"\xff" * 16)
-    rc, out = cli(capsys, "--model", str(pair[0]), "--device", "cpu")
+    rc, out = cli(capsys, "--model", str(check_pair[0]), "--device", "cpu")
     assert rc == 1 and "not a valid safetensors file" in out
 
 
-def test_bad_settings(capsys, pair):
-    rc, out = run_pair(capsys, pair, "--gpu-memory-utilization", "1.5")
+def test_bad_settings(capsys, check_pair):
+    rc, out = run_pair(capsys, check_pair, "--gpu-memory-utilization", "1.5")
     assert rc == 1 and "--gpu-memory-utilization must be in (0, 1]" in out
-    rc, out = run_pair(capsys, pair, "--max-model-len", "4096")
+    rc, out = run_pair(capsys, check_pair, "--max-model-len", "4096")
     assert rc == 1 and "--max-model-len 4096 exceeds the target's max_position_embeddings 512" in out
 
 
@@ -440,13 +425,13 @@ def test_dtype_rules_match_the_loader():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tree", [{}, {"spec_topk": 4, "spec_tokens": 40}])
-def test_estimate_matches_what_the_engine_allocates(pair, tree):
+def test_estimate_matches_what_the_engine_allocates(check_pair, tree):
     """KV bytes and target weight bytes equal the real runner's on CPU (tiny pair), with a chain
     and with a tree (whose cache keeps room for its verify nodes)."""
     from specserve.config import EngineConfig
     from specserve.engine.runner import ModelRunner
 
-    target, draft = pair
+    target, draft = check_pair
     cfg = EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3, max_num_seqs=3,
                        max_model_len=100, cuda_graphs=False, **tree)
     runner = ModelRunner(cfg)

@@ -7,15 +7,28 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from specserve.config import ConfigError, EngineConfig, ModelConfig
-from specserve.engine.engine import Engine
+from specserve.config import ConfigError, ModelConfig
 from specserve.engine.sampling import SamplingParams
-from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+from specserve.kernels.int4 import (
+    dequantize_int4,
+    pack_int4,
+    quantize_int4,
+    unpack_int4,
+)
 from specserve.model.int4_linear import Int4Linear
 from specserve.model.layers import ColumnParallelLinear, RowParallelLinear
 from specserve.model.loader import load_target
 from specserve.model.quant import Int4Weights, parse_quantization_config
-from tiny import assert_logits_match, make_drafter, make_int4_pair, make_target, with_cache
+
+from tiny import (
+    INT_PROMPTS,
+    assert_logits_match,
+    generate_greedy,
+    make_drafter,
+    make_int4_pair,
+    make_target,
+    with_cache,
+)
 
 CPU = torch.device("cpu")
 # (group size, symmetric, ignore): the issue's scheme, an asymmetric one with a `re:` ignore, per channel
@@ -54,7 +67,9 @@ def test_packing_matches_compressed_tensors():
 def test_dequantize_matches_compressed_tensors(group, symmetric):
     """Our packed tensors, decompressed by the package's own pack-quantized compressor."""
     pytest.importorskip("compressed_tensors")
-    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.compressors.pack_quantized.base import (
+        PackedQuantizationCompressor,
+    )
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
@@ -214,7 +229,12 @@ def test_int4_tuning_on_gpu():
     in a CUDA graph too (partials and all). Under `invariant` every bucket holds
     `invariant_config`, and a 40-row product gives its first rows the bits of a 1- and 5-row one."""
     from specserve.kernels.gemv import GEMV_ROWS
-    from specserve.kernels.int4 import int4_linear, int4_matmul, invariant_config, tune_int4
+    from specserve.kernels.int4 import (
+        int4_linear,
+        int4_matmul,
+        invariant_config,
+        tune_int4,
+    )
 
     dev, dt = torch.device("cuda"), torch.bfloat16
     layers = []
@@ -284,30 +304,17 @@ def test_int4_checkpoint_loads_packed_and_equals_its_twin(int4_pair):
     assert_logits_match(ours, ref, 11)
 
 
-def _generate(model, prompts, draft=None, **kw):
-    kw.setdefault("device", "cpu")
-    engine = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, max_num_seqs=len(prompts),
-                                 **kw))
-    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    seqs = [engine.add_request(p, params) for p in prompts]
-    while engine.has_work():
-        engine.step()
-    engine.check_idle_integrity()
-    return [s.output_ids for s in seqs], engine
-
-
-PROMPTS = [[1, 5, 2, 7], [3] * 11, [4, 9, 0, 10, 2, 2, 6]]
 
 
 @pytest.mark.slow
 def test_int4_greedy_equals_twin_and_speculation_is_lossless(int4_pair, tmp_path):
     q, twin, _ = int4_pair
-    base, _ = _generate(q, PROMPTS)
-    assert base == _generate(twin, PROMPTS)[0]
+    base, _ = generate_greedy(q, INT_PROMPTS)
+    assert base == generate_greedy(twin, INT_PROMPTS)[0]
     draft = make_drafter(tmp_path / "draft", q, draft_vocab=8)
     accepted = 0
     for K in (1, 3):
-        out, engine = _generate(q, PROMPTS, draft, spec_steps=K)
+        out, engine = generate_greedy(q, INT_PROMPTS, draft, spec_steps=K)
         assert out == base, f"K={K}"
         accepted += engine.totals.accepted
     assert accepted > 0  # drafts were really accepted, not only rejected
@@ -363,9 +370,9 @@ def test_tp2_int4_equals_tp1(tmp_path):
         shutil.copy(DEMO_DIR / f, q / f)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     engine = dict(device="cpu", max_num_seqs=4, max_model_len=96)
-    ref = LLM(model=str(q), **engine).generate(PROMPTS, greedy)
+    ref = LLM(model=str(q), **engine).generate(INT_PROMPTS, greedy)
     with TPLLM(model=str(q), tp=2, **engine) as llm:
-        out = llm.generate(PROMPTS, greedy)
+        out = llm.generate(INT_PROMPTS, greedy)
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
 
 
@@ -379,9 +386,9 @@ def test_int4_on_gpu_equals_twin_and_speculation_is_lossless(int4_pair, tmp_path
     for (name, m), (_, r) in zip(ours.named_modules(), ref.named_modules()):
         if isinstance(m, Int4Linear):
             assert torch.equal(dequantize_int4(m.weight_packed, m.weight_scale, m.weight_zero_point), r.weight), name
-    base, _ = _generate(q, PROMPTS, device="cuda")
+    base, _ = generate_greedy(q, INT_PROMPTS, device="cuda")
     draft = make_drafter(tmp_path / "draft", q, draft_vocab=8)
-    out, engine = _generate(q, PROMPTS, draft, spec_steps=3, device="cuda")
+    out, engine = generate_greedy(q, INT_PROMPTS, draft, spec_steps=3, device="cuda")
     assert out == base and engine.totals.cycles > 0
 
 

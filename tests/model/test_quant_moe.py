@@ -15,10 +15,18 @@ from specserve.model.layers import ColumnParallelLinear, RowParallelLinear
 from specserve.model.loader import load_target
 from specserve.model.moe import Int4Experts, MoE
 from specserve.ops.check import _count
-from tiny import (KIMI_IGNORE, QWEN3_MOE_IGNORE, assert_logits_match, make_drafter, make_int4_pair, make_moe_target,
-                  with_cache)
-from test_check import fake_gpus  # noqa: F401 (a fixture)
-from test_quant import PROMPTS, _generate
+
+from tiny import (
+    INT_PROMPTS,
+    KIMI_IGNORE,
+    QWEN3_MOE_IGNORE,
+    assert_logits_match,
+    generate_greedy,
+    make_drafter,
+    make_int4_pair,
+    make_moe_target,
+    with_cache,
+)
 
 CPU = torch.device("cpu")
 # (architecture, group size, symmetric, ignore): Kimi-K2.5's scheme (routed experts only) on
@@ -91,10 +99,10 @@ def test_kimi_k25_wrapped_int4_checkpoint_loads_its_text_model(moe_int4_pair, tm
 @pytest.mark.slow
 def test_int4_moe_greedy_equals_twin_and_speculation_is_lossless(moe_int4_pair, tmp_path):
     q, twin, _ = moe_int4_pair
-    base, _ = _generate(q, PROMPTS)
-    assert base == _generate(twin, PROMPTS)[0]
+    base, _ = generate_greedy(q, INT_PROMPTS)
+    assert base == generate_greedy(twin, INT_PROMPTS)[0]
     draft = make_drafter(tmp_path / "draft", q, layout="sglang", aux_ids=[0, 1, 2], draft_vocab=8)
-    out, engine = _generate(q, PROMPTS, draft, spec_steps=3)
+    out, engine = generate_greedy(q, INT_PROMPTS, draft, spec_steps=3)
     assert out == base
     assert engine.totals.cycles > 0 and engine.totals.accepted > 0
 
@@ -124,9 +132,9 @@ def test_tp2_ep2_int4_moe_equals_tp1(tmp_path):
 
 def test_expert_parallel_ranks_hold_their_slice_of_the_int4_experts(moe_int4_pair, monkeypatch):
     """Under EP 2 rank r's stacked int4 experts are experts 4r..4r+3 of the checkpoint."""
-    import specserve.model.moe as moe_mod
-    import specserve.model.layers as layers
     import specserve.model.int4_linear as int4_linear
+    import specserve.model.layers as layers
+    import specserve.model.moe as moe_mod
 
     q, _, _ = moe_int4_pair
     whole = load_target(q, CPU, torch.float32, 64).layers[1].mlp
@@ -152,11 +160,11 @@ def test_int4_moe_on_gpu_dequantizes_to_the_twin_and_speculation_is_lossless(moe
     ours, ref = load_target(q, cuda, torch.bfloat16, 64), load_target(twin, cuda, torch.bfloat16, 64)
     for a, b in zip(ours.layers[1].mlp.experts_weights(), ref.layers[1].mlp.experts_weights()):
         assert torch.equal(a, b)
-    base, engine = _generate(q, PROMPTS, device="cuda")
+    base, engine = generate_greedy(q, INT_PROMPTS, device="cuda")
     assert engine.runner.target.graph_safe and engine.runner.graphs
-    assert base == _generate(twin, PROMPTS, device="cuda")[0]
+    assert base == generate_greedy(twin, INT_PROMPTS, device="cuda")[0]
     draft = make_drafter(tmp_path / "draft", q, layout="sglang", aux_ids=[0, 1, 2], draft_vocab=8)
-    out, engine = _generate(q, PROMPTS, draft, spec_steps=3, device="cuda")
+    out, engine = generate_greedy(q, INT_PROMPTS, draft, spec_steps=3, device="cuda")
     assert out == base and engine.totals.cycles > 0 and engine.runner.graphs
 
 

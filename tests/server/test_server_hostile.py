@@ -25,9 +25,17 @@ from specserve.config import DEMO_DIR
 from specserve.engine.llm import LLM
 from specserve.engine.tokenizer import Tokenizer
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_server import (HAVE_HTTP, KEY, MAX_LEN, NAME, PROMPTS, Live, http, metric, pair,  # noqa: E402,F401
-                         serve_kwargs, slowed)
+from serving import (
+    HAVE_HTTP,
+    KEY,
+    MAX_LEN,
+    NAME,
+    PROMPTS,
+    Live,
+    metric,
+    serve_kwargs,
+    slowed,
+)
 
 if HAVE_HTTP:
     import httpx
