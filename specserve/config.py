@@ -38,7 +38,7 @@ DEFAULT_MAX_MODEL_LEN = {"cuda": 4096, "cpu": 1024}
 MAX_TREE_NODES = 63
 PREFILL_GRAPH_TOKENS = (16, 32, 64, 128, 256, 512)  # prompt lengths (padded up) prefilled by a CUDA graph
 # Fresh prompts a prefill graph takes at once, packed one after another (their lengths summed as one prompt's):
-# an eager forward of a few short prompts costs the host ~2 ms a layer, a graph replay the GPU's time only.
+# an eager forward of a few short prompts costs the host a launch per op and layer, a graph replay the GPU's time only.
 PREFILL_GRAPH_PROMPTS = 16
 
 

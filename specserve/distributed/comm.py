@@ -3,7 +3,7 @@
 Three ways to all-reduce on GPUs (SPECSERVE_ALLREDUCE, set by a profile):
 
 - `torch`: torch.distributed (ProcessGroupNCCL). Fine eagerly; capturing it in
-  a CUDA graph can hang (it did in a probe on 2 H200s), so it is not the default.
+  a CUDA graph can hang (ProcessGroupNCCL's watchdog queries events mid-capture), so it is not the default.
 - `nccl` (default on CUDA): a communicator of our own, created with NCCL's C
   API through ctypes and launched on the current stream. NCCL documents graph
   capture of its collectives; this path has no ProcessGroupNCCL watchdog thread

@@ -1,6 +1,6 @@
 """Fused GPU kernels (Triton) for the decode path, each with its PyTorch reference.
 
-A decode step of an 8B model moves ~16 GB of weights in ~4 ms; what else it does
+A decode step of an 8B model streams all its weights from memory; what else it does
 must cost microseconds. In plain PyTorch an RMSNorm is ~7 kernels, rotary
 embedding plus the KV-cache write ~16, SwiGLU's activation 3: ~1,400 tiny
 kernels per step at 32 layers, each costing a launch slot even inside a CUDA

@@ -57,8 +57,8 @@ def _chunk_counters(device: torch.device, n: int) -> torch.Tensor:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1). On GPU one kernel over the rows split into chunks side by side: torch's
-    reduction runs a 128k-entry row in one block (~27 us for one row or 32 on an H200, more
-    than a whole layer's attention)."""
+    reduction runs a 128k-entry row in one block, which takes longer than a whole layer's
+    attention."""
     if not (use_triton(x) and x.is_contiguous() and x.numel() > 0 and x.shape[-1] < 2 ** 31):
         return x.argmax(-1)
     return argmax_triton(x)

@@ -21,7 +21,7 @@ if triton is not None:
 log = logging.getLogger(__name__)
 
 # Decode multiplies 1-8 token rows by each weight, a verify up to 64, so a step is bound by how
-# fast the weights stream from HBM. cuBLAS reaches 60-90% of the copy bandwidth there depending on the shape; a
+# fast the weights stream from HBM. cuBLAS falls well short of the copy bandwidth there on some shapes; a
 # plain GEMV (each program owns a few output features over all of K) beats it on some shapes and
 # loses on others (benchmarks/gemv_sweep.py). So the choice is measured per weight shape and row
 # count when the runner starts (`tune_linear`), inside CUDA graphs over distinct weights of the
@@ -32,7 +32,7 @@ GEMV_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts tuned (r rows use the tuning 
 # a tree of 31 nodes is 32 rows): the best of the sweep (benchmarks/gemv_sweep.py, H200) per weight
 # shape, plus wider K blocks for long rows (down_proj).
 # (A vector-FMA variant for 2-8 rows, each weight tile times every row, does not beat cuBLAS there
-# by the 3% the tuner asks for on the H200, so it is not a candidate.)
+# by the margin the tuner asks for, so it is not a candidate.)
 # --batch-invariant: one fixed launch shape (16-row tiles) for every row count, chosen by no
 # timing, so two engines (plain and speculative) round every row alike.
 ROW_INVARIANT_GEMV = (32, 256, 4, 4, 16)
@@ -42,8 +42,8 @@ GEMV_CONFIGS = {1: ((8, 512, 4, 4), (8, 512, 8, 4), (8, 256, 4, 4), (8, 1024, 8,
 # One row also tries the CUDA GEMV (kernels/csrc/gemv.cu: Hopper or later, bf16, K a multiple of 256):
 # ("cuda", warps a block, weight rows a warp, warps sharing a row's features, 16-byte loads a lane per
 # row and batch of steps).
-# The best of the sweep at Kimi-K2.5's shapes (benchmarks/gemv_sweep.py --shapes kimi, H200): its latent
-# projection 3.3 TB/s against Triton's 2.1 and cuBLAS's 2.4; o, shared gate_up and lm_head 4.1, 3.8, 4.7.
+# The best of the sweep at Kimi-K2.5's shapes (benchmarks/gemv_sweep.py --shapes kimi; figures in
+# BENCHMARKS.md); the tuner takes one only where it measures faster than Triton and cuBLAS.
 GEMV_CUDA_CONFIGS = (("cuda", 8, 1, 2, 2), ("cuda", 4, 2, 1, 2), ("cuda", 8, 2, 2, 2), ("cuda", 4, 1, 4, 2),
                      ("cuda", 8, 1, 1, 2))
 

@@ -107,7 +107,7 @@ if triton is not None:
         return (s * u).to(dt)
 
     # (P and E are arguments Triton would specialize by divisibility by 16: a prefill chunk of an odd token
-    # count would compile a second variant mid-run, 0.6 s on an H200.)
+    # count would compile a second variant mid-run, stalling that step.)
     @triton.jit(do_not_specialize=["P", "E"])
     def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, g_ptr, pairs_ptr, block_expert_ptr, P, E,
                         H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, GROUPS: tl.constexpr,
@@ -322,7 +322,7 @@ class Tiles:
 
 
 FLOAT_TILES = Tiles()
-# int4 experts by pair count, the fastest shapes of a Kimi-K2.5-width sweep on an H200: a
+# int4 experts by pair count, the fastest shapes of a Kimi-K2.5-width sweep (BENCHMARKS.md): a
 # decode's few pairs (8 measured) fill too few blocks to occupy the GPU unless each program
 # takes a quarter of the input columns; from 32 pairs on, wider tiles without a split win.
 INT4_FEW_PAIRS = 16

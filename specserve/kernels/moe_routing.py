@@ -11,9 +11,9 @@ of a graph replay; here they are two launches:
                    keys and a scatter.
 
 and before them ``router_logits``: a float32 router's logits of 2 to ROUTER_ROWS tokens in 16-bit
-activations, the cast and the product in one launch (cuBLAS's float32 product of 2-8 rows by a
-384 x 7168 router takes ~25 us on an H200 with the cast, this kernel ~12; one row stays with the cast
-and cuBLAS's GEMV, ~10 us; benchmarks/mla_router_sweep.py).
+activations, the cast and the product in one launch, where it beats the cast plus cuBLAS's float32
+product; one row stays with the cast and cuBLAS's GEMV, which is faster there (BENCHMARKS.md,
+benchmarks/mla_router_sweep.py).
 
 Both have fixed output sizes and never wait on the host, so a CUDA graph captures them. They
 serve up to `MAX_TOKENS` tokens, `MAX_TOP_K` experts a token and `MAX_EXPERTS` experts

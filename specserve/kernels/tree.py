@@ -98,8 +98,8 @@ def tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all
 
 
 def tree_level(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int, d2t):
-    """`tree_level_ref` in two kernels on GPU (the reference's ~20 small kernels per depth cost
-    ~50 us of launch slots even inside a CUDA graph)."""
+    """`tree_level_ref` in two kernels on GPU (the reference's ~20 small kernels per depth each
+    take a launch slot, even inside a CUDA graph)."""
     if not (use_triton(logits) and logits.shape[-1] <= TREE_MAX_VOCAB and logits.is_contiguous()
             and all_score.is_contiguous()):
         return tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off, d2t)

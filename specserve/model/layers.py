@@ -41,8 +41,8 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
 
 def pin_attributes(model: nn.Module) -> None:
     """Copy each submodule, parameter and buffer reference into its owner's __dict__, so that reading
-    `self.weight` or `self.mlp` skips nn.Module.__getattr__ (~0.5 us a read, a few percent of a CPU
-    forward of the demo target, where no graph hides Python). Only for loaded inference models that
+    `self.weight` or `self.mlp` skips nn.Module.__getattr__ (a Python call per read, which a CPU
+    forward of a small model pays thousands of times, with no graph to hide it). Only for loaded inference models that
     are never moved or re-assigned afterwards: a re-assigned buffer would leave a stale copy here."""
     for m in model.modules():
         for refs in (m._modules, m._parameters, m._buffers):
@@ -51,8 +51,8 @@ def pin_attributes(model: nn.Module) -> None:
 
 class HotPathModule(nn.Module):
     """A module run for every token: calling it runs `forward` directly, skipping nn.Module's call
-    machinery (hook and tracing checks, ~0.5 us a call; ~150 calls per forward of the demo target,
-    5-10% of a CPU decode step). Hooks registered on these modules therefore do not run."""
+    machinery (hook and tracing checks on every call, a visible share of a small model's CPU decode
+    step). Hooks registered on these modules therefore do not run."""
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
