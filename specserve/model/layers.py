@@ -19,7 +19,7 @@ from specserve.distributed.parallel_state import all_gather_last_dim, all_reduce
 from specserve.kernels.attention import cache_attention_ok, cache_attention_triton
 from specserve.kernels.cpu_native import fused_ops
 from specserve.kernels.linear import linear
-from specserve.kernels.norm import apply_rope, rms_norm, rope_store_kv, silu_mul
+from specserve.kernels.norm import apply_rope, rms_norm, rope_store_kv
 
 
 # SDPA backends on CUDA: not cuDNN's, which builds an execution plan on the host for every new shape
@@ -451,25 +451,3 @@ class KVCacheAttention(HotPathModule):
         if T > 1:
             out = out.view(B, Hkv, G, T, Dv).permute(0, 3, 1, 2, 4)
         return out.reshape(B, T, self.num_heads * Dv)
-
-
-class SwiGLU(HotPathModule):
-    def __init__(self, hidden: int, intermediate: int, bias: bool = False, quant=None, prefix: str = ""):
-        """`quant` (a model.quant.QuantConfig) and `prefix` (the Hugging Face module name, `...mlp.`)
-        make int4 those projections the checkpoint stores as int4."""
-        super().__init__()
-        from specserve.model.int4_linear import column_linear, row_linear  # (it builds on this module)
-
-        self.gate_up_proj = column_linear(quant, [prefix + "gate_proj", prefix + "up_proj"], hidden,
-                                          [intermediate, intermediate], bias=bias)
-        self.down_proj = row_linear(quant, prefix + "down_proj", intermediate, hidden, bias=bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_mul(self.gate_up_proj(x)))
-
-    def hf_weights(self, prefix: str) -> dict[str, tuple[torch.Tensor, int]]:
-        """Hugging Face tensor names under `prefix` (".../mlp.") -> (our tensor, shard)."""
-        from specserve.model.int4_linear import linear_tensors
-
-        return {**linear_tensors(self.gate_up_proj, [prefix + "gate_proj", prefix + "up_proj"]),
-                **linear_tensors(self.down_proj, [prefix + "down_proj"])}

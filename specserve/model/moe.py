@@ -34,7 +34,8 @@ from specserve.kernels.moe import fused_experts, fused_experts_supported, int4_c
 from specserve.kernels.moe_routing import FLOATS, fused_route, fused_routing_fits, router_logits
 from specserve.kernels.norm import silu_mul
 from specserve.model.int4_linear import check_float, check_int32, unpack_zero_points
-from specserve.model.layers import HotPathModule, SwiGLU
+from specserve.model.layers import HotPathModule
+from specserve.model.mlp import SwiGLU
 from specserve.model.quant import Int4Weights, QuantConfig
 
 

@@ -25,10 +25,10 @@ from specserve.model.layers import (
     RMSNorm,
     RotaryEmbedding,
     RowParallelLinear,
-    SwiGLU,
     VocabParallelEmbedding,
     _divide,
 )
+from specserve.model.mlp import SwiGLU
 from specserve.model.mla import MLASelfAttention
 from specserve.model.moe import MoE
 
