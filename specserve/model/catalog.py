@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.config import ConfigError
+from specserve.errors import ConfigError
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from specserve.config import ConfigError
+from specserve.errors import ConfigError
 
 if TYPE_CHECKING:
     import torch
@@ -163,12 +163,6 @@ def hf_config(path: Path, reader=None) -> dict[str, Any]:
         if value is not None:
             cfg[key] = int(value)
     return cfg
-
-
-def model_config(path: Path):
-    from specserve.config import ModelConfig
-
-    return ModelConfig.from_hf_dict(hf_config(path), path)
 
 
 def hf_name(name: str) -> str | None:

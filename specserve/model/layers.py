@@ -20,7 +20,7 @@ from specserve.kernels.attention import cache_attention_ok, cache_attention_trit
 from specserve.kernels.cpu_native import fused_ops
 from specserve.kernels.linear import linear
 from specserve.kernels.norm import apply_rope, rms_norm, rope_store_kv
-
+from specserve.model.rope import rope_attention_factor, rope_inv_freq
 
 # SDPA backends on CUDA: not cuDNN's, which builds an execution plan on the host for every new shape
 # (tens of milliseconds to a second), and eager prefill chunks and drafter catch-ups come in ever new lengths.
@@ -181,8 +181,6 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None):
         super().__init__()
-        from specserve.config import rope_attention_factor, rope_inv_freq
-
         inv_freq = rope_inv_freq(head_dim, theta, scaling).to(torch.float32)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32, device=inv_freq.device), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)

@@ -16,13 +16,13 @@ import re
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from specserve.errors import ConfigError
+
 PACK_QUANTIZED = "pack-quantized"
 SUPPORTED = "compressed-tensors pack-quantized int4 weights (W4A16), group or channel strategy"
 
 
 def _refuse(where: str, what: str) -> NoReturn:
-    from specserve.config import ConfigError
-
     raise ConfigError(f"{where}: {what} is not supported; specserve loads {SUPPORTED}, or float checkpoints")
 
 
@@ -78,8 +78,6 @@ class QuantConfig:
         """The one format of modules fused into one product (q/k/v, gate/up): they must agree."""
         found = [self.linear(n) for n in names]
         if len(set(found)) > 1:
-            from specserve.config import ConfigError
-
             parts = ", ".join(f"{n.rsplit('.', 1)[-1]} {_describe(f)}" for n, f in zip(names, found))
             raise ConfigError(f"{names[0].rsplit('.', 1)[0]}: {parts} in quantization_config; they run as one fused "
                               "product, so they must be quantized alike")
@@ -92,8 +90,6 @@ class QuantConfig:
         first = self.linear(names[0])
         odd = next((n for n in names[1:] if self.linear(n) != first), None)
         if odd is not None:
-            from specserve.config import ConfigError
-
             raise ConfigError(f"{prefix}experts: {names[0]} is {_describe(first)} but {odd} is "
                               f"{_describe(self.linear(odd))} in quantization_config; a layer's routed experts are "
                               "stacked into one weight per projection, so they must be quantized alike")

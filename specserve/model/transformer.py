@@ -28,10 +28,9 @@ from specserve.model.layers import (
     VocabParallelEmbedding,
     _divide,
 )
-from specserve.model.mlp import SwiGLU
 from specserve.model.mla import MLASelfAttention
+from specserve.model.mlp import SwiGLU
 from specserve.model.moe import MoE
-
 
 QKV = ("q_proj", "k_proj", "v_proj")  # the Hugging Face modules stacked into qkv_proj
 
