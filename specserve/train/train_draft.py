@@ -893,7 +893,44 @@ class TrainConfig:
 
 def train_draft(config: TrainConfig) -> TrainResult:
     """Train (or fine-tune, `config.from_dir`) an EAGLE-3 drafter for `config.target_dir`; writes it
-    to `config.out_dir`. Called by `specserve train-draft` and by build_demo's drafter stage."""
+    to `config.out_dir`. Called by `specserve train-draft` and by build_demo's drafter stage.
+    The phases: check the flags, read (and regenerate) the data, build the target and the drafter,
+    train, then save, validate and measure acceptance."""
+    _check_flags(config)
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    t_start = time.time()
+    deadline = t_start + config.minutes * 60 if config.minutes else None
+    out = Path(config.out_dir)
+    ck_dir = out / CHECKPOINT
+    dev = _pick_device(config.device)
+    tcfg = ModelConfig.from_dir(config.target_dir)
+    _check_aux_layer_ids(config, tcfg)
+    tok, eos, eos_id = _tokenizer(config.target_dir, tcfg)
+    max_len = min(config.max_len, tcfg.max_position_embeddings)
+    state = _resume_state(config, ck_dir)
+    data = _training_data(config, state, tok, eos, eos_id, max_len, ck_dir, t_start, deadline)
+    captured = _aux_taps(config, state, tcfg)
+    target = FrozenTarget(config.target_dir, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16, max_len,
+                          captured)
+    drafter, cfg, draft_ids = _drafter(config, state, target, tcfg, data.scored, eos, captured)
+    coverage = _vocab_coverage(data.scored, draft_ids, tcfg.vocab_size)
+    log(f"draft vocabulary {draft_ids.numel()} of {tcfg.vocab_size} ids, covering {coverage:.1%} of scored tokens; "
+        f"aux layers (captured inputs) {list(captured)}")
+    loop = _TrainLoop(config, state, drafter, cfg, target, data, draft_ids, captured, dev, ck_dir, deadline)
+    loop.run()
+    res = _save_and_evaluate(config, loop, tok, eos_id, max_len, coverage, data)
+    del target, loop
+    _measure_acceptance(config, res)
+    (out / "training_summary.json").write_text(json.dumps(asdict(res), indent=2) + "\n")
+    if not config.keep_checkpoint and ck_dir.exists():
+        shutil.rmtree(ck_dir)
+    log(f"wrote {out / 'model.safetensors'} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB) after "
+        f"{res.steps} steps in {(time.time() - t_start) / 60:.1f} min")
+    return res
+
+
+def _check_flags(config: TrainConfig) -> None:
     if config.data is None and not config.resume:
         raise DataError("no training data: pass --data PATH")
     if config.val_samples and config.val_data:
@@ -906,54 +943,78 @@ def train_draft(config: TrainConfig) -> TrainResult:
         raise ConfigError(f"--lr-minutes must be positive, got {config.lr_minutes}")
     if config.epochs <= 0 and not config.max_steps:
         raise ConfigError(f"--epochs must be positive, got {config.epochs}")
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    t_start = time.time()
-    deadline = t_start + config.minutes * 60 if config.minutes else None
-    out = Path(config.out_dir)
-    ck_dir = out / CHECKPOINT
-    dev = _pick_device(config.device)
-    tcfg = ModelConfig.from_dir(config.target_dir)
+    if config.draft_intermediate is not None and config.draft_intermediate < 1:
+        raise ConfigError(f"--draft-intermediate must be positive, got {config.draft_intermediate}")
+
+
+def _check_aux_layer_ids(config: TrainConfig, tcfg: ModelConfig) -> None:
     aux = config.aux_layer_ids
     if aux is not None and (len(aux) != 3 or not all(0 <= i < tcfg.num_layers for i in aux)):
         raise ConfigError(f"--aux-layer-ids needs 3 layer ids in 0..{tcfg.num_layers - 1} (the target has "
                           f"{tcfg.num_layers} layers), got {list(config.aux_layer_ids)}")
+
+
+def _tokenizer(target_dir: str, tcfg: ModelConfig):
+    """(tokenizer, the ids that end a sample, the document separator): the tokenizer's EOS token,
+    else the config's first EOS id."""
     from specserve.engine.tokenizer import Tokenizer
 
-    tok = Tokenizer(config.target_dir)
+    tok = Tokenizer(target_dir)
     eos = set(tok.eos_token_ids) | set(tcfg.eos_token_ids)
     if tok.end_of_turn_id is not None:  # a regenerated chat reply ends with its turn, as a served one does
         eos.add(tok.end_of_turn_id)
-    # the document separator: the tokenizer's EOS token, else the config's first EOS id
     eos_id = tok.tok.token_to_id(tok.eos_token) if tok.eos_token else None
     if eos_id is None and eos:
         eos_id = tcfg.eos_token_ids[0] if tcfg.eos_token_ids else min(eos)
-    rng = random.Random(config.seed)
-    gen = torch.Generator().manual_seed(config.seed)
-    max_len = min(config.max_len, tcfg.max_position_embeddings)
+    return tok, eos, eos_id
+
+
+def _resume_state(config: TrainConfig, ck_dir: Path) -> dict | None:
+    """A --resume run's checkpoint state, checked against this run's flags (None: a fresh run, or
+    one resumed from its regenerated data alone)."""
+    if not config.resume:
+        return None
     state = None
-    if config.resume:
-        if (ck_dir / "state.pt").exists():
-            state = load_checkpoint(ck_dir)
-        elif not (ck_dir / "regenerated.jsonl").exists():
-            raise ConfigError(f"--resume: nothing to resume in {ck_dir}")
+    if (ck_dir / "state.pt").exists():
+        state = load_checkpoint(ck_dir)
+    elif not (ck_dir / "regenerated.jsonl").exists():
+        raise ConfigError(f"--resume: nothing to resume in {ck_dir}")
     if state is not None:
         check_resume(config, state, ck_dir)
         log(f"resuming from {ck_dir} at step {state['step']}")
+    return state
 
-    # 1-2. data (+ regeneration) -------------------------------------------------------------
+
+@dataclass
+class _Data:
+    """A run's training samples (each scored from its start on), held-out ones, and where they came from."""
+
+    samples: list[list[int]]
+    starts: list[int]
+    held_out: tuple[list[list[int]], list[int]] | None  # never trained on, scored at the end
+    data_file: str
+    regenerated: int
+    minutes_regenerate: float
+
+    @property
+    def scored(self) -> list[list[int]]:
+        """The tokens the drafter is trained to predict."""
+        return [s[b:] for s, b in zip(self.samples, self.starts)]
+
+
+def _training_data(config: TrainConfig, state: dict | None, tok, eos: set[int], eos_id: int | None, max_len: int,
+                   ck_dir: Path, t_start: float, deadline: float | None) -> _Data:
     t0 = time.time()
-    n_regen = 0
     if state is not None:
         samples, starts = _load_samples(Path(state["data_file"]))
         data_file, n_regen = state["data_file"], state.get("regenerated", 0)
     else:
         samples, starts, data_file, n_regen = _prepare_samples(
-            config.data, tok, eos, eos_id, rng, config.target_dir, config.regenerate, config.regen_prompts,
-            config.regen_max_tokens, config.regen_temperature, config.regen_prompt_len, config.regen_batch, max_len,
-            config.seed, config.device, ck_dir, config.resume,
+            config.data, tok, eos, eos_id, random.Random(config.seed), config.target_dir, config.regenerate,
+            config.regen_prompts, config.regen_max_tokens, config.regen_temperature, config.regen_prompt_len,
+            config.regen_batch, max_len, config.seed, config.device, ck_dir, config.resume,
             (config.regen_share * (deadline - t_start), deadline) if deadline else None, config.threads)
-    held_out = None  # (samples, starts) the run never trains on, scored at the end
+    held_out = None
     if config.val_samples:
         if config.val_samples >= len(samples):
             raise ConfigError(f"--val-samples {config.val_samples} leaves nothing to train on "
@@ -964,30 +1025,36 @@ def train_draft(config: TrainConfig) -> TrainResult:
     samples, starts = split_long(samples, max_len, starts)
     if not samples:
         raise DataError("no training samples of at least 8 tokens")
-    minutes_regen = (time.time() - t0) / 60
-    n_tokens = sum(map(len, samples))
-    scored = [s[b:] for s, b in zip(samples, starts)]  # the tokens the drafter is trained to predict
-    log(f"training samples: {len(samples)} ({n_tokens:,} tokens, {sum(map(len, scored)):,} scored), "
-        f"{n_regen} regenerated in {minutes_regen:.1f} min")
+    data = _Data(samples, starts, held_out, data_file, n_regen, (time.time() - t0) / 60)
+    log(f"training samples: {len(samples)} ({sum(map(len, samples)):,} tokens, "
+        f"{sum(map(len, data.scored)):,} scored), {n_regen} regenerated in {data.minutes_regenerate:.1f} min")
+    return data
 
-    # 3. target, drafter, vocabulary --------------------------------------------------------
-    tdtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    kept = None  # (whose, taps) that a fine-tune or a resumed run must keep
+
+def _aux_taps(config: TrainConfig, state: dict | None, tcfg: ModelConfig) -> tuple[int, ...]:
+    """The target layers whose inputs the drafter reads: a fine-tune or a resumed run keeps its
+    drafter's; else --aux-layer-ids (SGLang convention: ids of layers whose output is read), else
+    EAGLE-3's defaults."""
+    kept = None  # (whose, taps)
     if state is not None:
         kept = ("the checkpoint's", tuple(state["aux_layers"]))
     elif config.from_dir:
         kept = ("the --from drafter's", resolve_aux_layers(DraftConfig.from_dir(config.from_dir), tcfg.num_layers))
     if kept is not None:
-        captured = kept[1]
-        if config.aux_layer_ids is not None and tuple(i + 1 for i in config.aux_layer_ids) != captured:
+        if config.aux_layer_ids is not None and tuple(i + 1 for i in config.aux_layer_ids) != kept[1]:
             raise ConfigError(f"--aux-layer-ids {list(config.aux_layer_ids)} differ from {kept[0]} "
-                              f"{[i - 1 for i in captured]}: "
+                              f"{[i - 1 for i in kept[1]]}: "
                               "a fine-tune or a resumed run keeps its drafter's taps")
-    elif config.aux_layer_ids is not None:
-        captured = tuple(i + 1 for i in config.aux_layer_ids)  # SGLang convention: ids of layers whose output is read
-    else:
-        captured = default_aux_layers(tcfg.num_layers)
-    target = FrozenTarget(config.target_dir, dev, tdtype, max_len, captured)
+        return kept[1]
+    if config.aux_layer_ids is not None:
+        return tuple(i + 1 for i in config.aux_layer_ids)
+    return default_aux_layers(tcfg.num_layers)
+
+
+def _drafter(config: TrainConfig, state: dict | None, target: FrozenTarget, tcfg: ModelConfig,
+             scored: list[list[int]], eos: set[int], captured: tuple[int, ...]):
+    """(drafter in training mode, its config.json dict, its draft vocabulary): resumed, loaded from
+    --from for a fine-tune, or new."""
     if state is not None:  # flags that would shape it differently were refused by check_resume
         drafter, cfg, draft_ids = resumed_drafter(state, target), state["drafter_config"], state["draft_ids"]
     elif config.from_dir:
@@ -1004,164 +1071,199 @@ def train_draft(config: TrainConfig) -> TrainResult:
                               f"{cfg['intermediate_size']} (fine-tuning keeps the drafter's shape)")
     else:
         draft_ids = select_draft_vocab(scored, tcfg.vocab_size, config.draft_vocab or min(32000, tcfg.vocab_size), eos)
-        if config.draft_intermediate is not None and config.draft_intermediate < 1:
-            raise ConfigError(f"--draft-intermediate must be positive, got {config.draft_intermediate}")
         cfg = drafter_config(tcfg, draft_ids, captured, intermediate=config.draft_intermediate)
         drafter = new_drafter(cfg, target, draft_ids, config.seed)
     drafter.train()
     if drafter.embed_tokens is None:
         drafter.target_embed = target.model.embed_tokens
-    counts = torch.zeros(tcfg.vocab_size, dtype=torch.long)
+    return drafter, cfg, draft_ids
+
+
+def _vocab_coverage(scored: list[list[int]], draft_ids: torch.Tensor, vocab_size: int) -> float:
+    """The share of the scored tokens that the draft vocabulary holds."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
     for s in scored:
-        counts += torch.bincount(torch.tensor(s, dtype=torch.long), minlength=tcfg.vocab_size)
-    coverage = float(counts[draft_ids].sum()) / max(int(counts.sum()), 1)
-    log(f"draft vocabulary {draft_ids.numel()} of {tcfg.vocab_size} ids, covering {coverage:.1%} of scored tokens; "
-        f"aux layers (captured inputs) {list(captured)}")
-    draft_ids_dev = draft_ids.to(dev)
-    cache = FeatureCache(target, samples, starts, feature_cache_bytes(dev, config.feature_cache_gb))
+        counts += torch.bincount(torch.tensor(s, dtype=torch.long), minlength=vocab_size)
+    return float(counts[draft_ids].sum()) / max(int(counts.sum()), 1)
 
-    named = trainable(drafter)
-    params = [p for _, p in named]
-    if state is not None:
-        lr, from_dir = state["lr"], state["from_dir"]
-    else:
-        from_dir = str(Path(config.from_dir).resolve()) if config.from_dir else None
-        lr = config.lr if config.lr is not None else 5e-5 if from_dir else 1e-3
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    step, epoch, pos_in_epoch, train_seconds = 0, 0, 0, 0.0
-    if state is not None:
-        if [n for n, _ in named] != state["trainable"]:  # the optimizer's moments are matched to weights by position
+
+class _TrainLoop:
+    """The optimisation: AdamW over the drafter's trainable weights, a warm-up and cosine learning
+    rate over steps or training time, training-time-test losses, checkpoints to resume from."""
+
+    def __init__(self, config: TrainConfig, state: dict | None, drafter, cfg: dict, target: FrozenTarget,
+                 data: _Data, draft_ids: torch.Tensor, captured: tuple[int, ...], dev: torch.device, ck_dir: Path,
+                 deadline: float | None):
+        self.config, self.drafter, self.cfg, self.target, self.data = config, drafter, cfg, target, data
+        self.draft_ids, self.captured, self.ck_dir = draft_ids, captured, ck_dir
+        self.draft_ids_dev = draft_ids.to(dev)
+        self.cache = FeatureCache(target, data.samples, data.starts, feature_cache_bytes(dev, config.feature_cache_gb))
+        self.named = trainable(drafter)
+        self.params = [p for _, p in self.named]
+        self.gen = torch.Generator().manual_seed(config.seed)
+        if state is not None:
+            self.lr, self.from_dir = state["lr"], state["from_dir"]
+        else:
+            self.from_dir = str(Path(config.from_dir).resolve()) if config.from_dir else None
+            self.lr = config.lr if config.lr is not None else 5e-5 if self.from_dir else 1e-3
+        self.opt = torch.optim.AdamW(self.params, lr=self.lr, betas=(0.9, 0.95), weight_decay=0.0)
+        self.step, self.epoch, self.pos_in_epoch, train_seconds = 0, 0, 0, 0.0
+        if state is not None:
+            self._restore(state)
+            train_seconds = state.get("train_seconds", 0.0)
+        self.batches = make_batches(data.samples, config.batch_tokens, self.gen) if state is None else state["batches"]
+        self.planned = (config.max_steps if config.max_steps is not None
+                        else max(1, math.ceil(config.epochs * len(self.batches))))
+        self.autocast = torch.bfloat16 if _use_bf16(config.bf16, dev) else None
+        self.deadline = deadline - 20 if deadline else None  # leave time to save
+        self.budget = (self.deadline - time.time()) if self.deadline else None
+        # Training seconds the cosine spans, counted over every resumed call of the run: --lr-minutes,
+        # else up to the end of this call's budget.
+        self.schedule_s = (config.lr_minutes * 60 if config.lr_minutes
+                           else train_seconds + self.budget if self.budget else None)
+        self.t_loop = time.time() - train_seconds
+        self.tuner = _thread_tuner(config.threads, dev)
+        self.ema_loss = self.ema_tau = self.ema_tau_all = None
+        self.ema_acc: list[float] | None = None
+        self.minutes = 0.0
+
+    def _restore(self, state: dict) -> None:
+        if [n for n, _ in self.named] != state["trainable"]:  # the optimizer's moments are matched by position
             raise ConfigError(f"--resume: the checkpoint trains {len(state['trainable'])} weights, this "
-                              f"train-draft's rebuilt drafter {len(named)}: the checkpoint is from another version; "
-                              "start the run again without --resume")
-        opt.load_state_dict(state["optimizer"])
+                              f"train-draft's rebuilt drafter {len(self.named)}: the checkpoint is from another "
+                              "version; start the run again without --resume")
+        self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
-        gen.set_state(state["gen"])
-        step, epoch, pos_in_epoch = state["step"], state["epoch"], state["pos"]
-        train_seconds = state.get("train_seconds", 0.0)
-    batches = make_batches(samples, config.batch_tokens, gen) if state is None else state["batches"]
-    per_epoch = len(batches)
-    planned = config.max_steps if config.max_steps is not None else max(1, math.ceil(config.epochs * per_epoch))
-    autocast = torch.bfloat16 if _use_bf16(config.bf16, dev) else None
+        self.gen.set_state(state["gen"])
+        self.step, self.epoch, self.pos_in_epoch = state["step"], state["epoch"], state["pos"]
 
-    def lr_at(progress: float, s: int) -> float:
-        warm = min(1.0, (s + 1) / max(1, min(config.warmup, planned // 10 + 1)))
-        return lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
+    def lr_at(self, progress: float) -> float:
+        warm = min(1.0, (self.step + 1) / max(1, min(self.config.warmup, self.planned // 10 + 1)))
+        return self.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
-    # 4. training loop ----------------------------------------------------------------------
-    from tqdm import tqdm
+    def checkpoint(self) -> None:
+        save_checkpoint(self.ck_dir, self.drafter, self.opt, {
+            "step": self.step, "epoch": self.epoch, "pos": self.pos_in_epoch, "gen": self.gen.get_state(),
+            "batches": self.batches, "draft_ids": self.draft_ids, "data_file": self.data.data_file,
+            "regenerated": self.data.regenerated, "aux_layers": list(self.captured),
+            "val_samples": self.config.val_samples, "max_len": self.config.max_len, "lr": self.lr,
+            "from_dir": self.from_dir, "drafter_config": self.cfg, "trainable": [n for n, _ in self.named],
+            "train_seconds": time.time() - self.t_loop})
 
-    train_deadline = deadline - 20 if deadline else None  # leave time to save
-    train_budget = (train_deadline - time.time()) if train_deadline else None
-    # Training seconds the cosine spans, counted over every resumed call of the run: --lr-minutes,
-    # else up to the end of this call's budget.
-    schedule_s = (config.lr_minutes * 60 if config.lr_minutes
-                  else train_seconds + train_budget if train_budget else None)
-    log(f"training: {planned} steps planned ({per_epoch} batches/epoch of <= {config.batch_tokens} tokens), "
-        f"TTT {config.ttt_steps} steps, lr {lr:g}, {'bf16 autocast' if autocast else 'float32'}" + (f", time budget {train_budget / 60:.1f} min" if train_budget else ""))
-    tuner = _thread_tuner(config.threads, dev)
-    bar = tqdm(total=planned, initial=step, desc="train-draft", unit="step", dynamic_ncols=True,
-               disable=not config.progress,
-               mininterval=2.0 if sys.stderr.isatty() else 30.0)
-    ema_loss, ema_acc, ema_tau, ema_tau_all = None, None, None, None
-    t_loop = time.time() - train_seconds
-    last_ck = start_step = step
+    def run(self) -> None:
+        from tqdm import tqdm
 
-    def checkpoint() -> None:
-        save_checkpoint(ck_dir, drafter, opt, {
-            "step": step, "epoch": epoch, "pos": pos_in_epoch, "gen": gen.get_state(), "batches": batches,
-            "draft_ids": draft_ids, "data_file": data_file, "regenerated": n_regen, "aux_layers": list(captured),
-            "val_samples": config.val_samples, "max_len": config.max_len, "lr": lr, "from_dir": from_dir,
-            "drafter_config": cfg, "trainable": [n for n, _ in named],
-            "train_seconds": time.time() - t_loop})
+        config = self.config
+        log(f"training: {self.planned} steps planned ({len(self.batches)} batches/epoch of <= {config.batch_tokens} "
+            f"tokens), TTT {config.ttt_steps} steps, lr {self.lr:g}, "
+            f"{'bf16 autocast' if self.autocast else 'float32'}"
+            + (f", time budget {self.budget / 60:.1f} min" if self.budget else ""))
+        bar = tqdm(total=self.planned, initial=self.step, desc="train-draft", unit="step", dynamic_ncols=True,
+                   disable=not config.progress, mininterval=2.0 if sys.stderr.isatty() else 30.0)
+        last_ck = start_step = self.step
+        while self.step < self.planned:
+            if self.deadline and time.time() > self.deadline:
+                bar.write(f"[train-draft] time budget reached at step {self.step}")
+                break
+            lr = self._one_step(bar, check_gradients=self.step == start_step)
+            if self.budget and self.step >= 5:  # time-bound: show the projected number of steps
+                rate = self.step / max(time.time() - self.t_loop, 1e-9)
+                bar.total = min(self.planned, max(self.step + 1, int(self.step + rate * (self.deadline - time.time()))))
+            bar.update(1)
+            bar.set_postfix_str(f"loss {self.ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in self.ema_acc)
+                                + f" tau {self.ema_tau:.2f} (all bases {self.ema_tau_all:.2f}) lr {lr:.1e}",
+                                refresh=False)
+            if config.checkpoint_every and self.step - last_ck >= config.checkpoint_every and self.step < self.planned:
+                self.checkpoint()
+                last_ck = self.step
+        bar.close()
+        if config.keep_checkpoint and last_ck < self.step < self.planned:  # cut by the time budget: --resume goes on
+            self.checkpoint()
+        self.minutes = (time.time() - self.t_loop) / 60
 
-    while step < planned:
-        if train_deadline and time.time() > train_deadline:
-            bar.write(f"[train-draft] time budget reached at step {step}")
-            break
-        if pos_in_epoch >= len(batches):
-            epoch += 1
-            pos_in_epoch = 0
-            batches = make_batches(samples, config.batch_tokens, gen)
-        idx = batches[pos_in_epoch]
-        pos_in_epoch += 1
-        progress_frac = step / planned
-        if schedule_s:
-            progress_frac = max(progress_frac, (time.time() - t_loop) / schedule_s)
-        cur = lr_at(progress_frac, step)
-        for g in opt.param_groups:
-            g["lr"] = cur
+    def _next_batch(self) -> list[int]:
+        if self.pos_in_epoch >= len(self.batches):
+            self.epoch += 1
+            self.pos_in_epoch = 0
+            self.batches = make_batches(self.data.samples, self.config.batch_tokens, self.gen)
+        self.pos_in_epoch += 1
+        return self.batches[self.pos_in_epoch - 1]
+
+    def _one_step(self, bar, check_gradients: bool) -> float:
+        """One optimizer step on the next batch; returns its learning rate."""
+        idx = self._next_batch()
+        progress = self.step / self.planned
+        if self.schedule_s:
+            progress = max(progress, (time.time() - self.t_loop) / self.schedule_s)
+        lr = self.lr_at(progress)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
         t_step = time.perf_counter()
-        ids, lengths, starts_b, feats, hidden = cache.batch(idx)
-        loss, accs, _, every_base, (acc_k, bases) = ttt_loss(drafter, target, ids, lengths, starts_b, feats, hidden,
-                                                 config.ttt_steps, draft_ids_dev, autocast)
-        opt.zero_grad(set_to_none=True)
+        ids, lengths, starts_b, feats, hidden = self.cache.batch(idx)
+        loss, accs, _, every_base, (acc_k, bases) = ttt_loss(self.drafter, self.target, ids, lengths, starts_b, feats,
+                                                             hidden, self.config.ttt_steps, self.draft_ids_dev,
+                                                             self.autocast)
+        self.opt.zero_grad(set_to_none=True)
         loss.backward()
-        if step == start_step:  # a forward-only op in the graph would silently freeze what lies before it
-            frozen = [n for n, p in drafter.named_parameters() if p.requires_grad and p.grad is None]
+        if check_gradients:  # a forward-only op in the graph would silently freeze what lies before it
+            frozen = [n for n, p in self.drafter.named_parameters() if p.requires_grad and p.grad is None]
             if frozen:
                 raise RuntimeError(f"no gradient reached {len(frozen)} drafter parameter(s): {', '.join(frozen[:6])}")
-        torch.nn.utils.clip_grad_norm_(params, 0.5)
-        opt.step()
-        step += 1
-        msg = tuner.record((time.perf_counter() - t_step) / max(int(lengths.sum()), 1) * 4096) if tuner else None
+        torch.nn.utils.clip_grad_norm_(self.params, 0.5)
+        self.opt.step()
+        self.step += 1
+        msg = (self.tuner.record((time.perf_counter() - t_step) / max(int(lengths.sum()), 1) * 4096)
+               if self.tuner else None)
         if msg:
             bar.write(f"[train-draft] {msg}")
-        lv = loss.item()
-        ema_loss = lv if ema_loss is None else 0.95 * ema_loss + 0.05 * lv
-        ema_acc = accs if ema_acc is None else [0.95 * e + 0.05 * a for e, a in zip(ema_acc, accs)]
-        tau, tau_all = accept_length(acc_k, bases), accept_length(*every_base)
-        ema_tau = tau if ema_tau is None else 0.95 * ema_tau + 0.05 * tau
-        ema_tau_all = tau_all if ema_tau_all is None else 0.95 * ema_tau_all + 0.05 * tau_all
-        if train_budget and step >= 5:  # time-bound: show the projected number of steps
-            rate = step / max(time.time() - t_loop, 1e-9)
-            bar.total = min(planned, max(step + 1, int(step + rate * (train_deadline - time.time()))))
-        bar.update(1)
-        bar.set_postfix_str(f"loss {ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in ema_acc)
-                            + f" tau {ema_tau:.2f} (all bases {ema_tau_all:.2f}) lr {cur:.1e}",
-                            refresh=False)
-        if config.checkpoint_every and step - last_ck >= config.checkpoint_every and step < planned:
-            checkpoint()
-            last_ck = step
-    bar.close()
-    if config.keep_checkpoint and last_ck < step < planned:  # cut by the time budget: a --resume call goes on here
-        checkpoint()
-    minutes_train = (time.time() - t_loop) / 60
+        self._track(loss.item(), accs, accept_length(acc_k, bases), accept_length(*every_base))
+        return lr
 
-    # 5. save -------------------------------------------------------------------------------
+    def _track(self, loss: float, accs: list[float], tau: float, tau_all: float) -> None:
+        """Moving averages of the training figures the bar shows and the result reports."""
+        ema = lambda old, new: new if old is None else 0.95 * old + 0.05 * new  # noqa: E731
+        self.ema_loss, self.ema_tau, self.ema_tau_all = ema(self.ema_loss, loss), ema(self.ema_tau, tau), \
+            ema(self.ema_tau_all, tau_all)
+        self.ema_acc = accs if self.ema_acc is None else [ema(e, a) for e, a in zip(self.ema_acc, accs)]
+
+
+def _save_and_evaluate(config: TrainConfig, loop: _TrainLoop, tok, eos_id: int | None, max_len: int,
+                       coverage: float, data: _Data) -> TrainResult:
+    """Write the drafter, score the held-out samples (or --val-data), and sum the run up."""
+    drafter = loop.drafter
     drafter.eval()
-    save_drafter(drafter, cfg, out)
+    save_drafter(drafter, loop.cfg, Path(config.out_dir))
     val_acc = val_tau = None
+    held_out = data.held_out
     if config.val_data:
         held_out = split_long(tokenize_records(read_records(config.val_data, eos_id), tok, eos_id), max_len)
     if held_out:
         # all of --val-samples (the run's own kind of sample); 8 batches of --val-data, which on CPU cost as much as steps
-        val_acc, val_tau = validate(drafter, target, *held_out, config.ttt_steps, draft_ids_dev, config.batch_tokens,
-                                    None if config.val_samples else 8)
+        val_acc, val_tau = validate(drafter, loop.target, *held_out, config.ttt_steps, loop.draft_ids_dev,
+                                    config.batch_tokens, None if config.val_samples else 8)
         log("validation top-1 agreement per step: " + " ".join(f"{a:.3f}" for a in val_acc)
             + f"; greedy acceptance length {val_tau:.3f}")
-    res = TrainResult(out_dir=str(out), steps=step, samples=len(samples), tokens=n_tokens, regenerated=n_regen,
-                      draft_vocab=int(draft_ids.numel()), draft_vocab_coverage=round(coverage, 4),
-                      minutes_regenerate=round(minutes_regen, 2), minutes_train=round(minutes_train, 2),
-                      final_loss=round(ema_loss or float("nan"), 4),
-                      final_acc=[round(a, 4) for a in (ema_acc or [])],
-                      final_accept_length=round(ema_tau, 4) if ema_tau is not None else None,
-                      final_accept_length_all_bases=round(ema_tau_all, 4) if ema_tau_all is not None else None,
-                      val_acc=val_acc, val_accept_length=val_tau)
-    del target
-    if config.eval_prompts:
-        prompts = read_prompts(config.eval_prompts)
-        for K in config.eval_spec_steps:
-            r = measure_acceptance(config.target_dir, str(out), prompts, K, config.eval_max_tokens, config.device)
-            res.eval.append(r)
-            log(f"held-out acceptance length at K={K}: {r['accept_length_mean']:.3f} "
-                f"({r['cycles']} cycles, {len(prompts)} prompts x {config.eval_max_tokens} tokens)")
-    (out / "training_summary.json").write_text(json.dumps(asdict(res), indent=2) + "\n")
-    if not config.keep_checkpoint and ck_dir.exists():
-        shutil.rmtree(ck_dir)
-    log(f"wrote {out / 'model.safetensors'} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB) after "
-        f"{step} steps in {(time.time() - t_start) / 60:.1f} min")
-    return res
+    r = lambda x: round(x, 4) if x is not None else None  # noqa: E731
+    return TrainResult(out_dir=str(Path(config.out_dir)), steps=loop.step, samples=len(data.samples),
+                       tokens=sum(map(len, data.samples)), regenerated=data.regenerated,
+                       draft_vocab=int(loop.draft_ids.numel()), draft_vocab_coverage=round(coverage, 4),
+                       minutes_regenerate=round(data.minutes_regenerate, 2), minutes_train=round(loop.minutes, 2),
+                       final_loss=round(loop.ema_loss or float("nan"), 4),
+                       final_acc=[round(a, 4) for a in (loop.ema_acc or [])],
+                       final_accept_length=r(loop.ema_tau), final_accept_length_all_bases=r(loop.ema_tau_all),
+                       val_acc=val_acc, val_accept_length=val_tau)
+
+
+def _measure_acceptance(config: TrainConfig, res: TrainResult) -> None:
+    """The engine's acceptance length of the saved drafter on --eval-prompts, for each K asked."""
+    if not config.eval_prompts:
+        return
+    prompts = read_prompts(config.eval_prompts)
+    for K in config.eval_spec_steps:
+        r = measure_acceptance(config.target_dir, str(Path(config.out_dir)), prompts, K, config.eval_max_tokens, config.device)
+        res.eval.append(r)
+        log(f"held-out acceptance length at K={K}: {r['accept_length_mean']:.3f} "
+            f"({r['cycles']} cycles, {len(prompts)} prompts x {config.eval_max_tokens} tokens)")
 
 
 @torch.no_grad()
