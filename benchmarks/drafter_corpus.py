@@ -1,5 +1,5 @@
 """Training prompts for the demo drafter on a machine with more Python than the stdlib:
-    python benchmarks/drafter_corpus.py OUT.jsonl [--max-mb 60]
+    PYTHONPATH=. python benchmarks/drafter_corpus.py OUT.jsonl [--max-mb 60]
 writes {"text"} records from the running interpreter's stdlib (test suites left out, as
 build_demo does) plus every top-level package in site-packages except the ones the held-out and
 bench code prompts come from (build_demo.HELDOUT_PACKAGES), chosen by a hash of the path up to
@@ -16,7 +16,7 @@ import sysconfig
 import zlib
 from pathlib import Path
 
-from specserve.train.build_demo import HELDOUT_PACKAGES, TEST_DIR_NAMES, collect_stdlib
+from scripts.build_demo import HELDOUT_PACKAGES, TEST_DIR_NAMES, collect_stdlib
 
 
 def site_package_files() -> list[tuple[str, Path]]:

@@ -316,7 +316,6 @@ def test_smollm2_writes_its_own_instruction_prompts(tmp_path, monkeypatch):
     sampled continuations are finished, distinct user requests that train-draft reads as chat records."""
     import sys
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from benchmarks import synth_prompts
     from specserve.engine.tokenizer import Tokenizer
     from specserve.model.gguf import find_gguf
