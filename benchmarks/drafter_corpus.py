@@ -6,7 +6,7 @@ bench code prompts come from (build_demo.HELDOUT_PACKAGES), chosen by a hash of 
 --max-mb. The drafter learns the target's continuations of prompts cut from it
 (train-draft --regenerate): more varied code than the stdlib alone. (Adding package documentation
 as prose and chat questions made from its sentences, for the bench's prose and chat prompts, did
-not raise acceptance there: BENCHMARKS.md 3.)"""
+not raise acceptance there: BENCHMARKS.md 12.)"""
 
 from __future__ import annotations
 
