@@ -9,7 +9,7 @@ waiting requests as `Engine._admission_deferred` would (the rows free for them, 
 chunk or rows have stood free `wait` steps), each chunk of up to --chunk prompt tokens costing
 --prefill-ms, then decodes every running row: plain decoding one token a row in --plain-ms, or a K-step
 chain in --cycle-ms accepting each draft with the measured per-position rates (the grown MoE pair's by
-default, BENCHMARKS.md 13.1). Prints tokens a second per wait and speculation's ratio to plain decoding.
+default, BENCHMARKS.md 9). Prints tokens a second per wait and speculation's ratio to plain decoding.
 """
 
 from __future__ import annotations

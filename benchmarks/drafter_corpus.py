@@ -1,12 +1,12 @@
 """Training prompts for the demo drafter on a machine with more Python than the stdlib:
-    python benchmarks/drafter_corpus.py OUT.jsonl [--max-mb 60]
+    PYTHONPATH=. python benchmarks/drafter_corpus.py OUT.jsonl [--max-mb 60]
 writes {"text"} records from the running interpreter's stdlib (test suites left out, as
 build_demo does) plus every top-level package in site-packages except the ones the held-out and
 bench code prompts come from (build_demo.HELDOUT_PACKAGES), chosen by a hash of the path up to
 --max-mb. The drafter learns the target's continuations of prompts cut from it
 (train-draft --regenerate): more varied code than the stdlib alone. (Adding package documentation
 as prose and chat questions made from its sentences, for the bench's prose and chat prompts, did
-not raise acceptance there: BENCHMARKS.md 3.)"""
+not raise acceptance there: BENCHMARKS.md 12.)"""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sysconfig
 import zlib
 from pathlib import Path
 
-from specserve.train.build_demo import HELDOUT_PACKAGES, TEST_DIR_NAMES, collect_stdlib
+from scripts.build_demo import HELDOUT_PACKAGES, TEST_DIR_NAMES, collect_stdlib
 
 
 def site_package_files() -> list[tuple[str, Path]]:

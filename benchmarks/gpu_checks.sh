@@ -9,7 +9,7 @@
 # tests, which run on the GPU when there is one), experts (benchmarks/int4_moe_cuda.py --sweep: the
 # routed int4 experts at Kimi-K2.5 width, CUDA against Triton, 1-8 tokens, and the CUDA kernels' pipeline depths and
 # warps), int4 (benchmarks/int4_linear_gpu.py on the
-# shapes of BENCHMARKS 13.2 at 1, 16 and 64 rows), kimi (benchmarks/moe_layers_gpu.py: Kimi-K2.5 layers with int4
+# shapes of BENCHMARKS.md 8 at 1, 16 and 64 rows), kimi (benchmarks/moe_layers_gpu.py: Kimi-K2.5 layers with int4
 # experts, 4 MoE layers, the experts' launch-shape sweep included). Each step's output: $OUT/<step>.log; JSON
 # files beside it.
 set -u

@@ -4,7 +4,7 @@ A chat model continues its chat template up to the start of a user turn with a u
 in the style of the requests it was tuned on (the Magpie recipe): sampled, that gives as many
 instruction prompts as wanted with no dataset, and `specserve train-draft --regenerate` then has
 the target answer them. ShareGPT alone trains a drafter that agrees far less on MT-Bench-style
-requests than on ShareGPT ones (BENCHMARKS.md 3.5); these prompts cover that domain. Written as
+requests than on ShareGPT ones (BENCHMARKS.md 4); these prompts cover that domain. Written as
 .jsonl(.gz) of chat "messages" records, the format train-draft reads.
 
     python benchmarks/synth_prompts.py --model smollm2-135m-instruct OUT.jsonl.gz [--count N]

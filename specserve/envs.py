@@ -1,7 +1,7 @@
 """Every environment variable specserve reads, with its type, default and meaning.
 
 Code reads a switch only through its entry here (``envs.PDL.get()``), so this module is the
-complete list: ``specserve --help`` and the README's CLI reference describe the same set, and a
+complete list: ``specserve --help`` and docs/cli.md describe the same set, and a
 test checks that no ``SPECSERVE_*`` name appears in the package without an entry.
 
 Two kinds: *user* switches, which an operator may set, and *internal* ones, which the TP driver
@@ -103,7 +103,7 @@ LAUNCH_ID = _var("SPECSERVE_LAUNCH_ID", str, None,
 
 
 def reference_table() -> str:
-    """The registry as a Markdown table (the README's environment reference is this output)."""
+    """The registry as a Markdown table (docs/cli.md's environment reference is this output)."""
     rows = ["| variable | type | default | kind | meaning |", "|---|---|---|---|---|"]
     for v in REGISTRY.values():
         default = "" if v.default is None else str(int(v.default) if v.type is bool else v.default)

@@ -269,9 +269,14 @@ def select_prompts(prompts: list[dict], per_category: int | None) -> list[dict]:
 
 def run(args: argparse.Namespace) -> int:
     from specserve.bench import report
+    from specserve.extras import require
 
     try:
         _check_args(args)
+        if args.plot:
+            require("matplotlib", "bench", "--plot")
+        if args.url:
+            require("httpx", "bench", "--url")
         if not args.url:
             from specserve.engine.generate_cmd import engine_kwargs, headless_node
 

@@ -199,7 +199,9 @@ async def _json_get(client, url: str):
 
 
 async def _run(args, prompts: list[dict]) -> dict:
-    import httpx
+    from specserve.extras import require
+
+    httpx = require("httpx", "bench", "bench --url")
 
     base = args.url.rstrip("/")
     n = args.num_requests or len(prompts)

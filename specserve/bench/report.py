@@ -352,8 +352,9 @@ def render_markdown(r: dict) -> str:
 def plot(r: dict, path: str) -> None:
     """Speedup and acceptance length against draft steps (one line per batch size),
     and speedup against batch size (one line per config)."""
-    import matplotlib
+    from specserve.extras import require
 
+    matplotlib = require("matplotlib", "bench", "plotting a bench report")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

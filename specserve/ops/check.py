@@ -220,6 +220,11 @@ def _resolve_device(device: str, f: _Findings):
     q = nvml.query(processes=False)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     has_gpu = q.available and bool(q.gpus) and visible not in ("", "-1")
+    gpu_wanted = device == "auto" or device.startswith("cuda")
+    if gpu_wanted and visible not in ("", "-1") and not q.available and nvml.driver_without_package():
+        f.add("warning", "device", "an NVIDIA driver is loaded but nvidia-ml-py is not installed, so the GPU "
+              "memory checks are skipped: pip install 'specserve[ops]'")
+        return "cuda", None
     if device == "auto":
         return ("cuda", q) if has_gpu else ("cpu", None)
     if device.startswith("cuda"):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 MIB = 1024 * 1024
@@ -95,7 +96,8 @@ def _nvml():
             try:
                 import pynvml  # type: ignore[import-not-found]
             except Exception as exc:  # not installed, or broken
-                _state["reason"] = f"{NO_NVML_MESSAGE} (pynvml not importable: {exc})"
+                _state["reason"] = (f"{NO_NVML_MESSAGE} (pynvml not importable: {exc}; it comes with "
+                                    f"pip install 'specserve[ops]')")
                 return None
             try:
                 pynvml.nvmlInit()
@@ -117,6 +119,13 @@ def reset() -> None:
             except Exception:
                 pass
         _state.update(tried=False, ok=False, reason="", mod=None)
+
+
+def driver_without_package() -> bool:
+    """An NVIDIA driver is loaded but pynvml (the `ops` extra) is not installed."""
+    import importlib.util
+
+    return importlib.util.find_spec("pynvml") is None and Path("/proc/driver/nvidia/gpus").is_dir()
 
 
 def available() -> tuple[bool, str]:

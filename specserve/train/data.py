@@ -6,7 +6,7 @@
   a chat ``"messages"`` list (``[{"role": ..., "content": ...}, ...]``);
 - a ``.txt`` (or any other text) file: the whole file is one document;
 - a ``.npy`` token stream (1-D integers, documents separated by the EOS id), as
-  ``build_demo`` writes for the stdlib corpus;
+  ``scripts/build_demo.py`` writes for the stdlib corpus;
 - a folder: every file below it with one of the extensions above or a source-code
   extension, in sorted path order.
 

@@ -772,15 +772,15 @@ def _use_bf16(flag: bool | None, dev: torch.device) -> bool:
 
 def _thread_tuner(threads: int | None, dev: torch.device):
     """On CPU, switch between 1..N intra-op threads, whichever is faster now (under load from
-    other processes one thread can be 5-10x faster than two; see build_demo.ThreadTuner)."""
+    other processes one thread can be 5-10x faster than two; see ThreadTuner)."""
     if dev.type != "cpu":
         return None
-    from specserve.train.build_demo import ThreadTuner
+    from specserve.train.thread_tuner import ThreadTuner
 
     if threads:
         torch.set_num_threads(threads)
         return None
-    # (build_demo's own tuner may have left 1 thread set: still consider 2)
+    # (the demo build's own tuner may have left 1 thread set: still consider 2)
     n = max(torch.get_num_threads(), min(2, os.cpu_count() or 1))
     if n <= 1:
         return None
@@ -883,7 +883,7 @@ class TrainConfig:
              seed: int = 0) -> TrainConfig:
         """The bundled demo drafter's recipe: train on the target's own regenerated text, for as
         many epochs as `minutes` allows (the time budget ends the run, not the epoch count), and
-        measure acceptance on the target's held-out prompts where build_demo wrote them."""
+        measure acceptance on the target's held-out prompts where scripts/build_demo.py wrote them."""
         heldout = Path(target_dir) / "heldout_prompts.jsonl"
         return cls(target_dir=target_dir, out_dir=out_dir, data=train_tokens, val_data=val_tokens, minutes=minutes,
                    seed=seed, regenerate=True, draft_vocab=2048, ttt_steps=5, lr=4e-3, regen_share=0.35,
@@ -893,7 +893,7 @@ class TrainConfig:
 
 def train_draft(config: TrainConfig) -> TrainResult:
     """Train (or fine-tune, `config.from_dir`) an EAGLE-3 drafter for `config.target_dir`; writes it
-    to `config.out_dir`. Called by `specserve train-draft` and by build_demo's drafter stage.
+    to `config.out_dir`. Called by `specserve train-draft` and by scripts/build_demo.py's drafter stage.
     The phases: check the flags, read (and regenerate) the data, build the target and the drafter,
     train, then save, validate and measure acceptance."""
     _check_flags(config)

@@ -16,7 +16,7 @@ import pytest
 
 from specserve.cli import main
 from specserve.config import DEMO_DIR
-from specserve.ops import check
+from specserve.ops import check, nvml
 
 from tiny import make_drafter, make_target
 
@@ -291,6 +291,20 @@ def test_tp_divisibility_names_what_does_not_divide(capsys, check_pair):
 
 
 # --------------------------------------------------------------------- memory
+def test_a_driver_without_nvidia_ml_py_is_judged_as_a_gpu(check_pair, monkeypatch):
+    """On a GPU machine without the `ops` extra (no pynvml), `auto` still means CUDA: the memory
+    checks are skipped with a warning naming the extra, never run against the host's RAM."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr(nvml, "query", lambda processes=True: nvml.GpuQuery(False, "pynvml not importable"))
+    monkeypatch.setattr(nvml, "driver_without_package", lambda: True)
+    found = check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto", max_num_seqs=4)
+    (warn,) = [f for f in found if f.code == "device"]
+    assert warn.level == "warning" and "pip install 'specserve[ops]'" in warn.message
+    assert not [f for f in found if f.code == "kv_capacity"]  # the CPU's RAM was not consulted
+    monkeypatch.setattr(nvml, "driver_without_package", lambda: False)  # no driver: the CPU, as before
+    assert not [f for f in check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto") if f.code == "device"]
+
+
 def test_memory_fits(check_pair, fake_gpus):
     fake_gpus((500, 81920))
     found = check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto")

@@ -150,6 +150,21 @@ def test_config_errors_raised_by_a_command_are_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: --devices 9: no such GPU\n"
 
 
+@pytest.mark.parametrize("flags, module", [(["--plot", "r.png"], "matplotlib"),
+                                           (["--url", "http://127.0.0.1:9"], "httpx")])
+def test_a_missing_extra_is_named_before_the_bench_runs(flags, module, monkeypatch, capsys):
+    """--plot and --url need the `bench` extra's packages: without one, bench says which extra
+    installs it before loading a model (not after a run whose results would then be lost)."""
+    from specserve.bench import offline, online
+
+    monkeypatch.setitem(sys.modules, module, None)  # as if not installed: importing it raises ImportError
+    monkeypatch.setattr(offline, "run_offline", lambda *a, **k: pytest.fail("the bench ran"))
+    monkeypatch.setattr(online, "run_online", lambda *a, **k: pytest.fail("the bench ran"))
+    assert main(["bench", "--device", "cpu", *flags]) == 1
+    err = capsys.readouterr().err
+    assert f"needs the Python package '{module}'" in err and "pip install 'specserve[bench]'" in err
+
+
 @pytest.mark.parametrize("command", ["generate", "serve", "bench"])
 def test_max_num_seqs_zero_is_an_error_not_the_default(command, capsys):
     args = [command, "--max-num-seqs", "0", "--device", "cpu"] + (["--prompt", "x"] if command == "generate" else [])

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import specserve
-from specserve.train import build_demo
+from scripts import build_demo
 
 DEMO = Path(specserve.__file__).parent / "assets" / "demo"
 MAX_ASSET_BYTES = 12 * 1024 * 1024

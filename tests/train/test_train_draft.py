@@ -17,7 +17,7 @@ from tiny import make_drafter, make_target
 from specserve.config import ConfigError, DraftConfig, default_aux_layers, resolve_aux_layers
 from specserve.model.layers import ForwardContext
 from specserve.model.loader import load_drafter
-from specserve.train import build_demo
+from scripts import build_demo
 from specserve.train import train_draft as td
 from specserve.train.data import DataError, Record, chat_prompt, read_records, split_long, tokenize_records
 
@@ -328,6 +328,28 @@ def test_eval_prompts_chat_records(tiny_pair, tmp_path):
     tok = Tokenizer(target)
     r = td.measure_acceptance(str(target), str(d), [msgs, "def f(x):"], 3, 16, "cpu")
     assert r["prompt_tokens"] == len(tok.encode(tok.apply_chat_template(msgs))) + len(tok.encode("def f(x):"))
+
+
+def test_thread_tuner_keeps_the_faster_thread_count():
+    """ThreadTuner tries the other thread count after `trial` steps and keeps it when its median step
+    is clearly faster; a slower trial sends it back."""
+    from specserve.train.thread_tuner import ThreadTuner
+
+    before = torch.get_num_threads()
+    try:
+        tuner = ThreadTuner([1, 2], every_s=0.0, trial=2)
+        assert tuner.active == 2
+        assert tuner.record(1.0) is None and tuner.record(1.0) is None  # the trial of 1 thread starts
+        assert tuner.active == 1 and torch.get_num_threads() == 1
+        assert tuner.record(0.5) is None and tuner.record(0.5) is None  # (the first step after a switch: discarded)
+        assert tuner.record(0.5) == "threads 2 -> 1 (median step 1.00s -> 0.50s)"
+        assert tuner.current == 1 and torch.get_num_threads() == 1
+        tuner.record(0.5)  # the trial of 2 threads starts, and its second step is clearly slower: it ends
+        assert tuner.active == 2
+        assert tuner.record(2.0) is None and tuner.record(2.0) is None
+        assert tuner.current == 1 and tuner.trying is None and torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_draft_vocab_selection():

@@ -1,6 +1,9 @@
 """Rebuild the bundled demo pair (tokenizer, Llama target, EAGLE-3 drafter) from scratch.
 
-    python -m specserve.train.build_demo --out specserve/assets/demo [--minutes-target 35] [--seed 0]
+    python scripts/build_demo.py --out specserve/assets/demo [--minutes-target 35] [--seed 0]
+
+A one-off asset build, kept outside the served package (it imports specserve, so run it where
+specserve is installed, e.g. `pip install -e .`).
 
 Everything is derived from files already on the machine, so the build needs no network:
 
@@ -57,6 +60,8 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+
+from specserve.train.thread_tuner import ThreadTuner
 
 EOS_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -361,69 +366,6 @@ class TrainResult:
     thread_switches: list
 
 
-class ThreadTuner:
-    """Picks the intra-op thread count that is fastest *now* (single-process training only).
-
-    On an idle 2-core machine 2 threads beat 1 by ~1.5x, but when other processes compete for the
-    cores, 2 OpenMP threads keep waiting for each other at every barrier and a step can become 5-10x
-    slower than with 1 thread. So every
-    ``every_s`` seconds the tuner runs ``trial`` real training steps with another thread count and
-    keeps whichever count had the lower median step time. A trial is cut short as soon as one of
-    its steps is clearly slower, and the pause between trials doubles (up to ``max_every_s``) after
-    each trial that did not pay off, so exploring costs little when the answer is stable.
-    """
-
-    def __init__(self, choices: list[int], every_s: float = 90.0, trial: int = 4, max_every_s: float = 720.0):
-        import torch
-
-        self.torch = torch
-        self.choices = sorted(set(choices))
-        self.current = max(self.choices)
-        self.every_s, self.trial = every_s, trial
-        self.base_every_s, self.max_every_s = every_s, max_every_s
-        self.recent: list[float] = []
-        self.trial_times: list[float] = []
-        self.trying: int | None = None
-        self.last_explore = time.perf_counter()
-        self.switches: list[tuple[float, int]] = []
-        torch.set_num_threads(self.current)
-
-    @property
-    def active(self) -> int:
-        return self.trying if self.trying is not None else self.current
-
-    def record(self, step_seconds: float) -> str | None:
-        """Call after each step with its duration; returns a message when the choice changed."""
-        msg = None
-        if self.trying is None:
-            self.recent = (self.recent + [step_seconds])[-self.trial:]
-            if len(self.choices) > 1 and len(self.recent) >= self.trial \
-                    and time.perf_counter() - self.last_explore >= self.every_s:
-                others = [c for c in self.choices if c != self.current]
-                self.trying = others[len(self.switches) % len(others)] if len(others) > 1 else others[0]
-                self.trial_times = []
-                self.torch.set_num_threads(self.trying)
-            return None
-        self.trial_times.append(step_seconds)
-        cur = sorted(self.recent)[len(self.recent) // 2]
-        # the first step after a switch is discarded; a clearly slower step ends the trial early
-        losing = len(self.trial_times) >= 2 and step_seconds > 1.5 * cur
-        if losing or len(self.trial_times) >= self.trial + 1:
-            alt = sorted(self.trial_times[1:])[len(self.trial_times[1:]) // 2]
-            if not losing and alt < 0.9 * cur:
-                msg = f"threads {self.current} -> {self.trying} (median step {cur:.2f}s -> {alt:.2f}s)"
-                self.current = self.trying
-                self.recent = self.trial_times[1:]
-                self.switches.append((time.perf_counter(), self.current))
-                self.every_s = self.base_every_s
-            else:
-                self.every_s = min(2 * self.every_s, self.max_every_s)
-            self.trying = None
-            self.last_explore = time.perf_counter()
-            self.torch.set_num_threads(self.current)
-        return msg
-
-
 @dataclass
 class TrainOptions:
     minutes: float
@@ -595,8 +537,8 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
                                 "train_loss_ema": round(ema, 4) if ema is not None else None,
                                 "val_loss": round(v, 4), "tok_per_s": round(tps),
                                 "threads": tuner.current if tuner else 1})
-                bar.write(f"[build_demo] step {step} t={(t_e - t0) / 60:.1f} min  train(ema) {ema or float('nan'):.3f}  "
-                          f"val {v:.3f}  tok/s {tps:,.0f}")
+                bar.write(f"[build_demo] step {step} t={(t_e - t0) / 60:.1f} min  "
+                          f"train(ema) {ema or float('nan'):.3f}  val {v:.3f}  tok/s {tps:,.0f}")
                 if ck_path is not None:
                     save_checkpoint(t_e - t0)
                 last_eval = time.perf_counter()
@@ -836,7 +778,7 @@ def _size(path: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specserve.train.build_demo", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python scripts/build_demo.py", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path, help="output folder (e.g. specserve/assets/demo)")
     ap.add_argument("--minutes-target", type=float, default=35.0,
                     help="wall-clock training budget of the target, compile time included (default 35)")
