@@ -125,13 +125,12 @@ def run_worker(ch, rank: int, size: int, msg: dict) -> None:
 
     from specserve.distributed import comm
     from specserve.distributed import parallel_state as ps
-    from specserve.distributed.worker import init_distributed
     from specserve.model.loader import DTYPES
 
     device = torch.device(f"cuda:{rank % msg['local']}" if msg["device"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    init_distributed(rank, size, device, msg["timeout_s"], msg["store_prefix"])
+    ps.init_distributed(rank, size, device, msg["timeout_s"], msg["store_prefix"])
     dtype = DTYPES[msg["dtype"]]
     info = {"device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
             "nccl_version": _nccl_version() if device.type == "cuda" else None,

@@ -93,3 +93,22 @@ def min_over_ranks(value: int) -> int:
     t = torch.tensor([value], dtype=torch.long)
     dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_CONTROL_GROUP)
     return int(t.item())
+
+
+def init_distributed(rank: int, size: int, device, timeout_s: float, store_prefix: str = "") -> None:
+    """Join the group through the driver's store (under `store_prefix`: the driver's group);
+    `timeout_s` bounds the rendezvous and every collective."""
+    import datetime
+    import os
+
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timeout=timeout)
+    if store_prefix:
+        store = dist.PrefixStore(store_prefix, store)
+    # gloo for CPU tensors (control messages) everywhere; NCCL for CUDA tensors on GPUs.
+    backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
+    control = dist.new_group(backend="gloo")
+    init_tensor_parallel(rank, size, dist.group.WORLD, control)

@@ -74,26 +74,6 @@ class Channel:
         self.conn.send({"type": "progress", "phase": phase, "text": text, "time": time.time()})
 
 
-def init_distributed(rank: int, size: int, device, timeout_s: float, store_prefix: str = "") -> None:
-    """Join the group through the driver's store (under `store_prefix`: the driver's group);
-    `timeout_s` bounds the rendezvous and every collective."""
-    import datetime
-
-    import torch.distributed as dist
-
-    from specserve.distributed import parallel_state as ps
-
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), None, False, timeout=timeout)
-    if store_prefix:
-        store = dist.PrefixStore(store_prefix, store)
-    # gloo for CPU tensors (control messages) everywhere; NCCL for CUDA tensors on GPUs.
-    backend = "gloo" if device.type == "cpu" else "cpu:gloo,cuda:nccl"
-    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timeout)
-    control = dist.new_group(backend="gloo")
-    ps.init_tensor_parallel(rank, size, dist.group.WORLD, control)
-
-
 def _patch_capture_mode(mode: str) -> None:
     """Capture CUDA graphs in `mode` ('thread_local' by default in TP workers):
     NCCL's own threads and torch's NCCL watchdog may make CUDA calls while we
@@ -139,7 +119,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
     else:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))
     ch.progress("init", f"joining the process group ({'gloo' if device.type == 'cpu' else 'nccl + gloo'})")
-    init_distributed(rank, size, device, msg["timeout_s"], msg["store_prefix"])
+    ps.init_distributed(rank, size, device, msg["timeout_s"], msg["store_prefix"])
     mcfg = ModelConfig.from_dir(cfg.model)
     from specserve.model.loader import resolve_dtype
 
