@@ -117,7 +117,7 @@ class LLM:
             text = cut_at_stop(text, s.params.stop)[0]
         return RequestOutput(
             request_id=s.seq_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
-            finish_reason=s.finish_reason, spec=s.spec.as_dict() if self.engine.runner.drafter is not None else {},
+            finish_reason=s.finish_reason, spec=s.spec.as_dict() if self.engine.policy is not None else {},
             ttft_s=(s.first_token_time - s.arrival) if s.first_token_time else None,
             latency_s=(s.finish_time - s.arrival) if s.finish_time else None,
             logprobs=list(s.logprobs) if s.logprobs is not None else None,

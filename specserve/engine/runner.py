@@ -72,8 +72,10 @@ class ModelRunner:
                 f"--max-model-len {self.max_model_len} exceeds the target's max_position_embeddings "
                 f"{self.model_cfg.max_position_embeddings}"
             )
-        self.k_max = cfg.spec.max_steps if self.draft_cfg else 0
-        self.topk = cfg.spec.topk if self.draft_cfg else 1
+        # Draft-free methods (ngram, suffix) speculate without a drafter model.
+        speculates = self.draft_cfg is not None or cfg.spec.method != "eagle3"
+        self.k_max = cfg.spec.max_steps if speculates else 0
+        self.topk = cfg.spec.topk if speculates else 1
         self.pending_width = max(PENDING_WIDTH, self.k_max + 1)
         self.room = cfg.spec.cache_room(self.k_max)  # slots past a sequence's end that a cycle may write
         self.block_size = cfg.kv_block_size
@@ -577,7 +579,7 @@ class ModelRunner:
         write = torch.where(pad, scratch, pos0 + torch.arange(N + 1, device=dev))
         rope = torch.cat([pos0, pos0 + tree.depth], 1).clamp(max=scratch)
         anc = torch.cat([torch.zeros_like(pos0), tree.anc], 1)
-        ids = torch.cat([self.s_root[:B].unsqueeze(1), tree.tokens], 1)
+        ids = torch.cat([self.s_root[:B].unsqueeze(1), tree.tokens.clamp_min(0)], 1)  # (draft-free padding: -1)
         hidden, feats = self.target(ids, self._context(write, rope, tree=((pos0 + 1)[:, 0], anc)))
         # Greedy picks read the head's own dtype (an argmax needs no float32 copy of 32 x vocab).
         logits = self.target.logits(hidden, upcast=sampling)
@@ -589,7 +591,8 @@ class ModelRunner:
         move_branch_kv(self.kv.target_caches(), self.kv.table[:B], self.block_size, pos0, pad, n_acc, path, K,
                        scratch)
         grid, feat = branch_inputs(tree, feats, n_acc, next_tok, path)
-        self.pending.set_cycle_except(B, pad, grid, feat)
+        if self.pending is not None:
+            self.pending.set_cycle_except(B, pad, grid, feat)
         return n_acc, grid, logits, path
 
     def _run(self, kind: str, B: int, body, K: int = 0, sampling: bool = False, filtered: bool = False):
@@ -651,6 +654,15 @@ class ModelRunner:
         return self.tree.head(B, self.cfg.spec.tree_nodes(K))
 
     @torch.inference_mode()
+    def set_tree(self, parts: list[torch.Tensor]) -> None:
+        """A tree drafted elsewhere (draft-free methods: tokens, parents, depths, ancestor bits [B, N])
+        into the buffers the tree verify reads."""
+        B, N = parts[0].shape
+        out = self.tree.head(B, N)
+        for buf, val in zip((out.tokens, out.parents, out.depth, out.anc), parts):
+            buf.copy_(val, non_blocking=True)
+
+    @torch.inference_mode()
     def verify_tree(self, K: int, root: torch.Tensor, pos0: torch.Tensor, enabled: torch.Tensor,
                     s: BatchSampling | None = None):
         """Verify the tree `draft_tree` left, rooted at token `root` at index `pos0` per row, and
@@ -702,12 +714,14 @@ class ModelRunner:
                 entry[:, 0] = ctx - 1
 
                 def cycle(K=K, entry=entry):
+                    drafter = self.drafter is not None  # (draft-free methods: the verify alone)
                     if self.cfg.spec.drafts_tree(B):  # greedy cycles as the engine runs them
-                        self.draft_tree(K, entry, last)
+                        if drafter:
+                            self.draft_tree(K, entry, last)
                         self.verify_tree(K, ids, pos, on)
                         return
-                    d = self.draft(K, entry, last, greedy)
-                    self.verify(torch.cat([ids.unsqueeze(1), d.tokens], 1), pos)
+                    d = self.draft(K, entry, last, greedy).tokens if drafter else ids.unsqueeze(1).expand(B, K)
+                    self.verify(torch.cat([ids.unsqueeze(1), d], 1), pos)
                 runs[K] = cycle
             for K, fn in runs.items():
                 done += 1
@@ -750,14 +764,16 @@ class ModelRunner:
                 if K <= 0:
                     continue
                 jobs.append((GraphKey("verify", B, K), lambda b, K=K: self._verify_body(b, K)))
-                jobs.append((GraphKey("draft", B, K), lambda b, K=K: self._draft_body(b, K, False, False)))
-                jobs.append((GraphKey("draft", B, K, sampling=True, filtered=True),
-                             lambda b, K=K: self._draft_body(b, K, True, True)))
+                if self.drafter is not None:
+                    jobs.append((GraphKey("draft", B, K), lambda b, K=K: self._draft_body(b, K, False, False)))
+                    jobs.append((GraphKey("draft", B, K, sampling=True, filtered=True),
+                                 lambda b, K=K: self._draft_body(b, K, True, True)))
                 if B in tree_buckets:
                     for flags in ((False, False), (True, False), (True, True)):  # greedy, sampled, filtered
                         jobs.append((GraphKey("tree_verify", B, K, 0, *flags),
                                      lambda b, K=K, f=flags: self._tree_verify_body(b, K, *f)))
-                    jobs.append((GraphKey("tree_draft", B, K), lambda b, K=K: self._tree_draft_body(b, K)))
+                    if self.drafter is not None:
+                        jobs.append((GraphKey("tree_draft", B, K), lambda b, K=K: self._tree_draft_body(b, K)))
         # Padding state for capture: every row writes to the scratch slot.
         self.s_pos.fill_(self.scratch)
         self.s_pos0.fill_(self.scratch)
