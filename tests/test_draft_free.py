@@ -137,3 +137,45 @@ def test_method_settings_are_checked(target, tmp_path):
         EngineConfig(model=str(target), draft=str(tmp_path), spec_method="ngram", spec_steps=2)
     with pytest.raises(ConfigError, match="ngram-min"):
         EngineConfig(model=str(target), spec_method="ngram", spec_steps=2, ngram_min=4, ngram_max=2)
+
+
+@pytest.mark.parametrize("flags", [["--speculative-method", "ngram"],  # serve's default: adaptive K
+                                   ["--speculative-method", "suffix", "--no-adaptive", "--spec-topk", "2"]])
+def test_served_draft_free_equals_plain_and_keeps_tenants_apart(flags):
+    """`serve --speculative-method ...` through the openai client: greedy completions equal plain decoding's,
+    and the `user` field sorts finished requests into per-tenant histories (suffix)."""
+    import argparse
+
+    from test_server import HAVE_HTTP, NAME, PROMPTS, Live
+
+    if not HAVE_HTTP:
+        pytest.skip("fastapi, uvicorn, httpx and openai are needed for the HTTP tests")
+    from specserve.engine.llm import LLM
+    from specserve.server import serve_cmd
+
+    def kwargs(*more):
+        p = argparse.ArgumentParser()
+        serve_cmd.add_arguments(p)
+        return serve_cmd.serve_engine_kwargs(p.parse_args(["--spec-steps", "3", "--max-model-len", "384",
+                                                           "--max-num-seqs", "2", "--device", "cpu", *more]))
+
+    kw = kwargs(*flags)
+    assert kw["draft"] is None and kw["spec_method"] == flags[1]
+    plain = LLM(**kwargs("--spec-steps", "0"))
+    srv = Live(lambda: LLM(**kw), max_num_seqs=2, max_queue=8)
+    try:
+        srv.wait_ready()
+        client = srv.client()
+        # An edit: the answer repeats most of the prompt.
+        prompt = PROMPTS[0] + "\n\n# The same function, unchanged:\n" + PROMPTS[0]
+        want = plain.generate([prompt], SamplingParams(max_tokens=24, temperature=0))[0]
+        for user in ("alice", "bob", None):
+            extra = {"user": user} if user else {}
+            out = client.completions.create(model=NAME, prompt=prompt, max_tokens=24, temperature=0, **extra)
+            assert out.choices[0].text == want.text, user
+        engine = srv.loop.llm.engine
+        assert engine.totals.cycles > 0
+        if flags[1] == "suffix":
+            assert list(engine.text_drafts.tenants) == ["alice", "bob"]  # none kept for the request without a user
+    finally:
+        srv.close()

@@ -73,7 +73,8 @@ def prepare_requests(tokenizer, prompts, sampling_params) -> tuple[list[list[int
 
 class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, on_graph_progress=None, **engine_kwargs):
-        model, draft = default_pair(model, draft, speculating=bool(engine_kwargs.get("spec_steps", 0)))
+        eagle = engine_kwargs.get("spec_method", "eagle3") == "eagle3"  # (other methods bring no drafter)
+        model, draft = default_pair(model, draft, speculating=eagle and bool(engine_kwargs.get("spec_steps", 0)))
         require_model(str(model))
         self.config = EngineConfig.from_kwargs(model=str(model), draft=draft, **engine_kwargs)
         self.tokenizer = Tokenizer(self.config.model)

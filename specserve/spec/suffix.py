@@ -24,7 +24,7 @@ MAX_PATTERN = 8  # longest text ending matched
 
 
 class _Node:
-    __slots__ = ("token", "count", "children")
+    __slots__ = ("children", "count", "token")
 
     def __init__(self, token: int = -1):
         self.token = token
