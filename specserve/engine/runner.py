@@ -104,6 +104,11 @@ class ModelRunner:
                 raise ConfigError(
                     f"drafter vocab_size {self.draft_cfg.vocab_size} differs from the target's {self.model_cfg.vocab_size}"
                 )
+        elif cfg.spec.method == "mtp":  # the checkpoint's own MTP layer, reading the target's normed output
+            from specserve.model.mtp import load_mtp
+
+            self.target.aux_layers = (self.model_cfg.num_layers + 1,)
+            self.drafter = load_mtp(cfg.model, self.target, self.device, self.dtype, cfg.allow_pickle)
         self.load_seconds = time.perf_counter() - t0
         self.draft_targets = None  # [Vd] the target id of each draft id
         if self.drafter is not None:
@@ -158,7 +163,8 @@ class ModelRunner:
     def _prefill_graph_buckets(self) -> tuple[int, ...]:
         """Prompt lengths (padded up to these) prefilled by a CUDA graph: run eagerly, a large
         model's hundreds of kernel launches cost more host time than the GPU's work takes."""
-        if not (self.device.type == "cuda" and self.cfg.cuda_graphs and self.target.graph_safe):
+        if not (self.device.type == "cuda" and self.cfg.cuda_graphs and self.target.graph_safe
+                and getattr(self.drafter, "graph_safe", True)):
             return ()
         return tuple(b for b in PREFILL_GRAPH_TOKENS if b <= self.max_model_len and b // 2 < self.cfg.prefill_chunk)
 
@@ -205,8 +211,8 @@ class ModelRunner:
                           max(self.prefill_buckets, default=0), self.block_size, num_blocks)
         self.pending: PendingInputs | None = None
         if self.drafter is not None:
-            self.pending = PendingInputs(self.rows, self.pending_width, 3 * self.model_cfg.hidden_size, self.dtype,
-                                         self.device)
+            feat_dim = len(self.target.aux_layers) * self.model_cfg.hidden_size  # EAGLE-3: 3H; MTP: H
+            self.pending = PendingInputs(self.rows, self.pending_width, feat_dim, self.dtype, self.device)
         # Static inputs shared by all graphs (largest shapes; graphs read prefixes).
         W = max(self.room + 1, 1)
         self.s_ids = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
@@ -746,7 +752,7 @@ class ModelRunner:
         built without graphs capture them afterwards (the TP workers do, under a timeout)."""
         if self.device.type != "cuda" or not (self.cfg.cuda_graphs if enabled is None else enabled):
             return 0.0
-        if not self.target.graph_safe:
+        if not (self.target.graph_safe and getattr(self.drafter, "graph_safe", True)):
             log.warning("%s: no CUDA graphs (its MoE layers run the eager reference path)", self.model_cfg.architecture)
             return 0.0
         t0 = time.perf_counter()
