@@ -105,3 +105,18 @@ def test_mtp_without_the_layer_is_refused(tmp_path):
     plain = make_moe_target(tmp_path / "plain", vocab=VOCAB, hidden=64, layers=2)
     with pytest.raises(ConfigError, match="needs a checkpoint with a multi-token-prediction layer"):
         Engine(EngineConfig(model=str(plain), device="cpu", max_num_seqs=1, spec_method="mtp", spec_steps=2))
+
+
+def test_check_reports_the_mtp_layer(mtp_target, tmp_path):
+    from specserve.ops.check import run_checks
+
+    def mtp_finding(model, **kw):
+        found = [x for x in run_checks(str(model), device="cpu", **kw) if x.code == "mtp"]
+        assert len(found) == 1
+        return found[0]
+
+    ok = mtp_finding(mtp_target, spec_method="mtp")
+    assert ok.level == "ok" and "1 MTP layer(s) (model.layers.2" in ok.message
+    plain = make_moe_target(tmp_path / "plain", vocab=VOCAB, hidden=64, layers=2)
+    assert mtp_finding(plain).level == "ok" and "no MTP layer" in mtp_finding(plain).message
+    assert mtp_finding(plain, spec_method="mtp").level == "error"
