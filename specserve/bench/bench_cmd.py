@@ -32,6 +32,10 @@ PEERS = ("hf", "hf-assisted")
 SCHEMES: dict[str, dict[str, tuple[type, object]]] = {
     "baseline": {},
     "eagle3": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None)},
+    # The target's own MTP layer, and the draft-free methods (--speculative-method)
+    "mtp": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None)},
+    "ngram": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "min": (int, None), "max": (int, None)},
+    "suffix": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None)},
 }
 
 
@@ -58,6 +62,17 @@ class BenchConfig:
     def tree(self) -> tuple[int, int | None]:
         """(top-k, nodes verified): (1, None) for chains and plain decoding."""
         return int(self.get("topk") or 1), self.get("tokens")
+
+    def engine_options(self) -> dict:
+        """The engine options that set this config's drafting method: configs that differ in them need
+        engines of their own (others share one, switching K)."""
+        if self.name == "baseline":
+            return {}
+        out = {"spec_method": self.name, "spec_topk": self.tree[0], "spec_tokens": self.tree[1]}
+        if self.name == "ngram":
+            out.update(ngram_min=self.get("min") or EngineConfig.ngram_min,
+                       ngram_max=self.get("max") or EngineConfig.ngram_max)
+        return out
 
     @property
     def spec_steps(self) -> int:
@@ -91,9 +106,10 @@ def parse_config(text: str) -> BenchConfig:
     steps = values.get("steps")
     if steps is not None and not 1 <= steps <= 16:
         raise ConfigError(f"bench config {text!r}: steps must be in 1..16, got {steps}")
-    if name == "eagle3":  # the engine's own checks, with the config named
+    if name != "baseline":  # the engine's own checks, with the config named
         try:
-            EngineConfig(draft="-", spec_steps=steps, spec_topk=values["topk"] or 1, spec_tokens=values["tokens"])
+            EngineConfig(draft="-" if name == "eagle3" else None, spec_steps=steps,
+                         **BenchConfig(name, tuple(values.items())).engine_options())
         except ConfigError as e:
             raise ConfigError(f"bench config {text!r}: {e}") from None
     # Unset optional keys (None) stay out of the label.
@@ -151,7 +167,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="CONFIG",
                    help="configurations to compare: baseline (plain decoding), eagle3:steps=K, "
-                        "eagle3:adaptive,steps=KMAX, trees eagle3:steps=K,topk=k[,tokens=N] "
+                        "eagle3:adaptive,steps=KMAX, trees eagle3:steps=K,topk=k[,tokens=N]; other drafting methods "
+                        "mtp:steps=K, ngram:steps=K,min=2,max=5, suffix:steps=K[,topk=k,tokens=N] (each takes "
+                        "adaptive too) "
                         "(default: %(default)s; baseline is always added)")
     g.add_argument("--batch-sizes", nargs="+", type=int, default=DEFAULT_BATCH_SIZES, metavar="B",
                    help="prompts submitted together (default: %(default)s)")

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from specserve.bench import cost_model, report
 from specserve.bench.bench_cmd import BenchConfig
 from specserve.bench.datasets import own_answer_index
-from specserve.config import ConfigError, ModelConfig
+from specserve.config import SPEC_METHODS, ConfigError, ModelConfig
 
 
 @dataclass
@@ -89,7 +89,7 @@ class EngineUnit:
             else:
                 adaptive = bool(cfg.get("adaptive"))
                 kw.update(spec_steps=0 if adaptive else cfg.spec_steps, max_spec_steps=cfg.spec_steps,
-                          adaptive=adaptive, spec_topk=cfg.tree[0], spec_tokens=cfg.tree[1])
+                          adaptive=adaptive, **_method_kw(cfg.engine_options(), kw))
             self.llm = LLM(profile=profile and cfg.name != "baseline", **kw)
         self.load_s = time.perf_counter() - t0
         self.details: dict = {"load_s": round(self.load_s, 3), "shared_engine": self.shared}
@@ -106,8 +106,8 @@ class EngineUnit:
         if k_max == 0:
             kw.update(draft=None, spec_steps=0, max_spec_steps=0, adaptive=False)
         else:
-            topk, tokens = max(c.tree for c in configs if c.name != "baseline")
-            kw.update(spec_steps=0, max_spec_steps=k_max, adaptive=True, spec_topk=topk, spec_tokens=tokens)
+            method = next(c.engine_options() for c in configs if c.name != "baseline")
+            kw.update(spec_steps=0, max_spec_steps=k_max, adaptive=True, **_method_kw(method, kw))
         return LLM(profile=profile, **kw)
 
     def unavailable(self, bs: int) -> str | None:
@@ -154,6 +154,11 @@ class EngineUnit:
     def finish(self) -> None:
         if hasattr(self.llm, "close") and not self.shared:  # TP workers
             self.llm.close()
+
+
+def _method_kw(options: dict, kw: dict) -> dict:
+    """A config's method options, with the drafter model dropped where the method drafts without one."""
+    return options | ({} if options["spec_method"] == "eagle3" else {"draft": None})
 
 
 def _spec_from_outputs(outs) -> dict:
@@ -271,11 +276,13 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
             f"(--max-seconds)")
     t_load = time.perf_counter()
     units: dict[str, object] = {}
-    # One engine per tree setting (chains are one setting) runs all its configs; baseline joins the first.
-    first = next((c.tree for c in configs if c.name != "baseline"), (1, None))
+    # One engine per drafting method and tree setting (chains are one setting) runs all its configs; baseline
+    # joins the first.
+    key = lambda c: tuple(sorted(c.engine_options().items()))  # noqa: E731
+    first = next((key(c) for c in configs if c.name != "baseline"), ())
     groups: dict[tuple, list] = {}
     for cfg in configs:
-        groups.setdefault(cfg.tree if cfg.name != "baseline" else first, []).append(cfg)
+        groups.setdefault(key(cfg) if cfg.name != "baseline" else first, []).append(cfg)
     shared_by_cfg: dict[str, object] = {}
     if base_kw.get("tp", 1) == 1 and len(configs) > 1:
         for members in groups.values():
@@ -355,7 +362,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
 
     summary = []
     for bs in args.batch_sizes:
-        spec = [x for x in results if x["batch_size"] == bs and x["config"].startswith("eagle3") and x["speedup"]]
+        spec = [x for x in results if x["batch_size"] == bs and x["config"].split(":")[0] in SPEC_METHODS and x["speedup"]]
         if not spec:
             continue
         best = max(spec, key=lambda x: x["speedup"])

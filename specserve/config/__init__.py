@@ -9,9 +9,11 @@ latent attention, routed experts), `model`, `draft`, `engine`.
 
 from specserve.config.draft import DRAFT_ARCHITECTURES, DraftConfig, default_aux_layers, resolve_aux_layers
 from specserve.config.engine import (
+    DRAFT_FREE_METHODS,
     MAX_TREE_NODES,
     PREFILL_GRAPH_PROMPTS,
     PREFILL_GRAPH_TOKENS,
+    SPEC_METHODS,
     EngineConfig,
     ParallelConfig,
     SpecConfig,
@@ -27,7 +29,7 @@ from specserve.config.moe import MoEConfig
 from specserve.errors import ConfigError
 
 __all__ = [
-    "ConfigError", "DEFAULT_MAX_MODEL_LEN", "DEMO_DIR", "DRAFT_ARCHITECTURES", "DraftConfig", "EngineConfig",
+    "ConfigError", "DRAFT_FREE_METHODS", "SPEC_METHODS", "DEFAULT_MAX_MODEL_LEN", "DEMO_DIR", "DRAFT_ARCHITECTURES", "DraftConfig", "EngineConfig",
     "MAX_TREE_NODES", "PREFILL_GRAPH_PROMPTS", "PREFILL_GRAPH_TOKENS", "MLAConfig", "MOE_ARCHITECTURES", "MoEConfig", "ModelConfig", "ParallelConfig",
     "SUPPORTED_ARCHITECTURES", "SpecConfig", "check_max_num_seqs", "checkpoint_files", "default_aux_layers",
     "default_max_model_len", "draft_tensor_name", "parse_dist_addr", "prefill_stage_len", "read_json", "resolve_aux_layers",

@@ -25,10 +25,16 @@ def prefill_stage_len(longest: int) -> int:
     return -(-(longest + 1) // 16) * 16
 
 
+SPEC_METHODS = ("eagle3", "mtp", "ngram", "suffix")
+DRAFT_FREE_METHODS = ("ngram", "suffix")  # drafts come from token history: no drafter forward
+
+
 @dataclass(frozen=True)
 class SpecConfig:
-    """Speculative decoding: how many tokens to draft per cycle and in what shape."""
+    """Speculative decoding: where drafts come from (`method`), how many tokens to draft per cycle
+    and in what shape."""
 
+    method: str = "eagle3"  # eagle3 (--draft), mtp (the target's own MTP layer), ngram or suffix (draft-free)
     steps: int = 0  # K draft tokens per cycle; 0 = plain decoding
     max_steps: int | None = None  # largest K the adaptive policy may use (default: steps)
     adaptive: bool = False
@@ -36,8 +42,15 @@ class SpecConfig:
     tokens: int | None = None  # tree nodes verified per cycle (default: topk * K, at most 63)
     tree_max_batch: int = 2  # larger batches draft chains: verifying a tree per sequence is compute-bound there
     draft_position_extension: bool = False  # draft past the drafter's max_position_embeddings
+    ngram_min: int = 2  # ngram: shortest suffix of the text matched against its earlier tokens
+    ngram_max: int = 5  # ngram: longest (the longest that matches is used)
 
     def __post_init__(self) -> None:
+        if self.method not in SPEC_METHODS:
+            raise ConfigError(f"--speculative-method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max <= 64:
+            raise ConfigError(f"--ngram-min / --ngram-max must satisfy 1 <= min <= max <= 64, "
+                              f"got {self.ngram_min} / {self.ngram_max}")
         if self.steps < 0 or self.steps > 16:
             raise ConfigError(f"--spec-steps must be in 0..16, got {self.steps}")
         if self.max_steps is None:
@@ -58,6 +71,10 @@ class SpecConfig:
                 raise ConfigError(f"--spec-tree-max-batch must be at least 1, got {self.tree_max_batch}")
         elif self.tokens is not None:
             raise ConfigError("--spec-tokens sizes a tree of drafts: it needs --spec-topk > 1")
+
+    @property
+    def draft_free(self) -> bool:
+        return self.method in DRAFT_FREE_METHODS
 
     def cache_room(self, k_max: int) -> int:
         """KV slots past a sequence's end that one cycle may write (`k_max`: the largest K, 0
@@ -188,6 +205,9 @@ class EngineConfig:
     parallel: ParallelConfig = ParallelConfig()
 
     # The grouped settings under their flat option names (CLI flags, `LLM(**kwargs)`), read through the group.
+    spec_method = _Grouped("spec", "method")
+    ngram_min = _Grouped("spec", "ngram_min")
+    ngram_max = _Grouped("spec", "ngram_max")
     spec_steps = _Grouped("spec", "steps")
     max_spec_steps = _Grouped("spec", "max_steps")
     adaptive = _Grouped("spec", "adaptive")
@@ -228,8 +248,13 @@ class EngineConfig:
         self._validate()
 
     def _validate(self) -> None:
-        if self.spec.steps and not self.draft:
-            raise ConfigError("--spec-steps > 0 needs a drafter: pass --draft DIR")
+        method = self.spec.method
+        if self.spec.steps and method == "eagle3" and not self.draft:
+            raise ConfigError("--spec-steps > 0 needs a drafter: pass --draft DIR (or a draft-free "
+                              "--speculative-method ngram / suffix, or mtp for a checkpoint with an MTP layer)")
+        if self.draft and method != "eagle3":
+            raise ConfigError(f"--speculative-method {method} takes no --draft: "
+                              + ("the target's own MTP layer drafts" if method == "mtp" else "it drafts from the text itself"))
         check_max_num_seqs(self.max_num_seqs)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")

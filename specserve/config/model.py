@@ -51,6 +51,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # routed experts instead of the MLP (except in moe.dense_layers)
     tensor_prefix: str = ""  # the text model's tensors are named with this prefix (multimodal wrappers)
     skip_prefixes: tuple[str, ...] = ()  # checkpoint tensors the text model does not use (vision, MTP layers)
+    mtp_layers: int = 0  # DeepSeek-V3's multi-token-prediction layers (num_nextn_predict_layers), after the decoder's
 
     def kv_cache_dims(self) -> tuple[int, int, int]:
         """(heads, key dims, value dims) of one layer's KV cache per token: latent attention caches
@@ -95,10 +96,12 @@ class ModelConfig:
         theta, scaling = rope_from_hf(cfg, path)
         layers = int(need("num_hidden_layers"))
         mla = moe = None
+        mtp = 0
         if arch == "DeepseekV3ForCausalLM":
             mla = mla_from_hf(cfg, scaling, path)
             head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
-            # Multi-token-prediction layers follow the decoder's; speculation here is EAGLE-3's.
+            # Multi-token-prediction layers follow the decoder's: the text model skips them, `--speculative-method
+            # mtp` drafts with the first (model.mtp).
             mtp = int(cfg.get("num_nextn_predict_layers") or 0)
             skip = skip + tuple(f"model.layers.{layers + i}." for i in range(mtp))
         if arch in MOE_ARCHITECTURES:
@@ -138,6 +141,7 @@ class ModelConfig:
             moe=moe,
             tensor_prefix=prefix,
             skip_prefixes=skip,
+            mtp_layers=mtp,
         )
 
 

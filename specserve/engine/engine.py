@@ -25,9 +25,10 @@ from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens, to_device
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, SpecStats, Status
+from specserve.spec.draft_free import chain_drafts, text_proposer, tree_drafts
 from specserve.spec.overlap import DeviceWaits, Launched, Overlap, host_lists
 from specserve.spec.policy import SpecPolicy, bucket_sizes, interpolate_costs, startup_grid
-from specserve.spec.proposer import Proposer
+from specserve.spec.proposer import DraftResult, Proposer
 from specserve.spec.verify import accept_drafts, emitted_tokens
 
 log = logging.getLogger("specserve.engine")
@@ -73,18 +74,19 @@ class Engine(ServingEngine):
         # behind a verify) and a plain step queued ahead.
         self.scheduler = Scheduler(r.kv, cfg.prefix_cache, margin=2 * (r.room + 1) + 1)
         self.proposer = Proposer(self.runner) if self.runner.drafter is not None else None
+        self.text_drafts = text_proposer(cfg.spec)  # draft-free methods: drafts from the text itself
         self.overlap = Overlap(self.device, self.max_model_len)
         spec_values = []
-        if self.runner.drafter is not None:
+        if self.runner.k_max:
             spec_values = list(range(1, self.runner.k_max + 1)) if cfg.spec.adaptive else [cfg.spec.steps]
         self.graph_seconds = self.runner.capture_graphs(spec_values, on_graph_progress)
         self.spec_values = spec_values
-        self.policy = SpecPolicy(cfg, self.runner.k_max) if self.runner.drafter is not None else None
+        self.policy = SpecPolicy(cfg, self.runner.k_max) if self.runner.k_max else None
         if self.policy is not None and cfg.spec.adaptive:
             buckets = bucket_sizes(self.runner.rows)
             timed = self.runner.measure_step_costs(*startup_grid(buckets, spec_values, cfg.spec.drafts_tree))
             self.policy.seed_costs(interpolate_costs(timed, buckets, [0] + spec_values, cfg.spec.drafts_tree))
-        self.last_k = cfg.spec.steps if self.runner.drafter is not None else 0
+        self.last_k = cfg.spec.steps if self.runner.k_max else 0
 
     @property
     def launch_ahead(self) -> bool:
@@ -103,7 +105,7 @@ class Engine(ServingEngine):
     @property
     def drafting(self) -> bool:
         """Whether the drafter takes part at all (not when speculation is fixed off)."""
-        return self.policy is not None and self.policy.fixed != 0
+        return self.proposer is not None and self.policy.fixed != 0
 
     def set_spec_steps(self, K: int | None) -> None:
         """Switch between plain decoding (0), a fixed K, or adaptive K (None) on an
@@ -320,6 +322,8 @@ class Engine(ServingEngine):
         self.last_k = K
         self._close_timing()
         self._timing = (len(seqs), K, time.perf_counter())
+        if K and self.text_drafts is not None:
+            return self._text_spec_step(seqs, K)
         return self._plain_step(seqs) if K == 0 else self._spec_step(seqs, K)
 
     def _job_remaining(self) -> list[int] | None:
@@ -521,6 +525,49 @@ class Engine(ServingEngine):
             self.profile.append({"batch": B, "K": K, **spans})
         return list(seqs)
 
+    def _text_spec_step(self, seqs: list[Sequence], K: int) -> list[Sequence]:
+        """A speculative cycle of a draft-free method: drafts from the text on the host, then the verify
+        (chain or tree) and acceptance EAGLE-3's drafts go through. Where no row has a draft, a plain
+        step instead, timed as one: a K-cycle's cost is paid only where the text offers a draft."""
+        r, ov, B = self.runner, self.overlap, len(seqs)
+        tree = self.cfg.spec.drafts_tree(B)
+        N = self.cfg.spec.tree_nodes(K)
+        drafted = tree_drafts(self.text_drafts, seqs, K, N) if tree else chain_drafts(self.text_drafts, seqs, K,
+                                                                                       self.device)
+        if drafted is None:
+            self._timing = (B, 0, self._timing[2])
+            return self._plain_step(seqs)
+        if ov.plain is not None:  # dropped, as in `_spec_step`
+            ov.plain = None
+            self._untimed(lambda: None)
+        ov.draft = None
+        sampling = self._sampling(seqs)
+        last = to_device([s.last_token for s in seqs], self.device)
+        pos0 = to_device([s.num_cached for s in seqs], self.device)
+        lengths = drafted[1]
+        enabled = to_device([n > 0 for n in lengths], self.device, torch.bool)
+        if tree:
+            r.set_tree(drafted[0])
+            n_acc, grid, logits, path = r.verify_tree(K, last, pos0, enabled, sampling)
+            lp = self._logprobs(seqs, logits, grid, path)
+        else:
+            drafts = drafted[0]
+            logits, _ = r.verify(torch.cat([last.unsqueeze(1), drafts.clamp_min(0)], 1), pos0)
+            n_acc, next_tok = accept_drafts(logits, DraftResult(drafts), sampling, pos0, enabled)
+            grid = emitted_tokens(drafts, n_acc, next_tok)
+            lp = self._logprobs(seqs, logits, grid)
+        acc_list, grid_list = host_lists(self.device, n_acc, grid, waits=self.device_waits)()
+        lps = self._read_logprobs(seqs, lp)
+        for b, seq in enumerate(seqs):
+            a = acc_list[b]
+            if lengths[b]:
+                seq.spec.record(K, a)
+                self.totals.record(K, a)
+            seq.num_cached += a + 1
+            self._append(seq, grid_list[b][: a + 1], lps.get(b))
+        self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if lengths[b]], B)
+        return list(seqs)
+
     # ------------------------------------------------------------ finishing
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Append accepted tokens (with their log-probabilities, when the request asks), stopping at
@@ -565,6 +612,8 @@ class Engine(ServingEngine):
             seq.status = Status.FINISHED
             self._vacate(row)
             self.scheduler.release(seq)
+            if self.text_drafts is not None:
+                self.text_drafts.finished(seq)
         if not self.n_running:
             self._close_timing()  # (the engine may now wait for requests: not the last step's cost)
 

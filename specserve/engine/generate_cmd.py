@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-from specserve.config import ConfigError, EngineConfig, check_max_num_seqs
+from specserve.config import SPEC_METHODS, ConfigError, EngineConfig, check_max_num_seqs
 
 
 def device_name(text: str) -> str:
@@ -24,8 +24,20 @@ def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True)
                    "or a known model name such as smollm2-135m-instruct (default: the bundled demo target)")
     p.add_argument("--draft", help="EAGLE-3 drafter directory (default: the one bundled for the target, for the "
                                    "demo target and known models such as smollm2-135m-instruct)")
+    p.add_argument("--speculative-method", default="eagle3", choices=SPEC_METHODS,
+                   help="where drafts come from: eagle3 (an EAGLE-3 drafter, --draft; the default), mtp (the target "
+                        "checkpoint's own multi-token-prediction layer, DeepSeek-V3 style), ngram (prompt lookup: "
+                        "what followed the text's ending earlier in the prompt and output) or suffix (frequency-"
+                        "scored suffix tries over the request's text and its tenant's finished requests; the server's "
+                        "tenant is the request's `user` field); ngram and suffix need no drafter model")
+    p.add_argument("--ngram-min", type=int, default=EngineConfig.ngram_min,
+                   help=f"ngram: shortest text ending matched (default {EngineConfig.ngram_min})")
+    p.add_argument("--ngram-max", type=int, default=EngineConfig.ngram_max,
+                   help=f"ngram: longest text ending matched, the longest that occurred is used "
+                        f"(default {EngineConfig.ngram_max})")
     p.add_argument("--spec-steps", type=int, default=None,
-                   help="draft tokens per cycle K (default: 4 with a drafter, else 0 = plain decoding)")
+                   help="draft tokens per cycle K (default: 4 with a drafter or another --speculative-method, "
+                        "else 0 = plain decoding)")
     if adaptive_flag:
         p.add_argument("--adaptive", action="store_true",
                        help="choose K (0..--spec-steps) each step from measured costs and acceptance")
@@ -98,15 +110,22 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
     """Map CLI flags to LLM/EngineConfig keyword arguments (demo defaults applied)."""
     from specserve.engine.llm import default_pair
 
-    model, draft = default_pair(args.model, args.draft)
+    method = args.speculative_method
+    model, draft = default_pair(args.model, args.draft if method == "eagle3" else None)
+    if method != "eagle3":
+        if args.draft:
+            raise ConfigError(f"--speculative-method {method} takes no --draft (only eagle3 uses a drafter model)")
+        draft = None  # (not the drafter bundled with a known target)
     if args.max_num_seqs is not None:  # checked here too: bench raises the count to its largest batch
         check_max_num_seqs(args.max_num_seqs)
-    K = args.spec_steps if args.spec_steps is not None else (4 if draft else 0)
+    speculates = bool(draft) or method != "eagle3"
+    K = args.spec_steps if args.spec_steps is not None else (4 if speculates else 0)
     if K == 0 and not args.adaptive:
-        draft = None
-    kw = dict(model=model, draft=draft, spec_steps=0 if args.adaptive else K, max_spec_steps=K,
-              adaptive=bool(args.adaptive and draft), device=args.device, dtype=args.dtype,
-              spec_topk=args.spec_topk if draft else 1, spec_tokens=args.spec_tokens if draft else None,
+        draft, speculates = None, False
+    kw = dict(model=model, draft=draft, spec_method=method if speculates else "eagle3",
+              ngram_min=args.ngram_min, ngram_max=args.ngram_max, spec_steps=0 if args.adaptive else K,
+              max_spec_steps=K, adaptive=bool(args.adaptive and speculates), device=args.device, dtype=args.dtype,
+              spec_topk=args.spec_topk if speculates else 1, spec_tokens=args.spec_tokens if speculates else None,
               spec_tree_max_batch=args.spec_tree_max_batch,
               max_model_len=args.max_model_len, max_num_seqs=default_max_num_seqs if args.max_num_seqs is None else args.max_num_seqs,
               cuda_graphs=not args.disable_cuda_graph, batch_invariant=args.batch_invariant,
@@ -116,8 +135,6 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
               dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout, kv_block_size=args.kv_block_size,
               admit_wait=args.admit_wait, kv_cache_tokens=args.kv_cache_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization)
-    if args.adaptive and not draft:
-        kw["adaptive"] = False
     from specserve.distributed.nccl_profiles import load_profile, parse_env_args
 
     kw["env"] = parse_env_args(getattr(args, "env", None))  # ConfigError on a bad KEY=VALUE

@@ -183,4 +183,5 @@ class KVCache:
         for a in self.drafter_mods if drafter else ():
             k, v = self.stage[a]
             a.k_cache[block, :, offset] = k[0, :, src:src + T].transpose(0, 1)
-            a.v_cache[block, :, offset] = v[0, :, src:src + T].transpose(0, 1)
+            if v is not None:  # (latent attention keeps no values)
+                a.v_cache[block, :, offset] = v[0, :, src:src + T].transpose(0, 1)

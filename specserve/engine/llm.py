@@ -73,7 +73,8 @@ def prepare_requests(tokenizer, prompts, sampling_params) -> tuple[list[list[int
 
 class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, on_graph_progress=None, **engine_kwargs):
-        model, draft = default_pair(model, draft, speculating=bool(engine_kwargs.get("spec_steps", 0)))
+        eagle = engine_kwargs.get("spec_method", "eagle3") == "eagle3"  # (other methods bring no drafter)
+        model, draft = default_pair(model, draft, speculating=eagle and bool(engine_kwargs.get("spec_steps", 0)))
         require_model(str(model))
         self.config = EngineConfig.from_kwargs(model=str(model), draft=draft, **engine_kwargs)
         self.tokenizer = Tokenizer(self.config.model)
@@ -117,7 +118,7 @@ class LLM:
             text = cut_at_stop(text, s.params.stop)[0]
         return RequestOutput(
             request_id=s.seq_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
-            finish_reason=s.finish_reason, spec=s.spec.as_dict() if self.engine.runner.drafter is not None else {},
+            finish_reason=s.finish_reason, spec=s.spec.as_dict() if self.engine.policy is not None else {},
             ttft_s=(s.first_token_time - s.arrival) if s.first_token_time else None,
             latency_s=(s.finish_time - s.arrival) if s.finish_time else None,
             logprobs=list(s.logprobs) if s.logprobs is not None else None,

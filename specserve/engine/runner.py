@@ -72,8 +72,10 @@ class ModelRunner:
                 f"--max-model-len {self.max_model_len} exceeds the target's max_position_embeddings "
                 f"{self.model_cfg.max_position_embeddings}"
             )
-        self.k_max = cfg.spec.max_steps if self.draft_cfg else 0
-        self.topk = cfg.spec.topk if self.draft_cfg else 1
+        # Draft-free methods (ngram, suffix) speculate without a drafter model.
+        speculates = self.draft_cfg is not None or cfg.spec.method != "eagle3"
+        self.k_max = cfg.spec.max_steps if speculates else 0
+        self.topk = cfg.spec.topk if speculates else 1
         self.pending_width = max(PENDING_WIDTH, self.k_max + 1)
         self.room = cfg.spec.cache_room(self.k_max)  # slots past a sequence's end that a cycle may write
         self.block_size = cfg.kv_block_size
@@ -102,6 +104,11 @@ class ModelRunner:
                 raise ConfigError(
                     f"drafter vocab_size {self.draft_cfg.vocab_size} differs from the target's {self.model_cfg.vocab_size}"
                 )
+        elif cfg.spec.method == "mtp":  # the checkpoint's own MTP layer, reading the target's normed output
+            from specserve.model.mtp import load_mtp
+
+            self.target.aux_layers = (self.model_cfg.num_layers + 1,)
+            self.drafter = load_mtp(cfg.model, self.target, self.device, self.dtype, cfg.allow_pickle)
         self.load_seconds = time.perf_counter() - t0
         self.draft_targets = None  # [Vd] the target id of each draft id
         if self.drafter is not None:
@@ -156,7 +163,8 @@ class ModelRunner:
     def _prefill_graph_buckets(self) -> tuple[int, ...]:
         """Prompt lengths (padded up to these) prefilled by a CUDA graph: run eagerly, a large
         model's hundreds of kernel launches cost more host time than the GPU's work takes."""
-        if not (self.device.type == "cuda" and self.cfg.cuda_graphs and self.target.graph_safe):
+        if not (self.device.type == "cuda" and self.cfg.cuda_graphs and self.target.graph_safe
+                and getattr(self.drafter, "graph_safe", True)):
             return ()
         return tuple(b for b in PREFILL_GRAPH_TOKENS if b <= self.max_model_len and b // 2 < self.cfg.prefill_chunk)
 
@@ -203,8 +211,8 @@ class ModelRunner:
                           max(self.prefill_buckets, default=0), self.block_size, num_blocks)
         self.pending: PendingInputs | None = None
         if self.drafter is not None:
-            self.pending = PendingInputs(self.rows, self.pending_width, 3 * self.model_cfg.hidden_size, self.dtype,
-                                         self.device)
+            feat_dim = len(self.target.aux_layers) * self.model_cfg.hidden_size  # EAGLE-3: 3H; MTP: H
+            self.pending = PendingInputs(self.rows, self.pending_width, feat_dim, self.dtype, self.device)
         # Static inputs shared by all graphs (largest shapes; graphs read prefixes).
         W = max(self.room + 1, 1)
         self.s_ids = torch.zeros(self.rows, W, dtype=torch.long, device=self.device)
@@ -577,7 +585,7 @@ class ModelRunner:
         write = torch.where(pad, scratch, pos0 + torch.arange(N + 1, device=dev))
         rope = torch.cat([pos0, pos0 + tree.depth], 1).clamp(max=scratch)
         anc = torch.cat([torch.zeros_like(pos0), tree.anc], 1)
-        ids = torch.cat([self.s_root[:B].unsqueeze(1), tree.tokens], 1)
+        ids = torch.cat([self.s_root[:B].unsqueeze(1), tree.tokens.clamp_min(0)], 1)  # (draft-free padding: -1)
         hidden, feats = self.target(ids, self._context(write, rope, tree=((pos0 + 1)[:, 0], anc)))
         # Greedy picks read the head's own dtype (an argmax needs no float32 copy of 32 x vocab).
         logits = self.target.logits(hidden, upcast=sampling)
@@ -589,7 +597,8 @@ class ModelRunner:
         move_branch_kv(self.kv.target_caches(), self.kv.table[:B], self.block_size, pos0, pad, n_acc, path, K,
                        scratch)
         grid, feat = branch_inputs(tree, feats, n_acc, next_tok, path)
-        self.pending.set_cycle_except(B, pad, grid, feat)
+        if self.pending is not None:
+            self.pending.set_cycle_except(B, pad, grid, feat)
         return n_acc, grid, logits, path
 
     def _run(self, kind: str, B: int, body, K: int = 0, sampling: bool = False, filtered: bool = False):
@@ -651,6 +660,15 @@ class ModelRunner:
         return self.tree.head(B, self.cfg.spec.tree_nodes(K))
 
     @torch.inference_mode()
+    def set_tree(self, parts: list[torch.Tensor]) -> None:
+        """A tree drafted elsewhere (draft-free methods: tokens, parents, depths, ancestor bits [B, N])
+        into the buffers the tree verify reads."""
+        B, N = parts[0].shape
+        out = self.tree.head(B, N)
+        for buf, val in zip((out.tokens, out.parents, out.depth, out.anc), parts):
+            buf.copy_(val, non_blocking=True)
+
+    @torch.inference_mode()
     def verify_tree(self, K: int, root: torch.Tensor, pos0: torch.Tensor, enabled: torch.Tensor,
                     s: BatchSampling | None = None):
         """Verify the tree `draft_tree` left, rooted at token `root` at index `pos0` per row, and
@@ -702,12 +720,14 @@ class ModelRunner:
                 entry[:, 0] = ctx - 1
 
                 def cycle(K=K, entry=entry):
+                    drafter = self.drafter is not None  # (draft-free methods: the verify alone)
                     if self.cfg.spec.drafts_tree(B):  # greedy cycles as the engine runs them
-                        self.draft_tree(K, entry, last)
+                        if drafter:
+                            self.draft_tree(K, entry, last)
                         self.verify_tree(K, ids, pos, on)
                         return
-                    d = self.draft(K, entry, last, greedy)
-                    self.verify(torch.cat([ids.unsqueeze(1), d.tokens], 1), pos)
+                    d = self.draft(K, entry, last, greedy).tokens if drafter else ids.unsqueeze(1).expand(B, K)
+                    self.verify(torch.cat([ids.unsqueeze(1), d], 1), pos)
                 runs[K] = cycle
             for K, fn in runs.items():
                 done += 1
@@ -732,7 +752,7 @@ class ModelRunner:
         built without graphs capture them afterwards (the TP workers do, under a timeout)."""
         if self.device.type != "cuda" or not (self.cfg.cuda_graphs if enabled is None else enabled):
             return 0.0
-        if not self.target.graph_safe:
+        if not (self.target.graph_safe and getattr(self.drafter, "graph_safe", True)):
             log.warning("%s: no CUDA graphs (its MoE layers run the eager reference path)", self.model_cfg.architecture)
             return 0.0
         t0 = time.perf_counter()
@@ -750,14 +770,16 @@ class ModelRunner:
                 if K <= 0:
                     continue
                 jobs.append((GraphKey("verify", B, K), lambda b, K=K: self._verify_body(b, K)))
-                jobs.append((GraphKey("draft", B, K), lambda b, K=K: self._draft_body(b, K, False, False)))
-                jobs.append((GraphKey("draft", B, K, sampling=True, filtered=True),
-                             lambda b, K=K: self._draft_body(b, K, True, True)))
+                if self.drafter is not None:
+                    jobs.append((GraphKey("draft", B, K), lambda b, K=K: self._draft_body(b, K, False, False)))
+                    jobs.append((GraphKey("draft", B, K, sampling=True, filtered=True),
+                                 lambda b, K=K: self._draft_body(b, K, True, True)))
                 if B in tree_buckets:
                     for flags in ((False, False), (True, False), (True, True)):  # greedy, sampled, filtered
                         jobs.append((GraphKey("tree_verify", B, K, 0, *flags),
                                      lambda b, K=K, f=flags: self._tree_verify_body(b, K, *f)))
-                    jobs.append((GraphKey("tree_draft", B, K), lambda b, K=K: self._tree_draft_body(b, K)))
+                    if self.drafter is not None:
+                        jobs.append((GraphKey("tree_draft", B, K), lambda b, K=K: self._tree_draft_body(b, K)))
         # Padding state for capture: every row writes to the scratch slot.
         self.s_pos.fill_(self.scratch)
         self.s_pos0.fill_(self.scratch)

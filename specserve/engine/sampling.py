@@ -44,6 +44,8 @@ class SamplingParams:
     # Report each emitted token's log-probability and this many most likely alternatives
     # (0..MAX_TOP_LOGPROBS); None: report nothing. See engine.logprobs.
     logprobs: int | None = None
+    # Whose earlier texts suffix speculation may draft from (the OpenAI `user` field); None: this request's own.
+    tenant: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +72,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be 64-bit integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and not (_is_int64(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
+        if self.tenant is not None and not isinstance(self.tenant, str):
+            raise ValueError(f"tenant must be None or a string, got {self.tenant!r}")
 
     @property
     def greedy(self) -> bool:

@@ -117,6 +117,13 @@ class DecoderLayer(HotPathModule):
         x, residual = self.post_attention_layernorm(self.self_attn(x, ctx), stream)
         return self.mlp(x), residual, stream
 
+    def hf_weights(self, p: str) -> dict[str, tuple[torch.Tensor, int | None]]:
+        """Hugging Face tensor names under `p` ("model.layers.N.") -> (our tensor, shard)."""
+        block = self.mlp.m.hf_block if isinstance(self.mlp, MoE) else "mlp"
+        return {**self.self_attn.hf_weights(p + "self_attn."), **self.mlp.hf_weights(f"{p}{block}."),
+                p + "input_layernorm.weight": (self.input_layernorm.weight, None),
+                p + "post_attention_layernorm.weight": (self.post_attention_layernorm.weight, None)}
+
     def _native_step(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """`forward` in one native call (`cpu_native` dense_layer) for a float32 CPU step of at most
         MAX_ROWS rows (no tree) whose four products the start-up tuning gave the panel GEMV at this
@@ -180,6 +187,7 @@ class CausalLM(nn.Module):
         for i, layer in enumerate(self.layers):
             h, residual, taps[i] = layer(h, residual, ctx)
         out, taps[len(self.layers)] = self.norm(h, residual)
+        taps[len(self.layers) + 1] = out  # the normed output: what an MTP layer reads (aux_layers = (L + 1,))
         features = torch.cat([taps[i] for i in self.aux_layers], dim=-1) if self.aux_layers else None
         return out, features
 
@@ -201,10 +209,5 @@ class CausalLM(nn.Module):
         if self.lm_head is not None:
             out.update(linear_tensors(self.lm_head, ["lm_head"]))
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            out.update(layer.self_attn.hf_weights(p + "self_attn."))
-            block = layer.mlp.m.hf_block if isinstance(layer.mlp, MoE) else "mlp"
-            out.update(layer.mlp.hf_weights(f"{p}{block}."))
-            out[p + "input_layernorm.weight"] = (layer.input_layernorm.weight, None)
-            out[p + "post_attention_layernorm.weight"] = (layer.post_attention_layernorm.weight, None)
+            out.update(layer.hf_weights(f"model.layers.{i}."))
         return out

@@ -270,24 +270,28 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
                allow_draft_position_extension: bool = False, aux_layer_convention: str = "sglang",
                device: str = "auto", dtype: str = "auto", allow_pickle: bool = False,
                cuda_graphs: bool = True, spec_topk: int = 1, spec_tokens: int | None = None,
-               spec_tree_max_batch: int = EngineConfig.spec_tree_max_batch, nnodes: int = 1) -> list[Finding]:
+               spec_tree_max_batch: int = EngineConfig.spec_tree_max_batch, nnodes: int = 1,
+               spec_method: str = "eagle3") -> list[Finding]:
     """Validate a target (and optional EAGLE-3 drafter) without loading weights (`nnodes`: the
     tp ranks are spread over that many machines, so this one needs tp / nnodes GPUs).
 
     `spec_steps` is the largest K the engine may use (max_spec_steps); default 4 with a
-    drafter, else 0. Returns findings in check order; `has_errors` says whether to refuse.
+    drafter (or another `spec_method`), else 0. Returns findings in check order; `has_errors` says
+    whether to refuse.
     """
     f = _Findings()
+    speculates = bool(draft) or spec_method != "eagle3"
     if spec_steps is None:
-        spec_steps = 4 if draft else 0
+        spec_steps = 4 if speculates else 0
     settings_ok, room, tree_rows = True, spec_steps, 0
     try:
         ecfg = EngineConfig.from_kwargs(
             model=str(model), draft=draft, spec_steps=spec_steps, max_spec_steps=spec_steps,
             max_num_seqs=max_num_seqs, max_model_len=max_model_len, tp=tp, device=device, dtype=dtype,
-            aux_layer_convention=aux_layer_convention, spec_topk=spec_topk if draft else 1,
-            spec_tokens=spec_tokens if draft else None, spec_tree_max_batch=spec_tree_max_batch)
-        room = ecfg.cache_room(spec_steps if draft else 0)
+            aux_layer_convention=aux_layer_convention, spec_topk=spec_topk if speculates else 1,
+            spec_tokens=spec_tokens if speculates else None, spec_tree_max_batch=spec_tree_max_batch,
+            spec_method=spec_method)
+        room = ecfg.cache_room(spec_steps if speculates else 0)
         tree_batch = max((B for B in range(1, max_num_seqs + 1) if ecfg.drafts_tree(B)), default=0)
         if tree_batch and spec_steps:  # tree verify logits, for the batches that draft trees
             tree_rows = tree_batch * (ecfg.tree_nodes(spec_steps) + 1)
@@ -320,6 +324,7 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
               f"max_position_embeddings {tcfg.max_position_embeddings}, dtype {tcfg.dtype}")
         t_weights = _read_weights(f, "target_weights", model_dir, allow_pickle, "target")
         if t_weights is not None and t_weights.tensors is not None:
+            _check_mtp(f, tcfg, t_weights, spec_method)
             t_weights = _text_model_tensors(tcfg, t_weights)
         if t_weights is not None and t_weights.tensors is not None:
             _check_target_tensors(f, tcfg, t_weights, model_dir)
@@ -355,6 +360,32 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
                       tp, dtype, dev_type, device, gpu_query, gpu_memory_utilization, cuda_graphs,
                       room if draft_cfg else 0, tree_rows if draft_cfg else 0, nnodes)
     return list(f)
+
+
+MTP_TENSORS = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
+
+
+def _check_mtp(f: _Findings, t: ModelConfig, w: _Weights, method: str) -> None:
+    """Whether the checkpoint has a multi-token-prediction layer (DeepSeek-V3's `num_nextn_predict_layers`),
+    complete, for `--speculative-method mtp`."""
+    if not t.mtp_layers:
+        if method == "mtp":
+            f.add("error", "mtp", "--speculative-method mtp: the target has no multi-token-prediction layer "
+                  "(num_nextn_predict_layers is 0 or absent in config.json); use eagle3 (--draft), ngram or suffix")
+        elif t.architecture == "DeepseekV3ForCausalLM":
+            f.add("ok", "mtp", "target has no MTP layer (num_nextn_predict_layers 0): --speculative-method mtp unavailable")
+        return
+    p = f"{t.tensor_prefix}model.layers.{t.num_layers}."
+    missing = [p + n for n in MTP_TENSORS if p + n not in w.tensors]
+    block = sum(1 for n in w.tensors if n.startswith(p + "self_attn.") or n.startswith(p + "mlp."))
+    if missing or not block:
+        f.add("error" if method == "mtp" else "warning", "mtp",
+              f"config.json declares {t.mtp_layers} MTP layer(s) but the checkpoint lacks "
+              f"{', '.join(missing) or p + 'self_attn.* / mlp.*'}: --speculative-method mtp cannot load it")
+        return
+    f.add("ok", "mtp", f"target has {t.mtp_layers} MTP layer(s) ({p[:-1]}: enorm, hnorm, eh_proj, a latent-attention "
+          f"+ MoE block of {block} tensors, shared_head): --speculative-method mtp drafts with it"
+          + ("" if method == "mtp" else " (not used by this run)"))
 
 
 def _attention_words(t: ModelConfig) -> str:
@@ -728,13 +759,14 @@ def check_engine_kwargs(kw: dict[str, Any], gpu_memory_utilization: float = 0.9)
     return run_checks(
         model=kw["model"], draft=kw.get("draft"), tp=kw.get("tp", 1), max_model_len=kw.get("max_model_len"),
         max_num_seqs=kw.get("max_num_seqs", 64), gpu_memory_utilization=gpu_memory_utilization,
-        spec_steps=max(kw.get("max_spec_steps") or 0, kw.get("spec_steps") or 0) if kw.get("draft") else 0,
+        spec_steps=max(kw.get("max_spec_steps") or 0, kw.get("spec_steps") or 0)
+        if kw.get("draft") or kw.get("spec_method", "eagle3") != "eagle3" else 0,
         allow_draft_position_extension=kw.get("allow_draft_position_extension", False),
         aux_layer_convention=kw.get("aux_layer_convention", "sglang"), device=kw.get("device", "auto"),
         dtype=kw.get("dtype", "auto"), allow_pickle=kw.get("allow_pickle", False),
         cuda_graphs=kw.get("cuda_graphs", True), spec_topk=kw.get("spec_topk", 1), spec_tokens=kw.get("spec_tokens"),
         spec_tree_max_batch=kw.get("spec_tree_max_batch", EngineConfig.spec_tree_max_batch),
-        nnodes=kw.get("nnodes", 1))
+        nnodes=kw.get("nnodes", 1), spec_method=kw.get("spec_method", "eagle3"))
 
 
 # -------------------------------------------------------------------------- CLI

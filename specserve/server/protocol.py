@@ -27,6 +27,7 @@ from specserve.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 MAX_STOP = 4  # as OpenAI
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
 MAX_STOP_TOKEN_IDS = 64
+MAX_USER_CHARS = 256  # the `user` field names a tenant (suffix speculation keeps one history per tenant)
 MAX_JSON_DEPTH = 32  # no request field nests deeper; deeper bodies are refused before anything walks them
 MAX_SEED = 2**63 - 1  # seeds (and any integer option) travel to the device as int64
 MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's /v1/completions
@@ -174,6 +175,7 @@ class Sampling:
     stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: int | None = None  # alternatives per token with log-probabilities (None: none reported)
+    tenant: str | None = None  # the OpenAI `user` field: whose finished texts suffix speculation may draft from
 
     def params_for(self, choice: int, max_tokens: int) -> SamplingParams:
         # Distinct seeds make n > 1 choices differ when sampling; greedy ignores them.
@@ -181,7 +183,7 @@ class Sampling:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=seed, stop=list(self.stop),
                               stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              logprobs=self.logprobs)
+                              logprobs=self.logprobs, tenant=self.tenant)
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:
@@ -266,9 +268,13 @@ def parse_sampling(body: dict, chat: bool, max_n: int, vocab_size: int) -> Sampl
     ignore_eos = get("ignore_eos", False)  # extension
     if not isinstance(ignore_eos, bool):
         raise bad(f"ignore_eos must be a boolean, got {show(ignore_eos)}", "ignore_eos")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
+        raise bad(f"user must be a string of at most {MAX_USER_CHARS} characters, got {show(user)}", "user")
     return Sampling(n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens, max_tokens_field=name,
                     temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
-                    stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=parse_logprobs(body, chat))
+                    stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=parse_logprobs(body, chat),
+                    tenant=user or None)
 
 
 def parse_prompts(body: dict) -> list[str | list[int]]:

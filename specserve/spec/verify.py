@@ -87,8 +87,11 @@ def move_branch_kv(caches, table: torch.Tensor, block_size: int, pos0: torch.Ten
 def branch_inputs(tree: TreeDraft, feats: torch.Tensor, n_acc: torch.Tensor, next_tok: torch.Tensor,
                   path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's next inputs along the accepted branch: (feature_j, token_j+1) for j = 0..a.
-    Returns (tokens [B, K+1]: the branch then the next token, features [B, K+1, 3H])."""
+    Returns (tokens [B, K+1]: the branch then the next token, features [B, K+1, 3H]; None without
+    features: a draft-free method's)."""
     grid = emitted_tokens(tree.tokens.gather(1, (path - 1).clamp_min(0)), n_acc, next_tok)
+    if feats is None:
+        return grid, None
     feat_rows = torch.cat([torch.zeros_like(path[:, :1]), path], 1)
     feat = feats.gather(1, feat_rows.unsqueeze(-1).expand(-1, -1, feats.shape[-1]))
     return grid, feat
