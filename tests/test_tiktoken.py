@@ -8,8 +8,8 @@ import json
 
 import pytest
 import tiktoken
-
 from kimi_repo import KIMI_SPECIALS, RESERVED, write_tokenizer
+
 from specserve.config import ConfigError
 from specserve.engine.tiktoken_vocab import KIMI_PATTERN, read_ranks
 from specserve.engine.tokenizer import IncrementalDecoder, Tokenizer
@@ -110,7 +110,7 @@ def test_pattern_as_data_and_unknown_family(tmp_path):
 
 
 def test_a_directory_without_a_tokenizer_is_named(tmp_path):
-    with pytest.raises(ConfigError, match="has no tokenizer: specserve reads tokenizer.json.*tiktoken.model"):
+    with pytest.raises(ConfigError, match="has no tokenizer.json, tiktoken.model or tokenizer.model"):
         Tokenizer(tmp_path)
 
 
@@ -171,3 +171,12 @@ def test_reasoning_parser_choice(kimi_tok):
     assert resolve_parser("none", tok.template_features) is None
     assert resolve_parser("kimi_k2", None) == "think" and resolve_parser("kimi", None) == "kimi_vl"
     assert ReasoningSplitter("kimi_vl", "◁think▷").split("a◁/think▷b") == ("a", "b")
+
+
+def test_built_in_kimi_pattern_is_the_published_one():
+    """tokenization_kimi.py's pat_str as published, on one line."""
+    published = (r"""[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}"""
+                 r"""\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}"""
+                 r"""\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
+                 r"""\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    assert KIMI_PATTERN == published

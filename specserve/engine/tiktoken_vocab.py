@@ -19,10 +19,10 @@ from specserve.config import ConfigError
 # which tiktoken's regex engine supports.
 KIMI_PATTERN = "|".join([
     r"""[\p{Han}]+""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
-    r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?""",
+    (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""),
+    (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""),
     r"""\p{N}{1,3}""",
     r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
     r"""\s*[\r\n]+""",

@@ -24,9 +24,10 @@ def tokenizer_kind(model_dir: Path) -> str:
     for name in ("tokenizer.json", "tiktoken.model", "tokenizer.model"):
         if (model_dir / name).exists():
             return name
-    raise ConfigError(f"{model_dir} has no tokenizer: specserve reads tokenizer.json (Hugging Face tokenizers), "
-                      "tiktoken.model (tiktoken BPE ranks, with tokenizer_config.json) or a SentencePiece "
-                      "tokenizer.model")
+    raise ConfigError(f"{model_dir} has no tokenizer.json, tiktoken.model or tokenizer.model: specserve reads a "
+                      "Hugging Face tokenizer.json, tiktoken BPE ranks (with tokenizer_config.json) or a SentencePiece "
+                      "model (save a tokenizer.json with transformers' "
+                      "AutoTokenizer.from_pretrained(...).save_pretrained(dir))")
 
 
 def _sentencepiece(model_dir: Path):

@@ -174,6 +174,7 @@ class Sampling:
     stop_token_ids: list[int]
     ignore_eos: bool
     logprobs: int | None = None  # alternatives per token with log-probabilities (None: none reported)
+    reasoning: tuple[str, str] | None = None  # chat: (marker family, rendered prompt) to split replies by
 
     def params_for(self, choice: int, max_tokens: int) -> SamplingParams:
         # Distinct seeds make n > 1 choices differ when sampling; greedy ignores them.
