@@ -1,6 +1,6 @@
-"""Tokenizer from a local Hugging Face directory (tokenizer.json +
-tokenizer_config.json) or a GGUF file's vocabulary, with EOS ids, the chat template and incremental
-detokenization for streaming."""
+"""Tokenizer from a local Hugging Face directory (tokenizer.json, a tiktoken.model BPE file, or a
+SentencePiece tokenizer.model converted by transformers; with tokenizer_config.json) or a GGUF file's
+vocabulary, with EOS ids, the chat template and incremental detokenization for streaming."""
 
 from __future__ import annotations
 
@@ -9,6 +9,44 @@ import json
 from pathlib import Path
 
 from specserve.config import ConfigError
+from specserve.engine.chat_template import (REASONING_MARKERS, TOOL_CALL_MARKERS, compile_template,
+                                            template_features, template_kwargs)
+
+# Special tokens that carry a reply's structure: decoded text keeps them even when it skips special
+# tokens, so the reasoning and tool-call parsers see where a part begins and ends.
+STRUCTURE_TOKENS = frozenset({m for pair in REASONING_MARKERS.values() for m in pair} | {
+    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>", "<|tool_call_end|>", *TOOL_CALL_MARKERS.values(), "</tool_call>"})
+
+
+def tokenizer_kind(model_dir: Path) -> str:
+    """Which file holds a model directory's vocabulary (GGUF directories are found by the caller)."""
+    for name in ("tokenizer.json", "tiktoken.model", "tokenizer.model"):
+        if (model_dir / name).exists():
+            return name
+    raise ConfigError(f"{model_dir} has no tokenizer.json, tiktoken.model or tokenizer.model: specserve reads a "
+                      "Hugging Face tokenizer.json, tiktoken BPE ranks (with tokenizer_config.json) or a SentencePiece "
+                      "model (save a tokenizer.json with transformers' "
+                      "AutoTokenizer.from_pretrained(...).save_pretrained(dir))")
+
+
+def _sentencepiece(model_dir: Path):
+    """A SentencePiece tokenizer.model converted to a tokenizers.Tokenizer by transformers (no remote code)."""
+    import importlib.util
+
+    missing = [m for m in ("sentencepiece", "google.protobuf") if importlib.util.find_spec(m.split(".")[0]) is None]
+    if missing:
+        raise ConfigError(f"{model_dir}/tokenizer.model is a SentencePiece model, which specserve converts with "
+                          f"transformers; that needs {' and '.join(missing)} (pip install sentencepiece protobuf). "
+                          "Or convert it once: AutoTokenizer.from_pretrained(dir).save_pretrained(dir) writes "
+                          "tokenizer.json")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False).backend_tokenizer
+    except Exception as e:  # transformers raises many kinds; the file and the way out matter
+        raise ConfigError(f"{model_dir}/tokenizer.model could not be converted to a fast tokenizer ({e}); save a "
+                          "tokenizer.json beside it") from None
 
 
 class Tokenizer:
@@ -21,15 +59,21 @@ class Tokenizer:
         gguf_file = find_gguf(model_dir)
         side_configs: list[dict] = []  # where EOS ids beyond the tokenizer's own eos_token are declared
         if gguf_file is not None:
+            self.kind = "GGUF"
             self.tok, self.config = tokenizer_parts(gguf_file)
             side_configs.append(hf_config(gguf_file))
         else:
-            path = model_dir / "tokenizer.json"
-            if not path.exists():
-                raise ConfigError(f"{model_dir} has no tokenizer.json (a fast Hugging Face tokenizer is required)")
-            self.tok = HFTokenizer.from_file(str(path))
+            self.kind = tokenizer_kind(model_dir)
             cfg_path = model_dir / "tokenizer_config.json"
             self.config = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
+            if self.kind == "tokenizer.json":
+                self.tok = HFTokenizer.from_file(str(model_dir / self.kind))
+            elif self.kind == "tiktoken.model":
+                from specserve.engine.tiktoken_vocab import TiktokenVocab
+
+                self.tok = TiktokenVocab.from_dir(model_dir, self.config)
+            else:
+                self.tok = _sentencepiece(model_dir)
             tmpl = model_dir / "chat_template.jinja"
             if self.config.get("chat_template") is None and tmpl.exists():
                 self.config["chat_template"] = tmpl.read_text()
@@ -47,7 +91,11 @@ class Tokenizer:
             if eos is not None:
                 self.eos_token_ids.update(eos if isinstance(eos, list) else [eos])
         self.vocab_size = self.tok.get_vocab_size()
-        self._added = {i: t.content for i, t in self.tok.get_added_tokens_decoder().items()}
+        added = self.tok.get_added_tokens_decoder()
+        self._added = {i: t.content for i, t in added.items()}
+        specials = {i for i, t in added.items() if t.special}
+        self._kept = {i for i in specials if added[i].content in STRUCTURE_TOKENS}
+        self._skipped = specials - self._kept
         self._byte_level = type(self.tok.decoder).__name__ == "ByteLevel"
         self._bytes: dict[int, bytes] = {}
 
@@ -56,7 +104,9 @@ class Tokenizer:
         character, which decoding the token alone would turn into U+FFFD."""
         got = self._bytes.get(token_id)
         if got is None:
-            if token_id in self._added:
+            if hasattr(self.tok, "token_bytes"):
+                got = self.tok.token_bytes(token_id)
+            elif token_id in self._added:
                 got = self._added[token_id].encode()
             elif self._byte_level:
                 table = _unicode_to_byte()
@@ -83,7 +133,12 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if skip_special_tokens and self._kept:  # skip the special tokens but the structure markers
+            return self.tok.decode([i for i in ids if i not in self._skipped], skip_special_tokens=False)
         return self.tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, text: str) -> int | None:
+        return self.tok.token_to_id(text)
 
     @functools.cached_property
     def end_of_turn_id(self) -> int | None:
@@ -106,25 +161,24 @@ class Tokenizer:
 
     @functools.cached_property
     def _compiled_template(self):
-        """The chat template compiled once: compiling costs ~100x a render, which a trainer
-        rendering thousands of conversations would pay each time."""
-        import jinja2
+        return compile_template(self.chat_template)
 
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, undefined=jinja2.StrictUndefined)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template)
+    @functools.cached_property
+    def template_features(self):
+        """What the chat template can render (tools, a thinking switch, reasoning and tool-call markers)."""
+        return template_features(self.chat_template) if self.chat_template else None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, **kwargs) -> str:
+        """The conversation as the model reads it; `kwargs` are a request's chat_template_kwargs
+        (thinking / enable_thinking, ...), which the template reads as variables."""
         if not self.chat_template:
             raise ConfigError("this model's tokenizer_config.json has no chat_template; use /v1/completions")
         return self._compiled_template.render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            **template_kwargs(self.template_features, kwargs), messages=messages, tools=tools,
+            add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
         )
-
-
-def _raise(message: str):
-    raise ValueError(message)
 
 
 _BYTE_TABLE: dict[str, int] = {}

@@ -470,22 +470,39 @@ def _vocab(path: Path) -> dict[str, int]:
 
 
 def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None) -> None:
-    path = _tokenizer_file(model_dir)
-    if not path.exists():
-        f.add("error", "target_tokenizer", f"{model_dir} has no tokenizer.json (a fast Hugging Face tokenizer is "
-              "required: save one with transformers' AutoTokenizer.from_pretrained(...).save_pretrained(dir))")
-        return
+    from specserve.engine.tokenizer import Tokenizer
+    from specserve.server.reasoning import resolve_parser
+
     try:
-        vocab = _vocab(path)
+        tok = Tokenizer(model_dir)
     except ConfigError as e:
         f.add("error", "target_tokenizer", str(e))
         return
+    except Exception as e:  # tokenizers raises a bare Exception on a bad file
+        f.add("error", "target_tokenizer", f"{model_dir}: the tokenizer cannot be loaded: {e}")
+        return
+    vocab = tok.tok.get_vocab(with_added_tokens=True)
+    name = _tokenizer_file(model_dir).name if tok.kind == "GGUF" else tok.kind
     top = max(vocab.values(), default=-1)
     if t is not None and top >= t.vocab_size:
-        f.add("error", "target_tokenizer", f"{path} has token ids up to {top} but the model's vocab_size is "
-              f"{t.vocab_size}: tokenizer and model do not belong together")
+        f.add("error", "target_tokenizer", f"{model_dir / name} has token ids up to {top} but the model's vocab_size "
+              f"is {t.vocab_size}: tokenizer and model do not belong together")
         return
-    f.add("ok", "target_tokenizer", f"{path.name}: {len(vocab)} tokens")
+    f.add("ok", "target_tokenizer", f"{name}: {len(vocab)} tokens")
+    try:
+        features = tok.template_features
+    except Exception as e:  # jinja2's TemplateSyntaxError and kin
+        f.add("error", "chat_template", f"{model_dir}: the chat template does not parse: {e}")
+        return
+    if features is None:
+        f.add("info", "chat_template", "no chat template: chat requests are refused, /v1/completions serves")
+        return
+    stops = sorted({*tok.eos_token_ids, *([tok.end_of_turn_id] if tok.end_of_turn_id is not None else [])})
+    family = resolve_parser("auto", features)
+    f.add("ok", "chat_template", f"chat template: {features.words()}; reasoning parser (auto): {family or 'none'}; "
+          f"replies stop at {', '.join(repr(tok.decode([i], skip_special_tokens=False)) for i in stops)}",
+          tools=features.tools, thinking_switch=features.thinking_switch, reasoning_parser=family,
+          tool_calls=features.tool_calls)
 
 
 def _tp_sizes(t: ModelConfig) -> dict[str, int]:

@@ -18,8 +18,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specserve.server import protocol as P
+from specserve.server.chat_request import chat_pieces, parse_template_kwargs, split_message
 from specserve.server.engine_loop import EngineLoop, Event, Job, QueueFull
 from specserve.server.metrics import Metrics
+from specserve.server.reasoning import ReasoningSplitter, resolve_parser
 
 # While a non-streaming request waits, check this often whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -34,6 +36,7 @@ class ServerConfig:
     retry_after_s: int = 1  # Retry-After on 429 (queue full) and 503 (loading)
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
     metrics_no_auth: bool = False  # with an API key, /metrics answers without it (for scrapers)
+    reasoning_parser: str = "auto"  # --reasoning-parser: marker family, "auto" (the template's) or "none"
 
 
 @dataclass
@@ -219,7 +222,7 @@ async def generate(request: Request, chat: bool):
         raise P.APIError(429, f"server busy ({e}); retry later", code="queue_full",
                          headers={"Retry-After": str(cfg.retry_after_s)}) from None
     out = _Output(st, rid, chat, queue, {j.index: j.seq_id for j in jobs}, sum(len(ids) for ids, _ in jobs_spec),
-                  llm.tokenizer if s.logprobs is not None else None)
+                  llm.tokenizer if s.logprobs is not None else None, s.reasoning)
     if s.stream:
         return StreamingResponse(stream(out, s.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
@@ -237,11 +240,14 @@ def prepare(st: AppState, llm, raw: bytes, chat: bool) -> tuple[P.Sampling, list
     field_name = "messages" if chat else "prompt"
     if chat:
         messages = P.parse_messages(body)
+        kwargs = parse_template_kwargs(body)
         _check_text_size(sum(len(m["content"]) for m in messages), llm, limits, field_name)
         try:
-            text = llm.tokenizer.apply_chat_template(messages)
+            text = llm.tokenizer.apply_chat_template(messages, tools=body.get("tools") or None, **kwargs)
         except Exception as e:  # no template, or the template refused (raise_exception)
             raise P.bad(f"cannot apply the chat template: {e}", "messages") from None
+        family = resolve_parser(st.cfg.reasoning_parser, llm.tokenizer.template_features)
+        s.reasoning = (family, text) if family else None
         _check_text_size(len(text), llm, limits, field_name)
         prompts = [llm.tokenizer.encode(text)]
         if limits.end_of_turn_id is not None and not s.ignore_eos:
@@ -284,6 +290,10 @@ class _Output:
     ids_by_index: dict[int, str]  # choice index -> sequence id
     prompt_tokens: int
     logprobs_tokenizer: Any = None  # set when the request asks for log-probabilities
+    reasoning: tuple[str, str] | None = None  # chat replies split into reasoning_content and content
+
+    def splitters(self) -> dict[int, ReasoningSplitter]:
+        return {i: ReasoningSplitter(*self.reasoning) for i in self.ids_by_index} if self.reasoning else {}
 
     def logprob_writers(self) -> dict[int, P.LogprobWriter]:
         if self.logprobs_tokenizer is None:
@@ -329,6 +339,8 @@ async def collect(request: Request, out: _Output):
     writers = out.logprob_writers()
     choices = [make(i, "".join(texts[i]), reasons[i], writers[i].piece(logprobs[i]) if writers else None)
                for i in sorted(out.ids_by_index)]
+    for i, splitter in out.splitters().items():
+        split_message(choices[i]["message"], splitter)
     return {"id": out.rid, "object": "chat.completion" if out.chat else "text_completion", "created": P.now(),
             "model": out.st.cfg.served_model_name, "choices": choices,
             "usage": P.usage(out.prompt_tokens, completion_tokens)}
@@ -355,12 +367,19 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
                      **(extra or pending_usage)})
 
     writers = out.logprob_writers()
+    splitters = out.splitters()
 
-    def choice(ev: Event, text: str | None, reason: str | None) -> dict:
+    def choices(ev: Event, reason: str | None) -> list[dict]:
+        """The event as chunk choices: one, or with reasoning, one per part (the log-probabilities ride the first)."""
         lp = writers[ev.index].piece(ev.logprobs or []) if writers else None
-        if chat:
-            return P.chat_chunk_choice(ev.index, {} if text is None else {"content": text}, reason, lp)
-        return P.completion_choice(ev.index, text or "", reason, lp)
+        if not chat:
+            return [P.completion_choice(ev.index, ev.text, reason, lp)]
+        deltas = chat_pieces(ev.text, splitters.get(ev.index), final=reason is not None)
+        if not deltas and (reason is None and lp is None):
+            return []
+        deltas = deltas or [{}]
+        return [P.chat_chunk_choice(ev.index, d, reason if k == len(deltas) - 1 else None, lp if k == 0 else None)
+                for k, d in enumerate(deltas)]
 
     reasons: dict[int, str] = {}
     completion_tokens = 0
@@ -377,11 +396,13 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
                                         code=ev.reason))
                 break
             if ev.kind == "delta":
-                yield chunk([choice(ev, ev.text, None)])
+                for c in choices(ev, None):
+                    yield chunk([c])
             else:
                 reasons[ev.index] = ev.finish_reason
                 completion_tokens += ev.completion_tokens
-                yield chunk([choice(ev, ev.text or None, ev.finish_reason)])
+                for c in choices(ev, ev.finish_reason):
+                    yield chunk([c])
         else:
             outcome = ("finished", _request_finish_reason(reasons.values()))
             if include_usage:

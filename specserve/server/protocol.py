@@ -176,6 +176,7 @@ class Sampling:
     ignore_eos: bool
     logprobs: int | None = None  # alternatives per token with log-probabilities (None: none reported)
     tenant: str | None = None  # the OpenAI `user` field: whose finished texts suffix speculation may draft from
+    reasoning: tuple[str, str] | None = None  # chat: (marker family, rendered prompt) to split replies by
 
     def params_for(self, choice: int, max_tokens: int) -> SamplingParams:
         # Distinct seeds make n > 1 choices differ when sampling; greedy ignores them.

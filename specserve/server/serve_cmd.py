@@ -27,6 +27,7 @@ from specserve.cli import port_number
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.generate_cmd import add_engine_arguments, engine_kwargs
 from specserve.model.gguf import require_model
+from specserve.server.reasoning import PARSER_CHOICES
 
 log = logging.getLogger("specserve.server")
 
@@ -51,6 +52,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-n", type=int, default=8, help="largest n (choices per prompt) accepted (default 8)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--skip-check", action="store_true", help="skip the preflight checks of `specserve check`")
+    p.add_argument("--reasoning-parser", default="auto", choices=PARSER_CHOICES,
+                   help="split chat replies into reasoning_content and content at these markers: think (<think> "
+                        "... </think>: DeepSeek-R1, Qwen3, Kimi-K2/K2.5), kimi_vl (Kimi's ◁think▷ ... ◁/think▷), "
+                        "none; auto (default): the chat template's own")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                    help="server and access log verbosity")
 
@@ -209,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
     max_queue = args.max_queue if args.max_queue is not None else 4 * engine_cfg.max_num_seqs
     cfg = ServerConfig(served_model_name=args.served_model_name or Path(kw["model"]).resolve().name,
                        api_key=args.api_key, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
-                       metrics_no_auth=args.metrics_no_auth)
+                       metrics_no_auth=args.metrics_no_auth, reasoning_parser=args.reasoning_parser)
     server: DrainingServer | None = None
 
     def build():
