@@ -45,7 +45,7 @@ from specserve.config import ConfigError, EngineConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sequence import Sequence, SpecStats, Status
 from specserve.engine.llm import LLM, RequestOutput, default_pair, prepare_requests
-from specserve.engine.protocol import ServingEngine
+from specserve.engine.protocol import ServingEngine, SpeculationPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
 from specserve.model.gguf import find_gguf, require_model
@@ -105,10 +105,24 @@ class WorkerLLM(LLM):
         """Counters attached to every reply of rank 0 (cheap; no per-cycle profile)."""
         e = self.engine
         return {"totals": dataclasses.asdict(e.totals), "tokens_generated": e.tokens_generated, "last_k": e.last_k,
-                "choices": dict(e.policy.choices) if e.policy else None,
-                "acceptance": e.policy.acceptance() if e.policy else None,
-                "acceptance_tree": e.policy.acceptance(True) if e.policy else None, "kv_usage": e.kv_usage(),
-                "n_running": e.n_running, "n_waiting": len(e.waiting), "free_rows": e.free_rows}
+                "policy": policy_facts(e.policy), "kv_usage": e.kv_usage(), "n_running": e.n_running,
+                "waiting_ids": [s.seq_id for s in e.waiting], "free_rows": e.free_rows}
+
+
+def policy_facts(policy: SpeculationPolicy | None) -> dict | None:
+    """Everything `SpeculationPolicy` offers, as plain data for the driver's `_PolicyView`."""
+    if policy is None:
+        return None
+    return {"k_max": policy.k_max, "choices": dict(policy.choices), "acceptance": policy.acceptance(),
+            "acceptance_tree": policy.acceptance(True)}
+
+
+def engine_facts(engine: Engine) -> dict:
+    """A worker's engine as its driver's `TPEngineView` presents it (fixed after start-up)."""
+    r = engine.runner
+    return {"graphs": len(r.graphs), "graph_seconds": engine.graph_seconds, "load_seconds": r.load_seconds,
+            "max_model_len": engine.max_model_len, "rows": r.rows, "device": str(engine.device), "dtype": str(r.dtype),
+            "kv_bytes": r.kv.nbytes(), "has_drafter": r.drafter is not None}
 
 
 def outputs_digest(obj) -> str:
@@ -390,10 +404,13 @@ class TPLLM:
         return bool(self._seqs)
 
 
-class _PolicyView:
-    def __init__(self, stats: dict):
-        self.choices = {int(k): v for k, v in (stats.get("choices") or {}).items()}
-        self._acc = {False: stats.get("acceptance") or [], True: stats.get("acceptance_tree") or []}
+class _PolicyView(SpeculationPolicy):
+    """Rank 0's policy as of its last reply (`policy_facts`)."""
+
+    def __init__(self, facts: dict):
+        self.k_max = facts["k_max"]
+        self.choices = dict(facts["choices"])
+        self._acc = {False: facts["acceptance"], True: facts["acceptance_tree"]}
 
     def acceptance(self, tree: bool = False) -> list[float]:
         return list(self._acc[tree])
@@ -436,7 +453,11 @@ class TPEngineView(ServingEngine):
 
     @property
     def policy(self) -> _PolicyView | None:
-        return _PolicyView(self._s) if self._s.get("choices") is not None else None
+        return _PolicyView(self._s["policy"]) if self._s["policy"] is not None else None
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [self._llm._seqs[i] for i in self._s["waiting_ids"] if i in self._llm._seqs]
 
     @property
     def n_running(self) -> int:
