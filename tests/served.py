@@ -102,10 +102,10 @@ def alive(pids: list[int]) -> list[int]:
     return out
 
 
-def sse_events(response: httpx.Response) -> list:
-    """The `data:` payloads of a server-sent event stream, JSON-decoded ("[DONE]" kept as is)."""
+def sse_events(lines) -> list:
+    """The `data:` payloads among server-sent event `lines`, JSON-decoded ("[DONE]" kept as is)."""
     out = []
-    for line in response.iter_lines():
+    for line in lines:
         if line.startswith("data: "):
             data = line[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))

@@ -244,11 +244,11 @@ class TPLLM:
             cluster = Cluster.get(par)  # the other nodes join here (bounded by --dist-timeout)
             self.group = group = WorkerGroup(par.tp, self.wenv, cluster=cluster, profile=self.nccl_profile,
                                              explicit=par.env)
-            group.on_lost = self._group_lost
             pg_timeout = par.dist_timeout
         else:
             self.group = group = WorkerGroup(par.tp, self.wenv)
             pg_timeout = min(timeout, 600.0)
+        group.on_lost = self._group_lost
 
         def on_progress(rank, msg):
             g = (msg.get("data") or {}).get("graph")
@@ -268,11 +268,13 @@ class TPLLM:
         self.info = {k: v for k, v in ready[0].items() if k not in ("type", "stats")}
         self.info.update(graphs_enabled=graphs, nccl_profile=self.nccl_profile.name, env_notes=list(self.wenv.notes))
         self._stats = ready[0]["stats"]
+        group.watch()  # a worker that dies while serving ends the group at once, also when idle
         log.info("[tp] %d workers ready: all-reduce %s, %d CUDA graphs, max_model_len %d", self.config.parallel.tp,
                  self.info["allreduce"], self.info["graphs"], self.info["max_model_len"])
 
     def _group_lost(self, reason: str) -> None:
-        """A node went away (monitor thread): the group is over; the caller may end the process."""
+        """A node or worker went away (monitor or watch thread): the group is over; the caller may end
+        the process."""
         self._broken = reason
         if self._on_group_lost is not None:
             self._on_group_lost(reason)

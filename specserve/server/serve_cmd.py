@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     def group_lost(reason: str) -> None:  # another node went away: the workers are gone, so is serving
-        loop.error = f"the multi-node group ended: {reason}"
+        loop.error = f"the TP group ended: {reason}"
         fatal(loop.error)
 
     metrics = Metrics()
