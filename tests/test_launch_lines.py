@@ -78,7 +78,7 @@ def test_print_access_log_server_answering_503_is_declared_hung(tmp_path):
     pidfile = tmp_path / "pids"
     r = subprocess.run([sys.executable, "-m", "specserve", "launch", "--stall-timeout", str(stall), "--health-interval",
                         "0.3", "--ready-timeout", "40", "--grace", "1", "--", sys.executable,
-                        str(FAKE / "print_access_log.py"), "--port", str(port), "--pidfile", str(pidfile)],
+                        str(FAKE / "stuck_loading.py"), "--print-log", "--port", str(port), "--pidfile", str(pidfile)],
                        capture_output=True, text=True, timeout=300)
     out = r.stdout + r.stderr
     assert r.returncode == sup.EXIT_HUNG, out
