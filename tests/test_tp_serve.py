@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n"]
 MAX_TOKENS = 24
-DIST_TIMEOUT = 60
+DIST_TIMEOUT = 20  # seconds a TP worker may stay silent in one step
 SERVE = ["-m", "specserve", "serve", "--tp", "2", "--max-model-len", "1024", "--max-num-seqs", "4",
          "--served-model-name", "demo", "--dist-timeout", str(DIST_TIMEOUT)]
 MODES = {
@@ -128,6 +128,43 @@ def _requests_in_flight(url: str, results: dict) -> tuple[list[threading.Thread]
     return threads, started
 
 
+def _fault_mid_stream(launch: Served, url: str, sig: int, rank: int) -> dict:
+    """Three requests in flight, then `sig` to TP worker `rank`; returns what the requests got, the
+    /health codes polled until the server process ended, the server's exit status as launch saw it,
+    seconds from the signal to that exit line, and the server's tree as it was."""
+    server = next(p for p in launch.tree() if "serve" in p.cmdline() and "launch" not in p.cmdline())
+    workers = workers_of(server.pid)
+    assert len(workers) == 2
+    results: dict = {"tree": [server.pid, *(w.pid for w in workers)], "victim": workers[rank].pid}
+    threads, started = _requests_in_flight(url, results)
+    started.wait(300)
+    mark = len(launch.log_path.read_text())
+    t_sig = time.monotonic()
+    os.kill(workers[rank].pid, sig)
+    health = []
+    while server.is_running() and server.status() != "zombie" and len(health) < 20000:
+        health.append(launch.health())
+    exited = launch.wait_for(r"server \(pid \d+\) exited with status (-?\d+)", timeout=DIST_TIMEOUT + 60, start=mark)
+    results.update(health=health, status=int(exited.group(1)), seconds=time.monotonic() - t_sig, mark=mark)
+    for t in threads:
+        t.join(120)
+    return results
+
+
+def _assert_failed(results: dict, why: str) -> None:
+    """Every request in flight ended with an error naming `why`; /health never said 200 after it."""
+    raw = results["raw"]
+    assert raw[-1] == "[DONE]" and why in raw[-2]["error"]["message"], raw[-2:]
+    assert isinstance(results["openai"], openai.APIError) and why in str(results["openai"]), results["openai"]
+    assert results["unary"].status_code >= 500 and why in results["unary"].json()["error"]["message"]
+    # 200 until the loss is noticed, then 503 or nothing listening; never 200 again. (The 503 window
+    # before the exit is short; test_engine_death shows /health's 503 in process.)
+    health = results["health"]
+    after = health[next((i for i, h in enumerate(health) if h != 200), len(health)):]
+    assert set(after) <= {503, None}, health
+    assert results["status"] != 0
+
+
 def test_tp2_adaptive_serves_then_survives_a_killed_worker_under_launch(plain_reference, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -138,47 +175,29 @@ def test_tp2_adaptive_serves_then_survives_a_killed_worker_under_launch(plain_re
         launch.url = url
         exercise(url, plain_reference, speculating=True, k_max=4)  # serve's default: adaptive K in 0..4
 
-        server = next(p for p in launch.tree() if "serve" in p.cmdline() and "launch" not in p.cmdline())
-        workers = workers_of(server.pid)
-        assert len(workers) == 2
-        first_tree = [server.pid, *(w.pid for w in workers)]
-        results: dict = {}
-        threads, started = _requests_in_flight(url, results)
-        started.wait(300)
-        mark = len(launch.log_path.read_text())
-        t_kill = time.monotonic()
-        os.kill(workers[1].pid, signal.SIGKILL)
-        health = []
-        while server.is_running() and server.status() != "zombie" and len(health) < 2000:
-            health.append(launch.health())
-        exited = launch.wait_for(r"server \(pid \d+\) exited with status (-?\d+)", timeout=DIST_TIMEOUT, start=mark)
-        assert time.monotonic() - t_kill < DIST_TIMEOUT
-        assert int(exited.group(1)) != 0
-        for t in threads:
-            t.join(120)
-        # The engine thread (waiting on the step) or the group's watch thread, whichever sees it first, names it.
-        why = f"TP worker 1 (pid {workers[1].pid}) exited unexpectedly (killed by signal 9)"
-        raw = results["raw"]
-        assert raw[-1] == "[DONE]" and why in raw[-2]["error"]["message"], raw[-2:]
-        assert isinstance(results["openai"], openai.APIError) and why in str(results["openai"]), results["openai"]
-        assert results["unary"].status_code >= 500 and why in results["unary"].json()["error"]["message"]
-        # 200 until the loss is noticed (a fraction of a second), then 503 or nothing listening; never 200 again.
-        # (The 503 window before the exit is short; test_engine_death shows /health's 503 in process.)
-        after = health[next(i for i, h in enumerate(health) if h != 200):]
-        assert set(after) <= {503, None}, health
-        log = launch.log_path.read_text()[mark:]
+        # A worker killed mid-stream: the engine thread (waiting on the step) or the group's watch
+        # thread, whichever sees it first, ends the group.
+        killed = _fault_mid_stream(launch, url, signal.SIGKILL, rank=1)
+        _assert_failed(killed, f"TP worker 1 (pid {killed['victim']}) exited unexpectedly (killed by signal 9)")
+        assert killed["seconds"] < DIST_TIMEOUT
+        log = launch.log_path.read_text()[killed["mark"]:]
         assert "still running after the server exited" not in log  # the server left no process behind
-        assert alive(first_tree) == []
+        assert alive(killed["tree"]) == []
 
-        launch.wait_for(r"attempt 2/2", start=mark)
-        launch.wait_for(r"READY after", start=mark)
+        launch.wait_for(r"attempt 2/2", start=killed["mark"])
+        launch.wait_for(r"READY after", start=killed["mark"])
         again = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
         out = again.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
                                        extra_body={"ignore_eos": True})
         assert out.choices[0].text == plain_reference[0]
-        second_tree = [p.pid for p in launch.tree()[1:]]
-        launch.proc.send_signal(signal.SIGINT)
-        assert launch.proc.wait(120) == 0, launch.log()
-        assert alive(first_tree + second_tree) == []
+
+        # A worker frozen mid-stream (alive, silent: as one stuck in a collective): after --dist-timeout.
+        frozen = _fault_mid_stream(launch, url, signal.SIGSTOP, rank=0)
+        _assert_failed(frozen, f"did not answer within {DIST_TIMEOUT} s during step")
+        assert DIST_TIMEOUT <= frozen["seconds"] < DIST_TIMEOUT + 60
+        log = launch.log_path.read_text()[frozen["mark"]:]
+        assert "still running after the server exited" not in log
+        assert launch.proc.wait(120) == 4, launch.log()  # restarts exhausted: launch reports the crash
+        assert alive(killed["tree"] + frozen["tree"]) == []
     finally:
         launch.stop()

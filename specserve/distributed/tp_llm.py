@@ -296,13 +296,16 @@ class TPLLM:
         # Every rank must draw the same noise: the driver picks the seed, not each worker.
         return p if p.seed is not None else dataclasses.replace(p, seed=random.getrandbits(31))
 
-    def _request(self, msg: dict, what: str) -> list:
+    def _request(self, msg: dict, what: str, bounded: bool = True) -> list:
+        """`msg` to every worker, their replies. `bounded`: a worker silent for --dist-timeout is
+        stuck (one step or command never takes that long), which ends the group like a dead one;
+        `generate` runs a whole batch and is not bounded."""
         from specserve.distributed.group import WorkerError
 
         if self._broken:
             raise RuntimeError(f"the TP workers failed earlier and were stopped: {self._broken}")
         try:
-            replies = self.group.request(msg, what=what)
+            replies = self.group.request(msg, what=what, timeout=self.config.parallel.dist_timeout if bounded else None)
         except WorkerError as e:
             self._broken = str(e).splitlines()[0]
             self.group.kill()
@@ -327,7 +330,7 @@ class TPLLM:
         """Like LLM.generate (the batch runs to completion inside the workers)."""
         ids, params = prepare_requests(self.tokenizer, prompts, sampling_params)
         replies = self._request({"op": "generate", "prompts": ids, "params": [self._seeded(p) for p in params]},
-                                "generate")
+                                "generate", bounded=False)
         self._check_agree(replies[0], replies[1:], "outputs")
         return replies[0]
 
