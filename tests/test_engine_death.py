@@ -69,9 +69,59 @@ def test_engine_loop_death_fails_requests_and_ends_the_server(demo_pair, tmp_pat
         assert "injected engine-loop fault" in str(results["openai"])
         unary_r = results["unary"]
         assert unary_r.status_code >= 500 and "injected engine-loop fault" in unary_r.json()["error"]["message"]
-        assert 200 not in health  # never a live front over the dead engine
+        after = health[next((i for i, h in enumerate(health) if h != 200), len(health)):]
+        assert set(after) <= {503, None}, health  # once the fault is hit, never a live front over the dead engine
         assert "the engine loop stopped: RuntimeError: injected engine-loop fault" in srv.log_path.read_text()
         assert srv.tree() == []
     finally:
         srv.stop()
 
+
+
+def test_dead_loop_health_is_503_and_new_requests_fail_at_once(demo_pair):
+    """In process, with nothing to end it, a front over a dead loop: /health says 503 with the
+    reason, a request sent afterwards fails at once, `on_error` is told once."""
+    import uvicorn
+
+    from specserve.engine.llm import LLM
+    from specserve.engine.sampling import SamplingParams
+    from specserve.server import serve_cmd
+    from specserve.server.app import ServerConfig, create_app
+    from specserve.server.engine_loop import EngineLoop, Job
+    from specserve.server.metrics import Metrics
+
+    errors: list[str] = []
+    loop = EngineLoop(lambda: LLM(model=demo_pair[0], device="cpu", max_model_len=256), Metrics(), capacity=4,
+                      on_error=errors.append)
+    app = create_app(loop, loop.metrics, ServerConfig(served_model_name="demo", api_key=None), {})
+    sock = serve_cmd.bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    loop.start()
+    thread.start()
+    try:
+        assert loop.ready.wait(300), loop.error
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+
+        def broken_publish():
+            raise RuntimeError("injected engine-loop fault")
+
+        loop._publish = broken_publish
+        events = []
+        loop.submit([Job("wake", 0, [1, 2, 3], SamplingParams(max_tokens=4), events.append)])  # wakes the loop
+        loop.thread.join(60)
+        assert not loop.thread.is_alive()
+        assert events[-1].kind == "error" and "injected engine-loop fault" in events[-1].message  # after a first step
+        h = httpx.get(url + "/health", timeout=30)
+        assert h.status_code == 503 and "injected engine-loop fault" in h.json()["message"]
+        r = httpx.post(url + "/v1/completions", json={"model": "demo", "prompt": "x", "max_tokens": 2}, timeout=30)
+        assert r.status_code == 503 and "engine unavailable" in r.json()["error"]["message"]
+        late = []
+        loop.submit([Job("late", 0, [1, 2], SamplingParams(max_tokens=2), late.append)])  # raced past the check
+        assert [(e.kind, e.status) for e in late] == [("error", 503)]
+        assert len(errors) == 1 and "injected engine-loop fault" in errors[0]
+    finally:
+        server.should_exit = True
+        thread.join(15)
+        loop.stop()
