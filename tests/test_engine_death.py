@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from served import Served
+from served import Served, alive
 
 FAULT_SERVER = Path(__file__).with_name("engine_loop_fault.py")
 LONG = {"model": "demo", "prompt": "def main():", "max_tokens": 900, "ignore_eos": True, "temperature": 0}
@@ -26,6 +26,7 @@ def test_engine_loop_death_fails_requests_and_ends_the_server(demo_pair, tmp_pat
                  tmp_path / "serve.log", env={"SPECSERVE_TEST_LOOP_FAULT": str(trigger)})
     try:
         srv.wait_ready()
+        tree = [p.pid for p in srv.tree()]
         client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
         results: dict[str, object] = {}
         started = threading.Barrier(3)
@@ -72,7 +73,7 @@ def test_engine_loop_death_fails_requests_and_ends_the_server(demo_pair, tmp_pat
         after = health[next((i for i, h in enumerate(health) if h != 200), len(health)):]
         assert set(after) <= {503, None}, health  # once the fault is hit, never a live front over the dead engine
         assert "the engine loop stopped: RuntimeError: injected engine-loop fault" in srv.log_path.read_text()
-        assert srv.tree() == []
+        assert alive(tree) == []
     finally:
         srv.stop()
 

@@ -1,10 +1,11 @@
 """`specserve serve --tp 2` on CPU (gloo) with the bundled demo pair, through the real `openai`
 client: plain, fixed K, adaptive (serve's default) and a tree each answer chats and
 completions, stream, give greedy text equal to one process without speculation, and report
-acceptance in /metrics. Under `specserve launch`, a TP worker SIGKILLed mid-stream ends every
-request in flight with an error (streams: error event then [DONE]; non-streaming: 5xx), the
-server exits non-zero within --dist-timeout with no process of its tree left, and launch
-restarts it and it serves again. One server per mode: CPU is scarce."""
+acceptance in /metrics; a worker killed while the server is idle ends it too. Under `specserve
+launch`, a TP worker SIGKILLed mid-stream ends every request in flight with an error (streams:
+error event then [DONE]; non-streaming: 5xx), the server exits non-zero within --dist-timeout
+with no process of its tree left, launch restarts it and it serves again; a worker frozen
+mid-stream ends it after --dist-timeout. One server per mode: CPU is scarce."""
 
 from __future__ import annotations
 
@@ -84,11 +85,18 @@ def test_tp2_serves_each_speculation_mode(mode, plain_reference, tmp_path):
     srv = Served([*SERVE, "--port", "0", *MODES[mode]], tmp_path / "serve.log")
     try:
         srv.wait_ready()
+        tree = [p.pid for p in srv.tree()]
         assert len(workers_of(srv.proc.pid)) == 2
         exercise(srv.url, plain_reference, speculating=mode != "plain", k_max=0 if mode == "plain" else 3)
-        srv.proc.send_signal(signal.SIGINT)
-        assert srv.proc.wait(120) == 0, srv.log()
-        assert srv.tree() == []
+        if mode == "plain":  # a worker killed while the server is idle: noticed without any request
+            victim = workers_of(srv.proc.pid)[0].pid
+            os.kill(victim, signal.SIGKILL)
+            assert srv.proc.wait(DIST_TIMEOUT) == 1, srv.log()
+            assert f"TP worker 0 (pid {victim}) exited unexpectedly (killed by signal 9) while serving" in srv.log()
+        else:
+            srv.proc.send_signal(signal.SIGINT)
+            assert srv.proc.wait(120) == 0, srv.log()
+        assert alive(tree) == []
     finally:
         srv.stop()
 
