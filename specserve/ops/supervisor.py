@@ -23,10 +23,9 @@ Works with any server command: `specserve serve ...`, `python -m sglang.launch_s
   line whose text and newline come in separate writes (Python's `print` under
   PYTHONUNBUFFERED=1) is judged when whole, and an unfinished line counts only once it
   stays unfinished for min(2 s, stall-timeout/4), like "loading ... done". Before READY
-  that means no loading progress in the log; after READY
-  it means /health stopped answering *and* the log went quiet. A server that is slow but
-  keeps logging progress is never killed for a stall (only --ready-timeout, if given,
-  bounds it).
+  that means no loading progress in the log; after READY it means /health stopped
+  answering *and* the log went quiet. A server that is slow but keeps logging progress
+  is never killed for a stall (only --ready-timeout, if given, bounds it).
 - on a hang (and on --ready-timeout) it prints what every process of the tree is doing
   (state, kernel wait channel, CPU time) and dumps Python stacks with py-spy when py-spy
   is installed (`pip install py-spy`; ptrace rights needed).
