@@ -24,6 +24,9 @@ def test_checker_finds_missing_nested_and_stub_members():
         def acceptance(self, tree=False):
             return []
 
+        def snapshot(self):
+            return {}
+
     engine = SimpleNamespace(**{n: None for n in ("cfg", "device", "max_model_len", "graph_seconds", "totals",
                                                  "tokens_generated", "last_k", "n_running", "free_rows",
                                                  "waiting", "profile", "add_request", "step", "abort", "has_work",
@@ -38,7 +41,7 @@ def test_checker_finds_missing_nested_and_stub_members():
         k_max = 3
         choices: dict = {}
 
-    assert missing_members(Declared(), SpeculationPolicy) == ["acceptance"]
+    assert missing_members(Declared(), SpeculationPolicy) == ["acceptance", "snapshot"]
 
 
 @pytest.fixture(scope="module")

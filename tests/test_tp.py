@@ -176,8 +176,11 @@ def test_tp2_adaptive_k_is_synchronized(pair):
     with TPLLM(model=str(target), draft=str(draft), tp=2, **ENGINE, **spec) as llm:
         outs = llm.generate(PROMPTS, greedy)
         choices = llm.engine.policy.choices
+        costs = llm.engine.policy.snapshot()  # asked of rank 0 (bench reports it)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]  # greedy output does not depend on K
     assert len(choices) > 1 and sum(choices.values()) > 8
+    assert costs and all(row["seeded_ms"] is not None or row["live_ms"] is not None
+                         for ks in costs.values() for row in ks.values())
 
 
 def test_missing_variable_fails_startup_naming_worker_and_variable(pair, monkeypatch):

@@ -410,15 +410,19 @@ class TPLLM:
 
 
 class _PolicyView(SpeculationPolicy):
-    """Rank 0's policy as of its last reply (`policy_facts`)."""
+    """Rank 0's policy as of its last reply (`policy_facts`); `snapshot()` asks the workers."""
 
-    def __init__(self, facts: dict):
+    def __init__(self, facts: dict, llm: TPLLM):
         self.k_max = facts["k_max"]
         self.choices = dict(facts["choices"])
         self._acc = {False: facts["acceptance"], True: facts["acceptance_tree"]}
+        self._llm = llm
 
     def acceptance(self, tree: bool = False) -> list[float]:
         return list(self._acc[tree])
+
+    def snapshot(self) -> dict:
+        return self._llm._request({"op": "policy_snapshot"}, "policy_snapshot")[0]
 
 
 class TPEngineView(ServingEngine):
@@ -458,7 +462,7 @@ class TPEngineView(ServingEngine):
 
     @property
     def policy(self) -> _PolicyView | None:
-        return _PolicyView(self._s["policy"]) if self._s["policy"] is not None else None
+        return _PolicyView(self._s["policy"], self._llm) if self._s["policy"] is not None else None
 
     @property
     def waiting(self) -> list[Sequence]:

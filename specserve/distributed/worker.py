@@ -189,6 +189,8 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
                 reply = None
             elif op == "profile":
                 reply = list(engine.profile)
+            elif op == "policy_snapshot":
+                reply = engine.policy.snapshot() if engine.policy is not None else None
             elif op == "profile_summary":
                 reply = llm.profile_summary()
             elif op == "set_profile":  # per-cycle timing on/off (read by the engine every step)

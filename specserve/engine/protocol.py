@@ -24,6 +24,8 @@ class SpeculationPolicy(Protocol):
 
     def acceptance(self, tree: bool = False) -> list[float]: ...
 
+    def snapshot(self) -> dict: ...  # per bucket and K: start-up and live costs (bench details)
+
 
 @runtime_checkable
 class RunnerFacts(Protocol):
