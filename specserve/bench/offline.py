@@ -130,6 +130,7 @@ class EngineUnit:
         t0 = time.perf_counter()
         try:
             outs = self.llm.generate(ids, params)
+            policy = getattr(eng, "policy", None)  # as it stands now (a TP engine view's is a copy)
         finally:
             if shared_policy is not None:
                 eng.policy = shared_policy

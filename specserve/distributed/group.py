@@ -12,6 +12,9 @@ check that the environment arrived, exchange messages, and never wait forever.
 - Every wait polls the workers: a dead worker, an error report or a stalled
   phase (no progress for `stall_timeout` s while capturing graphs) raises at
   once instead of hanging.
+- Once serving (`watch`), a worker that exits by itself (killed, out of memory)
+  ends the group at once, also while nothing waits on it: the others are
+  killed and `on_lost` is told, as when a node goes away.
 """
 
 from __future__ import annotations
@@ -122,8 +125,9 @@ class WorkerGroup:
         self.env_reports: list[dict] = []
         self.last_progress: list[str] = [""] * size
         self.closed = False
-        self.lost: str | None = None  # why the group ended from outside (a lost node)
-        self.on_lost = None  # callback(reason), called on the monitor thread
+        self.stopping = False  # kill() began: workers exiting from now on are expected to
+        self.lost: str | None = None  # why the group ended from outside (a lost node or worker)
+        self.on_lost = None  # callback(reason), called on the monitor or watch thread
         if cluster is None:
             self.local, self.group_id = size, 0
             # The rendezvous store lives in the driver on an OS-chosen port: no fixed ports, no races.
@@ -156,10 +160,26 @@ class WorkerGroup:
         return f"TP worker {rank}" + (f" (node {rank // self.local})" if self.cluster is not None else "")
 
     def _node_lost(self, reason: str) -> None:
+        if self.lost or self.closed:
+            return
         self.lost = reason
         self.kill(reason)
         if self.on_lost is not None:
             self.on_lost(reason)
+
+    def watch(self, interval: float = 0.5) -> None:
+        """From now on, a local worker that exits while the group is neither closing nor being
+        killed ends the group (see the module notes)."""
+        threading.Thread(target=self._watch_local, args=(interval,), name="specserve-tp-watch", daemon=True).start()
+
+    def _watch_local(self, interval: float) -> None:
+        while not (self.closed or self.stopping or self.lost):
+            for rank, p in enumerate(self.procs):
+                if p is not None and p.poll() is not None and not (self.closed or self.stopping):
+                    self._node_lost(f"{self.who(rank)} (pid {p.pid}) exited unexpectedly ({_exit_status(p.returncode)})"
+                                    f" while serving; last step: {self.last_progress[rank] or 'none'}")
+                    return
+            time.sleep(interval)
 
     def _check_lost(self) -> None:
         if self.lost:
@@ -276,7 +296,7 @@ class WorkerGroup:
                 code = proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 code = None
-            err = WorkerError(f"{self.who(rank)} (pid {proc.pid}) exited unexpectedly (exit code {code}); "
+            err = WorkerError(f"{self.who(rank)} (pid {proc.pid}) exited unexpectedly ({_exit_status(code)}); "
                               f"last step: {self.last_progress[rank] or 'none'}")
         err.phase = phase
         raise err
@@ -289,6 +309,7 @@ class WorkerGroup:
     def kill(self, reason: str | None = "node 0 stopped the group after an error") -> None:
         """SIGKILL every worker now and reap them (a hung NCCL call cannot be interrupted politely);
         the other nodes' launchers stop theirs and log `reason` (None: an orderly end)."""
+        self.stopping = True
         local = [p for p in self.procs if p is not None]
         for p in local:
             if p.poll() is None:
@@ -324,6 +345,12 @@ class WorkerGroup:
                 c.close()
             except OSError:
                 pass
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    return f"exit code {code}" if code >= 0 else f"killed by signal {-code}"
 
 
 def worker_env_hook(env: dict[str, str], rank: int) -> dict[str, str]:

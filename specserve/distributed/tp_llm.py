@@ -45,7 +45,7 @@ from specserve.config import ConfigError, EngineConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sequence import Sequence, SpecStats, Status
 from specserve.engine.llm import LLM, RequestOutput, default_pair, prepare_requests
-from specserve.engine.protocol import ServingEngine
+from specserve.engine.protocol import ServingEngine, SpeculationPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
 from specserve.model.gguf import find_gguf, require_model
@@ -105,10 +105,24 @@ class WorkerLLM(LLM):
         """Counters attached to every reply of rank 0 (cheap; no per-cycle profile)."""
         e = self.engine
         return {"totals": dataclasses.asdict(e.totals), "tokens_generated": e.tokens_generated, "last_k": e.last_k,
-                "choices": dict(e.policy.choices) if e.policy else None,
-                "acceptance": e.policy.acceptance() if e.policy else None,
-                "acceptance_tree": e.policy.acceptance(True) if e.policy else None, "kv_usage": e.kv_usage(),
-                "n_running": e.n_running, "n_waiting": len(e.waiting), "free_rows": e.free_rows}
+                "policy": policy_facts(e.policy), "kv_usage": e.kv_usage(), "n_running": e.n_running,
+                "waiting_ids": [s.seq_id for s in e.waiting], "free_rows": e.free_rows}
+
+
+def policy_facts(policy: SpeculationPolicy | None) -> dict | None:
+    """Everything `SpeculationPolicy` offers, as plain data for the driver's `_PolicyView`."""
+    if policy is None:
+        return None
+    return {"k_max": policy.k_max, "choices": dict(policy.choices), "acceptance": policy.acceptance(),
+            "acceptance_tree": policy.acceptance(True)}
+
+
+def engine_facts(engine: Engine) -> dict:
+    """A worker's engine as its driver's `TPEngineView` presents it (fixed after start-up)."""
+    r = engine.runner
+    return {"graphs": len(r.graphs), "graph_seconds": engine.graph_seconds, "load_seconds": r.load_seconds,
+            "max_model_len": engine.max_model_len, "rows": r.rows, "device": str(engine.device), "dtype": str(r.dtype),
+            "kv_bytes": r.kv.nbytes(), "has_drafter": r.drafter is not None}
 
 
 def outputs_digest(obj) -> str:
@@ -230,11 +244,11 @@ class TPLLM:
             cluster = Cluster.get(par)  # the other nodes join here (bounded by --dist-timeout)
             self.group = group = WorkerGroup(par.tp, self.wenv, cluster=cluster, profile=self.nccl_profile,
                                              explicit=par.env)
-            group.on_lost = self._group_lost
             pg_timeout = par.dist_timeout
         else:
             self.group = group = WorkerGroup(par.tp, self.wenv)
             pg_timeout = min(timeout, 600.0)
+        group.on_lost = self._group_lost
 
         def on_progress(rank, msg):
             g = (msg.get("data") or {}).get("graph")
@@ -254,11 +268,13 @@ class TPLLM:
         self.info = {k: v for k, v in ready[0].items() if k not in ("type", "stats")}
         self.info.update(graphs_enabled=graphs, nccl_profile=self.nccl_profile.name, env_notes=list(self.wenv.notes))
         self._stats = ready[0]["stats"]
+        group.watch()  # a worker that dies while serving ends the group at once, also when idle
         log.info("[tp] %d workers ready: all-reduce %s, %d CUDA graphs, max_model_len %d", self.config.parallel.tp,
                  self.info["allreduce"], self.info["graphs"], self.info["max_model_len"])
 
     def _group_lost(self, reason: str) -> None:
-        """A node went away (monitor thread): the group is over; the caller may end the process."""
+        """A node or worker went away (monitor or watch thread): the group is over; the caller may end
+        the process."""
         self._broken = reason
         if self._on_group_lost is not None:
             self._on_group_lost(reason)
@@ -280,13 +296,16 @@ class TPLLM:
         # Every rank must draw the same noise: the driver picks the seed, not each worker.
         return p if p.seed is not None else dataclasses.replace(p, seed=random.getrandbits(31))
 
-    def _request(self, msg: dict, what: str) -> list:
+    def _request(self, msg: dict, what: str, bounded: bool = True) -> list:
+        """`msg` to every worker, their replies. `bounded`: a worker silent for --dist-timeout is
+        stuck (one step or command never takes that long), which ends the group like a dead one;
+        `generate` runs a whole batch and is not bounded."""
         from specserve.distributed.group import WorkerError
 
         if self._broken:
             raise RuntimeError(f"the TP workers failed earlier and were stopped: {self._broken}")
         try:
-            replies = self.group.request(msg, what=what)
+            replies = self.group.request(msg, what=what, timeout=self.config.parallel.dist_timeout if bounded else None)
         except WorkerError as e:
             self._broken = str(e).splitlines()[0]
             self.group.kill()
@@ -311,7 +330,7 @@ class TPLLM:
         """Like LLM.generate (the batch runs to completion inside the workers)."""
         ids, params = prepare_requests(self.tokenizer, prompts, sampling_params)
         replies = self._request({"op": "generate", "prompts": ids, "params": [self._seeded(p) for p in params]},
-                                "generate")
+                                "generate", bounded=False)
         self._check_agree(replies[0], replies[1:], "outputs")
         return replies[0]
 
@@ -390,13 +409,20 @@ class TPLLM:
         return bool(self._seqs)
 
 
-class _PolicyView:
-    def __init__(self, stats: dict):
-        self.choices = {int(k): v for k, v in (stats.get("choices") or {}).items()}
-        self._acc = {False: stats.get("acceptance") or [], True: stats.get("acceptance_tree") or []}
+class _PolicyView(SpeculationPolicy):
+    """Rank 0's policy as of its last reply (`policy_facts`); `snapshot()` asks the workers."""
+
+    def __init__(self, facts: dict, llm: TPLLM):
+        self.k_max = facts["k_max"]
+        self.choices = dict(facts["choices"])
+        self._acc = {False: facts["acceptance"], True: facts["acceptance_tree"]}
+        self._llm = llm
 
     def acceptance(self, tree: bool = False) -> list[float]:
         return list(self._acc[tree])
+
+    def snapshot(self) -> dict:
+        return self._llm._request({"op": "policy_snapshot"}, "policy_snapshot")[0]
 
 
 class TPEngineView(ServingEngine):
@@ -436,7 +462,11 @@ class TPEngineView(ServingEngine):
 
     @property
     def policy(self) -> _PolicyView | None:
-        return _PolicyView(self._s) if self._s.get("choices") is not None else None
+        return _PolicyView(self._s["policy"], self._llm) if self._s["policy"] is not None else None
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        return [self._llm._seqs[i] for i in self._s["waiting_ids"] if i in self._llm._seqs]
 
     @property
     def n_running(self) -> int:

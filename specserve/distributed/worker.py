@@ -110,7 +110,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
     from specserve.config import EngineConfig, ModelConfig
     from specserve.distributed import comm
     from specserve.distributed import parallel_state as ps
-    from specserve.distributed.tp_llm import WorkerLLM, outputs_digest, seq_snapshot
+    from specserve.distributed.tp_llm import WorkerLLM, engine_facts, outputs_digest, seq_snapshot
 
     cfg = EngineConfig.from_kwargs(**msg["engine"])
     device = torch.device(cfg.device)
@@ -147,11 +147,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
             g.graph.replay()
         torch.cuda.synchronize(device)
         ch.progress("graphs", f"replayed {len(engine.runner.graphs)} graphs")
-    r = engine.runner
-    ch.send({"type": "ready", "allreduce": backend, "graphs": len(r.graphs), "graph_seconds": engine.graph_seconds,
-             "load_seconds": r.load_seconds, "startup_seconds": time.perf_counter() - t0,
-             "max_model_len": engine.max_model_len, "rows": r.rows, "device": str(device), "dtype": str(r.dtype),
-             "kv_bytes": r.kv.nbytes(), "has_drafter": r.drafter is not None,
+    ch.send({"type": "ready", "allreduce": backend, "startup_seconds": time.perf_counter() - t0, **engine_facts(engine),
              "draft_embedding": llm.draft_embedding, "stats": llm.light_stats()})
 
     while True:
@@ -173,6 +169,8 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
                 reply = None
             elif op == "profile":
                 reply = list(engine.profile)
+            elif op == "policy_snapshot":
+                reply = engine.policy.snapshot() if engine.policy is not None else None
             elif op == "profile_summary":
                 reply = llm.profile_summary()
             elif op == "set_profile":  # per-cycle timing on/off (read by the engine every step)

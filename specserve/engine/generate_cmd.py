@@ -103,7 +103,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --nnodes > 1: node 0's address as every node reaches it (PORT: rendezvous, "
                         "PORT+1: node 0's channel to the other nodes)")
     p.add_argument("--dist-timeout", type=float, default=300.0,
-                   help="seconds for every node to join, and for any collective across nodes (default 300)")
+                   help="seconds for every node to join, for any collective across nodes, and for the TP workers "
+                        "to answer one serving step: a worker silent that long ends the server (default 300)")
 
 
 def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> dict:

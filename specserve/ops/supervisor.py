@@ -19,10 +19,13 @@ Works with any server command: `specserve serve ...`, `python -m sglang.launch_s
   an HTTP 200 from the health URL. Access-log lines (`"GET /health HTTP/1.1" 503`) do not
   count: they only prove that the HTTP loop lives, and they are what launch's own polls
   make a server print, so a server whose engine is stuck while its HTTP loop answers 503
-  is still flagged. Before READY that means no loading progress in the log; after READY
-  it means /health stopped answering *and* the log went quiet. A server that is slow but
-  keeps logging progress is never killed for a stall (only --ready-timeout, if given,
-  bounds it).
+  is still flagged. Output is judged on whole lines, whatever the server's buffering: a
+  line whose text and newline come in separate writes (Python's `print` under
+  PYTHONUNBUFFERED=1) is judged when whole, and an unfinished line counts only once it
+  stays unfinished for min(2 s, stall-timeout/4), like "loading ... done". Before READY
+  that means no loading progress in the log; after READY it means /health stopped
+  answering *and* the log went quiet. A server that is slow but keeps logging progress
+  is never killed for a stall (only --ready-timeout, if given, bounds it).
 - on a hang (and on --ready-timeout) it prints what every process of the tree is doing
   (state, kernel wait channel, CPU time) and dumps Python stacks with py-spy when py-spy
   is installed (`pip install py-spy`; ptrace rights needed).
@@ -168,20 +171,27 @@ def is_access_log(line: str) -> bool:
 class OutputReader(threading.Thread):
     """Reads the server's combined stdout/stderr and logs it line by line.
 
-    Every line other than an HTTP access-log line counts as activity, and so do bytes of
-    a line not finished yet. Lines end at \\n or \\r; `\\r`-terminated segments are
-    progress-bar refreshes and are logged at most once per `progress_every` seconds.
+    Progress is judged on whole lines: every line other than an HTTP access-log line counts.
+    A line not finished yet counts only once it has stayed unfinished for `partial_grace`
+    seconds (a "loading ... done" line written in pieces); before that it may be a line
+    whose text and newline arrive in separate writes (Python's `print` unbuffered writes
+    an access-log line that way), which must not pass for progress. Lines end at \\n or
+    \\r; `\\r`-terminated segments are progress-bar refreshes and are logged at most once
+    per `progress_every` seconds.
     """
 
     MAX_LINE = 64 * 1024
 
-    def __init__(self, stream, log: Log, progress_every: float = 1.0):
+    def __init__(self, stream, log: Log, progress_every: float = 1.0, partial_grace: float = 2.0):
         super().__init__(name="server-output", daemon=True)
         self.fd = stream.fileno()
         self.stream = stream
         self.log = log
         self.progress_every = progress_every
-        self.last_activity = time.monotonic()
+        self.partial_grace = partial_grace
+        self.last_activity = time.monotonic()  # the last whole line that counts as progress
+        # The unfinished line: (when its first visible byte came, when its latest bytes came, its text).
+        self._partial: tuple[float, float, str] | None = None
         self.last_line = ""
         self.last_line_wall = 0.0
         self.lines = 0
@@ -189,6 +199,18 @@ class OutputReader(threading.Thread):
         self.eof = threading.Event()
         self._pending_progress: str | None = None
         self._last_progress = 0.0
+
+    def last_progress(self, now: float | None = None) -> float:
+        """When the server last showed progress: `last_activity`, or the latest bytes of an unfinished
+        line that is not an access-log line and has stayed unfinished for `partial_grace` s."""
+        partial = self._partial
+        if partial is None:
+            return self.last_activity
+        since, latest, text = partial
+        now = time.monotonic() if now is None else now
+        if now - since < self.partial_grace or is_access_log(text):
+            return self.last_activity
+        return max(self.last_activity, latest)
 
     def _emit(self, text: str) -> None:
         text = text.rstrip()
@@ -218,6 +240,15 @@ class OutputReader(threading.Thread):
         else:
             self._pending_progress = text
 
+    def _track_partial(self, buf: bytes, new_line: bool) -> None:
+        """Note the unfinished line `buf` (`new_line`: a line ended in this chunk, so `buf` began anew)."""
+        if not buf.strip():
+            self._partial = None
+            return
+        now = time.monotonic()
+        since = self._partial[0] if self._partial is not None and not new_line else now
+        self._partial = (since, now, buf.decode("utf-8", "replace"))
+
     def run(self) -> None:
         buf = b""
         skip_lf = False  # the previous chunk ended in \r: a leading \n completes a \r\n
@@ -238,6 +269,7 @@ class OutputReader(threading.Thread):
                         self._pending_progress = None
                 skip_lf = False
                 buf += chunk
+                cut = False
                 while True:
                     i_n, i_r = buf.find(b"\n"), buf.find(b"\r")
                     cuts = [i for i in (i_n, i_r) if i >= 0]
@@ -253,11 +285,11 @@ class OutputReader(threading.Thread):
                     else:
                         buf, progress = buf[i + 1:], False
                     self._segment(seg.decode("utf-8", "replace"), progress)
+                    cut = True
                 if len(buf) > self.MAX_LINE:
                     self._segment(buf.decode("utf-8", "replace"), False)
-                    buf = b""
-                elif buf.strip():  # a line written piece by piece ("loading ... done")
-                    self.last_activity = time.monotonic()
+                    buf, cut = b"", True
+                self._track_partial(buf, cut)
         finally:
             if buf:
                 self._segment(buf.rstrip(b"\r").decode("utf-8", "replace"), False)
@@ -563,7 +595,8 @@ class Supervisor:
         self.log.launch(f"started pid {proc.pid} (own session and process group)")
         tree = ProcessTree(proc.pid, marker=env[MARKER_ENV], started_at=started_wall,
                            session_leader=True, adopt_orphans=self.subreaper)
-        reader = OutputReader(proc.stdout, self.log)
+        # A partial line must be able to count before a hang is declared.
+        reader = OutputReader(proc.stdout, self.log, partial_grace=min(2.0, a.stall_timeout / 4))
         reader.start()
         health = None
         if self.health_url:
@@ -610,7 +643,7 @@ class Supervisor:
                         elif not health_was_ok and health.ok and health.last_ok != health.first_ok:
                             self.log.launch("health check OK again")
                         health_was_ok = health.ok
-                last = max(reader.last_activity, t0,
+                last = max(reader.last_progress(now), t0,
                            (health.last_ok or 0.0) if health is not None else 0.0)
                 quiet = now - last
                 if quiet >= a.stall_timeout:

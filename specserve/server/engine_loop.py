@@ -6,6 +6,12 @@ condition when idle. Text deltas and finish events go back to each request
 through a `sink` callable (the server wraps `loop.call_soon_threadsafe`).
 After every step it publishes a snapshot (gauges, speculative counters, KV
 usage) that /metrics and /server_info read without touching the engine.
+
+When the thread ends on an error (loading failed, a step left the engine
+broken, the TP workers are gone, a bug in the loop itself), every request in
+flight or queued gets an error event, later submissions get one at once, and
+`on_error` is called: `serve` then exits non-zero, never leaving an HTTP front
+over a dead engine.
 """
 
 from __future__ import annotations
@@ -28,6 +34,10 @@ log = logging.getLogger("specserve.server")
 
 class QueueFull(Exception):
     """More sequences in flight than running rows + queue allow."""
+
+
+class EngineBroken(Exception):
+    """A failed step left the engine unusable: the loop ends (`EngineLoop._stopped`)."""
 
 
 @dataclass
@@ -111,6 +121,11 @@ class EngineLoop:
     def submit(self, jobs: list[Job]) -> None:
         """Queue all jobs of one request, or none (raises QueueFull)."""
         with self._cv:
+            if self.error:  # the engine thread is gone: nobody else would ever answer these jobs
+                for job in jobs:
+                    job.sink(Event(job.index, "error", message=f"engine unavailable: {self.error}", status=503,
+                                   reason="engine_unavailable"))
+                return
             if self._in_flight + len(jobs) > self.capacity:
                 raise QueueFull(f"{self._in_flight} sequences in flight, limit {self.capacity}")
             self._in_flight += len(jobs)
@@ -138,14 +153,23 @@ class EngineLoop:
         try:
             self.llm = self.build()
         except BaseException as e:  # report instead of dying silently: /health shows it
-            self.error = f"loading failed: {type(e).__name__}: {e}"
-            log.error("%s\n%s", self.error, traceback.format_exc())
-            if self.on_error:
-                self.on_error(self.error)
+            self._stopped(f"loading failed: {type(e).__name__}: {e}")
             return
         self.load_seconds = time.perf_counter() - t0
-        self._publish()
-        self.ready.set()
+        try:
+            self._publish()
+            self.ready.set()
+            self._serve()
+        except EngineBroken as e:
+            self._stopped(str(e))
+        except BaseException as e:  # the loop cannot go on: fail every request, never a live front over it
+            self._stopped(f"the engine loop stopped: {type(e).__name__}: {e}")
+        finally:
+            close = getattr(self.llm, "close", None)  # TP: stop the worker processes
+            if close is not None:
+                close()
+
+    def _serve(self) -> None:
         engine = self.llm.engine
         while True:
             with self._cv:
@@ -172,9 +196,21 @@ class EngineLoop:
                     self._emit(seq)
             self._publish()
         self._fail(list(self._tracks), "the server is shutting down", status=503, reason="shutdown")
-        close = getattr(self.llm, "close", None)  # TP: stop the worker processes
-        if close is not None:
-            close()
+
+    def _stopped(self, error: str) -> None:
+        """The engine thread ends on an error: every sequence in flight or still queued gets a 500 error
+        event, later submissions get one at once, and `on_error` (serve: exit non-zero) is told."""
+        log.error("%s\n%s", error, traceback.format_exc())
+        with self._cv:
+            self.error = self.error or error
+            queued = [job for kind, job in self._inbox if kind == "add"]
+            self._inbox.clear()
+        self._fail(list(self._tracks), self.error, status=500, reason="engine_error")
+        for job in queued:
+            self._done(job.seq_id)
+            job.sink(Event(job.index, "error", message=self.error, status=500, reason="engine_error"))
+        if self.on_error:
+            self.on_error(self.error)
 
     def _add(self, job: Job) -> None:
         try:
@@ -260,11 +296,7 @@ class EngineLoop:
         try:
             self.llm.engine.check_idle_integrity()
         except Exception as e2:
-            self.error = f"engine broken after a failed step: {e2}"
-            log.error(self.error)
-            self._fail(list(self._tracks), self.error, status=500, reason="engine_error")
-            if self.on_error:
-                self.on_error(self.error)
+            raise EngineBroken(f"engine broken after a failed step: {e2}") from e2
         self._publish()
 
     def _fail(self, seq_ids: list[str], message: str, status: int, reason: str) -> None:

@@ -235,8 +235,8 @@ def run(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    def group_lost(reason: str) -> None:  # another node went away: the workers are gone, so is serving
-        loop.error = f"the multi-node group ended: {reason}"
+    def group_lost(reason: str) -> None:  # a node or TP worker went away: the group is gone, so is serving
+        loop.error = f"the TP group ended: {reason}"
         fatal(loop.error)
 
     metrics = Metrics()

@@ -63,6 +63,7 @@ from functools import lru_cache
 from statistics import NormalDist
 
 from specserve.config import EngineConfig
+from specserve.engine.protocol import SpeculationPolicy
 
 _EMA = 0.2
 LIVE_WINDOW = 9  # live timings a (bucket, K)'s cost is taken from (`_window_cost`)
@@ -153,7 +154,7 @@ def interpolate_costs(timed: dict[tuple[int, int], float], buckets: list[int], k
     return out
 
 
-class SpecPolicy:
+class SpecPolicy(SpeculationPolicy):
     def __init__(self, cfg: EngineConfig, k_max: int):
         self.cfg = cfg
         self.fixed = None if cfg.spec.adaptive else cfg.spec.steps

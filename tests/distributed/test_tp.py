@@ -26,6 +26,7 @@ from specserve.distributed.nccl_profiles import (
     write_profile,
 )
 from specserve.engine.llm import LLM
+from specserve.engine.protocol import ServingEngine, ServingLLM, missing_members
 from specserve.engine.sampling import SamplingParams
 
 from tiny import CODE_PROMPTS
@@ -81,8 +82,8 @@ def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
         while eng.has_work():
             eng.step()
         eng.check_idle_integrity()
-        # The server reads the view as it reads an in-process engine (`ServingEngine`).
-        assert not [m for m in _serving_members() if not hasattr(eng, m)]
+        # The server reads the view as it reads an in-process engine (`ServingEngine`, nested members too).
+        assert missing_members(eng, ServingEngine) == [] and missing_members(llm, ServingLLM) == []
         assert eng.cfg.spec_topk == topk and len(eng.policy.acceptance(True)) == 3
     assert [o.token_ids for o in out_g] == [o.token_ids for o in ref_g]
     assert [o.token_ids for o in out_s] == [o.token_ids for o in ref_s]
@@ -117,13 +118,6 @@ def test_tp2_step_wise_logprobs_equal_tp1(pair):
             assert [t for t, _ in a.top] == [t for t, _ in b.top]
 
 
-def _serving_members() -> list[str]:
-    from specserve.engine.protocol import ServingEngine
-
-    return [*ServingEngine.__annotations__,
-            *(n for n, v in vars(ServingEngine).items() if callable(v) and not n.startswith("_"))]
-
-
 @pytest.mark.slow
 def test_tp2_adaptive_k_is_synchronized(pair):
     """Each rank times its own steps; without rank 0's K broadcast to all, the
@@ -137,8 +131,11 @@ def test_tp2_adaptive_k_is_synchronized(pair):
     with TPLLM(model=str(target), draft=str(draft), tp=2, **ENGINE, **spec) as llm:
         outs = llm.generate(CODE_PROMPTS, greedy)
         choices = llm.engine.policy.choices
+        costs = llm.engine.policy.snapshot()  # asked of rank 0 (bench reports it)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]  # greedy output does not depend on K
     assert len(choices) > 1 and sum(choices.values()) > 8
+    assert costs and all(row["seeded_ms"] is not None or row["live_ms"] is not None
+                         for ks in costs.values() for row in ks.values())
 
 
 def test_missing_variable_fails_startup_naming_worker_and_variable(pair, monkeypatch):

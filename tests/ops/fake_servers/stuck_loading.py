@@ -4,6 +4,11 @@ Serves GET /health -> 503 "loading" on 127.0.0.1:--port from the first moment an
 writes a uvicorn-style access-log line to stderr for every request (so launch's own
 health polls keep the log busy), prints two loading lines, then its "engine thread"
 blocks forever: the log never shows progress again. `--pidfile F` appends its PID to F.
+
+With --print-log the access log goes out through `print` and the engine thread spins in
+Python instead of blocking: under PYTHONUNBUFFERED=1 (which launch sets) print writes the
+text and its newline separately, and the spinning engine takes the interpreter between the
+two, so the supervisor sees each access-log line unfinished first.
 """
 
 import argparse
@@ -15,6 +20,7 @@ import threading
 p = argparse.ArgumentParser()
 p.add_argument("--port", type=int, required=True)
 p.add_argument("--pidfile")
+p.add_argument("--print-log", action="store_true")
 args = p.parse_args()
 
 if args.pidfile:
@@ -34,7 +40,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
     def log_request(self, code="-", size="-"):
         host, port = self.client_address[:2]
-        sys.stderr.write(f'INFO:     {host}:{port} - "{self.requestline}" {code} Service Unavailable\n')
+        line = f'INFO:     {host}:{port} - "{self.requestline}" {code} Service Unavailable'
+        if args.print_log:
+            print(line)
+            return
+        sys.stderr.write(line + "\n")
         sys.stderr.flush()
 
 
@@ -46,6 +56,9 @@ print("loading weights: file 1/2", flush=True)
 
 
 def engine() -> None:
+    if args.print_log:
+        while True:  # stuck in a Python loop
+            pass
     threading.Event().wait()  # stuck, like a load blocked in a driver call
 
 
