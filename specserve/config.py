@@ -518,6 +518,7 @@ class ParallelConfig:
     node_rank: int = 0  # this machine's place: 0 drives the step (HTTP, generate, bench), the others are headless
     dist_init_addr: str | None = None  # HOST:PORT of node 0, reachable from every node (PORT and PORT+1 are used)
     dist_timeout: float = 300.0  # seconds for a node to join and for any collective across nodes
+    dist_key_file: str | None = None  # the nodes' shared secret (specserve.distributed.dist_key)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -592,6 +593,7 @@ _GROUPED = {
     "node_rank": ("parallel", "node_rank"),
     "dist_init_addr": ("parallel", "dist_init_addr"),
     "dist_timeout": ("parallel", "dist_timeout"),
+    "dist_key_file": ("parallel", "dist_key_file"),
 }
 
 
