@@ -75,18 +75,15 @@ TO_LAUNCHER = {
 }
 FROM_LAUNCHER = {"beat": {}, "error": {"error": str}}
 
-# What node 0 may set in another node's worker environment: values for NCCL, gloo and specserve's
-# own switches, never a variable that makes the worker load a library or write a file there.
-REMOTE_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_")
+# What node 0 may set in another node's worker environment: values for NCCL, gloo and specserve,
+# never a variable that makes the worker load a library or read or write a file there.
+REMOTE_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "SPECSERVE_")
 REMOTE_ENV_CODE = ("PLUGIN", "_FILE", "_PATH", "_LIB", "_DIR")
-REMOTE_ENV_NAMES = frozenset({"SPECSERVE_ALLREDUCE", "SPECSERVE_CAPTURE_MODE", "SPECSERVE_TP_DRAFT_EMBED",
-                              "SPECSERVE_FUSED_KERNELS", "SPECSERVE_PDL", "SPECSERVE_INT4_MOE_CUDA"})
 
 
 def remote_env_refused(env: dict[str, str]) -> list[str]:
     """The variables of `env` that node 0 may not set on this node (see REMOTE_ENV_*)."""
-    return [k for k in env if not (k in REMOTE_ENV_NAMES or (k.startswith(REMOTE_ENV_PREFIXES)
-                                                               and not any(c in k for c in REMOTE_ENV_CODE)))]
+    return [k for k in env if not k.startswith(REMOTE_ENV_PREFIXES) or any(c in k for c in REMOTE_ENV_CODE)]
 
 
 def _receive_timeout(sock: socket.socket, seconds: int) -> None:
