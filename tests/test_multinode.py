@@ -204,6 +204,20 @@ def _wait_healthy(url: str, proc: subprocess.Popen, deadline: float) -> None:
     raise AssertionError("node 0 never became healthy")
 
 
+def _assert_all_gone(members: list) -> None:
+    gone, alive = psutil.wait_procs(members, timeout=WAIT)  # (returns once all are gone; a loaded CI took > 30 s)
+    # (is_running: false for a pid the kernel has since reused, e.g. for a kworker thread)
+    alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"left behind: {[p.pid for p in alive]}"
+
+
+def _kill(*procs: subprocess.Popen) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("killed", [1, 0])
 def test_killing_one_node_ends_the_other_with_no_process_left(pair, killed):
@@ -228,15 +242,9 @@ def test_killing_one_node_ends_the_other_with_no_process_left(pair, killed):
             assert "node 1 (" in err and "went away" in err
         else:
             assert "error: node 1: lost node 0 at 127.0.0.1" in err and "stopped this node's workers" in err
-        gone, alive = psutil.wait_procs(members, timeout=WAIT)  # (returns once all are gone; a loaded CI took > 30 s)
-        # (is_running: false for a pid the kernel has since reused, e.g. for a kworker thread)
-        alive = [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-        assert not alive, f"left behind: {[p.pid for p in alive]}"
+        _assert_all_gone(members)
     finally:
-        for p in (node0, node1):
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        _kill(node0, node1)
 
 
 @pytest.mark.slow
@@ -279,3 +287,66 @@ def test_two_nodes_on_two_gpus_with_nccl_and_graphs_equal_one_gpu(pair):
     assert c1 == 0, err1
     assert [json.loads(line)["token_ids"] for line in out0.splitlines()] == [o.token_ids for o in ref]
     assert re.search(r"workers ready: all-reduce nccl, [1-9]\d* CUDA graphs", err0), err0
+
+
+def _stream(url: str, prompt: str, lines: list[str], first) -> None:
+    """One greedy completion stream; its SSE lines, until the server closes it."""
+    import httpx
+
+    body = {"model": "x", "prompt": prompt, "max_tokens": 480, "temperature": 0, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.Client(timeout=WAIT) as c, c.stream("POST", url + "/v1/completions", json=body) as resp:
+            for line in resp.iter_lines():
+                if line:
+                    lines.append(line)
+                    first.set()
+    except httpx.HTTPError as e:  # a connection cut without [DONE] is what the test must not see
+        lines.append(f"transport error: {e}")
+
+
+@pytest.mark.slow
+def test_losing_node_1_mid_stream_ends_every_stream_with_an_error_and_exits_non_zero(pair):
+    import threading
+
+    import httpx
+
+    target, _ = pair
+    port, http = _free_port_pair(), _free_port_pair()
+    dist_timeout = 60
+    args = ["--model", str(target), "--max-num-seqs", "2", "--skip-check", "--served-model-name", "x",
+            "--max-model-len", "512"]  # (after ENGINE's 96: long streams, still in flight at the kill)
+    node1 = _node("serve", 1, port, args, timeout=dist_timeout)
+    node0 = _node("serve", 0, port, [*args, "--port", str(http)], timeout=dist_timeout)
+    url = f"http://127.0.0.1:{http}"
+    try:
+        _wait_healthy(url, node0, time.monotonic() + WAIT)
+        nodes = [psutil.Process(node0.pid), psutil.Process(node1.pid)]
+        members = nodes + [c for n in nodes for c in n.children(recursive=True)]
+        streams = [([], threading.Event()) for _ in range(2)]
+        threads = [threading.Thread(target=_stream, args=(url, p, lines, first), daemon=True)
+                   for p, (lines, first) in zip(PROMPTS, streams)]
+        for t in threads:
+            t.start()
+        for _, first in streams:
+            assert first.wait(WAIT), "a stream produced nothing"
+        node1.send_signal(signal.SIGKILL)
+        health = []
+        while node0.poll() is None:  # what /health says until node 0 is gone
+            try:
+                health.append(httpx.get(url + "/health", timeout=5).status_code)
+            except httpx.HTTPError:
+                health.append("closed")
+            time.sleep(0.2)
+        for t in threads:
+            t.join(WAIT)
+        _, err = node0.communicate(timeout=dist_timeout)  # it exited within --dist-timeout of the kill
+        assert node0.returncode == 1, err
+        assert "node 1 (" in err and "went away" in err
+        for lines, _ in streams:
+            assert lines[-1] == "data: [DONE]", lines[-3:]
+            errors = [json.loads(x[6:])["error"] for x in lines if x.startswith("data: {") and '"error"' in x]
+            assert len(errors) == 1 and "node 1" in errors[0]["message"], lines[-3:]
+        assert 200 not in health[1:], health  # (the first probe may precede node 0 noticing the loss)
+        _assert_all_gone(members)
+    finally:
+        _kill(node0, node1)

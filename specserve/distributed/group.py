@@ -28,7 +28,7 @@ from multiprocessing.connection import wait
 
 from specserve import envs
 from specserve.distributed.nccl_profiles import WorkerEnv
-from specserve.distributed.wire import Conn
+from specserve.distributed.wire import Conn, WireError
 
 log = logging.getLogger("specserve.tp")
 
@@ -225,6 +225,8 @@ class WorkerGroup:
                     msg = c.recv()
                 except (EOFError, OSError):
                     self._raise_dead(rank)
+                except WireError as e:  # not a bad request: the group's protocol is broken, so is the group
+                    raise WorkerError(f"{self.who(rank)} sent a malformed message ({e})") from None
                 last_heard[rank] = time.monotonic()
                 kind = msg.get("type")
                 if kind == "progress":
