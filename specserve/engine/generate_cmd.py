@@ -90,11 +90,11 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-init-addr", metavar="HOST:PORT",
                    help="with --nnodes > 1: node 0's address as every node reaches it (PORT: rendezvous, "
                         "PORT+1: node 0's channel to the other nodes)")
-    p.add_argument("--dist-timeout", type=float, default=300.0,
-                   help="seconds for every node to join, and for any collective across nodes (default 300)")
     p.add_argument("--dist-key-file", metavar="FILE",
                    help="with --nnodes > 1: the secret every node shares (make one with `specserve dist-key --out "
                         "FILE`; mode 0600). Default: SPECSERVE_DIST_KEY, or a per-run secret on a loopback address")
+    p.add_argument("--dist-timeout", type=float, default=300.0,
+                   help="seconds for every node to join, and for any collective across nodes (default 300)")
 
 
 def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> dict:
