@@ -146,6 +146,16 @@ def test_cli_refuses_a_routable_address_without_a_secret(monkeypatch, capsys):
     assert "error: --dist-init-addr 10.0.0.1" in err and "specserve dist-key --out FILE" in err
 
 
+def test_a_headless_node_without_a_secret_stops_before_connecting(monkeypatch, capsys):
+    from specserve.distributed.multinode import run_node
+
+    monkeypatch.delenv("SPECSERVE_DIST_KEY", raising=False)
+    assert run_node(ParallelConfig(tp=2, nnodes=2, node_rank=1, dist_init_addr="10.0.0.1:29500")) == 1
+    err = capsys.readouterr().err
+    assert "error: node 1: --dist-init-addr 10.0.0.1:29500 is not a loopback address" in err
+    assert "this node cannot authenticate to it" in err and "specserve dist-key --out FILE" in err
+
+
 def test_dist_key_command_and_key_file_rules(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("SPECSERVE_DIST_KEY", raising=False)
     key = tmp_path / "dist.key"

@@ -376,6 +376,8 @@ def run_node(par: ParallelConfig) -> int:
     node, local = par.node_rank, par.local_tp
     deadline = time.monotonic() + par.dist_timeout
     try:
+        if not dist_key.is_loopback(host):  # no usable secret: say so now, not after reaching node 0
+            dist_key.secret(par.dist_key_file, host, port, node)
         ctl = connect(host, port + 1, deadline, {"type": "node", "node": node, "nnodes": par.nnodes, "tp": par.tp,
                                                  "pid": os.getpid(), "host": socket.gethostname()}, par.dist_key_file)
         if not ctl.poll(max(deadline - time.monotonic(), 1.0)):
