@@ -12,7 +12,8 @@ server's RSS:
    empty, nested, lone surrogates, deep nesting, unknown roles, not JSON) while a few
    streams run; each must get a 4xx and every stream must still end with [DONE];
 2. `--rounds` rounds of `--requests` streams (completions and chat, greedy and seeded
-   sampling) at `--concurrency`; each must end with [DONE] and no error event;
+   sampling, every 4th with logprobs, every 5th with a prompt of `--long-prompt-words`
+   words) at `--concurrency`; each must end with [DONE] and no error event;
 3. `--disconnects` streams closed after their first chunk; the server must go back to
    no running sequences.
 
@@ -97,13 +98,21 @@ class Monitor(threading.Thread):
 
 
 # ----------------------------------------------------------------------------- bodies
+LONG_PROMPT_WORDS = 0  # set from --long-prompt-words
+
+
 def good_body(i: int, max_tokens: int, stream: bool = True) -> tuple[str, dict]:
     sampling = {"temperature": 0.8, "seed": i} if i % 3 == 0 else {"temperature": 0}
+    text = f"Write function number {i}."
+    if i % 5 == 4 and LONG_PROMPT_WORDS:
+        text = " ".join(f"value_{i}_{k} = {k} * x" for k in range(LONG_PROMPT_WORDS // 5)) + "\n" + text
     if i % 2:
+        extra = {"logprobs": True, "top_logprobs": 2} if i % 4 == 3 else {}
         return "/v1/chat/completions", {"model": MODEL, "stream": stream, "max_tokens": max_tokens, **sampling,
-                                        "messages": [{"role": "user", "content": f"Write function number {i}."}]}
-    return "/v1/completions", {"model": MODEL, "stream": stream, "max_tokens": max_tokens, **sampling,
-                               "prompt": f"def function_{i}(x):"}
+                                        **extra, "messages": [{"role": "user", "content": text}]}
+    extra = {"logprobs": 2} if i % 4 == 0 else {}
+    return "/v1/completions", {"model": MODEL, "stream": stream, "max_tokens": max_tokens, **sampling, **extra,
+                               "prompt": f"# {text}\ndef function_{i}(x):"}
 
 
 NAN, INF = object(), object()  # written as the bare JSON extensions NaN and Infinity
@@ -257,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--disconnects", type=int, default=50)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--long-prompt-words", type=int, default=300,
+                   help="words of every 5th prompt (0: none); must fit the server's --max-model-len")
     p.add_argument("--time-limit", type=float, default=540.0, metavar="S",
                    help="start no round after S seconds of soak (default 540)")
     p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
@@ -264,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--serve-args", default="", help="extra `specserve serve` arguments (shlex-split)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     a = p.parse_args(argv)
+    global LONG_PROMPT_WORDS
+    LONG_PROMPT_WORDS = a.long_prompt_words
     for name in ("rounds", "requests", "concurrency", "max_tokens"):
         if getattr(a, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1")
@@ -298,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
         monitor.start()
         failures: Counter = Counter()
         results: dict = {"command": shlex.join(cmd), "rounds": [], "rounds_requested": a.rounds,
-                         "requests_per_round": a.requests, "concurrency": a.concurrency, "max_tokens": a.max_tokens}
+                         "requests_per_round": a.requests, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
+                         "long_prompt_words": a.long_prompt_words}
         t_soak = time.monotonic()
 
         rss0 = monitor.reset_rss_max()

@@ -29,6 +29,7 @@ COMMANDS = {
     "nccl-tune": ("specserve.distributed.nccl_tune", "measure all-reduce latency per NCCL profile, write the best"),
     "train-draft": ("specserve.train.train_draft_cmd", "train an EAGLE-3 drafter for a target"),
     "grow": ("specserve.train.grow_cmd", "widen the demo pair to a larger, function-preserving shape"),
+    "dist-key": ("specserve.distributed.dist_key", "make the secret the nodes of a multi-node run share"),
     "convert-gguf": ("specserve.model.gguf", "write a GGUF checkpoint as a Hugging Face folder (safetensors)"),
 }
 

@@ -110,6 +110,7 @@ class ParallelConfig:
     node_rank: int = 0  # this machine's place: 0 drives the step (HTTP, generate, bench), the others are headless
     dist_init_addr: str | None = None  # HOST:PORT of node 0, reachable from every node (PORT and PORT+1 are used)
     dist_timeout: float = 300.0  # seconds for a node to join and for any collective across nodes
+    dist_key_file: str | None = None  # the nodes' shared secret (specserve.distributed.dist_key)
 
     def __post_init__(self) -> None:
         if self.tp < 1:
@@ -223,6 +224,7 @@ class EngineConfig:
     node_rank = _Grouped("parallel", "node_rank")
     dist_init_addr = _Grouped("parallel", "dist_init_addr")
     dist_timeout = _Grouped("parallel", "dist_timeout")
+    dist_key_file = _Grouped("parallel", "dist_key_file")
     # Speculation's methods, also read as `cfg.tree_nodes(K)`.
     cache_room = _Grouped("spec", "cache_room")
     drafts_tree = _Grouped("spec", "drafts_tree")

@@ -27,10 +27,11 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import wait
 
 from specserve import envs
 from specserve.distributed.nccl_profiles import WorkerEnv
+from specserve.distributed.wire import Conn, WireError
 
 log = logging.getLogger("specserve.tp")
 
@@ -98,6 +99,7 @@ def spawn_worker(base_env: dict[str, str], rank: int, local_rank: int, size: int
     """Start one worker: `base_env` plus its place in the group; `fd` is its end of the
     connection to the driver, `master` the rendezvous store."""
     env = dict(base_env)
+    env.pop(envs.DIST_KEY.name, None)  # the nodes' secret stays with the processes that authenticate
     env.update({
         envs.TP_RANK.name: str(rank), envs.TP_SIZE.name: str(size),
         envs.TP_FD.name: str(fd), envs.TP_PARENT_PID.name: str(os.getpid()),
@@ -121,7 +123,7 @@ class WorkerGroup:
 
         self.size, self.wenv, self.cluster = size, wenv, cluster
         self.procs: list[subprocess.Popen | None] = []
-        self.conns: list[Connection] = []
+        self.conns: list[Conn] = []
         self.env_reports: list[dict] = []
         self.last_progress: list[str] = [""] * size
         self.closed = False
@@ -143,7 +145,7 @@ class WorkerGroup:
                 ours, theirs = socket.socketpair()
                 self.procs.append(spawn_worker(self.wenv.env, rank, rank, size, theirs.fileno(), master))
                 theirs.close()
-                self.conns.append(Connection(ours.detach()))
+                self.conns.append(Conn(ours.detach()))
             if cluster is not None:
                 cluster.on_lost.append(self._node_lost)
                 remote = cluster.spawn_remote(self.group_id, profile, explicit or {}, self._check_lost)
@@ -243,6 +245,8 @@ class WorkerGroup:
                     msg = c.recv()
                 except (EOFError, OSError):
                     self._raise_dead(rank)
+                except WireError as e:  # not a bad request: the group's protocol is broken, so is the group
+                    raise WorkerError(f"{self.who(rank)} sent a malformed message ({e})") from None
                 last_heard[rank] = time.monotonic()
                 kind = msg.get("type")
                 if kind == "progress":

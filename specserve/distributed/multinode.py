@@ -30,10 +30,14 @@ exits 1. Collectives across nodes are bounded by --dist-timeout too (the
 process group's timeout), and a node that never joins fails start-up after
 --dist-timeout.
 
-Connections are authenticated with SPECSERVE_DIST_KEY (the same on every node)
-through multiprocessing's HMAC challenge; without it a fixed key only keeps
-stray connections out. Messages are pickles, as in torch.distributed's own
-object collectives: run the nodes on a network you trust.
+Every connection starts with a mutual HMAC challenge over the nodes' shared
+secret (specserve.distributed.dist_key: --dist-key-file, SPECSERVE_DIST_KEY, or a
+per-run secret when every node is on this machine's loopback); node 0 refuses a
+routable address without one. Messages are JSON frames checked against the
+protocol below (specserve.distributed.wire), never pickles, so a peer that
+gets in can at worst send wrong values, not run code; a malformed message drops
+its connection. Nothing is encrypted: prompts and outputs cross the network in
+clear, as do the collectives' tensors and the rendezvous store's keys.
 """
 
 from __future__ import annotations
@@ -46,10 +50,10 @@ import struct
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection, answer_challenge, deliver_challenge, wait
+from multiprocessing.connection import wait
 
-from specserve import envs
 from specserve.config import ConfigError, ParallelConfig, parse_dist_addr
+from specserve.distributed import dist_key, wire
 
 log = logging.getLogger("specserve.tp")
 
@@ -57,41 +61,57 @@ BEAT_S = 1.0  # heartbeat period on every control connection
 # A headless node logs its state this often: its liveness for a supervisor that judges hangs
 # from log silence (`specserve launch`, whose default stall timeout is far longer).
 STATUS_EVERY_S = 60.0
-_DEFAULT_KEY = b"specserve-multinode"
+HANDSHAKE_S = 10  # a peer has this long to authenticate and send its first message
+
+# The protocol: every message by its "type", with its fields and their types (wire.check).
+FIRST = {  # a launcher's or a remote worker's first message to node 0
+    "node": {"node": int, "nnodes": int, "tp": int, "pid": int, "host": str},
+    "worker": {"group": int, "rank": int, "node": int},
+}
+TO_LAUNCHER = {
+    "welcome": {}, "reject": {"reason": str}, "beat": {}, "bye": {},
+    "spawn": {"group": int, "profile": {"name": str, "env": wire.STR_MAP}, "explicit": wire.STR_MAP},
+    "stop": {"group": int, "reason": (str, type(None))},
+}
+FROM_LAUNCHER = {"beat": {}, "error": {"error": str}}
+
+# What node 0 may set in another node's worker environment: values for NCCL, gloo and specserve,
+# never a variable that makes the worker load a library or read or write a file there.
+REMOTE_ENV_PREFIXES = ("NCCL_", "TORCH_NCCL_", "GLOO_", "SPECSERVE_")
+REMOTE_ENV_CODE = ("PLUGIN", "_FILE", "_PATH", "_LIB", "_DIR")
 
 
-def _authkey() -> bytes:
-    key = envs.DIST_KEY.get()
-    return key.encode() if key else _DEFAULT_KEY
+def remote_env_refused(env: dict[str, str]) -> list[str]:
+    """The variables of `env` that node 0 may not set on this node (see REMOTE_ENV_*)."""
+    return [k for k in env if not k.startswith(REMOTE_ENV_PREFIXES) or any(c in k for c in REMOTE_ENV_CODE)]
 
 
-def _authenticated(sock: socket.socket, key: bytes, server: bool) -> Connection:
-    """`sock` as a Connection after the HMAC challenge both ways. The challenge runs under a
-    receive timeout, so a peer that never answers is dropped instead of blocking us; the
-    connection itself blocks without one afterwards."""
+def _receive_timeout(sock: socket.socket, seconds: int) -> None:
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", seconds, 0))
+
+
+def _open(sock: socket.socket, key: bytes, server: bool) -> tuple[wire.Conn, dict | None]:
+    """`sock` as a wire.Conn after the handshake, and on node 0's side the peer's first message.
+    Both run under a receive timeout, so a peer that stalls is dropped instead of blocking us;
+    the connection blocks without one afterwards."""
     sock.setblocking(True)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 10, 0))
-    conn = Connection(os.dup(sock.fileno()))  # the same socket; `sock` keeps the options handle
+    _receive_timeout(sock, HANDSHAKE_S)
+    conn = wire.Conn(os.dup(sock.fileno()))  # the same socket; `sock` keeps the options handle
     try:
-        if server:
-            deliver_challenge(conn, key)
-            answer_challenge(conn, key)
-        else:
-            answer_challenge(conn, key)
-            deliver_challenge(conn, key)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, struct.pack("ll", 0, 0))
+        wire.handshake(conn, key, server)
+        first = wire.check(conn.recv(), FIRST, "first message") if server else None
+        _receive_timeout(sock, 0)
     except BaseException:
         conn.close()
         raise
     finally:
         sock.close()
-    return conn
+    return conn, first
 
 
-def connect(host: str, port: int, deadline: float, first: dict) -> Connection:
+def connect(host: str, port: int, deadline: float, first: dict, key_file: str | None) -> wire.Conn:
     """A TCP connection to node 0's channel, authenticated both ways, that has sent `first`.
     Node 0 may not be up yet: retried until `deadline` (time.monotonic)."""
-    key = _authkey()
     while True:
         try:
             sock = socket.create_connection((host, port), timeout=10)
@@ -101,11 +121,15 @@ def connect(host: str, port: int, deadline: float, first: dict) -> Connection:
                 raise ConfigError(f"cannot reach node 0 at {host}:{port} ({e}): is node 0 started with the same "
                                   "--dist-init-addr, and is the port open?") from None
             time.sleep(0.5)
-    try:
-        conn = _authenticated(sock, key, server=False)
-    except Exception as e:  # noqa: BLE001 - AuthenticationError, a reset: one clear message
-        raise ConfigError(f"node 0 at {host}:{port} refused this node ({type(e).__name__}: {e}): is "
-                          f"{envs.DIST_KEY.name} the same on every node?") from None
+    try:  # the secret is read once node 0 listens: a loopback run's per-run secret exists by then
+        key = dist_key.secret(key_file, host, port - 1, node_rank=first["node"])
+        conn, _ = _open(sock, key, server=False)
+    except ConfigError:
+        sock.close()
+        raise
+    except Exception as e:  # noqa: BLE001 - a wrong secret, a reset: one clear message
+        raise ConfigError(f"node 0 at {host}:{port} refused this node ({type(e).__name__}: {e or 'closed'}): is the "
+                          "secret (--dist-key-file / SPECSERVE_DIST_KEY) the same on every node?") from None
     conn.send(first)
     return conn
 
@@ -113,7 +137,7 @@ def connect(host: str, port: int, deadline: float, first: dict) -> Connection:
 class _Peer:
     """A control connection to one remote launcher, as node 0 sees it."""
 
-    def __init__(self, node: int, conn: Connection, info: dict):
+    def __init__(self, node: int, conn: wire.Conn, info: dict):
         self.node, self.conn, self.info = node, conn, info
         self.last_heard = time.monotonic()
         self.lock = threading.Lock()  # sends come from the monitor thread and from the caller
@@ -157,17 +181,22 @@ class Cluster:
         self.on_lost: list = []  # callbacks(reason) of the live groups
         self.peers: dict[int, _Peer] = {}
         self._groups = 0
+        # The secret first: without one, a routable address is refused before anything listens.
+        self.key = dist_key.secret(par.dist_key_file, self.host, self.port, node_rank=0)
         try:
             self.store = dist.TCPStore(self.host, self.port, None, True, wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - a busy port or an address not on this machine
             raise ConfigError(f"--dist-init-addr {self.addr}: node 0 cannot open the rendezvous store on port "
                               f"{self.port} ({e}); run node 0 on {self.host} with a free port") from None
-        # Every interface, as the store listens: HOST may name an address this machine only reaches
-        # through another (a hostname that /etc/hosts maps to 127.0.1.1, a NAT).
-        dual = socket.has_dualstack_ipv6()
+        # A loopback run listens on loopback only. Otherwise every interface, as the store listens: HOST
+        # may name an address this machine only reaches through another (a hostname that /etc/hosts
+        # maps to 127.0.1.1, a NAT).
+        dual = socket.has_dualstack_ipv6() and not dist_key.is_loopback(self.host)
+        bind = ("127.0.0.1" if self.host == "localhost" else self.host) if dist_key.is_loopback(self.host) else ""
+        family = socket.AF_INET6 if dual or ":" in bind else socket.AF_INET
         try:
-            self.listener = socket.create_server(("", self.port + 1), family=socket.AF_INET6 if dual else socket.AF_INET,
-                                                 backlog=256, dualstack_ipv6=dual)
+            self.listener = socket.create_server((bind, self.port + 1), family=family, backlog=256,
+                                                 dualstack_ipv6=dual)
         except OSError as e:
             raise ConfigError(f"--dist-init-addr {self.addr}: node 0 cannot listen on port {self.port + 1} ({e}); "
                               "PORT and PORT+1 must both be free") from None
@@ -181,31 +210,25 @@ class Cluster:
         atexit.register(self.shutdown)
 
     # ------------------------------------------------------------ start-up
-    def accept(self, deadline: float, want: str, check=lambda: None) -> tuple[Connection, dict] | None:
-        """One authenticated connection with its first message, or None after `deadline`."""
-        key = _authkey()
+    def accept(self, deadline: float, want: str, check=lambda: None) -> tuple[wire.Conn, dict] | None:
+        """One authenticated connection with its first message, or None after `deadline`. A peer
+        without the secret, or whose first message breaks the protocol, is dropped and logged."""
         while time.monotonic() < deadline:
             check()
             try:
                 sock, peer = self.listener.accept()
             except socket.timeout:
                 continue
-            conn = None
             try:
-                conn = _authenticated(sock, key, server=True)
-                if not conn.poll(10):
-                    raise TimeoutError("no first message")
-                first = conn.recv()
-            except Exception as e:  # noqa: BLE001 - a stray or unauthenticated connection: drop it
-                log.warning("[tp] refused a connection from %s on port %d: %s", peer[0], self.port + 1, e)
-                if conn is not None:
-                    conn.close()
+                conn, first = _open(sock, self.key, server=True)
+            except Exception as e:  # noqa: BLE001 - a stray, unauthenticated or malformed peer: drop it
+                log.warning("[tp] refused a connection from %s on port %d: %s: %s", peer[0], self.port + 1,
+                            type(e).__name__, e or "closed")
                 continue
-            if first.get("kind") != want:
-                conn.send({"op": "reject", "reason": f"node 0 expected a {want} connection, got {first.get('kind')}"})
+            if first["type"] != want:
+                conn.send({"type": "reject", "reason": f"node 0 expected a {want} connection, got {first['type']}"})
                 conn.close()
                 continue
-            first.setdefault("host", peer[0])
             return conn, first
         return None
 
@@ -228,23 +251,23 @@ class Cluster:
             elif node in self.peers:
                 problem = f"two launchers claim --node-rank {node} ({self.peers[node].info['host']} and {info['host']})"
             if problem:
-                conn.send({"op": "reject", "reason": problem})
+                conn.send({"type": "reject", "reason": problem})
                 conn.close()
                 raise ConfigError(problem)
             self.peers[node] = _Peer(node, conn, info)
-            conn.send({"op": "welcome"})
+            conn.send({"type": "welcome"})
             log.info("[tp] node %d joined from %s (launcher pid %s)", node, info["host"], info["pid"])
 
     def node_of(self, rank: int) -> int:
         return rank // self.local
 
-    def spawn_remote(self, group_id: int, profile, explicit: dict, check) -> dict[int, Connection]:
+    def spawn_remote(self, group_id: int, profile, explicit: dict, check) -> dict[int, wire.Conn]:
         """Ask every launcher for its workers of group `group_id`; their connections by global rank."""
         for p in self.peers.values():
-            p.send({"op": "spawn", "group": group_id, "profile": {"name": profile.name, "env": dict(profile.env)},
+            p.send({"type": "spawn", "group": group_id, "profile": {"name": profile.name, "env": dict(profile.env)},
                     "explicit": dict(explicit)})
         want = {r for r in range(self.local, self.tp)}
-        out: dict[int, Connection] = {}
+        out: dict[int, wire.Conn] = {}
         deadline = time.monotonic() + self.timeout
         while want - set(out):
             got = self.accept(deadline, "worker", check)
@@ -268,7 +291,7 @@ class Cluster:
         """The launchers stop whatever is left of a group's workers (best effort)."""
         for p in self.peers.values():
             try:
-                p.send({"op": "stop", "group": group_id, "reason": reason})
+                p.send({"type": "stop", "group": group_id, "reason": reason})
             except OSError:
                 pass
 
@@ -281,19 +304,22 @@ class Cluster:
                 next_beat = now + BEAT_S
                 for p in list(self.peers.values()):
                     try:
-                        p.send({"op": "beat"})
+                        p.send({"type": "beat"})
                     except OSError:
                         pass  # found below as a closed connection
             by_conn = {p.conn: p for p in self.peers.values()}
             for c in wait(list(by_conn), timeout=0.25):
                 p = by_conn[c]
                 try:
-                    msg = c.recv()
+                    msg = wire.check(c.recv(), FROM_LAUNCHER, p.where())
                 except (EOFError, OSError):
                     self._lose(f"{p.where()} went away (its launcher exited or the connection broke)")
                     return
+                except wire.WireError as e:
+                    self._lose(f"{p.where()} sent a malformed message ({e})")
+                    return
                 p.last_heard = time.monotonic()
-                if msg.get("op") == "error":
+                if msg["type"] == "error":
                     self._lose(f"{p.where()} failed: {msg['error']}")
                     return
             for p in self.peers.values():
@@ -321,7 +347,7 @@ class Cluster:
         self.lost = "node 0 shut down"
         for p in self.peers.values():
             try:
-                p.send({"op": "bye"})
+                p.send({"type": "bye"})
             except OSError:
                 pass
         self._close_all()
@@ -350,15 +376,17 @@ def run_node(par: ParallelConfig) -> int:
     node, local = par.node_rank, par.local_tp
     deadline = time.monotonic() + par.dist_timeout
     try:
-        ctl = connect(host, port + 1, deadline, {"kind": "node", "node": node, "nnodes": par.nnodes, "tp": par.tp,
-                                                 "pid": os.getpid(), "host": socket.gethostname()})
+        if not dist_key.is_loopback(host):  # no usable secret: say so now, not after reaching node 0
+            dist_key.secret(par.dist_key_file, host, port, node)
+        ctl = connect(host, port + 1, deadline, {"type": "node", "node": node, "nnodes": par.nnodes, "tp": par.tp,
+                                                 "pid": os.getpid(), "host": socket.gethostname()}, par.dist_key_file)
         if not ctl.poll(max(deadline - time.monotonic(), 1.0)):
             raise ConfigError(f"node 0 at {par.dist_init_addr} accepted this node but never answered")
-        answer = ctl.recv()
-    except (ConfigError, EOFError, OSError) as e:
+        answer = wire.check(ctl.recv(), TO_LAUNCHER, "node 0")
+    except (ConfigError, wire.WireError, EOFError, OSError) as e:
         print(f"error: node {node}: {e}", file=sys.stderr)
         return 1
-    if answer.get("op") != "welcome":
+    if answer["type"] != "welcome":
         print(f"error: node {node}: node 0 refused this node: {answer.get('reason')}", file=sys.stderr)
         return 1
     log.info("joined node 0 at %s as node %d of %d (%d workers here, ranks %d..%d)", par.dist_init_addr, node,
@@ -381,27 +409,35 @@ def run_node(par: ParallelConfig) -> int:
             now = time.monotonic()
             if now >= next_beat:
                 next_beat = now + BEAT_S
-                ctl.send({"op": "beat"})
+                ctl.send({"type": "beat"})
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
                 alive = {gid: sum(p.poll() is None for p in ps) for gid, ps in procs.items()}
                 log.info("status: node 0 heard %.1f s ago; workers alive per group: %s", now - last_heard,
                          alive or "none (waiting for node 0)")
             if ctl.poll(0.25):
-                msg = ctl.recv()
+                msg = wire.check(ctl.recv(), TO_LAUNCHER, "node 0")
                 last_heard = time.monotonic()
-                op = msg["op"]
+                op = msg["type"]
                 if op == "spawn":
                     gid, failed = msg["group"], None
-                    prof = Profile(msg["profile"]["name"], msg["profile"]["env"], "node 0")
-                    wenv = build_worker_env(dict(os.environ), prof, msg["explicit"])
+                    prof_env, explicit = msg["profile"]["env"], msg["explicit"]
+                    refused = remote_env_refused({**prof_env, **explicit})
+                    if refused:  # node 0's hello check then names them, failing the start-up
+                        log.warning("refused node 0's %s for this node's workers: a variable that could load code "
+                                    "or write files here must be set in this node's own environment", refused)
+                    prof = Profile(msg["profile"]["name"], {k: v for k, v in prof_env.items() if k not in refused},
+                                   "node 0")
+                    wenv = build_worker_env(dict(os.environ), prof,
+                                            {k: v for k, v in explicit.items() if k not in refused})
                     for note in wenv.notes:
                         log.warning("%s", note)
                     procs[gid] = []
                     for i in range(local):
                         rank = node * local + i
                         conn = connect(host, port + 1, time.monotonic() + par.dist_timeout,
-                                       {"kind": "worker", "group": gid, "rank": rank, "node": node})
+                                       {"type": "worker", "group": gid, "rank": rank, "node": node},
+                                       par.dist_key_file)
                         procs[gid].append(group_mod.spawn_worker(
                             wenv.env, rank, i, par.tp, conn.fileno(), (host, port)))
                         conn.close()  # the worker holds the socket now
@@ -428,6 +464,8 @@ def run_node(par: ParallelConfig) -> int:
                     stop(gid)
     except (EOFError, OSError) as e:
         why = f"lost node 0 at {par.dist_init_addr} ({type(e).__name__}: {e or 'connection closed'})"
+    except wire.WireError as e:
+        why = f"node 0 at {par.dist_init_addr} sent a malformed message ({e})"
     except ConfigError as e:
         why = str(e)
     finally:
@@ -435,7 +473,7 @@ def run_node(par: ParallelConfig) -> int:
             stop(gid)
         if code:
             try:  # node 0 names the reason instead of only seeing the connection close
-                ctl.send({"op": "error", "error": why})
+                ctl.send({"type": "error", "error": why})
             except OSError:
                 pass
         ctl.close()

@@ -282,7 +282,8 @@ def run(args: argparse.Namespace) -> int:
         if any(t < 1 for t in args.tokens):
             raise ConfigError("--tokens must be positive")
         par = ParallelConfig(tp=args.tp, nnodes=args.nnodes, node_rank=args.node_rank,
-                             dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout)
+                             dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout,
+                             dist_key_file=args.dist_key_file)
         if par.node_rank:  # a headless node: its workers measure when node 0 asks
             from specserve.distributed.multinode import run_node
 

@@ -8,7 +8,7 @@ driver's word: join the process group, set up collectives, and run either an
 engine (SPMD: every rank runs the same requests in the same order; rank 0
 answers) or the all-reduce tuner.
 
-Messages on the driver connection (pickled dicts):
+Messages on the driver connection (dicts in specserve.distributed.wire's JSON frames):
   worker -> driver  {"type": "hello" | "progress" | "ready" | "reply" | "error", ...}
   driver -> worker  {"type": "init", ...} then {"op": ..., ...} per command
 """
@@ -199,9 +199,9 @@ def main() -> int:
     die_with_parent(envs.TP_PARENT_PID.require())
     environ = read_environ()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle; we follow it
-    from multiprocessing.connection import Connection
+    from specserve.distributed.wire import Conn  # JSON frames: nothing received can run code
 
-    ch = Channel(Connection(envs.TP_FD.require()), rank)
+    ch = Channel(Conn(envs.TP_FD.require()), rank)
     ch.send({"type": "hello", "rank": rank, "pid": os.getpid(), "environ": environ})
     try:
         msg = ch.conn.recv()

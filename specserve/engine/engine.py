@@ -226,6 +226,7 @@ class Engine(ServingEngine):
         return not self.n_prefill and (not self.waiting or self._admission_deferred(1))
 
     def _admit(self) -> None:
+        self.scheduler.step()
         if self._admission_deferred():
             if self._deferred_since is None:
                 self._deferred_since = self.steps_taken
@@ -233,7 +234,7 @@ class Engine(ServingEngine):
         self._deferred_since = None
         while self.waiting and self.free_rows > 0:
             row = self.n_running + self.n_prefill
-            if not self.scheduler.admit(self.waiting[0], row, self.n_running):
+            if not self.scheduler.admit(self.waiting[0], row, self.rows[: self.n_running]):
                 break  # first come, first served: later arrivals wait too
             seq = self.waiting.popleft()
             seq.row = row

@@ -102,6 +102,9 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dist-init-addr", metavar="HOST:PORT",
                    help="with --nnodes > 1: node 0's address as every node reaches it (PORT: rendezvous, "
                         "PORT+1: node 0's channel to the other nodes)")
+    p.add_argument("--dist-key-file", metavar="FILE",
+                   help="with --nnodes > 1: the secret every node shares (make one with `specserve dist-key --out "
+                        "FILE`; mode 0600). Default: SPECSERVE_DIST_KEY, or a per-run secret on a loopback address")
     p.add_argument("--dist-timeout", type=float, default=300.0,
                    help="seconds for every node to join, for any collective across nodes, and for the TP workers "
                         "to answer one serving step: a worker silent that long ends the server (default 300)")
@@ -133,7 +136,8 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
               aux_layer_convention=args.aux_layer_convention,
               allow_draft_position_extension=args.allow_draft_position_extension,
               allow_pickle=args.allow_pickle, tp=args.tp, nnodes=args.nnodes, node_rank=args.node_rank,
-              dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout, kv_block_size=args.kv_block_size,
+              dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout,
+              dist_key_file=args.dist_key_file, kv_block_size=args.kv_block_size,
               admit_wait=args.admit_wait, kv_cache_tokens=args.kv_cache_tokens,
               gpu_memory_utilization=args.gpu_memory_utilization)
     from specserve.distributed.nccl_profiles import load_profile, parse_env_args

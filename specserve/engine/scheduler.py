@@ -11,12 +11,20 @@ is preempted: its blocks are released (its full prompt blocks stay in the prefix
 is on) and it waits at the head of the queue to be prefilled again over all its tokens but the
 last, then continues exactly where it stopped (the tokens it already produced are kept, sampled
 draws depend only on the seed and the position).
+
+Hysteresis: a preemption raises `caution` to 1, and while it is above 0 an admission also keeps
+free that fraction of the blocks every running sequence and the newcomer may still grow into
+(up to its max_tokens); it relaxes to 0 over CAUTION_STEPS steps. So a preempted sequence comes
+back when it can run to its end rather than to be preempted again at once, and a pool whose
+sequences end early (EOS) soon admits as eagerly as before.
 """
 
 from __future__ import annotations
 
 from specserve.engine.block_pool import BlockPool
 from specserve.engine.sequence import Sequence
+
+CAUTION_STEPS = 32
 
 
 class Scheduler:
@@ -26,19 +34,35 @@ class Scheduler:
         self.margin = margin
         self.max_len = (kv.max_blocks - 1) * kv.block_size  # indices a row can hold (before its null column)
         self.preemptions = 0
+        self.caution = 0.0  # see the module doc
 
     def blocks_for(self, n_tokens: int) -> int:
         return -(-min(n_tokens, self.max_len) // self.kv.block_size)
 
-    def admit(self, seq: Sequence, row: int, running: int) -> bool:
+    def step(self) -> None:
+        """Once per engine step, before admissions."""
+        self.caution = max(0.0, self.caution - 1 / CAUTION_STEPS)
+
+    def final_blocks(self, seq: Sequence) -> int:
+        """The blocks `seq` holds when it has produced all its max_tokens."""
+        return self.blocks_for(len(seq.prompt_ids) + seq.params.max_tokens + self.margin)
+
+    def admit(self, seq: Sequence, row: int, running: list[Sequence]) -> bool:
         """Give `seq` its prefix-cache hit and the blocks for the rest of its prefill; False (nothing
-        changed) when the pool cannot. One block per running sequence (`running`) stays free for
-        their growth, so an admission does not at once preempt a sequence already decoding."""
+        changed) when the pool cannot. One block per running sequence stays free for their growth,
+        so an admission does not at once preempt a sequence already decoding; more after a
+        preemption (see the module doc)."""
         tokens = seq.tokens(0, seq.prefill_len)
         hit = self.pool.match(tokens)
-        need = self.blocks_for(seq.prefill_len + self.margin) - len(hit)
+        full = self.blocks_for(seq.prefill_len + self.margin)
+        need = full - len(hit)
+        reserve = len(running)
+        if self.caution:
+            growth = sum(max(self.final_blocks(s) - len(s.blocks), 0) for s in running)
+            growth += max(self.final_blocks(seq) - full, 0)
+            reserve = max(reserve, int(self.caution * growth))
         idle_hits = sum(1 for b in hit if self.pool.refs[b] == 0)  # counted in available() but not takeable
-        if need + running > self.pool.available() - idle_hits:
+        if need + reserve > self.pool.available() - idle_hits:
             return False
         self.pool.acquire(hit)
         seq.blocks = hit + self.pool.allocate(need)
@@ -73,5 +97,6 @@ class Scheduler:
         """Free a running sequence's blocks and reset it to be prefilled again (see the module doc)."""
         self.release(seq)
         self.preemptions += 1
+        self.caution = 1.0
         seq.prefill_len = seq.total_len - 1
         seq.prefilled = seq.num_cached = seq.pending = seq.stale = 0

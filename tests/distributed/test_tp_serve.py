@@ -19,9 +19,10 @@ import httpx
 import openai
 import pytest
 
-from served import PY, Served, alive, free_port, sse_events, workers_of
 from specserve.engine.llm import LLM
 from specserve.engine.sampling import SamplingParams
+
+from served import PY, Served, alive, free_port, sse_events, workers_of
 
 pytestmark = pytest.mark.slow
 

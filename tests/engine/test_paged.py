@@ -241,3 +241,36 @@ def test_admit_wait_bounds_the_wait_and_never_holds_an_idle_engine(small_pair):
     assert big.output_ids  # its 20 prompt tokens fill a prefill chunk: no reason to wait
     with pytest.raises(ConfigError, match="--admit-wait"):
         EngineConfig(model=str(small_pair[0]), admit_wait=-1)
+
+
+def _preemptions_per_sequence(engine) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    preempt = engine.scheduler.preempt
+
+    def counted(seq):
+        counts[seq.seq_id] = counts.get(seq.seq_id, 0) + 1
+        preempt(seq)
+
+    engine.scheduler.preempt = counted
+    return counts
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_preemption_hysteresis_and_speculation_keep_plain_output(small_pair, mode, monkeypatch):
+    """Eight long generations in a pool that holds about three: with speculation every sequence
+    emits exactly what plain decoding emits with room to spare, and the hysteresis after a
+    preemption (engine.scheduler) preempts less than readmitting as soon as blocks free up."""
+    from specserve.engine import scheduler
+
+    prompts = _prompts(8, seed=13, lo=5, hi=15)
+    params = _params(8, max_tokens=45)
+    plain = _drain(_engine(small_pair, "plain", max_num_seqs=8, kv_block_size=8, max_model_len=64), prompts, params)
+    kw = dict(max_num_seqs=8, kv_block_size=8, max_model_len=64, kv_cache_tokens=128)
+    engine = _engine(small_pair, mode, **kw)
+    counts = _preemptions_per_sequence(engine)
+    assert _drain(engine, prompts, params) == plain
+    monkeypatch.setattr(scheduler, "CAUTION_STEPS", 1e-9)  # no hysteresis: readmitted once blocks are free
+    eager = _engine(small_pair, mode, **kw)
+    eager_counts = _preemptions_per_sequence(eager)
+    assert _drain(eager, prompts, params) == plain
+    assert 0 < sum(counts.values()) < sum(eager_counts.values()), (counts, eager_counts)
