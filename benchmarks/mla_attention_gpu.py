@@ -10,8 +10,10 @@ For Kimi-K2.5 (64 heads) and DeepSeek-V3 (128 heads) shapes (latent 512, rope 64
     against its two floors: the latent cache's bytes over the measured copy bandwidth and the products'
     FLOPs over the measured bf16 matmul rate; verify(K+1)/decode against the same ratio of floors;
   - with --sweep, first times launch shapes (key tile, stages, waves) at 128k and keeps the fastest;
-  - with --old MODULE, times that module's `latent_attention_triton` too (the kernel before).
-Writes mla_attention.json under --out (default $OUT) and prints a table last.
+  - with --old MODULE, times that module's `latent_attention_triton` too at T = 1 and K_max + 1 (the kernel
+    before: `git show c9b30be:specserve/kernels/latent_attention.py > benchmarks/_old_latent.py`, then
+    --old benchmarks._old_latent).
+Writes mla_attention_bs<block size>.json under --out (default $OUT) and prints a table last.
 """
 
 from __future__ import annotations
@@ -104,15 +106,19 @@ def checks(g) -> list[dict]:
     return res
 
 
-def time_case(fn_attn, B, T, H, ctx, g) -> float:
-    """Median us of one call, CUDA-graph replays over several caches in turn."""
+def time_case(fn_attn, B, T, H, ctx, g, paged=True) -> float:
+    """Median us of one call, CUDA-graph replays over several caches in turn (paged, or the same keys as
+    one slot cache [rows, 1, length, L + R] with `paged` False)."""
     copies = max(1, min(16, POOL_BYTES // (B * ctx * (L + R) * 2)))
     pool, table, q, widx, scratch = make_case(B, T, H, ctx, copies, g)
     calls = max(copies, 8)
+    kw = {"block_table": table, "block_size": BS}
+    if not paged:
+        pool, kw = pool.view(table.shape[0], 1, -1, L + R), {}
 
     def run():
         for i in range(calls):
-            fn_attn(q, pool, L, (i % copies) * B, widx, scratch, SCALE, block_table=table, block_size=BS)
+            fn_attn(q, pool, L, (i % copies) * B, widx, scratch, SCALE, **kw)
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -129,7 +135,7 @@ def floors(B, T, H, ctx, bw, rate):
 
 
 def sweep(g, sms) -> dict:
-    configs = [(w, bn, st, 1) for w in (8, 16) for bn, st in ((32, 2), (32, 3), (64, 1), (64, 2))] + [(8, 64, 2, 2)]
+    configs = [(8, 32, 2, 1), (8, 32, 3, 1), (8, 64, 1, 1), (8, 64, 2, 1), (16, 32, 2, 1), (8, 32, 3, 2)]
     points = [(64, 1, 1), (64, 1, 5), (64, 4, 1), (128, 1, 1), (128, 4, 3)]
     out = {}
     for w, bn, st, waves in configs:
@@ -158,21 +164,25 @@ def resources() -> list[dict]:
 
 
 def main() -> None:
+    global BS
     ap = argparse.ArgumentParser()
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072, 262144])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--k-max", type=int, default=4)
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--block-size", type=int, default=BS, help="tokens per cache block")
     ap.add_argument("--old", default=None, help="module of the kernel before, timed beside")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = ap.parse_args()
+    BS = args.block_size
     g = torch.Generator(device="cuda").manual_seed(0)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     bw, rate = copy_bandwidth(), matmul_rate()
     res = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "matmul_flops": rate, "checks": checks(g)}
     if args.sweep:
         res["sweep"] = sweep(g, sms)
-    res["config"] = {"warps": la.LATENT_WARPS, "block_n": la.LATENT_BLOCK_N, "stages": la.LATENT_STAGES, "waves": la.LATENT_WAVES,
+    res["config"] = {"block_size": BS, "warps": la.LATENT_WARPS, "block_n": la.LATENT_BLOCK_N,
+                     "stages": la.LATENT_STAGES, "waves": la.LATENT_WAVES,
                      "min_chunk": la.LATENT_MIN_CHUNK, "rows": la.LATENT_ROWS}
     old = importlib.import_module(args.old).latent_attention_triton if args.old else None
     rows = []
@@ -196,7 +206,7 @@ def main() -> None:
     except Exception as e:  # noqa: BLE001 (Triton's cache layout differs between versions)
         print("no resource report:", e)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "mla_attention.json").write_text(json.dumps(res, indent=1))
+    (Path(args.out) / f"mla_attention_bs{BS}.json").write_text(json.dumps(res, indent=1))
     print(f"\ncopy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s, checks "
           f"{'all ok' if all(c['ok'] for c in res['checks']) else 'FAILED'}; config {res['config']}")
     print(f"{'shape':12} {'ctx':>7} B {'decode us':>9} {'%roof':>5} {'old us':>7} | verify(K+1)/decode K=1..4 (floor)")
@@ -205,7 +215,8 @@ def main() -> None:
             for B in args.batches:
                 sel = {r["T"]: r for r in rows if r["shape"] == shape and r["context"] == ctx and r["B"] == B}
                 d = sel[1]
-                ratios = " ".join(f"{sel[t]['us'] / d['us']:.2f}({max(sel[t]['bytes_us'], sel[t]['flops_us']) / max(d['bytes_us'], d['flops_us']):.2f})"
+                floor = {t: max(sel[t]["bytes_us"], sel[t]["flops_us"]) for t in sel}
+                ratios = " ".join(f"{sel[t]['us'] / d['us']:.2f}({floor[t] / floor[1]:.2f})"
                                   for t in range(2, args.k_max + 2))
                 old_s = f"{d['old_us']:7.1f}" if "old_us" in d else "      -"
                 print(f"{shape:12} {ctx:7d} {B} {d['us']:9.1f} {100 * d['of_roofline']:4.0f}% {old_s} | {ratios}")

@@ -85,6 +85,7 @@ def _close(got, want, real, dtype):
     (3, 4, 4, 0, 16),  # verify chains (K=3), rows at different lengths
     (2, 1, 8, 8, 8),  # paged decode
     (2, 5, 16, 16, 16),  # paged verify over two row blocks (80 rows: the second one partly padded)
+    (2, 3, 8, 64, 16),  # blocks of 64 keys: a key tile in one block, one block-table read a tile
     (2, 2, 4, 0, 1),  # one split holds every key: no combine
 ])
 def test_latent_kernel_equals_sdpa(dtype, B, T, H, block_size, sm_count, monkeypatch):

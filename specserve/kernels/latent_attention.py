@@ -15,8 +15,9 @@ at least LATENT_MIN_CHUNK keys and a long one spreads over all of them. Write-in
 tree and paging rules as in kernels/attention.py.
 
 The float32 value accumulator is LATENT_ROWS x L: 64 x 512 over 8 warps is 128 registers a thread
-(one warpgroup's MMA holds 64 rows, the second takes the other half of the value dims); the query
-block stays in shared memory for the whole key loop. L and R must be powers of two (tl.arange) and
+(one warpgroup's MMA holds 64 rows, the second takes the other half of the value dims). The scores
+are computed keys x rows, so the query block is the product's second operand, loaded once into shared
+memory, and no register holds it across the key loop. L and R must be powers of two (tl.arange) and
 are loaded as two tiles, since L + R (576) is not.
 """
 
@@ -74,50 +75,53 @@ if triton is not None:
         t = g // H
         rmask = g < T * H
         widx = tl.load(widx_ptr + b * widx_stride + t, mask=rmask, other=-1)
-        limit = tl.where(widx == scratch, -1, widx)  # padding queries (scratch slot) see nothing
+        # padding queries (scratch slot) see nothing; 32-bit positions keep the key masks small
+        limit = tl.where(widx == scratch, -1, widx).to(tl.int32)
         chunk = latent_chunk(widx_ptr, b, widx_stride, T, scratch, n_split, T_BLOCK, BLOCK_N, MIN_CHUNK)
         lo, hi = key_range(sp, chunk, length, limit)
-        if lo < hi:  # splits past every row's last key do nothing; the combine skips them
-            anc, tbase = tree_bits(anc_ptr, tbase_ptr, b, anc_stride, t, rmask, TREE)
-            offs_l = tl.arange(0, L)
-            offs_r = tl.arange(0, R)
-            head = b * T * H + g
-            q_lat = tl.load(q_ptr + head[:, None] * (L + R) + offs_l[None, :], mask=rmask[:, None], other=0.0)
-            q_rot = tl.load(q_ptr + head[:, None] * (L + R) + L + offs_r[None, :], mask=rmask[:, None], other=0.0)
-            if F32_DOT:
-                q_lat, q_rot = q_lat.to(tl.float32), q_rot.to(tl.float32)
-            m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
-            l_i = tl.zeros([BLOCK_Q], tl.float32)
-            acc = tl.zeros([BLOCK_Q, L], tl.float32)
-            row = (row_start + b).to(tl.int64)
-            for start in range(lo, hi, BLOCK_N):
-                offs_n = start + tl.arange(0, BLOCK_N)
-                kmask = offs_n < hi
-                pos = key_offsets(bt_ptr, row, bt_stride, offs_n, kmask, c_row, c_pos, BS, PAGED)
-                c = tl.load(c_ptr + pos[:, None] + offs_l[None, :], mask=kmask[:, None], other=0.0)
-                k_rot = tl.load(c_ptr + pos[:, None] + L + offs_r[None, :], mask=kmask[:, None], other=0.0)
-                if F32_DOT:
-                    c, k_rot = c.to(tl.float32), k_rot.to(tl.float32)
-                # Scores as keys x rows, transposed back: the query block is then the products' second
-                # operand, which the tensor cores read from shared memory (loaded once), not registers.
-                # (Each product accumulates into the one before: no second tile in registers.)
-                s = tl.trans(tl.dot(k_rot, tl.trans(q_rot), tl.dot(c, tl.trans(q_lat)))) * scale
-                p, alpha, m_new, l_i = softmax_tile(s, offs_n, kmask, limit, anc, tbase, m_i, l_i, TREE)
-                acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None])
-                m_i = m_new
-            if ONE_SPLIT:  # the whole row in this program: normalise and write the output, no combine
-                o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-                tl.store(out_ptr + head[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
-                         mask=rmask[:, None])
+        lo, hi = lo.to(tl.int32), hi.to(tl.int32)  # (a 32-bit loop counter)
+        anc, tbase = tree_bits(anc_ptr, tbase_ptr, b, anc_stride, t, rmask, TREE)
+        offs_l = tl.arange(0, L)
+        offs_r = tl.arange(0, R)
+        head = b * T * H + g
+        q_lat = tl.load(q_ptr + head[:, None] * (L + R) + offs_l[None, :], mask=rmask[:, None], other=0.0)
+        q_rot = tl.load(q_ptr + head[:, None] * (L + R) + L + offs_r[None, :], mask=rmask[:, None], other=0.0)
+        if F32_DOT:
+            q_lat, q_rot = q_lat.to(tl.float32), q_rot.to(tl.float32)
+        m_i = tl.full([BLOCK_Q], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_Q], tl.float32)
+        acc = tl.zeros([BLOCK_Q, L], tl.float32)
+        row = (row_start + b).to(tl.int64)
+        # (the loop at the kernel's top level, no branch around it: its key loads are pipelined)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            kmask = offs_n < hi
+            # keys past hi are read at hi - 1 (in bounds, no load masks) and masked out of the softmax
+            if PAGED and BS >= BLOCK_N:  # the tile lies in one block (start is a multiple of BLOCK_N)
+                block = tl.load(bt_ptr + row * bt_stride + start // BS).to(tl.int64)
+                pos = block * c_row + (tl.minimum(offs_n, hi - 1) % BS) * c_pos
             else:
-                part = ((b * n_split + sp) * tl.num_programs(0) + rb) * BLOCK_Q + r
-                tl.store(o_ptr + part[:, None] * L + offs_l[None, :], acc, mask=rmask[:, None])
-                tl.store(ml_ptr + part * 2, m_i, mask=rmask)
-                tl.store(ml_ptr + part * 2 + 1, l_i, mask=rmask)
-        elif ONE_SPLIT:  # no key at all (padding rows): zeros, as the normalised empty sum
-            offs_l = tl.arange(0, L)
-            zero = tl.zeros([BLOCK_Q, L], tl.float32).to(out_ptr.dtype.element_ty)
-            tl.store(out_ptr + (b * T * H + g)[:, None] * L + offs_l[None, :], zero, mask=rmask[:, None])
+                pos = key_offsets(bt_ptr, row, bt_stride, tl.minimum(offs_n, hi - 1), kmask, c_row, c_pos, BS, PAGED)
+            c = tl.load(c_ptr + pos[:, None] + offs_l[None, :])
+            k_rot = tl.load(c_ptr + pos[:, None] + L + offs_r[None, :])
+            if F32_DOT:
+                c, k_rot = c.to(tl.float32), k_rot.to(tl.float32)
+            # Scores as keys x rows, transposed back: the query block is then the products' second
+            # operand, which the tensor cores read from shared memory (loaded once), not registers.
+            # (Each product accumulates into the one before: no second tile in registers.)
+            s = tl.trans(tl.dot(k_rot, tl.trans(q_rot), tl.dot(c, tl.trans(q_lat)))) * scale
+            p, alpha, m_new, l_i = softmax_tile(s, offs_n, kmask, limit, anc, tbase, m_i, l_i, TREE)
+            acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None])
+            m_i = m_new
+        if ONE_SPLIT:  # the whole row in this program: normalise and write the output (zeros: no key), no combine
+            o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+            tl.store(out_ptr + head[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
+                     mask=rmask[:, None])
+        elif lo < hi:  # splits past every row's last key write nothing; the combine skips them
+            part = ((b * n_split + sp) * tl.num_programs(0) + rb) * BLOCK_Q + r
+            tl.store(o_ptr + part[:, None] * L + offs_l[None, :], acc, mask=rmask[:, None])
+            tl.store(ml_ptr + part * 2, m_i, mask=rmask)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=rmask)
 
     @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "scratch"])
     def _latent_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, n_split, widx_stride, scratch,
@@ -178,12 +182,16 @@ if triton is not None:
 
 LATENT_ROWS = 64  # query rows (tokens x heads) a program, the tensor cores' M (see the module docstring)
 LATENT_MAX_TOKENS = 32  # query tokens a sequence takes (longer blocks, prefill, use SDPA)
+# Launch shape (benchmarks/mla_attention_gpu.py --sweep times the others): 32-key tiles keep the program
+# within the register file without spilling on sm_90; 64-key tiles spill and run slower.
 LATENT_BLOCK_N = 32  # keys per tile: 32 x (512 + 64) bf16 is 36 KB of shared memory a stage
 LATENT_WARPS = 8
-LATENT_STAGES = 3  # key tiles in flight a program (with the 72 KB query block: 180 KB of shared memory)
-LATENT_MIN_CHUNK = 256  # keys a split at least: its partial sums (64 x 512 float32) cost a fraction of its reads
-# programs a launch aims at, per multiprocessor (one resident at a time: shared memory): the splits of a
-# sequence fill the GPU at small batches and long contexts
+LATENT_STAGES = 3  # key tiles in flight a program
+# Keys a split at least: at short contexts a sequence's keys spread over many multiprocessors (a program's
+# tiles run one after another), at the price of more partial sums for the combine.
+LATENT_MIN_CHUNK = 64
+# programs a launch aims at, per multiprocessor (one resident at a time: registers and shared memory): the
+# splits of a sequence fill the GPU at small batches and long contexts
 LATENT_WAVES = 1
 # partial results a combine program holds, [splits, output dims] (32 float32 registers a thread
 # on 4 warps): more splits, fewer dims per program
