@@ -174,6 +174,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-sizes", nargs="+", type=int, default=DEFAULT_BATCH_SIZES, metavar="B",
                    help="prompts submitted together (default: %(default)s)")
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)")
+    g.add_argument("--context", type=int, metavar="N",
+                   help="prompt length in tokens: each prompt is led by the other prompts' text, in turn, up to N "
+                        "tokens (offline mode), to measure speculation at that context; longer prompts stay as "
+                        "they are")
     g.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default: %(default)s)")
     g.add_argument("--warmup", type=int, default=None,
                    help="untimed warm-up passes over all prompts, per config and batch size (default: 1, or 0 where "
@@ -235,6 +239,11 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.spec_steps is not None or args.adaptive:
         raise ConfigError("bench compares configurations: use --configs eagle3:steps=K or eagle3:adaptive,steps=K "
                           "instead of --spec-steps/--adaptive")
+    if args.context is not None and args.context < 1:
+        raise ConfigError(f"--context must be at least 1 token, got {args.context}")
+    if args.context is not None and args.url:
+        raise ConfigError("--context builds the prompts' token ids in offline mode; with --url, send prompts of "
+                          "that length (--prompts FILE) instead")
     for name in ("max_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")

@@ -250,8 +250,11 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
                           f"(no chat_template in tokenizer_config.json or chat_template.jinja): benchmark a chat "
                           f"model, or measure first turns only (--dataset mt-bench)")
     # The model's own answers are written after loading: until then they are empty, and up to --max-tokens long.
-    prompt_ids = [_encode(tok, _answered(p, "")) for p in prompts]
+    prompt_ids = at_context([_encode(tok, _answered(p, "")) for p in prompts], args.context)
     categories = [p["category"] for p in prompts]
+    if args.context and args.max_model_len is not None and args.context + args.max_tokens > args.max_model_len:
+        raise ConfigError(f"--context {args.context} plus --max-tokens {args.max_tokens} exceeds --max-model-len "
+                          f"{args.max_model_len}: raise --max-model-len, or leave it out to fit the prompts")
     if args.max_model_len is None:
         # Room for the longest prompt and its output (+ the longest draft), no more: attention
         # costs grow with the reserved cache length on CPU, the same for every configuration.
@@ -295,7 +298,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
         units[cfg.label] = EngineUnit(cfg, base_kw, args.profile, shared_by_cfg.get(cfg.label))
     if any(own):
         prompts = _answer_own_turns(units["baseline"], tok, prompts, args.max_tokens, log)
-        prompt_ids = [_encode(tok, p) for p in prompts]
+        prompt_ids = at_context([_encode(tok, p) for p in prompts], args.context)
     from specserve.model.loader import resolve_dtype
 
     device = base_kw["device"]
@@ -395,6 +398,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
             "batch_sizes": list(args.batch_sizes), "max_tokens": args.max_tokens, "repeats": args.repeats,
             "warmup": args.warmup, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
             "seed": args.seed, "max_model_len": base_kw["max_model_len"], "device": device,
+            "context": args.context,
             "profile": bool(args.profile), "torch_threads": torch.get_num_threads(), "calibration": calibration,
             "prompts": {"path": str(args.prompts or ("--dataset" if getattr(args, "dataset", None) else "bundled")),
                         "count": len(prompts),
@@ -498,6 +502,23 @@ def _answer_own_turns(baseline: EngineUnit, tok, prompts: list[dict], max_tokens
     for i, ids in zip(todo, out.tokens):
         answered[i] = {**_answered(prompts[i], tok.decode(ids).strip()), "own_answer_tokens": len(ids)}
     return answered
+
+
+def at_context(prompt_ids: list[list[int]], context: int | None) -> list[list[int]]:
+    """Each prompt led by filler up to `context` tokens (`--context`): the prompts' own tokens, the next prompt's
+    first, in turn, so the filler is real text of the set; prompts already that long, and all without a context,
+    stay as they are."""
+    if context is None:
+        return prompt_ids
+    out = []
+    for i, ids in enumerate(prompt_ids):
+        others = prompt_ids[i + 1:] + prompt_ids[: i + 1]
+        filler: list[int] = []
+        while len(filler) < context - len(ids):
+            for o in others:
+                filler += o
+        out.append(filler[: max(0, context - len(ids))] + ids)
+    return out
 
 
 def _encode(tok, p: dict) -> list[int]:

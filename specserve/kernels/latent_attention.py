@@ -1,18 +1,24 @@
 """Absorbed multi-head latent attention (MLA) over the latent cache, for decode and verify.
 
 The cache holds one head per token, [latent L | k_rot R]; the H absorbed query heads all attend
-over it and the values are its first L dims (see model/mla.py). A program takes a block of heads
-(times the T query tokens) as the rows of its matrix products, so each key tile is read once
-for all of them, and that one tile serves as key (L + R dims) and value (its first L dims).
-Flash-decoding as in kernels/attention.py: the keys are split into chunks that run in parallel
-and a second kernel merges them; the same write-index, scratch-slot, tree and paging rules.
+over it and the values are its first L dims (see model/mla.py). A sequence's query rows (its T
+tokens times H heads, token-major) are cut into blocks of LATENT_ROWS, the M dimension of the
+tensor-core products, so each key tile is read once for all the rows of a block and serves as key
+(L + R dims) and value (its first L dims); the blocks of one sequence and split are neighbouring
+programs, so a tile read for one is in L2 for the others.
 
-Rows per program: at most LATENT_MAX_ROWS (heads x tokens), over 8 warps. The float32 value
-accumulator is rows x L: at L = 512 and 32 rows that is 64 registers a thread, and with the query
-rows (L + R half-precision values each) held as MMA operands and a 32-key tile the program fits
-the 255-register limit without spilling on sm_90 (ptxas); 64 rows would spill, and 16 rows over
-4 warps already does. The 16-row blocks (few heads or tokens) therefore run on 8 warps too. L and
-R must be powers of two (tl.arange) and are loaded as two tiles, since L + R (576) is not.
+Split-K: each sequence's keys are cut into up to `n_split` chunks that run in parallel, then a
+second kernel merges the chunks' partial sums. The split count is fixed at launch (from the batch,
+the row blocks and the multiprocessors, so a CUDA graph holds it); the chunk length is computed in
+the kernels from the sequence's own length, so a short sequence in a long cache uses few splits of
+at least LATENT_MIN_CHUNK keys and a long one spreads over all of them. Write-index, scratch-slot,
+tree and paging rules as in kernels/attention.py.
+
+The float32 value accumulator is LATENT_ROWS x L: 64 x 512 over 8 warps is 128 registers a thread
+(one warpgroup's MMA holds 64 rows, the second takes the other half of the value dims). The scores
+are computed keys x rows, so the query block is the product's second operand, loaded once into shared
+memory, and no register holds it across the key loop. L and R must be powers of two (tl.arange) and
+are loaded as two tiles, since L + R (576) is not.
 """
 
 from __future__ import annotations
@@ -20,43 +26,64 @@ from __future__ import annotations
 import torch
 
 from specserve.kernels import common
-from specserve.kernels.attention import key_splits, split_classes
 from specserve.kernels.common import interpreted, pdl_args, triton, use_triton
 from specserve.kernels.norm import _token_stride, _tokens_even
 
 if triton is not None:
     import triton.language as tl
 
-    from specserve.kernels.attention import key_offsets, key_range, softmax_tile, split_weights, tree_bits
+    from specserve.kernels.attention import (
+        key_offsets,
+        key_range,
+        softmax_tile,
+        split_weights,
+        tree_bits,
+    )
     from specserve.kernels.common import wait_for_previous
     from specserve.kernels.norm import _cache_slot, _rope_tables, _rotate
 
-    # The split count and chunk are run-time values, as in `kernels.attention`.
-    @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "anc_stride", "length", "row_start",
-                                   "scratch", "bt_stride"])
+    @triton.jit
+    def latent_chunk(widx_ptr, b, widx_stride, T, scratch, n_split, T_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
+                     MIN_CHUNK: tl.constexpr):
+        """Keys per split of sequence b: its length (past its last real query's key) over n_split, in
+        whole key tiles, at least MIN_CHUNK. The partial and combine kernels compute it alike."""
+        t = tl.arange(0, T_BLOCK)
+        widx = tl.load(widx_ptr + b * widx_stride + t, mask=t < T, other=-1)
+        length = tl.max(tl.where(widx == scratch, -1, widx), axis=0) + 1
+        per_split = tl.cdiv(tl.cdiv(tl.maximum(length, 1), n_split), BLOCK_N) * BLOCK_N
+        return tl.maximum(per_split, MIN_CHUNK)
+
+    # The split count, token count and strides are run-time values: an eager call at any batch size or
+    # context meets a compiled kernel (T_BLOCK and the combine's SPLITS, powers of two, take a few values).
+    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch",
+                                   "bt_stride"])
     def _latent_partial_kernel(q_ptr, c_ptr, widx_ptr, tbase_ptr, anc_ptr, bt_ptr, o_ptr, ml_ptr, out_ptr,
-                               T, H, n_split, chunk, widx_stride, anc_stride, length, row_start, scratch, scale,
+                               T, H, n_split, widx_stride, anc_stride, length, row_start, scratch, scale,
                                bt_stride, c_row, c_pos,
-                               L: tl.constexpr, R: tl.constexpr, BH: tl.constexpr, BLOCK_Q: tl.constexpr,
-                               BLOCK_N: tl.constexpr, TREE: tl.constexpr, BS: tl.constexpr,
-                               PAGED: tl.constexpr, ONE_SPLIT: tl.constexpr, F32_DOT: tl.constexpr,
-                               PDL: tl.constexpr):
-        # Program (b, head block, split): rows r = token * BH + head-in-block against keys
-        # [split * chunk, (split + 1) * chunk), cut at the last key any row may see.
-        b = tl.program_id(0)
-        hb = tl.program_id(1)
-        sp = tl.program_id(2)
+                               L: tl.constexpr, R: tl.constexpr, BLOCK_Q: tl.constexpr, T_BLOCK: tl.constexpr,
+                               BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, TREE: tl.constexpr,
+                               BS: tl.constexpr, PAGED: tl.constexpr, ONE_SPLIT: tl.constexpr,
+                               F32_DOT: tl.constexpr, PDL: tl.constexpr):
+        # Program (row block, split, b): query rows g = token * H + head of block rb against the keys
+        # of split sp, cut at the last key any of the rows may see.
+        rb = tl.program_id(0)
+        sp = tl.program_id(1)
+        b = tl.program_id(2)
         wait_for_previous(PDL)
         r = tl.arange(0, BLOCK_Q)
-        t = r // BH
-        h = hb * BH + r % BH
-        rmask = (t < T) & (h < H)
+        g = rb * BLOCK_Q + r
+        t = g // H
+        rmask = g < T * H
         widx = tl.load(widx_ptr + b * widx_stride + t, mask=rmask, other=-1)
-        limit = tl.where(widx == scratch, -1, widx)  # padding queries (scratch slot) see nothing
+        # padding queries (scratch slot) see nothing; 32-bit positions keep the key masks small
+        limit = tl.where(widx == scratch, -1, widx).to(tl.int32)
+        chunk = latent_chunk(widx_ptr, b, widx_stride, T, scratch, n_split, T_BLOCK, BLOCK_N, MIN_CHUNK)
+        lo, hi = key_range(sp, chunk, length, limit)
+        lo, hi = lo.to(tl.int32), hi.to(tl.int32)  # (a 32-bit loop counter)
         anc, tbase = tree_bits(anc_ptr, tbase_ptr, b, anc_stride, t, rmask, TREE)
         offs_l = tl.arange(0, L)
         offs_r = tl.arange(0, R)
-        head = (b * T + t) * H + h
+        head = b * T * H + g
         q_lat = tl.load(q_ptr + head[:, None] * (L + R) + offs_l[None, :], mask=rmask[:, None], other=0.0)
         q_rot = tl.load(q_ptr + head[:, None] * (L + R) + L + offs_r[None, :], mask=rmask[:, None], other=0.0)
         if F32_DOT:
@@ -65,52 +92,59 @@ if triton is not None:
         l_i = tl.zeros([BLOCK_Q], tl.float32)
         acc = tl.zeros([BLOCK_Q, L], tl.float32)
         row = (row_start + b).to(tl.int64)
-        lo, hi = key_range(sp, chunk, length, limit)
+        # (the loop at the kernel's top level, no branch around it: its key loads are pipelined)
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             kmask = offs_n < hi
-            pos = key_offsets(bt_ptr, row, bt_stride, offs_n, kmask, c_row, c_pos, BS, PAGED)
-            c = tl.load(c_ptr + pos[:, None] + offs_l[None, :], mask=kmask[:, None], other=0.0)
-            k_rot = tl.load(c_ptr + pos[:, None] + L + offs_r[None, :], mask=kmask[:, None], other=0.0)
+            # keys past hi are read at hi - 1 (in bounds, no load masks) and masked out of the softmax
+            if PAGED and BS >= BLOCK_N:  # the tile lies in one block (start is a multiple of BLOCK_N)
+                block = tl.load(bt_ptr + row * bt_stride + start // BS).to(tl.int64)
+                pos = block * c_row + (tl.minimum(offs_n, hi - 1) % BS) * c_pos
+            else:
+                pos = key_offsets(bt_ptr, row, bt_stride, tl.minimum(offs_n, hi - 1), kmask, c_row, c_pos, BS, PAGED)
+            c = tl.load(c_ptr + pos[:, None] + offs_l[None, :])
+            k_rot = tl.load(c_ptr + pos[:, None] + L + offs_r[None, :])
             if F32_DOT:
                 c, k_rot = c.to(tl.float32), k_rot.to(tl.float32)
-            s = (tl.dot(q_lat, tl.trans(c)) + tl.dot(q_rot, tl.trans(k_rot))) * scale
+            # Scores as keys x rows, transposed back: the query block is then the products' second
+            # operand, which the tensor cores read from shared memory (loaded once), not registers.
+            # (Each product accumulates into the one before: no second tile in registers.)
+            s = tl.trans(tl.dot(k_rot, tl.trans(q_rot), tl.dot(c, tl.trans(q_lat)))) * scale
             p, alpha, m_new, l_i = softmax_tile(s, offs_n, kmask, limit, anc, tbase, m_i, l_i, TREE)
-            acc = acc * alpha[:, None] + tl.dot(p.to(c.dtype), c)
+            acc = tl.dot(p.to(c.dtype), c, acc * alpha[:, None])
             m_i = m_new
-        if ONE_SPLIT:  # the whole row in this program: normalise and write the output, no combine
+        if ONE_SPLIT:  # the whole row in this program: normalise and write the output (zeros: no key), no combine
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
             tl.store(out_ptr + head[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
                      mask=rmask[:, None])
         elif lo < hi:  # splits past every row's last key write nothing; the combine skips them
-            part = ((b * tl.num_programs(1) + hb) * n_split + sp) * BLOCK_Q + r
-            tl.store(o_ptr + part[:, None] * L + offs_l[None, :], acc)
-            tl.store(ml_ptr + part * 2, m_i)
-            tl.store(ml_ptr + part * 2 + 1, l_i)
+            part = ((b * n_split + sp) * tl.num_programs(0) + rb) * BLOCK_Q + r
+            tl.store(o_ptr + part[:, None] * L + offs_l[None, :], acc, mask=rmask[:, None])
+            tl.store(ml_ptr + part * 2, m_i, mask=rmask)
+            tl.store(ml_ptr + part * 2 + 1, l_i, mask=rmask)
 
-    @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "scratch"])
-    def _latent_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, n_split, chunk, widx_stride, scratch,
-                               L: tl.constexpr, BH: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr,
+    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "scratch"])
+    def _latent_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, n_split, widx_stride, scratch,
+                               L: tl.constexpr, BLOCK_Q: tl.constexpr, T_BLOCK: tl.constexpr,
+                               BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, SPLITS: tl.constexpr,
                                DC: tl.constexpr, PDL: tl.constexpr):
-        # Program (b, head block * BLOCK_Q + row, value chunk): DC of the row's L output dims.
+        # Program (query row g, b, value chunk): DC of the row's L output dims, from its splits' partials.
         wait_for_previous(PDL)
-        b = tl.program_id(0)
-        hb = tl.program_id(1) // BLOCK_Q
-        r = tl.program_id(1) % BLOCK_Q
-        t = r // BH
-        h = hb * BH + r % BH
-        if (t < T) & (h < H):
-            widx = tl.load(widx_ptr + b * widx_stride + t)
-            # splits up to the one holding this query's last key (none for a padding query)
-            used = tl.where(widx == scratch, 0, widx // chunk + 1)
-            sp = tl.arange(0, SPLITS)
-            smask = sp < used
-            part = ((b * (tl.num_programs(1) // BLOCK_Q) + hb) * n_split + sp) * BLOCK_Q + r
-            w, total = split_weights(ml_ptr, part, smask)
-            offs_d = tl.program_id(2) * DC + tl.arange(0, DC)
-            acc = tl.load(o_ptr + part[:, None] * L + offs_d[None, :], mask=smask[:, None], other=0.0)
-            o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
-            tl.store(out_ptr + ((b * T + t) * H + h) * L + offs_d, o.to(out_ptr.dtype.element_ty))
+        g = tl.program_id(0)
+        b = tl.program_id(1)
+        widx = tl.load(widx_ptr + b * widx_stride + g // H)
+        chunk = latent_chunk(widx_ptr, b, widx_stride, T, scratch, n_split, T_BLOCK, BLOCK_N, MIN_CHUNK)
+        # splits up to the one holding this query's last key (none for a padding query)
+        used = tl.where(widx == scratch, 0, widx // chunk + 1)
+        sp = tl.arange(0, SPLITS)
+        smask = sp < used
+        n_rb = tl.cdiv(T * H, BLOCK_Q)
+        part = ((b * n_split + sp) * n_rb + g // BLOCK_Q) * BLOCK_Q + g % BLOCK_Q
+        w, total = split_weights(ml_ptr, part, smask)
+        offs_d = tl.program_id(2) * DC + tl.arange(0, DC)
+        acc = tl.load(o_ptr + part[:, None] * L + offs_d[None, :], mask=smask[:, None], other=0.0)
+        o = tl.sum(acc * w[:, None], axis=0) / tl.where(total == 0.0, 1.0, total)
+        tl.store(out_ptr + (b * T * H + g) * L + offs_d, o.to(out_ptr.dtype.element_ty))
 
 
 if triton is not None:
@@ -146,8 +180,19 @@ if triton is not None:
             tl.store(cache_ptr + slot + L + HALF + offs, o2.to(cdt))
 
 
+LATENT_ROWS = 64  # query rows (tokens x heads) a program, the tensor cores' M (see the module docstring)
+LATENT_MAX_TOKENS = 32  # query tokens a sequence takes (longer blocks, prefill, use SDPA)
+# Launch shape (benchmarks/mla_attention_gpu.py --sweep times the others): 32-key tiles keep the program
+# within the register file without spilling on sm_90; 64-key tiles spill and run slower.
 LATENT_BLOCK_N = 32  # keys per tile: 32 x (512 + 64) bf16 is 36 KB of shared memory a stage
-LATENT_MAX_ROWS = 32  # heads x tokens per program (see the module docstring)
+LATENT_WARPS = 8
+LATENT_STAGES = 3  # key tiles in flight a program
+# Keys a split at least: at short contexts a sequence's keys spread over many multiprocessors (a program's
+# tiles run one after another), at the price of more partial sums for the combine.
+LATENT_MIN_CHUNK = 64
+# programs a launch aims at, per multiprocessor (one resident at a time: registers and shared memory): the
+# splits of a sequence fill the GPU at small batches and long contexts
+LATENT_WAVES = 1
 # partial results a combine program holds, [splits, output dims] (32 float32 registers a thread
 # on 4 warps): more splits, fewer dims per program
 LATENT_COMBINE_TILE = 4096
@@ -231,8 +276,7 @@ def latent_attention_fits(q: torch.Tensor, cache: torch.Tensor, write_idx: torch
     L, R = latent_dim, D - latent_dim
     pow2 = triton is not None and triton.next_power_of_2(L) == L and triton.next_power_of_2(R) == R
     return (pow2 and 16 <= R and 16 <= L <= 512 and cache.shape[1] == 1 and cache.shape[3] == D
-            and q.is_contiguous() and cache.stride(3) == 1 and write_idx.stride(1) == 1
-            and triton.next_power_of_2(T) <= LATENT_MAX_ROWS)
+            and q.is_contiguous() and cache.stride(3) == 1 and write_idx.stride(1) == 1 and T <= LATENT_MAX_TOKENS)
 
 
 def latent_attention_ok(q: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor, latent_dim: int) -> bool:
@@ -240,6 +284,14 @@ def latent_attention_ok(q: torch.Tensor, cache: torch.Tensor, write_idx: torch.T
     float32 tl.dot on a GPU would round through TF32.)"""
     return (use_triton(q) and q.dtype in (torch.bfloat16, torch.float16)
             and latent_attention_fits(q, cache, write_idx, latent_dim))
+
+
+def latent_splits(length: int, batch: int, tokens: int, heads: int, sm_count: int) -> int:
+    """Splits of each sequence's keys for `batch` sequences of `tokens` x `heads` query rows over a cache
+    of `length` keys: enough that batch x row blocks x splits fill LATENT_WAVES programs a multiprocessor,
+    no more than chunks of LATENT_MIN_CHUNK keys make (one: no combine)."""
+    programs = batch * triton.cdiv(tokens * heads, LATENT_ROWS)
+    return max(1, min(triton.cdiv(length, LATENT_MIN_CHUNK), LATENT_WAVES * sm_count // programs))
 
 
 def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx, scratch: int, scale: float,
@@ -253,55 +305,58 @@ def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx
     L, R = latent_dim, D - latent_dim
     paged = block_table is not None
     length = block_table.shape[1] * block_size if paged else cache.shape[2]
-    t_pow2 = triton.next_power_of_2(T)
-    bh = min(triton.next_power_of_2(H), LATENT_MAX_ROWS // t_pow2)  # heads per program
-    block_q = max(16, triton.next_power_of_2(bh * T))
-    n_hb = triton.cdiv(H, bh)
-    sm_count = sm_count or common.sm_count(q.device)
-    n_split, chunk = key_splits(length, LATENT_BLOCK_N, B * n_hb, sm_count)
+    n_rb = triton.cdiv(T * H, LATENT_ROWS)
+    n_split = latent_splits(length, B, T, H, sm_count or common.sm_count(q.device))
+    t_block = max(2, triton.next_power_of_2(T))
     out = torch.empty(B, T, H, L, dtype=q.dtype, device=q.device)
     one = n_split == 1
-    rows = 1 if one else B * n_hb * n_split * block_q  # no partials when one split holds every key
+    rows = 1 if one else B * n_split * n_rb * LATENT_ROWS  # no partials when one split holds every key
     part = torch.empty(rows, L, dtype=torch.float32, device=q.device)
     ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
     tree = tree_anc is not None
-    _latent_partial_kernel[(B, n_hb, n_split)](
+    _latent_partial_kernel[(n_rb, n_split, B)](
         q, cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx,
         block_table if paged else write_idx, part, ml, out,
-        T, H, n_split, chunk, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start, scratch,
+        T, H, n_split, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start, scratch,
         scale, block_table.stride(0) if paged else 0, cache.stride(0), cache.stride(2),
-        L=L, R=R, BH=bh, BLOCK_Q=block_q, BLOCK_N=LATENT_BLOCK_N, TREE=tree,
-        BS=block_size if paged else 1, PAGED=paged, ONE_SPLIT=one, F32_DOT=_interpreted_bf16(q), num_warps=8,
-        num_stages=2, **pdl_args(q))
+        L=L, R=R, BLOCK_Q=LATENT_ROWS, T_BLOCK=t_block, BLOCK_N=LATENT_BLOCK_N, MIN_CHUNK=LATENT_MIN_CHUNK,
+        TREE=tree, BS=block_size if paged else 1, PAGED=paged, ONE_SPLIT=one, F32_DOT=_interpreted_bf16(q),
+        num_warps=LATENT_WARPS, num_stages=LATENT_STAGES, **pdl_args(q))
     if not one:
         splits = triton.next_power_of_2(n_split)
         dc = min(L, max(16, LATENT_COMBINE_TILE // splits))
-        _latent_combine_kernel[(B, n_hb * block_q, L // dc)](
-            part, ml, out, write_idx, T, H, n_split, chunk, write_idx.stride(0), scratch,
-            L=L, BH=bh, BLOCK_Q=block_q, SPLITS=splits, DC=dc,
-            num_warps=4, **pdl_args(q))
+        _latent_combine_kernel[(T * H, B, L // dc)](
+            part, ml, out, write_idx, T, H, n_split, write_idx.stride(0), scratch,
+            L=L, BLOCK_Q=LATENT_ROWS, T_BLOCK=t_block, BLOCK_N=LATENT_BLOCK_N, MIN_CHUNK=LATENT_MIN_CHUNK,
+            SPLITS=splits, DC=dc, num_warps=4, **pdl_args(q))
     return out
+
+
+def latent_variants(length: int, heads: int, rows: int, sm_count: int) -> dict[tuple[int, int], tuple[int, int]]:
+    """(T_BLOCK, combine SPLITS or 0 for none) -> one (batch, tokens) that launches it, for every batch of
+    1..`rows` sequences and every query length up to LATENT_MAX_TOKENS: the kernels an eager call may need."""
+    variants: dict[tuple[int, int], tuple[int, int]] = {}
+    for T in range(1, LATENT_MAX_TOKENS + 1):
+        for B in range(1, rows + 1):
+            n_split = latent_splits(length, B, T, heads, sm_count)
+            combine = 0 if n_split == 1 else triton.next_power_of_2(n_split)
+            variants.setdefault((max(2, triton.next_power_of_2(T)), combine), (B, T))
+    return variants
 
 
 def compile_eager_latent_variants(cache: torch.Tensor, num_heads: int, latent_dim: int, scale: float, scratch: int,
                                   block_table, block_size: int, rows: int) -> None:
     """Compile now the latent kernels only eager forwards reach (a catch-up or a chunk continuing a prompt of
-    up to LATENT_MAX_ROWS tokens a row, at any of `rows` batch sizes): each power-of-two query length (its
-    heads per program) at one batch size of each split count the combine is built for (one split: no
-    combine). Every query sits at the padding slot (`scratch`), so nothing is read or written."""
+    up to LATENT_MAX_TOKENS tokens a row, at any of `rows` batch sizes): each `latent_variants` launch. Every
+    query sits at the padding slot (`scratch`), so nothing is read and only zeros are written."""
     D = cache.shape[3]
     length = block_table.shape[1] * block_size
-    sms = common.sm_count(cache.device)
-    T = 1
-    while T <= LATENT_MAX_ROWS:
-        n_hb = triton.cdiv(num_heads, min(triton.next_power_of_2(num_heads), LATENT_MAX_ROWS // T))
-        for B in split_classes(length, LATENT_BLOCK_N, n_hb, rows, sms):
-            q = torch.zeros(B, T, num_heads, D, dtype=cache.dtype, device=cache.device)
-            at = torch.full((B, T), scratch, dtype=torch.long, device=cache.device)
-            if latent_attention_ok(q, cache, at, latent_dim):
-                latent_attention_triton(q, cache, latent_dim, 0, at, scratch, scale, block_table=block_table,
-                                        block_size=block_size)
-        T *= 2
+    for B, T in latent_variants(length, num_heads, rows, common.sm_count(cache.device)).values():
+        q = torch.zeros(B, T, num_heads, D, dtype=cache.dtype, device=cache.device)
+        at = torch.full((B, T), scratch, dtype=torch.long, device=cache.device)
+        if latent_attention_ok(q, cache, at, latent_dim):
+            latent_attention_triton(q, cache, latent_dim, 0, at, scratch, scale, block_table=block_table,
+                                    block_size=block_size)
 
 
 def rope_store_latent_fits(q_rot: torch.Tensor, k_rot: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor,

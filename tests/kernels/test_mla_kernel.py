@@ -64,7 +64,7 @@ def _both(attn, q, latent, ctx, monkeypatch, **kw):
         calls.append(1)
         return la.latent_attention_fits(*a)
     monkeypatch.setattr(mla, "latent_attention_ok", fits)
-    monkeypatch.setattr(la.common, "sm_count", lambda device: kw.get("sm_count", 4))
+    monkeypatch.setattr(la.common, "sm_count", lambda device: kw.get("sm_count", 16))
     got = attn(q, latent, ctx)
     assert calls  # the kernel path ran
     return got, want
@@ -81,27 +81,59 @@ def _close(got, want, real, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("B,T,H,block_size,sm_count", [
-    (1, 1, 16, 0, 4),  # decode, several key splits
-    (3, 4, 4, 0, 4),  # verify chains (K=3), rows at different lengths
-    (2, 1, 8, 8, 4),  # paged decode
-    (2, 3, 2, 16, 4),  # paged verify, rows padded past T * heads
+    (1, 1, 16, 0, 8),  # decode, several key splits
+    (3, 4, 4, 0, 16),  # verify chains (K=3), rows at different lengths
+    (2, 1, 8, 8, 8),  # paged decode
+    (2, 5, 16, 16, 16),  # paged verify over two row blocks (80 rows: the second one partly padded)
+    (2, 3, 8, 64, 16),  # blocks of 64 keys: a key tile in one block, one block-table read a tile
     (2, 2, 4, 0, 1),  # one split holds every key: no combine
 ])
 def test_latent_kernel_equals_sdpa(dtype, B, T, H, block_size, sm_count, monkeypatch):
     g = torch.Generator().manual_seed(B * 100 + T * 10 + H)
     monkeypatch.setattr(la, "LATENT_COMBINE_TILE", 64)  # the combine merges the 32 dims in chunks of 16
+    monkeypatch.setattr(la, "LATENT_MIN_CHUNK", 32)  # splits of a few key tiles at this short cache
     attn, q, latent, ctx, real = _case(B, T, H, 32, 16, 192, dtype, g, block_size=block_size)
     got, want = _both(attn, q, latent, ctx, monkeypatch, sm_count=sm_count)
     _close(got, want, real, dtype)
 
 
-@pytest.mark.parametrize("block_size", [0, 16])
-def test_latent_kernel_at_deepseek_widths(block_size, monkeypatch):
-    """Latent 512 and rope 64 (the two tiles of a 576-dim key), 16 heads (128 over TP 8), a
-    verify block of 2 over two key splits."""
-    g = torch.Generator().manual_seed(13)
-    attn, q, latent, ctx, real = _case(2, 2, 16, 512, 64, 96, EXACT, g, block_size=block_size)
-    got, want = _both(attn, q, latent, ctx, monkeypatch)
+@pytest.mark.parametrize("length,min_chunk,sm_count,splits", [
+    (4096, 256, 132, 16),  # short context: chunks of the minimum length
+    (131072, 256, 132, 132),  # long context: every multiprocessor streams a split
+    (192, 32, 16, 6),
+])
+def test_split_count_follows_context_and_batch(length, min_chunk, sm_count, splits, monkeypatch):
+    """Splits fill the multiprocessors (batch x row blocks x splits) where the cache is long enough
+    for chunks of LATENT_MIN_CHUNK keys; a batch or a verify block whose row blocks already fill
+    them takes one split (no combine)."""
+    monkeypatch.setattr(la, "LATENT_MIN_CHUNK", min_chunk)
+    assert la.latent_splits(length, 1, 1, 64, sm_count) == splits
+    assert la.latent_splits(length, 4, 5, 128, sm_count) == max(1, min(splits, sm_count // 40))
+    assert la.latent_splits(length, 2 * sm_count, 1, 8, sm_count) == 1
+
+
+@pytest.mark.parametrize("lengths", [(40, 900), (1000, 1000)])
+def test_latent_kernel_short_rows_in_a_long_cache(lengths, monkeypatch):
+    """Each sequence cuts its own keys into chunks (from its length, in the kernel), so a short row
+    next to a long one in a long cache uses few splits and both equal SDPA (decode and K=2 verify)."""
+    g = torch.Generator().manual_seed(sum(lengths))
+    monkeypatch.setattr(la, "LATENT_MIN_CHUNK", 32)
+    for T in (1, 3):
+        attn, q, latent, ctx, real = _case(2, T, 4, 32, 16, 1024, EXACT, g, block_size=16)
+        widx = (torch.tensor(lengths).view(2, 1) - T + torch.arange(T)).to(DEV)
+        ctx = ForwardContext(1, widx, widx, max(lengths), block_table=ctx.block_table, block_size=16)
+        got, want = _both(attn, q, latent, ctx, monkeypatch, sm_count=16)
+        _close(got, want, real, EXACT)
+
+
+@pytest.mark.parametrize("H,T,block_size", [(16, 2, 0), (64, 2, 16)])
+def test_latent_kernel_at_deepseek_widths(H, T, block_size, monkeypatch):
+    """Latent 512 and rope 64 (the two tiles of a 576-dim key); 16 heads (128 over TP 8) and 64
+    (Kimi-K2.5, two row blocks at a verify block of 2), over several key splits."""
+    g = torch.Generator().manual_seed(13 + H)
+    monkeypatch.setattr(la, "LATENT_MIN_CHUNK", 32)
+    attn, q, latent, ctx, real = _case(2, T, H, 512, 64, 96, EXACT, g, block_size=block_size)
+    got, want = _both(attn, q, latent, ctx, monkeypatch, sm_count=8)
     _close(got, want, real, EXACT)
 
 
@@ -109,6 +141,7 @@ def test_latent_kernel_padding_query_sees_nothing(monkeypatch):
     """A padding token (written to the scratch slot) gives zeros and leaves its row's other
     queries as they are."""
     g = torch.Generator().manual_seed(7)
+    monkeypatch.setattr(la, "LATENT_MIN_CHUNK", 32)
     attn, q, latent, ctx, real = _case(3, 3, 4, 32, 16, 160, EXACT, g, padding=True)
     got, want = _both(attn, q, latent, ctx, monkeypatch)
     _close(got, want, real, EXACT)
@@ -120,6 +153,7 @@ def test_latent_kernel_tree_mask(block_size, monkeypatch):
     """Tree verify: a root and five nodes (root -> 0 -> 2, root -> 1 -> 3 -> 4); each query sees
     the context, its ancestors and itself, as the SDPA bias does."""
     g = torch.Generator().manual_seed(11)
+    monkeypatch.setattr(la, "LATENT_MIN_CHUNK", 32)
     B, T = 2, 6
     attn, q, latent, ctx, real = _case(B, T, 4, 32, 16, 128, EXACT, g, block_size=block_size)
     base = ctx.write_idx[:, 0] + 1
@@ -259,14 +293,13 @@ def test_tiny_deepseek_decodes_the_same_through_the_kernel(moe_pair, spec, monke
 
 @pytest.mark.slow  # (about 40 s in the interpreter)
 def test_runner_compiles_eager_latent_blocks_reading_nothing(moe_pair, monkeypatch):
-    """After capturing its graphs the runner also runs the latent kernel once for every power-of-two query
-    length up to LATENT_MAX_ROWS at one batch size of each split count: any eager latent attention (a
-    catch-up, a chunk continuing a prompt) at 1..rows sequences of up to LATENT_MAX_ROWS tokens then meets
-    launch constants compiled before; every query sits at the padding slot (outputs zero, cache untouched)."""
+    """After capturing its graphs the runner also runs the latent kernel once for every launch constant an
+    eager latent attention (a catch-up, a chunk continuing a prompt) may meet at 1..rows sequences of up to
+    LATENT_MAX_TOKENS tokens (power-of-two token block, combine split count); every query sits at the
+    padding slot (outputs zero, cache untouched)."""
     from specserve.config import EngineConfig
     from specserve.engine.runner import ModelRunner
     from specserve.kernels import common
-    from specserve.kernels.attention import key_splits
     import triton
 
     target, draft = moe_pair
@@ -274,18 +307,21 @@ def test_runner_compiles_eager_latent_blocks_reading_nothing(moe_pair, monkeypat
     runner = ModelRunner(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3,
                                       dtype="float16", max_num_seqs=rows, max_model_len=256, kv_block_size=8))
     monkeypatch.setattr(common, "sm_count", lambda device: 8)
+    monkeypatch.setattr(la, "LATENT_MIN_CHUNK", 32)  # several split counts at this short cache
     latent = [m for m in runner.target.attention_modules() if isinstance(m, mla.LatentAttention)]
     caches = [m.k_cache.clone() for m in latent]
     compiled = set()
     real = la.latent_attention_triton
 
+    def variant(length, B, T, H):  # the launch constants: token block, combine splits (0: none)
+        n_split = la.latent_splits(length, B, T, H, 8)
+        return max(2, triton.next_power_of_2(T)), 0 if n_split == 1 else triton.next_power_of_2(n_split)
+
     def recording(q, cache, latent_dim, row_start, write_idx, scratch, *a, **kw):
         out = real(q, cache, latent_dim, row_start, write_idx, scratch, *a, **kw)
         B, T, H = q.shape[:3]
-        n_hb = triton.cdiv(H, min(triton.next_power_of_2(H), la.LATENT_MAX_ROWS // triton.next_power_of_2(T)))
         length = kw["block_table"].shape[1] * kw["block_size"]
-        compiled.add((triton.next_power_of_2(T), triton.next_power_of_2(
-            key_splits(length, la.LATENT_BLOCK_N, B * n_hb, 8)[0])))
+        compiled.add(variant(length, B, T, H))
         assert bool((write_idx == scratch).all()) and not out.any()
         return out
     monkeypatch.setattr(la, "latent_attention_ok", lambda q, *a: q.dtype == torch.float16)
@@ -293,12 +329,12 @@ def test_runner_compiles_eager_latent_blocks_reading_nothing(moe_pair, monkeypat
     runner._compile_eager_attention()
     H = latent[0].num_heads
     length = runner.kv.table.shape[1] * runner.block_size
+    splits = set()
     for B in range(1, rows + 1):
-        for T in range(1, la.LATENT_MAX_ROWS + 1):
-            t = triton.next_power_of_2(T)
-            n_hb = triton.cdiv(H, min(triton.next_power_of_2(H), la.LATENT_MAX_ROWS // t))
-            splits = triton.next_power_of_2(key_splits(length, la.LATENT_BLOCK_N, B * n_hb, 8)[0])
-            assert (t, splits) in compiled, (B, T)
+        for T in range(1, la.LATENT_MAX_TOKENS + 1):
+            splits.add(la.latent_splits(length, B, T, H, 8))
+            assert variant(length, B, T, H) in compiled, (B, T)
+    assert len(splits) > 2
     assert all(torch.equal(c, m.k_cache) for c, m in zip(caches, latent))
 
 
