@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import socket
-import string
 import subprocess
 import sys
 import threading
@@ -18,65 +17,12 @@ from typing import ClassVar
 
 import pytest
 
-from specserve.bench import bench_cmd, cost_model, online, report
+from specserve.bench import bench_cmd, cost_model, online
 from specserve.config import ConfigError
 
-try:
-    import jsonschema
-except ImportError:  # a GPU machine without the test extras still runs the GPU test
-    jsonschema = None
-SCHEMA = json.loads(report.SCHEMA_PATH.read_text())
+from benching import PROMPTS, jsonschema, needs_jsonschema, run_cli, validate, write_char_tokenizer
+
 ROOT = Path(__file__).resolve().parents[2]
-needs_jsonschema = pytest.mark.skipif(jsonschema is None, reason="needs jsonschema")
-
-
-def validate(doc: dict) -> None:
-    if jsonschema is None:
-        pytest.skip("needs jsonschema")
-    jsonschema.Draft202012Validator(SCHEMA).validate(doc)
-
-
-# ---------------------------------------------------------------- fixtures
-def write_char_tokenizer(d: Path, vocab: int) -> None:
-    """A character-level tokenizer for a tiny target (ids 0 = unk, vocab-1 = eos)."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
-
-    chars = ([" ", "\n"] + list(string.ascii_letters) + list(string.digits) + list(string.punctuation))[: vocab - 2]
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}, "<eos>": vocab - 1},
-                                     unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    tok.add_special_tokens(["<eos>"])
-    tok.save(str(d / "tokenizer.json"))
-    template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
-    (d / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<eos>", "chat_template": template}))
-
-
-PROMPTS = [
-    {"prompt": "def add(a, b):\n    return a + b\n\ndef sub(a, b):", "category": "code"},
-    {"prompt": "for i in range(10):\n    print(i)", "category": "code"},
-    {"prompt": "The river rose higher than anyone could remember.", "category": "prose"},
-    {"messages": [{"role": "user", "content": "How do I reverse a list?"}], "category": "chat"},
-]
-
-
-def _char_tokenizer_96(d: Path) -> None:
-    write_char_tokenizer(d, 96)
-
-
-@pytest.fixture(scope="module")
-def bench_pair(make_pair, tmp_path_factory):
-    target, draft = make_pair(vocab=96, hidden=64, layers=4, tokenizer=_char_tokenizer_96)
-    prompts = tmp_path_factory.mktemp("bench") / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    return target, draft, prompts
-
-
-def run_cli(monkeypatch, argv: list[str]) -> int:
-    from specserve.cli import main
-
-    monkeypatch.setattr(sys, "argv", ["specserve"])  # main() rewrites sys.argv; restore it afterwards
-    return main(argv)
 
 
 def test_adaptive_learns_apart_from_the_fixed_k_runs_of_a_shared_engine(bench_pair):

@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_bench import PROMPTS, _char_tokenizer_96, run_cli, validate
 
 from specserve.bench.offline import at_context
+
+from benching import PROMPTS, char_tokenizer_96, run_cli, validate
 
 
 def test_prompts_are_led_by_the_other_prompts_up_to_the_context():
@@ -34,7 +35,7 @@ def test_context_refused_where_it_cannot_apply(monkeypatch, capsys):
 def test_offline_bench_at_a_context(monkeypatch, make_pair, tmp_path, capsys):
     """The bench at --context 300: prompts of 300 tokens, speculation still equal to plain decoding; a
     --max-model-len too short for the context and the new tokens is refused by name."""
-    target, draft = make_pair(vocab=96, hidden=64, layers=4, tokenizer=_char_tokenizer_96)
+    target, draft = make_pair(vocab=96, hidden=64, layers=4, tokenizer=char_tokenizer_96)
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     base = ["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts), "--configs",
