@@ -198,3 +198,37 @@ def test_tp2_draft_free_equals_tp1_plain(make_pair):
             out = llm.generate(prompts, greedy)
         assert [o.token_ids for o in out] == want, spec
         assert sum(o.spec["cycles"] for o in out) > 0
+
+
+def test_bench_configs_name_the_drafting_method():
+    from specserve.bench import bench_cmd
+
+    p = bench_cmd.parse_config
+    assert p("ngram:steps=4,min=2,max=5").label == "ngram:max=5,min=2,steps=4"
+    assert p("ngram:steps=4,min=2,max=5").engine_options() == {
+        "spec_method": "ngram", "spec_topk": 1, "spec_tokens": None, "ngram_min": 2, "ngram_max": 5}
+    assert p("mtp:steps=3").engine_options()["spec_method"] == "mtp"
+    assert p("suffix:adaptive,steps=6").spec_steps == 6
+    with pytest.raises(ConfigError, match="ngram-min"):
+        p("ngram:min=4,max=2")
+    with pytest.raises(ConfigError, match="unknown key 'min' for suffix"):
+        p("suffix:min=2")
+
+
+def test_one_bench_run_compares_the_methods(monkeypatch, tmp_path):
+    """baseline, eagle3, ngram and suffix in one run on the demo pair: each matches plain output."""
+    import json
+
+    from test_bench import run_cli, validate
+
+    out = tmp_path / "methods.json"
+    rc = run_cli(monkeypatch, ["bench", "--configs", "baseline", "eagle3:steps=3", "ngram:steps=3,min=1,max=4",
+                               "suffix:adaptive,steps=3", "--batch-sizes", "1", "--num-prompts", "1",
+                               "--max-tokens", "16", "--repeats", "1", "--warmup", "0", "--peers",
+                               "--no-progress", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    rows = {r["config"]: r for r in doc["results"]}
+    for label in ("eagle3:steps=3", "ngram:max=4,min=1,steps=3", "suffix:adaptive,steps=3"):
+        assert rows[label]["matches_baseline"] is True, label
