@@ -188,12 +188,12 @@ def test_tp2_draft_free_equals_tp1_plain(make_pair):
     from specserve.engine.llm import LLM
 
     target = make_pair(vocab=4096, hidden=64, layers=2, heads=4, kv_heads=2, tokenizer="demo")[0]
-    engine = dict(device="cpu", max_num_seqs=2, max_model_len=128)
+    engine = {"device": "cpu", "max_num_seqs": 2, "max_model_len": 128}
     prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in LLM(model=str(target), **engine).generate(prompts, greedy)]
-    for spec in (dict(spec_method="ngram", spec_steps=0, max_spec_steps=3, adaptive=True),
-                 dict(spec_method="suffix", spec_steps=3, spec_topk=2)):
+    for spec in ({"spec_method": "ngram", "spec_steps": 0, "max_spec_steps": 3, "adaptive": True},
+                 {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2}):
         with TPLLM(model=str(target), tp=2, **engine, **spec) as llm:
             out = llm.generate(prompts, greedy)
         assert [o.token_ids for o in out] == want, spec

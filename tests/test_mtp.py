@@ -96,8 +96,8 @@ def test_mtp_trees_adaptive_and_prefix_cache_equal_plain(mtp_target):
     base, _ = _run(mtp_target, prompts, GREEDY)
     out, _ = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=3, spec_topk=2)
     assert out == base
-    out, engine = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=0, max_spec_steps=3,
-                       adaptive=True, prefix_cache=True, kv_block_size=4)
+    out, _ = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=0, max_spec_steps=3,
+                  adaptive=True, prefix_cache=True, kv_block_size=4)
     assert out == base
 
 
