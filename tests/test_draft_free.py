@@ -232,3 +232,20 @@ def test_one_bench_run_compares_the_methods(monkeypatch, tmp_path):
     rows = {r["config"]: r for r in doc["results"]}
     for label in ("eagle3:steps=3", "ngram:max=4,min=1,steps=3", "suffix:adaptive,steps=3"):
         assert rows[label]["matches_baseline"] is True, label
+
+
+@pytest.mark.parametrize("text", ["ngram", "suffix"])
+def test_text_drafts_beside_a_drafter_equal_plain(make_pair, text):
+    """eagle3 with --text-drafts: cycles verify the text's drafts where every row has a full one (the drafter fed
+    its pending entries meanwhile) and the drafter's elsewhere; greedy output equals plain, both kinds ran."""
+    target, draft = make_pair(vocab=VOCAB, hidden=32, layers=2, heads=2, kv_heads=1, draft={"draft_vocab": 8})
+    prompts = _prompts(3, seed=4)
+    base, _ = _run(target, prompts, GREEDY)
+    for kw in ({"spec_steps": 3}, {"spec_steps": 0, "max_spec_steps": 3, "adaptive": True}):
+        out, engine = _run(target, prompts, GREEDY, draft=str(draft), spec_text_drafts=text, **kw)
+        assert out == base, kw
+        cycles = engine.text_first.cycles
+        if not kw.get("adaptive"):  # (adaptive K may keep to plain steps on this tiny model)
+            assert cycles["text"] > 0 and cycles["drafter"] > 0, cycles
+    with pytest.raises(ConfigError, match="--text-drafts takes"):
+        EngineConfig(model=str(target), spec_method="ngram", spec_steps=2, spec_text_drafts="suffix")
