@@ -572,14 +572,13 @@ class Engine(ServingEngine):
             lp = self._logprobs(seqs, logits, grid)
         acc_list, grid_list = host_lists(self.device, n_acc, grid, waits=self.device_waits)()
         lps = self._read_logprobs(seqs, lp)
-        for b, seq in enumerate(seqs):
+        for b, seq in enumerate(seqs):  # rows without a draft count too: they paid the cycle for one token
             a = acc_list[b]
-            if lengths[b]:
-                seq.spec.record(K, a)
-                self.totals.record(K, a)
+            seq.spec.record(K, a)
+            self.totals.record(K, a)
             seq.num_cached += a + 1
             self._append(seq, grid_list[b][: a + 1], lps.get(b))
-        self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if lengths[b]], B)
+        self.policy.observe_acceptance(K, acc_list, B)
         return list(seqs)
 
     # ------------------------------------------------------------ finishing
