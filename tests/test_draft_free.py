@@ -249,3 +249,27 @@ def test_text_drafts_beside_a_drafter_equal_plain(make_pair, text):
             assert cycles["text"] > 0 and cycles["drafter"] > 0, cycles
     with pytest.raises(ConfigError, match="--text-drafts takes"):
         EngineConfig(model=str(target), spec_method="ngram", spec_steps=2, spec_text_drafts="suffix")
+
+
+@pytest.mark.gpu
+def test_draft_free_on_gpu_replays_the_verify_graphs(target):
+    """On CUDA (float32): ngram chains and suffix trees run through the captured verify / tree-verify graphs (no
+    draft graphs are captured for them) and equal plain greedy output."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = _prompts(3, seed=8)
+    gpu = {"device": "cuda", "dtype": "float32"}
+    engine = Engine(EngineConfig(model=str(target), max_num_seqs=3, **gpu))
+    base = [engine.add_request(p, GREEDY) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    for spec in ({"spec_method": "ngram", "spec_steps": 3},
+                 {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2, "spec_tree_max_batch": 3}):
+        engine = Engine(EngineConfig(model=str(target), max_num_seqs=3, **gpu, **spec))
+        kinds = {k.kind for k in engine.runner.graphs}
+        assert "verify" in kinds and "draft" not in kinds and "tree_draft" not in kinds
+        seqs = [engine.add_request(p, GREEDY) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        assert [s.output_ids for s in seqs] == [s.output_ids for s in base], spec
+        assert engine.totals.accepted > 0

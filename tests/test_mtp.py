@@ -120,3 +120,15 @@ def test_check_reports_the_mtp_layer(mtp_target, tmp_path):
     plain = make_moe_target(tmp_path / "plain", vocab=VOCAB, hidden=64, layers=2)
     assert mtp_finding(plain).level == "ok" and "no MTP layer" in mtp_finding(plain).message
     assert mtp_finding(plain, spec_method="mtp").level == "error"
+
+
+@pytest.mark.gpu
+def test_mtp_on_gpu_with_cuda_graphs_equals_plain(mtp_target):
+    """On CUDA (float32): the MTP layer's draft graphs (chains) and the verify graphs give plain greedy output."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = _prompts(2, seed=3)
+    gpu = {"device": "cuda", "dtype": "float32"}
+    base, _ = _run(mtp_target, prompts, GREEDY, **gpu)
+    out, engine = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=3, **gpu)
+    assert out == base and engine.totals.cycles > 0
