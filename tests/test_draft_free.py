@@ -175,6 +175,7 @@ def test_served_draft_free_equals_plain_and_keeps_tenants_apart(flags):
             assert out.choices[0].text == want.text, user
         engine = srv.loop.llm.engine
         assert engine.totals.cycles > 0
+        assert srv.info()["speculation"]["method"] == flags[1]
         if flags[1] == "suffix":
             assert list(engine.text_drafts.tenants) == ["alice", "bob"]  # none kept for the request without a user
     finally:
