@@ -127,8 +127,8 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
     if K == 0 and not args.adaptive:
         draft, speculates = None, False
     kw = dict(model=model, draft=draft, spec_method=method if speculates else "eagle3",
-              ngram_min=args.ngram_min, ngram_max=args.ngram_max, spec_text_drafts=args.text_drafts if speculates and
-              method in ("eagle3", "mtp") else None, spec_steps=0 if args.adaptive else K,
+              ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+              spec_text_drafts=args.text_drafts if speculates else None, spec_steps=0 if args.adaptive else K,
               max_spec_steps=K, adaptive=bool(args.adaptive and speculates), device=args.device, dtype=args.dtype,
               spec_topk=args.spec_topk if speculates else 1, spec_tokens=args.spec_tokens if speculates else None,
               spec_tree_max_batch=args.spec_tree_max_batch,
