@@ -31,9 +31,11 @@ PEERS = ("hf", "hf-assisted")
 # Each configuration scheme and its keys: key -> (type, default). Add schemes or keys here.
 SCHEMES: dict[str, dict[str, tuple[type, object]]] = {
     "baseline": {},
-    "eagle3": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None)},
-    # The target's own MTP layer, and the draft-free methods (--speculative-method)
-    "mtp": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None)},
+    "eagle3": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None),
+               "text": (str, None)},
+    # The target's own MTP layer, and the draft-free methods (--speculative-method); text=ngram|suffix: --text-drafts
+    "mtp": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None),
+            "text": (str, None)},
     "ngram": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "min": (int, None), "max": (int, None)},
     "suffix": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None)},
 }
@@ -69,7 +71,9 @@ class BenchConfig:
         if self.name == "baseline":
             return {}
         out = {"spec_method": self.name, "spec_topk": self.tree[0], "spec_tokens": self.tree[1]}
-        if self.name == "ngram":
+        if self.get("text"):
+            out["spec_text_drafts"] = self.get("text")
+        if self.name == "ngram" or self.get("text") == "ngram":
             out.update(ngram_min=self.get("min") or EngineConfig.ngram_min,
                        ngram_max=self.get("max") or EngineConfig.ngram_max)
         return out

@@ -366,7 +366,8 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
 
     summary = []
     for bs in args.batch_sizes:
-        spec = [x for x in results if x["batch_size"] == bs and x["config"].split(":")[0] in SPEC_METHODS and x["speedup"]]
+        spec = [x for x in results
+                if x["batch_size"] == bs and x["config"].split(":")[0] in SPEC_METHODS and x["speedup"]]
         if not spec:
             continue
         best = max(spec, key=lambda x: x["speedup"])

@@ -44,10 +44,16 @@ class SpecConfig:
     draft_position_extension: bool = False  # draft past the drafter's max_position_embeddings
     ngram_min: int = 2  # ngram: shortest suffix of the text matched against its earlier tokens
     ngram_max: int = 5  # ngram: longest (the longest that matches is used)
+    # With a drafter model (eagle3, mtp): also draft from the text by this draft-free method, and use those drafts
+    # in cycles where they are likely to do better (spec.draft_free.TextFirst)
+    text_drafts: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"--speculative-method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
+        if self.text_drafts is not None and (self.text_drafts not in DRAFT_FREE_METHODS or self.draft_free):
+            raise ConfigError(f"--text-drafts takes {' or '.join(DRAFT_FREE_METHODS)}, beside a drafter model "
+                              f"(--speculative-method eagle3 or mtp); got {self.text_drafts!r} with {self.method}")
         if not 1 <= self.ngram_min <= self.ngram_max <= 64:
             raise ConfigError(f"--ngram-min / --ngram-max must satisfy 1 <= min <= max <= 64, "
                               f"got {self.ngram_min} / {self.ngram_max}")
@@ -209,6 +215,7 @@ class EngineConfig:
     spec_method = _Grouped("spec", "method")
     ngram_min = _Grouped("spec", "ngram_min")
     ngram_max = _Grouped("spec", "ngram_max")
+    spec_text_drafts = _Grouped("spec", "text_drafts")
     spec_steps = _Grouped("spec", "steps")
     max_spec_steps = _Grouped("spec", "max_steps")
     adaptive = _Grouped("spec", "adaptive")

@@ -25,7 +25,7 @@ from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens, to_device
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, SpecStats, Status
-from specserve.spec.draft_free import chain_drafts, text_proposer, tree_drafts
+from specserve.spec.draft_free import TextFirst, chain_drafts, text_proposer, tree_drafts
 from specserve.spec.overlap import DeviceWaits, Launched, Overlap, host_lists
 from specserve.spec.policy import SpecPolicy, bucket_sizes, interpolate_costs, startup_grid
 from specserve.spec.proposer import DraftResult, Proposer
@@ -75,6 +75,8 @@ class Engine(ServingEngine):
         self.scheduler = Scheduler(r.kv, cfg.prefix_cache, margin=2 * (r.room + 1) + 1)
         self.proposer = Proposer(self.runner) if self.runner.drafter is not None else None
         self.text_drafts = text_proposer(cfg.spec)  # draft-free methods: drafts from the text itself
+        # beside a drafter model (--text-drafts): the text's drafts where they do better
+        self.text_first = TextFirst(self.text_drafts) if self.proposer and self.text_drafts else None
         self.overlap = Overlap(self.device, self.max_model_len)
         spec_values = []
         if self.runner.k_max:
@@ -166,6 +168,8 @@ class Engine(ServingEngine):
         if seq.status == Status.WAITING:
             self.waiting.remove(seq)
             self._finish(seq, "abort")
+            if self.text_drafts is not None:  # (a preempted sequence drafted before)
+                self.text_drafts.forget(seq)
             del self.by_id[seq_id]
             return
         self._finish(seq, "abort")
@@ -323,7 +327,7 @@ class Engine(ServingEngine):
         self.last_k = K
         self._close_timing()
         self._timing = (len(seqs), K, time.perf_counter())
-        if K and self.text_drafts is not None:
+        if K and self.text_drafts is not None and self.proposer is None:
             return self._text_spec_step(seqs, K)
         return self._plain_step(seqs) if K == 0 else self._spec_step(seqs, K)
 
@@ -465,9 +469,12 @@ class Engine(ServingEngine):
         spec_ok = [limit is None or s.num_cached + K <= limit for s in seqs]
         sampling = self._sampling(seqs)
         tree = self.cfg.spec.drafts_tree(B)
+        text = None  # the text's drafts, where they replace the drafter's (`TextFirst`)
+        scored = bool(self.text_first) and not tree  # (a draft queued ahead leaves the text's unread)
         if ahead is not None and ahead.K == K and ahead.serials == [s.serial for s in seqs]:
             draft, marks = ahead.draft, ahead.marks  # queued behind the last verify (`Overlap.queue_draft`)
             ov.drafts_used += 1
+            scored = False
         else:
             if any(s.stale for s in seqs):
                 # Catching up (an eager forward over the plain steps before this cycle) is paid once
@@ -482,7 +489,12 @@ class Engine(ServingEngine):
             marks = [Mark(self.device) for _ in range(2)] if prof else None
             if prof:
                 marks[0].record()
-            draft = pr.draft_batch(seqs, K, spec_ok, sampling)
+            text = self.text_first.draft(seqs, K, self.device) if scored else None
+            if text is not None:  # the drafter is fed its pending entries, as its own draft would have
+                pr.flush(seqs, keep=0)
+                draft = DraftResult(text)
+            else:
+                draft = pr.draft_batch(seqs, K, spec_ok, sampling)
             if prof:
                 marks[1].record()
         last = to_device([s.last_token for s in seqs], self.device)
@@ -521,6 +533,8 @@ class Engine(ServingEngine):
             self._append(seq, grid_list[b][: a + 1], lps.get(b))
         if self.policy:
             self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if spec_ok[b]], B)
+        if scored:
+            self.text_first.observe(text is not None, acc_list, grid_list)
         if prof:
             spans = Mark.spans(marks, {"draft": (0, 1), "verify": (2, 3), "accept": (3, 4)})
             self.profile.append({"batch": B, "K": K, **spans})
@@ -559,14 +573,13 @@ class Engine(ServingEngine):
             lp = self._logprobs(seqs, logits, grid)
         acc_list, grid_list = host_lists(self.device, n_acc, grid, waits=self.device_waits)()
         lps = self._read_logprobs(seqs, lp)
-        for b, seq in enumerate(seqs):
+        for b, seq in enumerate(seqs):  # rows without a draft count too: they paid the cycle for one token
             a = acc_list[b]
-            if lengths[b]:
-                seq.spec.record(K, a)
-                self.totals.record(K, a)
+            seq.spec.record(K, a)
+            self.totals.record(K, a)
             seq.num_cached += a + 1
             self._append(seq, grid_list[b][: a + 1], lps.get(b))
-        self.policy.observe_acceptance(K, [acc_list[b] for b in range(B) if lengths[b]], B)
+        self.policy.observe_acceptance(K, acc_list, B)
         return list(seqs)
 
     # ------------------------------------------------------------ finishing

@@ -8,7 +8,7 @@ import re
 import sys
 import time
 
-from specserve.config import SPEC_METHODS, ConfigError, EngineConfig, check_max_num_seqs
+from specserve.config import DRAFT_FREE_METHODS, SPEC_METHODS, ConfigError, EngineConfig, check_max_num_seqs
 
 
 def device_name(text: str) -> str:
@@ -35,6 +35,10 @@ def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True)
     p.add_argument("--ngram-max", type=int, default=EngineConfig.ngram_max,
                    help=f"ngram: longest text ending matched, the longest that occurred is used "
                         f"(default {EngineConfig.ngram_max})")
+    p.add_argument("--text-drafts", choices=DRAFT_FREE_METHODS, default=None,
+                   help="with a drafter model (eagle3, mtp): also draft from the text by ngram or suffix, and verify "
+                        "those drafts instead of the drafter's in cycles where every sequence has a full-length one "
+                        "and they have lately been accepted at least as well (the drafter's steps are skipped then)")
     p.add_argument("--spec-steps", type=int, default=None,
                    help="draft tokens per cycle K (default: 4 with a drafter or another --speculative-method, "
                         "else 0 = plain decoding)")
@@ -127,7 +131,8 @@ def engine_kwargs(args: argparse.Namespace, default_max_num_seqs: int = 64) -> d
     if K == 0 and not args.adaptive:
         draft, speculates = None, False
     kw = dict(model=model, draft=draft, spec_method=method if speculates else "eagle3",
-              ngram_min=args.ngram_min, ngram_max=args.ngram_max, spec_steps=0 if args.adaptive else K,
+              ngram_min=args.ngram_min, ngram_max=args.ngram_max,
+              spec_text_drafts=args.text_drafts if speculates else None, spec_steps=0 if args.adaptive else K,
               max_spec_steps=K, adaptive=bool(args.adaptive and speculates), device=args.device, dtype=args.dtype,
               spec_topk=args.spec_topk if speculates else 1, spec_tokens=args.spec_tokens if speculates else None,
               spec_tree_max_batch=args.spec_tree_max_batch,

@@ -25,7 +25,12 @@ import torch
 from torch import nn
 
 from specserve.config import ConfigError, ModelConfig, checkpoint_files
-from specserve.model.layers import ForwardContext, KVCacheAttention, ReplicatedLinear, RMSNorm
+from specserve.model.layers import (
+    ForwardContext,
+    KVCacheAttention,
+    ReplicatedLinear,
+    RMSNorm,
+)
 
 SHARED = ("embed_tokens.weight", "shared_head.head.weight")  # the target's own tensors, copied into the layer
 
@@ -97,8 +102,13 @@ def load_mtp(model_dir: str | Path, target, device: torch.device, dtype: torch.d
                           f"layer (num_nextn_predict_layers >= 1 in config.json, as DeepSeek-V3 / R1 ship); "
                           f"{cfg.architecture} here has none: use eagle3 (--draft), ngram or suffix")
     prefix = f"model.layers.{cfg.num_layers}."
-    text = lambda n: n[len(cfg.tensor_prefix):] if cfg.tensor_prefix and n.startswith(cfg.tensor_prefix) else n  # noqa: E731
-    keep = lambda n: text(n).startswith(prefix) and text(n)[len(prefix):] not in SHARED  # noqa: E731
+
+    def text(name: str) -> str:  # the text model's name (a multimodal wrapper's prefix removed)
+        return name[len(cfg.tensor_prefix):] if cfg.tensor_prefix and name.startswith(cfg.tensor_prefix) else name
+
+    def keep(name: str) -> bool:  # the MTP layer's own tensors
+        return text(name).startswith(prefix) and text(name)[len(prefix):] not in SHARED
+
     with _build_on(device, dtype):
         mtp = MTPDrafter(cfg, target)
     _fill(mtp, mtp.hf_weight_map(), iter_tensors(checkpoint_files(Path(model_dir), allow_pickle), keep),

@@ -377,7 +377,7 @@ def _check_mtp(f: _Findings, t: ModelConfig, w: _Weights, method: str) -> None:
         return
     p = f"{t.tensor_prefix}model.layers.{t.num_layers}."
     missing = [p + n for n in MTP_TENSORS if p + n not in w.tensors]
-    block = sum(1 for n in w.tensors if n.startswith(p + "self_attn.") or n.startswith(p + "mlp."))
+    block = sum(1 for n in w.tensors if n.startswith((p + "self_attn.", p + "mlp.")))
     if missing or not block:
         f.add("error" if method == "mtp" else "warning", "mtp",
               f"config.json declares {t.mtp_layers} MTP layer(s) but the checkpoint lacks "

@@ -472,6 +472,7 @@ async def server_info(request: Request):
         "requests": {"running": snap["running"], "waiting": snap["waiting"], "in_flight": loop.in_flight,
                      "ended": metrics.ended_by_outcome(), **served},
         "speculation": {"drafter": bool(engine is not None and engine.policy is not None),
+                        "method": engine.cfg.spec.method if engine is not None and engine.policy is not None else None,
                         "last_k": snap["last_k"], "k_choices": snap["k_choices"],
                         "acceptance_estimate": snap["acceptance_estimate"],
                         "acceptance_estimate_tree": snap["acceptance_estimate_tree"], "since_start": snap["spec"]},

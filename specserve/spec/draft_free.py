@@ -19,12 +19,51 @@ PAD = -1
 
 
 def text_proposer(spec: SpecConfig) -> NgramProposer | SuffixProposer | None:
-    """The proposer of a draft-free method; None for methods with a drafter model."""
-    if spec.method == "ngram":
+    """The proposer of a draft-free method, or of the text drafts beside a drafter model (`text_drafts`); None
+    where neither is configured."""
+    name = spec.method if spec.draft_free else spec.text_drafts
+    if name == "ngram":
         return NgramProposer(spec.ngram_min, spec.ngram_max)
-    if spec.method == "suffix":
+    if name == "suffix":
         return SuffixProposer()
     return None
+
+
+class TextFirst:
+    """Beside a drafter model: a chain cycle takes the text's drafts instead of the drafter's where every row
+    has a full-length one and text drafts have lately been accepted at least as well as the drafter's, so
+    the drafter's K sequential steps are skipped where the text already holds the answer (an edit, a
+    repeated block). Text drafts are scored on every cycle: on a drafter cycle their acceptance is read off
+    the tokens the target emitted (their common prefix), with no verify of their own."""
+
+    RATE = 0.2  # weight of a cycle in the moving averages of accepted drafts per row
+
+    def __init__(self, proposer):
+        self.proposer = proposer
+        self.accepted = {"text": float("inf"), "drafter": 0.0}  # per row and cycle; text is tried first
+        self.drafts: list[list[int]] = []
+        self.cycles = {"text": 0, "drafter": 0}  # cycles that verified each one's drafts
+
+    def draft(self, seqs, K: int, device: torch.device) -> torch.Tensor | None:
+        """[B, K] text drafts for this cycle, or None: the drafter's turn."""
+        self.drafts = [self.proposer.propose(s, K) for s in seqs]
+        if all(len(d) == K for d in self.drafts) and self.accepted["text"] >= self.accepted["drafter"]:
+            return torch.tensor(self.drafts, dtype=torch.long).to(device)
+        return None
+
+    def observe(self, used_text: bool, accepted: list[int], emitted: list[list[int]]) -> None:
+        """A cycle's accepted counts and emitted tokens per row (`used_text`: it verified the text's drafts)."""
+        text = accepted if used_text else [
+            next((i for i, (d, e) in enumerate(zip(drafts, row[: a + 1])) if d != e), min(len(drafts), a + 1))
+            for drafts, row, a in zip(self.drafts, emitted, accepted)]
+        self.cycles["text" if used_text else "drafter"] += 1
+        self._update("text", sum(text) / len(text))
+        if not used_text:
+            self._update("drafter", sum(accepted) / len(accepted))
+
+    def _update(self, key: str, value: float) -> None:
+        old = self.accepted[key]
+        self.accepted[key] = value if old in (0.0, float("inf")) else (1 - self.RATE) * old + self.RATE * value
 
 
 def chain_drafts(proposer, seqs, K: int, device: torch.device) -> tuple[torch.Tensor, list[int]] | None:

@@ -175,6 +175,7 @@ def test_served_draft_free_equals_plain_and_keeps_tenants_apart(flags):
             assert out.choices[0].text == want.text, user
         engine = srv.loop.llm.engine
         assert engine.totals.cycles > 0
+        assert srv.info()["speculation"]["method"] == flags[1]
         if flags[1] == "suffix":
             assert list(engine.text_drafts.tenants) == ["alice", "bob"]  # none kept for the request without a user
     finally:
@@ -188,13 +189,88 @@ def test_tp2_draft_free_equals_tp1_plain(make_pair):
     from specserve.engine.llm import LLM
 
     target = make_pair(vocab=4096, hidden=64, layers=2, heads=4, kv_heads=2, tokenizer="demo")[0]
-    engine = dict(device="cpu", max_num_seqs=2, max_model_len=128)
+    engine = {"device": "cpu", "max_num_seqs": 2, "max_model_len": 128}
     prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in LLM(model=str(target), **engine).generate(prompts, greedy)]
-    for spec in (dict(spec_method="ngram", spec_steps=0, max_spec_steps=3, adaptive=True),
-                 dict(spec_method="suffix", spec_steps=3, spec_topk=2)):
+    for spec in ({"spec_method": "ngram", "spec_steps": 0, "max_spec_steps": 3, "adaptive": True},
+                 {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2}):
         with TPLLM(model=str(target), tp=2, **engine, **spec) as llm:
             out = llm.generate(prompts, greedy)
         assert [o.token_ids for o in out] == want, spec
         assert sum(o.spec["cycles"] for o in out) > 0
+
+
+def test_bench_configs_name_the_drafting_method():
+    from specserve.bench import bench_cmd
+
+    p = bench_cmd.parse_config
+    assert p("ngram:steps=4,min=2,max=5").label == "ngram:max=5,min=2,steps=4"
+    assert p("ngram:steps=4,min=2,max=5").engine_options() == {
+        "spec_method": "ngram", "spec_topk": 1, "spec_tokens": None, "ngram_min": 2, "ngram_max": 5}
+    assert p("mtp:steps=3").engine_options()["spec_method"] == "mtp"
+    assert p("suffix:adaptive,steps=6").spec_steps == 6
+    with pytest.raises(ConfigError, match="ngram-min"):
+        p("ngram:min=4,max=2")
+    with pytest.raises(ConfigError, match="unknown key 'min' for suffix"):
+        p("suffix:min=2")
+
+
+def test_one_bench_run_compares_the_methods(monkeypatch, tmp_path):
+    """baseline, eagle3, ngram and suffix in one run on the demo pair: each matches plain output."""
+    import json
+
+    from test_bench import run_cli, validate
+
+    out = tmp_path / "methods.json"
+    rc = run_cli(monkeypatch, ["bench", "--configs", "baseline", "eagle3:steps=3", "ngram:steps=3,min=1,max=4",
+                               "suffix:adaptive,steps=3", "--batch-sizes", "1", "--num-prompts", "1",
+                               "--max-tokens", "16", "--repeats", "1", "--warmup", "0", "--peers",
+                               "--no-progress", "--out", str(out)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    rows = {r["config"]: r for r in doc["results"]}
+    for label in ("eagle3:steps=3", "ngram:max=4,min=1,steps=3", "suffix:adaptive,steps=3"):
+        assert rows[label]["matches_baseline"] is True, label
+
+
+@pytest.mark.parametrize("text", ["ngram", "suffix"])
+def test_text_drafts_beside_a_drafter_equal_plain(make_pair, text):
+    """eagle3 with --text-drafts: cycles verify the text's drafts where every row has a full one (the drafter fed
+    its pending entries meanwhile) and the drafter's elsewhere; greedy output equals plain, both kinds ran."""
+    target, draft = make_pair(vocab=VOCAB, hidden=32, layers=2, heads=2, kv_heads=1, draft={"draft_vocab": 8})
+    prompts = _prompts(3, seed=4)
+    base, _ = _run(target, prompts, GREEDY)
+    for kw in ({"spec_steps": 3}, {"spec_steps": 0, "max_spec_steps": 3, "adaptive": True}):
+        out, engine = _run(target, prompts, GREEDY, draft=str(draft), spec_text_drafts=text, **kw)
+        assert out == base, kw
+        cycles = engine.text_first.cycles
+        if not kw.get("adaptive"):  # (adaptive K may keep to plain steps on this tiny model)
+            assert cycles["text"] > 0 and cycles["drafter"] > 0, cycles
+    with pytest.raises(ConfigError, match="--text-drafts takes"):
+        EngineConfig(model=str(target), spec_method="ngram", spec_steps=2, spec_text_drafts="suffix")
+
+
+@pytest.mark.gpu
+def test_draft_free_on_gpu_replays_the_verify_graphs(target):
+    """On CUDA (float32): ngram chains and suffix trees run through the captured verify / tree-verify graphs (no
+    draft graphs are captured for them) and equal plain greedy output."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = _prompts(3, seed=8)
+    gpu = {"device": "cuda", "dtype": "float32"}
+    engine = Engine(EngineConfig(model=str(target), max_num_seqs=3, **gpu))
+    base = [engine.add_request(p, GREEDY) for p in prompts]
+    while engine.has_work():
+        engine.step()
+    for spec in ({"spec_method": "ngram", "spec_steps": 3},
+                 {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2, "spec_tree_max_batch": 3}):
+        engine = Engine(EngineConfig(model=str(target), max_num_seqs=3, **gpu, **spec))
+        kinds = {k.kind for k in engine.runner.graphs}
+        assert "verify" in kinds and "draft" not in kinds and "tree_draft" not in kinds
+        seqs = [engine.add_request(p, GREEDY) for p in prompts]
+        while engine.has_work():
+            engine.step()
+        assert [s.output_ids for s in seqs] == [s.output_ids for s in base], spec
+        assert engine.totals.accepted > 0

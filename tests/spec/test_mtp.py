@@ -96,8 +96,8 @@ def test_mtp_trees_adaptive_and_prefix_cache_equal_plain(mtp_target):
     base, _ = _run(mtp_target, prompts, GREEDY)
     out, _ = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=3, spec_topk=2)
     assert out == base
-    out, engine = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=0, max_spec_steps=3,
-                       adaptive=True, prefix_cache=True, kv_block_size=4)
+    out, _ = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=0, max_spec_steps=3,
+                  adaptive=True, prefix_cache=True, kv_block_size=4)
     assert out == base
 
 
@@ -120,3 +120,29 @@ def test_check_reports_the_mtp_layer(mtp_target, tmp_path):
     plain = make_moe_target(tmp_path / "plain", vocab=VOCAB, hidden=64, layers=2)
     assert mtp_finding(plain).level == "ok" and "no MTP layer" in mtp_finding(plain).message
     assert mtp_finding(plain, spec_method="mtp").level == "error"
+
+
+@pytest.mark.gpu
+def test_mtp_on_gpu_with_cuda_graphs_equals_plain(mtp_target):
+    """On CUDA (float32): the MTP layer's draft graphs (chains) and the verify graphs give plain greedy output."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    prompts = _prompts(2, seed=3)
+    gpu = {"device": "cuda", "dtype": "float32"}
+    base, _ = _run(mtp_target, prompts, GREEDY, **gpu)
+    out, engine = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=3, **gpu)
+    assert out == base and engine.totals.cycles > 0
+
+
+def test_mtp_layer_with_int4_experts_as_the_target(mtp_target, tmp_path):
+    """A checkpoint whose routed experts are int4 (compressed-tensors, Kimi's ignore list): the MTP layer's
+    experts load int4 as the decoder's do, and MTP speculation still equals plain greedy output."""
+    from tiny import KIMI_IGNORE, make_int4_pair
+
+    q, _ = make_int4_pair(mtp_target, tmp_path / "int4", tmp_path / "twin", 32, True, KIMI_IGNORE + ("re:.*eh_proj",))
+    prompts = _prompts(2, seed=6)
+    base, _ = _run(q, prompts, GREEDY)
+    out, engine = _run(q, prompts, GREEDY, spec_method="mtp", spec_steps=3)
+    assert out == base and engine.totals.cycles > 0
+    names = {n for n, _ in engine.runner.drafter.named_parameters()} | {n for n, _ in engine.runner.drafter.named_buffers()}
+    assert any("packed" in n for n in names), sorted(names)[:12]  # the MTP layer's experts are int4
