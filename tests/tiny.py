@@ -347,3 +347,9 @@ def generate_greedy(model, prompts, draft=None, **kw):
         engine.step()
     engine.check_idle_integrity()
     return [s.output_ids for s in seqs], engine
+
+
+def kimi_k25_config(text: dict) -> dict:
+    """Kimi-K2.5's wrapper config around a DeepSeek-V3 text config (its vision tower named, not built)."""
+    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
+            "vision_config": {"hidden_size": 1152}, "media_placeholder_token_id": 163605}

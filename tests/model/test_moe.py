@@ -12,7 +12,7 @@ from specserve.config import ConfigError, EngineConfig, ModelConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 from specserve.model.loader import load_target
-from tiny import assert_decode_matches, engine_with_prefill_graphs, make_drafter, make_moe_target
+from tiny import assert_decode_matches, engine_with_prefill_graphs, kimi_k25_config, make_drafter, make_moe_target
 
 VARIANTS = {
     "deepseek_v3": dict(arch="deepseek_v3"),
@@ -153,11 +153,6 @@ INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
                                                                         "symmetric": True, "strategy": "group",
                                                                         "group_size": 32}}},
         "ignore": ["lm_head"]}
-
-
-def kimi_k25_config(text: dict) -> dict:
-    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
-            "vision_config": {"hidden_size": 1152}, "media_placeholder_token_id": 163605}
 
 
 def test_kimi_k25_nested_config_is_parsed(tmp_path):

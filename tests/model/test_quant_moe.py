@@ -75,7 +75,7 @@ def test_int4_moe_loads_packed_experts_and_equals_its_twin(moe_int4_pair):
 def test_kimi_k25_wrapped_int4_checkpoint_loads_its_text_model(moe_int4_pair, tmp_path):
     """The Kimi-K2.5 layout: the text model under language_model., a vision tower beside it, the
     quantization_config at the top level naming modules with the prefix: loads as the plain one."""
-    from test_moe import kimi_k25_config
+    from tiny import kimi_k25_config
 
     q, _, scheme = moe_int4_pair
     if scheme != "kimi":

@@ -220,7 +220,7 @@ def test_one_bench_run_compares_the_methods(monkeypatch, tmp_path):
     """baseline, eagle3, ngram and suffix in one run on the demo pair: each matches plain output."""
     import json
 
-    from test_bench import run_cli, validate
+    from benching import run_cli, validate
 
     out = tmp_path / "methods.json"
     rc = run_cli(monkeypatch, ["bench", "--configs", "baseline", "eagle3:steps=3", "ngram:steps=3,min=1,max=4",
