@@ -146,3 +146,37 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
         "predictions": preds,
         "recommended_steps": best["steps"],
     }
+
+
+def speedup_by_context(step_ms: dict[int, dict[int, float]], acceptance: list[float]) -> dict[int, dict[int, float]]:
+    """Predicted speedup over plain decoding of each K at each context, from measured step costs
+    {context: {K: ms}} (K = 0 a plain step, K > 0 a whole cycle: drafts and verify) and a stated
+    acceptance (the share of cycles whose i-th draft is accepted): a cycle's E(K) tokens against the
+    E(K) plain steps they replace. Decode rates only: prefill and the drafter's catch-ups are left out.
+    K values past the stated acceptance are not predicted."""
+    return {ctx: {K: expected_tokens(acceptance, K) * costs[0] / costs[K]
+                  for K in sorted(costs) if 0 < K <= len(acceptance)}
+            for ctx, costs in sorted(step_ms.items()) if costs.get(0)}
+
+
+def from_policy(policy_costs: dict, batch_size: int, acceptance: list[float]) -> dict | None:
+    """The predicted speedup per context (`speedup_by_context`) at `batch_size` from an adaptive policy's
+    cost table (`SpecPolicy.snapshot`): the cost of each K it chooses by (live where K ran there, else
+    start-up plus what it learned live), at every context bucket the run timed live. None where it timed
+    none or no acceptance is known."""
+    bucket = next((b for b in sorted(policy_costs, key=int) if int(b) >= batch_size), None)
+    if bucket is None or not acceptance:
+        return None
+    step_ms = {int(c): {int(K): row["predicted_ms"] for K, row in ks.items() if row["predicted_ms"] is not None}
+               for c, ks in policy_costs[bucket].items() if any(row["live_ms"] is not None for row in ks.values())}
+    speedups = speedup_by_context(step_ms, acceptance)
+    if not speedups:
+        return None
+    contexts = []
+    for c, by_k in speedups.items():
+        best = max(by_k, key=by_k.get, default=0)
+        contexts.append({"context_bucket": c, "step_ms": {str(K): ms for K, ms in sorted(step_ms[c].items())},
+                         "speedup": {str(K): x for K, x in by_k.items()},
+                         "best_steps": best if by_k.get(best, 0.0) > 1.0 else 0})
+    return {"batch_size": batch_size, "policy_bucket": int(bucket), "acceptance_per_position": list(acceptance),
+            "contexts": contexts}

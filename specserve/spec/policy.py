@@ -408,11 +408,12 @@ class SpecPolicy(SpeculationPolicy):
         self.cost[key] = _window_cost(recent)
 
     def snapshot(self) -> dict:
-        """{batch bucket: {context bucket: {K: start-up and live cost (ms) and how often K was timed}}}
-        (bench details, /server_info)."""
+        """{batch bucket: {context bucket: {K: start-up, live and predicted cost (ms, the one `choose` uses: live,
+        else start-up plus the learned offset) and how often K was timed}}} (bench details, /server_info)."""
         out: dict = {}
         for key in sorted(set(self.seeded) | set(self.cost)):
-            row = {"seeded_ms": self.seeded.get(key), "live_ms": self.cost.get(key), "timed": self.tries.get(key, 0)}
+            row = {"seeded_ms": self.seeded.get(key), "live_ms": self.cost.get(key),
+                   "predicted_ms": self._predicted(key[:2], key[2]), "timed": self.tries.get(key, 0)}
             b, c, k = map(str, key)
             out.setdefault(b, {}).setdefault(c, {})[k] = {n: (round(v * 1e3, 3) if isinstance(v, float) else v)
                                                           for n, v in row.items()}

@@ -75,7 +75,7 @@ def test_live_timings_land_in_their_context_bucket():
     assert p.predicted_cost(1, 0, 4096) is None  # neither seeded nor timed there
     snap = p.snapshot()
     assert snap["1"]["512"]["4"]["live_ms"] == pytest.approx(1400.0) and snap["1"]["512"]["4"]["timed"] == 3
-    assert snap["1"]["131072"]["4"] == {"seeded_ms": 14000.0, "live_ms": None, "timed": 0}
+    assert snap["1"]["131072"]["4"] == {"seeded_ms": 14000.0, "live_ms": None, "predicted_ms": 14200.0, "timed": 0}
 
 
 def test_costs_interpolate_between_timed_contexts():
