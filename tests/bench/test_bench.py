@@ -419,6 +419,18 @@ def test_cost_model_by_context():
     assert cost_model.from_policy(snapshot, 1, []) is None and cost_model.from_policy(snapshot, 16, acceptance) is None
 
 
+def test_cost_model_command_line(capsys):
+    cost_model.main(["--steps", "512:1,1.17,1.32,1.43,1.5", "131072:2,3.06,4.82,6,10.86",
+                     "--acceptance", "0.8", "0.6", "0.45", "0.3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "context     512: K=1 1.54x  K=2 1.82x  K=3 1.99x  K=4 2.10x"
+    assert lines[2].startswith("context  131072: K=1 1.18x") and lines[2].endswith("K=4 0.58x")
+    with pytest.raises(SystemExit):
+        cost_model.main(["--steps", "512=1,2", "--acceptance", "0.5"])
+    with pytest.raises(SystemExit):
+        cost_model.main(["--steps", "512:1,2", "--acceptance", "80"])
+
+
 def test_prompts_extended_to_a_context():
     from specserve.bench.context import extend_to_context
 
