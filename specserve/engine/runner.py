@@ -709,10 +709,14 @@ class ModelRunner:
         (batch size, K) point as it starts."""
         reps = reps or (5 if self.device.type == "cuda" else 3)
         costs: dict[int, dict[tuple[int, int], float]] = {}
-        total, done = len(contexts) * len(batch_sizes) * (len(spec_steps) + 1), 0
-        for ctx, B in ((c, B) for c in contexts for B in batch_sizes):
-            per_row = min(-(-(ctx + self.kv.room + 1) // self.block_size), self.kv.max_blocks - 1)  # (scratch: null)
-            pool = self.kv.num_blocks - 1  # (block 0 is the null block)
+        pool = self.kv.num_blocks - 1  # (block 0 is the null block)
+        blocks_at = {c: min(-(-(c + self.kv.room + 1) // self.block_size), self.kv.max_blocks - 1) for c in contexts}
+        # Shapes the pool cannot hold never run: past the smallest batch they are not timed (interpolation
+        # gives them the nearest timed batch's costs).
+        shapes = [(c, B) for c in contexts for B in batch_sizes if B == batch_sizes[0] or B * blocks_at[c] <= pool]
+        total, done = len(shapes) * (len(spec_steps) + 1), 0
+        for ctx, B in shapes:
+            per_row = blocks_at[ctx]  # (the row's last block, holding the scratch slot, stays the null block)
             blocks = 1 + torch.arange(B * per_row, device=self.device).view(B, per_row) % pool
             self.kv.table[:B, :per_row] = blocks
             ids = torch.zeros(B, dtype=torch.long, device=self.device)

@@ -87,3 +87,20 @@ def test_costs_interpolate_between_timed_contexts():
     for c, costs in filled.items():
         p.seed_costs(costs, c)
     assert p.choose(1, context=400) == 4 and p.choose(1, context=200_000) == 0
+
+
+def test_startup_times_each_context_the_pool_holds(small_pair):
+    """Start-up timing at several contexts on dummy rows of their own blocks: a shape the KV pool cannot
+    hold is timed only at the smallest batch, and the rows' block tables are left empty afterwards."""
+    from specserve.engine.block_pool import NULL_BLOCK
+    from specserve.engine.engine import Engine
+
+    target, draft = small_pair
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=2, max_num_seqs=4,
+                                 max_model_len=256, kv_cache_tokens=512))
+    costs = engine.runner.measure_step_costs([1, 4], [1, 2], [32, 200], reps=1)
+    assert set(costs) == {32, 200}
+    assert set(costs[32]) == {(B, K) for B in (1, 4) for K in (0, 1, 2)}
+    assert set(costs[200]) == {(1, K) for K in (0, 1, 2)}  # 4 rows of 200 tokens do not fit 512 tokens
+    assert all(sec > 0 for by_shape in costs.values() for sec in by_shape.values())
+    assert bool((engine.runner.kv.table == NULL_BLOCK).all())
