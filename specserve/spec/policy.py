@@ -119,7 +119,7 @@ CONTEXT_MIN = 64
 
 def context_bucket(n: int) -> int:
     """A step's context bucket: its mean cached length rounded up to a power of two, CONTEXT_MIN at least."""
-    return _bucket(max(n, CONTEXT_MIN))
+    return 1 << (max(n, CONTEXT_MIN) - 1).bit_length()
 
 
 def batch_context(seqs) -> int:
@@ -208,7 +208,8 @@ class SpecPolicy(SpeculationPolicy):
         self.recent: dict[tuple[int, int, int], deque] = {}  # its last LIVE_WINDOW live timings
         self.tries: dict[tuple[int, int, int], int] = {}
         self.seeded: dict[tuple[int, int, int], float] = {}  # seconds, from start-up
-        self.offset: dict[tuple[int, int, bool], float] = {}  # (shape, speculative?) -> live - seeded
+        # (batch bucket, speculative?) -> {context bucket: live - seeded}
+        self.offset: dict[tuple[int, bool], dict[int, float]] = {}
         # Conditional acceptance per position, from a weak optimistic prior (Beta(2, 1)); kept apart
         # for tree cycles (SpecConfig.drafts_tree), which accept more.
         self.tree = cfg.spec.drafts_tree
@@ -284,10 +285,12 @@ class SpecPolicy(SpeculationPolicy):
         """The learned (live - seeded) offset at `shape`, else at the nearest context bucket of its batch
         bucket that has one (host bookkeeping hardly depends on the context)."""
         b, c = shape
-        if (b, c, spec) in self.offset:
-            return self.offset[(b, c, spec)]
-        known = [cb for bb, cb, sp in self.offset if bb == b and sp == spec]
-        return self.offset[(b, min(known, key=lambda cb: abs(math.log2(cb / c))), spec)] if known else 0.0
+        by_context = self.offset.get((b, spec))
+        if not by_context:
+            return 0.0
+        if c in by_context:
+            return by_context[c]
+        return by_context[min(by_context, key=lambda cb: abs(cb.bit_length() - c.bit_length()))]  # (powers of 2)
 
     def optimistic_cost(self, shape: tuple[int, int], K: int) -> float:
         """The lower of K's live cost and its start-up cost without the offset (one of them known)."""
@@ -395,10 +398,10 @@ class SpecPolicy(SpeculationPolicy):
         if n == 0 and key in self.seeded and seconds > WARMUP_OUTLIER * self._predicted(shape, K):
             return  # a batch size of the bucket that start-up did not time, paying its warm-up: not learned from
         if key in self.seeded:
-            okey = (*shape, K > 0)
-            old = self.offset.get(okey)
+            by_context = self.offset.setdefault((shape[0], K > 0), {})
+            old = by_context.get(shape[1])
             diff = seconds - self.seeded[key]
-            self.offset[okey] = diff if old is None else (1 - _EMA) * old + _EMA * diff
+            by_context[shape[1]] = diff if old is None else (1 - _EMA) * old + _EMA * diff
         elif n == 0:
             return  # the first run of a shape pays warm-up costs; don't learn from it
         if K and shape in self.explored and self._would_win(shape, B, K, seconds):
