@@ -104,3 +104,17 @@ def test_startup_times_each_context_the_pool_holds(small_pair):
     assert set(costs[200]) == {(1, K) for K in (0, 1, 2)}  # 4 rows of 200 tokens do not fit 512 tokens
     assert all(sec > 0 for by_shape in costs.values() for sec in by_shape.values())
     assert bool((engine.runner.kv.table == NULL_BLOCK).all())
+
+
+@pytest.mark.gpu
+def test_gpu_startup_seeds_every_context_bucket_from_several_timed_contexts(small_pair):
+    """On a GPU start-up times the shortest bucket, the longest context held and one between, and seeds
+    every context bucket up to max_model_len from them."""
+    from specserve.engine.engine import Engine
+
+    target, draft = small_pair
+    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", spec_steps=0, max_spec_steps=2,
+                                 adaptive=True, max_num_seqs=4, max_model_len=512))
+    seeded = engine.policy.seeded
+    assert {c for _, c, _ in seeded} == set(context_buckets(512))
+    assert len(startup_contexts(511, cheap=True)) == 3

@@ -1350,7 +1350,7 @@ def test_step_costs_include_the_handling_of_their_own_tokens(small_pair):
     picks, costs = iter([0, 2] * 100), []
     policy.choose = lambda B, remaining=None, stale=False, context=0: next(picks)
     observe = policy.observe_cost
-    policy.observe_cost = lambda B, K, seconds: (costs.append((K, seconds)), observe(B, K, seconds))
+    policy.observe_cost = lambda B, K, seconds, context=0: (costs.append((K, seconds)), observe(B, K, seconds, context))
     pause = 0.05
     for p in _prompts(2, seed=3):
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
