@@ -260,8 +260,8 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
         longest = max([len(p) + args.max_tokens * o for p, o in zip(prompt_ids, own)] + (args.context or []))
         need = longest + args.max_tokens + 1
         if need > limit:
-            raise ConfigError(f"the longest prompt ({need - args.max_tokens - 1} tokens) plus --max-tokens "
-                              f"{args.max_tokens} exceeds the model's {limit} positions")
+            raise ConfigError(f"the longest prompt or --context ({need - args.max_tokens - 1} tokens) plus "
+                              f"--max-tokens {args.max_tokens} exceeds the model's {limit} positions")
         base_kw["max_model_len"] = min(limit, -(-need // 64) * 64)
     elif args.context and max(args.context) + args.max_tokens >= args.max_model_len:
         raise ConfigError(f"--context {max(args.context)} plus --max-tokens {args.max_tokens} does not fit "

@@ -232,7 +232,7 @@ def context_cost_table(r: dict) -> tuple[list[str], list[list[str]]]:
     """The predicted speedup of each K per context bucket, from the adaptive policy's step costs."""
     entries = r.get("context_cost_model") or []
     ks = sorted({int(K) for e in entries for c in e["contexts"] for K in c["speedup"]})
-    head = ["config", "batch", "context", "plain ms", *(f"K={K}" for K in ks), "best K"]
+    head = ["config", "batch", "context bucket (up to)", "plain ms", *(f"K={K}" for K in ks), "best K"]
     rows = [[e["config"], str(e["batch_size"]), str(c["context_bucket"]), _f(c["step_ms"]["0"], ".2f"),
              *(_f(c["speedup"].get(str(K)), ".2f") + ("x" if str(K) in c["speedup"] else "") for K in ks),
              str(c["best_steps"])]
