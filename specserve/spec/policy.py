@@ -28,8 +28,8 @@ step is best. Coming from plain decoding (`stale`), a K > 0 first catches the dr
 charges it to every K > 0. An exploration's timing ends the back-off only if it wins by
 the same rule.
 
-Costs per (bucket, K), a bucket being a step's shape: its batch size and its rows' mean cached length
-(`batch_context`), each rounded up to a power of two (a verify's attention reads the whole cache, so a K that
+Costs per (bucket, K), a bucket (`shape` in the code) being a step's batch size and its rows' mean cached
+length (`batch_context`), each rounded up to a power of two (a verify's attention reads the whole cache, so a K that
 pays at short context may lose at long context). Once a K has run at a bucket, the mean of its last
 LIVE_WINDOW live step times without the slowest (`_window_cost`: one slow step, a pause of
 the host, moves it little, where a moving average would price plain decoding out for dozens
