@@ -46,18 +46,19 @@ WINS: list[dict] = []  # explorations' timings the policy judged (`_would_win`):
 def logged_choose(policy, choose):
     """`choose`, recording each K > 0 it returns: the batch size, whether the drafter was stale, the K the
     rates alone rank first (else the choice was an exploration), and each K's rate and cost (ms)."""
-    from specserve.spec.policy import _bucket
+    from specserve.spec.policy import _bucket, context_bucket
 
-    def wrapped(B, remaining=None, stale=False):
-        bucket = _bucket(B)
-        switch = policy._switch_cost(bucket) if stale else 0.0
-        rates = policy._rates(bucket, policy.tree(B), remaining, B, switch=switch)
-        K = choose(B, remaining, stale)
+    def wrapped(B, remaining=None, stale=False, context=0):
+        shape = (_bucket(B), context_bucket(context))
+        switch = policy._switch_cost(shape) if stale else 0.0
+        rates = policy._rates(shape, policy.tree(B), remaining, B, switch=switch)
+        K = choose(B, remaining, stale, context)
         if K:
-            DECISIONS.append({"B": B, "K": K, "stale": stale, "best": max(rates, key=rates.get) if rates else None,
+            DECISIONS.append({"B": B, "context": context, "K": K, "stale": stale,
+                              "best": max(rates, key=rates.get) if rates else None,
                               "job": bool(remaining), "switch_ms": round(1e3 * switch, 2),
                               "rates": {k: round(r / 1e3, 4) for k, r in rates.items()},
-                              "cost_ms": {k: round(1e3 * (policy.predicted_cost(bucket, k) or 0), 3)
+                              "cost_ms": {k: round(1e3 * (policy.predicted_cost(shape[0], k, context) or 0), 3)
                                           for k in rates}})
         return K
     return wrapped
@@ -68,9 +69,9 @@ def logged_would_win(policy):
     whether it ended the back-off (one lucky cycle doing so brings the next exploration 24 choices closer)."""
     would_win = policy._would_win
 
-    def wrapped(bucket, B, K, seconds):
-        won = would_win(bucket, B, K, seconds)
-        live = policy.cost.get((bucket, K))
+    def wrapped(shape, B, K, seconds):
+        won = would_win(shape, B, K, seconds)
+        live = policy.cost.get((*shape, K))
         WINS.append({"B": B, "K": K, "ms": round(1e3 * seconds, 3), "won": won,
                      "live_ms": None if live is None else round(1e3 * live, 3)})
         return won
@@ -79,7 +80,7 @@ def logged_would_win(policy):
 
 def set_config(eng, name: str, choose) -> None:
     eng.set_spec_steps(0 if name == "baseline" else None)
-    eng.policy.choose = ((lambda B, remaining=None, stale=False: 0) if name == "adaptive-plain"
+    eng.policy.choose = ((lambda B, remaining=None, stale=False, context=0: 0) if name == "adaptive-plain"
                          else logged_choose(eng.policy, choose))
 
 

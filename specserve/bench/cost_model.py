@@ -28,6 +28,11 @@ every K, so the model interpolates between and extrapolates beyond them (up to
 the longest draft measured); the measured K values show how far to trust it.
 Tree configurations (topk > 1) are left out: their acceptance per depth and cost
 per node follow other rules; the bench reports them as measured.
+
+By context (`speedup_by_context`): a verify's attention reads the whole cache, so a K-cycle's cost
+against a plain step's grows with the context. From step costs measured per context (an adaptive
+policy's, `from_policy`, which `bench --context` reports; or any, through `python -m
+specserve.bench.cost_model`) and a stated acceptance, the speedup of K is E(K) * plain / cycle(K).
 """
 
 from __future__ import annotations
@@ -146,3 +151,67 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
         "predictions": preds,
         "recommended_steps": best["steps"],
     }
+
+
+def speedup_by_context(step_ms: dict[int, dict[int, float]], acceptance: list[float]) -> dict[int, dict[int, float]]:
+    """Predicted speedup over plain decoding of each K at each context, from measured step costs
+    {context: {K: ms}} (K = 0 a plain step, K > 0 a whole cycle: drafts and verify) and a stated
+    acceptance (the share of cycles whose i-th draft is accepted): a cycle's E(K) tokens against the
+    E(K) plain steps they replace. Decode rates only: prefill and the drafter's catch-ups are left out.
+    K values past the stated acceptance are not predicted."""
+    return {ctx: {K: expected_tokens(acceptance, K) * costs[0] / costs[K]
+                  for K in sorted(costs) if 0 < K <= len(acceptance)}
+            for ctx, costs in sorted(step_ms.items()) if costs.get(0)}
+
+
+def from_policy(policy_costs: dict, batch_size: int, acceptance: list[float]) -> dict | None:
+    """The predicted speedup per context (`speedup_by_context`) at `batch_size` from an adaptive policy's
+    cost table (`SpecPolicy.snapshot`): the cost of each K it chooses by (live where K ran there, else
+    start-up plus what it learned live), at every context bucket the run timed live. None where it timed
+    none or no acceptance is known."""
+    bucket = next((b for b in sorted(policy_costs, key=int) if int(b) >= batch_size), None)
+    if bucket is None or not acceptance:
+        return None
+    step_ms = {int(c): {int(K): row["predicted_ms"] for K, row in ks.items() if row["predicted_ms"] is not None}
+               for c, ks in policy_costs[bucket].items() if any(row["live_ms"] is not None for row in ks.values())}
+    speedups = speedup_by_context(step_ms, acceptance)
+    if not speedups:
+        return None
+    contexts = []
+    for c, by_k in speedups.items():
+        best = max(by_k, key=by_k.get, default=0)
+        contexts.append({"context_bucket": c, "step_ms": {str(K): ms for K, ms in sorted(step_ms[c].items())},
+                         "speedup": {str(K): x for K, x in by_k.items()},
+                         "best_steps": best if by_k.get(best, 0.0) > 1.0 else 0})
+    return {"batch_size": batch_size, "policy_bucket": int(bucket), "acceptance_per_position": list(acceptance),
+            "contexts": contexts}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m specserve.bench.cost_model --steps 512:1,1.2,1.3 32768:1,1.7,2.8 --acceptance 0.8 0.6`:
+    the predicted speedup table from step costs measured elsewhere (e.g. benchmarks/moe_layers_gpu.py)."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m specserve.bench.cost_model", description=main.__doc__)
+    ap.add_argument("--steps", nargs="+", required=True, metavar="CONTEXT:C0,C1,...",
+                    help="per context, the cost of a plain step (C0) and of a K-cycle, drafts and verify, for "
+                         "K = 1, 2, ... (any one unit)")
+    ap.add_argument("--acceptance", nargs="+", type=float, required=True, metavar="A",
+                    help="the share of cycles whose i-th draft is accepted, i = 1, 2, ...")
+    args = ap.parse_args(argv)
+    if not all(0 <= a <= 1 for a in args.acceptance):
+        ap.error(f"--acceptance takes shares between 0 and 1, got {args.acceptance}")
+    step_ms = {}
+    for item in args.steps:
+        ctx, _, costs = item.partition(":")
+        try:
+            step_ms[int(ctx)] = dict(enumerate(float(c) for c in costs.split(",")))
+        except ValueError:
+            ap.error(f"--steps {item!r}: expected CONTEXT:C0,C1,... (e.g. 512:1,1.17,1.32)")
+    print(f"predicted speedup over plain decoding at acceptance per position {args.acceptance}")
+    for ctx, by_k in speedup_by_context(step_ms, args.acceptance).items():
+        print(f"context {ctx:>7}: " + "  ".join(f"K={K} {x:.2f}x" for K, x in by_k.items()))
+
+
+if __name__ == "__main__":
+    main()

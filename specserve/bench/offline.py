@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from specserve.bench import cost_model, report
 from specserve.bench.bench_cmd import BenchConfig
+from specserve.bench.context import extend_to_context
 from specserve.bench.datasets import own_answer_index
 from specserve.config import SPEC_METHODS, ConfigError, ModelConfig
 
@@ -250,20 +251,21 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
                           f"(no chat_template in tokenizer_config.json or chat_template.jinja): benchmark a chat "
                           f"model, or measure first turns only (--dataset mt-bench)")
     # The model's own answers are written after loading: until then they are empty, and up to --max-tokens long.
-    prompt_ids = at_context([_encode(tok, _answered(p, "")) for p in prompts], args.context)
+    prompt_ids = [_encode(tok, _answered(p, "")) for p in prompts]
     categories = [p["category"] for p in prompts]
-    if args.context and args.max_model_len is not None and args.context + args.max_tokens > args.max_model_len:
-        raise ConfigError(f"--context {args.context} plus --max-tokens {args.max_tokens} exceeds --max-model-len "
-                          f"{args.max_model_len}: raise --max-model-len, or leave it out to fit the prompts")
     if args.max_model_len is None:
         # Room for the longest prompt and its output (+ the longest draft), no more: attention
         # costs grow with the reserved cache length on CPU, the same for every configuration.
         limit = ModelConfig.from_dir(model_dir).max_position_embeddings
-        need = max(len(p) + args.max_tokens * o for p, o in zip(prompt_ids, own)) + args.max_tokens + 1
+        longest = max([len(p) + args.max_tokens * o for p, o in zip(prompt_ids, own)] + (args.context or []))
+        need = longest + args.max_tokens + 1
         if need > limit:
-            raise ConfigError(f"the longest prompt ({need - args.max_tokens - 1} tokens) plus --max-tokens "
-                              f"{args.max_tokens} exceeds the model's {limit} positions")
+            raise ConfigError(f"the longest prompt or --context ({need - args.max_tokens - 1} tokens) plus "
+                              f"--max-tokens {args.max_tokens} exceeds the model's {limit} positions")
         base_kw["max_model_len"] = min(limit, -(-need // 64) * 64)
+    elif args.context and max(args.context) + args.max_tokens >= args.max_model_len:
+        raise ConfigError(f"--context {max(args.context)} plus --max-tokens {args.max_tokens} does not fit "
+                          f"--max-model-len {args.max_model_len}: raise it, or leave it out to fit the run")
     # Chat answers end at their end of turn unless --ignore-eos; plain text runs --max-tokens unless --no-ignore-eos.
     chat = bool(tok.chat_template) and all(p["messages"] is not None for p in prompts)
     if args.ignore_eos is None:
@@ -298,7 +300,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
         units[cfg.label] = EngineUnit(cfg, base_kw, args.profile, shared_by_cfg.get(cfg.label))
     if any(own):
         prompts = _answer_own_turns(units["baseline"], tok, prompts, args.max_tokens, log)
-        prompt_ids = at_context([_encode(tok, p) for p in prompts], args.context)
+        prompt_ids = [_encode(tok, p) for p in prompts]
     from specserve.model.loader import resolve_dtype
 
     device = base_kw["device"]
@@ -318,72 +320,68 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
 
     load_s = time.perf_counter() - t_load
     live = {bs: [u for u in units if units[u].unavailable(bs) is None] for bs in args.batch_sizes}
-    calibration = _calibrate(args, units, live, prompts, prompt_ids, params, log, t_begin)
+    contexts = args.context or [None]  # None: the prompts as they are
+    calibration = _calibrate(args, units, live, prompts, extend_to_context(prompt_ids, max(args.context))
+                             if args.context else prompt_ids, params, log, t_begin)
     keep = calibration.pop("keep")
     prompts, prompt_ids, params = ([xs[i] for i in keep] for xs in (prompts, prompt_ids, params))
     categories = [p["category"] for p in prompts]
     batches = {bs: make_batches(categories, bs) for bs in args.batch_sizes}
-    runs: dict[tuple[str, int], list[Run]] = {(u, bs): [] for u in units for bs in args.batch_sizes}
-    total = sum(len(live[bs]) * (args.warmup + args.repeats) * len(batches[bs]) for bs in args.batch_sizes)
+    runs: dict[tuple[str, int, int | None], list[Run]] = {(u, bs, c): [] for u in units for bs in args.batch_sizes
+                                                          for c in contexts}
+    total = len(contexts) * sum(len(live[bs]) * (args.warmup + args.repeats) * len(batches[bs])
+                                for bs in args.batch_sizes)
     bar = _progress(total, args.progress)
     load_avg_start = report.load_average()
     t_start = time.perf_counter()
 
-    def one(label: str, batch: Batch) -> RunOutput:
+    def one(label: str, batch: Batch, ids: list[list[int]]) -> RunOutput:
         bar.set_postfix_str(f"{label} b={len(batch.slots)}", refresh=False)
-        out = units[label].run([prompt_ids[i] for i in batch.slots], [params[i] for i in batch.slots])
+        out = units[label].run([ids[i] for i in batch.slots], [params[i] for i in batch.slots])
         bar.update(1)
         return out
 
-    # A warm-up pass runs every batch through every unit: on a GPU the first prefill of each new
-    # prompt shape pays one-time costs (kernel selection, lazy module loads) that would otherwise
-    # land on whichever unit happened to run it first in repeat 0 (the baseline).
-    for _ in range(args.warmup):
-        for bs in args.batch_sizes:
-            for batch in batches[bs]:
-                for label in live[bs]:
-                    one(label, batch)
-    for r in range(args.repeats):
-        for bs in args.batch_sizes:
-            for batch in batches[bs]:
-                for label in live[bs]:
-                    runs[(label, bs)].append(Run(r, batch, one(label, batch)))
+    for ctx in contexts:
+        ids = prompt_ids if ctx is None else extend_to_context(prompt_ids, ctx)
+        # A warm-up pass runs every batch through every unit: on a GPU the first prefill of each new
+        # prompt shape pays one-time costs (kernel selection, lazy module loads) that would otherwise
+        # land on whichever unit happened to run it first in repeat 0 (the baseline).
+        for _ in range(args.warmup):
+            for bs in args.batch_sizes:
+                for batch in batches[bs]:
+                    for label in live[bs]:
+                        one(label, batch, ids)
+        for r in range(args.repeats):
+            for bs in args.batch_sizes:
+                for batch in batches[bs]:
+                    for label in live[bs]:
+                        runs[(label, bs, ctx)].append(Run(r, batch, one(label, batch, ids)))
     bar.close()
     for u in units.values():
         u.finish()
 
     cats = list(dict.fromkeys(categories))
-    results, by_category = [], []
-    for bs in args.batch_sizes:
-        for label, unit in units.items():
-            reason = unit.unavailable(bs)
-            for cat in [None, *cats]:
-                row = summarize(label, unit, bs, cat, runs, reason, args.temperature)
-                (results if cat is None else by_category).append(row)
-    for name, why in peer_status.items():
+    results, by_category, summary, cost = [], [], [], []
+    for ctx in contexts:
+        at = {(label, bs): rs for (label, bs, c), rs in runs.items() if c == ctx}  # this context's runs
+        mine = []
         for bs in args.batch_sizes:
-            results.append(_na_row(name, bs, why))
-
-    summary = []
-    for bs in args.batch_sizes:
-        spec = [x for x in results
-                if x["batch_size"] == bs and x["config"].split(":")[0] in SPEC_METHODS and x["speedup"]]
-        if not spec:
-            continue
-        best = max(spec, key=lambda x: x["speedup"])
-        hf = next((x for x in results if x["batch_size"] == bs and x["config"] == "hf" and x["available"]), None)
-        vs_hf = values = None
-        if hf is not None:  # paired per repeat, like the speedup
-            values = [a / b for a, b in zip(best["tok_s"]["values"], hf["tok_s"]["values"])]
-            vs_hf = statistics.median(values)
-        summary.append({"batch_size": bs, "best_config": best["config"], "speedup": best["speedup"], "vs_hf": vs_hf,
-                        "vs_hf_values": values})
+            for label, unit in units.items():
+                reason = unit.unavailable(bs)
+                for cat in [None, *cats]:
+                    row = summarize(label, unit, bs, cat, at, reason, args.temperature)
+                    (mine if cat is None else by_category).append(row | {"context": ctx})
+        for name, why in peer_status.items():
+            for bs in args.batch_sizes:
+                mine.append(_na_row(name, bs, why) | {"context": ctx})
+        results += mine
+        summary += [s | {"context": ctx} for s in _summary(args.batch_sizes, mine)]
+        if args.profile:
+            cost += [c | {"context": ctx} for c in (cost_model.from_runs(bs, configs, at, mine)
+                                                   for bs in args.batch_sizes) if c is not None]
 
     own_tokens = [p["own_answer_tokens"] for p in prompts if "own_answer_tokens" in p]
-    cost = None
-    if args.profile:
-        cost = [cost_model.from_runs(bs, configs, runs, results) for bs in args.batch_sizes]
-        cost = [c for c in cost if c is not None] or None
+    by_context = _context_cost_model(args.batch_sizes, results, cost)
 
     return {
         "schema_version": report.SCHEMA_VERSION,
@@ -398,8 +396,7 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
             "configs": [c.label for c in configs], "peers": list(args.peers),
             "batch_sizes": list(args.batch_sizes), "max_tokens": args.max_tokens, "repeats": args.repeats,
             "warmup": args.warmup, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-            "seed": args.seed, "max_model_len": base_kw["max_model_len"], "device": device,
-            "context": args.context,
+            "seed": args.seed, "max_model_len": base_kw["max_model_len"], "device": device, "contexts": args.context,
             "profile": bool(args.profile), "torch_threads": torch.get_num_threads(), "calibration": calibration,
             "prompts": {"path": str(args.prompts or ("--dataset" if getattr(args, "dataset", None) else "bundled")),
                         "count": len(prompts),
@@ -415,8 +412,49 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
         "results": results,
         "by_category": by_category,
         "summary": summary,
-        "cost_model": cost,
+        "cost_model": cost or None,
+        "context_cost_model": by_context or None,
     }
+
+
+def _context_cost_model(batch_sizes: list[int], results: list[dict], cost: list[dict]) -> list[dict]:
+    """Per adaptive config and batch size: the predicted speedup of each K at each context bucket its policy
+    timed (`cost_model.from_policy`), at a stated acceptance: the profiled chains' per-position rates (the
+    cost model's), else the adaptive config's own."""
+    out = []
+    for bs in batch_sizes:
+        fitted = next((c["acceptance_per_position"] for c in cost if c["batch_size"] == bs
+                       and c["acceptance_per_position"]), None)
+        last = {}  # config -> its row at the last context (the policy after every context ran)
+        for x in results:
+            if x["batch_size"] == bs and (x.get("details") or {}).get("policy_costs"):
+                last[x["config"]] = x
+        for config, x in last.items():
+            acceptance = fitted or [a for a in x["accept_per_position"] or [] if a is not None]
+            entry = cost_model.from_policy(x["details"]["policy_costs"], bs, acceptance)
+            if entry is not None:
+                out.append({"config": config, **entry,
+                            "acceptance_source": "profiled chains" if fitted else "this config's cycles"})
+    return out
+
+
+def _summary(batch_sizes: list[int], results: list[dict]) -> list[dict]:
+    """Per batch size: the speculative config with the best speedup, and its tok/s against the hf peer's."""
+    summary = []
+    for bs in batch_sizes:
+        spec = [x for x in results
+                if x["batch_size"] == bs and x["config"].split(":")[0] in SPEC_METHODS and x["speedup"]]
+        if not spec:
+            continue
+        best = max(spec, key=lambda x: x["speedup"])
+        hf = next((x for x in results if x["batch_size"] == bs and x["config"] == "hf" and x["available"]), None)
+        vs_hf = values = None
+        if hf is not None:  # paired per repeat, like the speedup
+            values = [a / b for a, b in zip(best["tok_s"]["values"], hf["tok_s"]["values"])]
+            vs_hf = statistics.median(values)
+        summary.append({"batch_size": bs, "best_config": best["config"], "speedup": best["speedup"], "vs_hf": vs_hf,
+                        "vs_hf_values": values})
+    return summary
 
 
 def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: list[list[int]], params: list,
@@ -453,8 +491,9 @@ def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: l
 
     def estimate(keep: list[int], warmup: int) -> float:
         cats = [prompts[i]["category"] for i in keep]
-        return sum(len(make_batches(cats, bs)) * (warmup + args.repeats) * sum(cost[(u, bs)] for u in live[bs])
-                   for bs in args.batch_sizes)
+        per_context = sum(len(make_batches(cats, bs)) * (warmup + args.repeats) * sum(cost[(u, bs)] for u in live[bs])
+                          for bs in args.batch_sizes)
+        return len(args.context or [None]) * per_context  # (timed at the longest --context)
 
     largest = max(sum(p["category"] == c for p in prompts) for c in {p["category"] for p in prompts})
     warmups = [args.warmup] if args.warmup is not None else [1, 0]
@@ -503,23 +542,6 @@ def _answer_own_turns(baseline: EngineUnit, tok, prompts: list[dict], max_tokens
     for i, ids in zip(todo, out.tokens):
         answered[i] = {**_answered(prompts[i], tok.decode(ids).strip()), "own_answer_tokens": len(ids)}
     return answered
-
-
-def at_context(prompt_ids: list[list[int]], context: int | None) -> list[list[int]]:
-    """Each prompt led by filler up to `context` tokens (`--context`): the prompts' own tokens, the next prompt's
-    first, in turn, so the filler is real text of the set; prompts already that long, and all without a context,
-    stay as they are."""
-    if context is None:
-        return prompt_ids
-    out = []
-    for i, ids in enumerate(prompt_ids):
-        others = prompt_ids[i + 1:] + prompt_ids[: i + 1]
-        filler: list[int] = []
-        while len(filler) < context - len(ids):
-            for o in others:
-                filler += o
-        out.append(filler[: max(0, context - len(ids))] + ids)
-    return out
 
 
 def _encode(tok, p: dict) -> list[int]:

@@ -153,16 +153,21 @@ def _header(r: dict) -> list[str]:
     return lines
 
 
+def _batch(x: dict) -> str:
+    """A row's batch size, with its context where `bench --context` set one."""
+    return str(x["batch_size"]) + (f", context {x['context']}" if x.get("context") else "")
+
+
 def main_table(r: dict) -> tuple[list[str], list[list[str]]]:
     head = ["config", "batch", "tok/s median [min-max]", "TPOT ms", "accept len", "accept/pos", "speedup", "=greedy"]
     rows = []
     for x in r["results"]:
         if not x["available"]:
-            rows.append([x["config"], str(x["batch_size"]), "n/a (see notes)", "-", "-", "-", "-", "-"])
+            rows.append([x["config"], _batch(x), "n/a (see notes)", "-", "-", "-", "-", "-"])
             continue
         t = x["tok_s"]
         pos = " ".join(_f(a, ".2f") for a in x["accept_per_position"] or [])
-        rows.append([x["config"], str(x["batch_size"]), f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]",
+        rows.append([x["config"], _batch(x), f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]",
                      _f(x["tpot_ms"] and x["tpot_ms"]["median"], ".2f"), _f(x["accept_length"], ".2f"),
                      pos or "-", _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
                      _yes(x["matches_baseline"], x.get("match_rate"))])
@@ -171,7 +176,7 @@ def main_table(r: dict) -> tuple[list[str], list[list[str]]]:
 
 def category_table(r: dict) -> tuple[list[str], list[list[str]]]:
     head = ["config", "batch", "category", "tok/s median", "accept len", "speedup", "=greedy"]
-    rows = [[x["config"], str(x["batch_size"]), x["category"], _f(x["tok_s"]["median"]), _f(x["accept_length"], ".2f"),
+    rows = [[x["config"], _batch(x), x["category"], _f(x["tok_s"]["median"]), _f(x["accept_length"], ".2f"),
              _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
              _yes(x["matches_baseline"], x.get("match_rate"))]
             for x in r["by_category"] if x["available"]]
@@ -181,19 +186,22 @@ def category_table(r: dict) -> tuple[list[str], list[list[str]]]:
 def dataset_table(r: dict, names: list[str]) -> dict:
     """The EAGLE-3 paper's table: per config and batch size, speedup and acceptance length (tau) on each
     dataset and their mean over the datasets that have a value."""
-    cells = {(x["config"], x["batch_size"], x["category"]): x for x in r["by_category"] if x["available"]}
+    cells = {(x["config"], x["batch_size"], x.get("context"), x["category"]): x for x in r["by_category"]
+             if x["available"]}
     rows = []
     for x in r["results"]:
         if not x["available"] or x["config"] == "baseline":
             continue
         per = {}
         for name in names:
-            c = cells.get((x["config"], x["batch_size"], Path(name).stem if name.endswith(".jsonl") else name))
+            c = cells.get((x["config"], x["batch_size"], x.get("context"),
+                           Path(name).stem if name.endswith(".jsonl") else name))
             per[name] = {"speedup": c and c["speedup"], "accept_length": c and c["accept_length"]}
         mean = {k: (sum(v) / len(v) if v else None)
                 for k in ("speedup", "accept_length")
                 for v in [[d[k] for d in per.values() if d[k] is not None]]}
-        rows.append({"config": x["config"], "batch_size": x["batch_size"], "datasets": per, "mean": mean})
+        rows.append({"config": x["config"], "batch_size": x["batch_size"], "context": x.get("context"), "datasets": per,
+                     "mean": mean})
     return {"names": list(names), "temperature": r["settings"]["temperature"], "rows": rows}
 
 
@@ -203,7 +211,7 @@ def paper_table(r: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for x in r["datasets"]["rows"]:
         cells = [*(x["datasets"][n] for n in names), x["mean"]]
-        rows.append([x["config"], str(x["batch_size"]),
+        rows.append([x["config"], _batch(x),
                      *(v for c in cells for v in (_f(c["speedup"], ".2f") + ("x" if c["speedup"] is not None else ""),
                                                   _f(c["accept_length"], ".2f")))])
     return head, rows
@@ -214,10 +222,29 @@ def cost_table(r: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in r.get("cost_model") or []:
         for p in c["predictions"]:
-            rows.append([str(c["batch_size"]), str(p["steps"]), _f(p["expected_tokens_per_cycle"], ".2f"),
+            rows.append([_batch(c), str(p["steps"]), _f(p["expected_tokens_per_cycle"], ".2f"),
                          _f(p["cycle_ms"], ".2f"), _f(p["predicted_tok_s"]), _f(p["measured_tok_s"]),
                          "<- recommended" if p["steps"] == c["recommended_steps"] else ""])
     return head, rows
+
+
+def context_cost_table(r: dict) -> tuple[list[str], list[list[str]]]:
+    """The predicted speedup of each K per context bucket, from the adaptive policy's step costs."""
+    entries = r.get("context_cost_model") or []
+    ks = sorted({int(K) for e in entries for c in e["contexts"] for K in c["speedup"]})
+    head = ["config", "batch", "context bucket (up to)", "plain ms", *(f"K={K}" for K in ks), "best K"]
+    rows = [[e["config"], str(e["batch_size"]), str(c["context_bucket"]), _f(c["step_ms"]["0"], ".2f"),
+             *(_f(c["speedup"].get(str(K)), ".2f") + ("x" if str(K) in c["speedup"] else "") for K in ks),
+             str(c["best_steps"])]
+            for e in entries for c in e["contexts"]]
+    return head, rows
+
+
+def _acceptance_line(r: dict) -> str:
+    e = (r.get("context_cost_model") or [{}])[0]
+    rates = " ".join(f"{a:.2f}" for a in e.get("acceptance_per_position", []))
+    return (f"predicted speedup per context from the adaptive policy's step costs (live, else start-up), at "
+            f"acceptance per position {rates} ({e.get('acceptance_source')}):")
 
 
 def online_table(r: dict) -> tuple[list[str], list[list[str]]]:
@@ -267,12 +294,12 @@ def _notes(r: dict) -> list[str]:
     for x in r.get("results", []):
         d = x.get("details") or {}
         if not x["available"]:
-            notes.append(f"{x['config']} (batch {x['batch_size']}): n/a, {x['reason']}")
+            notes.append(f"{x['config']} (batch {_batch(x)}): n/a, {x['reason']}")
         if x["kind"] == "peer" and x["available"] and x["category"] == "all":
             extra = ", ".join(f"{k}={v}" for k, v in d.items() if k in ("cache", "method", "static_cache_error"))
-            notes.append(f"{x['config']} (batch {x['batch_size']}): {extra}")
+            notes.append(f"{x['config']} (batch {_batch(x)}): {extra}")
         if "steps_chosen" in d:
-            notes.append(f"{x['config']} (batch {x['batch_size']}): steps chosen {d['steps_chosen']}")
+            notes.append(f"{x['config']} (batch {_batch(x)}): steps chosen {d['steps_chosen']}")
     return notes
 
 
@@ -295,7 +322,7 @@ def _not_quotable(values: list[float], load: dict) -> str | None:
 def summary_lines(r: dict) -> list[str]:
     out = []
     for b in r.get("summary") or []:
-        line = f"batch {b['batch_size']}: best {b['best_config']} at {b['speedup']:.2f}x plain decoding"
+        line = f"batch {_batch(b)}: best {b['best_config']} at {b['speedup']:.2f}x plain decoding"
         if b.get("vs_hf") is not None:
             line += f", {b['vs_hf']:.2f}x transformers generate()"
             values = b.get("vs_hf_values") or []
@@ -320,6 +347,8 @@ def render_text(r: dict) -> str:
                 _text_table(*paper_table(r))]
     if r.get("cost_model"):
         out += ["", "cost model (from --profile):", _text_table(*cost_table(r))]
+    if r.get("context_cost_model"):
+        out += ["", _acceptance_line(r), _text_table(*context_cost_table(r))]
     notes = _notes(r)
     if notes:
         out += [""] + notes
@@ -342,6 +371,8 @@ def render_markdown(r: dict) -> str:
                 _md_table(*paper_table(r)), ""]
     if r.get("cost_model"):
         out += ["## Cost model", "", _md_table(*cost_table(r)), ""]
+    if r.get("context_cost_model"):
+        out += ["## Cost model by context", "", _acceptance_line(r), "", _md_table(*context_cost_table(r)), ""]
     notes = _notes(r)
     if notes:
         out += ["## Notes", ""] + [f"- {n}" for n in notes] + [""]
@@ -360,7 +391,8 @@ def plot(r: dict, path: str) -> None:
 
     if r["mode"] != "offline":
         raise ValueError("--plot applies to the offline mode")
-    rows = [x for x in r["results"] if x["available"]]
+    shown = (r["settings"].get("contexts") or [None])[0]  # (with --context, the first context's figures)
+    rows = [x for x in r["results"] if x["available"] and x.get("context") == shown]
     fixed = [x for x in rows if x["config"] == "baseline" or
              (x["config"].startswith("eagle3:") and "adaptive" not in x["config"])]
     from specserve.bench.bench_cmd import parse_config
@@ -368,7 +400,7 @@ def plot(r: dict, path: str) -> None:
     parsed = {x["config"]: parse_config(x["config"]) for x in fixed}
     topks = sorted({c.tree[0] for c in parsed.values()})  # one line per batch size and tree width
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
-    cost = {c["batch_size"]: c for c in r.get("cost_model") or []}
+    cost = {c["batch_size"]: c for c in r.get("cost_model") or [] if c.get("context") == shown}
     for bs, topk in ((bs, k) for bs in r["settings"]["batch_sizes"] for k in topks):
         pts = sorted((parsed[x["config"]].spec_steps, x["speedup"], x["accept_length"] or 1.0) for x in fixed
                      if x["batch_size"] == bs and (x["config"] == "baseline" or parsed[x["config"]].tree[0] == topk))

@@ -27,7 +27,16 @@ from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, SpecStats, Status
 from specserve.spec.draft_free import TextFirst, chain_drafts, text_proposer, tree_drafts
 from specserve.spec.overlap import DeviceWaits, Launched, Overlap, host_lists
-from specserve.spec.policy import SpecPolicy, bucket_sizes, interpolate_costs, startup_grid
+from specserve.spec.policy import (
+    SpecPolicy,
+    batch_context,
+    bucket_sizes,
+    context_buckets,
+    interpolate_contexts,
+    interpolate_costs,
+    startup_contexts,
+    startup_grid,
+)
 from specserve.spec.proposer import DraftResult, Proposer
 from specserve.spec.verify import accept_drafts, emitted_tokens
 
@@ -58,14 +67,14 @@ class Engine(ServingEngine):
         self.profile: list[dict] = []  # per speculative cycle: draft/verify/accept spans, while `profiling`
         self.profiling = cfg.profile  # a runtime switch: `cfg` stays as the engine was built
         self._sampling_cache: tuple[tuple, BatchSampling] | None = None
-        # The last decode step's (batch size, K, start), until its cost goes to the adaptive policy:
+        # The last decode step's (batch size, K, context, start), until its cost goes to the adaptive policy:
         # the wall time from its start to the start of what the engine does next (the next step,
         # a prefill chunk, or nothing when no sequence runs), so the handling of the tokens it emitted,
         # the engine's and its caller's, which grows with them (a speculative cycle emits several a
         # sequence), is charged to it and not to whichever K runs next. The same wall time per step as
         # the user sees it for plain steps queued ahead (whose GPU time overlaps the previous step's
         # host work) and for speculative cycles, less a switch's one-off work (`_untimed`).
-        self._timing: tuple[int, int, float] | None = None
+        self._timing: tuple[int, int, int, float] | None = None
         # Whether the caller waits for all it submitted together (LLM.generate): once nothing waits to be
         # admitted, the adaptive policy then aims at the last running sequence's end (SpecPolicy.choose).
         self.batch_job = False
@@ -86,8 +95,12 @@ class Engine(ServingEngine):
         self.policy = SpecPolicy(cfg, self.runner.k_max) if self.runner.k_max else None
         if self.policy is not None and cfg.spec.adaptive:
             buckets = bucket_sizes(self.runner.rows)
-            timed = self.runner.measure_step_costs(*startup_grid(buckets, spec_values, cfg.spec.drafts_tree))
-            self.policy.seed_costs(interpolate_costs(timed, buckets, [0] + spec_values, cfg.spec.drafts_tree))
+            contexts = startup_contexts(self.max_model_len - 1, self.device.type == "cuda")
+            timed = self.runner.measure_step_costs(*startup_grid(buckets, spec_values, cfg.spec.drafts_tree), contexts)
+            by_context = {c: interpolate_costs(t, buckets, [0] + spec_values, cfg.spec.drafts_tree)
+                          for c, t in timed.items()}
+            for c, costs in interpolate_contexts(by_context, context_buckets(self.max_model_len)).items():
+                self.policy.seed_costs(costs, c)
         self.last_k = cfg.spec.steps if self.runner.k_max else 0
 
     @property
@@ -322,11 +335,12 @@ class Engine(ServingEngine):
         seqs = self.rows[: self.n_running]
         ov = self.overlap
         chosen, ov.chosen = ov.chosen, None
-        K = chosen if chosen is not None else (
-            self.policy.choose(len(seqs), self._job_remaining(), any(s.stale for s in seqs)) if self.policy else 0)
+        context = batch_context(seqs)
+        K = chosen if chosen is not None else (self.policy.choose(
+            len(seqs), self._job_remaining(), any(s.stale for s in seqs), context) if self.policy else 0)
         self.last_k = K
         self._close_timing()
-        self._timing = (len(seqs), K, time.perf_counter())
+        self._timing = (len(seqs), K, context, time.perf_counter())
         if K and self.text_drafts is not None and self.proposer is None:
             return self._text_spec_step(seqs, K)
         return self._plain_step(seqs) if K == 0 else self._spec_step(seqs, K)
@@ -348,15 +362,15 @@ class Engine(ServingEngine):
         self.runner.sync()
         took = time.perf_counter() - t0
         if self._timing is not None:
-            B, K, start = self._timing
-            self._timing = (B, K, start + took)
+            B, K, context, start = self._timing
+            self._timing = (B, K, context, start + took)
         return took
 
     def _close_timing(self) -> None:
         """The last decode step's cost, from its start until now, to the adaptive policy."""
         if self._timing is not None and self.policy:
-            B, K, t0 = self._timing
-            self.policy.observe_cost(B, K, time.perf_counter() - t0)
+            B, K, context, t0 = self._timing
+            self.policy.observe_cost(B, K, time.perf_counter() - t0, context)
         self._timing = None
 
     def _sampling(self, seqs: list[Sequence]) -> BatchSampling:
@@ -483,7 +497,8 @@ class Engine(ServingEngine):
                 # otherwise raise K's cost after every plain stretch (and each exploration of K from
                 # plain decoding would time it slow again). The policy spaces explorations by it instead.
                 r.sync()  # (work queued before belongs to this cycle)
-                self.policy.observe_switch(B, self._untimed(lambda: pr.catch_up(seqs, self.cfg.prefill_chunk)))
+                took = self._untimed(lambda: pr.catch_up(seqs, self.cfg.prefill_chunk))
+                self.policy.observe_switch(B, took, batch_context(seqs))
             if max(s.pending for s in seqs) > K + 1:
                 pr.flush(seqs, keep=1)
             marks = [Mark(self.device) for _ in range(2)] if prof else None
@@ -550,7 +565,7 @@ class Engine(ServingEngine):
         drafted = tree_drafts(self.text_drafts, seqs, K, N) if tree else chain_drafts(self.text_drafts, seqs, K,
                                                                                        self.device)
         if drafted is None:
-            self._timing = (B, 0, self._timing[2])
+            self._timing = (B, 0, *self._timing[2:])
             return self._plain_step(seqs)
         if ov.plain is not None:  # dropped, as in `_spec_step`
             ov.plain = None

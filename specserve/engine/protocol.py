@@ -24,7 +24,7 @@ class SpeculationPolicy(Protocol):
 
     def acceptance(self, tree: bool = False) -> list[float]: ...
 
-    def snapshot(self) -> dict: ...  # per bucket and K: start-up and live costs (bench details)
+    def snapshot(self) -> dict: ...  # per batch bucket, context bucket and K: start-up and live costs (bench details)
 
 
 @runtime_checkable

@@ -39,6 +39,10 @@ from specserve.config import (
     default_max_model_len,
     resolve_aux_layers,
 )
+from specserve.distributed.parallel_state import min_over_ranks
+from specserve.engine.block_pool import NULL_BLOCK
+from specserve.engine.graphs import Graph, GraphKey, capture, default_graph_batch_sizes
+from specserve.engine.kv_cache import KVCache, bytes_per_block, plan_blocks, row_blocks
 from specserve.engine.sampling import (
     BatchSampling,
     SamplingParams,
@@ -47,9 +51,6 @@ from specserve.engine.sampling import (
     sample_from,
     sample_tokens,
 )
-from specserve.engine.graphs import Graph, GraphKey, capture, default_graph_batch_sizes
-from specserve.distributed.parallel_state import min_over_ranks
-from specserve.engine.kv_cache import KVCache, bytes_per_block, plan_blocks, row_blocks
 from specserve.kernels.tree import tree_level
 from specserve.model.layers import ForwardContext, pin_attributes
 from specserve.model.loader import load_drafter, load_target, resolve_device, resolve_dtype
@@ -696,19 +697,28 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], reps: int | None = None) -> dict:
-        """Seconds per plain step (K=0) and per speculative cycle (K drafts + verify) at each batch
-        size, timed on dummy rows whose context is half of max_model_len. Seeds the adaptive policy,
+    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], contexts: list[int],
+                           reps: int | None = None) -> dict[int, dict[tuple[int, int], float]]:
+        """{context: {(batch size, K): seconds}} per plain step (K=0) and per speculative cycle (K drafts +
+        verify) at each batch size and context, timed on dummy rows whose blocks are distinct (as far as the
+        pool holds them), so a long context reads as many cache bytes as a real one. Seeds the adaptive policy,
         which then needs no live exploration of every K (costly in short runs).
         The K values are timed in turn, `reps` rounds (default 5 on GPU, 3 on CPU, where a cycle is
         slow and the live averages soon replace the seeds), and each takes its median: drift and a
         stray slow call (a shared CPU) hit every K alike instead of reordering them. Logs each
         (batch size, K) point as it starts."""
         reps = reps or (5 if self.device.type == "cuda" else 3)
-        ctx = min(self.max_model_len // 2, 256)
-        costs = {}
-        total, done = len(batch_sizes) * (len(spec_steps) + 1), 0
-        for B in batch_sizes:
+        costs: dict[int, dict[tuple[int, int], float]] = {}
+        pool = self.kv.num_blocks - 1  # (block 0 is the null block)
+        blocks_at = {c: min(-(-(c + self.kv.room + 1) // self.block_size), self.kv.max_blocks - 1) for c in contexts}
+        # Shapes the pool cannot hold never run: past the smallest batch they are not timed (interpolation
+        # gives them the nearest timed batch's costs).
+        shapes = [(c, B) for c in contexts for B in batch_sizes if B == batch_sizes[0] or B * blocks_at[c] <= pool]
+        total, done = len(shapes) * (len(spec_steps) + 1), 0
+        for ctx, B in shapes:
+            per_row = blocks_at[ctx]  # (the row's last block, holding the scratch slot, stays the null block)
+            blocks = 1 + torch.arange(B * per_row, device=self.device).view(B, per_row) % pool
+            self.kv.table[:B, :per_row] = blocks
             ids = torch.zeros(B, dtype=torch.long, device=self.device)
             pos = torch.full((B,), ctx, dtype=torch.long, device=self.device)
             greedy = BatchSampling.build([SamplingParams(temperature=0)] * B, [0] * B, self.device)
@@ -731,7 +741,7 @@ class ModelRunner:
                 runs[K] = cycle
             for K, fn in runs.items():
                 done += 1
-                log.info("timing step costs: %d/%d (batch %d, K=%d)", done, total, B, K)
+                log.info("timing step costs: %d/%d (batch %d, K=%d, context %d)", done, total, B, K, ctx)
                 fn()  # warm-up (first eager call, lazy allocations)
             times: dict[int, list[float]] = {K: [] for K in runs}
             for _ in range(reps):
@@ -741,7 +751,8 @@ class ModelRunner:
                     fn()
                     self.sync()
                     times[K].append(time.perf_counter() - t0)
-            costs.update({(B, K): statistics.median(ts) for K, ts in times.items()})
+            costs.setdefault(ctx, {}).update({(B, K): statistics.median(ts) for K, ts in times.items()})
+            self.kv.table[:B].fill_(NULL_BLOCK)
         return costs
 
     # ------------------------------------------------------------ CUDA graphs

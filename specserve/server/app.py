@@ -475,7 +475,8 @@ async def server_info(request: Request):
                         "method": engine.cfg.spec.method if engine is not None and engine.policy is not None else None,
                         "last_k": snap["last_k"], "k_choices": snap["k_choices"],
                         "acceptance_estimate": snap["acceptance_estimate"],
-                        "acceptance_estimate_tree": snap["acceptance_estimate_tree"], "since_start": snap["spec"]},
+                        "acceptance_estimate_tree": snap["acceptance_estimate_tree"], "since_start": snap["spec"],
+                        "costs": snap["policy_costs"]},
         "tokens_generated": snap["tokens_generated"],
     }
 

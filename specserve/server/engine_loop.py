@@ -335,6 +335,9 @@ class EngineLoop:
             "idle": not engine.has_work(),
             "idle_integrity": None,
         }
+        # The adaptive policy's costs per batch and context bucket, taken while idle (a TP engine asks rank 0).
+        snap["policy_costs"] = (engine.policy.snapshot() if engine.policy is not None and snap["idle"]
+                                else self._snap["policy_costs"])
         if snap["idle"] and not self._tracks:
             try:
                 engine.check_idle_integrity()
@@ -359,5 +362,5 @@ def _empty_snapshot() -> dict:
                      "accept_length_mean": None, "accept_per_position": []},
             "last_k": 0, "k_choices": {}, "acceptance_estimate": [], "acceptance_estimate_tree": None,
             "tokens_generated": 0, "idle": True,
-            "idle_integrity": None}
+            "idle_integrity": None, "policy_costs": None}
 

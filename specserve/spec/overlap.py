@@ -116,8 +116,10 @@ class Overlap:
         if not all(len(s.output_ids) + K + 1 < s.params.max_tokens and s.total_len + K + 1 < self.max_model_len
                    for s in seqs):
             return K + 1
+        from specserve.spec.policy import batch_context  # (policy imports the engine's protocol, which imports this)
+
         B = len(seqs)
-        K2 = self.chosen = policy.choose(B, remaining)
+        K2 = self.chosen = policy.choose(B, remaining, context=batch_context(seqs))
         limit = proposer.max_pos
         if K2 == 0 or (limit is not None and any(s.num_cached + K + 1 + K2 > limit for s in seqs)):
             return K + 1

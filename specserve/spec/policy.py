@@ -28,18 +28,21 @@ step is best. Coming from plain decoding (`stale`), a K > 0 first catches the dr
 charges it to every K > 0. An exploration's timing ends the back-off only if it wins by
 the same rule.
 
-Costs per (batch bucket, K): once a K has run at a bucket, the mean of its last
+Costs per (bucket, K), a bucket (`shape` in the code) being a step's batch size and its rows' mean cached
+length (`batch_context`), each rounded up to a power of two (a verify's attention reads the whole cache, so a K that
+pays at short context may lose at long context). Once a K has run at a bucket, the mean of its last
 LIVE_WINDOW live step times without the slowest (`_window_cost`: one slow step, a pause of
 the host, moves it little, where a moving average would price plain decoding out for dozens
 of steps; a median would miss the long tail speculative cycles have where the host does much
 of their work, as on a 135M model, and pick K > 0 at no gain); before that, the
-start-up measurement (`seed_costs`: the runner times plain steps and K-cycles on dummy rows at a few buckets and K,
-`startup_grid`, and `interpolate_costs` fills in the rest) plus a learned offset for
-what that timing cannot see (host bookkeeping, longer contexts), one per bucket
-for plain steps and one for speculative cycles, moving averages of (measured -
-seeded). Without seeded costs (e.g. a test that skips the start-up measurement)
-every (bucket, K) is tried twice before the model trusts its numbers; with them, a first live
-timing far above its prediction (WARMUP_OUTLIER) is taken for one-off warm-up and skipped.
+start-up measurement (`seed_costs`: the runner times plain steps and K-cycles on dummy rows at a few buckets
+and K, `startup_grid`, at one context or a few, `startup_contexts`; `interpolate_costs` and
+`interpolate_contexts` fill in the rest) plus a learned offset for what that timing cannot see (host
+bookkeeping), one per bucket for plain steps and one for speculative cycles, moving averages of (measured -
+seeded); a context bucket without its own offset yet takes the nearest one's. Without seeded costs (e.g. a
+test that skips the start-up measurement) every (bucket, K) is tried twice before the model trusts its
+numbers; with them, a first live timing far above its prediction (WARMUP_OUTLIER) is taken for one-off
+warm-up and skipped.
 
 Every EXPLORE_EVERY-th choice at a bucket runs the K with the stalest live cost
 among those within EXPLORE_WITHIN of the best, judged optimistically (by the lower of
@@ -110,6 +113,38 @@ def _bucket(B: int) -> int:
     return b
 
 
+# The smallest context bucket: below it a step's cost hardly depends on its context.
+CONTEXT_MIN = 64
+
+
+def context_bucket(n: int) -> int:
+    """A step's context bucket: its mean cached length rounded up to a power of two, CONTEXT_MIN at least."""
+    return 1 << (max(n, CONTEXT_MIN) - 1).bit_length()
+
+
+def batch_context(seqs) -> int:
+    """The context a batch's step reads: its sequences' mean cached length (the cache its attention
+    reads grows with their sum)."""
+    return sum(s.total_len for s in seqs) // max(len(seqs), 1)
+
+
+def context_buckets(max_len: int) -> list[int]:
+    """Every context bucket up to the one of `max_len`."""
+    out = [CONTEXT_MIN]
+    while out[-1] < max_len:
+        out.append(2 * out[-1])
+    return out
+
+
+def startup_contexts(max_len: int, cheap: bool) -> list[int]:
+    """The contexts start-up times steps at: where a step is cheap (a GPU), the smallest bucket, the longest
+    context the engine holds and one between (geometrically), as verify costs grow with the cache read;
+    else one short context (a CPU takes minutes for one), and live timings land in their own buckets."""
+    if not cheap or max_len <= 2 * CONTEXT_MIN:
+        return [min(max_len // 2, 4 * CONTEXT_MIN)]
+    return sorted({CONTEXT_MIN, int(math.sqrt(CONTEXT_MIN * max_len)), max_len})
+
+
 def bucket_sizes(max_batch: int) -> list[int]:
     """One batch size per bucket up to `max_batch` (the largest bucket measured at `max_batch`)."""
     return sorted({min(_bucket(B), max_batch) for B in range(1, max_batch + 1)})
@@ -154,16 +189,27 @@ def interpolate_costs(timed: dict[tuple[int, int], float], buckets: list[int], k
     return out
 
 
+def interpolate_contexts(by_context: dict[int, dict[tuple[int, int], float]],
+                         contexts: list[int]) -> dict[int, dict[tuple[int, int], float]]:
+    """{context: {(bucket, K): seconds}} for every context in `contexts` from those timed: linear in the
+    context between timed ones (a step's cache reads grow linearly with it), the nearest timed past the ends."""
+    keys = set().union(*by_context.values())
+    return {c: {key: _interpolate(c, {t: costs[key] for t, costs in by_context.items()}) for key in keys}
+            for c in contexts}
+
+
 class SpecPolicy(SpeculationPolicy):
     def __init__(self, cfg: EngineConfig, k_max: int):
         self.cfg = cfg
         self.fixed = None if cfg.spec.adaptive else cfg.spec.steps
         self.k_max = k_max
-        self.cost: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds per step, measured live
-        self.recent: dict[tuple[int, int], deque] = {}  # (bucket, K) -> its last LIVE_WINDOW live timings
-        self.tries: dict[tuple[int, int], int] = {}
-        self.seeded: dict[tuple[int, int], float] = {}  # (bucket, K) -> seconds, from start-up
-        self.offset: dict[tuple[int, bool], float] = {}  # (bucket, speculative?) -> live - seeded
+        # Keyed by (batch bucket, context bucket, K); a step's `shape` is its (batch bucket, context bucket).
+        self.cost: dict[tuple[int, int, int], float] = {}  # seconds per step, measured live
+        self.recent: dict[tuple[int, int, int], deque] = {}  # its last LIVE_WINDOW live timings
+        self.tries: dict[tuple[int, int, int], int] = {}
+        self.seeded: dict[tuple[int, int, int], float] = {}  # seconds, from start-up
+        # (batch bucket, speculative?) -> {context bucket: live - seeded}
+        self.offset: dict[tuple[int, bool], dict[int, float]] = {}
         # Conditional acceptance per position, from a weak optimistic prior (Beta(2, 1)); kept apart
         # for tree cycles (SpecConfig.drafts_tree), which accept more.
         self.tree = cfg.spec.drafts_tree
@@ -174,11 +220,11 @@ class SpecPolicy(SpeculationPolicy):
         # only as acceptance is observed (a host-bound plain step would pay tens of microseconds for them)
         self._token_model: dict[tuple[bool, int], tuple[float, float]] = {}
         self.choices: dict[int, int] = {}  # how often each K was chosen
-        self.decisions: dict[int, int] = {}  # bucket -> choices made there
-        self.last_seen: dict[tuple[int, int], int] = {}  # (bucket, K) -> decision count at its last live timing
-        self.explored: dict[int, tuple[int, int]] = {}  # bucket -> (last exploration of a K > 0, gap)
-        self.job: dict[int, list[int] | None] = {}  # bucket -> the batch job's remaining budgets at its last choice
-        self.switch_cost: dict[int, float] = {}  # bucket -> seconds of the last switch to speculation (catch-up)
+        self.decisions: dict[tuple[int, int], int] = {}  # shape -> choices made there
+        self.last_seen: dict[tuple[int, int, int], int] = {}  # (shape, K) -> decision count at its last live timing
+        self.explored: dict[tuple[int, int], tuple[int, int]] = {}  # shape -> (last exploration of a K > 0, gap)
+        self.job: dict[tuple[int, int], list[int] | None] = {}  # shape -> the batch job's remaining budgets
+        self.switch_cost: dict[tuple[int, int], float] = {}  # shape -> seconds of its last switch to speculation
         # Tensor-parallel ranks measure different step times; each must run the same K.
         # The TP worker sets this to a broadcast of rank 0's choice (K -> K).
         self.sync_choice = None
@@ -217,83 +263,102 @@ class SpecPolicy(SpeculationPolicy):
         p.fixed, p.seeded, p.sync_choice = self.fixed, dict(self.seeded), self.sync_choice
         return p
 
-    def seed_costs(self, costs: dict[tuple[int, int], float]) -> None:
-        """Start-up timings {(batch size, K): seconds}; batch sizes are mapped to their bucket."""
+    def seed_costs(self, costs: dict[tuple[int, int], float], context: int = 0) -> None:
+        """Start-up timings {(batch size, K): seconds} at `context` tokens, mapped to their buckets."""
+        c = context_bucket(context)
         for (B, K), seconds in costs.items():
-            self.seeded[(_bucket(B), K)] = seconds
+            self.seeded[(_bucket(B), c, K)] = seconds
 
-    def predicted_cost(self, bucket: int, K: int) -> float | None:
-        if (bucket, K) in self.cost:
-            return self.cost[(bucket, K)]
-        if (bucket, K) in self.seeded:
-            return self.seeded[(bucket, K)] + self.offset.get((bucket, K > 0), 0.0)
+    def predicted_cost(self, bucket: int, K: int, context: int = 0) -> float | None:
+        """Seconds a step of K is expected to take at a batch bucket and `context` tokens (None: unknown)."""
+        return self._predicted((bucket, context_bucket(context)), K)
+
+    def _predicted(self, shape: tuple[int, int], K: int) -> float | None:
+        key = (*shape, K)
+        if key in self.cost:
+            return self.cost[key]
+        if key in self.seeded:
+            return self.seeded[key] + self._offset(shape, K > 0)
         return None
 
-    def optimistic_cost(self, bucket: int, K: int) -> float:
-        """The lower of K's live cost and its start-up cost without the offset (one of them known)."""
-        return min(c for c in (self.cost.get((bucket, K)), self.seeded.get((bucket, K))) if c is not None)
+    def _offset(self, shape: tuple[int, int], spec: bool) -> float:
+        """The learned (live - seeded) offset at `shape`, else at the nearest context bucket of its batch
+        bucket that has one (host bookkeeping hardly depends on the context)."""
+        b, c = shape
+        by_context = self.offset.get((b, spec))
+        if not by_context:
+            return 0.0
+        if c in by_context:
+            return by_context[c]
+        return by_context[min(by_context, key=lambda cb: abs(cb.bit_length() - c.bit_length()))]  # (powers of 2)
 
-    def choose(self, B: int, remaining: list[int] | None = None, stale: bool = False) -> int:
-        """K for the next step of B sequences; `remaining`: when they belong to a batch job whose end is
-        what counts (see the module docstring), the remaining token budgets of its sequences, this
-        step's B first, then those still in prefill; else None. `stale`: a K > 0 would first catch the
-        drafter up on plain steps (a batch job is then charged the last catch-up's time at this bucket)."""
+    def optimistic_cost(self, shape: tuple[int, int], K: int) -> float:
+        """The lower of K's live cost and its start-up cost without the offset (one of them known)."""
+        return min(c for c in (self.cost.get((*shape, K)), self.seeded.get((*shape, K))) if c is not None)
+
+    def choose(self, B: int, remaining: list[int] | None = None, stale: bool = False, context: int = 0) -> int:
+        """K for the next step of B sequences whose mean cached length is `context` (`batch_context`);
+        `remaining`: when they belong to a batch job whose end is what counts (see the module docstring),
+        the remaining token budgets of its sequences, this step's B first, then those still in prefill;
+        else None. `stale`: a K > 0 would first catch the drafter up on plain steps (a batch job is then
+        charged the last catch-up's time at this shape)."""
         if self.fixed is not None:
             K = self.fixed
         else:
-            bucket = _bucket(B)
-            n = self.decisions[bucket] = self.decisions.get(bucket, 0) + 1
+            shape = (_bucket(B), context_bucket(context))
+            n = self.decisions[shape] = self.decisions.get(shape, 0) + 1
             tree = self.tree(B)
-            self.job[bucket] = remaining
-            switch = self._switch_cost(bucket) if stale else 0.0
-            rate = self._rates(bucket, tree, remaining, B, switch=switch)
+            self.job[shape] = remaining
+            switch = self._switch_cost(shape) if stale else 0.0
+            rate = self._rates(shape, tree, remaining, B, switch=switch)
             untried = [k for k in range(self.k_max + 1) if k not in rate]
             if untried:
                 K = untried[0]
             else:
                 K = _best(rate)
                 if K:
-                    self.explored.pop(bucket, None)  # speculation is best: explored at the base rate once it is not
+                    self.explored.pop(shape, None)  # speculation is best: explored at the base rate once it is not
                 if n % EXPLORE_EVERY == 0:
-                    hope = {k: self.expected_tokens(k, tree) / self.optimistic_cost(bucket, k) for k in rate}
-                    near = [k for k in hope if k != K and hope[k] >= EXPLORE_WITHIN * rate[K] and (not k or self._due(bucket, n))]
+                    hope = {k: self.expected_tokens(k, tree) / self.optimistic_cost(shape, k) for k in rate}
+                    near = [k for k in hope
+                            if k != K and hope[k] >= EXPLORE_WITHIN * rate[K] and (not k or self._due(shape, n))]
                     if near:
-                        K = min(near, key=lambda k: self.last_seen.get((bucket, k), -1))
+                        K = min(near, key=lambda k: self.last_seen.get((*shape, k), -1))
                         if K:
-                            gap = self.explored.get(bucket, (0, EXPLORE_EVERY // 2))[1]
-                            self.explored[bucket] = (n, min(2 * gap, EXPLORE_MAX_GAP))
+                            gap = self.explored.get(shape, (0, EXPLORE_EVERY // 2))[1]
+                            self.explored[shape] = (n, min(2 * gap, EXPLORE_MAX_GAP))
             if self.sync_choice is not None:
                 K = self.sync_choice(K)
         self.choices[K] = self.choices.get(K, 0) + 1
         return K
 
-    def _due(self, bucket: int, n: int) -> bool:
-        """Whether a K > 0 may be explored at the n-th decision at `bucket`: once the back-off gap since
+    def _due(self, shape: tuple[int, int], n: int) -> bool:
+        """Whether a K > 0 may be explored at the n-th decision at `shape`: once the back-off gap since
         the last exploration of any K > 0 there has passed (plain decoding, the cheapest step, always may)."""
-        last, gap = self.explored.get(bucket, (None, 0))
+        last, gap = self.explored.get(shape, (None, 0))
         if last is None:
             return True
-        plain = self.predicted_cost(bucket, 0)
+        plain = self._predicted(shape, 0)
         if plain:
-            gap = max(gap, self._switch_cost(bucket) / (EXPLORE_SHARE * plain))
+            gap = max(gap, self._switch_cost(shape) / (EXPLORE_SHARE * plain))
         return n - last >= gap
 
-    def _switch_cost(self, bucket: int) -> float:
-        """Seconds a switch to speculation costs at `bucket`: its last catch-up, else the dearest timed at
-        any bucket (a batch's rows end one by one, and each smaller bucket would pay one to learn its own)."""
-        return self.switch_cost.get(bucket, max(self.switch_cost.values(), default=0.0))
+    def _switch_cost(self, shape: tuple[int, int]) -> float:
+        """Seconds a switch to speculation costs at `shape`: its last catch-up, else the dearest timed at
+        any shape (a batch's rows end one by one, and each smaller bucket would pay one to learn its own)."""
+        return self.switch_cost.get(shape, max(self.switch_cost.values(), default=0.0))
 
-    def observe_switch(self, B: int, seconds: float) -> None:
-        """The one-off cost of a switch from plain decoding to speculation at batch B (the drafter's catch-up
-        on the plain steps before it), which no K's cycle is charged."""
-        self.switch_cost[_bucket(B)] = seconds
+    def observe_switch(self, B: int, seconds: float, context: int = 0) -> None:
+        """The one-off cost of a switch from plain decoding to speculation at batch B and `context` tokens
+        (the drafter's catch-up on the plain steps before it), which no K's cycle is charged."""
+        self.switch_cost[(_bucket(B), context_bucket(context))] = seconds
 
-    def _rates(self, bucket: int, tree: bool, remaining: list[int] | None = None, B: int = 0,
+    def _rates(self, shape: tuple[int, int], tree: bool, remaining: list[int] | None = None, B: int = 0,
                costs: dict[int, float | None] | None = None, switch: float = 0.0) -> dict[int, float]:
-        """Expected tokens a second for each K whose cost at `bucket` is known (or given in `costs`):
+        """Expected tokens a second for each K whose cost at `shape` is known (or given in `costs`):
         of every row, or for a batch job (`remaining`; this step's B rows first) of the row expected to
         end last, every K > 0 charged `switch` seconds once."""
-        costs = costs or {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
+        costs = costs or {k: self._predicted(shape, k) for k in range(self.k_max + 1)}
         if not remaining or not max(remaining):
             return {k: self._tokens_of(k, tree)[0] / c for k, c in costs.items() if c is not None}
         if max(remaining[:B], default=0) < max(remaining):
@@ -315,40 +380,46 @@ class SpecPolicy(SpeculationPolicy):
             rates[k] = R / (cycles * c + (switch if k else 0.0))
         return rates
 
-    def _would_win(self, bucket: int, B: int, K: int, seconds: float) -> bool:
+    def _would_win(self, shape: tuple[int, int], B: int, K: int, seconds: float) -> bool:
         """Whether K, at `seconds` a cycle, would rate above every other K, by the rule of the last
-        choice at `bucket` (tokens a second, or a batch job's end)."""
-        remaining = self.job.get(bucket)
-        costs = {k: self.predicted_cost(bucket, k) for k in range(self.k_max + 1)}
+        choice at `shape` (tokens a second, or a batch job's end)."""
+        remaining = self.job.get(shape)
+        costs = {k: self._predicted(shape, k) for k in range(self.k_max + 1)}
         costs[K] = seconds
-        return _best(self._rates(bucket, self.tree(B), remaining, B, costs)) == K
+        return _best(self._rates(shape, self.tree(B), remaining, B, costs)) == K
 
-    def observe_cost(self, B: int, K: int, seconds: float) -> None:
-        key = (_bucket(B), K)
+    def observe_cost(self, B: int, K: int, seconds: float, context: int = 0) -> None:
+        """A live timing of a step of K at batch B and `context` tokens (`batch_context`)."""
+        shape = (_bucket(B), context_bucket(context))
+        key = (*shape, K)
         n = self.tries.get(key, 0)
         self.tries[key] = n + 1
-        self.last_seen[key] = self.decisions.get(key[0], 0)
-        if n == 0 and key in self.seeded and seconds > WARMUP_OUTLIER * self.predicted_cost(*key):
+        self.last_seen[key] = self.decisions.get(shape, 0)
+        if n == 0 and key in self.seeded and seconds > WARMUP_OUTLIER * self._predicted(shape, K):
             return  # a batch size of the bucket that start-up did not time, paying its warm-up: not learned from
         if key in self.seeded:
-            okey = (key[0], K > 0)
-            old = self.offset.get(okey)
+            by_context = self.offset.setdefault((shape[0], K > 0), {})
+            old = by_context.get(shape[1])
             diff = seconds - self.seeded[key]
-            self.offset[okey] = diff if old is None else (1 - _EMA) * old + _EMA * diff
+            by_context[shape[1]] = diff if old is None else (1 - _EMA) * old + _EMA * diff
         elif n == 0:
             return  # the first run of a shape pays warm-up costs; don't learn from it
-        if K and key[0] in self.explored and self._would_win(key[0], B, K, seconds):
-            self.explored.pop(key[0], None)  # this timing would make K the best: worth another look soon
+        if K and shape in self.explored and self._would_win(shape, B, K, seconds):
+            self.explored.pop(shape, None)  # this timing would make K the best: worth another look soon
         recent = self.recent.setdefault(key, deque(maxlen=LIVE_WINDOW))
         recent.append(seconds)
         self.cost[key] = _window_cost(recent)
 
     def snapshot(self) -> dict:
-        """Per bucket and K: start-up and live cost (ms) and how often K was timed (bench details)."""
+        """{batch bucket: {context bucket: {K: start-up, live and predicted cost (ms, the one `choose` uses: live,
+        else start-up plus the learned offset) and how often K was timed}}} (bench details, /server_info)."""
         out: dict = {}
-        for b, k in sorted(set(self.seeded) | set(self.cost)):
-            row = {"seeded_ms": self.seeded.get((b, k)), "live_ms": self.cost.get((b, k)), "timed": self.tries.get((b, k), 0)}
-            out.setdefault(str(b), {})[str(k)] = {n: (round(v * 1e3, 3) if isinstance(v, float) else v) for n, v in row.items()}
+        for key in sorted(set(self.seeded) | set(self.cost)):
+            row = {"seeded_ms": self.seeded.get(key), "live_ms": self.cost.get(key),
+                   "predicted_ms": self._predicted(key[:2], key[2]), "timed": self.tries.get(key, 0)}
+            b, c, k = map(str, key)
+            out.setdefault(b, {}).setdefault(c, {})[k] = {n: (round(v * 1e3, 3) if isinstance(v, float) else v)
+                                                          for n, v in row.items()}
         return out
 
     def observe_acceptance(self, K: int, accepted: list[int], B: int) -> None:

@@ -42,7 +42,8 @@ def test_adaptive_learns_apart_from_the_fixed_k_runs_of_a_shared_engine(bench_pa
     params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)]
     units[0].run([[5, 6, 7, 8]], params)
     timed = dict(shared.tries)
-    assert timed.get((1, 3), 0) > 0 and shared.cost and shared.k_max == 3  # the fixed run's cycles, timed live
+    assert sum(n for (b, _, K), n in timed.items() if (b, K) == (1, 3)) > 0  # the fixed run's cycles, timed live
+    assert shared.cost and shared.k_max == 3
     out = units[1].run([[5, 6, 7, 8]], params)
     own = units[1].own_policy
     assert eng.policy is shared and own is not shared and dict(shared.tries) == timed
@@ -336,6 +337,91 @@ def test_cost_model_with_one_measured_k_keeps_verify_cost():
     assert fit["draft_ms"] == pytest.approx({"base": 0.0, "per_step": 1000 * draft / 4})
     cycles = [row["cycle_ms"] for row in fit["predictions"]]
     assert cycles == sorted(cycles) and cycles[1] > 1000 * step
+
+
+def test_cost_model_by_context():
+    """Speedup of K at each context from measured step costs and a stated acceptance; from an adaptive
+    policy's cost table, the contexts it timed live (the issue's K=4 verify at 512 and at 128k)."""
+    acceptance = [0.8, 0.6, 0.45, 0.3]
+    step_ms = {512: {0: 1.0, 1: 1.17, 2: 1.32, 4: 1.5}, 131072: {0: 2.0, 1: 3.06, 2: 4.82, 4: 10.86}}
+    pred = cost_model.speedup_by_context(step_ms, acceptance)
+    assert pred[512][1] == pytest.approx(1.8 / 1.17) and pred[512][4] == pytest.approx(3.15 / 1.5)
+    assert pred[131072][4] == pytest.approx(3.15 * 2.0 / 10.86) and pred[131072][4] < 1 < pred[512][4]
+    assert cost_model.speedup_by_context({64: {0: 1.0, 6: 1.1}}, acceptance) == {64: {}}  # past the stated rates
+
+    def row(seeded, live=None, timed=0, predicted=None):
+        return {"seeded_ms": seeded, "live_ms": live, "predicted_ms": predicted or live or seeded, "timed": timed}
+
+    snapshot = {"1": {"512": {"0": row(1.0, 1.0, 5), "4": row(1.4, 1.5, 5)},
+                      "4096": {"0": row(1.2), "4": row(2.0)},  # never timed live: not this run's context
+                      "131072": {"0": row(2.0, 2.0, 5), "4": row(9.0, 10.86, 5)}},
+                "8": {"512": {"0": row(3.0, 3.0, 1), "4": row(3.1, None, 0, 3.2)}}}
+    fit = cost_model.from_policy(snapshot, 1, acceptance)
+    assert fit["policy_bucket"] == 1 and [c["context_bucket"] for c in fit["contexts"]] == [512, 131072]
+    short, long = fit["contexts"]
+    assert short["step_ms"] == {"0": 1.0, "4": 1.5} and short["best_steps"] == 4 and long["best_steps"] == 0
+    assert cost_model.from_policy(snapshot, 5, acceptance)["contexts"][0]["speedup"]["4"] == pytest.approx(
+        3.15 * 3.0 / 3.2)  # batch 5 in bucket 8: the policy's prediction where K has no live cost
+    assert cost_model.from_policy(snapshot, 1, []) is None and cost_model.from_policy(snapshot, 16, acceptance) is None
+
+
+def test_cost_model_command_line(capsys):
+    cost_model.main(["--steps", "512:1,1.17,1.32,1.43,1.5", "131072:2,3.06,4.82,6,10.86",
+                     "--acceptance", "0.8", "0.6", "0.45", "0.3"])
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[1] == "context     512: K=1 1.54x  K=2 1.82x  K=3 1.99x  K=4 2.10x"
+    assert lines[2].startswith("context  131072: K=1 1.18x") and lines[2].endswith("K=4 0.58x")
+    with pytest.raises(SystemExit):
+        cost_model.main(["--steps", "512=1,2", "--acceptance", "0.5"])
+    with pytest.raises(SystemExit):
+        cost_model.main(["--steps", "512:1,2", "--acceptance", "80"])
+
+
+def test_prompts_extended_to_a_context():
+    from specserve.bench.context import extend_to_context
+
+    prompts = [[1, 2, 3], [4, 5], list(range(10, 30))]
+    out = extend_to_context(prompts, 12)
+    assert [len(p) for p in out] == [12, 12, 20]  # the one already longer is kept as it is
+    assert [p[-len(q):] for p, q in zip(out, prompts)] == prompts  # each prompt last, after its prefix
+    assert out[0][:9] != out[1][:10]  # rows start from different offsets of the set: no shared cache
+    pool = [t for p in prompts for t in p]
+    assert out[0][:9] == pool[:9] and out == extend_to_context(prompts, 12)  # the set's own tokens, deterministic
+
+
+@pytest.mark.slow
+def test_bench_measures_at_each_context(monkeypatch, bench_pair, tmp_path):
+    """`bench --context 64 256`: every row at each context, greedy outputs still plain decoding's, the
+    adaptive policy's K choices per context and its costs in the context buckets the runs reached."""
+    target, draft, prompts = bench_pair
+    out, md = tmp_path / "ctx.json", tmp_path / "ctx.md"
+    rc = run_cli(monkeypatch, [
+        "bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
+        "--configs", "eagle3:steps=2", "eagle3:adaptive,steps=2", "--batch-sizes", "1", "--max-tokens", "8",
+        "--repeats", "1", "--warmup", "0", "--num-prompts", "1", "--context", "64", "256", "--peers",
+        "--no-progress", "--out", str(out), "--markdown", str(md)])
+    assert rc == 0
+    doc = json.loads(out.read_text())
+    validate(doc)
+    assert doc["settings"]["contexts"] == [64, 256] and doc["settings"]["max_model_len"] >= 256 + 8
+    rows = {(r["config"], r["context"]): r for r in doc["results"]}
+    configs = ("baseline", "eagle3:steps=2", "eagle3:adaptive,steps=2")
+    assert set(rows) == {(c, n) for c in configs for n in (64, 256)}
+    assert all(r["matches_baseline"] is True for r in rows.values())
+    assert {(s["context"], s["batch_size"]) for s in doc["summary"]} <= {(64, 1), (256, 1)}
+    for n in (64, 256):
+        assert sum(rows[("eagle3:adaptive,steps=2", n)]["details"]["steps_chosen"].values()) > 0
+    costs = rows[("eagle3:adaptive,steps=2", 256)]["details"]["policy_costs"]["1"]
+    timed = {int(c) for c, ks in costs.items() if any(row["timed"] for row in ks.values())}
+    assert min(timed) <= 128 and max(timed) >= 256  # the runs at 64 and at 256 in buckets of their own
+    # The predicted speedup of K at each context bucket the policy timed, at the profiled chains' acceptance.
+    (by_context,) = doc["context_cost_model"]
+    assert {c["context_bucket"] for c in by_context["contexts"]} == timed
+    assert by_context["acceptance_source"] == "profiled chains"
+    assert all(set(c["speedup"]) == {"1", "2"} for c in by_context["contexts"])
+    text = md.read_text()
+    assert "| eagle3:adaptive,steps=2 | 1, context 256 |" in text and "## Cost model by context" in text
+
 
 # ---------------------------------------------------------------- online mode
 class FakeOpenAI(BaseHTTPRequestHandler):

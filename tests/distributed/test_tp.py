@@ -135,7 +135,7 @@ def test_tp2_adaptive_k_is_synchronized(pair):
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]  # greedy output does not depend on K
     assert len(choices) > 1 and sum(choices.values()) > 8
     assert costs and all(row["seeded_ms"] is not None or row["live_ms"] is not None
-                         for ks in costs.values() for row in ks.values())
+                         for by_context in costs.values() for ks in by_context.values() for row in ks.values())
 
 
 def test_missing_variable_fails_startup_naming_worker_and_variable(pair, monkeypatch):

@@ -265,6 +265,17 @@ def test_bad_inputs_answered_while_a_stream_continues(live, offline):
     assert info["state"] == "ready"
 
 
+def test_server_info_shows_the_policy_costs_per_context(live):
+    """/server_info: the adaptive policy's step costs per batch bucket, context bucket and K (as of the
+    last idle moment), with the steps it timed live."""
+    live.client().completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    live.wait_idle()
+    costs = live.info()["speculation"]["costs"]
+    rows = [row for by_context in costs.values() for ks in by_context.values() for row in ks.values()]
+    assert rows and all(set(row) == {"seeded_ms", "live_ms", "predicted_ms", "timed"} for row in rows)
+    assert any(row["timed"] for row in rows)
+
+
 # -------------------------------------------------------------- disconnects
 def test_tree_speculation_served_equals_plain(http, pair):
     """`serve --spec-topk 3`: greedy and seeded sampled completions through the openai client

@@ -73,8 +73,8 @@ def test_adaptive_speculation_is_token_identical(small_pair):
     # The policy decides every step, but every third step runs plain and every third K=2 whatever it
     # chose, so both kinds run (and switch) however this machine's timings make it lean.
     choose, steps, picked = engine.policy.choose, itertools.count(), []
-    engine.policy.choose = lambda B, remaining=None, stale=False: (
-        picked.append((choose(B, remaining, stale), 0, 2)[next(steps) % 3]) or picked[-1])
+    engine.policy.choose = lambda B, remaining=None, stale=False, context=0: (
+        picked.append((choose(B, remaining, stale, context), 0, 2)[next(steps) % 3]) or picked[-1])
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_work():
         engine.step()
@@ -86,7 +86,7 @@ def test_adaptive_speculation_is_token_identical(small_pair):
     # Learned offsets are differences of step times: bounded by the run's wall time (a step timed
     # from a wrong clock reading would not be).
     assert any(spec for _, spec in engine.policy.offset)
-    assert all(abs(v) < wall for v in engine.policy.offset.values())
+    assert all(abs(v) < wall for by_context in engine.policy.offset.values() for v in by_context.values())
 
 
 @pytest.mark.slow
@@ -377,7 +377,7 @@ def test_seeded_sampling_equals_plain_decoding(small_pair, mode, batch):
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", **kw))
     if mode == "adaptive":  # every K, plain steps included, switching between cycles
         steps = iter([5, 1, 0, 3, 2, 4, 4, 0, 1, 5, 2] * 40)
-        engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
+        engine.policy.choose = lambda B, remaining=None, stale=False, context=0: next(steps)
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_work():
         engine.step()
@@ -631,24 +631,24 @@ def test_a_switch_waits_for_the_device_outside_the_step_timing(small_pair, monke
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=2))
     waits = iter([0.05])
     monkeypatch.setattr(engine.runner, "sync", lambda: time.sleep(next(waits, 0.0)))
-    engine._timing = (1, 2, 100.0)
+    engine._timing = (1, 2, 300, 100.0)  # (batch size, K, context, start)
     engine._untimed(lambda: None)  # the dropped step: only the device's wait
-    assert engine._timing[:2] == (1, 2) and engine._timing[2] >= 100.05
-    start = engine._timing[2]
+    assert engine._timing[:3] == (1, 2, 300) and engine._timing[3] >= 100.05
+    start = engine._timing[3]
     engine._untimed(lambda: time.sleep(0.02))  # untimed work
-    assert engine._timing[2] >= start + 0.02
+    assert engine._timing[3] >= start + 0.02
 
 
 def test_policy_skips_a_first_live_timing_that_is_warm_up():
     """The grown MoE pair at batch 64: K=1 at bucket 32 was first run at a batch size start-up never
     timed and took 728 ms (a kernel compiled) against ~5 ms predicted; learned as its cost, it kept
     K=1 out of that bucket for good. The first such outlier is skipped; a second slow timing counts."""
-    from specserve.spec.policy import WARMUP_OUTLIER, SpecPolicy
+    from specserve.spec.policy import CONTEXT_MIN, WARMUP_OUTLIER, SpecPolicy
 
     policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=1)
     policy.seed_costs({(32, 0): 0.003, (32, 1): 0.005})
     policy.observe_cost(27, 1, 0.728)
-    assert policy.predicted_cost(32, 1) == pytest.approx(0.005) and policy.tries[(32, 1)] == 1
+    assert policy.predicted_cost(32, 1) == pytest.approx(0.005) and policy.tries[(32, CONTEXT_MIN, 1)] == 1
     policy.observe_cost(27, 1, 0.006)  # the next cycle of that shape runs at its true cost
     assert policy.predicted_cost(32, 1) == pytest.approx(0.006)
     # A K that is truly slow is learned from its second timing on, however far above its seed.
@@ -730,7 +730,7 @@ def test_policy_judges_a_batch_job_by_its_last_sequence():
     0.49 0.41 0.36). Per step K=5
     yields 23% more tokens a second, yet the batch took 37% more cycles than the mean row needs and
     plain decoding finished first. A batch job with nothing waiting is judged by its last row."""
-    from specserve.spec.policy import SpecPolicy
+    from specserve.spec.policy import CONTEXT_MIN, SpecPolicy
 
     def policy() -> SpecPolicy:
         p = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=5)
@@ -756,14 +756,17 @@ def test_policy_judges_a_batch_job_by_its_last_sequence():
     # and the batch explored every 24 choices).
     p = policy()
     p.choose(64)
-    assert p._would_win(64, 64, 5, 8.72e-3)
+    shape = (64, CONTEXT_MIN)  # (batch bucket, context bucket)
+    assert p._would_win(shape, 64, 5, 8.72e-3)
     p.choose(64, remaining=[63] * 64)
-    assert not p._would_win(64, 64, 5, 8.72e-3)
+    assert not p._would_win(shape, 64, 5, 8.72e-3)
 
 
 def test_startup_times_a_bounded_grid_and_logs_progress(small_pair, caplog):
     """Adaptive start-up times a few (batch bucket, K) points, logging each, and seeds every
     (bucket, K) pair from them."""
+    from specserve.spec.policy import context_buckets
+
     target, draft = small_pair
     caplog.set_level(logging.INFO, logger="specserve.runner")
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=5,
@@ -772,7 +775,9 @@ def test_startup_times_a_bounded_grid_and_logs_progress(small_pair, caplog):
     total = int(lines[0].split("/")[1].split()[0])
     assert [int(m.split()[3].split("/")[0]) for m in lines] == list(range(1, total + 1))
     assert total <= 12  # 3 buckets x (K = 0 and 3 K values); every pair would be 7 x 6
-    assert set(engine.policy.seeded) == {(b, K) for b in (1, 2, 4, 8, 16, 32, 64) for K in range(6)}
+    contexts = context_buckets(engine.max_model_len)  # (one timed on a CPU, the same cost at every bucket)
+    assert set(engine.policy.seeded) == {(b, c, K) for b in (1, 2, 4, 8, 16, 32, 64) for c in contexts
+                                         for K in range(6)}
 
 
 def test_startup_grid_and_interpolation():
@@ -808,7 +813,7 @@ def test_policy_explores_out_of_a_bad_estimate():
     """The H200 batch-64 lock-in: seeds call K=2 cheap, live K=2 cycles are very slow, and the shared
     speculative offset then makes every K look worse than plain. Periodic exploration of the
     near-best K still finds K=1, whose live cost is fine, and the policy settles there."""
-    from specserve.spec.policy import EXPLORE_EVERY, SpecPolicy
+    from specserve.spec.policy import CONTEXT_MIN, EXPLORE_EVERY, SpecPolicy
 
     real = {0: 1.0, 1: 1.3, 2: 3.0, 3: 3.2}  # seconds per step/cycle as the engine would time them
     policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=3)
@@ -821,7 +826,7 @@ def test_policy_explores_out_of_a_bad_estimate():
     assert policy.choose(64) == 0  # the offset (+1.95 s) now makes every K look worse than plain
     tail = _run_policy(policy, 64, real)[-240:]
     assert tail.count(1) > 0.9 * len(tail)  # K=1: ~1.98 tokens per 1.3 s beats plain's 1 per 1.0 s
-    assert policy.snapshot()["64"]["1"]["live_ms"] == pytest.approx(1300.0)
+    assert policy.snapshot()["64"][str(CONTEXT_MIN)]["1"]["live_ms"] == pytest.approx(1300.0)
     # Without a near-best alternative, no exploration: plain stays when speculation is hopeless.
     lone = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=1)
     lone.seed_costs({(1, 0): 1.0, (1, 1): 10.0})
@@ -832,7 +837,7 @@ def test_policy_explores_back_to_plain_after_one_slow_plain_step():
     """The CPU batch-4 lock-in: one plain step timed slow live (2 s against 1 s), speculative
     cycles seeded cheap and slower live. Exploration judges plain by the lower of its live and
     start-up cost, re-times it, and the policy settles on plain decoding, the fastest here."""
-    from specserve.spec.policy import SpecPolicy
+    from specserve.spec.policy import CONTEXT_MIN, SpecPolicy
 
     real = {0: 1.0, 1: 2.6, 2: 3.2}  # K=1: ~2 tokens per 2.6 s; K=2: ~2.3 per 3.2 s; plain 1 per 1.0 s
     policy = SpecPolicy(EngineConfig(model="x", adaptive=True), k_max=2)
@@ -842,7 +847,7 @@ def test_policy_explores_back_to_plain_after_one_slow_plain_step():
     policy.observe_cost(4, 0, 2.0)  # the one slow plain step
     tail = _run_policy(policy, 4, real)[-240:]
     assert tail.count(0) > 0.9 * len(tail)
-    assert policy.snapshot()["4"]["0"]["live_ms"] == pytest.approx(1000.0)
+    assert policy.snapshot()["4"][str(CONTEXT_MIN)]["0"]["live_ms"] == pytest.approx(1000.0)
 
 
 def test_policy_judges_each_k_by_its_own_cycles():
@@ -878,7 +883,7 @@ def test_plain_steps_queued_ahead_while_drafting(small_pair):
                                      device="cpu", max_num_seqs=3))
         engine.launch_ahead = ahead
         steps = iter(pattern * 10)
-        engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
+        engine.policy.choose = lambda B, remaining=None, stale=False, context=0: next(steps)
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         while engine.has_work():
             engine.step()
@@ -918,7 +923,7 @@ def _alternating(target, draft, prompts, params, ahead=False, prefill_graphs=(),
     engine = engine_with_prefill_graphs(prefill_graphs, **config) if prefill_graphs else Engine(EngineConfig(**config))
     engine.launch_ahead = ahead
     steps = iter(ALTERNATING * 20)
-    engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
+    engine.policy.choose = lambda B, remaining=None, stale=False, context=0: next(steps)
     seen = {"plain_forwards": 0, "queued_stale": 0, "caught_up": [], "drafts": [], "graph_catch_ups": 0}
     in_plain, in_catch_up = [False], [False]
 
@@ -1039,7 +1044,7 @@ def test_drafts_queued_ahead_change_nothing(small_pair, tmp_path, mode):
         engine.launch_ahead = ahead
         if mode == "adaptive":  # K rising, falling and 0 between cycles
             steps = iter([3, 3, 2, 3, 1, 1, 0, 3, 2, 2, 3] * 40)
-            engine.policy.choose = lambda B, remaining=None, stale=False: next(steps)
+            engine.policy.choose = lambda B, remaining=None, stale=False, context=0: next(steps)
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
         while engine.has_work():
             engine.step()
@@ -1343,9 +1348,9 @@ def test_step_costs_include_the_handling_of_their_own_tokens(small_pair):
                                  max_num_seqs=2))
     policy = engine.policy
     picks, costs = iter([0, 2] * 100), []
-    policy.choose = lambda B, remaining=None, stale=False: next(picks)
+    policy.choose = lambda B, remaining=None, stale=False, context=0: next(picks)
     observe = policy.observe_cost
-    policy.observe_cost = lambda B, K, seconds: (costs.append((K, seconds)), observe(B, K, seconds))
+    policy.observe_cost = lambda B, K, seconds, context=0: (costs.append((K, seconds)), observe(B, K, seconds, context))
     pause = 0.05
     for p in _prompts(2, seed=3):
         engine.add_request(p, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
