@@ -164,6 +164,8 @@ def _conforms(v, hint) -> bool:
     if hint in (bool, str):
         return isinstance(v, hint)
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return v in args
     if origin in (typing.Union, types.UnionType):
         return any(_conforms(v, a) for a in args)
     if origin is list or hint is list:

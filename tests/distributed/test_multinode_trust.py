@@ -72,6 +72,12 @@ def test_decode_never_unpickles_and_refuses_every_malformed_frame(tmp_path):
     assert wire.decode(wire.encode(msg)) == msg
     with pytest.raises(wire.WireError, match="cannot be sent"):
         wire.encode({"x": object()})
+    # The annotation shapes a dataclass field may use.
+    import typing
+
+    assert wire._conforms("a", typing.Literal["a", "b"]) and not wire._conforms("c", typing.Literal["a", "b"])
+    assert wire._conforms(None, int | None) and not wire._conforms(True, int) and wire._conforms(1, float)
+    assert wire._conforms(((1, 0.5),), tuple[tuple[int, float], ...]) and not wire._conforms([1], tuple[int, ...])
 
 
 def test_schemas_refuse_wrong_types_missing_and_extra_fields():
