@@ -6,10 +6,11 @@ from __future__ import annotations
 import threading
 
 import pytest
-from test_server import MAX_LEN, NAME, PROMPTS, Live, serve_kwargs
 
 from specserve.engine.llm import LLM
 from specserve.engine.sampling import SamplingParams
+
+from serving import MAX_LEN, NAME, PROMPTS, Live, serve_kwargs
 
 
 @pytest.fixture(scope="module")
