@@ -55,6 +55,17 @@ def test_encoding_equals_tiktoken_token_for_token(kimi_tok):
     assert tok.eos_token_ids == {tok.token_to_id("[EOS]")}
 
 
+def test_every_declared_end_of_turn_stops(tmp_path):
+    """tokenizer_config's eos, generation_config's and the wrapper config's text_config's eos_token_id."""
+    write_tokenizer(tmp_path)
+    base = len(read_ranks(tmp_path / "tiktoken.model"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "eos_token_id": base + 1,
+                                                      "text_config": {"eos_token_id": base + 2}}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [base + 9]}))
+    tok = Tokenizer(tmp_path)
+    assert tok.eos_token_ids == {tok.token_to_id(t) for t in ("[EOS]", "<|im_end|>", "[EOT]")}
+
+
 def test_pattern_splits_as_kimis(kimi_tok):
     """Han runs apart from other letters, digits in threes: seen in the tokens' boundaries."""
     _, tok = kimi_tok
