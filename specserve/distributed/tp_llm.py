@@ -105,7 +105,7 @@ class WorkerLLM(LLM):
         """Counters attached to every reply of rank 0 (cheap; no per-cycle profile)."""
         e = self.engine
         return {"totals": dataclasses.asdict(e.totals), "tokens_generated": e.tokens_generated, "last_k": e.last_k,
-                "choices": dict(e.policy.choices) if e.policy else None,
+                "choices": dict(e.policy.choices) if e.policy else None, "k_max": e.policy.k_max if e.policy else 0,
                 "acceptance": e.policy.acceptance() if e.policy else None,
                 "acceptance_tree": e.policy.acceptance(True) if e.policy else None, "kv_usage": e.kv_usage(),
                 "n_running": e.n_running, "n_waiting": len(e.waiting), "free_rows": e.free_rows}
@@ -393,6 +393,7 @@ class TPLLM:
 class _PolicyView:
     def __init__(self, stats: dict):
         self.choices = {int(k): v for k, v in (stats.get("choices") or {}).items()}
+        self.k_max = stats["k_max"]  # /metrics lists a series per draft position up to it
         self._acc = {False: stats.get("acceptance") or [], True: stats.get("acceptance_tree") or []}
 
     def acceptance(self, tree: bool = False) -> list[float]:
