@@ -191,3 +191,19 @@ def test_built_in_kimi_pattern_is_the_published_one():
                  r"""\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
                  r"""\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
     assert KIMI_PATTERN == published
+
+
+def test_template_renders_as_transformers_does(kimi_tok):
+    """The chat template through transformers' own renderer gives the same text (tools, history, thinking)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    _, tok = kimi_tok
+    tools = [{"type": "function", "function": {"name": "f", "description": "é ü", "parameters": {"type": "object"}}}]
+    history = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q <b>&"},
+               {"role": "assistant", "content": "a", "reasoning_content": "r"}, {"role": "user", "content": "again"}]
+    for kwargs in ({}, {"thinking": False}, {"thinking": True}):
+        for msgs, tls in ((history, tools), (history[1:2], None)):
+            ours = tok.apply_chat_template(msgs, tools=tls, **kwargs)
+            (theirs,), _ = render_jinja_template([msgs], tools=tls, chat_template=tok.chat_template,
+                                                 add_generation_prompt=True, **kwargs)
+            assert ours == theirs, kwargs
