@@ -126,3 +126,20 @@ def test_served_tp2_with_its_drafter_equals_tp1_plain(kimi, served):
         assert (msg.reasoning_content, msg.content) == ReasoningSplitter("think", prompt).split(want.text)
     finally:
         srv.close()
+
+
+def test_generate_chat_with_template_kwargs(kimi, served, capsys):
+    """`specserve generate --chat --chat-template-kwargs` on the repository, with its drafter: plain decoding's reply."""
+    import json
+
+    from specserve.cli import main
+
+    target, draft, _ = kimi
+    _, plain = served
+    prompt = plain.tokenizer.apply_chat_template(QUESTION, thinking=False)
+    want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
+    assert main(["generate", "--model", str(target), "--draft", str(draft), "--device", "cpu", "--max-model-len", "128",
+                 "--chat", "--prompt", QUESTION[0]["content"], "--max-tokens", str(MAX_TOKENS),
+                 "--chat-template-kwargs", '{"thinking": false}', "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["text"] == want.text
