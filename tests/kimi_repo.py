@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 sys.path.insert(0, str(Path(__file__).parent))
-from tiny import KIMI_IGNORE, make_drafter, make_int4_pair, make_moe_target  # noqa: E402
+from tiny import KIMI_IGNORE, make_drafter, make_int4_pair, make_moe_target
 
 # Kimi-K2's special tokens by their offset after the BPE ranks (163584 in the real vocabulary).
 KIMI_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",

@@ -414,7 +414,7 @@ class _PolicyView(SpeculationPolicy):
 
     def __init__(self, facts: dict, llm: TPLLM):
         self.k_max = facts["k_max"]
-        self.choices = dict(facts["choices"])
+        self.choices = {int(k): v for k, v in facts["choices"].items()}
         self._acc = {False: facts["acceptance"], True: facts["acceptance_tree"]}
         self._llm = llm
 

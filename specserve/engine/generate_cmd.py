@@ -18,6 +18,17 @@ def device_name(text: str) -> str:
     return text
 
 
+def template_variables(text: str) -> dict:
+    """argparse type of --chat-template-kwargs: a JSON object."""
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object of template variables, got {text!r}")
+    return value
+
+
 def add_engine_arguments(p: argparse.ArgumentParser, adaptive_flag: bool = True) -> None:
     """Flags shared by generate, bench and serve (serve adapts by default and offers --no-adaptive instead)."""
     p.add_argument("--model", help="target: a Hugging Face model directory, a .gguf file (or a folder holding one) "
@@ -178,6 +189,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true",
                    help="send each prompt as a user turn through the model's chat template; the reply ends at the "
                         "template's end-of-turn token")
+    p.add_argument("--chat-template-kwargs", type=template_variables, default={}, metavar="JSON",
+                   help='with --chat: variables for the chat template, e.g. \'{"thinking": false}\' (Kimi-K2.5) or '
+                        '\'{"enable_thinking": false}\' (Qwen3); either name reaches the template\'s own switch')
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
 
@@ -202,7 +216,8 @@ def run(args: argparse.Namespace) -> int:
     if args.chat:
         tok = llm.tokenizer
         try:
-            ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}])) for p in args.prompt]
+            ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": p}], **args.chat_template_kwargs))
+                   for p in args.prompt]
         except (ConfigError, ValueError) as e:
             print(f"error: --chat: {e}", file=sys.stderr)
             return 1

@@ -82,7 +82,7 @@ class TiktokenVocab:
         self.decoder = None  # no tokenizers decoder: token_bytes holds each token's bytes
 
     @classmethod
-    def from_dir(cls, model_dir: Path, config: dict) -> "TiktokenVocab":
+    def from_dir(cls, model_dir: Path, config: dict) -> TiktokenVocab:
         path = model_dir / "tiktoken.model"
         ranks = read_ranks(path)
         pattern = config.get("pat_str") or BUILT_IN_PATTERNS.get(config.get("tokenizer_class", ""))

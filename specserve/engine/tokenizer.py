@@ -86,6 +86,8 @@ class Tokenizer:
         self.eos_token_ids: set[int] = set()
         if self.eos_token is not None and self.tok.token_to_id(self.eos_token) is not None:
             self.eos_token_ids.add(self.tok.token_to_id(self.eos_token))
+        # A multimodal wrapper (Kimi-K2.5) declares its language model's end of turn in text_config.
+        side_configs += [side["text_config"] for side in side_configs if isinstance(side.get("text_config"), dict)]
         for side in side_configs:
             eos = side.get("eos_token_id")
             if eos is not None:

@@ -55,6 +55,17 @@ def test_encoding_equals_tiktoken_token_for_token(kimi_tok):
     assert tok.eos_token_ids == {tok.token_to_id("[EOS]")}
 
 
+def test_every_declared_end_of_turn_stops(tmp_path):
+    """tokenizer_config's eos, generation_config's and the wrapper config's text_config's eos_token_id."""
+    write_tokenizer(tmp_path)
+    base = len(read_ranks(tmp_path / "tiktoken.model"))
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "eos_token_id": base + 1,
+                                                      "text_config": {"eos_token_id": base + 2}}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [base + 9]}))
+    tok = Tokenizer(tmp_path)
+    assert tok.eos_token_ids == {tok.token_to_id(t) for t in ("[EOS]", "<|im_end|>", "[EOT]")}
+
+
 def test_pattern_splits_as_kimis(kimi_tok):
     """Han runs apart from other letters, digits in threes: seen in the tokens' boundaries."""
     _, tok = kimi_tok
@@ -180,3 +191,19 @@ def test_built_in_kimi_pattern_is_the_published_one():
                  r"""\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
                  r"""\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
     assert KIMI_PATTERN == published
+
+
+def test_template_renders_as_transformers_does(kimi_tok):
+    """The chat template through transformers' own renderer gives the same text (tools, history, thinking)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    _, tok = kimi_tok
+    tools = [{"type": "function", "function": {"name": "f", "description": "é ü", "parameters": {"type": "object"}}}]
+    history = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q <b>&"},
+               {"role": "assistant", "content": "a", "reasoning_content": "r"}, {"role": "user", "content": "again"}]
+    for kwargs in ({}, {"thinking": False}, {"thinking": True}):
+        for msgs, tls in ((history, tools), (history[1:2], None)):
+            ours = tok.apply_chat_template(msgs, tools=tls, **kwargs)
+            (theirs,), _ = render_jinja_template([msgs], tools=tls, chat_template=tok.chat_template,
+                                                 add_generation_prompt=True, **kwargs)
+            assert ours == theirs, kwargs

@@ -105,3 +105,41 @@ def test_bad_chat_template_kwargs_are_named(served):
         with pytest.raises(openai.BadRequestError, match=words):
             client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=2,
                                            extra_body={"chat_template_kwargs": kwargs})
+
+
+@pytest.mark.slow
+def test_served_tp2_with_its_drafter_equals_tp1_plain(kimi, served):
+    """The founding user's setup: tensor parallel (two gloo ranks, routed int4 experts sharded), speculation on,
+    over HTTP: the thinking reply's parts equal plain single-process decoding's."""
+    from specserve.distributed.tp_llm import TPLLM
+
+    target, draft, _ = kimi
+    _, plain = served
+    prompt = plain.tokenizer.apply_chat_template(QUESTION)
+    want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
+    engine = dict(model=str(target), device="cpu", max_model_len=128, max_num_seqs=2)
+    srv = Live(lambda: TPLLM(**engine, tp=2, draft=str(draft), spec_steps=3), max_num_seqs=2, max_queue=8)
+    try:
+        srv.wait_ready()
+        msg = srv.client().chat.completions.create(model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS,
+                                                   temperature=0).choices[0].message
+        assert (msg.reasoning_content, msg.content) == ReasoningSplitter("think", prompt).split(want.text)
+    finally:
+        srv.close()
+
+
+def test_generate_chat_with_template_kwargs(kimi, served, capsys):
+    """`specserve generate --chat --chat-template-kwargs` on the repository, with its drafter: plain decoding's reply."""
+    import json
+
+    from specserve.cli import main
+
+    target, draft, _ = kimi
+    _, plain = served
+    prompt = plain.tokenizer.apply_chat_template(QUESTION, thinking=False)
+    want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
+    assert main(["generate", "--model", str(target), "--draft", str(draft), "--device", "cpu", "--max-model-len", "128",
+                 "--chat", "--prompt", QUESTION[0]["content"], "--max-tokens", str(MAX_TOKENS),
+                 "--chat-template-kwargs", '{"thinking": false}', "--json"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["text"] == want.text
