@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from specserve.config import DEMO_DIR, EngineConfig
+from specserve.constrain.grammar import Grammars
 from specserve.engine.engine import Engine
 from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sequence import Sequence
@@ -79,6 +80,9 @@ class LLM:
         self.tokenizer = Tokenizer(self.config.model)
         self.engine = Engine(self.config, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit,
                              on_graph_progress=on_graph_progress)
+        ends = {self.tokenizer.end_of_turn_id} - {None}  # chat replies end there too (server: stop_token_ids)
+        self.engine.grammars = Grammars(self.tokenizer, self.engine.runner.model_cfg.vocab_size,
+                                        self.engine.eos_token_ids | ends)
 
     def _stop_hit(self, seq: Sequence) -> bool:
         # Only the tail can contain a new match: decode a window long enough for any stop string.

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.constrain.grammar import GrammarSpec
 from specserve.kernels.argmax import argmax
 
 STREAM_TARGET = 1  # every sampled token, and (coupled) the drafter's proposals
@@ -44,6 +45,8 @@ class SamplingParams:
     # Report each emitted token's log-probability and this many most likely alternatives
     # (0..MAX_TOP_LOGPROBS); None: report nothing. See engine.logprobs.
     logprobs: int | None = None
+    # The output follows this grammar (a JSON schema, a tool-call format); None: unconstrained.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -70,6 +73,8 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids must be 64-bit integers, got {self.stop_token_ids!r}")
         if self.logprobs is not None and not (_is_int64(self.logprobs) and 0 <= self.logprobs <= MAX_TOP_LOGPROBS):
             raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
