@@ -13,7 +13,7 @@ complete) and the `markers` a spec names (a tool-call format's section markers).
 
 from __future__ import annotations
 
-import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -92,12 +92,19 @@ class Grammars:
             if spec.kind == "json_schema":
                 return compiler.compile_json_schema(spec.text, any_whitespace=False, strict_mode=spec.strict)
             return compiler.compile_grammar(spec.text)
-        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar raises these for bad schemas and grammars
-            raise GrammarError(str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__) from None
+        except (RuntimeError, ValueError, TypeError, RecursionError) as e:  # xgrammar's errors for bad input
+            raise GrammarError(engine_message(e)) from None
 
     def matcher(self, spec: GrammarSpec, stop_token_ids: list[int] = ()) -> Matcher:
         """A matcher for one sequence; `stop_token_ids`: its own stop tokens beside the engine's."""
         return Matcher(self.compile(spec), self.vocab_size, sorted({*self.stop_token_ids, *stop_token_ids}))
+
+
+def engine_message(e: Exception) -> str:
+    """The grammar engine's error without its source location: what the client can act on."""
+    text = str(e).strip()
+    line = text.splitlines()[-1] if text else type(e).__name__
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", line)
 
 
 class Matcher:

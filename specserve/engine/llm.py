@@ -72,6 +72,13 @@ def prepare_requests(tokenizer, prompts, sampling_params) -> tuple[list[list[int
     return ids, params
 
 
+def attach_grammars(engine: Engine, tokenizer: Tokenizer) -> None:
+    """Let `engine` compile requests' grammars for `tokenizer`'s vocabulary; its end-of-turn token
+    ends a constrained chat reply as the engine's EOS ids do (the server stops chat replies there)."""
+    ends = {tokenizer.end_of_turn_id} - {None}
+    engine.grammars = Grammars(tokenizer, engine.runner.model_cfg.vocab_size, engine.eos_token_ids | ends)
+
+
 class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, on_graph_progress=None, **engine_kwargs):
         model, draft = default_pair(model, draft, speculating=bool(engine_kwargs.get("spec_steps", 0)))
@@ -80,9 +87,7 @@ class LLM:
         self.tokenizer = Tokenizer(self.config.model)
         self.engine = Engine(self.config, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit,
                              on_graph_progress=on_graph_progress)
-        ends = {self.tokenizer.end_of_turn_id} - {None}  # chat replies end there too (server: stop_token_ids)
-        self.engine.grammars = Grammars(self.tokenizer, self.engine.runner.model_cfg.vocab_size,
-                                        self.engine.eos_token_ids | ends)
+        attach_grammars(self.engine, self.tokenizer)
 
     def _stop_hit(self, seq: Sequence) -> bool:
         # Only the tail can contain a new match: decode a window long enough for any stop string.

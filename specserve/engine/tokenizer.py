@@ -114,12 +114,13 @@ class Tokenizer:
         env.globals["raise_exception"] = _raise
         return env.from_string(self.chat_template)
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
         if not self.chat_template:
             raise ConfigError("this model's tokenizer_config.json has no chat_template; use /v1/completions")
         return self._compiled_template.render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            bos_token=self.bos_token or "", eos_token=self.eos_token or "", tools=tools,
         )
 
 
@@ -149,8 +150,9 @@ class IncrementalDecoder:
     before the text already emitted), so a long stream costs O(new tokens).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
         self.prefix = 0  # window start
@@ -158,7 +160,9 @@ class IncrementalDecoder:
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        decode = self.tokenizer.decode
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
         before = decode(self.ids[self.prefix: self.read])
         window = decode(self.ids[self.prefix:])
         if window.endswith("\ufffd") or len(window) <= len(before):

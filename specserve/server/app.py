@@ -17,9 +17,12 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve.constrain.grammar import GrammarError, Grammars
 from specserve.server import protocol as P
+from specserve.server import tool_calls as TC
 from specserve.server.engine_loop import EngineLoop, Event, Job, QueueFull
 from specserve.server.metrics import Metrics
+from specserve.server.structured import parse_response_format
 
 # While a non-streaming request waits, check this often whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -34,6 +37,7 @@ class ServerConfig:
     retry_after_s: int = 1  # Retry-After on 429 (queue full) and 503 (loading)
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
     metrics_no_auth: bool = False  # with an API key, /metrics answers without it (for scrapers)
+    tool_call_parser: str | None = None  # the tool-call format (server.tool_calls.FORMATS); None: from the template
 
 
 @dataclass
@@ -46,6 +50,22 @@ class AppState:
     info: dict[str, Any] = field(default_factory=dict)  # static configuration shown by /server_info
     draining: bool = False  # shutting down: nothing new is admitted, running requests finish
     _text: "TextLimits | None" = None
+    _grammars: Grammars | None = None
+
+    def grammars(self, llm) -> Grammars:
+        """The engine's grammar compiler (a tensor-parallel engine's lives in its workers: the server
+        then compiles with its own, to refuse what cannot compile before it is sent)."""
+        own = getattr(llm.engine, "grammars", None)
+        if own is not None:
+            return own
+        if self._grammars is None:
+            ends = {llm.tokenizer.end_of_turn_id} - {None}
+            self._grammars = Grammars(llm.tokenizer, llm.engine.runner.model_cfg.vocab_size,
+                                      set(llm.tokenizer.eos_token_ids) | ends)
+        return self._grammars
+
+    def tool_format(self, llm) -> TC.Format:
+        return TC.format_for(llm.tokenizer.chat_template, self.cfg.tool_call_parser)
 
     def text_limits(self, tokenizer) -> "TextLimits":
         if self._text is None:  # computed once, in a worker thread (it reads the whole vocabulary)
@@ -197,7 +217,7 @@ async def generate(request: Request, chat: bool):
     raw = await read_body(request, cfg)
     # Parsing, validation and tokenization run in a worker thread: a megabyte of text
     # must not stall the event loop that serves every other stream and /health.
-    s, jobs_spec = await asyncio.to_thread(prepare, st, llm, raw, chat)
+    s, jobs_spec, calls_format = await asyncio.to_thread(prepare, st, llm, raw, chat)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     aloop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -208,7 +228,8 @@ async def generate(request: Request, chat: bool):
         except RuntimeError:  # event loop closed (shutdown)
             pass
 
-    jobs = [Job(f"{rid}-{p * s.n + j}", p * s.n + j, ids, params, sink)
+    keep = bool(calls_format and calls_format.markers)  # the format's markers are special tokens
+    jobs = [Job(f"{rid}-{p * s.n + j}", p * s.n + j, ids, params, sink, keep_special=keep)
             for p, (ids, choice_params) in enumerate(jobs_spec) for j, params in enumerate(choice_params)]
     if len(jobs) > loop.capacity:  # could never be admitted: retrying would not help, so not a 429
         raise P.bad(f"this request needs {len(jobs)} sequences (prompts x n) but the server holds at most "
@@ -219,27 +240,31 @@ async def generate(request: Request, chat: bool):
         raise P.APIError(429, f"server busy ({e}); retry later", code="queue_full",
                          headers={"Retry-After": str(cfg.retry_after_s)}) from None
     out = _Output(st, rid, chat, queue, {j.index: j.seq_id for j in jobs}, sum(len(ids) for ids, _ in jobs_spec),
-                  llm.tokenizer if s.logprobs is not None else None)
+                  llm.tokenizer if s.logprobs is not None else None, calls_format)
     if s.stream:
         return StreamingResponse(stream(out, s.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await collect(request, out)
 
 
-def prepare(st: AppState, llm, raw: bytes, chat: bool) -> tuple[P.Sampling, list[tuple[list[int], list]]]:
+def prepare(st: AppState, llm, raw: bytes, chat: bool):
     """The body parsed and checked, its prompts tokenized: (options, [(prompt ids,
-    SamplingParams per choice)]). Everything cheap is checked before tokenizing."""
+    SamplingParams per choice)], the tool-call format replies are parsed with or None).
+    Everything cheap is checked before tokenizing."""
     body = P.parse_body(raw)
     check_model(body, st.cfg)
     vocab = llm.engine.runner.model_cfg.vocab_size
     s = P.parse_sampling(body, chat, st.cfg.max_n, vocab)
+    tools = TC.parse_tools(body) if chat else TC.ToolRequest([], "none")
+    fmt = st.tool_format(llm)
+    s.grammar = _grammar(st, llm, body, tools, fmt)
     limits = st.text_limits(llm.tokenizer)
     field_name = "messages" if chat else "prompt"
     if chat:
-        messages = P.parse_messages(body)
+        messages = TC.conversation(P.parse_messages(body), fmt, llm.tokenizer.chat_template)
         _check_text_size(sum(len(m["content"]) for m in messages), llm, limits, field_name)
         try:
-            text = llm.tokenizer.apply_chat_template(messages)
+            text = llm.tokenizer.apply_chat_template(messages, tools=tools.template_tools if tools.parses_calls else None)
         except Exception as e:  # no template, or the template refused (raise_exception)
             raise P.bad(f"cannot apply the chat template: {e}", "messages") from None
         _check_text_size(len(text), llm, limits, field_name)
@@ -259,7 +284,25 @@ def prepare(st: AppState, llm, raw: bytes, chat: bool) -> tuple[P.Sampling, list
             out.append((ids, [s.params_for(j, max_tokens) for j in range(s.n)]))
         except ValueError as e:  # protocol checks admit only packable values; this names any that slipped by
             raise P.bad(f"invalid sampling parameters: {e}") from None
-    return s, out
+    return s, out, (fmt if tools.parses_calls else None)
+
+
+def _grammar(st: AppState, llm, body: dict, tools: TC.ToolRequest, fmt: TC.Format):
+    """The grammar the reply must follow (response_format, or tool_choice required / named), compiled
+    once here so that one the engine cannot take is a 400 naming it; None: unconstrained."""
+    reply = parse_response_format(body)
+    call = TC.call_grammar(tools, fmt)
+    if reply is not None and call is not None:
+        raise P.bad("response_format and a required or named tool_choice both constrain the reply: send one",
+                    "response_format")
+    spec = reply or call
+    if spec is not None:
+        try:
+            st.grammars(llm).compile(spec)
+        except GrammarError as e:
+            part = "response_format" if reply is not None else "tools"
+            raise P.bad(f"{part} cannot be enforced: {e}", part, "invalid_schema") from None
+    return spec
 
 
 def _check_text_size(n: int, llm, limits: TextLimits, field_name: str) -> None:
@@ -284,6 +327,7 @@ class _Output:
     ids_by_index: dict[int, str]  # choice index -> sequence id
     prompt_tokens: int
     logprobs_tokenizer: Any = None  # set when the request asks for log-probabilities
+    tool_format: TC.Format | None = None  # set when replies may hold tool calls
 
     def logprob_writers(self) -> dict[int, P.LogprobWriter]:
         if self.logprobs_tokenizer is None:
@@ -325,10 +369,18 @@ async def collect(request: Request, out: _Output):
     finally:
         out.abort_unfinished(reasons)
     out.st.metrics.end("finished", _request_finish_reason(reasons.values()))
-    make = P.chat_choice if out.chat else P.completion_choice
     writers = out.logprob_writers()
-    choices = [make(i, "".join(texts[i]), reasons[i], writers[i].piece(logprobs[i]) if writers else None)
-               for i in sorted(out.ids_by_index)]
+
+    def choice(i: int) -> dict:
+        text, lp = "".join(texts[i]), writers[i].piece(logprobs[i]) if writers else None
+        if not out.chat:
+            return P.completion_choice(i, text, reasons[i], lp)
+        calls = []
+        if out.tool_format is not None:
+            text, calls = TC.parse_output(text, out.tool_format)
+        return P.chat_choice(i, text, "tool_calls" if calls and reasons[i] == "stop" else reasons[i], lp, calls)
+
+    choices = [choice(i) for i in sorted(out.ids_by_index)]
     return {"id": out.rid, "object": "chat.completion" if out.chat else "text_completion", "created": P.now(),
             "model": out.st.cfg.served_model_name, "choices": choices,
             "usage": P.usage(out.prompt_tokens, completion_tokens)}
@@ -362,6 +414,17 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
             return P.chat_chunk_choice(ev.index, {} if text is None else {"content": text}, reason, lp)
         return P.completion_choice(ev.index, text or "", reason, lp)
 
+    calls = {i: TC.CallStream(out.tool_format) for i in out.ids_by_index} if chat and out.tool_format else {}
+
+    def call_chunks(ev: Event, deltas: list[dict], reason: str | None) -> list[str]:
+        """A tool-call stream's deltas as chunks: log-probabilities ride on the first, the reason on the last."""
+        lp = writers[ev.index].piece(ev.logprobs or []) if writers else None
+        if not deltas and (lp or reason):
+            deltas = [{}]
+        last = len(deltas) - 1
+        return [chunk([P.chat_chunk_choice(ev.index, d, reason if k == last else None, lp if k == 0 else None)])
+                for k, d in enumerate(deltas)]
+
     reasons: dict[int, str] = {}
     completion_tokens = 0
     outcome = ("client_disconnect", "streaming")  # unless the stream reaches its end
@@ -377,11 +440,23 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
                                         code=ev.reason))
                 break
             if ev.kind == "delta":
-                yield chunk([choice(ev, ev.text, None)])
+                if calls:
+                    for c in call_chunks(ev, calls[ev.index].feed(ev.text), None):
+                        yield c
+                else:
+                    yield chunk([choice(ev, ev.text, None)])
             else:
                 reasons[ev.index] = ev.finish_reason
                 completion_tokens += ev.completion_tokens
-                yield chunk([choice(ev, ev.text or None, ev.finish_reason)])
+                if calls:
+                    cs = calls[ev.index]
+                    deltas = cs.feed(ev.text or "") + cs.finish()
+                    if cs.calls and ev.finish_reason == "stop":
+                        reasons[ev.index] = "tool_calls"
+                    for c in call_chunks(ev, deltas, reasons[ev.index]):
+                        yield c
+                else:
+                    yield chunk([choice(ev, ev.text or None, ev.finish_reason)])
         else:
             outcome = ("finished", _request_finish_reason(reasons.values()))
             if include_usage:
