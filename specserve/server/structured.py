@@ -10,6 +10,9 @@ from specserve.constrain.grammar import GrammarSpec, engine_message
 from specserve.server.protocol import bad, show
 
 
+MAX_SCHEMA_VALUES = 10_000
+
+
 def parse_response_format(body: dict) -> GrammarSpec | None:
     fmt = body.get("response_format")
     if fmt is None:
@@ -37,11 +40,61 @@ def parse_response_format(body: dict) -> GrammarSpec | None:
 
 
 def check_schema(schema: dict, where: str, param: str, strict: bool = True) -> None:
-    """Refuse a JSON schema the grammar engine cannot compile, naming where it sits."""
+    """Refuse a JSON schema the grammar engine cannot compile, or one so large that compiling it
+    would hold the server for minutes (many alternatives of many optional properties), naming
+    where it sits."""
+    if json_values(schema) > MAX_SCHEMA_VALUES:
+        raise bad(f"{where} is too large: at most {MAX_SCHEMA_VALUES} JSON values (keywords, properties, enum "
+                  f"entries) in all", param, "invalid_schema")
+    error = _schema_error(schema, strict)
+    if error is not None:
+        path = where + "".join(_locate(schema, strict, error))
+        raise bad(f"{path} is not a JSON schema this server can enforce: {error}", param, "invalid_schema")
+
+
+def _schema_error(schema, strict: bool) -> str | None:
     import xgrammar as xgr
 
     try:
         xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=strict)
     except (RuntimeError, ValueError, TypeError, RecursionError) as e:
-        raise bad(f"{where} is not a JSON schema this server can enforce: {engine_message(e)}", param,
-                  "invalid_schema") from None
+        return engine_message(e)
+    return None
+
+
+def _locate(schema, strict: bool, error: str) -> list[str]:
+    """The path (as ".properties.x" parts) of the innermost subschema that fails alone with the same
+    error: the engine's message names no place."""
+    path: list[str] = []
+    while True:
+        for key, child in _children(schema):
+            if isinstance(child, dict) and _schema_error(child, strict) == error:
+                path.append(key)
+                schema = child
+                break
+        else:
+            return path
+
+
+def _children(schema: dict):
+    for word in ("properties", "patternProperties", "$defs", "definitions"):
+        if isinstance(schema.get(word), dict):
+            yield from ((f".{word}.{k}", v) for k, v in schema[word].items())
+    for word in ("items", "additionalProperties", "not", "contains"):
+        yield f".{word}", schema.get(word)
+    for word in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        if isinstance(schema.get(word), list):
+            yield from ((f".{word}[{i}]", v) for i, v in enumerate(schema[word]))
+
+
+def json_values(tree) -> int:
+    """JSON values in `tree`, counted without recursion."""
+    count, stack = 0, [tree]
+    while stack:
+        v = stack.pop()
+        count += 1
+        if isinstance(v, dict):
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return count

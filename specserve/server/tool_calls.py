@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from specserve.constrain.grammar import GrammarSpec
 from specserve.server.protocol import bad, show
-from specserve.server.structured import check_schema
+from specserve.server.structured import MAX_SCHEMA_VALUES, check_schema, json_values
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
 MAX_TOOLS = 128
@@ -67,7 +67,7 @@ def _arguments(value) -> str | None:
 
 class Hermes(Format):
     name, start = "hermes", "<tool_call>"
-    _call = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+    end = "</tool_call>"
 
     def write(self, calls: list[Call]) -> str:
         return "".join(f'<tool_call>\n{{"name": "{c.name}", "arguments": {c.arguments}}}\n</tool_call>' for c in calls)
@@ -79,24 +79,39 @@ class Hermes(Format):
         head, found, rest = text.partition(self.start)
         if not found:
             return None
-        calls = []
-        tail = self.start + rest
-        pos = 0
-        for m in self._call.finditer(tail):
-            if tail[pos:m.start()].strip():
-                return None  # text between calls: not the format's call section
-            pos = m.end()
-            try:
-                obj = json.loads(m.group(1))
-            except ValueError:
+        calls, i = [], len(head)
+        while i < len(text):
+            if not text.startswith(self.start, i):
+                return None  # text between or after calls: not the format's call section
+            got = _json_at(text, i + len(self.start))
+            if got is None:
                 return None
+            obj, i = got
             args = _arguments(obj.get("arguments")) if isinstance(obj, dict) else None
-            if args is None or not isinstance(obj.get("name"), str):
+            if args is None or not _named(obj.get("name")) or not text.startswith(self.end, i):
                 return None
             calls.append(Call(obj["name"], args))
-        if not calls or tail[pos:].strip():
-            return None
+            i = _skip_space(text, i + len(self.end))
         return head, calls
+
+
+def _named(name) -> bool:
+    return isinstance(name, str) and NAME_RE.match(name) is not None
+
+
+def _skip_space(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def _json_at(text: str, i: int) -> tuple[object, int] | None:
+    """The JSON value at text[i:] (leading white space skipped) and where the space after it ends."""
+    try:
+        obj, end = json.JSONDecoder().raw_decode(text, _skip_space(text, i))
+    except ValueError:
+        return None
+    return obj, _skip_space(text, end)
 
 
 class Llama3Json(Format):
@@ -122,7 +137,7 @@ class Llama3Json(Format):
             except ValueError:
                 return None
             args = obj.get("parameters", obj.get("arguments")) if isinstance(obj, dict) else None
-            if _arguments(args) is None or not isinstance(obj.get("name"), str):
+            if _arguments(args) is None or not _named(obj.get("name")):
                 return None
             calls.append(Call(obj["name"], _arguments(args)))
             rest = body[i:].lstrip()
@@ -137,8 +152,7 @@ class KimiK2(Format):
     end = "<|tool_calls_section_end|>"
     begin, argument, call_end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
     markers = (start, end, begin, argument, call_end)
-    _call = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([\w.-]+):(\d+)\s*<\|tool_call_argument_begin\|>"
-                       r"\s*(.*?)\s*<\|tool_call_end\|>", re.S)
+    _header = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_-]{1,64}):(\d+)\s*<\|tool_call_argument_begin\|>")
 
     def write(self, calls: list[Call]) -> str:
         body = "".join(f"{self.begin}functions.{c.name}:{i}{self.argument}{c.arguments}{self.call_end}"
@@ -155,19 +169,18 @@ class KimiK2(Format):
         section, closed, after = rest.partition(self.end)
         if not closed or after.strip():
             return None
-        calls, pos = [], 0
-        for m in self._call.finditer(section):
-            if section[pos:m.start()].strip():
+        calls, i = [], _skip_space(section, 0)
+        while i < len(section):
+            m = self._header.match(section, i)
+            got = _json_at(section, m.end()) if m else None
+            if got is None:
                 return None
-            pos = m.end()
-            try:
-                args = _arguments(json.loads(m.group(3)))
-            except ValueError:
-                return None
-            if args is None:
+            args, i = _arguments(got[0]), got[1]
+            if args is None or not section.startswith(self.call_end, i):
                 return None
             calls.append(Call(m.group(1), args, id=f"functions.{m.group(1)}:{m.group(2)}"))
-        if not calls or section[pos:].strip():
+            i = _skip_space(section, i + len(self.call_end))
+        if not calls:
             return None
         return head, calls
 
@@ -231,6 +244,8 @@ def parse_tools(body: dict) -> ToolRequest:
             raise bad(f"{where}.function.parameters must be a JSON schema object, got {show(params)}", "tools")
         check_schema(params, f"{where}.function.parameters", "tools")
         tools.append(Tool(name, params))
+    if json_values(raw) > MAX_SCHEMA_VALUES:
+        raise bad(f"tools are too large: at most {MAX_SCHEMA_VALUES} JSON values in all their definitions", "tools")
     choice = body.get("tool_choice")
     named = None
     if choice is None:
