@@ -155,7 +155,8 @@ class Engine(ServingEngine):
         if params.grammar is not None:
             if self.grammars is None:
                 raise ValueError("this engine has no tokenizer to compile grammars with (build it through LLM)")
-            seq.matcher = self.grammars.matcher(params.grammar, params.stop_token_ids)  # GrammarError (a ValueError) names the fault
+            # GrammarError (a ValueError) names the fault: this request fails alone, at admission.
+            seq.matcher = self.grammars.matcher(params.grammar, params.stop_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
         self.by_id[seq_id] = seq

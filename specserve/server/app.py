@@ -264,7 +264,8 @@ def prepare(st: AppState, llm, raw: bytes, chat: bool):
         messages = TC.conversation(P.parse_messages(body), fmt, llm.tokenizer.chat_template)
         _check_text_size(sum(len(m["content"]) for m in messages), llm, limits, field_name)
         try:
-            text = llm.tokenizer.apply_chat_template(messages, tools=tools.template_tools if tools.parses_calls else None)
+            text = llm.tokenizer.apply_chat_template(messages,
+                                                     tools=tools.template_tools if tools.parses_calls else None)
         except Exception as e:  # no template, or the template refused (raise_exception)
             raise P.bad(f"cannot apply the chat template: {e}", "messages") from None
         _check_text_size(len(text), llm, limits, field_name)

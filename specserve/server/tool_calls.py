@@ -152,7 +152,8 @@ class KimiK2(Format):
     end = "<|tool_calls_section_end|>"
     begin, argument, call_end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
     markers = (start, end, begin, argument, call_end)
-    _header = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_-]{1,64}):(\d+)\s*<\|tool_call_argument_begin\|>")
+    _header = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_-]{1,64}):(\d+)\s*"
+                         r"<\|tool_call_argument_begin\|>")
 
     def write(self, calls: list[Call]) -> str:
         body = "".join(f"{self.begin}functions.{c.name}:{i}{self.argument}{c.arguments}{self.call_end}"
