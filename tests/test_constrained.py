@@ -49,7 +49,8 @@ def _leaf(rng: random.Random) -> dict:
 
 def _object(rng: random.Random, n: int, required: bool = True) -> dict:
     props = {f"{rng.choice(['id', 'name', 'tag', 'val', 'ok', 'kind'])}_{k}": _leaf(rng) for k in range(n)}
-    out = {"type": "object", "properties": props}
+    # Closed objects: with strict false an open one lets a greedy small model add properties forever.
+    out = {"type": "object", "properties": props, "additionalProperties": False}
     if required:
         out["required"] = list(props)
     return out
@@ -68,7 +69,7 @@ def schemas(count: int = 54) -> list[tuple[dict, bool]]:
             s = {"type": "array", "items": _leaf(rng), "minItems": 1, "maxItems": 3}
         elif kind == 2:
             s = {"type": "object", "properties": {"outer": _object(rng, 2), "flag": {"type": "boolean"}},
-                 "required": ["outer", "flag"]}
+                 "required": ["outer", "flag"], "additionalProperties": False}
         elif kind == 3:
             s = _object(rng, 3, required=False)
             s["required"] = list(s["properties"])[:1]
@@ -76,7 +77,8 @@ def schemas(count: int = 54) -> list[tuple[dict, bool]]:
             s = _leaf(rng)
         else:
             s = {"type": "object", "properties": {"items": {"type": "array", "items": _object(rng, 2),
-                                                            "maxItems": 2}}, "required": ["items"]}
+                                                            "maxItems": 2}}, "required": ["items"],
+                 "additionalProperties": False}
         out.append((s, i % 3 != 0))
     return out
 
