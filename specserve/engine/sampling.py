@@ -133,8 +133,10 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Exponential race: argmax(p / E) with E = -log(u) draws index i with probability p_i."""
-    return (probs / (-torch.log(u))).argmax(-1)
+    """Exponential race: argmax(p / E) with E = -log(u) draws index i with probability p_i.
+    u close to 1 rounds to 1.0 in float32 (E = 0): E is kept above 0 so that a token of probability
+    0 (masked by a grammar, top-k or top-p) gives 0, never 0 / 0 = NaN, which argmax would pick."""
+    return (probs / (-torch.log(u)).clamp_min(torch.finfo(u.dtype).tiny)).argmax(-1)
 
 
 def draft_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_map: torch.Tensor) -> torch.Tensor:
