@@ -434,3 +434,18 @@ def test_tool_call_round_trips_on_smollm2(http):
             jsonschema.validate(json.loads(r.choices[0].message.content), schema)
     finally:
         srv.close()
+
+
+# ------------------------------------------------------------------ tensor parallel
+@pytest.mark.slow
+def test_tp2_constrained_speculation_equals_one_process(pair, plain):
+    """Every rank holds its own matchers (the grammar travels with the request): --tp 2 over gloo
+    emits what one process emits, tree speculation on."""
+    from specserve.distributed.tp_llm import TPLLM
+
+    prompts, params, cases = _batch(plain)
+    ref = plain.generate(prompts, params)
+    with TPLLM(model=pair[0], draft=pair[1], tp=2, **ENGINE, **SPEC["tree"]) as llm:
+        outs = llm.generate(prompts, params)
+    _same(outs, ref)
+    _check_valid(outs, params, cases)
