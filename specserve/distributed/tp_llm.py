@@ -44,7 +44,7 @@ from specserve import envs
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sequence import Sequence, SpecStats, Status
-from specserve.engine.llm import LLM, RequestOutput, default_pair, prepare_requests
+from specserve.engine.llm import LLM, RequestOutput, attach_grammars, default_pair, prepare_requests
 from specserve.engine.protocol import ServingEngine, SpeculationPolicy
 from specserve.engine.sampling import SamplingParams
 from specserve.engine.tokenizer import Tokenizer
@@ -63,6 +63,7 @@ class WorkerLLM(LLM):
         self.tokenizer = Tokenizer(cfg.model)
         eager = dataclasses.replace(cfg, cuda_graphs=False)  # graphs come later, from `capture_graphs`
         self.engine = Engine(eager, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit)
+        attach_grammars(self.engine, self.tokenizer)
         self.draft_embedding = self._replicate_draft_embedding()
 
     def _replicate_draft_embedding(self) -> str:

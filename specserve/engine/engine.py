@@ -17,6 +17,7 @@ from collections import deque
 import torch
 
 from specserve.config import EngineConfig
+from specserve.constrain import masks
 from specserve.engine.block_pool import NULL_BLOCK
 from specserve.engine.logprobs import LogprobBatch, TokenLogprob
 from specserve.engine.profiling import Mark
@@ -52,6 +53,7 @@ class Engine(ServingEngine):
         self.max_model_len = self.runner.max_model_len
         self.eos_token_ids = set(eos_token_ids or ()) | set(self.runner.model_cfg.eos_token_ids)
         self.stop_checker = stop_checker  # (seq) -> truncated length or None; set by the LLM (needs the tokenizer)
+        self.grammars = None  # compiles requests' grammars (constrain.grammar.Grammars); set by the LLM
         self.rows: list[Sequence | None] = [None] * self.runner.rows
         self.n_running = 0
         self.n_prefill = 0
@@ -167,6 +169,11 @@ class Engine(ServingEngine):
             raise ValueError(f"request id {seq_id!r} is already in use")
         seed = params.seed if params.seed is not None else random.getrandbits(31)
         seq = Sequence(seq_id, list(prompt_ids), params, seed)
+        if params.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("this engine has no tokenizer to compile grammars with (build it through LLM)")
+            # GrammarError (a ValueError) names the fault: this request fails alone, at admission.
+            seq.matcher = self.grammars.matcher(params.grammar, params.stop_token_ids)
         if params.logprobs is not None:
             seq.logprobs = []
         self.by_id[seq_id] = seq
@@ -285,6 +292,7 @@ class Engine(ServingEngine):
             sampling = BatchSampling.build(params, [seqs[i].seed for i in fresh], self.device)
             pos = to_device([seqs[i].prefill_len for i in fresh], self.device)
             logits = logits[fresh]
+            self._mask_next([seqs[i] for i in fresh], logits)
             first_t = sample_tokens(logits, sampling, pos)
             lp = self._logprobs([seqs[i] for i in fresh], logits, first_t)
             read = self._read_logprobs([seqs[i] for i in fresh], lp)
@@ -403,6 +411,7 @@ class Engine(ServingEngine):
         With `pending_at`, the step's (feature, token) pairs also go into the drafter's pending inputs
         at those slots, on the device, before any later step can overwrite the features."""
         logits, feats = self.runner.decode(ids, pos)
+        self._mask_next(seqs, logits)
         tokens = sample_tokens(logits, self._sampling(seqs), pos + 1)
         lp = self._logprobs(seqs, logits, tokens)
         if pending_at is not None:
@@ -448,7 +457,8 @@ class Engine(ServingEngine):
             cur = self._launch_plain(seqs, ids, pos, to_device([s.pending for s in seqs], self.device)
                                      if store else None)
         stored = cur.pending_at is not None
-        if ov.may_queue_plain(seqs, self._batch_fixed()):
+        # A constrained row's next mask needs this step's token on the host: nothing is queued ahead.
+        if ov.may_queue_plain(seqs, self._batch_fixed()) and not self._constrained(seqs):
             store = stored and all(s.pending + 1 < width for s in seqs)
             ov.plain = self._launch_plain(seqs, cur.tokens, cur.pos + 1, cur.pending_at + 1 if store else None)
         new = cur.token_list()
@@ -518,8 +528,10 @@ class Engine(ServingEngine):
         if prof:
             marks = marks + [Mark(self.device) for _ in range(3)]
             marks[2].record()
+        constrained = self._constrained(seqs)
         if tree:  # acceptance, KV move and the drafter's next inputs happen in the verify graph
-            n_acc, grid, logits, path = r.verify_tree(K, last, pos0, enabled, sampling)
+            n_acc, grid, logits, path = r.verify_tree(K, last, pos0, enabled, sampling,
+                                                      self._tree_masks(seqs, constrained, draft))
             if prof:
                 marks[3].record()
             lp = self._logprobs(seqs, logits, grid, path)
@@ -527,6 +539,7 @@ class Engine(ServingEngine):
             logits, feats = r.verify(torch.cat([last.unsqueeze(1), draft.tokens], 1), pos0)
             if prof:
                 marks[3].record()
+            self._mask_chain(seqs, constrained, draft.tokens, logits)
             n_acc, next_tok = accept_drafts(logits, draft, sampling, pos0, enabled)
             grid = emitted_tokens(draft.tokens, n_acc, next_tok)  # also the drafter's next input tokens
             pr.pending.set_cycle(B, grid, feats)
@@ -576,13 +589,16 @@ class Engine(ServingEngine):
         pos0 = to_device([s.num_cached for s in seqs], self.device)
         lengths = drafted[1]
         enabled = to_device([n > 0 for n in lengths], self.device, torch.bool)
+        grammar = self._text_masks(seqs, drafted, tree)
         if tree:
             r.set_tree(drafted[0])
-            n_acc, grid, logits, path = r.verify_tree(K, last, pos0, enabled, sampling)
+            n_acc, grid, logits, path = r.verify_tree(K, last, pos0, enabled, sampling, grammar)
             lp = self._logprobs(seqs, logits, grid, path)
         else:
             drafts = drafted[0]
             logits, _ = r.verify(torch.cat([last.unsqueeze(1), drafts.clamp_min(0)], 1), pos0)
+            if grammar is not None:
+                masks.apply(logits, *grammar)
             n_acc, next_tok = accept_drafts(logits, DraftResult(drafts), sampling, pos0, enabled)
             grid = emitted_tokens(drafts, n_acc, next_tok)
             lp = self._logprobs(seqs, logits, grid)
@@ -597,12 +613,68 @@ class Engine(ServingEngine):
         self.policy.observe_acceptance(K, acc_list, B)
         return list(seqs)
 
+    # ------------------------------------------------------------ grammars
+    @staticmethod
+    def _constrained(seqs: list[Sequence]) -> list[int]:
+        """Batch rows of the sequences whose output follows a grammar."""
+        return [b for b, s in enumerate(seqs) if s.matcher is not None]
+
+    def _mask_next(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        """Mask the next-token logits [B, V] of constrained rows with their matchers' state."""
+        rows = self._constrained(seqs)
+        if rows:
+            bitmask = masks.fill([seqs[b].matcher for b in rows], [[[]] for _ in rows], logits.shape[-1])
+            masks.apply(logits, rows, bitmask)
+
+    def _mask_chain(self, seqs: list[Sequence], rows: list[int], drafts: torch.Tensor, logits: torch.Tensor) -> None:
+        """Mask a chain verify's logits [B, K+1, V]: position i of a constrained row with the state
+        after its first i drafted tokens."""
+        if rows:
+            drafted = drafts[rows].tolist()
+            bitmask = masks.fill([seqs[b].matcher for b in rows], [masks.chain_paths(d) for d in drafted],
+                                 logits.shape[-1])
+            masks.apply(logits, rows, bitmask)
+
+    def _text_masks(self, seqs: list[Sequence], drafted, tree: bool) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, bitmask [R, verify positions, words]) for the verify of text drafts (`chain_drafts` /
+        `tree_drafts`: padded with PAD past each row's length). Positions past a row's draft are never
+        emitted from, so they take the mask of its last drafted position."""
+        rows = self._constrained(seqs)
+        if not rows:
+            return None
+        lengths = drafted[1]
+        if tree:
+            tokens, parents = drafted[0][0], drafted[0][1]
+            width = tokens.shape[1] + 1
+            paths = [masks.tree_paths(tokens[b, :lengths[b]].tolist(), parents[b, :lengths[b]].tolist())
+                     for b in rows]
+        else:
+            drafts = drafted[0].tolist()
+            width = len(drafts[0]) + 1
+            paths = [masks.chain_paths(drafts[b][:lengths[b]]) for b in rows]
+        paths = [p + [p[-1]] * (width - len(p)) for p in paths]
+        return rows, masks.fill([seqs[b].matcher for b in rows], paths, self.runner.model_cfg.vocab_size)
+
+    def _tree_masks(self, seqs: list[Sequence], rows: list[int], tree) -> tuple[list[int], torch.Tensor] | None:
+        """(rows, bitmask [R, N+1, words]) for a tree verify: each verify row of a constrained
+        sequence masked with the state after the drafted tokens on its branch; None: none constrained."""
+        if not rows:
+            return None
+        tokens, parents = tree.tokens[rows].tolist(), tree.parents[rows].tolist()
+        paths = [masks.tree_paths(t, p) for t, p in zip(tokens, parents)]
+        return rows, masks.fill([seqs[b].matcher for b in rows], paths, self.runner.model_cfg.vocab_size)
+
     # ------------------------------------------------------------ finishing
     def _append(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> None:
         """Append accepted tokens (with their log-probabilities, when the request asks), stopping at
         EOS, stop ids/strings, max_tokens or max_model_len."""
         p = seq.params
         for i, tok in enumerate(tokens):
+            if seq.matcher is not None and not seq.matcher.accept(tok):
+                # Every constrained draw is masked, so this is a bug; it ends this sequence alone.
+                log.error("%s: token %d breaks its grammar; ending it", seq.seq_id, tok)
+                self._finish(seq, "abort")
+                return
             seq.output_ids.append(tok)
             if seq.logprobs is not None:
                 seq.logprobs.append(logprobs[i])

@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass, field
 
 from specserve.config import DEMO_DIR, EngineConfig
+from specserve.constrain.grammar import Grammars
 from specserve.engine.engine import Engine
 from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sequence import Sequence
@@ -71,6 +72,13 @@ def prepare_requests(tokenizer, prompts, sampling_params) -> tuple[list[list[int
     return ids, params
 
 
+def attach_grammars(engine: Engine, tokenizer: Tokenizer) -> None:
+    """Let `engine` compile requests' grammars for `tokenizer`'s vocabulary; its end-of-turn token
+    ends a constrained chat reply as the engine's EOS ids do (the server stops chat replies there)."""
+    ends = {tokenizer.end_of_turn_id} - {None}
+    engine.grammars = Grammars(tokenizer, engine.runner.model_cfg.vocab_size, engine.eos_token_ids | ends)
+
+
 class LLM:
     def __init__(self, model: str | None = None, draft: str | None = None, on_graph_progress=None, **engine_kwargs):
         eagle = engine_kwargs.get("spec_method", "eagle3") == "eagle3"  # (other methods bring no drafter)
@@ -80,6 +88,7 @@ class LLM:
         self.tokenizer = Tokenizer(self.config.model)
         self.engine = Engine(self.config, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit,
                              on_graph_progress=on_graph_progress)
+        attach_grammars(self.engine, self.tokenizer)
 
     def _stop_hit(self, seq: Sequence) -> bool:
         # Only the tail can contain a new match: decode a window long enough for any stop string.

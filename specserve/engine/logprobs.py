@@ -2,7 +2,9 @@
 
 The values are the target's raw distribution: log_softmax of its logits at the position
 that produced the token, at temperature 1 with no top-k / top-p, whatever the request
-samples with (what evaluation harnesses score against). Plain steps, prefills, chain and
+samples with (what evaluation harnesses score against). For a request constrained by a
+grammar it is that distribution after the grammar's mask (renormalized over the tokens the
+grammar allows there, as vLLM reports it), with and without speculation alike. Plain steps, prefills, chain and
 tree verifies all hold the target's logits for every emitted token, so speculation
 reports exactly what plain decoding would. Only the rows of requests that ask are
 computed, after the step's forward (graph replays stay as they are), and their host copy
@@ -11,6 +13,7 @@ is queued like the tokens' (`host_lists`), so a step without such requests pays 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -59,6 +62,7 @@ class LogprobBatch:
         tokens, chosen, top_lp, top_ids = self._read()
         out = {}
         for i, (row, k) in enumerate(zip(self.rows, ks)):
-            out[row] = [TokenLogprob(t, lp, tuple(zip(ids[:k], lps[:k])))
+            # Tokens a grammar refuses (-inf) are no alternatives: fewer than k may be listed.
+            out[row] = [TokenLogprob(t, lp, tuple((i, v) for i, v in zip(ids[:k], lps[:k]) if v != -math.inf))
                         for t, lp, ids, lps in zip(tokens[i], chosen[i], top_ids[i], top_lp[i])]
         return out

@@ -39,6 +39,7 @@ from specserve.config import (
     default_max_model_len,
     resolve_aux_layers,
 )
+from specserve.constrain import masks
 from specserve.distributed.parallel_state import min_over_ranks
 from specserve.engine.block_pool import NULL_BLOCK
 from specserve.engine.graphs import Graph, GraphKey, capture, default_graph_batch_sizes
@@ -571,7 +572,7 @@ class ModelRunner:
             }
         return got
 
-    def _tree_verify_body(self, B: int, K: int, sampling: bool = False, filtered: bool = False):
+    def _tree_verify_body(self, B: int, K: int, sampling: bool = False, filtered: bool = False, grammar=None):
         """The target over [root, tree nodes] (node j at cache index pos0 + 1 + j, rope position
         pos0 + its depth, seeing the context and its ancestors); the target's token at every node
         (argmax, or with `sampling` its seeded draw, as `sample_tokens` draws) and `accept_tree`;
@@ -590,6 +591,8 @@ class ModelRunner:
         hidden, feats = self.target(ids, self._context(write, rope, tree=((pos0 + 1)[:, 0], anc)))
         # Greedy picks read the head's own dtype (an argmax needs no float32 copy of 32 x vocab).
         logits = self.target.logits(hidden, upcast=sampling)
+        if grammar is not None:  # (rows, bitmask): constrained rows' grammar masks (constrain.masks)
+            masks.apply(logits, *grammar)
         per_node = lambda t: t[:B].unsqueeze(1).expand(-1, N + 1)  # noqa: E731
         s = BatchSampling(per_node(self.s_temp), per_node(self.s_top_p), per_node(self.s_top_k),
                           per_node(self.s_seed), all_greedy=not sampling, filtered=filtered)
@@ -671,10 +674,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def verify_tree(self, K: int, root: torch.Tensor, pos0: torch.Tensor, enabled: torch.Tensor,
-                    s: BatchSampling | None = None):
+                    s: BatchSampling | None = None, grammar=None):
         """Verify the tree `draft_tree` left, rooted at token `root` at index `pos0` per row, and
         keep its accepted branch (see _tree_verify_body); rows not `enabled` accept nothing; `s`:
-        the batch's sampling (None or all greedy: argmax). Returns (accepted count [B], the branch
+        the batch's sampling (None or all greedy: argmax); `grammar`: (rows, bitmask) masking the logits
+        of constrained rows before the draws (`constrain.masks`), run eagerly. Returns (accepted count [B], the branch
         then the next token [B, K+1], logits [B, N+1, V], the branch's verify rows by depth [B, K])."""
         B = root.shape[0]
         sampling = s is not None and not s.all_greedy
@@ -688,6 +692,8 @@ class ModelRunner:
             self.s_pos0[B:Bb] = self.scratch
             self.s_enabled[B:Bb] = False
         filtered = sampling and s.filtered
+        if grammar is not None:  # the masks come from the host each cycle: no graph holds them
+            return self._tree_verify_body(B, K, sampling, filtered, grammar)
         return self._run("tree_verify", B, lambda b: self._tree_verify_body(b, K, sampling, filtered), K, sampling,
                          filtered)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specserve.constrain.grammar import GrammarSpec
 from specserve.kernels.argmax import argmax
 
 STREAM_TARGET = 1  # every sampled token, and (coupled) the drafter's proposals
@@ -46,6 +47,8 @@ class SamplingParams:
     logprobs: int | None = None
     # Whose earlier texts suffix speculation may draft from (the OpenAI `user` field); None: this request's own.
     tenant: str | None = None
+    # The output follows this grammar (a JSON schema, a tool-call format); None: unconstrained.
+    grammar: GrammarSpec | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be None or an integer in 0..{MAX_TOP_LOGPROBS}, got {self.logprobs!r}")
         if self.tenant is not None and not isinstance(self.tenant, str):
             raise ValueError(f"tenant must be None or a string, got {self.tenant!r}")
+        if self.grammar is not None and not isinstance(self.grammar, GrammarSpec):
+            raise ValueError(f"grammar must be a GrammarSpec or None, got {type(self.grammar).__name__}")
 
     @property
     def greedy(self) -> bool:
@@ -132,8 +137,10 @@ def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torc
 
 
 def sample_from(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Exponential race: argmax(p / E) with E = -log(u) draws index i with probability p_i."""
-    return (probs / (-torch.log(u))).argmax(-1)
+    """Exponential race: argmax(p / E) with E = -log(u) draws index i with probability p_i.
+    u close to 1 rounds to 1.0 in float32 (E = 0): E is kept above 0 so that a token of probability
+    0 (masked by a grammar, top-k or top-p) gives 0, never 0 / 0 = NaN, which argmax would pick."""
+    return (probs / (-torch.log(u)).clamp_min(torch.finfo(u.dtype).tiny)).argmax(-1)
 
 
 def draft_noise(seeds: torch.Tensor, positions: torch.Tensor, vocab_map: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sampling import SamplingParams
@@ -76,6 +77,7 @@ class Sequence:
     finish_time: float | None = None
     new_tokens: list[int] = field(default_factory=list)  # produced by the last step
     logprobs: list[TokenLogprob] | None = None  # one per output token, when the request asks (params.logprobs)
+    matcher: Any = None  # the grammar state of a constrained request (constrain.grammar.Matcher)
     serial: int = field(default_factory=itertools.count().__next__)  # unique per engine process, never reused
 
     def __post_init__(self):

@@ -205,8 +205,9 @@ class IncrementalDecoder:
     before the text already emitted), so a long stream costs O(new tokens).
     """
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.ids: list[int] = []
         self.text = ""
         self.prefix = 0  # window start
@@ -214,7 +215,9 @@ class IncrementalDecoder:
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
-        decode = self.tokenizer.decode
+        def decode(ids: list[int]) -> str:
+            return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
         before = decode(self.ids[self.prefix: self.read])
         window = decode(self.ids[self.prefix:])
         if window.endswith("\ufffd") or len(window) <= len(before):

@@ -17,11 +17,14 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from specserve.constrain.grammar import GrammarError, Grammars
 from specserve.server import protocol as P
+from specserve.server import tool_calls as TC
 from specserve.server.chat_request import chat_pieces, parse_template_kwargs, split_message
 from specserve.server.engine_loop import EngineLoop, Event, Job, QueueFull
 from specserve.server.metrics import Metrics
 from specserve.server.reasoning import ReasoningSplitter, resolve_parser
+from specserve.server.structured import parse_response_format
 
 # While a non-streaming request waits, check this often whether its client is still there.
 DISCONNECT_POLL_S = 0.5
@@ -37,6 +40,7 @@ class ServerConfig:
     completion_default_max_tokens: int = 16  # OpenAI's default for /v1/completions
     metrics_no_auth: bool = False  # with an API key, /metrics answers without it (for scrapers)
     reasoning_parser: str = "auto"  # --reasoning-parser: marker family, "auto" (the template's) or "none"
+    tool_call_parser: str | None = None  # the tool-call format (server.tool_calls.FORMATS); None: from the template
 
 
 @dataclass
@@ -49,6 +53,22 @@ class AppState:
     info: dict[str, Any] = field(default_factory=dict)  # static configuration shown by /server_info
     draining: bool = False  # shutting down: nothing new is admitted, running requests finish
     _text: "TextLimits | None" = None
+    _grammars: Grammars | None = None
+
+    def grammars(self, llm) -> Grammars:
+        """The engine's grammar compiler (a tensor-parallel engine's lives in its workers: the server
+        then compiles with its own, to refuse what cannot compile before it is sent)."""
+        own = getattr(llm.engine, "grammars", None)
+        if own is not None:
+            return own
+        if self._grammars is None:
+            ends = {llm.tokenizer.end_of_turn_id} - {None}
+            self._grammars = Grammars(llm.tokenizer, llm.engine.runner.model_cfg.vocab_size,
+                                      set(llm.tokenizer.eos_token_ids) | ends)
+        return self._grammars
+
+    def tool_format(self, llm) -> TC.Format:
+        return TC.format_for(llm.tokenizer.chat_template, self.cfg.tool_call_parser)
 
     def text_limits(self, tokenizer) -> "TextLimits":
         if self._text is None:  # computed once, in a worker thread (it reads the whole vocabulary)
@@ -200,7 +220,7 @@ async def generate(request: Request, chat: bool):
     raw = await read_body(request, cfg)
     # Parsing, validation and tokenization run in a worker thread: a megabyte of text
     # must not stall the event loop that serves every other stream and /health.
-    s, jobs_spec = await asyncio.to_thread(prepare, st, llm, raw, chat)
+    s, jobs_spec, calls_format = await asyncio.to_thread(prepare, st, llm, raw, chat)
     rid = P.new_id("chatcmpl" if chat else "cmpl")
     aloop = asyncio.get_running_loop()
     queue: asyncio.Queue[Event] = asyncio.Queue()
@@ -211,7 +231,8 @@ async def generate(request: Request, chat: bool):
         except RuntimeError:  # event loop closed (shutdown)
             pass
 
-    jobs = [Job(f"{rid}-{p * s.n + j}", p * s.n + j, ids, params, sink)
+    keep = bool(calls_format and calls_format.markers)  # the format's markers are special tokens
+    jobs = [Job(f"{rid}-{p * s.n + j}", p * s.n + j, ids, params, sink, keep_special=keep)
             for p, (ids, choice_params) in enumerate(jobs_spec) for j, params in enumerate(choice_params)]
     if len(jobs) > loop.capacity:  # could never be admitted: retrying would not help, so not a 429
         raise P.bad(f"this request needs {len(jobs)} sequences (prompts x n) but the server holds at most "
@@ -222,28 +243,33 @@ async def generate(request: Request, chat: bool):
         raise P.APIError(429, f"server busy ({e}); retry later", code="queue_full",
                          headers={"Retry-After": str(cfg.retry_after_s)}) from None
     out = _Output(st, rid, chat, queue, {j.index: j.seq_id for j in jobs}, sum(len(ids) for ids, _ in jobs_spec),
-                  llm.tokenizer if s.logprobs is not None else None, s.reasoning)
+                  llm.tokenizer if s.logprobs is not None else None, s.reasoning, calls_format)
     if s.stream:
         return StreamingResponse(stream(out, s.include_usage), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await collect(request, out)
 
 
-def prepare(st: AppState, llm, raw: bytes, chat: bool) -> tuple[P.Sampling, list[tuple[list[int], list]]]:
+def prepare(st: AppState, llm, raw: bytes, chat: bool):
     """The body parsed and checked, its prompts tokenized: (options, [(prompt ids,
-    SamplingParams per choice)]). Everything cheap is checked before tokenizing."""
+    SamplingParams per choice)], the tool-call format replies are parsed with or None).
+    Everything cheap is checked before tokenizing."""
     body = P.parse_body(raw)
     check_model(body, st.cfg)
     vocab = llm.engine.runner.model_cfg.vocab_size
     s = P.parse_sampling(body, chat, st.cfg.max_n, vocab)
+    tools = TC.parse_tools(body) if chat else TC.ToolRequest([], "none")
+    fmt = st.tool_format(llm)
+    s.grammar = _grammar(st, llm, body, tools, fmt)
     limits = st.text_limits(llm.tokenizer)
     field_name = "messages" if chat else "prompt"
     if chat:
-        messages = P.parse_messages(body)
+        messages = TC.conversation(P.parse_messages(body), fmt, llm.tokenizer.chat_template)
         kwargs = parse_template_kwargs(body)
         _check_text_size(sum(len(m["content"]) for m in messages), llm, limits, field_name)
         try:
-            text = llm.tokenizer.apply_chat_template(messages, tools=body.get("tools") or None, **kwargs)
+            text = llm.tokenizer.apply_chat_template(
+                messages, tools=tools.template_tools if tools.parses_calls else None, **kwargs)
         except Exception as e:  # no template, or the template refused (raise_exception)
             raise P.bad(f"cannot apply the chat template: {e}", "messages") from None
         family = resolve_parser(st.cfg.reasoning_parser, llm.tokenizer.template_features)
@@ -265,7 +291,25 @@ def prepare(st: AppState, llm, raw: bytes, chat: bool) -> tuple[P.Sampling, list
             out.append((ids, [s.params_for(j, max_tokens) for j in range(s.n)]))
         except ValueError as e:  # protocol checks admit only packable values; this names any that slipped by
             raise P.bad(f"invalid sampling parameters: {e}") from None
-    return s, out
+    return s, out, (fmt if tools.parses_calls else None)
+
+
+def _grammar(st: AppState, llm, body: dict, tools: TC.ToolRequest, fmt: TC.Format):
+    """The grammar the reply must follow (response_format, or tool_choice required / named), compiled
+    once here so that one the engine cannot take is a 400 naming it; None: unconstrained."""
+    reply = parse_response_format(body)
+    call = TC.call_grammar(tools, fmt)
+    if reply is not None and call is not None:
+        raise P.bad("response_format and a required or named tool_choice both constrain the reply: send one",
+                    "response_format")
+    spec = reply or call
+    if spec is not None:
+        try:
+            st.grammars(llm).compile(spec)
+        except GrammarError as e:
+            part = "response_format" if reply is not None else "tools"
+            raise P.bad(f"{part} cannot be enforced: {e}", part, "invalid_schema") from None
+    return spec
 
 
 def _check_text_size(n: int, llm, limits: TextLimits, field_name: str) -> None:
@@ -291,6 +335,7 @@ class _Output:
     prompt_tokens: int
     logprobs_tokenizer: Any = None  # set when the request asks for log-probabilities
     reasoning: tuple[str, str] | None = None  # chat replies split into reasoning_content and content
+    tool_format: TC.Format | None = None  # set when replies may hold tool calls
 
     def splitters(self) -> dict[int, ReasoningSplitter]:
         return {i: ReasoningSplitter(*self.reasoning) for i in self.ids_by_index} if self.reasoning else {}
@@ -335,12 +380,26 @@ async def collect(request: Request, out: _Output):
     finally:
         out.abort_unfinished(reasons)
     out.st.metrics.end("finished", _request_finish_reason(reasons.values()))
-    make = P.chat_choice if out.chat else P.completion_choice
     writers = out.logprob_writers()
-    choices = [make(i, "".join(texts[i]), reasons[i], writers[i].piece(logprobs[i]) if writers else None)
-               for i in sorted(out.ids_by_index)]
-    for i, splitter in out.splitters().items():
-        split_message(choices[i]["message"], splitter)
+
+    def choice(i: int) -> dict:
+        text, lp = "".join(texts[i]), writers[i].piece(logprobs[i]) if writers else None
+        if not out.chat:
+            return P.completion_choice(i, text, reasons[i], lp)
+        message = {"content": text}
+        if i in splitters:  # the reasoning first: tool calls follow it, in the content
+            split_message(message, splitters[i])
+        calls = []
+        if out.tool_format is not None:
+            message["content"], calls = TC.parse_output(message["content"], out.tool_format)
+        c = P.chat_choice(i, message["content"], "tool_calls" if calls and reasons[i] == "stop" else reasons[i], lp,
+                          calls)
+        if "reasoning_content" in message:
+            c["message"]["reasoning_content"] = message["reasoning_content"]
+        return c
+
+    splitters = out.splitters()
+    choices = [choice(i) for i in sorted(out.ids_by_index)]
     return {"id": out.rid, "object": "chat.completion" if out.chat else "text_completion", "created": P.now(),
             "model": out.st.cfg.served_model_name, "choices": choices,
             "usage": P.usage(out.prompt_tokens, completion_tokens)}
@@ -369,17 +428,32 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
     writers = out.logprob_writers()
     splitters = out.splitters()
 
-    def choices(ev: Event, reason: str | None) -> list[dict]:
-        """The event as chunk choices: one, or with reasoning, one per part (the log-probabilities ride the first)."""
+    calls = {i: TC.CallStream(out.tool_format) for i in out.ids_by_index} if chat and out.tool_format else {}
+
+    def deltas(ev: Event, final: bool) -> list[dict]:
+        """A chat event's text as deltas: the reasoning apart (its own deltas), the content through the
+        tool-call stream where replies may hold calls."""
+        pieces = chat_pieces(ev.text or "", splitters.get(ev.index), final)
+        cs = calls.get(ev.index)
+        if cs is None:
+            return pieces
+        out_: list[dict] = []
+        for d in pieces:
+            out_ += cs.feed(d["content"]) if "content" in d else [d]
+        return out_ + (cs.finish() if final else [])
+
+    def chunks(ev: Event, ds: list[dict], reason: str | None) -> list[str]:
+        """The event as chunks: a completion's text, or a chat event's deltas (the log-probabilities ride the
+        first, the finish reason the last)."""
         lp = writers[ev.index].piece(ev.logprobs or []) if writers else None
         if not chat:
-            return [P.completion_choice(ev.index, ev.text, reason, lp)]
-        deltas = chat_pieces(ev.text, splitters.get(ev.index), final=reason is not None)
-        if not deltas and (reason is None and lp is None):
+            return [chunk([P.completion_choice(ev.index, ev.text or "", reason, lp)])]
+        if not ds and reason is None and lp is None:
             return []
-        deltas = deltas or [{}]
-        return [P.chat_chunk_choice(ev.index, d, reason if k == len(deltas) - 1 else None, lp if k == 0 else None)
-                for k, d in enumerate(deltas)]
+        ds = ds or [{}]
+        last = len(ds) - 1
+        return [chunk([P.chat_chunk_choice(ev.index, d, reason if k == last else None, lp if k == 0 else None)])
+                for k, d in enumerate(ds)]
 
     reasons: dict[int, str] = {}
     completion_tokens = 0
@@ -396,13 +470,17 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
                                         code=ev.reason))
                 break
             if ev.kind == "delta":
-                for c in choices(ev, None):
-                    yield chunk([c])
+                for c in chunks(ev, deltas(ev, final=False) if chat else [], None):
+                    yield c
             else:
                 reasons[ev.index] = ev.finish_reason
                 completion_tokens += ev.completion_tokens
-                for c in choices(ev, ev.finish_reason):
-                    yield chunk([c])
+                ds = deltas(ev, final=True) if chat else []
+                cs = calls.get(ev.index)
+                if cs is not None and cs.calls and ev.finish_reason == "stop":
+                    reasons[ev.index] = "tool_calls"
+                for c in chunks(ev, ds, reasons[ev.index]):
+                    yield c
         else:
             outcome = ("finished", _request_finish_reason(reasons.values()))
             if include_usage:

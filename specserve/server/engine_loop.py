@@ -63,6 +63,7 @@ class Job:
     params: SamplingParams
     sink: Callable[[Event], None]
     received: float = field(default_factory=time.perf_counter)
+    keep_special: bool = False  # text keeps special tokens (a tool-call format's markers), not the final stop token
 
 
 class _Track:
@@ -70,7 +71,7 @@ class _Track:
 
     def __init__(self, job: Job, tokenizer):
         self.job = job
-        self.decoder = IncrementalDecoder(tokenizer)
+        self.decoder = IncrementalDecoder(tokenizer, skip_special_tokens=not job.keep_special)
         self.sent = ""
         # Text that could be the start of a stop string is held back until it cannot be.
         self.holdback = max((len(s) for s in job.params.stop), default=1) - 1
@@ -257,7 +258,7 @@ class EngineLoop:
                                logprobs=self._new_logprobs(tr, seq)))
             return
         # Finished: the full text, cut at a stop string, exactly as LLM.generate returns it.
-        text = self.llm.tokenizer.decode(seq.output_ids)
+        text = self._final_text(seq, job)
         if job.params.stop:
             text = cut_at_stop(text, job.params.stop)[0]
         delta = text[len(tr.sent):] if text.startswith(tr.sent) else ""
@@ -273,6 +274,15 @@ class EngineLoop:
                 m.tpot.observe((seq.finish_time - seq.first_token_time) / (n - 1))
         job.sink(Event(job.index, "finish", text=delta, finish_reason=seq.finish_reason, completion_tokens=n,
                        logprobs=self._new_logprobs(tr, seq)))
+
+    def _final_text(self, seq, job: Job) -> str:
+        if not job.keep_special:
+            return self.llm.tokenizer.decode(seq.output_ids)
+        ids = seq.output_ids
+        if seq.finish_reason == "stop" and ids and (ids[-1] in self.llm.tokenizer.eos_token_ids
+                                                    or ids[-1] in job.params.stop_token_ids):
+            ids = ids[:-1]
+        return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
     @staticmethod
     def _new_logprobs(tr: _Track, seq) -> list | None:

@@ -3,12 +3,14 @@
 Validation is explicit (no pydantic models) so that every refusal is a 4xx in
 OpenAI's error shape naming the offending parameter, never a 422 or a 500.
 Unknown fields are ignored, as clients send many optional ones; fields we
-cannot honour (echo, penalties, tools, ...) are refused rather than
-silently ignored.
+cannot honour (echo, penalties, ...) are refused rather than
+silently ignored. `tools` / `tool_choice` are checked in server.tool_calls, `response_format`
+in server.structured.
 
 Log-probabilities (completions `logprobs: int`, chat `logprobs: true` + `top_logprobs`)
-are the target's raw distribution at temperature 1 (engine.logprobs), one entry per
-generated token, including the tokens of a matched stop string that the text leaves out.
+are the target's raw distribution at temperature 1 (engine.logprobs), after the grammar's
+mask for constrained requests, one entry per generated token, including the tokens of a
+matched stop string that the text leaves out.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from specserve.constrain.grammar import GrammarSpec
 from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
 
@@ -35,7 +38,7 @@ MAX_COMPLETION_LOGPROBS = 5  # as OpenAI's /v1/completions
 MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
 MIN_TOP_P = 1e-6
 # "developer" is OpenAI's newer name for "system"; templates know only the older one.
-CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 class APIError(Exception):
@@ -149,13 +152,10 @@ def _refuse_unsupported(body: dict, chat: bool) -> None:
         v = body.get(name)
         if v is not None and (not _is_num(v) or v != neutral):
             raise bad(f"{name} is not supported (only {neutral}, its neutral value)", name, "unsupported_parameter")
-    for name in ("tools", "functions", "tool_choice", "function_call"):
-        if body.get(name) not in (None, "none", []):
-            raise bad(f"{name} is not supported: this server generates plain text", name, "unsupported_parameter")
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise bad("response_format other than {'type': 'text'} is not supported", "response_format",
-                  "unsupported_parameter")
+    if not chat:
+        for name in ("tools", "tool_choice"):
+            if body.get(name) is not None:
+                raise bad(f"{name} belongs to chat completions (/v1/chat/completions)", name, "unsupported_parameter")
 
 
 @dataclass
@@ -177,6 +177,7 @@ class Sampling:
     logprobs: int | None = None  # alternatives per token with log-probabilities (None: none reported)
     tenant: str | None = None  # the OpenAI `user` field: whose finished texts suffix speculation may draft from
     reasoning: tuple[str, str] | None = None  # chat: (marker family, rendered prompt) to split replies by
+    grammar: GrammarSpec | None = None  # what the output must follow (response_format, a required tool call)
 
     def params_for(self, choice: int, max_tokens: int) -> SamplingParams:
         # Distinct seeds make n > 1 choices differ when sampling; greedy ignores them.
@@ -184,7 +185,7 @@ class Sampling:
         return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
                               top_k=self.top_k, seed=seed, stop=list(self.stop),
                               stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              logprobs=self.logprobs, tenant=self.tenant)
+                              logprobs=self.logprobs, tenant=self.tenant, grammar=self.grammar)
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:
@@ -323,7 +324,40 @@ def parse_messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise bad(f"messages[{i}].content must be a string or a list of text parts", "messages")
-        out.append({"role": role, "content": content})
+        msg = {"role": role, "content": content}
+        if role == "assistant" and m.get("tool_calls") is not None:
+            msg["tool_calls"] = check_tool_calls(m["tool_calls"], i)
+        if role == "tool":
+            call_id = m.get("tool_call_id")
+            if not isinstance(call_id, str):
+                raise bad(f"messages[{i}] (role tool) needs tool_call_id: the id of the call it answers", "messages")
+            msg["tool_call_id"] = call_id
+            if isinstance(m.get("name"), str):
+                msg["name"] = m["name"]
+        out.append(msg)
+    return out
+
+
+def check_tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's `tool_calls`, checked (arguments must be JSON object text)."""
+    if not isinstance(calls, list) or not calls:
+        raise bad(f"messages[{i}].tool_calls must be a non-empty list", "messages")
+    out = []
+    for j, c in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = c.get("function") if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise bad(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": str, '
+                      f'"arguments": str}}}}', "messages")
+        try:
+            args = json.loads(fn["arguments"])
+        except ValueError:
+            args = None
+        if not isinstance(args, dict):
+            raise bad(f"{where}.function.arguments must be a JSON object as text, got {show(fn['arguments'])}",
+                      "messages")
+        out.append({"id": str(c.get("id") or f"call_{j}"), "type": "function",
+                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
     return out
 
 
@@ -345,9 +379,12 @@ def completion_choice(index: int, text: str, finish_reason: str | None, logprobs
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
-            "finish_reason": finish_reason}
+def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
 def chat_chunk_choice(index: int, delta: dict, finish_reason: str | None, logprobs: dict | None = None) -> dict:

@@ -28,6 +28,7 @@ from specserve.config import ConfigError, EngineConfig
 from specserve.engine.generate_cmd import add_engine_arguments, engine_kwargs
 from specserve.model.gguf import require_model
 from specserve.server.reasoning import PARSER_CHOICES
+from specserve.server.tool_calls import FORMATS
 
 log = logging.getLogger("specserve.server")
 
@@ -49,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", help="model id clients must use (default: the model directory's name)")
     p.add_argument("--max-queue", type=int, default=None,
                    help="sequences that may wait for a KV row beyond --max-num-seqs; more get 429 (default 4x)")
+    p.add_argument("--tool-call-parser", choices=sorted(FORMATS), default=None,
+                   help="how the model writes tool calls (default: read from its chat template, else hermes)")
     p.add_argument("--max-n", type=int, default=8, help="largest n (choices per prompt) accepted (default 8)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--skip-check", action="store_true", help="skip the preflight checks of `specserve check`")
@@ -214,7 +217,8 @@ def run(args: argparse.Namespace) -> int:
     max_queue = args.max_queue if args.max_queue is not None else 4 * engine_cfg.max_num_seqs
     cfg = ServerConfig(served_model_name=args.served_model_name or Path(kw["model"]).resolve().name,
                        api_key=args.api_key, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
-                       metrics_no_auth=args.metrics_no_auth, reasoning_parser=args.reasoning_parser)
+                       metrics_no_auth=args.metrics_no_auth, reasoning_parser=args.reasoning_parser,
+                       tool_call_parser=args.tool_call_parser)
     server: DrainingServer | None = None
 
     def build():
