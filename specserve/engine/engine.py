@@ -593,7 +593,7 @@ class Engine(ServingEngine):
         if tree:
             r.set_tree(drafted[0])
             n_acc, grid, logits, path = r.verify_tree(K, last, pos0, enabled, sampling, grammar)
-            lp = self._logprobs(seqs, logits, grid, path)
+            lp = self._logprobs(seqs, logits, grid.clamp_min(0), path)  # (PAD past a row's draft: never read)
         else:
             drafts = drafted[0]
             logits, _ = r.verify(torch.cat([last.unsqueeze(1), drafts.clamp_min(0)], 1), pos0)
@@ -601,7 +601,7 @@ class Engine(ServingEngine):
                 masks.apply(logits, *grammar)
             n_acc, next_tok = accept_drafts(logits, DraftResult(drafts), sampling, pos0, enabled)
             grid = emitted_tokens(drafts, n_acc, next_tok)
-            lp = self._logprobs(seqs, logits, grid)
+            lp = self._logprobs(seqs, logits, grid.clamp_min(0))  # (PAD past a row's draft: never read)
         acc_list, grid_list = host_lists(self.device, n_acc, grid, waits=self.device_waits)()
         lps = self._read_logprobs(seqs, lp)
         for b, seq in enumerate(seqs):  # rows without a draft count too: they paid the cycle for one token

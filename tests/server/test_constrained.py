@@ -152,6 +152,20 @@ def test_constrained_speculation_equals_plain_decoding(pair, plain, mode):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("method", [{"spec_method": "ngram", "spec_steps": 3},
+                                    {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2,
+                                     "spec_tree_max_batch": 8}])
+def test_constrained_draft_free_speculation_equals_plain_decoding(pair, plain, method):
+    """Text drafts (n-gram chains, suffix trees) are verified under the same grammar masks as a drafter's."""
+    prompts, params, cases = _batch(plain)
+    ref = plain.generate(prompts, params)
+    llm = LLM(model=pair[0], **ENGINE, **method)
+    _same(llm.generate(prompts, params), ref)
+    assert llm.engine.totals.cycles > 0
+    llm.engine.check_idle_integrity()
+
+
+@pytest.mark.slow
 def test_preemption_abort_and_prefix_hits_keep_matchers_in_step(pair, plain):
     prompts, params, cases = _batch(plain)
     ref = plain.generate(prompts, params)
