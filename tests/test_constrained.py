@@ -449,3 +449,18 @@ def test_tp2_constrained_speculation_equals_one_process(pair, plain):
         outs = llm.generate(prompts, params)
     _same(outs, ref)
     _check_valid(outs, params, cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_constrained_speculation_with_cuda_graphs_equals_plain_gpu(pair, mode):
+    """On CUDA the masks go on the graphs' output logits after each replay (plain decode and chain
+    verify); a tree verify with constrained rows runs eagerly."""
+    gpu = {**ENGINE, "device": "cuda"}
+    base = LLM(pair[0], None, **gpu)
+    prompts, params, cases = _batch(base)
+    ref = base.generate(prompts, params)
+    _check_valid(ref, params, cases)
+    llm = LLM(*pair, **gpu, **SPEC[mode])
+    assert llm.engine.runner.graphs
+    _same(llm.generate(prompts, params), ref)
