@@ -207,6 +207,12 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(plain):
         SamplingParams(grammar='{"type": "object"}')
     out = plain.generate(["{"], SamplingParams(max_tokens=4, temperature=0))
     assert out[0].finish_reason == "length"
+    # With ignore_eos the reply goes on past its complete grammar, unconstrained there.
+    schema = {"enum": ["yes", "no"]}
+    out = plain.generate(["Answer:"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                     grammar=GrammarSpec("json_schema", json.dumps(schema))))
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 12
+    assert out[0].text.startswith(('"yes"', '"no"'))
 
 
 # ------------------------------------------------------------------ HTTP
