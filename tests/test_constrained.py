@@ -343,6 +343,20 @@ def test_tool_call_round_trips_on_the_demo_pair(servers):
     round_trips(servers[0])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("parser", ["kimi_k2", "llama3_json"])
+def test_tool_call_round_trips_in_other_formats(http, pair, parser):
+    """--tool-call-parser: the grammar writes the format's call (Kimi's section markers, Llama's bare
+    JSON), replies keep the markers when decoded and parse back into tool_calls."""
+    kw = serve_kwargs(pair, "--max-num-seqs", "4", "--no-adaptive")
+    srv = Live(lambda: LLM(**kw), max_num_seqs=4, max_queue=16, tool_call_parser=parser)
+    try:
+        srv.wait_ready()
+        round_trips(srv)
+    finally:
+        srv.close()
+
+
 HOSTILE_SCHEMAS = [
     {"type": "nonsense"}, {"$ref": "#/definitions/missing"}, {"type": "string", "pattern": "(((("},
     {"type": "integer", "minimum": 10, "maximum": 1}, {"type": "array", "minItems": 5, "maxItems": 2},
