@@ -670,7 +670,8 @@ class Engine(ServingEngine):
         EOS, stop ids/strings, max_tokens or max_model_len."""
         p = seq.params
         for i, tok in enumerate(tokens):
-            if seq.matcher is not None and not seq.matcher.accept(tok):
+            # A complete grammar constrains nothing more (tokens after its stop token: ignore_eos).
+            if seq.matcher is not None and not seq.matcher.done and not seq.matcher.accept(tok):
                 # Every constrained draw is masked, so this is a bug; it ends this sequence alone.
                 log.error("%s: token %d breaks its grammar; ending it", seq.seq_id, tok)
                 self._finish(seq, "abort")

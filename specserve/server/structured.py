@@ -9,7 +9,6 @@ import json
 from specserve.constrain.grammar import GrammarSpec, engine_message
 from specserve.server.protocol import bad, show
 
-
 MAX_SCHEMA_VALUES = 10_000
 
 

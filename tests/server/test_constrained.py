@@ -218,6 +218,12 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(plain):
         SamplingParams(grammar='{"type": "object"}')
     out = plain.generate(["{"], SamplingParams(max_tokens=4, temperature=0))
     assert out[0].finish_reason == "length"
+    # With ignore_eos the reply goes on past its complete grammar, unconstrained there.
+    schema = {"enum": ["yes", "no"]}
+    out = plain.generate(["Answer:"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
+                                                     grammar=GrammarSpec("json_schema", json.dumps(schema))))
+    assert out[0].finish_reason == "length" and len(out[0].token_ids) == 12
+    assert out[0].text.startswith(('"yes"', '"no"'))
 
 
 # ------------------------------------------------------------------ HTTP
@@ -348,6 +354,20 @@ def test_tool_call_round_trips_on_the_demo_pair(servers):
     round_trips(servers[0])
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("parser", ["kimi_k2", "llama3_json"])
+def test_tool_call_round_trips_in_other_formats(http, pair, parser):
+    """--tool-call-parser: the grammar writes the format's call (Kimi's section markers, Llama's bare
+    JSON), replies keep the markers when decoded and parse back into tool_calls."""
+    kw = serve_kwargs(pair, "--max-num-seqs", "4", "--no-adaptive")
+    srv = Live(lambda: LLM(**kw), max_num_seqs=4, max_queue=16, tool_call_parser=parser)
+    try:
+        srv.wait_ready()
+        round_trips(srv)
+    finally:
+        srv.close()
+
+
 HOSTILE_SCHEMAS = [
     {"type": "nonsense"}, {"$ref": "#/definitions/missing"}, {"type": "string", "pattern": "(((("},
     {"type": "integer", "minimum": 10, "maximum": 1}, {"type": "array", "minItems": 5, "maxItems": 2},
@@ -460,3 +480,18 @@ def test_tp2_constrained_speculation_equals_one_process(pair, plain):
         outs = llm.generate(prompts, params)
     _same(outs, ref)
     _check_valid(outs, params, cases)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_constrained_speculation_with_cuda_graphs_equals_plain_gpu(pair, mode):
+    """On CUDA the masks go on the graphs' output logits after each replay (plain decode and chain
+    verify); a tree verify with constrained rows runs eagerly."""
+    gpu = {**ENGINE, "device": "cuda"}
+    base = LLM(pair[0], None, **gpu)
+    prompts, params, cases = _batch(base)
+    ref = base.generate(prompts, params)
+    _check_valid(ref, params, cases)
+    llm = LLM(*pair, **gpu, **SPEC[mode])
+    assert llm.engine.runner.graphs
+    _same(llm.generate(prompts, params), ref)
