@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-sys.path.insert(0, str(Path(__file__).parent))
 from tiny import KIMI_IGNORE, make_drafter, make_int4_pair, make_moe_target
 
 # Kimi-K2's special tokens by their offset after the BPE ranks (163584 in the real vocabulary).
