@@ -276,7 +276,8 @@ def main() -> None:
 
     prompts4 = [torch.randint(0, 128000, (128,), generator=g).tolist() for _ in range(4)]
     eng.policy.fixed = 0
-    seqs = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)) for p in prompts4]
+    for p in prompts4:
+        eng.add_request(p, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
     for _ in range(20):
         eng.step()
     step_ms = []
