@@ -77,8 +77,13 @@ def main() -> None:
     ap.add_argument("--plain-ms", type=float, default=4.8, help="a plain decode step of the full batch")
     ap.add_argument("--cycle-ms", type=float, default=10.0, help="a speculative cycle of the full batch")
     ap.add_argument("--k", type=int, default=5)
-    ap.add_argument("--acceptance", type=float, nargs="+", default=[0.75, 0.6, 0.53, 0.5, 0.45],
-                    help="conditional acceptance by draft position")
+    ap.add_argument(
+        "--acceptance",
+        type=float,
+        nargs="+",
+        default=[0.75, 0.6, 0.53, 0.5, 0.45],
+        help="conditional acceptance by draft position",
+    )
     ap.add_argument("--waits", type=int, nargs="+", default=[0, 1, 2, 4, 8])
     a = ap.parse_args()
     print(f"{'wait':>5}{'plain tok/s':>13}{'chunks':>8}{'spec tok/s':>12}{'chunks':>8}{'spec/plain':>12}")

@@ -18,18 +18,32 @@ import time
 from specserve.constrain.grammar import GrammarSpec
 from specserve.engine.llm import LLM, SamplingParams
 
-SCHEMA = {"type": "object", "properties": {
-    "title": {"type": "string", "maxLength": 40}, "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
-    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
-    "rating": {"enum": ["good", "fair", "poor"]}, "summary": {"type": "string", "maxLength": 200}},
-    "required": ["title", "year", "tags", "rating", "summary"], "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "title": {"type": "string", "maxLength": 40},
+        "year": {"type": "integer", "minimum": 1900, "maximum": 2100},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+        "rating": {"enum": ["good", "fair", "poor"]},
+        "summary": {"type": "string", "maxLength": 200},
+    },
+    "required": ["title", "year", "tags", "rating", "summary"],
+    "additionalProperties": False,
+}
 
 
 def run(llm: LLM, batch: int, constrained: bool, max_tokens: int) -> dict:
     grammar = GrammarSpec("json_schema", json.dumps(SCHEMA))
     prompts = [f"Describe book number {i} as JSON with title, year, tags, rating and summary." for i in range(batch)]
-    params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=False,
-                             grammar=grammar if constrained and i % 2 == 0 else None) for i in range(batch)]
+    params = [
+        SamplingParams(
+            temperature=0,
+            max_tokens=max_tokens,
+            ignore_eos=False,
+            grammar=grammar if constrained and i % 2 == 0 else None,
+        )
+        for i in range(batch)
+    ]
     engine = llm.engine
     seqs = [engine.add_request(llm.tokenizer.encode(p), sp) for p, sp in zip(prompts, params)]
     times, tokens = [], 0
@@ -44,11 +58,15 @@ def run(llm: LLM, batch: int, constrained: bool, max_tokens: int) -> dict:
     for s in seqs:
         if s.spec.cycles:
             accept[s.matcher is not None].append(s.spec.accept_length)
-    return {"batch": batch, "constrained_half": constrained, "steps": len(times),
-            "step_ms": round(1e3 * statistics.fmean(times), 3) if times else None,
-            "tok_per_s": round(tokens / sum(times), 1) if times else None,
-            "accept_len_constrained": round(statistics.fmean(accept[True]), 3) if accept[True] else None,
-            "accept_len_unconstrained": round(statistics.fmean(accept[False]), 3) if accept[False] else None}
+    return {
+        "batch": batch,
+        "constrained_half": constrained,
+        "steps": len(times),
+        "step_ms": round(1e3 * statistics.fmean(times), 3) if times else None,
+        "tok_per_s": round(tokens / sum(times), 1) if times else None,
+        "accept_len_constrained": round(statistics.fmean(accept[True]), 3) if accept[True] else None,
+        "accept_len_unconstrained": round(statistics.fmean(accept[False]), 3) if accept[False] else None,
+    }
 
 
 def main() -> None:
@@ -60,8 +78,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=160)
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
-    llm = LLM(args.model, args.draft, device=args.device, spec_steps=args.k if args.draft else 0,
-              max_num_seqs=max(args.batches))
+    llm = LLM(
+        args.model,
+        args.draft,
+        device=args.device,
+        spec_steps=args.k if args.draft else 0,
+        max_num_seqs=max(args.batches),
+    )
     for batch in args.batches:
         for constrained in (False, True, False):
             print(json.dumps(run(llm, batch, constrained, args.max_tokens)), flush=True)

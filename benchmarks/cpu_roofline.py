@@ -94,8 +94,9 @@ def without_native(llm):
         if plan is None or cpu_linear.NATIVE not in plan.by_rows:
             continue
         times = report[f"{p.shape[0]}x{p.shape[1]}"]
-        by_rows = cpu_linear._choices({r: {k: v for k, v in t.items() if k != cpu_linear.NATIVE}
-                                       for r, t in times.items()})
+        by_rows = cpu_linear._choices(
+            {r: {k: v for k, v in t.items() if k != cpu_linear.NATIVE} for r, t in times.items()}
+        )
         saved[p] = plan
         packed = plan.packed
         if cpu_linear.ONEDNN in by_rows and packed is None:
@@ -129,9 +130,18 @@ def hf_run(model, ids: list[int], new_tokens: int, cache: str) -> float:
         extra["past_key_values"] = StaticCache(config=model.config, max_cache_len=len(ids) + new_tokens + 8)
     with torch.inference_mode(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, top_k=None, top_p=None, stopping_criteria=StoppingCriteriaList([clock]),
-                       pad_token_id=0, **extra)
+        model.generate(
+            x,
+            attention_mask=torch.ones_like(x),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            top_k=None,
+            top_p=None,
+            stopping_criteria=StoppingCriteriaList([clock]),
+            pad_token_id=0,
+            **extra,
+        )
     return (len(clock.times) - 1) / (clock.times[-1] - clock.times[0])
 
 
@@ -154,15 +164,27 @@ def profile_decode(llm, ids: list[int], steps: int) -> dict:
     for e in prof.key_averages(group_by_input_shape=True):
         if e.self_cpu_time_total <= 0:
             continue
-        shapes = e.input_shapes if e.key in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul",
-                                             "mkldnn::_linear_pointwise") else ""
-        rows.append({"op": e.key, "shapes": str(shapes) if shapes else "", "calls_per_forward": e.count / (steps + 1),
-                     "self_ms_per_forward": e.self_cpu_time_total / 1e3 / (steps + 1)})
+        shapes = (
+            e.input_shapes
+            if e.key in ("aten::mm", "aten::addmm", "aten::linear", "aten::matmul", "mkldnn::_linear_pointwise")
+            else ""
+        )
+        rows.append(
+            {
+                "op": e.key,
+                "shapes": str(shapes) if shapes else "",
+                "calls_per_forward": e.count / (steps + 1),
+                "self_ms_per_forward": e.self_cpu_time_total / 1e3 / (steps + 1),
+            }
+        )
     rows.sort(key=lambda r: -r["self_ms_per_forward"])
     in_ops = sum(r["self_ms_per_forward"] for r in rows)
-    return {"step_wall_ms": round(wall_ms, 3), "ops_ms": round(in_ops, 3),
-            "outside_ops_ms": round(wall_ms - in_ops, 3),
-            "ops": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows[:25]]}
+    return {
+        "step_wall_ms": round(wall_ms, 3),
+        "ops_ms": round(in_ops, 3),
+        "outside_ops_ms": round(wall_ms - in_ops, 3),
+        "ops": [{k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()} for r in rows[:25]],
+    }
 
 
 def product_split(llm, ids: list[int], steps: int) -> dict:
@@ -181,6 +203,7 @@ def product_split(llm, ids: list[int], steps: int) -> dict:
             out = fn(*args, **kw)
             spent[key] += time.perf_counter() - t0
             return out
+
         return call
 
     for layer in target.layers:
@@ -199,14 +222,20 @@ def product_split(llm, ids: list[int], steps: int) -> dict:
     (pre, _), (full, decode_s) = runs
     ms = {k: (full[k] - pre[k]) * 1e3 / steps for k in spent}
     step = decode_s * 1e3 / steps
-    return {"step_ms": round(step, 3), "layers_ms": round(ms["layers"], 3), "lm_head_ms": round(ms["head"], 3),
-            "rest_ms": round(step - ms["layers"] - ms["head"], 3)}
+    return {
+        "step_ms": round(step, 3),
+        "layers_ms": round(ms["layers"], 3),
+        "lm_head_ms": round(ms["head"], 3),
+        "rest_ms": round(step - ms["layers"] - ms["head"], 3),
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
-    ap.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for every part (default: all cores)")
+    ap.add_argument(
+        "--threads", type=int, default=os.cpu_count(), help="torch threads for every part (default: all cores)"
+    )
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--profile-steps", type=int, default=32)
@@ -232,8 +261,9 @@ def main() -> None:
 
         hf_logging.set_verbosity_error()
         path = find_gguf(args.model)
-        hf_model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                        dtype=torch.float32).eval()
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=torch.float32
+        ).eval()
         hf = {"static": [], "dynamic": []}
         hf_run(hf_model, ids, 8, "static")
     ours, plain = [], []
@@ -251,10 +281,19 @@ def main() -> None:
     roofline = rate * 1e9 / nbytes
     med = statistics.median(ours)
     result = {
-        "model": args.model, "dtype": "float32", "torch_threads": torch.get_num_threads(), "batch": 1,
-        "new_tokens": args.new_tokens, "repeats": args.repeats, "load_average_1min": load,
-        "streaming_gb_s": round(rate, 2), "streaming_gb_s_by_kind": by_kind, "model_bytes": nbytes, "roofline_tok_s": round(roofline, 2),
-        "specserve_tok_s": [round(x, 2) for x in ours], "specserve_median_tok_s": round(med, 2),
+        "model": args.model,
+        "dtype": "float32",
+        "torch_threads": torch.get_num_threads(),
+        "batch": 1,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "load_average_1min": load,
+        "streaming_gb_s": round(rate, 2),
+        "streaming_gb_s_by_kind": by_kind,
+        "model_bytes": nbytes,
+        "roofline_tok_s": round(roofline, 2),
+        "specserve_tok_s": [round(x, 2) for x in ours],
+        "specserve_median_tok_s": round(med, 2),
         "specserve_pct_roofline": round(100 * med / roofline, 1),
         "transformers_tok_s": {c: [round(x, 2) for x in v] for c, v in hf.items()},
     }

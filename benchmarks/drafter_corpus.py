@@ -24,7 +24,12 @@ def site_package_files() -> list[tuple[str, Path]]:
     held = set(HELDOUT_PACKAGES) | {"markupsafe"}  # jinja2's own dependency, close to jinja2's code
     out = []
     for top in sorted(root.iterdir()):
-        if not top.is_dir() or top.name in held or top.name.endswith((".dist-info", ".egg-info")) or top.name.startswith(("_", ".")):
+        if (
+            not top.is_dir()
+            or top.name in held
+            or top.name.endswith((".dist-info", ".egg-info"))
+            or top.name.startswith(("_", "."))
+        ):
             continue
         for p in top.rglob("*.py"):
             rel = p.relative_to(root)

@@ -18,9 +18,8 @@ import argparse
 import itertools
 import json
 import os
-from pathlib import Path
-
 import sys
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -29,12 +28,14 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specserve.kernels.gemv import gemv, gemv_config_group, gemv_cuda_fits, graph_us  # noqa: E402
 
-
-SHAPES = {"llama8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
-          "kimi": [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048), (163840, 7168)]}
+SHAPES = {
+    "llama8b": [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)],
+    "kimi": [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048), (163840, 7168)],
+}
 # the CUDA GEMV's launch shapes for one row: ("cuda", warps a block, weight rows a warp, warps a row, loads)
-CUDA_CONFIGS = [("cuda", w, r, s, u) for w, r, s, u in itertools.product((4, 8), (1, 2), (1, 2, 4), (2, 4, 8))
-                if w % s == 0]
+CUDA_CONFIGS = [
+    ("cuda", w, r, s, u) for w, r, s, u in itertools.product((4, 8), (1, 2), (1, 2, 4), (2, 4, 8)) if w % s == 0
+]
 
 
 def main() -> None:
@@ -44,9 +45,11 @@ def main() -> None:
     ap.add_argument("--shapes", choices=list(SHAPES), default="llama8b")
     args = ap.parse_args()
     shapes = SHAPES[args.shapes]
-    configs = {1: list(itertools.product((8, 16, 32), (256, 512), (4, 8), (4,))),
-               2: list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))),
-               16: list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4)))}
+    configs = {
+        1: list(itertools.product((8, 16, 32), (256, 512), (4, 8), (4,))),
+        2: list(itertools.product((16, 32, 64), (128, 256), (4,), (3, 4))),
+        16: list(itertools.product((16, 32, 64), (128, 256), (4, 8), (3, 4))),
+    }
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__, "shapes": {}}
     for (N, K), M in itertools.product(shapes, args.rows):
         ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(8 if N * K < 1e8 else 3)]
@@ -66,8 +69,13 @@ def main() -> None:
         entry["best"] = max(ok, key=lambda t: t["GBs"]) if ok else None
         res["shapes"][f"{N}x{K} M={M}"] = entry
         best = entry["best"]
-        print(f"{N}x{K} M={M}: cublas {entry['cublas_GBs']:.0f} GB/s, triton best "
-              f"{best['GBs']:.0f} GB/s {best['cfg']} err {best['rel_err']:.1e}" if best else "no valid config", flush=True)
+        print(
+            f"{N}x{K} M={M}: cublas {entry['cublas_GBs']:.0f} GB/s, triton best "
+            f"{best['GBs']:.0f} GB/s {best['cfg']} err {best['rel_err']:.1e}"
+            if best
+            else "no valid config",
+            flush=True,
+        )
         for kind in ("cuda", "triton"):  # the best of each kernel, beside the best of all
             own = [t for t in ok if (t["cfg"][0] == "cuda") == (kind == "cuda")]
             if own:

@@ -31,10 +31,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.random_models import write_eagle3_drafter, write_llama  # noqa: E402
 from specserve.config import EngineConfig  # noqa: E402
 from specserve.engine.engine import Engine  # noqa: E402
 from specserve.engine.sampling import BatchSampling, SamplingParams  # noqa: E402
+
+from benchmarks.random_models import write_eagle3_drafter, write_llama  # noqa: E402
 
 
 def copy_bandwidth() -> float:
@@ -171,14 +172,18 @@ def greedy_margins(runner, prompt: list[int], out_ids: list[int]) -> dict:
     pos = torch.arange(seq.shape[1], device="cuda").unsqueeze(0)
     with torch.inference_mode():
         hidden, _ = runner.target(seq, ForwardContext(0, pos, pos, seq.shape[1]))
-        logits = runner.target.logits(hidden[0, len(prompt) - 1:-1])
+        logits = runner.target.logits(hidden[0, len(prompt) - 1 : -1])
     top = logits.topk(2, dim=-1).values
     gap = top[:, 0] - top[:, 1]
     chosen = logits.gather(1, torch.tensor(out_ids, device="cuda").unsqueeze(1))[:, 0]
     differ = (logits.argmax(-1) != torch.tensor(out_ids, device="cuda")).nonzero()[:, 0]
-    return {"positions": len(out_ids), "argmax_differs_at": differ.tolist()[:20],
-            "max_shortfall_where_differs": (top[differ, 0] - chosen[differ]).max().item() if len(differ) else 0.0,
-            "median_top2_gap": gap.median().item(), "logit_std": logits.std().item()}
+    return {
+        "positions": len(out_ids),
+        "argmax_differs_at": differ.tolist()[:20],
+        "max_shortfall_where_differs": (top[differ, 0] - chosen[differ]).max().item() if len(differ) else 0.0,
+        "median_top2_gap": gap.median().item(),
+        "logit_std": logits.std().item(),
+    }
 
 
 def main() -> None:
@@ -192,8 +197,12 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     from specserve.kernels import common as kernels
 
-    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": "llama3-8b (random)",
-                 "fused_kernels": kernels.FUSED}
+    res: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": "llama3-8b (random)",
+        "fused_kernels": kernels.FUSED,
+    }
     t0 = time.perf_counter()
     bw = copy_bandwidth()
     target, draft = work / "llama8b", work / "llama8b-eagle3"
@@ -206,12 +215,26 @@ def main() -> None:
     res["roofline_tok_s"] = bw / weight_bytes
 
     t0 = time.perf_counter()
-    eng = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, spec_steps=0, max_spec_steps=6,
-                              max_num_seqs=64, max_model_len=512, device="cuda", profile=True))
+    eng = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            adaptive=True,
+            spec_steps=0,
+            max_spec_steps=6,
+            max_num_seqs=64,
+            max_model_len=512,
+            device="cuda",
+            profile=True,
+        )
+    )
     runner = eng.runner
     res["load_s"], res["graph_capture_s"] = runner.load_seconds, eng.graph_seconds
     res["startup_s"] = time.perf_counter() - t0
-    print(f"startup {res['startup_s']:.1f}s (load {runner.load_seconds:.1f}s, graphs {eng.graph_seconds:.1f}s)", flush=True)
+    print(
+        f"startup {res['startup_s']:.1f}s (load {runner.load_seconds:.1f}s, graphs {eng.graph_seconds:.1f}s)",
+        flush=True,
+    )
 
     g = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, 128000, (128,), generator=g).tolist()
@@ -263,13 +286,22 @@ def main() -> None:
         last = torch.zeros(1, dtype=torch.long, device="cuda")
         draft_ms = gpu_ms(lambda: runner.draft(K, entry, last, s))
         outs, sec = timed([prompt], K)
-        res["spec"][K] = {"verify_ms": verify, "verify_over_decode": verify / res["decode_step_ms"],
-                          "draft_ms": draft_ms, "draft_per_step_ms": draft_ms / K,
-                          "greedy_equal_plain": outs[0].output_ids == plain_ids, "tok_s": 256 / sec,
-                          "greedy_common_prefix": _common_prefix(outs[0].output_ids, plain_ids),
-                          "accept_length": outs[0].spec.accept_length, "profile_median_ms": profile_ms()}
-        print(f"K={K} verify {verify:.3f} ms ({verify / res['decode_step_ms']:.3f}x decode) draft {draft_ms:.3f} ms "
-              f"equal={outs[0].output_ids == plain_ids}", flush=True)
+        res["spec"][K] = {
+            "verify_ms": verify,
+            "verify_over_decode": verify / res["decode_step_ms"],
+            "draft_ms": draft_ms,
+            "draft_per_step_ms": draft_ms / K,
+            "greedy_equal_plain": outs[0].output_ids == plain_ids,
+            "tok_s": 256 / sec,
+            "greedy_common_prefix": _common_prefix(outs[0].output_ids, plain_ids),
+            "accept_length": outs[0].spec.accept_length,
+            "profile_median_ms": profile_ms(),
+        }
+        print(
+            f"K={K} verify {verify:.3f} ms ({verify / res['decode_step_ms']:.3f}x decode) draft {draft_ms:.3f} ms "
+            f"equal={outs[0].output_ids == plain_ids}",
+            flush=True,
+        )
 
     # Where a step's wall time goes: host work vs GPU (profiler, 8 steps at batch 4).
     from torch.profiler import ProfilerActivity, profile
@@ -325,15 +357,21 @@ def main() -> None:
     print("\n| metric | value |\n|---|---|")
     print(f"| copy bandwidth | {res['copy_bw_GBs']:.0f} GB/s |")
     print(f"| roofline (batch 1) | {res['roofline_tok_s']:.0f} tok/s |")
-    print(f"| specserve plain b1 | {res['plain_b1_tok_s']:.1f} tok/s ({res['plain_b1_tok_s'] / res['roofline_tok_s']:.0%}); "
-          f"not queued ahead {res['plain_b1_no_ahead_tok_s']:.1f} |")
+    print(
+        f"| specserve plain b1 | {res['plain_b1_tok_s']:.1f} tok/s ({res['plain_b1_tok_s'] / res['roofline_tok_s']:.0%}); "
+        f"not queued ahead {res['plain_b1_no_ahead_tok_s']:.1f} |"
+    )
     print(f"| decode step (graph) | {res['decode_step_ms']:.3f} ms |")
     if "pdl" in res:
-        print(f"| decode step, 20 replays: PDL on / off | {res['pdl']['pdl_True_ms']:.3f} / {res['pdl']['pdl_False_ms']:.3f} ms "
-              f"(bitwise equal: {res['pdl']['bitwise_equal']}) |")
+        print(
+            f"| decode step, 20 replays: PDL on / off | {res['pdl']['pdl_True_ms']:.3f} / {res['pdl']['pdl_False_ms']:.3f} ms "
+            f"(bitwise equal: {res['pdl']['bitwise_equal']}) |"
+        )
     for K, v in res["spec"].items():
-        print(f"| K={K} verify/decode | {v['verify_over_decode']:.3f} (draft {v['draft_ms']:.2f} ms, same first "
-              f"{v['greedy_common_prefix']}/256 tokens, {v['tok_s']:.0f} tok/s) |")
+        print(
+            f"| K={K} verify/decode | {v['verify_over_decode']:.3f} (draft {v['draft_ms']:.2f} ms, same first "
+            f"{v['greedy_common_prefix']}/256 tokens, {v['tok_s']:.0f} tok/s) |"
+        )
     for B, v in res["plain_batch_tok_s"].items():
         print(f"| plain batch {B} | {v:.0f} tok/s |")
     print(f"| transformers static | {res.get('hf_static_tok_s', res.get('hf_error'))} |")

@@ -30,20 +30,38 @@ SCHEMA = {
         "score": {"type": "number"},
         "active": {"type": "boolean"},
         "tags": {"type": "array", "items": {"type": "string"}, "maxItems": 5},
-        "address": {"type": "object", "properties": {
-            "street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}},
-            "required": ["street", "city"]},
-        "orders": {"type": "array", "items": {"type": "object", "properties": {
-            "sku": {"type": "string"}, "qty": {"type": "integer", "minimum": 1},
-            "price": {"type": "number"}}, "required": ["sku", "qty"]}},
+        "address": {
+            "type": "object",
+            "properties": {"street": {"type": "string"}, "city": {"type": "string"}, "zip": {"type": "string"}},
+            "required": ["street", "city"],
+        },
+        "orders": {
+            "type": "array",
+            "items": {
+                "type": "object",
+                "properties": {
+                    "sku": {"type": "string"},
+                    "qty": {"type": "integer", "minimum": 1},
+                    "price": {"type": "number"},
+                },
+                "required": ["sku", "qty"],
+            },
+        },
     },
     "required": ["id", "name", "role", "active", "tags", "address", "orders"],
     "additionalProperties": False,
 }
-DOCUMENT = {"id": 4217, "name": "Ada Lovelace", "email": "ada@example.com", "role": "editor", "score": 97.5,
-            "active": True, "tags": ["math", "engines", "poetry"],
-            "address": {"street": "12 St James's Square", "city": "London", "zip": "SW1Y 4JH"},
-            "orders": [{"sku": "AE-1", "qty": 2, "price": 19.99}, {"sku": "DE-7", "qty": 1, "price": 5.0}]}
+DOCUMENT = {
+    "id": 4217,
+    "name": "Ada Lovelace",
+    "email": "ada@example.com",
+    "role": "editor",
+    "score": 97.5,
+    "active": True,
+    "tags": ["math", "engines", "poetry"],
+    "address": {"street": "12 St James's Square", "city": "London", "zip": "SW1Y 4JH"},
+    "orders": [{"sku": "AE-1", "qty": 2, "price": 19.99}, {"sku": "DE-7", "qty": 1, "price": 5.0}],
+}
 
 
 def smollm2_vocab() -> tuple[list[bytes], int]:
@@ -75,8 +93,8 @@ def greedy_tokens(vocab: list[bytes], text: bytes) -> list[int]:
     ids, i = [], 0
     while i < len(text):
         for n in range(min(longest, len(text) - i), 0, -1):
-            if text[i:i + n] in index:
-                ids.append(index[text[i:i + n]])
+            if text[i : i + n] in index:
+                ids.append(index[text[i : i + n]])
                 i += n
                 break
         else:
@@ -86,9 +104,16 @@ def greedy_tokens(vocab: list[bytes], text: bytes) -> list[int]:
 
 def summarize(name: str, V: int, compile_s: float, times: list[float]) -> dict:
     us = sorted(t * 1e6 for t in times)
-    return {"engine": name, "vocab": V, "compile_s": round(compile_s, 3), "tokens": len(us),
-            "mask_us_mean": round(statistics.fmean(us), 1), "mask_us_p50": round(us[len(us) // 2], 1),
-            "mask_us_p90": round(us[int(len(us) * 0.9)], 1), "mask_us_max": round(us[-1], 1)}
+    return {
+        "engine": name,
+        "vocab": V,
+        "compile_s": round(compile_s, 3),
+        "tokens": len(us),
+        "mask_us_mean": round(statistics.fmean(us), 1),
+        "mask_us_p50": round(us[len(us) // 2], 1),
+        "mask_us_p90": round(us[int(len(us) * 0.9)], 1),
+        "mask_us_max": round(us[-1], 1),
+    }
 
 
 def time_xgrammar(vocab: list[bytes], eos: int, ids: list[int]) -> dict:

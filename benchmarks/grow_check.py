@@ -40,8 +40,11 @@ from specserve.train.shapes import PRESETS  # noqa: E402
 
 
 def load_prompts(path: str | None, limit: int) -> tuple[str, list[dict]]:
-    candidates = [Path(path)] if path else [Path(__file__).resolve().parents[1] / "specserve/bench/prompts.jsonl",
-                                            DEMO_DIR / "heldout_prompts.jsonl"]
+    candidates = (
+        [Path(path)]
+        if path
+        else [Path(__file__).resolve().parents[1] / "specserve/bench/prompts.jsonl", DEMO_DIR / "heldout_prompts.jsonl"]
+    )
     for p in candidates:
         if p.exists():
             rows = [json.loads(line) for line in p.read_text().splitlines() if line.strip()]
@@ -86,7 +89,7 @@ def teacher_forced(llm: LLM, prompts: list[list[int]], conts: list[list[int]]) -
         # The paged pool's first blocks, overwritten: the LLM is idle and not used again afterwards.
         table = torch.arange(-(-ids.shape[1] // bs), device=runner.device)[None]
         hidden, _ = runner.target(ids, ForwardContext(0, pos, pos, ids.shape[1], block_table=table, block_size=bs))
-        out.append(runner.target.logits(hidden[0, len(p) - 1:]).argmax(-1).tolist())
+        out.append(runner.target.logits(hidden[0, len(p) - 1 :]).argmax(-1).tolist())
     return out
 
 
@@ -97,8 +100,13 @@ def agreement(ref: list[list[int]], other: list[list[int]]) -> dict:
     for r, o in zip(ref, other):
         d = next((i for i, (a, b) in enumerate(zip(r, o)) if a != b), len(r))
         first.append(d)
-    return {"positions": total, "position_agreement": pos / total, "identical_sequences": sum(f == len(r) for f, r in
-            zip(first, ref)), "sequences": len(ref), "mean_first_divergence": sum(first) / len(first)}
+    return {
+        "positions": total,
+        "position_agreement": pos / total,
+        "identical_sequences": sum(f == len(r) for f, r in zip(first, ref)),
+        "sequences": len(ref),
+        "mean_first_divergence": sum(first) / len(first),
+    }
 
 
 def main() -> int:
@@ -107,8 +115,11 @@ def main() -> int:
     ap.add_argument("--model", help="small target (default: the demo target)")
     ap.add_argument("--draft", help="its drafter (default: the demo drafter if bundled)")
     ap.add_argument("--layers", type=int, help="override the preset's layer count (a smaller checkpoint)")
-    ap.add_argument("--no-float32", action="store_true",
-                    help="skip the float32 runs (a grown MoE preset's float32 weights do not fit one GPU)")
+    ap.add_argument(
+        "--no-float32",
+        action="store_true",
+        help="skip the float32 runs (a grown MoE preset's float32 weights do not fit one GPU)",
+    )
     ap.add_argument("--pad-vocab", type=int, help="also pad the vocabulary (128256 = Llama 3 size)")
     ap.add_argument("--read", default="one", choices=["one", "all"], help="grow --read mode")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
@@ -128,16 +139,34 @@ def main() -> int:
         draft = draft or demo_draft
     work = Path(args.work)
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    result: dict = {"preset": args.preset, "read": args.read, "pad_vocab": args.pad_vocab, "dtype": args.dtype,
-                    "device": device, "small_model": str(model), "small_draft": draft, "max_tokens": args.max_tokens}
+    result: dict = {
+        "preset": args.preset,
+        "read": args.read,
+        "pad_vocab": args.pad_vocab,
+        "dtype": args.dtype,
+        "device": device,
+        "small_model": str(model),
+        "small_draft": draft,
+        "max_tokens": args.max_tokens,
+    }
     if torch.cuda.is_available() and device.startswith("cuda"):
         result["gpu"] = torch.cuda.get_device_name(0)
 
     if not (args.reuse and (work / "config.json").exists()):
         shape = PRESETS[args.preset]
         shape = dataclasses.replace(shape, layers=args.layers) if args.layers else shape
-        result["grow"] = grow(model, work, shape, draft_dir=draft, dtype=args.dtype, device=device,
-                              preset=args.preset, force=True, pad_vocab=args.pad_vocab, read=args.read)
+        result["grow"] = grow(
+            model,
+            work,
+            shape,
+            draft_dir=draft,
+            dtype=args.dtype,
+            device=device,
+            preset=args.preset,
+            force=True,
+            pad_vocab=args.pad_vocab,
+            read=args.read,
+        )
         print(f"grown in {result['grow']['seconds']} s -> {work}", file=sys.stderr)
     grown_draft = str(work / "draft") if (work / "draft" / "config.json").exists() else None
 
@@ -149,10 +178,13 @@ def main() -> int:
     def run(path, dtype, draft_dir=None, batch=None, K=0):
         llm = LLM(model=path, draft=draft_dir, spec_steps=K, dtype=dtype, max_num_seqs=batch or len(rows), **common)
         if not prompts:
-            prompts.extend(encode(llm.tokenizer, r)[-(max_len - args.max_tokens - 8):] for r in rows)
+            prompts.extend(encode(llm.tokenizer, r)[-(max_len - args.max_tokens - 8) :] for r in rows)
         if batch == 1:  # one prompt at a time
-            outs = [o for p in prompts for o in llm.generate([p], SamplingParams(temperature=0.0,
-                    max_tokens=args.max_tokens, ignore_eos=True))]
+            outs = [
+                o
+                for p in prompts
+                for o in llm.generate([p], SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True))
+            ]
             toks = [o.token_ids for o in outs]
         else:
             toks, outs, _ = greedy(llm, prompts, args.max_tokens)
@@ -189,17 +221,22 @@ def main() -> int:
             llm, toks, outs = run(m, low, draft_dir=d, K=args.spec_steps)
             cycles = sum(o.spec["cycles"] for o in outs)
             accepted = sum(o.spec["accepted_tokens"] for o in outs)
-            spec[name] = {"accept_length_mean": 1 + accepted / cycles if cycles else None,
-                          "accept_per_position": [sum(o.spec["accept_per_position"][i] for o in outs) / len(outs)
-                                                  for i in range(args.spec_steps)],
-                          # vs the same target's plain output (verify and decode kernels may round differently)
-                          "agreement_with_plain": agreement(plain, toks)["position_agreement"]}
+            spec[name] = {
+                "accept_length_mean": 1 + accepted / cycles if cycles else None,
+                "accept_per_position": [
+                    sum(o.spec["accept_per_position"][i] for o in outs) / len(outs) for i in range(args.spec_steps)
+                ],
+                # vs the same target's plain output (verify and decode kernels may round differently)
+                "agreement_with_plain": agreement(plain, toks)["position_agreement"],
+            }
             free(llm)
         result["speculative"] = {"spec_steps": args.spec_steps, **spec}
 
     g = result["grown_vs_small"]
-    result["pass"] = {"free_running_95": g["position_agreement"] >= 0.95,
-                      "teacher_forced_95": g["teacher_forced_top1"] >= 0.95}
+    result["pass"] = {
+        "free_running_95": g["position_agreement"] >= 0.95,
+        "teacher_forced_95": g["teacher_forced_top1"] >= 0.95,
+    }
     if "grown_vs_small_float32" in result:
         result["pass"]["float32_free_running_95"] = result["grown_vs_small_float32"]["position_agreement"] >= 0.95
     text = json.dumps(result, indent=2)
@@ -208,9 +245,11 @@ def main() -> int:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(path).write_text(text + "\n")
     print(text)
-    line = (f"grown vs small ({low}): free-running {g['position_agreement']:.4f}, teacher-forced "
-            f"{g['teacher_forced_top1']:.4f}; small batch 1 vs batched: "
-            f"{result['small_batch1_vs_small']['position_agreement']:.4f}")
+    line = (
+        f"grown vs small ({low}): free-running {g['position_agreement']:.4f}, teacher-forced "
+        f"{g['teacher_forced_top1']:.4f}; small batch 1 vs batched: "
+        f"{result['small_batch1_vs_small']['position_agreement']:.4f}"
+    )
     if "grown_vs_small_float32" in result:
         line += f"; float32 grown vs small: {result['grown_vs_small_float32']['position_agreement']:.4f}"
     print(line, file=sys.stderr)

@@ -31,10 +31,15 @@ from specserve.kernels.int4 import dequantize_int4, int4_matmul, pack_int4, quan
 from specserve.kernels.linear import linear  # noqa: E402
 
 SHAPES = {  # name: (out features N, in features K)
-    "llama8b.qkv": (6144, 4096), "llama8b.o": (4096, 4096), "llama8b.gate_up": (28672, 4096),
+    "llama8b.qkv": (6144, 4096),
+    "llama8b.o": (4096, 4096),
+    "llama8b.gate_up": (28672, 4096),
     "llama8b.down": (4096, 14336),
-    "kimi.q_a": (1536, 7168), "kimi.kv_a": (576, 7168), "kimi.o": (7168, 8192),
-    "kimi.shared_gate_up": (4096, 7168), "kimi.shared_down": (7168, 2048),
+    "kimi.q_a": (1536, 7168),
+    "kimi.kv_a": (576, 7168),
+    "kimi.o": (7168, 8192),
+    "kimi.shared_gate_up": (4096, 7168),
+    "kimi.shared_down": (7168, 2048),
 }
 CACHE_BYTES = 256 << 20  # past the H200's 50 MB L2, with room
 
@@ -72,8 +77,10 @@ def main() -> None:
     torch.manual_seed(0)
     dev, dt = "cuda", torch.bfloat16
     res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "results": []}
-    print(f"{'shape':22} {'group':>5} {'rows':>4} {'int4 us':>8} {'int4 GB/s':>9} {'bf16 us':>8} {'bf16 GB/s':>9} "
-          f"{'speed-up':>8} {'default us':>10} config")
+    print(
+        f"{'shape':22} {'group':>5} {'rows':>4} {'int4 us':>8} {'int4 GB/s':>9} {'bf16 us':>8} {'bf16 GB/s':>9} "
+        f"{'speed-up':>8} {'default us':>10} config"
+    )
     for name in args.shapes:
         N, K = SHAPES[name]
         w = torch.randn(N, K, device=dev, dtype=dt) * 0.02
@@ -99,12 +106,26 @@ def main() -> None:
                 t4 = graph_us([lambda p=p, s=s: int4_matmul(x, p, s) for p, s in stack])
                 tb = graph_us([lambda c=c: linear(x, c) for c in bf16])
                 default_us, _, cfg = tuned[rows_bucket(rows)]
-                row = {"shape": name, "N": N, "K": K, "group": group, "rows": rows, "int4_us": t4,
-                       "int4_GBs": int4_bytes / t4 / 1e3, "bf16_us": tb, "bf16_GBs": w.nbytes / tb / 1e3,
-                       "speedup": tb / t4, "max_rel_err": err, "int4_config": cfg, "int4_default_us": default_us}
+                row = {
+                    "shape": name,
+                    "N": N,
+                    "K": K,
+                    "group": group,
+                    "rows": rows,
+                    "int4_us": t4,
+                    "int4_GBs": int4_bytes / t4 / 1e3,
+                    "bf16_us": tb,
+                    "bf16_GBs": w.nbytes / tb / 1e3,
+                    "speedup": tb / t4,
+                    "max_rel_err": err,
+                    "int4_config": cfg,
+                    "int4_default_us": default_us,
+                }
                 res["results"].append(row)
-                print(f"{name:22} {group:5} {rows:4} {t4:8.1f} {row['int4_GBs']:9.0f} {tb:8.1f} {row['bf16_GBs']:9.0f} "
-                      f"{row['speedup']:7.2f}x {default_us:10.1f} {cfg}")
+                print(
+                    f"{name:22} {group:5} {rows:4} {t4:8.1f} {row['int4_GBs']:9.0f} {tb:8.1f} {row['bf16_GBs']:9.0f} "
+                    f"{row['speedup']:7.2f}x {default_us:10.1f} {cfg}"
+                )
             del stack
         del bf16
         torch.cuda.empty_cache()

@@ -22,14 +22,15 @@ from types import SimpleNamespace
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_engine import copy_bandwidth, gpu_ms  # noqa: E402
 from specserve.kernels import moe  # noqa: E402
 from specserve.kernels.int4 import dequantize_int4, tile_experts  # noqa: E402
 from specserve.kernels.moe import default_tiles, fused_experts, int4_cuda_experts, int4_cuda_fits  # noqa: E402
 
+from benchmarks.gpu_engine import copy_bandwidth, gpu_ms  # noqa: E402
+
 
 def experts(E: int, rows: int, K: int, group: int, gen: torch.Generator) -> SimpleNamespace:
-    packed = torch.randint(-2**31, 2**31 - 1, (E, rows, K // 8), dtype=torch.int32, device="cuda", generator=gen)
+    packed = torch.randint(-(2**31), 2**31 - 1, (E, rows, K // 8), dtype=torch.int32, device="cuda", generator=gen)
     scale = (torch.rand(E, rows, K // group, device="cuda", generator=gen) * 0.02 + 0.005).to(torch.bfloat16)
     return SimpleNamespace(packed=packed, scale=scale, zero=None, tiled=False)
 
@@ -77,7 +78,9 @@ def sweep(run, ref, scale, group: int) -> dict:
                     compiled = moe.compile_cuda_kernels(w, k, group, (f"-DSTAGES={stages}",))
                     moe._cuda_kernels, moe.CUDA_WARPS, moe.CUDA_SPLIT = (lambda g, c=compiled: c), w, k
                     out[f"stages{stages}-warps{w}-split{k}"] = {
-                        "ms": graph_ms(run), "rel_err": (run().float() - ref).abs().max().item() / scale}
+                        "ms": graph_ms(run),
+                        "rel_err": (run().float() - ref).abs().max().item() / scale,
+                    }
     finally:
         moe._cuda_kernels, moe.CUDA_WARPS, moe.CUDA_SPLIT = kept, warps, split
     return out
@@ -111,27 +114,44 @@ def main() -> None:
         touched = ids.unique().numel()
         ms = {name: graph_ms(fn) for name, fn in (("cuda", cuda), ("triton", tri))}
         nbytes = touched * expert_bytes
-        row = {"tokens": N, "pairs": P, "experts_touched": touched, "bytes": nbytes, "rel_err": err, "ms": ms,
-               "tb_s": {k: nbytes / (v * 1e-3) / 1e12 for k, v in ms.items()}, "roofline_ms": nbytes / bw * 1e3}
+        row = {
+            "tokens": N,
+            "pairs": P,
+            "experts_touched": touched,
+            "bytes": nbytes,
+            "rel_err": err,
+            "ms": ms,
+            "tb_s": {k: nbytes / (v * 1e-3) / 1e12 for k, v in ms.items()},
+            "roofline_ms": nbytes / bw * 1e3,
+        }
         if args.sweep:
             row["sweep"] = sweep(lambda: int4_cuda_experts(x, weights, ids, t13, t2), ref, scale, group)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    result = {"device": torch.cuda.get_device_name(), "copy_bandwidth_tb_s": bw / 1e12, "shape": {
-        "hidden": H, "moe_intermediate": I, "experts": E, "top_k": top_k, "group": group}, "rows": rows}
+    result = {
+        "device": torch.cuda.get_device_name(),
+        "copy_bandwidth_tb_s": bw / 1e12,
+        "shape": {"hidden": H, "moe_intermediate": I, "experts": E, "top_k": top_k, "group": group},
+        "rows": rows,
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'tokens':>6}{'experts':>8}{'cuda ms':>9}{'TB/s':>7}{'triton ms':>10}{'TB/s':>7}{'roof ms':>8}"
-          f"{'err cuda':>10}{'err tri':>9}")
+    print(
+        f"{'tokens':>6}{'experts':>8}{'cuda ms':>9}{'TB/s':>7}{'triton ms':>10}{'TB/s':>7}{'roof ms':>8}"
+        f"{'err cuda':>10}{'err tri':>9}"
+    )
     for r in rows:
-        print(f"{r['tokens']:>6}{r['experts_touched']:>8}{r['ms']['cuda']:>9.3f}{r['tb_s']['cuda']:>7.2f}"
-              f"{r['ms']['triton']:>10.3f}{r['tb_s']['triton']:>7.2f}{r['roofline_ms']:>8.3f}"
-              f"{r['rel_err']['cuda']:>10.2e}{r['rel_err']['triton']:>9.2e}")
+        print(
+            f"{r['tokens']:>6}{r['experts_touched']:>8}{r['ms']['cuda']:>9.3f}{r['tb_s']['cuda']:>7.2f}"
+            f"{r['ms']['triton']:>10.3f}{r['tb_s']['triton']:>7.2f}{r['roofline_ms']:>8.3f}"
+            f"{r['rel_err']['cuda']:>10.2e}{r['rel_err']['triton']:>9.2e}"
+        )
     for r in rows:
         if "sweep" in r:
             best = sorted(r["sweep"].items(), key=lambda kv: kv[1]["ms"])
-            print(f"tokens {r['tokens']}: " + ", ".join(f"{k} {v['ms']:.3f} ms (err {v['rel_err']:.1e})"
-                                                         for k, v in best))
+            print(
+                f"tokens {r['tokens']}: " + ", ".join(f"{k} {v['ms']:.3f} ms (err {v['rel_err']:.1e})" for k, v in best)
+            )
 
 
 if __name__ == "__main__":

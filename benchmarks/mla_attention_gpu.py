@@ -29,8 +29,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_engine import copy_bandwidth, gpu_ms  # noqa: E402
 from specserve.kernels import latent_attention as la  # noqa: E402
+
+from benchmarks.gpu_engine import copy_bandwidth, gpu_ms  # noqa: E402
 
 L, R, BS = 512, 64, 64
 SHAPES = {"kimi-k2.5": 64, "deepseek-v3": 128}
@@ -40,7 +41,7 @@ POOL_BYTES = 512 << 20  # caches cycled through per timing: several times the 50
 
 def matmul_rate() -> float:
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    return 2 * 8192 ** 3 / (gpu_ms(lambda: a @ a, 20) / 1e3)
+    return 2 * 8192**3 / (gpu_ms(lambda: a @ a, 20) / 1e3)
 
 
 def make_case(B, T, H, ctx, copies, g):
@@ -81,10 +82,15 @@ def rel_err(got, want) -> float:
 
 def checks(g) -> list[dict]:
     res = []
-    cases = [("decode", 64, 1, 2, 3000, False), ("verify K=4", 64, 5, 2, 3000, False),
-             ("tree verify", 128, 6, 2, 3000, True), ("decode tp8", 8, 1, 3, 5000, False),
-             ("verify K=3 tp8", 16, 4, 3, 5000, False), ("decode 128k", 64, 1, 1, 131072, False),
-             ("verify K=4 128k", 128, 5, 1, 131072, False)]
+    cases = [
+        ("decode", 64, 1, 2, 3000, False),
+        ("verify K=4", 64, 5, 2, 3000, False),
+        ("tree verify", 128, 6, 2, 3000, True),
+        ("decode tp8", 8, 1, 3, 5000, False),
+        ("verify K=3 tp8", 16, 4, 3, 5000, False),
+        ("decode 128k", 64, 1, 1, 131072, False),
+        ("verify K=4 128k", 128, 5, 1, 131072, False),
+    ]
     for name, H, T, B, ctx, tree in cases:
         pool, table, q, widx, scratch = make_case(B, T, H, ctx, 1, g)
         widx[0] -= ctx // 2  # a short row beside long ones
@@ -94,14 +100,27 @@ def checks(g) -> list[dict]:
             anc = torch.tensor([[1, 0b11, 0b101, 0b1011, 0b10101, 0b110011][:T]] * B, device="cuda")
         if B > 2:
             widx[-1, -1] = scratch  # a padding query
-        got = la.latent_attention_triton(q, pool, L, 0, widx, scratch, SCALE, tree_base=base, tree_anc=anc,
-                                         block_table=table, block_size=BS)
+        got = la.latent_attention_triton(
+            q, pool, L, 0, widx, scratch, SCALE, tree_base=base, tree_anc=anc, block_table=table, block_size=BS
+        )
         want = reference(q, pool, table, 0, widx, scratch, base, anc)
         err = rel_err(got, want)
         finite = bool(torch.isfinite(got).all())
-        res.append({"case": name, "H": H, "T": T, "B": B, "context": ctx, "rel_err": err, "finite": finite,
-                    "splits": la.latent_splits(table.shape[1] * BS, B, T, H, torch.cuda.get_device_properties(0)
-                                               .multi_processor_count), "ok": finite and err < 1e-2})
+        res.append(
+            {
+                "case": name,
+                "H": H,
+                "T": T,
+                "B": B,
+                "context": ctx,
+                "rel_err": err,
+                "finite": finite,
+                "splits": la.latent_splits(
+                    table.shape[1] * BS, B, T, H, torch.cuda.get_device_properties(0).multi_processor_count
+                ),
+                "ok": finite and err < 1e-2,
+            }
+        )
         print(res[-1], flush=True)
     return res
 
@@ -119,6 +138,7 @@ def time_case(fn_attn, B, T, H, ctx, g, paged=True) -> float:
     def run():
         for i in range(calls):
             fn_attn(q, pool, L, (i % copies) * B, widx, scratch, SCALE, **kw)
+
     run()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -158,8 +178,15 @@ def resources() -> list[dict]:
     out = []
     for cache in la._latent_partial_kernel.device_caches.values():
         for k in cache[0].values():
-            out.append({"regs": k.n_regs, "spills": k.n_spills, "shared": k.metadata.shared,
-                        "warps": k.metadata.num_warps, "stages": k.metadata.num_stages})
+            out.append(
+                {
+                    "regs": k.n_regs,
+                    "spills": k.n_spills,
+                    "shared": k.metadata.shared,
+                    "warps": k.metadata.num_warps,
+                    "stages": k.metadata.num_stages,
+                }
+            )
     return out
 
 
@@ -181,9 +208,15 @@ def main() -> None:
     res = {"device": torch.cuda.get_device_name(), "copy_bw": bw, "matmul_flops": rate, "checks": checks(g)}
     if args.sweep:
         res["sweep"] = sweep(g, sms)
-    res["config"] = {"block_size": BS, "warps": la.LATENT_WARPS, "block_n": la.LATENT_BLOCK_N,
-                     "stages": la.LATENT_STAGES, "waves": la.LATENT_WAVES,
-                     "min_chunk": la.LATENT_MIN_CHUNK, "rows": la.LATENT_ROWS}
+    res["config"] = {
+        "block_size": BS,
+        "warps": la.LATENT_WARPS,
+        "block_n": la.LATENT_BLOCK_N,
+        "stages": la.LATENT_STAGES,
+        "waves": la.LATENT_WAVES,
+        "min_chunk": la.LATENT_MIN_CHUNK,
+        "rows": la.LATENT_ROWS,
+    }
     old = importlib.import_module(args.old).latent_attention_triton if args.old else None
     rows = []
     for shape, H in SHAPES.items():
@@ -192,9 +225,18 @@ def main() -> None:
                 for T in range(1, args.k_max + 2):
                     us = time_case(la.latent_attention_triton, B, T, H, ctx, g)
                     tb, tf = floors(B, T, H, ctx, bw, rate)
-                    row = {"shape": shape, "H": H, "context": ctx, "B": B, "T": T, "us": us, "bytes_us": tb,
-                           "flops_us": tf, "of_roofline": max(tb, tf) / us,
-                           "splits": la.latent_splits(math.ceil((ctx + 64) / BS) * BS, B, T, H, sms)}
+                    row = {
+                        "shape": shape,
+                        "H": H,
+                        "context": ctx,
+                        "B": B,
+                        "T": T,
+                        "us": us,
+                        "bytes_us": tb,
+                        "flops_us": tf,
+                        "of_roofline": max(tb, tf) / us,
+                        "splits": la.latent_splits(math.ceil((ctx + 64) / BS) * BS, B, T, H, sms),
+                    }
                     if old is not None and T in (1, args.k_max + 1):
                         row["old_us"] = time_case(old, B, T, H, ctx, g)
                     rows.append(row)
@@ -207,8 +249,10 @@ def main() -> None:
         print("no resource report:", e)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"mla_attention_bs{BS}.json").write_text(json.dumps(res, indent=1))
-    print(f"\ncopy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s, checks "
-          f"{'all ok' if all(c['ok'] for c in res['checks']) else 'FAILED'}; config {res['config']}")
+    print(
+        f"\ncopy {bw / 1e12:.2f} TB/s, bf16 matmul {rate / 1e12:.0f} TFLOP/s, checks "
+        f"{'all ok' if all(c['ok'] for c in res['checks']) else 'FAILED'}; config {res['config']}"
+    )
     print(f"{'shape':12} {'ctx':>7} B {'decode us':>9} {'%roof':>5} {'old us':>7} | verify(K+1)/decode K=1..4 (floor)")
     for shape in SHAPES:
         for ctx in args.contexts:
@@ -216,8 +260,9 @@ def main() -> None:
                 sel = {r["T"]: r for r in rows if r["shape"] == shape and r["context"] == ctx and r["B"] == B}
                 d = sel[1]
                 floor = {t: max(sel[t]["bytes_us"], sel[t]["flops_us"]) for t in sel}
-                ratios = " ".join(f"{sel[t]['us'] / d['us']:.2f}({floor[t] / floor[1]:.2f})"
-                                  for t in range(2, args.k_max + 2))
+                ratios = " ".join(
+                    f"{sel[t]['us'] / d['us']:.2f}({floor[t] / floor[1]:.2f})" for t in range(2, args.k_max + 2)
+                )
                 old_s = f"{d['old_us']:7.1f}" if "old_us" in d else "      -"
                 print(f"{shape:12} {ctx:7d} {B} {d['us']:9.1f} {100 * d['of_roofline']:4.0f}% {old_s} | {ratios}")
 

@@ -30,10 +30,26 @@ from specserve.kernels.gemv import graph_us  # noqa: E402
 from specserve.kernels.linear import linear  # noqa: E402
 
 E, HIDDEN, HEADS, NOPE, V, LATENT = 384, 7168, 64, 128, 128, 512
-ROUTER_CONFIGS = [(2, 256, 4, 1), (2, 256, 4, 3), (4, 256, 4, 3), (2, 512, 4, 3), (1, 1024, 4, 3), (4, 512, 8, 3),
-                  (8, 256, 8, 3), (1, 2048, 8, 2), (4, 128, 4, 4)]
-HEAD_CONFIGS = [(64, 64, 4, 1), (64, 128, 4, 1), (32, 128, 4, 1), (128, 128, 8, 1), (64, 64, 4, 2), (32, 64, 4, 2),
-                (128, 32, 4, 3)]
+ROUTER_CONFIGS = [
+    (2, 256, 4, 1),
+    (2, 256, 4, 3),
+    (4, 256, 4, 3),
+    (2, 512, 4, 3),
+    (1, 1024, 4, 3),
+    (4, 512, 8, 3),
+    (8, 256, 8, 3),
+    (1, 2048, 8, 2),
+    (4, 128, 4, 4),
+]
+HEAD_CONFIGS = [
+    (64, 64, 4, 1),
+    (64, 128, 4, 1),
+    (32, 128, 4, 1),
+    (128, 128, 8, 1),
+    (64, 64, 4, 2),
+    (32, 64, 4, 2),
+    (128, 32, 4, 3),
+]
 L2_BYTES = 60 << 20  # more than the H200's L2 (50 MB): copies until the weights read exceed it
 
 
@@ -73,8 +89,10 @@ def main() -> None:
         result["router"][m] = row
         print(f"router {m} tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items()), flush=True)
 
-    kv_bs = copies(lambda: (torch.randn(HEADS, NOPE + V, LATENT, device=dev, generator=g) * 0.05).to(torch.bfloat16),
-                   HEADS * (NOPE + V) * LATENT * 2)
+    kv_bs = copies(
+        lambda: (torch.randn(HEADS, NOPE + V, LATENT, device=dev, generator=g) * 0.05).to(torch.bfloat16),
+        HEADS * (NOPE + V) * LATENT * 2,
+    )
     for m in args.tokens:
         q = torch.randn(1, m, HEADS, NOPE + 64, device=dev, generator=g).to(torch.bfloat16)
         a = q[..., :NOPE]  # strided as the model's q_nope is
@@ -88,11 +106,17 @@ def main() -> None:
         out = torch.randn(1, m, HEADS, LATENT, device=dev, generator=g).to(torch.bfloat16)
         values = timed(lambda w: torch.einsum("bthk,hnk->bthn", out, w[:, NOPE:]), kv_bs)
         result["head_product"][m], result["values_einsum"][m] = row, values
-        print(f"head product {m} tokens: " + ", ".join(f"{k} {v:.1f}" for k, v in row.items())
-              + f"; values (einsum) {values:.1f}", flush=True)
+        print(
+            f"head product {m} tokens: "
+            + ", ".join(f"{k} {v:.1f}" for k, v in row.items())
+            + f"; values (einsum) {values:.1f}",
+            flush=True,
+        )
 
-    chosen = {"router": best_row(result["router"], [t for t in args.tokens if t <= 8]),
-              "head_product": best_row(result["head_product"], args.tokens)}
+    chosen = {
+        "router": best_row(result["router"], [t for t in args.tokens if t <= 8]),
+        "head_product": best_row(result["head_product"], args.tokens),
+    }
     result["chosen"] = chosen
     print("best launch shapes, and the token counts where they beat torch:", json.dumps(chosen))
     if args.out:

@@ -41,30 +41,79 @@ from benchmarks.gpu_engine import copy_bandwidth, gpu_ms  # noqa: E402
 from benchmarks.random_models import write_eagle3_drafter  # noqa: E402
 
 DEEPSEEK_V3 = {
-    "model_type": "deepseek_v3", "vocab_size": 129280, "hidden_size": 7168, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "num_attention_heads": 128, "num_key_value_heads": 128,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-    "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 8, "topk_group": 4,
-    "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_method": "noaux_tc", "norm_topk_prob": True,
-    "max_position_embeddings": 163840, "rope_theta": 10000.0,
-    "rope_scaling": {"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "rms_norm_eps": 1e-6, "eos_token_id": 1, "bos_token_id": 0, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "n_group": 8,
+    "topk_group": 4,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "max_position_embeddings": 163840,
+    "rope_theta": 10000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 40.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "rms_norm_eps": 1e-6,
+    "eos_token_id": 1,
+    "bos_token_id": 0,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
 }
 KIMI_K25 = DEEPSEEK_V3 | {
-    "model_type": "kimi_k2", "vocab_size": 163840, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "n_routed_experts": 384, "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827,
-    "max_position_embeddings": 262144, "rope_theta": 50000.0, "rms_norm_eps": 1e-5, "eos_token_id": 163586,
-    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "n_routed_experts": 384,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "max_position_embeddings": 262144,
+    "rope_theta": 50000.0,
+    "rms_norm_eps": 1e-5,
+    "eos_token_id": 163586,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
 }
 SHAPES = {"deepseek-v3": DEEPSEEK_V3, "kimi-k2.5": KIMI_K25}
 PREFILLS = [(1, 512), (8, 64)]  # (prompts, tokens each) of the prefill timings
 # Kimi-K2.5's scheme: the routed experts in int4 (symmetric, groups of 32), everything else bf16.
 INT4_EXPERTS = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized",
-    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True,
-                                                                    "strategy": "group", "group_size": 32}}},
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+        }
+    },
     "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|down)_proj.*"],
 }
 INT4_SCALE = 0.004  # random int4 values in [-8, 7] times this: weights of std ~0.02
@@ -98,7 +147,7 @@ def random_target(model_dir, device, dtype, max_positions, allow_pickle=False):
             if name.endswith("weight_shape"):
                 continue  # (read by the loader's checks only)
             if t.dtype == torch.int32:
-                t.random_(-2**31, 2**31 - 1, generator=g)
+                t.random_(-(2**31), 2**31 - 1, generator=g)
             elif name.endswith("weight_scale"):
                 t.fill_(INT4_SCALE)
             elif "norm" in name:
@@ -122,10 +171,17 @@ def layer_bytes(moe_layer, experts_touched: float) -> dict:
     routed_ids = {id(t) for t in routed}
     per_expert = sum(t.numel() * t.element_size() for t in routed) / moe.local
     tensors = {id(t): t for t in list(moe_layer.parameters()) + list(moe_layer.buffers())}
-    other = sum(t.numel() * t.element_size() for i, t in tensors.items()
-                if i not in routed_ids and t.dim() >= 2 and t.dtype != torch.int64)
-    return {"per_expert": per_expert, "other": other, "experts": experts_touched,
-            "total": other + experts_touched * per_expert}
+    other = sum(
+        t.numel() * t.element_size()
+        for i, t in tensors.items()
+        if i not in routed_ids and t.dim() >= 2 and t.dtype != torch.int64
+    )
+    return {
+        "per_expert": per_expert,
+        "other": other,
+        "experts": experts_touched,
+        "total": other + experts_touched * per_expert,
+    }
 
 
 def matmul_flops(n: int = 8192) -> float:
@@ -159,11 +215,21 @@ def distinct_experts(forward) -> list[int]:
 # winners' neighbours (tile widths, stages, warps, split_k, swap: Hopper's warp-group MMA wants
 # 64 rows, so only BLOCK_N >= 64 gains from swap).
 _FEW, _MANY = dict(split_k=4, swap=True), dict(block_n=128, swap=True)
-TILES = [{}, dict(split_k=4), dict(swap=True), _FEW, _MANY, dict(block_n=128, num_stages=4, swap=True),
-         dict(block_n=128, num_warps=8, swap=True), dict(block_n=64, block_k=128, swap=True),
-         dict(block_n=64, block_k=128, num_stages=4, swap=True), dict(block_n=64, block_k=128, split_k=4, swap=True),
-         dict(block_n=128, block_k=128, swap=True), dict(block_n=128, block_k=128, split_k=2, swap=True),
-         dict(block_n=128, block_k=128, num_warps=8, swap=True)]
+TILES = [
+    {},
+    dict(split_k=4),
+    dict(swap=True),
+    _FEW,
+    _MANY,
+    dict(block_n=128, num_stages=4, swap=True),
+    dict(block_n=128, num_warps=8, swap=True),
+    dict(block_n=64, block_k=128, swap=True),
+    dict(block_n=64, block_k=128, num_stages=4, swap=True),
+    dict(block_n=64, block_k=128, split_k=4, swap=True),
+    dict(block_n=128, block_k=128, swap=True),
+    dict(block_n=128, block_k=128, split_k=2, swap=True),
+    dict(block_n=128, block_k=128, num_warps=8, swap=True),
+]
 
 
 def tiles_label(t) -> str:
@@ -196,14 +262,20 @@ def sweep_tiles(moe, batches: list[int]) -> dict:
             for label, tiles in shapes.items():
                 outs = []  # the warm-up call's output, then the captured call's (which the replays refill)
                 try:
-                    ms = graph_us([lambda: outs.append(fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first,
-                                                                     tiles))], reps=20) / 1e3
+                    ms = (
+                        graph_us(
+                            [lambda: outs.append(fused_experts(x, weights, ids, moe.w13, moe.w2, moe.first, tiles))],
+                            reps=20,
+                        )
+                        / 1e3
+                    )
                     got = outs[-1]
                     # within a few bf16 steps of the default shape's output, scaled to its size (a
                     # split of K sums in float32 where an unsplit tile rounds to bf16)
-                    step = 2 ** -7
-                    torch.testing.assert_close(got.float(), want.float(), rtol=4 * step,
-                                               atol=4 * step * want.abs().max().item())
+                    step = 2**-7
+                    torch.testing.assert_close(
+                        got.float(), want.float(), rtol=4 * step, atol=4 * step * want.abs().max().item()
+                    )
                     row[label] = {"ms": ms, "GBs": touched * per_expert / ms / 1e6}
                 except Exception as e:  # (a shape the compiler refuses, or a wrong result: reported, not used)
                     row[label] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
@@ -214,9 +286,12 @@ def sweep_tiles(moe, batches: list[int]) -> dict:
         best = min(ok, key=lambda k: ok[k]["ms"])
         label = tiles_label(default)
         res[B] = {"experts": touched, "tiles": row, "best": best, "default": label}
-        print(f"experts alone, batch {B} ({touched} experts): default {label} "
-              f"{row[label].get('ms', float('nan')):.3f} ms, best {best} {ok[best]['ms']:.3f} ms "
-              f"({ok[best]['GBs']:.0f} GB/s)", flush=True)
+        print(
+            f"experts alone, batch {B} ({touched} experts): default {label} "
+            f"{row[label].get('ms', float('nan')):.3f} ms, best {best} {ok[best]['ms']:.3f} ms "
+            f"({ok[best]['GBs']:.0f} GB/s)",
+            flush=True,
+        )
         for k, v in sorted(ok.items(), key=lambda kv: kv[1]["ms"]):
             print(f"  {k}: {v['ms']:.3f} ms ({v['GBs']:.0f} GB/s)", flush=True)
         for k, v in row.items():
@@ -238,8 +313,11 @@ def kernel_table(runner, B: int = 1, steps: int = 3, top: int = 30) -> list[dict
             for _ in range(steps):
                 runner._decode_body(B)
             torch.cuda.synchronize()
-    rows = [{"kernel": ev.key[:90], "launches": ev.count / steps, "us": ev.self_device_time_total / steps}
-            for ev in prof.key_averages() if ev.device_type.name == "CUDA" and ev.self_device_time_total > 0]
+    rows = [
+        {"kernel": ev.key[:90], "launches": ev.count / steps, "us": ev.self_device_time_total / steps}
+        for ev in prof.key_averages()
+        if ev.device_type.name == "CUDA" and ev.self_device_time_total > 0
+    ]
     rows.sort(key=lambda r: -r["us"])
     return rows[:top]
 
@@ -259,8 +337,15 @@ def linear_choices(runner, choices: dict | None = None) -> dict:
     return merged
 
 
-def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: int, k_max: int,
-                sweep: bool = False, choices: dict | None = None) -> dict:
+def time_engine(
+    model_dir: Path,
+    draft_dir: Path,
+    batches: list[int],
+    context: int,
+    k_max: int,
+    sweep: bool = False,
+    choices: dict | None = None,
+) -> dict:
     """Decode, verify and prefill timings of the model in `model_dir` (random weights) in the engine's CUDA
     graphs; `choices`: another model's linear-kernel choices, taken for the shapes both have (`linear_choices`;
     the returned "choices" are this model's)."""
@@ -268,17 +353,34 @@ def time_engine(model_dir: Path, draft_dir: Path, batches: list[int], context: i
     from specserve.config import EngineConfig
 
     R.load_target = random_target
-    cfg = EngineConfig(model=str(model_dir), draft=str(draft_dir), adaptive=True, spec_steps=0, max_spec_steps=k_max,
-                       max_num_seqs=max(batches), max_model_len=context + 64, device="cuda",
-                       graph_batch_sizes=tuple(batches))
+    cfg = EngineConfig(
+        model=str(model_dir),
+        draft=str(draft_dir),
+        adaptive=True,
+        spec_steps=0,
+        max_spec_steps=k_max,
+        max_num_seqs=max(batches),
+        max_model_len=context + 64,
+        device="cuda",
+        graph_batch_sizes=tuple(batches),
+    )
     t0 = time.perf_counter()
     runner = R.ModelRunner(cfg)
     picked = linear_choices(runner, choices)  # (before the graphs capture the kernels)
     runner.reserve_every_row()
     graph_s = runner.capture_graphs(list(range(1, k_max + 1)))
-    res = {"build_s": time.perf_counter() - t0, "graph_s": graph_s, "graphs": len(runner.graphs), "choices": picked,
-           "decode_ms": {}, "verify_ms": {}, "experts_decode": {}, "experts_verify": {}, "prefill_ms": {},
-           "experts_prefill": {}}
+    res = {
+        "build_s": time.perf_counter() - t0,
+        "graph_s": graph_s,
+        "graphs": len(runner.graphs),
+        "choices": picked,
+        "decode_ms": {},
+        "verify_ms": {},
+        "experts_decode": {},
+        "experts_verify": {},
+        "prefill_ms": {},
+        "experts_prefill": {},
+    }
     g = torch.Generator(device="cuda").manual_seed(1)
     V = runner.model_cfg.vocab_size
     with torch.inference_mode():
@@ -318,8 +420,9 @@ def time_hf(shape: dict, layers: int, batches: list[int], context: int, impl: st
     import transformers
 
     extra = {"experts_implementation": impl} if impl else {}
-    cfg = transformers.DeepseekV3Config(**(shape | {"num_hidden_layers": layers, "first_k_dense_replace": 1,
-                                                     "model_type": "deepseek_v3"} | extra))
+    cfg = transformers.DeepseekV3Config(
+        **(shape | {"num_hidden_layers": layers, "first_k_dense_replace": 1, "model_type": "deepseek_v3"} | extra)
+    )
     prev = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
     try:
@@ -330,6 +433,7 @@ def time_hf(shape: dict, layers: int, batches: list[int], context: int, impl: st
     events: list[tuple] = []
     moe_layers = model.model.layers[1:]
     for layer in moe_layers:
+
         def pre(mod, args, kwargs):
             e = torch.cuda.Event(enable_timing=True)
             e.record()
@@ -342,8 +446,12 @@ def time_hf(shape: dict, layers: int, batches: list[int], context: int, impl: st
 
         layer.register_forward_pre_hook(pre, with_kwargs=True)
         layer.register_forward_hook(post, with_kwargs=True)
-    res = {"impl": impl or "default", "chosen": getattr(model.config, "_experts_implementation", None),
-           "layer_ms": {}, "forward_ms": {}}
+    res = {
+        "impl": impl or "default",
+        "chosen": getattr(model.config, "_experts_implementation", None),
+        "layer_ms": {},
+        "forward_ms": {},
+    }
     g = torch.Generator(device="cuda").manual_seed(2)
     with torch.inference_mode():
         for B in batches:
@@ -366,8 +474,11 @@ def time_hf(shape: dict, layers: int, batches: list[int], context: int, impl: st
             res["layer_ms"][B] = statistics.median(per_layer)
             res["forward_ms"][B] = statistics.median(per_forward)
             del cache, out
-            print(f"hf {res['impl']} batch {B}: MoE layer {res['layer_ms'][B]:.3f} ms, forward "
-                  f"{res['forward_ms'][B]:.2f} ms", flush=True)
+            print(
+                f"hf {res['impl']} batch {B}: MoE layer {res['layer_ms'][B]:.3f} ms, forward "
+                f"{res['forward_ms'][B]:.2f} ms",
+                flush=True,
+            )
     del model
     gc.collect()
     torch.cuda.empty_cache()
@@ -385,8 +496,11 @@ def main() -> None:
     ap.add_argument("--hf", action="store_true", help="transformers' DeepseekV3 of the same reduced model as the peer")
     ap.add_argument("--hf-impl", nargs="*", default=[None], help="transformers experts implementations to time")
     ap.add_argument("--no-sweep", action="store_true", help="skip the routed experts' launch-shape sweep")
-    ap.add_argument("--sweep-only", action="store_true",
-                    help="only the launch-shape sweep, on a one-MoE-layer model built without the engine (minutes)")
+    ap.add_argument(
+        "--sweep-only",
+        action="store_true",
+        help="only the launch-shape sweep, on a one-MoE-layer model built without the engine (minutes)",
+    )
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out"))
     args = ap.parse_args()
     if args.moe_layers < 2:
@@ -394,14 +508,19 @@ def main() -> None:
     shape, int4 = SHAPES[args.shape], args.experts == "int4"
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    res: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": args.shape,
-                 "experts": args.experts, "moe_layers": args.moe_layers, "context": args.context,
-                 "batches": args.batches}
+    res: dict = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "shape": args.shape,
+        "experts": args.experts,
+        "moe_layers": args.moe_layers,
+        "context": args.context,
+        "batches": args.batches,
+    }
     work = Path(tempfile.mkdtemp(prefix="moe-layers-"))
     if args.sweep_only:
         model = random_target(write_config(work / "one", shape, 2, int4), "cuda", torch.bfloat16, args.context + 64)
-        res["tiles"] = sweep_tiles(next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13")),
-                                   args.batches)
+        res["tiles"] = sweep_tiles(next(layer.mlp for layer in model.layers if hasattr(layer.mlp, "w13")), args.batches)
         name = out / f"moe_tiles_{args.shape}_{args.experts}.json"
         name.write_text(json.dumps(res, indent=1))
         print("wrote", name)
@@ -409,21 +528,44 @@ def main() -> None:
     bw = copy_bandwidth()
     res["copy_bw_GBs"] = bw / 1e9
     t0 = time.perf_counter()
-    draft = write_eagle3_drafter(work / "draft", {"hidden_size": 7168, "intermediate_size": 18432,
-                                                 "num_attention_heads": 64, "num_key_value_heads": 8,
-                                                 "vocab_size": shape["vocab_size"]})
+    draft = write_eagle3_drafter(
+        work / "draft",
+        {
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 8,
+            "vocab_size": shape["vocab_size"],
+        },
+    )
     res["drafter_write_s"] = time.perf_counter() - t0
-    full = time_engine(write_config(work / "full", shape, 1 + args.moe_layers, int4), draft, args.batches,
-                       args.context, args.k_max, sweep=not args.no_sweep)
-    print(f"full model ({1 + args.moe_layers} layers): built in {full['build_s']:.0f} s, decode ms {full['decode_ms']}",
-          flush=True)
+    full = time_engine(
+        write_config(work / "full", shape, 1 + args.moe_layers, int4),
+        draft,
+        args.batches,
+        args.context,
+        args.k_max,
+        sweep=not args.no_sweep,
+    )
+    print(
+        f"full model ({1 + args.moe_layers} layers): built in {full['build_s']:.0f} s, decode ms {full['decode_ms']}",
+        flush=True,
+    )
     gc.collect()
     torch.cuda.empty_cache()
-    base = time_engine(write_config(work / "base", shape, 2, int4), draft, args.batches, args.context, args.k_max,
-                       choices=full["choices"])
+    base = time_engine(
+        write_config(work / "base", shape, 2, int4),
+        draft,
+        args.batches,
+        args.context,
+        args.k_max,
+        choices=full["choices"],
+    )
     print(f"base model (2 layers): decode ms {base['decode_ms']}", flush=True)
     res["full"], res["base"] = full, base
-    res["linear_choices"] = {f"{N}x{K} {str(dt).split('.')[-1]} rows {r}": c for (N, K, dt, r), c in full.pop("choices").items()}
+    res["linear_choices"] = {
+        f"{N}x{K} {str(dt).split('.')[-1]} rows {r}": c for (N, K, dt, r), c in full.pop("choices").items()
+    }
     base.pop("choices")
     extra = args.moe_layers - 1
     lb = full["layer_bytes"]
@@ -439,7 +581,11 @@ def main() -> None:
         if "tiles" in full:  # the layer with the best launch shape for its experts: the saving added back
             t = full["tiles"][B]
             saved = t["tiles"][t["default"]]["ms"] - t["tiles"][t["best"]]["ms"]
-            entry |= {"best_tiles": t["best"], "ms_best_tiles": ms - saved, "of_roofline_best_tiles": roof_ms / (ms - saved)}
+            entry |= {
+                "best_tiles": t["best"],
+                "ms_best_tiles": ms - saved,
+                "of_roofline_best_tiles": roof_ms / (ms - saved),
+            }
         res["per_layer"][B] = entry
         rows.append((B, ms, touched, nbytes / 1e6, roof_ms, roof_ms / ms, entry.get("of_roofline_best_tiles")))
     res["verify"] = {}
@@ -449,8 +595,13 @@ def main() -> None:
         layer_ms = (full["verify_ms"][K] - base["verify_ms"][K]) / extra
         touched = statistics.mean(full["experts_verify"][K])
         limit = (lb["other"] + touched * lb["per_expert"]) / (lb["other"] + e1 * lb["per_expert"])
-        res["verify"][K] = {"model_ratio": full["verify_ms"][K] / full["decode_ms"][1], "layer_ms": layer_ms,
-                            "layer_ratio": layer_ms / dec, "experts": touched, "bytes_limit": limit}
+        res["verify"][K] = {
+            "model_ratio": full["verify_ms"][K] / full["decode_ms"][1],
+            "layer_ms": layer_ms,
+            "layer_ratio": layer_ms / dec,
+            "experts": touched,
+            "bytes_limit": limit,
+        }
     # Prefill: bytes of every touched expert and the rest, or the products' FLOPs at the measured
     # matmul rate, whichever takes longer.
     res["prefill"] = {}
@@ -464,8 +615,13 @@ def main() -> None:
         bytes_ms = (lb["other"] + touched * lb["per_expert"]) / bw * 1e3
         flops_ms = 2 * m * T * (lb["other"] / 2 + shape["num_experts_per_tok"] * expert_params) / flops_s * 1e3
         roof = max(bytes_ms, flops_ms)
-        res["prefill"][key] = {"layer_ms": layer_ms, "experts": touched, "bytes_ms": bytes_ms, "flops_ms": flops_ms,
-                               "of_roofline": roof / layer_ms}
+        res["prefill"][key] = {
+            "layer_ms": layer_ms,
+            "experts": touched,
+            "bytes_ms": bytes_ms,
+            "flops_ms": flops_ms,
+            "of_roofline": roof / layer_ms,
+        }
     if args.hf:
         if int4:
             print("(--hf times bf16 experts: transformers has no int4 path here)", flush=True)
@@ -480,20 +636,28 @@ def main() -> None:
                 torch.cuda.empty_cache()
     name = out / f"moe_layers_{args.shape}_{args.experts}.json"
     name.write_text(json.dumps(res, indent=1))
-    print(f"\n{args.shape}, {args.experts} experts, {1 + args.moe_layers} layers, context {args.context}, "
-          f"copy bandwidth {bw / 1e9:.0f} GB/s; one MoE layer:")
-    print("| batch | ms | experts | MB read | roofline ms | of roofline | best tiles |" + (" hf ms |" if args.hf else ""))
+    print(
+        f"\n{args.shape}, {args.experts} experts, {1 + args.moe_layers} layers, context {args.context}, "
+        f"copy bandwidth {bw / 1e9:.0f} GB/s; one MoE layer:"
+    )
+    print(
+        "| batch | ms | experts | MB read | roofline ms | of roofline | best tiles |" + (" hf ms |" if args.hf else "")
+    )
     for B, ms, touched, mb, roof, frac, best in rows:
         hf = "".join(f" {h['layer_ms'][B]:.3f} |" for h in res.get("hf", []) if "layer_ms" in h)
         best = f"{best:.0%}" if best else "-"
         print(f"| {B} | {ms:.3f} | {touched:.1f} | {mb:.1f} | {roof:.3f} | {frac:.0%} | {best} |{hf}")
     print("| prefill (prompts x tokens) | layer ms | experts | bytes ms | FLOPs ms | of roofline |")
     for key, v in res["prefill"].items():
-        print(f"| {key} | {v['layer_ms']:.3f} | {v['experts']:.1f} | {v['bytes_ms']:.3f} | {v['flops_ms']:.3f} | "
-              f"{v['of_roofline']:.0%} |")
+        print(
+            f"| {key} | {v['layer_ms']:.3f} | {v['experts']:.1f} | {v['bytes_ms']:.3f} | {v['flops_ms']:.3f} | "
+            f"{v['of_roofline']:.0%} |"
+        )
     print("| K | verify/decode (model) | (layer) | experts | bytes limit |")
     for K, v in res["verify"].items():
-        print(f"| {K} | {v['model_ratio']:.3f} | {v['layer_ratio']:.3f} | {v['experts']:.1f} | {v['bytes_limit']:.3f} |")
+        print(
+            f"| {K} | {v['model_ratio']:.3f} | {v['layer_ratio']:.3f} | {v['experts']:.1f} | {v['bytes_limit']:.3f} |"
+        )
     layers = 1 + args.moe_layers
     print(f"kernels of one eager decode step at batch 1 ({layers} layers; launches and us per step):")
     for r in full["kernels_b1"][:20]:

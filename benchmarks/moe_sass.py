@@ -40,12 +40,27 @@ DENSE_ROWS = (1, 16)  # a decode step's row, and a verify's
 def compile_moe_kernel(kernel, tiles, arch: int) -> bytes:
     gate_up = kernel.__name__ == "_gate_up_kernel"
     K = H if gate_up else I
-    ptrs = (["x_ptr", "w_ptr", "s_ptr", "z_ptr", "h_ptr", "g_ptr"] if gate_up
-            else ["h_ptr", "w_ptr", "s_ptr", "z_ptr", "rw_ptr", "out_ptr"])
+    ptrs = (
+        ["x_ptr", "w_ptr", "s_ptr", "z_ptr", "h_ptr", "g_ptr"]
+        if gate_up
+        else ["h_ptr", "w_ptr", "s_ptr", "z_ptr", "rw_ptr", "out_ptr"]
+    )
     sig = {p: "*i32" if p == "w_ptr" else "*fp32" if p == "g_ptr" else "*bf16" for p in ptrs}
     sig |= {"pairs_ptr": "*i32", "block_expert_ptr": "*i32", "P": "i32", "E": "i32"}
-    consts = dict(H=H, I=I, GROUPS=K // GROUP, INT4=True, HAS_ZERO=False, BLOCK_M=16, BLOCK_N=tiles.block_n,
-                  BLOCK_K=tiles.block_k, K_SPAN=tiles.k_span(K), PRECISION="tf32", PDL=False, SWAP=tiles.swap)
+    consts = dict(
+        H=H,
+        I=I,
+        GROUPS=K // GROUP,
+        INT4=True,
+        HAS_ZERO=False,
+        BLOCK_M=16,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        K_SPAN=tiles.k_span(K),
+        PRECISION="tf32",
+        PDL=False,
+        SWAP=tiles.swap,
+    )
     if gate_up:
         consts["TOP_K"] = 8
     return _compile(kernel, sig, consts, arch, dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages))
@@ -57,11 +72,30 @@ def compile_dense_kernel(K: int, group: int, zero: bool, rows: int, arch: int) -
     from specserve.kernels.int4 import _int4_gemv_kernel, gemv_tiles
 
     block_n, block_k, warps = gemv_tiles(rows)
-    sig = {"x_ptr": "*bf16", "w_ptr": "*i32", "s_ptr": "*bf16", "z_ptr": "*i8", "b_ptr": "*bf16",
-           "y_ptr": "*bf16", "M": "i32", "N": "i32", "SPAN_STEPS": "i32"}
-    consts = dict(K=K, GROUPS=K // group, HAS_ZERO=zero, HAS_BIAS=False,
-                  SPLIT=False, BLOCK_M=max(16, triton.next_power_of_2(rows)), BLOCK_N=block_n, BLOCK_K=block_k,
-                  ONE_ROW=rows == 1, PRECISION="tf32", PDL=False)
+    sig = {
+        "x_ptr": "*bf16",
+        "w_ptr": "*i32",
+        "s_ptr": "*bf16",
+        "z_ptr": "*i8",
+        "b_ptr": "*bf16",
+        "y_ptr": "*bf16",
+        "M": "i32",
+        "N": "i32",
+        "SPAN_STEPS": "i32",
+    }
+    consts = dict(
+        K=K,
+        GROUPS=K // group,
+        HAS_ZERO=zero,
+        HAS_BIAS=False,
+        SPLIT=False,
+        BLOCK_M=max(16, triton.next_power_of_2(rows)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ONE_ROW=rows == 1,
+        PRECISION="tf32",
+        PDL=False,
+    )
     aligned = {(i,): [["tt.divisibility", 16]] for i in range(6)}  # the pointers
     return _compile(_int4_gemv_kernel, sig, consts, arch, dict(num_warps=warps), aligned)
 
@@ -72,8 +106,11 @@ def _compile(kernel, sig: dict, consts: dict, arch: int, options: dict, attrs: d
     from triton.compiler import ASTSource
 
     sig = sig | {k: "constexpr" for k in consts}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
-                              target=GPUTarget("cuda", arch, 32), options=options)
+    compiled = triton.compile(
+        ASTSource(fn=kernel, signature=sig, constexprs=consts, attrs=attrs),
+        target=GPUTarget("cuda", arch, 32),
+        options=options,
+    )
     return compiled.asm["cubin"]
 
 
@@ -89,20 +126,44 @@ def small_cubins(arch: int) -> dict[str, bytes]:
 
     route_sig = {"logits_ptr": "*fp32", "bias_ptr": "*fp32", "w_ptr": "*fp32", "ids_ptr": "*i64"}
     common = dict(TOP_K=8, K_PAD=8, SIGMOID=True, NORM=True, SCORE_DT=tl.float32, CHOICE_DT=tl.float32, PDL=True)
-    shapes = {"route deepseek-v3": dict(E=256, GROUPS=8, KEPT=4, G_PAD=8, PER_PAD=32, SCALE=2.5),
-              "route kimi-k2.5": dict(E=384, GROUPS=1, KEPT=1, G_PAD=1, PER_PAD=512, SCALE=2.827)}
-    out = {name: _compile(_route_kernel, route_sig, common | c, arch, dict(num_warps=1))
-           for name, c in shapes.items()}
-    align_sig = {"ids_ptr": "*i64", "pairs_ptr": "*i32", "block_expert_ptr": "*i32", "first": "i32", "P": "i32",
-                 "BLOCKS": "i32"}
-    out["align 512 pairs"] = _compile(_align_kernel, align_sig, dict(
-        E=256, BLOCK_M=16, P_PAD=512, BINS=512, ROWS_PAD=8192, BLOCKS_PAD=512, PDL=True), arch, {})
-    combine_sig = {"y_ptr": "*fp32", "rw_ptr": "*bf16", "ids_ptr": "*i64", "add_ptr": "*bf16", "out_ptr": "*bf16",
-                   "first": "i32", "E": "i32"}
+    shapes = {
+        "route deepseek-v3": dict(E=256, GROUPS=8, KEPT=4, G_PAD=8, PER_PAD=32, SCALE=2.5),
+        "route kimi-k2.5": dict(E=384, GROUPS=1, KEPT=1, G_PAD=1, PER_PAD=512, SCALE=2.827),
+    }
+    out = {name: _compile(_route_kernel, route_sig, common | c, arch, dict(num_warps=1)) for name, c in shapes.items()}
+    align_sig = {
+        "ids_ptr": "*i64",
+        "pairs_ptr": "*i32",
+        "block_expert_ptr": "*i32",
+        "first": "i32",
+        "P": "i32",
+        "BLOCKS": "i32",
+    }
+    out["align 512 pairs"] = _compile(
+        _align_kernel,
+        align_sig,
+        dict(E=256, BLOCK_M=16, P_PAD=512, BINS=512, ROWS_PAD=8192, BLOCKS_PAD=512, PDL=True),
+        arch,
+        {},
+    )
+    combine_sig = {
+        "y_ptr": "*fp32",
+        "rw_ptr": "*bf16",
+        "ids_ptr": "*i64",
+        "add_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "first": "i32",
+        "E": "i32",
+    }
     for split in (False, True):  # (with the shared experts' output added, as on one rank)
         sig = combine_sig | ({} if split else {"y_ptr": "*bf16"})
-        out[f"combine{' split' * split}"] = _compile(_combine_kernel, sig, dict(
-            H=H, TOP_K=8, SPLIT=split, ADD=True, BLOCK=COMBINE_BLOCK, PDL=True), arch, dict(enable_fp_fusion=False))
+        out[f"combine{' split' * split}"] = _compile(
+            _combine_kernel,
+            sig,
+            dict(H=H, TOP_K=8, SPLIT=split, ADD=True, BLOCK=COMBINE_BLOCK, PDL=True),
+            arch,
+            dict(enable_fp_fusion=False),
+        )
     return out
 
 
@@ -159,12 +220,20 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--arch", type=int, default=90, help="compute capability to compile for (90: H100/H200)")
-    ap.add_argument("--tiles", nargs="+", choices=list(PAIRS), default=list(PAIRS),
-                    help="the MoE int4 default shape for a few pairs, for many, or both")
-    ap.add_argument("--kernels", nargs="+", choices=["moe", "dense", "small"],
-                    default=["moe", "dense", "small"],
-                    help="the fused-MoE kernels, the dense W4A16 GEMV, the MoE routing/alignment/"
-                         "combine programs")
+    ap.add_argument(
+        "--tiles",
+        nargs="+",
+        choices=list(PAIRS),
+        default=list(PAIRS),
+        help="the MoE int4 default shape for a few pairs, for many, or both",
+    )
+    ap.add_argument(
+        "--kernels",
+        nargs="+",
+        choices=["moe", "dense", "small"],
+        default=["moe", "dense", "small"],
+        help="the fused-MoE kernels, the dense W4A16 GEMV, the MoE routing/alignment/combine programs",
+    )
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="moe-sass-"))
     if "moe" in args.kernels:
@@ -172,8 +241,10 @@ def main() -> None:
             counts = {}
             for which in args.tiles:
                 tiles = default_tiles(PAIRS[which], int4=True)
-                label = (f"{which} pairs: {tiles.block_n}x{tiles.block_k} w{tiles.num_warps} split{tiles.split_k}"
-                         + " swap" * tiles.swap)
+                label = (
+                    f"{which} pairs: {tiles.block_n}x{tiles.block_k} w{tiles.num_warps} split{tiles.split_k}"
+                    + " swap" * tiles.swap
+                )
                 counts[label] = count(compile_moe_kernel(kernel, tiles, args.arch), work, f"{kernel.__name__}_{which}")
             table(kernel.__name__, counts)
     if "dense" in args.kernels:
@@ -183,8 +254,9 @@ def main() -> None:
             for shape, (K, group) in DENSE.items():
                 for zero in (False, True):
                     label = f"{shape} K{K} g{group} {'asym' if zero else 'sym'}"
-                    counts[label] = count(compile_dense_kernel(K, group, zero, rows, args.arch), work,
-                                          f"dense_{shape}_{rows}_{zero}")
+                    counts[label] = count(
+                        compile_dense_kernel(K, group, zero, rows, args.arch), work, f"dense_{shape}_{rows}_{zero}"
+                    )
             table(f"_int4_gemv_kernel, {rows} row{'s' * (rows > 1)} ({block_n}x{block_k} w{warps})", counts)
     if "small" in args.kernels:
         print("\nrouting, alignment and combine programs: whole SASS, per thread")

@@ -44,8 +44,14 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     rows = max(p for p, _ in args.shapes)
-    llm = LLM(args.model, args.draft, spec_steps=0, max_spec_steps=3 if args.draft else 0,
-              adaptive=bool(args.draft), max_num_seqs=max(rows, 8))
+    llm = LLM(
+        args.model,
+        args.draft,
+        spec_steps=0,
+        max_spec_steps=3 if args.draft else 0,
+        adaptive=bool(args.draft),
+        max_num_seqs=max(rows, 8),
+    )
     cuda = llm.engine.device.type == "cuda"
     vocab = llm.engine.runner.model_cfg.vocab_size
     one = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -57,6 +63,7 @@ def main() -> None:
             torch.cuda.synchronize()
 
     for P, T in args.shapes:
+
         def prompts():  # new ones every call: the prefix cache must find nothing
             return [torch.randint(0, vocab, (T,), generator=g).tolist() for _ in range(P)]
 
@@ -66,6 +73,7 @@ def main() -> None:
             llm.generate(ids, [one] * P)
             sync()
             return time.perf_counter() - t0
+
         call(prompts())  # warm-up: compiles, lazy allocations
         walls = [call(prompts()) for _ in range(args.repeats)]
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -87,13 +95,24 @@ def main() -> None:
         call(ids)
         prof_py.disable()
         stats = pstats.Stats(prof_py).stats
-        host = sorted(((v[3], v[1], f"{Path(k[0]).name}:{k[1]}:{k[2]}") for k, v in stats.items()
-                       if "specserve" in k[0] or "triton" in k[0]), reverse=True)[: args.top]
+        host = sorted(
+            (
+                (v[3], v[1], f"{Path(k[0]).name}:{k[1]}:{k[2]}")
+                for k, v in stats.items()
+                if "specserve" in k[0] or "triton" in k[0]
+            ),
+            reverse=True,
+        )[: args.top]
         result["shapes"][f"{P}x{T}"] = {
-            "wall_ms": round(1e3 * statistics.median(walls), 3), "kernels_ms": round(busy_ms, 3), "kernels": top,
-            "host": [{"function": f, "calls": n, "cumulative_ms": round(1e3 * t, 2)} for t, n, f in host]}
-        print(f"{P} x {T} tokens: {1e3 * statistics.median(walls):.2f} ms a call (prefill + one step), "
-              f"{busy_ms:.2f} ms of {'kernels' if cuda else 'operators'}")
+            "wall_ms": round(1e3 * statistics.median(walls), 3),
+            "kernels_ms": round(busy_ms, 3),
+            "kernels": top,
+            "host": [{"function": f, "calls": n, "cumulative_ms": round(1e3 * t, 2)} for t, n, f in host],
+        }
+        print(
+            f"{P} x {T} tokens: {1e3 * statistics.median(walls):.2f} ms a call (prefill + one step), "
+            f"{busy_ms:.2f} ms of {'kernels' if cuda else 'operators'}"
+        )
         for k in top:
             print(f"  {k['us']:>10.1f} us {k['calls']:>6}x  {k['kernel']}")
         print("  host (cProfile, cumulative):")

@@ -43,11 +43,16 @@ def run(engine: Engine, prompts, rate: float, max_tokens: int, seed: int) -> dic
     kv = engine.kv_usage()
     ttft = [s.first_token_time - s.arrival for s in seqs]
     q = kv["prefix_queried_tokens"] - kv0["prefix_queried_tokens"]
-    return {"requests": len(seqs), "wall_s": wall, "output_tok_s": sum(len(s.output_ids) for s in seqs) / wall,
-            "ttft_mean_s": statistics.mean(ttft), "ttft_p50_s": statistics.median(ttft),
-            "ttft_p90_s": sorted(ttft)[int(0.9 * len(ttft))],
-            "prefix_hit_rate": (kv["prefix_hit_tokens"] - kv0["prefix_hit_tokens"]) / q if q else None,
-            "preemptions": kv["preemptions"] - kv0["preemptions"]}
+    return {
+        "requests": len(seqs),
+        "wall_s": wall,
+        "output_tok_s": sum(len(s.output_ids) for s in seqs) / wall,
+        "ttft_mean_s": statistics.mean(ttft),
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p90_s": sorted(ttft)[int(0.9 * len(ttft))],
+        "prefix_hit_rate": (kv["prefix_hit_tokens"] - kv0["prefix_hit_tokens"]) / q if q else None,
+        "preemptions": kv["preemptions"] - kv0["preemptions"],
+    }
 
 
 def main() -> None:
@@ -70,17 +75,32 @@ def main() -> None:
     prefix = [g.randrange(vocab) for _ in range(a.prefix_tokens)]
     prompts = [prefix + [g.randrange(vocab) for _ in range(a.tail_tokens)] for _ in range(a.requests)]
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=a.model, draft=a.draft, spec_steps=a.spec_steps if a.draft else 0,
-                                 max_num_seqs=a.requests, max_model_len=a.max_model_len, prefix_cache=True,
-                                 gpu_memory_utilization=a.gpu_memory_utilization))
+    engine = Engine(
+        EngineConfig(
+            model=a.model,
+            draft=a.draft,
+            spec_steps=a.spec_steps if a.draft else 0,
+            max_num_seqs=a.requests,
+            max_model_len=a.max_model_len,
+            prefix_cache=True,
+            gpu_memory_utilization=a.gpu_memory_utilization,
+        )
+    )
     kv = engine.kv_usage()
     pool_tokens = kv["blocks_total"] * kv["block_size"]
     per_token = engine.runner.kv.nbytes() // engine.runner.kv.num_blocks // kv["block_size"]
-    out = {"model": a.model, "draft": a.draft, "build_s": time.perf_counter() - t0, "pool_tokens": pool_tokens,
-           "kv_bytes_per_token": per_token, "block_size": kv["block_size"],
-           "fit": {str(n): pool_tokens // n for n in a.fit_lengths}, "runs": []}
+    out = {
+        "model": a.model,
+        "draft": a.draft,
+        "build_s": time.perf_counter() - t0,
+        "pool_tokens": pool_tokens,
+        "kv_bytes_per_token": per_token,
+        "block_size": kv["block_size"],
+        "fit": {str(n): pool_tokens // n for n in a.fit_lengths},
+        "runs": [],
+    }
     run(engine, prompts[:4], a.rate, 8, seed=99)  # warm-up (first eager shapes)
-    for K in ([0, a.spec_steps] if a.draft else [0]):
+    for K in [0, a.spec_steps] if a.draft else [0]:
         if a.draft:
             engine.set_spec_steps(K)
         for on in (False, True):
@@ -88,9 +108,12 @@ def main() -> None:
             r = run(engine, prompts, a.rate, a.max_tokens, seed=1)
             r.update(spec_steps=K, prefix_cache=on)
             out["runs"].append(r)
-            print(f"K={K} prefix_cache={on!s:5} TTFT mean {r['ttft_mean_s'] * 1e3:8.1f} ms p50 "
-                  f"{r['ttft_p50_s'] * 1e3:8.1f} p90 {r['ttft_p90_s'] * 1e3:8.1f}  {r['output_tok_s']:8.1f} tok/s  "
-                  f"hit rate {r['prefix_hit_rate']}", flush=True)
+            print(
+                f"K={K} prefix_cache={on!s:5} TTFT mean {r['ttft_mean_s'] * 1e3:8.1f} ms p50 "
+                f"{r['ttft_p50_s'] * 1e3:8.1f} p90 {r['ttft_p90_s'] * 1e3:8.1f}  {r['output_tok_s']:8.1f} tok/s  "
+                f"hit rate {r['prefix_hit_rate']}",
+                flush=True,
+            )
             engine.check_idle_integrity()
     print(json.dumps({k: v for k, v in out.items() if k != "runs"}))
     if a.out:

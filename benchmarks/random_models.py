@@ -10,10 +10,23 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-LLAMA3_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                 num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=131072,
-                 rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                               "original_max_position_embeddings": 8192})
+LLAMA3_8B = dict(
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 
 
 def _rand(*shape, device, std=0.02):
@@ -55,15 +68,25 @@ def write_llama(out: Path, shape: dict = LLAMA3_8B, device: str = "cuda", layers
     shard["lm_head.weight"] = _rand(V, H, device=device)
     flush()
     (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16",
-           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": 128001,
-           "hidden_act": "silu", "head_dim": hd, **shape}
+    cfg = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "torch_dtype": "bfloat16",
+        "rms_norm_eps": 1e-5,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+        "hidden_act": "silu",
+        "head_dim": hd,
+        **shape,
+    }
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out
 
 
-def write_eagle3_drafter(out: Path, target_shape: dict = LLAMA3_8B, draft_vocab: int = 32000,
-                         device: str = "cuda") -> Path:
+def write_eagle3_drafter(
+    out: Path, target_shape: dict = LLAMA3_8B, draft_vocab: int = 32000, device: str = "cuda"
+) -> Path:
     """A random EAGLE-3 drafter (SpecForge layout) for a target of `target_shape`."""
     out.mkdir(parents=True, exist_ok=True)
     H, I = target_shape["hidden_size"], target_shape["intermediate_size"]
@@ -90,10 +113,21 @@ def write_eagle3_drafter(out: Path, target_shape: dict = LLAMA3_8B, draft_vocab:
     t2d[ids] = True
     t["t2d"] = t2d
     save_file(t, str(out / "model.safetensors"))
-    cfg = {"architectures": ["LlamaForCausalLMEagle3"], "hidden_size": H, "intermediate_size": I,
-           "num_attention_heads": nh, "num_key_value_heads": nkv, "num_hidden_layers": 1, "head_dim": hd,
-           "vocab_size": V, "draft_vocab_size": draft_vocab, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16",
-           "rope_theta": target_shape.get("rope_theta", 10000.0), "max_position_embeddings": 2048,
-           "hidden_act": "silu"}
+    cfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "hidden_size": H,
+        "intermediate_size": I,
+        "num_attention_heads": nh,
+        "num_key_value_heads": nkv,
+        "num_hidden_layers": 1,
+        "head_dim": hd,
+        "vocab_size": V,
+        "draft_vocab_size": draft_vocab,
+        "rms_norm_eps": 1e-5,
+        "torch_dtype": "bfloat16",
+        "rope_theta": target_shape.get("rope_theta", 10000.0),
+        "max_position_embeddings": 2048,
+        "hidden_act": "silu",
+    }
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     return out

@@ -108,11 +108,23 @@ def good_body(i: int, max_tokens: int, stream: bool = True) -> tuple[str, dict]:
         text = " ".join(f"value_{i}_{k} = {k} * x" for k in range(LONG_PROMPT_WORDS // 5)) + "\n" + text
     if i % 2:
         extra = {"logprobs": True, "top_logprobs": 2} if i % 4 == 3 else {}
-        return "/v1/chat/completions", {"model": MODEL, "stream": stream, "max_tokens": max_tokens, **sampling,
-                                        **extra, "messages": [{"role": "user", "content": text}]}
+        return "/v1/chat/completions", {
+            "model": MODEL,
+            "stream": stream,
+            "max_tokens": max_tokens,
+            **sampling,
+            **extra,
+            "messages": [{"role": "user", "content": text}],
+        }
     extra = {"logprobs": 2} if i % 4 == 0 else {}
-    return "/v1/completions", {"model": MODEL, "stream": stream, "max_tokens": max_tokens, **sampling, **extra,
-                               "prompt": f"# {text}\ndef function_{i}(x):"}
+    return "/v1/completions", {
+        "model": MODEL,
+        "stream": stream,
+        "max_tokens": max_tokens,
+        **sampling,
+        **extra,
+        "prompt": f"# {text}\ndef function_{i}(x):",
+    }
 
 
 NAN, INF = object(), object()  # written as the bare JSON extensions NaN and Infinity
@@ -121,7 +133,7 @@ BAD_VALUES = {
     "max_tokens": ["x", [1], {"a": 1}, -1, 2**63, 10**40, NAN, INF],
     "temperature": ["x", [1], {"a": 1}, -1, NAN, INF],
     "top_p": ["x", [1], -1, 2, NAN],
-    "top_k": ["x", [1], -2, -2**63, 2**63, 10**40, NAN],
+    "top_k": ["x", [1], -2, -(2**63), 2**63, 10**40, NAN],
     "min_p": ["x", -1, 2, NAN],
     "n": ["x", 0, -1, 2**63, 10**40, NAN],
     "seed": ["x", [1], {"a": 1}, 10**40, NAN],
@@ -157,24 +169,46 @@ def fuzz_bodies() -> list[tuple[str, str, bytes]]:
         out.append((f"{schema}.not_an_object", path, b"[1, 2, 3]"))
         out.append((f"{schema}.empty_body", path, b""))
         out.append((f"{schema}.no_model", path, _raw({k: v for k, v in base.items() if k != "model"})))
-    for name, v in (("list_of_objects", [{"a": 1}]), ("nested", [[["x"]]]), ("number", 5), ("empty_list", []),
-                    ("huge_token_id", [2**63]), ("negative_token_id", [-1]), ("null", None)):
+    for name, v in (
+        ("list_of_objects", [{"a": 1}]),
+        ("nested", [[["x"]]]),
+        ("number", 5),
+        ("empty_list", []),
+        ("huge_token_id", [2**63]),
+        ("negative_token_id", [-1]),
+        ("null", None),
+    ):
         out.append((f"completions.prompt={name}", "/v1/completions", _raw({**comp, "prompt": v})))
-    out.append(("completions.prompt=lone_surrogate", "/v1/completions",
-                b'{"model": "demo", "prompt": "a\\ud800b", "max_tokens": 4}'))
-    for name, messages in (("empty", []), ("string", "hi"), ("no_role", [{"content": "x"}]),
-                           ("unknown_role", [{"role": "wizard", "content": "x"}]),
-                           ("content_number", [{"role": "user", "content": 5}]),
-                           ("nested", [[{"role": "user", "content": "x"}]])):
+    out.append(
+        (
+            "completions.prompt=lone_surrogate",
+            "/v1/completions",
+            b'{"model": "demo", "prompt": "a\\ud800b", "max_tokens": 4}',
+        )
+    )
+    for name, messages in (
+        ("empty", []),
+        ("string", "hi"),
+        ("no_role", [{"content": "x"}]),
+        ("unknown_role", [{"role": "wizard", "content": "x"}]),
+        ("content_number", [{"role": "user", "content": 5}]),
+        ("nested", [[{"role": "user", "content": "x"}]]),
+    ):
         out.append((f"chat.messages={name}", "/v1/chat/completions", _raw({**chat, "messages": messages})))
-    out.append(("chat.messages=lone_surrogate", "/v1/chat/completions",
-                b'{"model": "demo", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 4}'))
+    out.append(
+        (
+            "chat.messages=lone_surrogate",
+            "/v1/chat/completions",
+            b'{"model": "demo", "messages": [{"role": "user", "content": "a\\ud800b"}], "max_tokens": 4}',
+        )
+    )
     return out
 
 
 # ----------------------------------------------------------------------------- client
-async def one_stream(client: httpx.AsyncClient, url: str, path: str, body: dict, failures: Counter,
-                     disconnect: bool = False) -> bool:
+async def one_stream(
+    client: httpx.AsyncClient, url: str, path: str, body: dict, failures: Counter, disconnect: bool = False
+) -> bool:
     """True when the stream ended with [DONE] and no error event (or, with `disconnect`,
     when its first chunk arrived before the client hung up)."""
     try:
@@ -203,11 +237,13 @@ async def one_stream(client: httpx.AsyncClient, url: str, path: str, body: dict,
         return False
 
 
-async def run_streams(url: str, n: int, concurrency: int, max_tokens: int, failures: Counter, offset: int = 0,
-                      disconnect: bool = False) -> int:
+async def run_streams(
+    url: str, n: int, concurrency: int, max_tokens: int, failures: Counter, offset: int = 0, disconnect: bool = False
+) -> int:
     sem = asyncio.Semaphore(concurrency)
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+
         async def worker(i: int) -> bool:
             async with sem:
                 path, body = good_body(offset + i, max_tokens)
@@ -222,8 +258,7 @@ async def run_fuzz(url: str, max_tokens: int, failures: Counter) -> dict:
     statuses: Counter = Counter()
     accepted: list[str] = []
     async with httpx.AsyncClient(timeout=120) as client:
-        streams = asyncio.gather(*(one_stream(client, url, *good_body(i, max_tokens * 4), failures)
-                                   for i in range(8)))
+        streams = asyncio.gather(*(one_stream(client, url, *good_body(i, max_tokens * 4), failures) for i in range(8)))
 
         async def bad(name: str, path: str, raw: bytes) -> None:
             try:
@@ -238,14 +273,22 @@ async def run_fuzz(url: str, max_tokens: int, failures: Counter) -> dict:
                 accepted.append(name)  # not a crash, but a bad body that went through: reported
 
         for k in range(0, len(bodies), 8):
-            await asyncio.gather(*(bad(*b) for b in bodies[k:k + 8]))
+            await asyncio.gather(*(bad(*b) for b in bodies[k : k + 8]))
         ok = sum(await streams)
-    print(f"fuzz: {len(bodies)} bad bodies, statuses {dict(sorted(statuses.items()))}, "
-          f"{ok}/8 concurrent streams completed", flush=True)
+    print(
+        f"fuzz: {len(bodies)} bad bodies, statuses {dict(sorted(statuses.items()))}, "
+        f"{ok}/8 concurrent streams completed",
+        flush=True,
+    )
     if accepted:
         print(f"fuzz: accepted with 2xx (expected a 4xx): {', '.join(accepted)}", flush=True)
-    return {"requests": len(bodies), "statuses": {str(k): v for k, v in sorted(statuses.items())},
-            "accepted": accepted, "concurrent_streams_completed": ok, "of": 8}
+    return {
+        "requests": len(bodies),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "accepted": accepted,
+        "concurrent_streams_completed": ok,
+        "of": 8,
+    }
 
 
 def running_sequences(url: str) -> float | None:
@@ -253,8 +296,11 @@ def running_sequences(url: str) -> float | None:
         text = httpx.get(url + "/metrics", timeout=10).text
     except httpx.HTTPError:
         return None
-    vals = [float(line.split()[-1]) for line in text.splitlines()
-            if line.startswith(("specserve:num_requests_running", "specserve:num_requests_waiting"))]
+    vals = [
+        float(line.split()[-1])
+        for line in text.splitlines()
+        if line.startswith(("specserve:num_requests_running", "specserve:num_requests_waiting"))
+    ]
     return sum(vals) if vals else None
 
 
@@ -266,12 +312,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--concurrency", type=int, default=24)
     p.add_argument("--disconnects", type=int, default=50)
     p.add_argument("--max-tokens", type=int, default=16)
-    p.add_argument("--long-prompt-words", type=int, default=300,
-                   help="words of every 5th prompt (0: none); must fit the server's --max-model-len")
-    p.add_argument("--time-limit", type=float, default=540.0, metavar="S",
-                   help="start no round after S seconds of soak (default 540)")
-    p.add_argument("--startup-timeout", type=float, default=900.0, metavar="S",
-                   help="give up when the server is not ready after S seconds (default 900)")
+    p.add_argument(
+        "--long-prompt-words",
+        type=int,
+        default=300,
+        help="words of every 5th prompt (0: none); must fit the server's --max-model-len",
+    )
+    p.add_argument(
+        "--time-limit",
+        type=float,
+        default=540.0,
+        metavar="S",
+        help="start no round after S seconds of soak (default 540)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        metavar="S",
+        help="give up when the server is not ready after S seconds (default 900)",
+    )
     p.add_argument("--serve-args", default="", help="extra `specserve serve` arguments (shlex-split)")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
     a = p.parse_args(argv)
@@ -284,8 +344,19 @@ def main(argv: list[str] | None = None) -> int:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     logdir = Path(tempfile.mkdtemp(prefix="specserve-soak-"))
-    cmd = [sys.executable, "-m", "specserve", "serve", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", *shlex.split(a.serve_args)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specserve",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *shlex.split(a.serve_args),
+    ]
     print(f"starting: {shlex.join(cmd)} (log: {logdir / 'serve.log'})", flush=True)
     with open(logdir / "serve.log", "wb") as logf:
         server = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
@@ -294,8 +365,11 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.monotonic()
         while True:
             if server.poll() is not None:
-                print(f"error: the server exited with status {server.returncode} before it was ready; "
-                      f"see {logdir / 'serve.log'}", file=sys.stderr)
+                print(
+                    f"error: the server exited with status {server.returncode} before it was ready; "
+                    f"see {logdir / 'serve.log'}",
+                    file=sys.stderr,
+                )
                 return 1
             try:
                 if httpx.get(url + "/health", timeout=5).status_code == 200:
@@ -310,9 +384,15 @@ def main(argv: list[str] | None = None) -> int:
         monitor = Monitor(port, server.pid)
         monitor.start()
         failures: Counter = Counter()
-        results: dict = {"command": shlex.join(cmd), "rounds": [], "rounds_requested": a.rounds,
-                         "requests_per_round": a.requests, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
-                         "long_prompt_words": a.long_prompt_words}
+        results: dict = {
+            "command": shlex.join(cmd),
+            "rounds": [],
+            "rounds_requested": a.rounds,
+            "requests_per_round": a.requests,
+            "concurrency": a.concurrency,
+            "max_tokens": a.max_tokens,
+            "long_prompt_words": a.long_prompt_words,
+        }
         t_soak = time.monotonic()
 
         rss0 = monitor.reset_rss_max()
@@ -328,17 +408,26 @@ def main(argv: list[str] | None = None) -> int:
             start = monitor.reset_rss_max()
             t = time.monotonic()
             ok = asyncio.run(run_streams(url, a.requests, a.concurrency, a.max_tokens, failures, offset=r * a.requests))
-            row = {"round": r + 1, "requests": a.requests, "completed": ok, "seconds": round(time.monotonic() - t, 1),
-                   "rss_start_mib": round(start, 1), "rss_end_mib": round(monitor.rss(), 1),
-                   "rss_max_mib": round(monitor.rss_max, 1)}
+            row = {
+                "round": r + 1,
+                "requests": a.requests,
+                "completed": ok,
+                "seconds": round(time.monotonic() - t, 1),
+                "rss_start_mib": round(start, 1),
+                "rss_end_mib": round(monitor.rss(), 1),
+                "rss_max_mib": round(monitor.rss_max, 1),
+            }
             results["rounds"].append(row)
             requests += a.requests
-            print(f"round {r + 1:2d}/{a.rounds}: {ok}/{a.requests} completed in {row['seconds']:6.1f} s; RSS MiB "
-                  f"start {row['rss_start_mib']:7.1f} end {row['rss_end_mib']:7.1f} max {row['rss_max_mib']:7.1f}",
-                  flush=True)
+            print(
+                f"round {r + 1:2d}/{a.rounds}: {ok}/{a.requests} completed in {row['seconds']:6.1f} s; RSS MiB "
+                f"start {row['rss_start_mib']:7.1f} end {row['rss_end_mib']:7.1f} max {row['rss_max_mib']:7.1f}",
+                flush=True,
+            )
 
-        got_first = asyncio.run(run_streams(url, a.disconnects, a.concurrency, a.max_tokens * 8, failures,
-                                            offset=10**6, disconnect=True))
+        got_first = asyncio.run(
+            run_streams(url, a.disconnects, a.concurrency, a.max_tokens * 8, failures, offset=10**6, disconnect=True)
+        )
         requests += a.disconnects
         deadline, left = time.monotonic() + 60, None
         while time.monotonic() < deadline:
@@ -348,27 +437,37 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         if left != 0:
             failures[f"sequences still running 60 s after the disconnects: {left}"] += 1
-        print(f"disconnects: {a.disconnects} streams closed after their first chunk ({got_first} got one); "
-              f"sequences left running: {left:g}" if left is not None else "sequences left running: unknown",
-              flush=True)
-        results["disconnects"] = {"requests": a.disconnects, "first_chunk_received": got_first,
-                                  "sequences_left": left}
+        print(
+            f"disconnects: {a.disconnects} streams closed after their first chunk ({got_first} got one); "
+            f"sequences left running: {left:g}"
+            if left is not None
+            else "sequences left running: unknown",
+            flush=True,
+        )
+        results["disconnects"] = {"requests": a.disconnects, "first_chunk_received": got_first, "sequences_left": left}
 
         ends = [row["rss_end_mib"] for row in results["rounds"]]
-        half = ends[len(ends) // 2:] if len(ends) >= 4 else []
+        half = ends[len(ends) // 2 :] if len(ends) >= 4 else []
         growth = (max(half) - half[0]) if half else None
         plateau = growth is not None and growth <= PLATEAU_MIB
         if server.poll() is not None:
             failures[f"server exited with status {server.returncode}"] += 1
-        results.update({
-            "requests": requests, "failures": dict(failures), "failed": sum(failures.values()),
-            "rss_start_mib": round(rss0, 1), "rss_end_mib": round(monitor.rss(), 1),
-            "rss_max_mib": round(max([row["rss_max_mib"] for row in results["rounds"]] + [rss0]), 1),
-            "rss_growth_second_half_mib": None if growth is None else round(growth, 1),
-            "rss_plateau": plateau, "plateau_tolerance_mib": PLATEAU_MIB,
-            "health_max_ms": round(monitor.health_max_ms, 1), "health_failures": monitor.health_failures,
-            "soak_seconds": round(time.monotonic() - t_soak, 1),
-        })
+        results.update(
+            {
+                "requests": requests,
+                "failures": dict(failures),
+                "failed": sum(failures.values()),
+                "rss_start_mib": round(rss0, 1),
+                "rss_end_mib": round(monitor.rss(), 1),
+                "rss_max_mib": round(max([row["rss_max_mib"] for row in results["rounds"]] + [rss0]), 1),
+                "rss_growth_second_half_mib": None if growth is None else round(growth, 1),
+                "rss_plateau": plateau,
+                "plateau_tolerance_mib": PLATEAU_MIB,
+                "health_max_ms": round(monitor.health_max_ms, 1),
+                "health_failures": monitor.health_failures,
+                "soak_seconds": round(time.monotonic() - t_soak, 1),
+            }
+        )
     finally:
         if monitor is not None:
             monitor.stop.set()
@@ -380,13 +479,20 @@ def main(argv: list[str] | None = None) -> int:
                 server.kill()
                 server.wait()
 
-    print(f"requests: {results['requests']} (fuzz {n_fuzz} + 8 streams, {len(results['rounds'])} x {a.requests} "
-          f"streams, {a.disconnects} disconnects); soak {results['soak_seconds']} s")
+    print(
+        f"requests: {results['requests']} (fuzz {n_fuzz} + 8 streams, {len(results['rounds'])} x {a.requests} "
+        f"streams, {a.disconnects} disconnects); soak {results['soak_seconds']} s"
+    )
     print(f"failures: {results['failed']}" + "".join(f"\n  {n:5d}  {why}" for why, n in failures.most_common()))
-    print(f"RSS MiB: start {results['rss_start_mib']}, end {results['rss_end_mib']}, max {results['rss_max_mib']}; "
-          + ("second half of the rounds: too few rounds to judge a plateau" if growth is None else
-             f"second half of the rounds grew {growth:.1f} MiB: "
-             + ("plateau" if plateau else f"NO PLATEAU (tolerance {PLATEAU_MIB:g} MiB)")))
+    print(
+        f"RSS MiB: start {results['rss_start_mib']}, end {results['rss_end_mib']}, max {results['rss_max_mib']}; "
+        + (
+            "second half of the rounds: too few rounds to judge a plateau"
+            if growth is None
+            else f"second half of the rounds grew {growth:.1f} MiB: "
+            + ("plateau" if plateau else f"NO PLATEAU (tolerance {PLATEAU_MIB:g} MiB)")
+        )
+    )
     print(f"/health: max latency {results['health_max_ms']} ms, {results['health_failures']} probe(s) not 200")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1) + "\n")

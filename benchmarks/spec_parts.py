@@ -22,8 +22,8 @@ import json
 import torch
 from gpu_engine import gpu_ms  # (this folder)
 
-from specserve.engine.engine import Engine
 from specserve.config import EngineConfig
+from specserve.engine.engine import Engine
 from specserve.engine.sampling import BatchSampling, SamplingParams
 from specserve.spec.verify import accept_drafts
 
@@ -44,24 +44,50 @@ def _profiled(fn, reps: int):
 def top_kernels(fn, n: int, reps: int = 10) -> dict:
     """GPU time per call of fn's kernels (CUDA graph replays included): the n costliest, and the sum."""
     prof = _profiled(fn, reps)
-    kernels = [(ev.self_device_time_total / reps, ev.count / reps, ev.key) for ev in prof.key_averages()
-               if ev.device_type.name == "CUDA" and ev.self_device_time_total > 0]
+    kernels = [
+        (ev.self_device_time_total / reps, ev.count / reps, ev.key)
+        for ev in prof.key_averages()
+        if ev.device_type.name == "CUDA" and ev.self_device_time_total > 0
+    ]
     kernels.sort(reverse=True)
-    return {"kernel_us": round(sum(k[0] for k in kernels), 1), "kernels_per_call": round(sum(k[1] for k in kernels), 1),
-            "top": [{"us": round(us, 1), "count": round(c, 1), "name": name[:90]} for us, c, name in kernels[:n]]}
+    return {
+        "kernel_us": round(sum(k[0] for k in kernels), 1),
+        "kernels_per_call": round(sum(k[1] for k in kernels), 1),
+        "top": [{"us": round(us, 1), "count": round(c, 1), "name": name[:90]} for us, c, name in kernels[:n]],
+    }
 
 
 def kernel_sequence(fn) -> list[tuple[str, float]]:
     """The kernels of one call of fn in the order they ran: (name, GPU us)."""
-    evs = sorted((e for e in _profiled(fn, 1).events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start)
+    evs = sorted(
+        (e for e in _profiled(fn, 1).events() if e.device_type.name == "CUDA"), key=lambda e: e.time_range.start
+    )
     return [(e.name[:80], round(e.time_range.elapsed_us(), 1)) for e in evs]
 
 
-def parts(model: str, draft: str, K: int, topk: int, nodes: int | None, batch_sizes: list[int], ctx: int,
-          kernels: int = 0, sequence: bool = False) -> list[dict]:
-    eng = Engine(EngineConfig(model=model, draft=draft, spec_steps=K, spec_topk=topk, spec_tokens=nodes,
-                              max_num_seqs=max(batch_sizes), graph_batch_sizes=tuple(batch_sizes),
-                              max_model_len=ctx + 128))
+def parts(
+    model: str,
+    draft: str,
+    K: int,
+    topk: int,
+    nodes: int | None,
+    batch_sizes: list[int],
+    ctx: int,
+    kernels: int = 0,
+    sequence: bool = False,
+) -> list[dict]:
+    eng = Engine(
+        EngineConfig(
+            model=model,
+            draft=draft,
+            spec_steps=K,
+            spec_topk=topk,
+            spec_tokens=nodes,
+            max_num_seqs=max(batch_sizes),
+            graph_batch_sizes=tuple(batch_sizes),
+            max_model_len=ctx + 128,
+        )
+    )
     r, out = eng.runner, []
     for B in batch_sizes:
         dev = r.device
@@ -81,9 +107,15 @@ def parts(model: str, draft: str, K: int, topk: int, nodes: int | None, batch_si
             v_ids = torch.cat([ids.unsqueeze(1), d.tokens], 1)
             logits, _ = r.verify(v_ids, pos)
             fns.update(draft=lambda: r.draft(K, entry, last, greedy), verify=lambda: r.verify(v_ids, pos))
-        row = {"K": K, "topk": topk, "nodes": eng.cfg.tree_nodes(K), "batch": B, "linear_tuning": r.linear_tuning,
-               **{f"{name}_ms": gpu_ms(fn) for name, fn in fns.items()},
-               "accept_ms": gpu_ms(lambda: accept_drafts(logits, d, greedy, pos, on)) if topk == 1 else 0.0}
+        row = {
+            "K": K,
+            "topk": topk,
+            "nodes": eng.cfg.tree_nodes(K),
+            "batch": B,
+            "linear_tuning": r.linear_tuning,
+            **{f"{name}_ms": gpu_ms(fn) for name, fn in fns.items()},
+            "accept_ms": gpu_ms(lambda: accept_drafts(logits, d, greedy, pos, on)) if topk == 1 else 0.0,
+        }
         if kernels:
             row["kernels"] = {name: top_kernels(fn, kernels) for name, fn in fns.items()}
         if sequence:
@@ -110,20 +142,33 @@ def main() -> None:
     rows = []
     for spec in args.trees:
         K, topk, nodes = spec.split(":")
-        rows += parts(args.model, args.draft, int(K), int(topk), None if nodes == "-" else int(nodes),
-                      args.batch_sizes, args.context, args.kernels, args.sequence)
+        rows += parts(
+            args.model,
+            args.draft,
+            int(K),
+            int(topk),
+            None if nodes == "-" else int(nodes),
+            args.batch_sizes,
+            args.context,
+            args.kernels,
+            args.sequence,
+        )
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"context": args.context, "parts": rows}, f, indent=1)
     print("| K | topk | nodes | batch | decode ms | draft ms | verify ms | accept ms | cycle / decode |")
     print("|---|---|---|---|---|---|---|---|---|")
     for x in rows:
-        print(f"| {x['K']} | {x['topk']} | {x['nodes']} | {x['batch']} | {x['decode_ms']:.2f} | {x['draft_ms']:.2f} | "
-              f"{x['verify_ms']:.2f} | {x['accept_ms']:.3f} | {x['cycle_over_decode']:.2f} |")
+        print(
+            f"| {x['K']} | {x['topk']} | {x['nodes']} | {x['batch']} | {x['decode_ms']:.2f} | {x['draft_ms']:.2f} | "
+            f"{x['verify_ms']:.2f} | {x['accept_ms']:.3f} | {x['cycle_over_decode']:.2f} |"
+        )
     for x in rows:
         for part, k in x.get("kernels", {}).items():
-            print(f"\n{part} K={x['K']} topk={x['topk']} B={x['batch']}: {k['kernel_us']} us in "
-                  f"{k['kernels_per_call']} kernels")
+            print(
+                f"\n{part} K={x['K']} topk={x['topk']} B={x['batch']}: {k['kernel_us']} us in "
+                f"{k['kernels_per_call']} kernels"
+            )
             for t in k["top"]:
                 print(f"  {t['us']:8.1f} us  x{t['count']:<5} {t['name']}")
 

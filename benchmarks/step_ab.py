@@ -35,11 +35,12 @@ def main() -> None:
     import torch
 
     import specserve
-    from benchmarks.gpu_engine import gpu_ms  # (imports the tree's specserve, already on the path)
-    from benchmarks.random_models import write_eagle3_drafter, write_llama
     from specserve.config import EngineConfig
     from specserve.engine.runner import ModelRunner
     from specserve.engine.sampling import BatchSampling, SamplingParams
+
+    from benchmarks.gpu_engine import gpu_ms  # (imports the tree's specserve, already on the path)
+    from benchmarks.random_models import write_eagle3_drafter, write_llama
 
     work = Path(args.work)
     target, draft = work / "llama8b", work / "llama8b-eagle3"
@@ -47,15 +48,31 @@ def main() -> None:
         write_llama(target)
         write_eagle3_drafter(draft)
     t0 = time.perf_counter()
-    cfg = EngineConfig(model=str(target), draft=str(draft), spec_steps=args.k, max_num_seqs=max(args.batches),
-                       max_model_len=args.context + 64, device="cuda", graph_batch_sizes=tuple(args.batches),
-                       **({"batch_invariant": True} if args.batch_invariant else {}))
+    cfg = EngineConfig(
+        model=str(target),
+        draft=str(draft),
+        spec_steps=args.k,
+        max_num_seqs=max(args.batches),
+        max_model_len=args.context + 64,
+        device="cuda",
+        graph_batch_sizes=tuple(args.batches),
+        **({"batch_invariant": True} if args.batch_invariant else {}),
+    )
     runner = ModelRunner(cfg)
     if hasattr(runner, "reserve_every_row"):
         runner.reserve_every_row()
     runner.capture_graphs([args.k])
-    res = {"tree": specserve.__file__, "load_s": time.perf_counter() - t0, "gpu": torch.cuda.get_device_name(),
-           "context": args.context, "K": args.k, "batch_invariant": args.batch_invariant, "decode_ms": {}, "verify_ms": {}, "draft_ms": {}}
+    res = {
+        "tree": specserve.__file__,
+        "load_s": time.perf_counter() - t0,
+        "gpu": torch.cuda.get_device_name(),
+        "context": args.context,
+        "K": args.k,
+        "batch_invariant": args.batch_invariant,
+        "decode_ms": {},
+        "verify_ms": {},
+        "draft_ms": {},
+    }
 
     K = args.k
     with torch.inference_mode():
@@ -70,8 +87,11 @@ def main() -> None:
             entry[:, 0] = args.context - 1
             last = torch.zeros(B, dtype=torch.long, device="cuda")
             res["draft_ms"][B] = gpu_ms(lambda: runner.draft(K, entry, last, s), args.reps)
-            print(f"batch {B}: decode {res['decode_ms'][B]:.4f} ms, verify {res['verify_ms'][B]:.4f} ms, "
-                  f"draft {res['draft_ms'][B]:.4f} ms", flush=True)
+            print(
+                f"batch {B}: decode {res['decode_ms'][B]:.4f} ms, verify {res['verify_ms'][B]:.4f} ms, "
+                f"draft {res['draft_ms'][B]:.4f} ms",
+                flush=True,
+            )
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=1))
 

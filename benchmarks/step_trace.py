@@ -54,13 +54,21 @@ def logged_choose(policy, choose):
         rates = policy._rates(shape, policy.tree(B), remaining, B, switch=switch)
         K = choose(B, remaining, stale, context)
         if K:
-            DECISIONS.append({"B": B, "context": context, "K": K, "stale": stale,
-                              "best": max(rates, key=rates.get) if rates else None,
-                              "job": bool(remaining), "switch_ms": round(1e3 * switch, 2),
-                              "rates": {k: round(r / 1e3, 4) for k, r in rates.items()},
-                              "cost_ms": {k: round(1e3 * (policy.predicted_cost(shape[0], k, context) or 0), 3)
-                                          for k in rates}})
+            DECISIONS.append(
+                {
+                    "B": B,
+                    "context": context,
+                    "K": K,
+                    "stale": stale,
+                    "best": max(rates, key=rates.get) if rates else None,
+                    "job": bool(remaining),
+                    "switch_ms": round(1e3 * switch, 2),
+                    "rates": {k: round(r / 1e3, 4) for k, r in rates.items()},
+                    "cost_ms": {k: round(1e3 * (policy.predicted_cost(shape[0], k, context) or 0), 3) for k in rates},
+                }
+            )
         return K
+
     return wrapped
 
 
@@ -72,16 +80,27 @@ def logged_would_win(policy):
     def wrapped(shape, B, K, seconds):
         won = would_win(shape, B, K, seconds)
         live = policy.cost.get((*shape, K))
-        WINS.append({"B": B, "K": K, "ms": round(1e3 * seconds, 3), "won": won,
-                     "live_ms": None if live is None else round(1e3 * live, 3)})
+        WINS.append(
+            {
+                "B": B,
+                "K": K,
+                "ms": round(1e3 * seconds, 3),
+                "won": won,
+                "live_ms": None if live is None else round(1e3 * live, 3),
+            }
+        )
         return won
+
     return wrapped
 
 
 def set_config(eng, name: str, choose) -> None:
     eng.set_spec_steps(0 if name == "baseline" else None)
-    eng.policy.choose = ((lambda B, remaining=None, stale=False, context=0: 0) if name == "adaptive-plain"
-                         else logged_choose(eng.policy, choose))
+    eng.policy.choose = (
+        (lambda B, remaining=None, stale=False, context=0: 0)
+        if name == "adaptive-plain"
+        else logged_choose(eng.policy, choose)
+    )
 
 
 COMPILED: list[str] = []  # Triton kernels compiled so far (names), appended by the hook below
@@ -123,8 +142,9 @@ def serve(eng, ids, params, in_flight: int, requests: int) -> None:
                 live.discard(s.seq_id)
 
 
-def run_round(llm, ids, params, batch: int = 1, in_flight: int = 0,
-              requests: int = 0) -> tuple[float, list[tuple], float, dict]:
+def run_round(
+    llm, ids, params, batch: int = 1, in_flight: int = 0, requests: int = 0
+) -> tuple[float, list[tuple], float, dict]:
     """(wall seconds, [(K, prefilled, seconds, kernels compiled) per step], catch-up seconds, prefill forwards
     and how many the prefill graphs served) over the prompts, `batch` at a time (a `generate` call each), or
     served (`in_flight` > 0: `requests` of them, replaced as they end)."""
@@ -200,18 +220,31 @@ def summarize(wall: float, steps, catch: float, prefills: dict, tokens: int) -> 
         else:
             runs.append([k, 1])
     switches = sum(1 for a, b in zip(runs, runs[1:]) if a[0] == 0 and b[0] > 0)
-    out = {"wall_s": round(wall, 4), "tok_s": round(tokens / wall, 1), "steps": len(steps),
-           "switches_to_speculation": switches, "k_runs": runs,
-           "compiling_steps": [{"K": k, "prefill": pf, "ms": ms, "kernels": names} for k, pf, ms, names in compiled],
-           "prefill_steps": len(prefill), "prefill_ms": round(1e3 * sum(prefill), 2),
-           "catch_up_ms": round(1e3 * catch, 2), "prefill_forwards": prefills, "by_k": {}}
+    out = {
+        "wall_s": round(wall, 4),
+        "tok_s": round(tokens / wall, 1),
+        "steps": len(steps),
+        "switches_to_speculation": switches,
+        "k_runs": runs,
+        "compiling_steps": [{"K": k, "prefill": pf, "ms": ms, "kernels": names} for k, pf, ms, names in compiled],
+        "prefill_steps": len(prefill),
+        "prefill_ms": round(1e3 * sum(prefill), 2),
+        "catch_up_ms": round(1e3 * catch, 2),
+        "prefill_forwards": prefills,
+        "by_k": {},
+    }
     for k, xs in sorted(by_k.items()):
         med = statistics.median(xs)
         slow = sorted((x for x in xs if x > 3 * med), reverse=True)
-        out["by_k"][str(k)] = {"n": len(xs), "median_ms": round(1e3 * med, 4),
-                               "mean_ms": round(1e3 * statistics.fmean(xs), 4), "total_ms": round(1e3 * sum(xs), 2),
-                               "slow_n": len(slow), "slow_ms": round(1e3 * sum(slow), 2),
-                               "slowest_ms": [round(1e3 * x, 2) for x in slow[:8]]}
+        out["by_k"][str(k)] = {
+            "n": len(xs),
+            "median_ms": round(1e3 * med, 4),
+            "mean_ms": round(1e3 * statistics.fmean(xs), 4),
+            "total_ms": round(1e3 * sum(xs), 2),
+            "slow_n": len(slow),
+            "slow_ms": round(1e3 * sum(slow), 2),
+            "slowest_ms": [round(1e3 * x, 2) for x in slow[:8]],
+        }
     return out
 
 
@@ -225,16 +258,27 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="largest K of adaptive")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--in-flight", type=int, default=0,
-                    help="serve instead: this many requests in flight, each replaced as it ends (no batch job)")
+    ap.add_argument(
+        "--in-flight",
+        type=int,
+        default=0,
+        help="serve instead: this many requests in flight, each replaced as it ends (no batch job)",
+    )
     ap.add_argument("--requests", type=int, default=256, help="requests a round with --in-flight")
     ap.add_argument("--admit-wait", type=int, default=0, help="the engine's --admit-wait (steps)")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
 
-    llm = LLM(args.model, args.draft, spec_steps=0, max_spec_steps=args.steps, adaptive=True,
-              max_num_seqs=max(args.batch, args.in_flight, 8), admit_wait=args.admit_wait)
+    llm = LLM(
+        args.model,
+        args.draft,
+        spec_steps=0,
+        max_spec_steps=args.steps,
+        adaptive=True,
+        max_num_seqs=max(args.batch, args.in_flight, 8),
+        admit_wait=args.admit_wait,
+    )
     rows = []
     for f in args.prompts:
         with open(f) as fh:
@@ -250,9 +294,15 @@ def main() -> None:
     for name in CONFIGS:  # warm-up
         set_config(eng, name, choose)
         run_round(llm, ids[:2], params[:2], args.batch, args.in_flight, min(args.requests, 2 * args.in_flight))
-    result: dict = {"model": args.model, "draft": args.draft, "prompts": len(ids), "batch": args.batch, **serving,
-                    "max_tokens": args.max_tokens,
-                    "rounds": {name: [] for name in CONFIGS}}
+    result: dict = {
+        "model": args.model,
+        "draft": args.draft,
+        "prompts": len(ids),
+        "batch": args.batch,
+        **serving,
+        "max_tokens": args.max_tokens,
+        "rounds": {name: [] for name in CONFIGS},
+    }
     for _ in range(args.rounds):
         for name in CONFIGS:
             set_config(eng, name, choose)
@@ -267,39 +317,59 @@ def main() -> None:
             prof.disable()
             st = pstats.Stats(prof)
             top = sorted(st.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]
-            result["cprofile"][name] = [{"fn": f"{Path(f).name}:{line}:{fn}", "calls": v[1],
-                                         "own_ms": round(1e3 * v[2], 2),
-                                         "cum_ms": round(1e3 * v[3], 2)} for (f, line, fn), v in top]
+            result["cprofile"][name] = [
+                {
+                    "fn": f"{Path(f).name}:{line}:{fn}",
+                    "calls": v[1],
+                    "own_ms": round(1e3 * v[2], 2),
+                    "cum_ms": round(1e3 * v[3], 2),
+                }
+                for (f, line, fn), v in top
+            ]
     set_config(eng, "adaptive", choose)
     result["policy_choices"] = dict(eng.policy.choices)
     result["policy_costs"] = eng.policy.snapshot()
     explored = [d for d in DECISIONS if d["best"] != d["K"]]
-    result["spec_decisions"] = {"n": len(DECISIONS), "explorations": len(explored), "first": DECISIONS[:40],
-                                "best_not_explored": [d for d in DECISIONS if d["best"] == d["K"]][:40],
-                                "exploration_timings": WINS[:200]}
+    result["spec_decisions"] = {
+        "n": len(DECISIONS),
+        "explorations": len(explored),
+        "first": DECISIONS[:40],
+        "best_not_explored": [d for d in DECISIONS if d["best"] == d["K"]][:40],
+        "exploration_timings": WINS[:200],
+    }
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
-    print(f"{'config':<16}{'round':>6}{'tok/s':>9}{'K0 med':>9}{'K0 mean':>9}{'K>0 n':>7}{'K>0 ms':>9}"
-          f"{'slow K0':>9}{'catch':>8}{'switch':>7}{'prefill':>9}{'graphed':>9}")
+    print(
+        f"{'config':<16}{'round':>6}{'tok/s':>9}{'K0 med':>9}{'K0 mean':>9}{'K>0 n':>7}{'K>0 ms':>9}"
+        f"{'slow K0':>9}{'catch':>8}{'switch':>7}{'prefill':>9}{'graphed':>9}"
+    )
     for name, rs in result["rounds"].items():
         for i, r in enumerate(rs):
             k0 = r["by_k"].get("0", {})
             spec = [v for k, v in r["by_k"].items() if k not in ("0", "-1")]
-            print(f"{name:<16}{i:>6}{r['tok_s']:>9.1f}{k0.get('median_ms', 0):>9.3f}{k0.get('mean_ms', 0):>9.3f}"
-                  f"{sum(v['n'] for v in spec):>7}{sum(v['total_ms'] for v in spec):>9.1f}"
-                  f"{k0.get('slow_ms', 0):>9.1f}{r['catch_up_ms']:>8.1f}{r['switches_to_speculation']:>7}"
-                  f"{r['prefill_ms']:>9.1f}{r['prefill_forwards']['graphed']:>4}/{r['prefill_forwards']['forwards']:<4}")
+            print(
+                f"{name:<16}{i:>6}{r['tok_s']:>9.1f}{k0.get('median_ms', 0):>9.3f}{k0.get('mean_ms', 0):>9.3f}"
+                f"{sum(v['n'] for v in spec):>7}{sum(v['total_ms'] for v in spec):>9.1f}"
+                f"{k0.get('slow_ms', 0):>9.1f}{r['catch_up_ms']:>8.1f}{r['switches_to_speculation']:>7}"
+                f"{r['prefill_ms']:>9.1f}{r['prefill_forwards']['graphed']:>4}/{r['prefill_forwards']['forwards']:<4}"
+            )
     print(f"K > 0 chosen {len(DECISIONS)} times, {len(explored)} of them explorations; the others by their rates:")
     for d in result["spec_decisions"]["best_not_explored"][:12]:
-        print(f"  B={d['B']} K={d['K']} stale={d['stale']} job={d['job']} tokens/ms {d['rates']} cost ms {d['cost_ms']}")
+        print(
+            f"  B={d['B']} K={d['K']} stale={d['stale']} job={d['job']} tokens/ms {d['rates']} cost ms {d['cost_ms']}"
+        )
     won = [w for w in WINS if w["won"]]
-    print(f"exploration timings judged {len(WINS)}, {len(won)} ended the back-off" +
-          "".join(f"; K={w['K']} at B={w['B']}: {w['ms']} ms (live {w['live_ms']})" for w in won[:6]))
+    print(
+        f"exploration timings judged {len(WINS)}, {len(won)} ended the back-off"
+        + "".join(f"; K={w['K']} at B={w['B']}: {w['ms']} ms (live {w['live_ms']})" for w in won[:6])
+    )
     for name, rs in result["rounds"].items():
         for i, r in enumerate(rs):
             for c in r["compiling_steps"]:
-                print(f"{name} round {i}: a step of K={c['K']}{' (prefill)' if c['prefill'] else ''} took {c['ms']} ms "
-                      f"compiling {', '.join(c['kernels'])}")
+                print(
+                    f"{name} round {i}: a step of K={c['K']}{' (prefill)' if c['prefill'] else ''} took {c['ms']} ms "
+                    f"compiling {', '.join(c['kernels'])}"
+                )
 
 
 if __name__ == "__main__":

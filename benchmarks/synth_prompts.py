@@ -32,8 +32,9 @@ def user_prefix(tok) -> list[int]:
     return tok.encode(text[: text.index(MARK)])
 
 
-def synthesize(model: str, count: int, max_tokens: int, temperature: float, seed: int, device: str,
-               batch: int) -> list[str]:
+def synthesize(
+    model: str, count: int, max_tokens: int, temperature: float, seed: int, device: str, batch: int
+) -> list[str]:
     """Up to `count` distinct user requests the target writes itself; unfinished ones (no end of
     turn within `max_tokens`) and very short ones are dropped."""
     from specserve.engine.tokenizer import Tokenizer
@@ -44,11 +45,10 @@ def synthesize(model: str, count: int, max_tokens: int, temperature: float, seed
     tok = Tokenizer(path)
     prefix = user_prefix(tok)
     ends = set(tok.eos_token_ids) | ({tok.end_of_turn_id} if tok.end_of_turn_id is not None else set())
-    samples, _ = regenerate_samples(path, [prefix] * count, max_tokens, temperature, seed, device,
-                                    batch, None, ends)
+    samples, _ = regenerate_samples(path, [prefix] * count, max_tokens, temperature, seed, device, batch, None, ends)
     seen, out = set(), []
     for ids in samples:
-        request = ids[len(prefix):]
+        request = ids[len(prefix) :]
         if not request or request[-1] not in ends:
             continue
         text = tok.decode(request, skip_special_tokens=True).strip()

@@ -32,11 +32,12 @@ def best_of(fn, repeats: int) -> float:
 
 def main() -> None:
     import tiktoken
-    from kimi_repo import CORPUS, write_tokenizer
     from tokenizers import Tokenizer as HFTokenizer
 
     from specserve.config import DEMO_DIR
     from specserve.engine.tokenizer import Tokenizer
+
+    from kimi_repo import CORPUS, write_tokenizer
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--tiktoken-dir", type=Path)
@@ -49,8 +50,9 @@ def main() -> None:
         write_tokenizer(d)
     ours = Tokenizer(d)
     vocab = ours.tok
-    ref = tiktoken.Encoding("reference", pat_str=vocab.enc._pat_str, mergeable_ranks=vocab.ranks,
-                            special_tokens=vocab.special_ids)
+    ref = tiktoken.Encoding(
+        "reference", pat_str=vocab.enc._pat_str, mergeable_ranks=vocab.ranks, special_tokens=vocab.special_ids
+    )
     text = CORPUS
     while len(ours.encode(text)) < args.tokens:
         text += CORPUS
@@ -61,9 +63,16 @@ def main() -> None:
     hf = HFTokenizer.from_file(str(DEMO_DIR / "tokenizer.json"))
     t_hf = best_of(lambda: hf.encode(text, add_special_tokens=False), args.repeats)
     label = str(d) if args.tiktoken_dir else f"tests/kimi_repo.py's tokenizer ({len(vocab.ranks)} ranks)"
-    result = {"tokenizer": label, "chars": len(text), "tokens": n, "specserve_s": round(t_ours, 4),
-              "tiktoken_s": round(t_ref, 4), "ratio_vs_tiktoken": round(t_ours / t_ref, 3),
-              "tokenizers_demo_s": round(t_hf, 4), "tokenizers_demo_tokens": len(hf.encode(text).ids)}
+    result = {
+        "tokenizer": label,
+        "chars": len(text),
+        "tokens": n,
+        "specserve_s": round(t_ours, 4),
+        "tiktoken_s": round(t_ref, 4),
+        "ratio_vs_tiktoken": round(t_ours / t_ref, 3),
+        "tokenizers_demo_s": round(t_hf, 4),
+        "tokenizers_demo_tokens": len(hf.encode(text).ids),
+    }
     print(json.dumps(result, indent=2))
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

@@ -97,6 +97,7 @@ def log(msg: str) -> None:
 # Stage 1: corpus
 # --------------------------------------------------------------------------------------------
 
+
 @dataclass
 class Doc:
     name: str  # path relative to its root, POSIX style (e.g. "json/decoder.py" or "jinja2/lexer.py")
@@ -163,6 +164,7 @@ def split_train_val(docs: list[Doc], every: int = VAL_EVERY) -> tuple[list[Doc],
 # Stage 2: held-out third-party code
 # --------------------------------------------------------------------------------------------
 
+
 def collect_package(pkg: str) -> list[Doc]:
     import importlib.util
 
@@ -196,8 +198,14 @@ def package_versions(pkgs) -> dict[str, str]:
     return out
 
 
-def make_heldout_prompts(tokenizer, docs_by_pkg: dict[str, list[Doc]], counts: dict[str, int],
-                         seed: int, lo: int = HELDOUT_MIN_TOKENS, hi: int = HELDOUT_MAX_TOKENS) -> list[dict]:
+def make_heldout_prompts(
+    tokenizer,
+    docs_by_pkg: dict[str, list[Doc]],
+    counts: dict[str, int],
+    seed: int,
+    lo: int = HELDOUT_MIN_TOKENS,
+    hi: int = HELDOUT_MAX_TOKENS,
+) -> list[dict]:
     """Cut prompts of ``lo``..``hi`` tokens at line boundaries, each starting at a definition or a
     top-level statement, so that the natural continuation is more code."""
     rng = random.Random(seed)
@@ -216,9 +224,12 @@ def make_heldout_prompts(tokenizer, docs_by_pkg: dict[str, list[Doc]], counts: d
                 raise RuntimeError(f"could not cut {n} prompts from {pkg}")
             doc = rng.choice(files)
             lines = doc.text.splitlines(keepends=True)
-            starts = [i for i, ln in enumerate(lines)
-                      if ln.lstrip().startswith(("def ", "async def ", "class ", "@"))
-                      or (ln[:1].isalpha() and not ln.startswith(("else", "elif", "except", "finally")))]
+            starts = [
+                i
+                for i, ln in enumerate(lines)
+                if ln.lstrip().startswith(("def ", "async def ", "class ", "@"))
+                or (ln[:1].isalpha() and not ln.startswith(("else", "elif", "except", "finally")))
+            ]
             if not starts:
                 continue
             start = rng.choice(starts)
@@ -244,6 +255,7 @@ def make_heldout_prompts(tokenizer, docs_by_pkg: dict[str, list[Doc]], counts: d
 # --------------------------------------------------------------------------------------------
 # Stage 3: tokenizer
 # --------------------------------------------------------------------------------------------
+
 
 def train_tokenizer(texts: list[str], vocab_size: int = VOCAB_SIZE):
     """Byte-level BPE: every byte is in the base alphabet, so any text round-trips exactly."""
@@ -281,8 +293,14 @@ def write_tokenizer(tok, out: Path) -> None:
         "model_max_length": MODEL_MAX_LENGTH,
         "chat_template": CHAT_TEMPLATE,
         "added_tokens_decoder": {
-            str(i): {"content": s, "lstrip": False, "normalized": False, "rstrip": False,
-                     "single_word": False, "special": True}
+            str(i): {
+                "content": s,
+                "lstrip": False,
+                "normalized": False,
+                "rstrip": False,
+                "single_word": False,
+                "special": True,
+            }
             for i, s in enumerate(SPECIAL_TOKENS)
         },
     }
@@ -298,7 +316,7 @@ def encode_stream(tok, docs: list[Doc]):
     parts = []
     batch = 64
     for i in range(0, len(docs), batch):
-        for enc in tok.encode_batch([d.text for d in docs[i:i + batch]], add_special_tokens=False):
+        for enc in tok.encode_batch([d.text for d in docs[i : i + batch]], add_special_tokens=False):
             parts.append(np.asarray(enc.ids, dtype=np.uint16))
             parts.append(np.asarray([eos], dtype=np.uint16))
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint16)
@@ -307,6 +325,7 @@ def encode_stream(tok, docs: list[Doc]):
 # --------------------------------------------------------------------------------------------
 # Stage 4: target
 # --------------------------------------------------------------------------------------------
+
 
 def target_config(eos_id: int, vocab_size: int = VOCAB_SIZE):
     from transformers import LlamaConfig
@@ -394,10 +413,11 @@ def _evaluate(model, windows, rank: int, world: int, batch_size: int = 16) -> fl
     mine = windows[rank::world]
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         for i in range(0, len(mine), batch_size):
-            w = mine[i:i + batch_size].long()
+            w = mine[i : i + batch_size].long()
             logits = model(input_ids=w[:, :-1], use_cache=False).logits
-            acc[0] += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1),
-                                      reduction="sum").item()
+            acc[0] += F.cross_entropy(
+                logits.float().reshape(-1, logits.shape[-1]), w[:, 1:].reshape(-1), reduction="sum"
+            ).item()
             acc[1] += w[:, 1:].numel()
     if world > 1:
         import torch.distributed as dist
@@ -411,8 +431,9 @@ def evaluate(model, windows, batch_size: int = 16) -> float:
     return _evaluate(model, windows, 0, 1, batch_size)
 
 
-def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_stream,
-                opt_: TrainOptions, result_dir: Path | None) -> TrainResult:
+def _train_loop(
+    rank: int, world: int, model, train_stream, val_stream, heldout_stream, opt_: TrainOptions, result_dir: Path | None
+) -> TrainResult:
     """The training loop of one worker. With world > 1 every worker computes the gradient of its
     slice of the global batch and the gradients are averaged with one all-reduce per step; rank 0
     keeps time and decides (by broadcast) when to evaluate and when to stop."""
@@ -443,8 +464,12 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
     for _, p in model.named_parameters():
         (decay if p.dim() >= 2 else no_decay).append(p)
     params = decay + no_decay
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                            lr=opt_.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=opt_.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
 
     state = {"epoch": 0, "order": None, "pos": 0, "windows": None, "offset": 0}
     history: list[dict] = []
@@ -455,8 +480,10 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
     if opt_.resume and ck_path is not None and ck_path.exists():
         ck = torch.load(ck_path, weights_only=False)
         if (ck["seq_len"], ck["batch_size"]) != (seq_len, batch_size):
-            raise RuntimeError(f"checkpoint {ck_path} was made with seq_len/batch {ck['seq_len']}/{ck['batch_size']}, "
-                               f"not {seq_len}/{batch_size}; pass --batch-size/--seq-len to match or drop --resume")
+            raise RuntimeError(
+                f"checkpoint {ck_path} was made with seq_len/batch {ck['seq_len']}/{ck['batch_size']}, "
+                f"not {seq_len}/{batch_size}; pass --batch-size/--seq-len to match or drop --resume"
+            )
         model.load_state_dict(ck["model"])
         opt.load_state_dict(ck["opt"])
         step, ema, history, elapsed0 = ck["step"], ck["ema"], ck["history"], ck["elapsed"]
@@ -468,10 +495,24 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
 
     def save_checkpoint(elapsed: float) -> None:
         tmp = ck_path.with_suffix(".tmp")
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "ema": ema,
-                    "history": history, "elapsed": elapsed, "generator": g.get_state(), "epoch": state["epoch"],
-                    "pos": state["pos"], "offset": state["offset"], "order": state["order"],
-                    "seq_len": seq_len, "batch_size": batch_size}, tmp)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "ema": ema,
+                "history": history,
+                "elapsed": elapsed,
+                "generator": g.get_state(),
+                "epoch": state["epoch"],
+                "pos": state["pos"],
+                "offset": state["offset"],
+                "order": state["order"],
+                "seq_len": seq_len,
+                "batch_size": batch_size,
+            },
+            tmp,
+        )
         os.replace(tmp, ck_path)
 
     fwd, compiled = model, False
@@ -502,7 +543,7 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
             state["windows"] = _chunks(train_stream, seq_len, off)
             state["order"] = torch.randperm(len(state["windows"]), generator=g)
             state["pos"] = 0
-        b = state["windows"][state["order"][state["pos"]:state["pos"] + batch_size]]
+        b = state["windows"][state["order"][state["pos"] : state["pos"] + batch_size]]
         state["pos"] += batch_size
         return b
 
@@ -514,8 +555,16 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
     last_eval = time.perf_counter()
     recent: list[tuple[float, int]] = []
     tps = 0.0
-    bar = tqdm(total=1000, initial=step, desc="target", unit="step", dynamic_ncols=True, disable=rank != 0,
-               mininterval=2.0 if sys.stdout.isatty() else 30.0, file=sys.stdout)
+    bar = tqdm(
+        total=1000,
+        initial=step,
+        desc="target",
+        unit="step",
+        dynamic_ncols=True,
+        disable=rank != 0,
+        mininterval=2.0 if sys.stdout.isatty() else 30.0,
+        file=sys.stdout,
+    )
     while True:
         if rank == 0:
             now = time.perf_counter()
@@ -533,23 +582,34 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
             t_e = time.perf_counter()
             v = _evaluate(model, val_w, rank, world)
             if rank == 0:
-                history.append({"step": step, "minutes": round((t_e - t0) / 60, 2),
-                                "train_loss_ema": round(ema, 4) if ema is not None else None,
-                                "val_loss": round(v, 4), "tok_per_s": round(tps),
-                                "threads": tuner.current if tuner else 1})
-                bar.write(f"[build_demo] step {step} t={(t_e - t0) / 60:.1f} min  "
-                          f"train(ema) {ema or float('nan'):.3f}  val {v:.3f}  tok/s {tps:,.0f}")
+                history.append(
+                    {
+                        "step": step,
+                        "minutes": round((t_e - t0) / 60, 2),
+                        "train_loss_ema": round(ema, 4) if ema is not None else None,
+                        "val_loss": round(v, 4),
+                        "tok_per_s": round(tps),
+                        "threads": tuner.current if tuner else 1,
+                    }
+                )
+                bar.write(
+                    f"[build_demo] step {step} t={(t_e - t0) / 60:.1f} min  "
+                    f"train(ema) {ema or float('nan'):.3f}  val {v:.3f}  tok/s {tps:,.0f}"
+                )
                 if ck_path is not None:
                     save_checkpoint(t_e - t0)
                 last_eval = time.perf_counter()
                 t0 += last_eval - t_e  # evaluation (and checkpoint) time does not count as training time
         if frac >= 1.0:
             break
-        cur_lr = opt_.lr * min(1.0, (step + 1) / opt_.warmup_steps) * (
-            opt_.min_lr_ratio + (1 - opt_.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+        cur_lr = (
+            opt_.lr
+            * min(1.0, (step + 1) / opt_.warmup_steps)
+            * (opt_.min_lr_ratio + (1 - opt_.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+        )
         for group in opt.param_groups:
             group["lr"] = cur_lr
-        batch = next_batch()[rank * per_rank:(rank + 1) * per_rank]
+        batch = next_batch()[rank * per_rank : (rank + 1) * per_rank]
         t_step = time.perf_counter()
         try:
             loss = loss_of(batch)
@@ -567,7 +627,7 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
             o = 0
             for p in params:
                 n = p.numel()
-                p.grad.copy_(flat[o:o + n].view_as(p))
+                p.grad.copy_(flat[o : o + n].view_as(p))
                 o += n
             lv = float(flat[-1])
         else:
@@ -592,30 +652,63 @@ def _train_loop(rank: int, world: int, model, train_stream, val_stream, heldout_
                     left = min(left, opt_.target_tokens / tokens_per_step - step)
                 bar.total = max(step + 1, int(step + left))
             bar.update(1)
-            bar.set_postfix(loss=f"{ema:.3f}", tok_s=f"{tps:,.0f}", lr=f"{cur_lr:.1e}",
-                            ep=f"{step * batch_size / n_windows:.2f}",
-                            thr=tuner.active if tuner else f"{world}x1", refresh=False)
+            bar.set_postfix(
+                loss=f"{ema:.3f}",
+                tok_s=f"{tps:,.0f}",
+                lr=f"{cur_lr:.1e}",
+                ep=f"{step * batch_size / n_windows:.2f}",
+                thr=tuner.active if tuner else f"{world}x1",
+                refresh=False,
+            )
     bar.close()
     seconds = time.perf_counter() - t0
     tokens = step * tokens_per_step
     val = _evaluate(model, val_w, rank, world)
     held = _evaluate(model, held_w, rank, world)
     tr = _evaluate(model, train_probe, rank, world)
-    history.append({"step": step, "minutes": round(seconds / 60, 2),
-                    "train_loss_ema": round(ema, 4) if ema is not None else None, "val_loss": round(val, 4)})
-    res = TrainResult(steps=step, tokens=tokens, seconds=seconds, tok_per_s=tokens / max(seconds, 1e-9),
-                      batch_size=batch_size, seq_len=seq_len, workers=world, epochs=step * batch_size / n_windows,
-                      train_loss_ema=float(ema if ema is not None else float("nan")), train_loss=tr, val_loss=val,
-                      heldout_loss=held, compiled=compiled, history=history,
-                      thread_switches=[(round(t - t0, 1), c) for t, c in tuner.switches] if tuner else [])
+    history.append(
+        {
+            "step": step,
+            "minutes": round(seconds / 60, 2),
+            "train_loss_ema": round(ema, 4) if ema is not None else None,
+            "val_loss": round(val, 4),
+        }
+    )
+    res = TrainResult(
+        steps=step,
+        tokens=tokens,
+        seconds=seconds,
+        tok_per_s=tokens / max(seconds, 1e-9),
+        batch_size=batch_size,
+        seq_len=seq_len,
+        workers=world,
+        epochs=step * batch_size / n_windows,
+        train_loss_ema=float(ema if ema is not None else float("nan")),
+        train_loss=tr,
+        val_loss=val,
+        heldout_loss=held,
+        compiled=compiled,
+        history=history,
+        thread_switches=[(round(t - t0, 1), c) for t, c in tuner.switches] if tuner else [],
+    )
     if rank == 0 and result_dir is not None:
         torch.save(model.state_dict(), result_dir / "target_state.pt")
         (result_dir / "train_result.json").write_text(json.dumps(res.__dict__, default=str))
     return res
 
 
-def _train_worker(rank: int, world: int, port: int, cfg_dict: dict, state_dict, train_stream, val_stream,
-                  heldout_stream, opt_: TrainOptions, result_dir: str) -> None:
+def _train_worker(
+    rank: int,
+    world: int,
+    port: int,
+    cfg_dict: dict,
+    state_dict,
+    train_stream,
+    val_stream,
+    heldout_stream,
+    opt_: TrainOptions,
+    result_dir: str,
+) -> None:
     """Entry point of one spawned data-parallel worker."""
     import torch
     import torch.distributed as dist
@@ -648,7 +741,7 @@ def _probe_throughput(model, train_stream, seq_len: int, threads: list[int]) -> 
     import torch.nn.functional as F
 
     probe = copy.deepcopy(model)
-    x = _chunks(torch.from_numpy(train_stream[:4 * (seq_len + 1)].astype("int64")), seq_len)[:2]
+    x = _chunks(torch.from_numpy(train_stream[: 4 * (seq_len + 1)].astype("int64")), seq_len)[:2]
     out = {}
     for n in sorted(set(threads), reverse=True):
         torch.set_num_threads(n)
@@ -663,10 +756,25 @@ def _probe_throughput(model, train_stream, seq_len: int, threads: list[int]) -> 
     return out
 
 
-def train_target(model, train_stream, val_stream, heldout_stream, *, minutes: float, seq_len: int,
-                 batch_size: int | None, lr: float, seed: int, compile_model: bool, workers: int = 2,
-                 threads: list[int] | None = None, target_tokens: float | None = None,
-                 work_dir: Path | None = None, eval_every_s: float = 240.0, resume: bool = False) -> TrainResult:
+def train_target(
+    model,
+    train_stream,
+    val_stream,
+    heldout_stream,
+    *,
+    minutes: float,
+    seq_len: int,
+    batch_size: int | None,
+    lr: float,
+    seed: int,
+    compile_model: bool,
+    workers: int = 2,
+    threads: list[int] | None = None,
+    target_tokens: float | None = None,
+    work_dir: Path | None = None,
+    eval_every_s: float = 240.0,
+    resume: bool = False,
+) -> TrainResult:
     """Train ``model`` in place.
 
     ``workers`` > 1: that many data-parallel processes (gloo, one intra-op thread each). On this
@@ -687,13 +795,31 @@ def train_target(model, train_stream, val_stream, heldout_stream, *, minutes: fl
         # 8 x seq_len tokens per step unless the budget would then allow fewer than ~150 steps
         batch_size = int(max(1, min(8, est_tokens // (150 * seq_len))))
     batch_size = max(workers, batch_size - batch_size % workers)
-    log("throughput probe (eager, batch 2 x %d): %s -> %d worker(s), global batch %d (%d tokens/step), "
-        "~%.1f M tokens in budget" % (seq_len, ", ".join(f"{n} thread(s) {v:,.0f} tok/s" for n, v in probe.items()),
-                                      workers, batch_size, batch_size * seq_len, est_tokens / 1e6))
-    opts = TrainOptions(minutes=minutes, seq_len=seq_len, batch_size=batch_size, lr=lr, seed=seed,
-                        compile_model=compile_model, threads=[best] + [t for t in threads if t != best],
-                        target_tokens=target_tokens, eval_every_s=eval_every_s, resume=resume,
-                        checkpoint=str(Path(work_dir) / "target_ckpt.pt") if work_dir else None)
+    log(
+        "throughput probe (eager, batch 2 x %d): %s -> %d worker(s), global batch %d (%d tokens/step), "
+        "~%.1f M tokens in budget"
+        % (
+            seq_len,
+            ", ".join(f"{n} thread(s) {v:,.0f} tok/s" for n, v in probe.items()),
+            workers,
+            batch_size,
+            batch_size * seq_len,
+            est_tokens / 1e6,
+        )
+    )
+    opts = TrainOptions(
+        minutes=minutes,
+        seq_len=seq_len,
+        batch_size=batch_size,
+        lr=lr,
+        seed=seed,
+        compile_model=compile_model,
+        threads=[best] + [t for t in threads if t != best],
+        target_tokens=target_tokens,
+        eval_every_s=eval_every_s,
+        resume=resume,
+        checkpoint=str(Path(work_dir) / "target_ckpt.pt") if work_dir else None,
+    )
     if workers <= 1:
         torch.set_num_threads(best)
         res = _train_loop(0, 1, model, train_stream, val_stream, heldout_stream, opts, None)
@@ -705,9 +831,22 @@ def train_target(model, train_stream, val_stream, heldout_stream, *, minutes: fl
     for f in ("target_state.pt", "train_result.json"):
         (result_dir / f).unlink(missing_ok=True)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    mp.spawn(_train_worker, nprocs=workers, join=True,
-             args=(workers, _free_port(), model.config.to_dict(), state, train_stream, val_stream,
-                   heldout_stream, opts, str(result_dir)))
+    mp.spawn(
+        _train_worker,
+        nprocs=workers,
+        join=True,
+        args=(
+            workers,
+            _free_port(),
+            model.config.to_dict(),
+            state,
+            train_stream,
+            val_stream,
+            heldout_stream,
+            opts,
+            str(result_dir),
+        ),
+    )
     model.load_state_dict(torch.load(result_dir / "target_state.pt", weights_only=True))
     return TrainResult(**json.loads((result_dir / "train_result.json").read_text()))
 
@@ -722,9 +861,9 @@ def save_target(model, eos_id: int, out: Path) -> None:
     else:
         model.config.torch_dtype = torch.bfloat16
     # Generation also stops at the end of a chat turn (<|im_end|>), as chat servers expect.
-    model.generation_config = GenerationConfig(bos_token_id=None, eos_token_id=[eos_id, SPECIAL_TOKENS.index(IM_END)],
-                                               pad_token_id=eos_id,
-                                               do_sample=False)
+    model.generation_config = GenerationConfig(
+        bos_token_id=None, eos_token_id=[eos_id, SPECIAL_TOKENS.index(IM_END)], pad_token_id=eos_id, do_sample=False
+    )
     kwargs = {}
     if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
         kwargs["safe_serialization"] = True  # transformers 4.x; 5.x always writes safetensors
@@ -757,14 +896,20 @@ def verify_target(out: Path, prompts=SAMPLE_PROMPTS, max_new_tokens: int = 64) -
 # Stage 5: drafter (the trainer lives in specserve/train/train_draft.py)
 # --------------------------------------------------------------------------------------------
 
+
 def stage5_drafter(out: Path, work: Path, minutes: float, seed: int):
     """Train the demo drafter for the target written by stages 3-4 (its tokenizer and weights in
     `out`) on the stdlib token streams, into out/draft, within `minutes`."""
     from specserve.train.train_draft import TrainConfig, train_draft
 
-    config = TrainConfig.demo(target_dir=str(out), out_dir=str(out / "draft"),
-                              train_tokens=str(work / "train_tokens.npy"),  # uint16 stdlib stream, EOS-separated
-                              val_tokens=str(work / "val_tokens.npy"), minutes=minutes, seed=seed)
+    config = TrainConfig.demo(
+        target_dir=str(out),
+        out_dir=str(out / "draft"),
+        train_tokens=str(work / "train_tokens.npy"),  # uint16 stdlib stream, EOS-separated
+        val_tokens=str(work / "val_tokens.npy"),
+        minutes=minutes,
+        seed=seed,
+    )
     log(f"stage 5: train_draft({config})")
     return train_draft(config)
 
@@ -773,6 +918,7 @@ def stage5_drafter(out: Path, work: Path, minutes: float, seed: int):
 # driver
 # --------------------------------------------------------------------------------------------
 
+
 def _size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
 
@@ -780,35 +926,73 @@ def _size(path: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python scripts/build_demo.py", description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, type=Path, help="output folder (e.g. specserve/assets/demo)")
-    ap.add_argument("--minutes-target", type=float, default=35.0,
-                    help="wall-clock training budget of the target, compile time included (default 35)")
+    ap.add_argument(
+        "--minutes-target",
+        type=float,
+        default=35.0,
+        help="wall-clock training budget of the target, compile time included (default 35)",
+    )
     ap.add_argument("--minutes-draft", type=float, default=15.0, help="budget handed to the drafter stage")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--stages", default="corpus,heldout,tokenizer,target,draft",
-                    help="comma list; corpus and tokenizer are re-run when later stages need them")
-    ap.add_argument("--seq-len", type=int, default=512,
-                    help="training context (512 covers a 200-token prompt plus ~300 generated tokens)")
+    ap.add_argument(
+        "--stages",
+        default="corpus,heldout,tokenizer,target,draft",
+        help="comma list; corpus and tokenizer are re-run when later stages need them",
+    )
+    ap.add_argument(
+        "--seq-len",
+        type=int,
+        default=512,
+        help="training context (512 covers a 200-token prompt plus ~300 generated tokens)",
+    )
     ap.add_argument("--batch-size", type=int, default=None, help="default: chosen from measured throughput")
-    ap.add_argument("--lr", type=float, default=6e-3,
-                    help="peak AdamW learning rate (6e-3 beat 2e-3 by 0.4 nats after 1 M tokens here)")
-    ap.add_argument("--workers", type=int, default=2,
-                    help="data-parallel training processes, one thread each (default 2 = one per core)")
-    ap.add_argument("--threads", type=int, default=2,
-                    help="with --workers 1: max intra-op threads; training switches between 1..N, whichever "
-                         "is faster under the current machine load (see ThreadTuner)")
-    ap.add_argument("--target-tokens", type=float, default=None,
-                    help="also end the target's schedule after this many training tokens (whichever of time "
-                         "and tokens runs out first); makes the result independent of machine load")
+    ap.add_argument(
+        "--lr",
+        type=float,
+        default=6e-3,
+        help="peak AdamW learning rate (6e-3 beat 2e-3 by 0.4 nats after 1 M tokens here)",
+    )
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=2,
+        help="data-parallel training processes, one thread each (default 2 = one per core)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=2,
+        help="with --workers 1: max intra-op threads; training switches between 1..N, whichever "
+        "is faster under the current machine load (see ThreadTuner)",
+    )
+    ap.add_argument(
+        "--target-tokens",
+        type=float,
+        default=None,
+        help="also end the target's schedule after this many training tokens (whichever of time "
+        "and tokens runs out first); makes the result independent of machine load",
+    )
     ap.add_argument("--no-compile", action="store_true", help="train eager (torch.compile costs ~1 min, gains ~40%%)")
     ap.add_argument("--include-tests", action="store_true", help="also train on the stdlib test suites")
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N stdlib files (smoke tests)")
-    ap.add_argument("--eval-every-s", type=float, default=240.0,
-                    help="seconds of training between validation passes (and checkpoints)")
-    ap.add_argument("--resume", action="store_true",
-                    help="continue the target's training from <work-dir>/target_ckpt.pt (written every "
-                         "evaluation) and keep the existing tokenizer.json")
-    ap.add_argument("--work-dir", type=Path, default=None,
-                    help="scratch folder for the token streams (default: a new temp folder, kept)")
+    ap.add_argument(
+        "--eval-every-s",
+        type=float,
+        default=240.0,
+        help="seconds of training between validation passes (and checkpoints)",
+    )
+    ap.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue the target's training from <work-dir>/target_ckpt.pt (written every "
+        "evaluation) and keep the existing tokenizer.json",
+    )
+    ap.add_argument(
+        "--work-dir",
+        type=Path,
+        default=None,
+        help="scratch folder for the token streams (default: a new temp folder, kept)",
+    )
     args = ap.parse_args(argv)
 
     import numpy as np
@@ -819,10 +1003,11 @@ def main(argv: list[str] | None = None) -> int:
     stages = {s.strip() for s in args.stages.split(",") if s.strip()}
     final: Path = args.out
     final.mkdir(parents=True, exist_ok=True)
-    if "tokenizer" in stages and "target" not in stages and (final / "model.safetensors").exists() \
-            and not args.resume:
-        ap.error(f"retraining the tokenizer without the target would leave {final}/model.safetensors with a "
-                 f"tokenizer it was not trained with; add 'target' to --stages")
+    if "tokenizer" in stages and "target" not in stages and (final / "model.safetensors").exists() and not args.resume:
+        ap.error(
+            f"retraining the tokenizer without the target would leave {final}/model.safetensors with a "
+            f"tokenizer it was not trained with; add 'target' to --stages"
+        )
     work = args.work_dir or Path(tempfile.mkdtemp(prefix="specserve-demo-"))
     work.mkdir(parents=True, exist_ok=True)
     # Stages 2-4 write into a staging folder; the files are moved into --out together once the
@@ -835,18 +1020,31 @@ def main(argv: list[str] | None = None) -> int:
     published: list[str] = []
     random.seed(args.seed)
     t_all = time.perf_counter()
-    stats: dict = {"python": sys.version.split()[0], "torch": torch.__version__, "seed": args.seed,
-                   "cpu_threads": args.threads, "work_dir": str(work)}
+    stats: dict = {
+        "python": sys.version.split()[0],
+        "torch": torch.__version__,
+        "seed": args.seed,
+        "cpu_threads": args.threads,
+        "work_dir": str(work),
+    }
 
     # Stage 1 -----------------------------------------------------------------------------------
     t = time.perf_counter()
     docs = collect_stdlib(include_tests=args.include_tests, max_files=args.max_files)
     train_docs, val_docs = split_train_val(docs)
     nbytes = sum(len(d.text.encode()) for d in docs)
-    log(f"stage 1 corpus: {len(docs)} stdlib files from {stdlib_root()} ({nbytes / 1e6:.1f} MB), "
-        f"{len(train_docs)} train / {len(val_docs)} val files, {time.perf_counter() - t:.1f}s")
-    stats["corpus"] = {"stdlib": str(stdlib_root()), "files": len(docs), "bytes": nbytes,
-                       "train_files": len(train_docs), "val_files": len(val_docs), "include_tests": args.include_tests}
+    log(
+        f"stage 1 corpus: {len(docs)} stdlib files from {stdlib_root()} ({nbytes / 1e6:.1f} MB), "
+        f"{len(train_docs)} train / {len(val_docs)} val files, {time.perf_counter() - t:.1f}s"
+    )
+    stats["corpus"] = {
+        "stdlib": str(stdlib_root()),
+        "files": len(docs),
+        "bytes": nbytes,
+        "train_files": len(train_docs),
+        "val_files": len(val_docs),
+        "include_tests": args.include_tests,
+    }
 
     # Stage 3 (before 2: prompt lengths are measured in tokens) ---------------------------------
     from tokenizers import Tokenizer
@@ -856,8 +1054,10 @@ def main(argv: list[str] | None = None) -> int:
         t = time.perf_counter()
         tok = train_tokenizer([d.text for d in train_docs])
         write_tokenizer(tok, out)
-        log(f"stage 3 tokenizer: vocab {tok.get_vocab_size()} in {time.perf_counter() - t:.1f}s "
-            f"-> {out / 'tokenizer.json'} ({_size(out / 'tokenizer.json') / 1e3:.0f} kB)")
+        log(
+            f"stage 3 tokenizer: vocab {tok.get_vocab_size()} in {time.perf_counter() - t:.1f}s "
+            f"-> {out / 'tokenizer.json'} ({_size(out / 'tokenizer.json') / 1e3:.0f} kB)"
+        )
         stats["tokenizer_seconds"] = round(time.perf_counter() - t, 1)
     else:
         tok = Tokenizer.from_file(str(tok_src / "tokenizer.json"))
@@ -869,8 +1069,10 @@ def main(argv: list[str] | None = None) -> int:
     val_stream = encode_stream(tok, val_docs)
     np.save(work / "train_tokens.npy", train_stream)
     np.save(work / "val_tokens.npy", val_stream)
-    log(f"corpus tokens: {len(train_stream):,} train / {len(val_stream):,} val "
-        f"({nbytes / max(len(train_stream) + len(val_stream), 1):.2f} bytes/token), {time.perf_counter() - t:.1f}s")
+    log(
+        f"corpus tokens: {len(train_stream):,} train / {len(val_stream):,} val "
+        f"({nbytes / max(len(train_stream) + len(val_stream), 1):.2f} bytes/token), {time.perf_counter() - t:.1f}s"
+    )
     stats["corpus"].update(train_tokens=int(len(train_stream)), val_tokens=int(len(val_stream)))
 
     # Stage 2 -----------------------------------------------------------------------------------
@@ -882,8 +1084,10 @@ def main(argv: list[str] | None = None) -> int:
             for p in prompts:
                 f.write(json.dumps(p) + "\n")
         lens = [len(tok.encode(p["prompt"]).ids) for p in prompts]
-        log(f"stage 2 held-out: {len(prompts)} prompts from {stats['heldout_packages']}, "
-            f"{min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.0f})")
+        log(
+            f"stage 2 held-out: {len(prompts)} prompts from {stats['heldout_packages']}, "
+            f"{min(lens)}-{max(lens)} tokens (mean {sum(lens) / len(lens):.0f})"
+        )
     heldout_stream = encode_stream(tok, [d for ds in held_docs.values() for d in ds])
 
     # Stage 4 -----------------------------------------------------------------------------------
@@ -895,34 +1099,77 @@ def main(argv: list[str] | None = None) -> int:
         model = LlamaForCausalLM(cfg)
         model.config._attn_implementation = "sdpa"
         n_params = sum(p.numel() for p in model.parameters())
-        log(f"stage 4 target: LlamaForCausalLM {n_params / 1e6:.2f} M params, budget {args.minutes_target} min, "
-            f"seq {args.seq_len}, {'eager' if args.no_compile else 'torch.compile'}")
-        res = train_target(model, train_stream, val_stream, heldout_stream, minutes=args.minutes_target,
-                           seq_len=args.seq_len, batch_size=args.batch_size, lr=args.lr, seed=args.seed,
-                           compile_model=not args.no_compile, workers=args.workers,
-                           threads=list(range(1, args.threads + 1)), target_tokens=args.target_tokens,
-                           work_dir=work, resume=args.resume, eval_every_s=args.eval_every_s)
+        log(
+            f"stage 4 target: LlamaForCausalLM {n_params / 1e6:.2f} M params, budget {args.minutes_target} min, "
+            f"seq {args.seq_len}, {'eager' if args.no_compile else 'torch.compile'}"
+        )
+        res = train_target(
+            model,
+            train_stream,
+            val_stream,
+            heldout_stream,
+            minutes=args.minutes_target,
+            seq_len=args.seq_len,
+            batch_size=args.batch_size,
+            lr=args.lr,
+            seed=args.seed,
+            compile_model=not args.no_compile,
+            workers=args.workers,
+            threads=list(range(1, args.threads + 1)),
+            target_tokens=args.target_tokens,
+            work_dir=work,
+            resume=args.resume,
+            eval_every_s=args.eval_every_s,
+        )
         torch.set_num_threads(args.threads)
-        log(f"trained {res.steps} steps x {res.batch_size} x {res.seq_len} = {res.tokens / 1e6:.2f} M tokens "
+        log(
+            f"trained {res.steps} steps x {res.batch_size} x {res.seq_len} = {res.tokens / 1e6:.2f} M tokens "
             f"on {res.workers} worker(s) "
             f"({res.epochs:.2f} epochs) in {res.seconds / 60:.1f} min, {res.tok_per_s:,.0f} tok/s; "
             f"loss: train {res.train_loss:.3f} (ema {res.train_loss_ema:.3f}), val {res.val_loss:.3f}, "
-            f"held-out packages {res.heldout_loss:.3f}")
+            f"held-out packages {res.heldout_loss:.3f}"
+        )
         save_target(model, eos_id, out)
-        sizes = {f: _size(out / f) for f in ("tokenizer.json", "tokenizer_config.json", "config.json",
-                                              "generation_config.json", "model.safetensors", "heldout_prompts.jsonl")
-                 if (out / f).exists()}
-        log("sizes: " + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in sizes.items())
-            + f"; total {sum(sizes.values()) / 1e6:.2f} MB")
+        sizes = {
+            f: _size(out / f)
+            for f in (
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "config.json",
+                "generation_config.json",
+                "model.safetensors",
+                "heldout_prompts.jsonl",
+            )
+            if (out / f).exists()
+        }
+        log(
+            "sizes: "
+            + ", ".join(f"{k} {v / 1e6:.3f} MB" for k, v in sizes.items())
+            + f"; total {sum(sizes.values()) / 1e6:.2f} MB"
+        )
         sample = verify_target(out)
         log("reload ok; greedy samples:\n" + "\n".join(f"--- {p!r}\n{s}" for p, s in zip(SAMPLE_PROMPTS, sample)))
-        stats["target"] = {"params": n_params, **{k: v for k, v in res.__dict__.items()}, "sizes": sizes,
-                           "sample": sample}
+        stats["target"] = {
+            "params": n_params,
+            **{k: v for k, v in res.__dict__.items()},
+            "sizes": sizes,
+            "sample": sample,
+        }
 
     # publish ----------------------------------------------------------------------------------
     if "target" in stages or "heldout" in stages:
-        names = [n for n in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json",
-                             "model.safetensors", "heldout_prompts.jsonl") if (out / n).exists()]
+        names = [
+            n
+            for n in (
+                "tokenizer.json",
+                "tokenizer_config.json",
+                "config.json",
+                "generation_config.json",
+                "model.safetensors",
+                "heldout_prompts.jsonl",
+            )
+            if (out / n).exists()
+        ]
         if "target" not in stages:  # only the held-out prompts may go out without a new target
             names = [n for n in names if n == "heldout_prompts.jsonl"]
         for n in names:
@@ -932,8 +1179,10 @@ def main(argv: list[str] | None = None) -> int:
         published = names
         log(f"published {', '.join(names)} -> {final}")
         if "target" in stages and "draft" not in stages and (final / "draft").exists():
-            log(f"WARNING: {final / 'draft'} was trained for the previous target; rebuild it with "
-                f"--stages draft --work-dir {work}")
+            log(
+                f"WARNING: {final / 'draft'} was trained for the previous target; rebuild it with "
+                f"--stages draft --work-dir {work}"
+            )
 
     # Stage 5 -----------------------------------------------------------------------------------
     if "draft" in stages:

@@ -57,7 +57,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if ("default" in text or not_shown(default) or not action.option_strings):
+        if "default" in text or not_shown(default) or not action.option_strings:
             return text
         shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         return f"{text} (default: {shown})".lstrip()
@@ -104,8 +104,9 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=CommandParser)
     for name, (module, help_text) in COMMANDS.items():
         # allow_abbrev=False: one spelling per flag, and a prefix is not silently taken for a flag.
-        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter,
-                           allow_abbrev=False)
+        p = sub.add_parser(
+            name, help=help_text, description=help_text, formatter_class=HelpFormatter, allow_abbrev=False
+        )
         if name == command:
             importlib.import_module(module).add_arguments(p)
     return parser

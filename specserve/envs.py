@@ -69,37 +69,73 @@ def _var(name: str, type_: type, default, doc: str, internal: bool = False, choi
 
 # ----------------------------------------------------------------------------- user switches
 
-FUSED_KERNELS = _var("SPECSERVE_FUSED_KERNELS", bool, True,
-                     "0: PyTorch reference ops instead of the fused Triton kernels, no linear tuning (A/B runs)")
-INT4_MOE_CUDA = _var("SPECSERVE_INT4_MOE_CUDA", bool, True,
-                     "0: int4 routed experts of decode-sized batches on the Triton kernels, not the CUDA ones (A/B runs)")
-PDL = _var("SPECSERVE_PDL", bool, True,
-           "0: launch the Triton kernels without programmatic dependent launch (Hopper and later)")
-ALLREDUCE = _var("SPECSERVE_ALLREDUCE", str, "auto",
-                 "tensor-parallel all-reduce: auto, torch, nccl or symm_mem (an NCCL profile may set it)")
-NCCL_LIB = _var("SPECSERVE_NCCL_LIB", str, None,
-                "the libnccl shared library specserve's own NCCL communicator loads (default: libnccl.so.2)")
-TP_DRAFT_EMBED = _var("SPECSERVE_TP_DRAFT_EMBED", str, "replicated",
-                      "under TP, a drafter that reads the target's embedding gets a full copy per rank "
-                      "(replicated) or uses the vocab-parallel one (shared: less memory, one more all-reduce)",
-                      choices=("replicated", "shared"))
-CAPTURE_MODE = _var("SPECSERVE_CAPTURE_MODE", str, "thread_local",
-                    "CUDA graph capture error mode in TP workers: thread_local, global or relaxed",
-                    choices=("thread_local", "global", "relaxed"))
-DIST_KEY = _var("SPECSERVE_DIST_KEY", str, None,
-                "shared secret authenticating the connections between nodes (--nnodes > 1); the same on every node")
-API_KEY = _var("SPECSERVE_API_KEY", str, None,
-               "default of `serve --api-key`: the bearer token every /v1 route requires")
+FUSED_KERNELS = _var(
+    "SPECSERVE_FUSED_KERNELS",
+    bool,
+    True,
+    "0: PyTorch reference ops instead of the fused Triton kernels, no linear tuning (A/B runs)",
+)
+INT4_MOE_CUDA = _var(
+    "SPECSERVE_INT4_MOE_CUDA",
+    bool,
+    True,
+    "0: int4 routed experts of decode-sized batches on the Triton kernels, not the CUDA ones (A/B runs)",
+)
+PDL = _var(
+    "SPECSERVE_PDL", bool, True, "0: launch the Triton kernels without programmatic dependent launch (Hopper and later)"
+)
+ALLREDUCE = _var(
+    "SPECSERVE_ALLREDUCE",
+    str,
+    "auto",
+    "tensor-parallel all-reduce: auto, torch, nccl or symm_mem (an NCCL profile may set it)",
+)
+NCCL_LIB = _var(
+    "SPECSERVE_NCCL_LIB",
+    str,
+    None,
+    "the libnccl shared library specserve's own NCCL communicator loads (default: libnccl.so.2)",
+)
+TP_DRAFT_EMBED = _var(
+    "SPECSERVE_TP_DRAFT_EMBED",
+    str,
+    "replicated",
+    "under TP, a drafter that reads the target's embedding gets a full copy per rank "
+    "(replicated) or uses the vocab-parallel one (shared: less memory, one more all-reduce)",
+    choices=("replicated", "shared"),
+)
+CAPTURE_MODE = _var(
+    "SPECSERVE_CAPTURE_MODE",
+    str,
+    "thread_local",
+    "CUDA graph capture error mode in TP workers: thread_local, global or relaxed",
+    choices=("thread_local", "global", "relaxed"),
+)
+DIST_KEY = _var(
+    "SPECSERVE_DIST_KEY",
+    str,
+    None,
+    "shared secret authenticating the connections between nodes (--nnodes > 1); the same on every node",
+)
+API_KEY = _var(
+    "SPECSERVE_API_KEY", str, None, "default of `serve --api-key`: the bearer token every /v1 route requires"
+)
 
 # ----------------------------------------------------------------------------- internal plumbing
 
 TP_RANK = _var("SPECSERVE_TP_RANK", int, None, "a TP worker's rank", internal=True)
 TP_SIZE = _var("SPECSERVE_TP_SIZE", int, None, "the number of TP workers", internal=True)
 TP_FD = _var("SPECSERVE_TP_FD", int, None, "file descriptor of a TP worker's socket to its driver", internal=True)
-TP_PARENT_PID = _var("SPECSERVE_TP_PARENT_PID", int, None,
-                     "pid of the TP driver: a worker exits when it goes away", internal=True)
-LAUNCH_ID = _var("SPECSERVE_LAUNCH_ID", str, None,
-                 "marker the supervisor gives a launch: finds every descendant process to kill", internal=True)
+TP_PARENT_PID = _var(
+    "SPECSERVE_TP_PARENT_PID", int, None, "pid of the TP driver: a worker exits when it goes away", internal=True
+)
+LAUNCH_ID = _var(
+    "SPECSERVE_LAUNCH_ID",
+    str,
+    None,
+    "marker the supervisor gives a launch: finds every descendant process to kill",
+    internal=True,
+)
 
 
 def reference_table() -> str:
@@ -107,5 +143,7 @@ def reference_table() -> str:
     rows = ["| variable | type | default | kind | meaning |", "|---|---|---|---|---|"]
     for v in REGISTRY.values():
         default = "" if v.default is None else str(int(v.default) if v.type is bool else v.default)
-        rows.append(f"| `{v.name}` | {v.type.__name__} | {default} | {'internal' if v.internal else 'user'} | {v.doc} |")
+        rows.append(
+            f"| `{v.name}` | {v.type.__name__} | {default} | {'internal' if v.internal else 'user'} | {v.doc} |"
+        )
     return "\n".join(rows)

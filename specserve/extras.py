@@ -14,6 +14,8 @@ def require(module: str, extra: str, feature: str) -> ModuleType:
     try:
         return importlib.import_module(module)
     except ImportError:
-        raise ConfigError(f"{feature} needs the Python package '{module}', which specserve installs only with "
-                          f"an extra: pip install 'specserve[{extra}]' (or, from a checkout, "
-                          f"pip install -e '.[{extra}]')") from None
+        raise ConfigError(
+            f"{feature} needs the Python package '{module}', which specserve installs only with "
+            f"an extra: pip install 'specserve[{extra}]' (or, from a checkout, "
+            f"pip install -e '.[{extra}]')"
+        ) from None

@@ -31,8 +31,9 @@ def write_char_tokenizer(d: Path, vocab: int) -> None:
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 
     chars = ([" ", "\n"] + list(string.ascii_letters) + list(string.digits) + list(string.punctuation))[: vocab - 2]
-    tok = Tokenizer(models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}, "<eos>": vocab - 1},
-                                     unk_token="<unk>"))
+    tok = Tokenizer(
+        models.WordLevel({"<unk>": 0, **{c: i + 1 for i, c in enumerate(chars)}, "<eos>": vocab - 1}, unk_token="<unk>")
+    )
     tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     tok.decoder = decoders.Fuse()
     tok.add_special_tokens(["<eos>"])

@@ -46,8 +46,11 @@ def make_pair(tmp_path_factory):
                     shutil.copy(DEMO_DIR / f, target_dir / f)
             elif tokenizer is not None:
                 tokenizer(target_dir)
-            draft_dir = (drafter(root / "draft", target_dir) if drafter is not None
-                         else make_drafter(root / "draft", target_dir, **(draft or {})))
+            draft_dir = (
+                drafter(root / "draft", target_dir)
+                if drafter is not None
+                else make_drafter(root / "draft", target_dir, **(draft or {}))
+            )
             built[key] = (target_dir, draft_dir)
         return built[key]
 
@@ -76,8 +79,18 @@ def fake_gpus(monkeypatch):
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
 
     def install(*mem: tuple[float, float]) -> None:
-        gpus = [nvml.Gpu(index=i, name="FakeGPU", uuid=f"GPU-fake-{i}", minor=i, memory_used_mib=u,
-                         memory_total_mib=t, utilization_pct=0) for i, (u, t) in enumerate(mem)]
+        gpus = [
+            nvml.Gpu(
+                index=i,
+                name="FakeGPU",
+                uuid=f"GPU-fake-{i}",
+                minor=i,
+                memory_used_mib=u,
+                memory_total_mib=t,
+                utilization_pct=0,
+            )
+            for i, (u, t) in enumerate(mem)
+        ]
         monkeypatch.setattr(nvml, "query", lambda processes=True: nvml.GpuQuery(True, "", "1.0", gpus))
 
     return install

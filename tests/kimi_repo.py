@@ -21,15 +21,35 @@ from safetensors.torch import load_file, save_file
 from tiny import KIMI_IGNORE, make_drafter, make_int4_pair, make_moe_target
 
 # Kimi-K2's special tokens by their offset after the BPE ranks (163584 in the real vocabulary).
-KIMI_SPECIALS = {0: "[BOS]", 1: "[EOS]", 2: "<|im_end|>", 3: "<|im_user|>", 4: "<|im_assistant|>",
-                 6: "<|start_header_id|>", 7: "<|end_header_id|>", 9: "[EOT]", 10: "<|im_system|>",
-                 11: "<|tool_calls_section_begin|>", 12: "<|tool_calls_section_end|>", 13: "<|tool_call_begin|>",
-                 14: "<|tool_call_argument_begin|>", 15: "<|tool_call_end|>", 17: "<|im_middle|>",
-                 18: "<|media_begin|>", 19: "<|media_content|>", 20: "<|media_end|>", 21: "<|media_pad|>",
-                 22: "<think>", 23: "</think>", 254: "[UNK]", 255: "[PAD]"}
+KIMI_SPECIALS = {
+    0: "[BOS]",
+    1: "[EOS]",
+    2: "<|im_end|>",
+    3: "<|im_user|>",
+    4: "<|im_assistant|>",
+    6: "<|start_header_id|>",
+    7: "<|end_header_id|>",
+    9: "[EOT]",
+    10: "<|im_system|>",
+    11: "<|tool_calls_section_begin|>",
+    12: "<|tool_calls_section_end|>",
+    13: "<|tool_call_begin|>",
+    14: "<|tool_call_argument_begin|>",
+    15: "<|tool_call_end|>",
+    17: "<|im_middle|>",
+    18: "<|media_begin|>",
+    19: "<|media_content|>",
+    20: "<|media_end|>",
+    21: "<|media_pad|>",
+    22: "<think>",
+    23: "</think>",
+    254: "[UNK]",
+    255: "[PAD]",
+}
 RESERVED = 256  # ids reserved for special tokens after the ranks, named or not
 
-CORPUS = """The quick brown fox jumps over the lazy dog. You are Kimi, an AI assistant created by Moonshot AI.
+CORPUS = (
+    """The quick brown fox jumps over the lazy dog. You are Kimi, an AI assistant created by Moonshot AI.
 user assistant system tool_declare: What is the weather in Paris today? It's sunny, and we'll see 23 degrees.
 def fibonacci(n: int) -> int:
     if n < 2:
@@ -41,7 +61,9 @@ for (int i = 0; i < 100; ++i) { total += values[i] * 3.14159; }
 Emoji too: 😀🎉🚀 and ∑∫√ maths, naïve café résumé, Ελληνικά, русский текст, 日本語のテキスト。
 {"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}
 Numbers 1234567890 2026-12-03 12:30:45, prices $19.99 and €5,00; URLs https://example.com/path?q=1.
-""" * 3
+"""
+    * 3
+)
 
 CHAT_TEMPLATE = r"""{%- macro render_content(msg) -%}
 {%- set c = msg.get('content') -%}
@@ -98,8 +120,7 @@ def learn_ranks(text: str, merges: int) -> dict[bytes, int]:
 
     from specserve.engine.tiktoken_vocab import KIMI_PATTERN
 
-    words = Counter(tuple(bytes([b]) for b in piece.encode())
-                    for piece in regex.findall("(?V1)" + KIMI_PATTERN, text))
+    words = Counter(tuple(bytes([b]) for b in piece.encode()) for piece in regex.findall("(?V1)" + KIMI_PATTERN, text))
     ranks = {bytes([b]): b for b in range(256)}
     for _ in range(merges):
         pairs: Counter = Counter()
@@ -133,15 +154,35 @@ def write_tokenizer(out: Path, merges: int = 200) -> int:
     base = len(ranks)
     out.mkdir(parents=True, exist_ok=True)
     write_ranks(ranks, out / "tiktoken.model")
-    added = {str(base + k): {"content": v, "lstrip": False, "normalized": False, "rstrip": False,
-                             "single_word": False, "special": True} for k, v in KIMI_SPECIALS.items()}
-    config = {"added_tokens_decoder": added, "additional_special_tokens": ["<|im_end|>", "<|im_user|>",
-                                                                            "<|im_assistant|>", "<|im_system|>",
-                                                                            "<|im_middle|>"],
-              "bos_token": "[BOS]", "eos_token": "[EOS]", "pad_token": "[PAD]", "unk_token": "[UNK]",
-              "clean_up_tokenization_spaces": False, "model_max_length": 1048576,
-              "tokenizer_class": "TikTokenTokenizer",
-              "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}
+    added = {
+        str(base + k): {
+            "content": v,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
+        }
+        for k, v in KIMI_SPECIALS.items()
+    }
+    config = {
+        "added_tokens_decoder": added,
+        "additional_special_tokens": [
+            "<|im_end|>",
+            "<|im_user|>",
+            "<|im_assistant|>",
+            "<|im_system|>",
+            "<|im_middle|>",
+        ],
+        "bos_token": "[BOS]",
+        "eos_token": "[EOS]",
+        "pad_token": "[PAD]",
+        "unk_token": "[UNK]",
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": 1048576,
+        "tokenizer_class": "TikTokenTokenizer",
+        "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]},
+    }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return base + RESERVED
@@ -156,9 +197,18 @@ def build(root: Path, layers: int = 4, max_pos: int = 256, draft_max_pos: int = 
     kimi = root / "kimi"
     vocab = write_tokenizer(kimi)
     think_end = vocab - RESERVED + 23
-    src = make_moe_target(root / "src", vocab=vocab, layers=layers, n_group=1, topk_group=1, scoring_func="sigmoid",
-                          topk_method="noaux_tc", max_position_embeddings=max_pos, eos_token_id=vocab - RESERVED + 2,
-                          rope_theta=50000.0)
+    src = make_moe_target(
+        root / "src",
+        vocab=vocab,
+        layers=layers,
+        n_group=1,
+        topk_group=1,
+        scoring_func="sigmoid",
+        topk_method="noaux_tc",
+        max_position_embeddings=max_pos,
+        eos_token_id=vocab - RESERVED + 2,
+        rope_theta=50000.0,
+    )
     # The random model closes its reasoning now and then, so replies show both parts.
     tensors = load_file(src / "model.safetensors")
     tensors["lm_head.weight"][think_end] *= 4.5
@@ -170,22 +220,34 @@ def build(root: Path, layers: int = 4, max_pos: int = 256, draft_max_pos: int = 
     text |= {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"]}
     g = torch.Generator().manual_seed(5)
     tensors = {"language_model." + k: v for k, v in load_file(q / "model.safetensors").items()}
-    for name, shape in (("vision_tower.patch_embed.proj.weight", (32, 3, 14, 14)),
-                        ("vision_tower.encoder.blocks.0.attn.wqkv.weight", (96, 32)),
-                        ("mm_projector.pre_norm.weight", (128,)), ("mm_projector.proj.0.weight", (64, 128))):
+    for name, shape in (
+        ("vision_tower.patch_embed.proj.weight", (32, 3, 14, 14)),
+        ("vision_tower.encoder.blocks.0.attn.wqkv.weight", (96, 32)),
+        ("mm_projector.pre_norm.weight", (128,)),
+        ("mm_projector.proj.0.weight", (64, 128)),
+    ):
         tensors[name] = torch.randn(*shape, generator=g).to(torch.bfloat16)
     save_file(tensors, kimi / "model.safetensors", metadata={"format": "pt"})
-    config = {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
-              "auto_map": {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
-                           "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"},
-              "text_config": text, "vision_config": {"model_type": "moonvit3d", "hidden_size": 32,
-                                                     "patch_size": 14, "num_hidden_layers": 1},
-              "media_placeholder_token_id": vocab - RESERVED + 21, "pad_token_id": vocab - RESERVED + 255,
-              "bos_token_id": vocab - RESERVED, "eos_token_id": vocab - RESERVED + 1,
-              "quantization_config": quant, "torch_dtype": "bfloat16"}
+    config = {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "auto_map": {
+            "AutoConfig": "configuration_kimi_k25.KimiK25Config",
+            "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration",
+        },
+        "text_config": text,
+        "vision_config": {"model_type": "moonvit3d", "hidden_size": 32, "patch_size": 14, "num_hidden_layers": 1},
+        "media_placeholder_token_id": vocab - RESERVED + 21,
+        "pad_token_id": vocab - RESERVED + 255,
+        "bos_token_id": vocab - RESERVED,
+        "eos_token_id": vocab - RESERVED + 1,
+        "quantization_config": quant,
+        "torch_dtype": "bfloat16",
+    }
     (kimi / "config.json").write_text(json.dumps(config, indent=2))
-    (kimi / "generation_config.json").write_text(json.dumps({"eos_token_id": vocab - RESERVED + 2,
-                                                             "max_length": max_pos}))
+    (kimi / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": vocab - RESERVED + 2, "max_length": max_pos})
+    )
     draft = make_drafter(root / "kimi-eagle3", q, layout="specforge", max_pos=draft_max_pos)
     return kimi, draft, twin
 

@@ -32,10 +32,27 @@ def free_port_pair() -> int:
 
 
 def start_node(command: str, rank: int, port: int, extra: list[str], env: dict | None = None, timeout: float = 60):
-    args = [sys.executable, "-m", "specserve", command, "--tp", "2", "--nnodes", "2", "--node-rank", str(rank),
-            "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", str(timeout), *ENGINE, *extra]
-    return subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, **(env or {})})
+    args = [
+        sys.executable,
+        "-m",
+        "specserve",
+        command,
+        "--tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--node-rank",
+        str(rank),
+        "--dist-init-addr",
+        f"127.0.0.1:{port}",
+        "--dist-timeout",
+        str(timeout),
+        *ENGINE,
+        *extra,
+    ]
+    return subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})}
+    )
 
 
 def finish(*procs: subprocess.Popen) -> list[tuple[int, str, str]]:

@@ -30,8 +30,14 @@ class Served:
     def __init__(self, args: list[str], log_path: Path, env: dict | None = None):
         self.log_path = log_path
         with open(log_path, "w") as f:
-            self.proc = subprocess.Popen([PY, *args], stdout=f, stderr=subprocess.STDOUT, text=True,
-                                         env={**os.environ, **(env or {})}, start_new_session=True)
+            self.proc = subprocess.Popen(
+                [PY, *args],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+                env={**os.environ, **(env or {})},
+                start_new_session=True,
+            )
         self.url: str | None = None
 
     def log(self) -> str:
@@ -107,6 +113,6 @@ def sse_events(lines) -> list:
     out = []
     for line in lines:
         if line.startswith("data: "):
-            data = line[len("data: "):]
+            data = line[len("data: ") :]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out

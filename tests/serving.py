@@ -29,16 +29,18 @@ except ImportError:  # e.g. the GPU machines: only the engine-thread test runs t
 KEY = "test-key"
 NAME = "demo-pair"
 MAX_LEN = 384
-PROMPTS = [json.loads(line)["prompt"] for line in (DEMO_DIR / "heldout_prompts.jsonl").read_text().splitlines()
-           if line.strip()]
+PROMPTS = [
+    json.loads(line)["prompt"] for line in (DEMO_DIR / "heldout_prompts.jsonl").read_text().splitlines() if line.strip()
+]
 
 
 def serve_kwargs(pair, *flags: str) -> dict:
     """Engine kwargs exactly as `specserve serve` builds them from its flags."""
     p = argparse.ArgumentParser()
     serve_cmd.add_arguments(p)
-    args = p.parse_args(["--model", pair[0], "--draft", pair[1], "--spec-steps", "3",
-                         "--max-model-len", str(MAX_LEN), *flags])
+    args = p.parse_args(
+        ["--model", pair[0], "--draft", pair[1], "--spec-steps", "3", "--max-model-len", str(MAX_LEN), *flags]
+    )
     return serve_cmd.serve_engine_kwargs(args)
 
 

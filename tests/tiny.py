@@ -10,15 +10,34 @@ import torch
 from safetensors.torch import load_file, save_file
 
 
-def make_target(out: Path, arch: str = "llama", vocab: int = 96, hidden: int = 64, layers: int = 4,
-                heads: int = 4, kv_heads: int = 2, seed: int = 0, **extra) -> Path:
+def make_target(
+    out: Path,
+    arch: str = "llama",
+    vocab: int = 96,
+    hidden: int = 64,
+    layers: int = 4,
+    heads: int = 4,
+    kv_heads: int = 2,
+    seed: int = 0,
+    **extra,
+) -> Path:
     """A random transformers model saved with save_pretrained (safetensors)."""
     import transformers
 
     torch.manual_seed(seed)
-    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-              num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-              eos_token_id=vocab - 1, bos_token_id=None, pad_token_id=None, **extra)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
+        eos_token_id=vocab - 1,
+        bos_token_id=None,
+        pad_token_id=None,
+        **extra,
+    )
     if arch == "llama":
         cfg, cls = transformers.LlamaConfig(**kw), transformers.LlamaForCausalLM
     elif arch == "qwen2":
@@ -37,34 +56,85 @@ def make_target(out: Path, arch: str = "llama", vocab: int = 96, hidden: int = 6
     return out
 
 
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
-        "mscale": 1.0, "mscale_all_dim": 1.0, "rope_theta": 10000.0}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+    "rope_theta": 10000.0,
+}
 
 
-def make_moe_target(out: Path, arch: str = "deepseek_v3", vocab: int = 96, hidden: int = 64, layers: int = 4,
-                    experts: int = 8, seed: int = 0, **extra) -> Path:
+def make_moe_target(
+    out: Path,
+    arch: str = "deepseek_v3",
+    vocab: int = 96,
+    hidden: int = 64,
+    layers: int = 4,
+    experts: int = 8,
+    seed: int = 0,
+    **extra,
+) -> Path:
     """A random transformers MoE model (DeepseekV3ForCausalLM with YaRN rope, Qwen3MoeForCausalLM,
     both with layer 0 dense, or MixtralForCausalLM), saved with save_pretrained. The router is sharpened and
     DeepSeek's selection bias made non-zero, so routing (and the bias's part in it) shows."""
     import transformers
 
     torch.manual_seed(seed)
-    kw = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, moe_intermediate_size=hidden // 2,
-              num_hidden_layers=layers, num_attention_heads=4, max_position_embeddings=512,
-              eos_token_id=vocab - 1, bos_token_id=None, pad_token_id=None)
+    kw = dict(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=hidden * 2,
+        moe_intermediate_size=hidden // 2,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        max_position_embeddings=512,
+        eos_token_id=vocab - 1,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     if arch == "deepseek_v3":
-        kw |= dict(num_key_value_heads=4, n_routed_experts=experts, n_shared_experts=1, num_experts_per_tok=3,
-                   n_group=4, topk_group=2, routed_scaling_factor=2.5, first_k_dense_replace=1, kv_lora_rank=32,
-                   q_lora_rank=48, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=24, num_mtp_layers=0,
-                   rope_parameters=dict(YARN))
+        kw |= dict(
+            num_key_value_heads=4,
+            n_routed_experts=experts,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=2.5,
+            first_k_dense_replace=1,
+            kv_lora_rank=32,
+            q_lora_rank=48,
+            qk_rope_head_dim=16,
+            qk_nope_head_dim=32,
+            v_head_dim=24,
+            num_mtp_layers=0,
+            rope_parameters=dict(YARN),
+        )
         cfg, cls = transformers.DeepseekV3Config(**(kw | extra)), transformers.DeepseekV3ForCausalLM
     elif arch == "qwen3_moe":
-        kw |= dict(num_key_value_heads=2, head_dim=16, num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True,
-                   decoder_sparse_step=1, mlp_only_layers=[0])
+        kw |= dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_experts=experts,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[0],
+        )
         cfg, cls = transformers.Qwen3MoeConfig(**(kw | extra)), transformers.Qwen3MoeForCausalLM
     elif arch == "mixtral":
-        kw |= dict(num_key_value_heads=2, head_dim=16, num_local_experts=experts, num_experts_per_tok=2,
-                   intermediate_size=hidden // 2, sliding_window=None)
+        kw |= dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=experts,
+            num_experts_per_tok=2,
+            intermediate_size=hidden // 2,
+            sliding_window=None,
+        )
         kw.pop("moe_intermediate_size")
         cfg, cls = transformers.MixtralConfig(**(kw | extra)), transformers.MixtralForCausalLM
     else:
@@ -83,9 +153,16 @@ def make_moe_target(out: Path, arch: str = "deepseek_v3", vocab: int = 96, hidde
     return out
 
 
-def make_drafter(out: Path, target_dir: Path, layout: str = "specforge", draft_vocab: int | None = None,
-                 seed: int = 1, max_pos: int = 512, with_embedding: bool = False,
-                 aux_ids: list[int] | None = None) -> Path:
+def make_drafter(
+    out: Path,
+    target_dir: Path,
+    layout: str = "specforge",
+    draft_vocab: int | None = None,
+    seed: int = 1,
+    max_pos: int = 512,
+    with_embedding: bool = False,
+    aux_ids: list[int] | None = None,
+) -> Path:
     """A random EAGLE-3 drafter in the SpecForge, SGLang or EAGLE-reference layout."""
     tcfg = json.loads((target_dir / "config.json").read_text())
     H, V = tcfg["hidden_size"], tcfg["vocab_size"]
@@ -118,12 +195,22 @@ def make_drafter(out: Path, target_dir: Path, layout: str = "specforge", draft_v
     t["t2d"] = t2d
     if with_embedding:
         t["embed_tokens.weight"] = r(V, H)
-    cfg = {"hidden_size": H, "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter,
-           "rms_norm_eps": 1e-6, "vocab_size": V, "draft_vocab_size": Vd, "max_position_embeddings": max_pos,
-           "rope_theta": (tcfg.get("rope_parameters") or tcfg).get("rope_theta", 10000.0), "torch_dtype": "float32", "hidden_act": "silu"}
+    cfg = {
+        "hidden_size": H,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": inter,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": V,
+        "draft_vocab_size": Vd,
+        "max_position_embeddings": max_pos,
+        "rope_theta": (tcfg.get("rope_parameters") or tcfg).get("rope_theta", 10000.0),
+        "torch_dtype": "float32",
+        "hidden_act": "silu",
+    }
     if layout == "eagle":
         cfg |= {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 1}
-        t = {("layers.0." + k[len("midlayer."):] if k.startswith("midlayer.") else k): v for k, v in t.items()}
+        t = {("layers.0." + k[len("midlayer.") :] if k.startswith("midlayer.") else k): v for k, v in t.items()}
     else:
         cfg |= {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1}
         if layout == "sglang":
@@ -138,8 +225,11 @@ def make_drafter(out: Path, target_dir: Path, layout: str = "specforge", draft_v
 def linear_modules(tensors: dict) -> list[str]:
     """The Hugging Face Linear modules of a checkpoint: the projections (routed and shared
     experts' too), DeepSeek-V3's kv_a_proj_with_mqa, lm_head."""
-    return sorted(n[: -len(".weight")] for n in tensors
-                  if n.endswith(("_proj.weight", "_proj_with_mqa.weight")) or n == "lm_head.weight")
+    return sorted(
+        n[: -len(".weight")]
+        for n in tensors
+        if n.endswith(("_proj.weight", "_proj_with_mqa.weight")) or n == "lm_head.weight"
+    )
 
 
 # Kimi-K2.5's ignore list: only the routed experts are int4 (attention, shared experts, the dense
@@ -149,8 +239,14 @@ KIMI_IGNORE = ("lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp
 QWEN3_MOE_IGNORE = ("lm_head", "re:.*mlp.gate$")
 
 
-def make_int4_pair(src: Path, out: Path, twin: Path, group_size: int | None = 32, symmetric: bool = True,
-                   ignore: tuple[str, ...] = ("lm_head",)) -> tuple[Path, Path]:
+def make_int4_pair(
+    src: Path,
+    out: Path,
+    twin: Path,
+    group_size: int | None = 32,
+    symmetric: bool = True,
+    ignore: tuple[str, ...] = ("lm_head",),
+) -> tuple[Path, Path]:
     """From the float checkpoint `src`: `out`, its linears (but `ignore`'s) quantized to int4 and
     written as compressed-tensors pack-quantized stores them; `twin`, the same model with those
     weights dequantized into plain float32 tensors."""
@@ -177,14 +273,37 @@ def make_int4_pair(src: Path, out: Path, twin: Path, group_size: int | None = 32
         packed[f"{m}.weight_shape"] = torch.tensor(w.shape)
         if zero is not None:
             packed[f"{m}.weight_zero_point"] = pack_int4(zero, dim=-2)
-    weights = {"num_bits": 4, "type": "int", "symmetric": symmetric, "dynamic": False, "actorder": None,
-               "block_structure": None, "observer": "minmax", "observer_kwargs": {},
-               "strategy": "group" if group_size else "channel", "group_size": group_size}
-    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized", "quantization_status": "compressed",
-             "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                           "output_activations": None, "format": "pack-quantized"}},
-             "ignore": list(ignore), "kv_cache_scheme": None, "global_compression_ratio": None,
-             "sparsity_config": {}, "transform_config": {}}
+    weights = {
+        "num_bits": 4,
+        "type": "int",
+        "symmetric": symmetric,
+        "dynamic": False,
+        "actorder": None,
+        "block_structure": None,
+        "observer": "minmax",
+        "observer_kwargs": {},
+        "strategy": "group" if group_size else "channel",
+        "group_size": group_size,
+    }
+    quant = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": None,
+                "output_activations": None,
+                "format": "pack-quantized",
+            }
+        },
+        "ignore": list(ignore),
+        "kv_cache_scheme": None,
+        "global_compression_ratio": None,
+        "sparsity_config": {},
+        "transform_config": {},
+    }
     for d, t, c in ((out, packed, {**cfg, "quantization_config": quant}), (twin, plain, cfg)):
         d.mkdir(parents=True, exist_ok=True)
         (d / "config.json").write_text(json.dumps(c, indent=2))
@@ -308,20 +427,36 @@ def make_lagging_drafter(out: Path, target_dir: Path) -> Path:
     r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
     t = {
         "fc.weight": torch.cat([torch.eye(H), torch.zeros(H, 2 * H)], 1),
-        "midlayer.input_layernorm.weight": torch.ones(H), "midlayer.hidden_norm.weight": torch.ones(H),
+        "midlayer.input_layernorm.weight": torch.ones(H),
+        "midlayer.hidden_norm.weight": torch.ones(H),
         "midlayer.post_attention_layernorm.weight": torch.ones(H),
-        "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * H), "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * H),
-        "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * H), "midlayer.self_attn.o_proj.weight": torch.zeros(H, heads * hd),
-        "midlayer.mlp.gate_proj.weight": r(inter, H), "midlayer.mlp.up_proj.weight": r(inter, H),
+        "midlayer.self_attn.q_proj.weight": r(heads * hd, 2 * H),
+        "midlayer.self_attn.k_proj.weight": r(kv * hd, 2 * H),
+        "midlayer.self_attn.v_proj.weight": r(kv * hd, 2 * H),
+        "midlayer.self_attn.o_proj.weight": torch.zeros(H, heads * hd),
+        "midlayer.mlp.gate_proj.weight": r(inter, H),
+        "midlayer.mlp.up_proj.weight": r(inter, H),
         "midlayer.mlp.down_proj.weight": torch.zeros(H, inter),
-        "norm.weight": w["model.norm.weight"].float(), "lm_head.weight": w["lm_head.weight"].float(),
-        "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool),
+        "norm.weight": w["model.norm.weight"].float(),
+        "lm_head.weight": w["lm_head.weight"].float(),
+        "d2t": torch.zeros(V, dtype=torch.long),
+        "t2d": torch.ones(V, dtype=torch.bool),
     }
-    dcfg = {"architectures": ["LlamaForCausalLMEagle3"], "num_hidden_layers": 1, "hidden_size": H,
-            "num_attention_heads": heads, "num_key_value_heads": kv, "intermediate_size": inter, "rms_norm_eps": 1e-6,
-            "vocab_size": V, "draft_vocab_size": V, "max_position_embeddings": 512,
-            "rope_theta": cfg.get("rope_theta", 10000.0), "torch_dtype": "float32",
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": [L - 1, L - 1, L - 1]}}
+    dcfg = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "num_hidden_layers": 1,
+        "hidden_size": H,
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv,
+        "intermediate_size": inter,
+        "rms_norm_eps": 1e-6,
+        "vocab_size": V,
+        "draft_vocab_size": V,
+        "max_position_embeddings": 512,
+        "rope_theta": cfg.get("rope_theta", 10000.0),
+        "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [L - 1, L - 1, L - 1]},
+    }
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(dcfg))
     save_file({k: v.contiguous() for k, v in t.items()}, str(out / "model.safetensors"))
@@ -339,8 +474,9 @@ def generate_greedy(model, prompts, draft=None, **kw):
     from specserve.engine.sampling import SamplingParams
 
     kw.setdefault("device", "cpu")
-    engine = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, max_num_seqs=len(prompts),
-                                 **kw))
+    engine = Engine(
+        EngineConfig(model=str(model), draft=str(draft) if draft else None, max_num_seqs=len(prompts), **kw)
+    )
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     seqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_work():
@@ -351,5 +487,10 @@ def generate_greedy(model, prompts, draft=None, **kw):
 
 def kimi_k25_config(text: dict) -> dict:
     """Kimi-K2.5's wrapper config around a DeepSeek-V3 text config (its vision tower named, not built)."""
-    return {"architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25", "text_config": text,
-            "vision_config": {"hidden_size": 1152}, "media_placeholder_token_id": 163605}
+    return {
+        "architectures": ["KimiK25ForConditionalGeneration"],
+        "model_type": "kimi_k25",
+        "text_config": text,
+        "vision_config": {"hidden_size": 1152},
+        "media_placeholder_token_id": 163605,
+    }

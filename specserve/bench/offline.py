@@ -89,8 +89,12 @@ class EngineUnit:
                 kw.update(draft=None, spec_steps=0, max_spec_steps=0, adaptive=False)
             else:
                 adaptive = bool(cfg.get("adaptive"))
-                kw.update(spec_steps=0 if adaptive else cfg.spec_steps, max_spec_steps=cfg.spec_steps,
-                          adaptive=adaptive, **_method_kw(cfg.engine_options(), kw))
+                kw.update(
+                    spec_steps=0 if adaptive else cfg.spec_steps,
+                    max_spec_steps=cfg.spec_steps,
+                    adaptive=adaptive,
+                    **_method_kw(cfg.engine_options(), kw),
+                )
             self.llm = LLM(profile=profile and cfg.name != "baseline", **kw)
         self.load_s = time.perf_counter() - t0
         self.details: dict = {"load_s": round(self.load_s, 3), "shared_engine": self.shared}
@@ -118,7 +122,9 @@ class EngineUnit:
         eng = getattr(self.llm, "engine", None)
         shared_policy = None
         if self.shared:
-            eng.set_spec_steps(0 if self.cfg.name == "baseline" else (None if self.cfg.get("adaptive") else self.cfg.spec_steps))
+            eng.set_spec_steps(
+                0 if self.cfg.name == "baseline" else (None if self.cfg.get("adaptive") else self.cfg.spec_steps)
+            )
             if self.cfg.get("adaptive") and eng.policy is not None:
                 # adaptive K learns in a policy of its own, as on its own engine: not from the fixed-K runs' timings
                 shared_policy = eng.policy
@@ -141,13 +147,17 @@ class EngineUnit:
         if after is not None and self.cfg.name != "baseline":
             spec = {k: _sub(after[k], before[k]) for k in after}
             if policy is not None and self.cfg.get("adaptive"):
-                spec["steps_chosen"] = {k: n - chosen.get(k, 0) for k, n in policy.choices.items() if n > chosen.get(k, 0)}
+                spec["steps_chosen"] = {
+                    k: n - chosen.get(k, 0) for k, n in policy.choices.items() if n > chosen.get(k, 0)
+                }
                 spec["policy"] = policy.snapshot()
         elif self.cfg.name != "baseline":
             spec = _spec_from_outputs(outs)
         ttft = [o.ttft_s or 0.0 for o in outs]
-        tpot = [(o.latency_s - o.ttft_s) / (len(o.token_ids) - 1) if o.latency_s and len(o.token_ids) > 1 else None
-                for o in outs]
+        tpot = [
+            (o.latency_s - o.ttft_s) / (len(o.token_ids) - 1) if o.latency_s and len(o.token_ids) > 1 else None
+            for o in outs
+        ]
         prof = list(eng.profile[n_prof:]) if eng is not None and getattr(eng, "profile", None) else []
         host1 = _host(eng)
         host = {k: host1[k] - host0[k] for k in host1} if host0 and host1 else None
@@ -186,8 +196,13 @@ def _totals(eng) -> dict | None:
     t = getattr(eng, "totals", None)
     if t is None:
         return None
-    out = {"cycles": t.cycles, "drafted": t.drafted, "accepted": t.accepted,
-           "accepted_per_pos": list(t.accepted_per_pos), "drafted_per_pos": list(t.drafted_per_pos)}
+    out = {
+        "cycles": t.cycles,
+        "drafted": t.drafted,
+        "accepted": t.accepted,
+        "accepted_per_pos": list(t.accepted_per_pos),
+        "drafted_per_pos": list(t.drafted_per_pos),
+    }
     if hasattr(eng, "drafts_ahead"):  # (a TP engine's view does not count them)
         out["drafts_ahead"] = eng.drafts_ahead
     return out
@@ -237,8 +252,11 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
     draft_dir = default_pair(args.model, args.draft)[1]
     base_kw["draft"] = draft_dir
     if any(c.name == "eagle3" for c in configs) and not draft_dir:
-        where = ("the demo drafter (specserve/assets/demo/draft) is not built yet" if args.model is None
-                 else "no drafter given")
+        where = (
+            "the demo drafter (specserve/assets/demo/draft) is not built yet"
+            if args.model is None
+            else "no drafter given"
+        )
         raise ConfigError(f"eagle3 configs need an EAGLE-3 drafter: {where}; pass --draft DIR or --configs baseline")
     base_kw["max_num_seqs"] = max(args.max_num_seqs or 0, max(args.batch_sizes))
     base_kw["graph_batch_sizes"] = tuple(sorted(args.batch_sizes))  # capture only the sizes measured
@@ -246,10 +264,12 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
     tok = Tokenizer(model_dir)
     own = [own_answer_index(p["messages"]) is not None for p in prompts]
     if any(own) and not tok.chat_template:
-        raise ConfigError(f"--dataset {prompts[own.index(True)]['category']} asks each second turn after the "
-                          f"model's own first answer, through its chat template, and {model_dir} has none "
-                          f"(no chat_template in tokenizer_config.json or chat_template.jinja): benchmark a chat "
-                          f"model, or measure first turns only (--dataset mt-bench)")
+        raise ConfigError(
+            f"--dataset {prompts[own.index(True)]['category']} asks each second turn after the "
+            f"model's own first answer, through its chat template, and {model_dir} has none "
+            f"(no chat_template in tokenizer_config.json or chat_template.jinja): benchmark a chat "
+            f"model, or measure first turns only (--dataset mt-bench)"
+        )
     # The model's own answers are written after loading: until then they are empty, and up to --max-tokens long.
     prompt_ids = [_encode(tok, _answered(p, "")) for p in prompts]
     categories = [p["category"] for p in prompts]
@@ -260,12 +280,16 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
         longest = max([len(p) + args.max_tokens * o for p, o in zip(prompt_ids, own)] + (args.context or []))
         need = longest + args.max_tokens + 1
         if need > limit:
-            raise ConfigError(f"the longest prompt or --context ({need - args.max_tokens - 1} tokens) plus "
-                              f"--max-tokens {args.max_tokens} exceeds the model's {limit} positions")
+            raise ConfigError(
+                f"the longest prompt or --context ({need - args.max_tokens - 1} tokens) plus "
+                f"--max-tokens {args.max_tokens} exceeds the model's {limit} positions"
+            )
         base_kw["max_model_len"] = min(limit, -(-need // 64) * 64)
     elif args.context and max(args.context) + args.max_tokens >= args.max_model_len:
-        raise ConfigError(f"--context {max(args.context)} plus --max-tokens {args.max_tokens} does not fit "
-                          f"--max-model-len {args.max_model_len}: raise it, or leave it out to fit the run")
+        raise ConfigError(
+            f"--context {max(args.context)} plus --max-tokens {args.max_tokens} does not fit "
+            f"--max-model-len {args.max_model_len}: raise it, or leave it out to fit the run"
+        )
     # Chat answers end at their end of turn unless --ignore-eos; plain text runs --max-tokens unless --no-ignore-eos.
     chat = bool(tok.chat_template) and all(p["messages"] is not None for p in prompts)
     if args.ignore_eos is None:
@@ -273,13 +297,23 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
     eos_ids = set(tok.eos_token_ids)
     stop = [tok.end_of_turn_id] if chat and not args.ignore_eos and tok.end_of_turn_id is not None else []
     eos_ids.update(stop)
-    params = [SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed + i,
-                             ignore_eos=args.ignore_eos, stop_token_ids=stop) for i in range(len(prompts))]
+    params = [
+        SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            seed=args.seed + i,
+            ignore_eos=args.ignore_eos,
+            stop_token_ids=stop,
+        )
+        for i in range(len(prompts))
+    ]
 
-    log = (lambda m: print(m, file=sys.stderr, flush=True))
+    log = lambda m: print(m, file=sys.stderr, flush=True)
     if args.num_prompts is None and args.max_seconds > 0:
-        log(f"[bench] loading, then a short calibration sizes the run to end within about {args.max_seconds:g} s "
-            f"(--max-seconds)")
+        log(
+            f"[bench] loading, then a short calibration sizes the run to end within about {args.max_seconds:g} s "
+            f"(--max-seconds)"
+        )
     t_load = time.perf_counter()
     units: dict[str, object] = {}
     # One engine per drafting method and tree setting (chains are one setting) runs all its configs; baseline
@@ -312,25 +346,45 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
         for name in args.peers:
             log(f"[bench] loading peer {name} ...")
             try:
-                units[name] = PeerProcess(name, model_dir, device, dtype, args.max_tokens, args.temperature,
-                                          args.ignore_eos, eos_ids, args.peer_draft, base_kw["max_model_len"],
-                                          torch.get_num_threads())
+                units[name] = PeerProcess(
+                    name,
+                    model_dir,
+                    device,
+                    dtype,
+                    args.max_tokens,
+                    args.temperature,
+                    args.ignore_eos,
+                    eos_ids,
+                    args.peer_draft,
+                    base_kw["max_model_len"],
+                    torch.get_num_threads(),
+                )
             except Exception as e:  # noqa: BLE001 -- a peer that cannot load is reported, not fatal
                 peer_status[name] = f"could not load: {type(e).__name__}: {e}"
 
     load_s = time.perf_counter() - t_load
     live = {bs: [u for u in units if units[u].unavailable(bs) is None] for bs in args.batch_sizes}
     contexts = args.context or [None]  # None: the prompts as they are
-    calibration = _calibrate(args, units, live, prompts, extend_to_context(prompt_ids, max(args.context))
-                             if args.context else prompt_ids, params, log, t_begin)
+    calibration = _calibrate(
+        args,
+        units,
+        live,
+        prompts,
+        extend_to_context(prompt_ids, max(args.context)) if args.context else prompt_ids,
+        params,
+        log,
+        t_begin,
+    )
     keep = calibration.pop("keep")
     prompts, prompt_ids, params = ([xs[i] for i in keep] for xs in (prompts, prompt_ids, params))
     categories = [p["category"] for p in prompts]
     batches = {bs: make_batches(categories, bs) for bs in args.batch_sizes}
-    runs: dict[tuple[str, int, int | None], list[Run]] = {(u, bs, c): [] for u in units for bs in args.batch_sizes
-                                                          for c in contexts}
-    total = len(contexts) * sum(len(live[bs]) * (args.warmup + args.repeats) * len(batches[bs])
-                                for bs in args.batch_sizes)
+    runs: dict[tuple[str, int, int | None], list[Run]] = {
+        (u, bs, c): [] for u in units for bs in args.batch_sizes for c in contexts
+    }
+    total = len(contexts) * sum(
+        len(live[bs]) * (args.warmup + args.repeats) * len(batches[bs]) for bs in args.batch_sizes
+    )
     bar = _progress(total, args.progress)
     load_avg_start = report.load_average()
     t_start = time.perf_counter()
@@ -377,8 +431,11 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
         results += mine
         summary += [s | {"context": ctx} for s in _summary(args.batch_sizes, mine)]
         if args.profile:
-            cost += [c | {"context": ctx} for c in (cost_model.from_runs(bs, configs, at, mine)
-                                                   for bs in args.batch_sizes) if c is not None]
+            cost += [
+                c | {"context": ctx}
+                for c in (cost_model.from_runs(bs, configs, at, mine) for bs in args.batch_sizes)
+                if c is not None
+            ]
 
     own_tokens = [p["own_answer_tokens"] for p in prompts if "own_answer_tokens" in p]
     by_context = _context_cost_model(args.batch_sizes, results, cost)
@@ -393,18 +450,31 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
         "model": report.model_identity(model_dir, dtype=str(dtype).replace("torch.", "")),
         "draft": report.draft_identity(draft_dir) if any(c.name == "eagle3" for c in configs) else None,
         "settings": {
-            "configs": [c.label for c in configs], "peers": list(args.peers),
-            "batch_sizes": list(args.batch_sizes), "max_tokens": args.max_tokens, "repeats": args.repeats,
-            "warmup": args.warmup, "temperature": args.temperature, "ignore_eos": args.ignore_eos,
-            "seed": args.seed, "max_model_len": base_kw["max_model_len"], "device": device, "contexts": args.context,
-            "profile": bool(args.profile), "torch_threads": torch.get_num_threads(), "calibration": calibration,
-            "prompts": {"path": str(args.prompts or ("--dataset" if getattr(args, "dataset", None) else "bundled")),
-                        "count": len(prompts),
-                        "datasets": getattr(args, "dataset", None),
-                        "categories": {c: categories.count(c) for c in cats},
-                        "mean_prompt_tokens": round(statistics.fmean(len(p) for p in prompt_ids), 1),
-                        "own_answers": {"count": len(own_tokens), "mean_tokens": round(statistics.fmean(own_tokens), 1)}
-                        if own_tokens else None},
+            "configs": [c.label for c in configs],
+            "peers": list(args.peers),
+            "batch_sizes": list(args.batch_sizes),
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "warmup": args.warmup,
+            "temperature": args.temperature,
+            "ignore_eos": args.ignore_eos,
+            "seed": args.seed,
+            "max_model_len": base_kw["max_model_len"],
+            "device": device,
+            "contexts": args.context,
+            "profile": bool(args.profile),
+            "torch_threads": torch.get_num_threads(),
+            "calibration": calibration,
+            "prompts": {
+                "path": str(args.prompts or ("--dataset" if getattr(args, "dataset", None) else "bundled")),
+                "count": len(prompts),
+                "datasets": getattr(args, "dataset", None),
+                "categories": {c: categories.count(c) for c in cats},
+                "mean_prompt_tokens": round(statistics.fmean(len(p) for p in prompt_ids), 1),
+                "own_answers": {"count": len(own_tokens), "mean_tokens": round(statistics.fmean(own_tokens), 1)}
+                if own_tokens
+                else None,
+            },
         },
         "load_s": round(load_s, 2),
         "wall_s": round(time.perf_counter() - t_start, 2),
@@ -423,8 +493,9 @@ def _context_cost_model(batch_sizes: list[int], results: list[dict], cost: list[
     cost model's), else the adaptive config's own."""
     out = []
     for bs in batch_sizes:
-        fitted = next((c["acceptance_per_position"] for c in cost if c["batch_size"] == bs
-                       and c["acceptance_per_position"]), None)
+        fitted = next(
+            (c["acceptance_per_position"] for c in cost if c["batch_size"] == bs and c["acceptance_per_position"]), None
+        )
         last = {}  # config -> its row at the last context (the policy after every context ran)
         for x in results:
             if x["batch_size"] == bs and (x.get("details") or {}).get("policy_costs"):
@@ -433,8 +504,13 @@ def _context_cost_model(batch_sizes: list[int], results: list[dict], cost: list[
             acceptance = fitted or [a for a in x["accept_per_position"] or [] if a is not None]
             entry = cost_model.from_policy(x["details"]["policy_costs"], bs, acceptance)
             if entry is not None:
-                out.append({"config": config, **entry,
-                            "acceptance_source": "profiled chains" if fitted else "this config's cycles"})
+                out.append(
+                    {
+                        "config": config,
+                        **entry,
+                        "acceptance_source": "profiled chains" if fitted else "this config's cycles",
+                    }
+                )
     return out
 
 
@@ -442,8 +518,9 @@ def _summary(batch_sizes: list[int], results: list[dict]) -> list[dict]:
     """Per batch size: the speculative config with the best speedup, and its tok/s against the hf peer's."""
     summary = []
     for bs in batch_sizes:
-        spec = [x for x in results
-                if x["batch_size"] == bs and x["config"].split(":")[0] in SPEC_METHODS and x["speedup"]]
+        spec = [
+            x for x in results if x["batch_size"] == bs and x["config"].split(":")[0] in SPEC_METHODS and x["speedup"]
+        ]
         if not spec:
             continue
         best = max(spec, key=lambda x: x["speedup"])
@@ -452,13 +529,21 @@ def _summary(batch_sizes: list[int], results: list[dict]) -> list[dict]:
         if hf is not None:  # paired per repeat, like the speedup
             values = [a / b for a, b in zip(best["tok_s"]["values"], hf["tok_s"]["values"])]
             vs_hf = statistics.median(values)
-        summary.append({"batch_size": bs, "best_config": best["config"], "speedup": best["speedup"], "vs_hf": vs_hf,
-                        "vs_hf_values": values})
+        summary.append(
+            {
+                "batch_size": bs,
+                "best_config": best["config"],
+                "speedup": best["speedup"],
+                "vs_hf": vs_hf,
+                "vs_hf_values": values,
+            }
+        )
     return summary
 
 
-def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: list[list[int]], params: list,
-               log, t_begin: float) -> dict:
+def _calibrate(
+    args, units: dict, live: dict, prompts: list[dict], prompt_ids: list[list[int]], params: list, log, t_begin: float
+) -> dict:
     """Without --num-prompts: time one batch per unit and batch size (run twice: the first pays one-time
     costs), estimate the warm-up and timed passes from it, and keep the most prompts per category whose
     estimate fits what is left of --max-seconds since `t_begin`. Returns the figures, and the prompt
@@ -469,9 +554,14 @@ def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: l
     sized = args.num_prompts is None and args.max_seconds > 0
     if not sized:
         args.warmup = 1 if args.warmup is None else args.warmup
-        return {"seconds": 0.0, "estimate_s": None, "max_seconds": args.max_seconds,
-                "elapsed_before_s": round(time.perf_counter() - t_begin, 2),
-                "prompts_per_category": args.num_prompts, "keep": list(range(len(prompts)))}
+        return {
+            "seconds": 0.0,
+            "estimate_s": None,
+            "max_seconds": args.max_seconds,
+            "elapsed_before_s": round(time.perf_counter() - t_begin, 2),
+            "prompts_per_category": args.num_prompts,
+            "keep": list(range(len(prompts))),
+        }
 
     t0 = time.perf_counter()
     cost: dict[tuple[str, int], float] = {}
@@ -491,14 +581,17 @@ def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: l
 
     def estimate(keep: list[int], warmup: int) -> float:
         cats = [prompts[i]["category"] for i in keep]
-        per_context = sum(len(make_batches(cats, bs)) * (warmup + args.repeats) * sum(cost[(u, bs)] for u in live[bs])
-                          for bs in args.batch_sizes)
+        per_context = sum(
+            len(make_batches(cats, bs)) * (warmup + args.repeats) * sum(cost[(u, bs)] for u in live[bs])
+            for bs in args.batch_sizes
+        )
         return len(args.context or [None]) * per_context  # (timed at the longest --context)
 
     largest = max(sum(p["category"] == c for p in prompts) for c in {p["category"] for p in prompts})
     warmups = [args.warmup] if args.warmup is not None else [1, 0]
-    per_category, warmup = next(((n, w) for w in warmups for n in range(largest, 0, -1)
-                                 if estimate(chosen(n), w) <= budget), (1, warmups[-1]))
+    per_category, warmup = next(
+        ((n, w) for w in warmups for n in range(largest, 0, -1) if estimate(chosen(n), w) <= budget), (1, warmups[-1])
+    )
     if per_category == largest:
         per_category = None  # every prompt fits
     args.warmup = warmup
@@ -507,12 +600,19 @@ def _calibrate(args, units: dict, live: dict, prompts: list[dict], prompt_ids: l
     how = f", sized to --max-seconds {args.max_seconds:g} (--num-prompts N to choose)"
     if est > budget:
         how = f"; more than --max-seconds {args.max_seconds:g} even with one prompt per category"
-    log(f"[bench] calibration took {seconds:.1f} s; measuring {len(keep)} of {len(prompts)} prompts x "
+    log(
+        f"[bench] calibration took {seconds:.1f} s; measuring {len(keep)} of {len(prompts)} prompts x "
         f"{warmup} warm-up + {args.repeats} timed passes: about {est:.0f} s more, done near "
-        f"{time.strftime('%H:%M:%S', time.localtime(time.time() + est))}{how}")
-    return {"seconds": round(seconds, 2), "estimate_s": round(est, 1), "max_seconds": args.max_seconds,
-            "elapsed_before_s": round(time.perf_counter() - t_begin, 2),
-            "prompts_per_category": per_category, "keep": keep}
+        f"{time.strftime('%H:%M:%S', time.localtime(time.time() + est))}{how}"
+    )
+    return {
+        "seconds": round(seconds, 2),
+        "estimate_s": round(est, 1),
+        "max_seconds": args.max_seconds,
+        "elapsed_before_s": round(time.perf_counter() - t_begin, 2),
+        "prompts_per_category": per_category,
+        "keep": keep,
+    }
 
 
 def _answered(p: dict, text: str) -> dict:
@@ -520,7 +620,7 @@ def _answered(p: dict, text: str) -> dict:
     i = own_answer_index(p["messages"])
     if i is None:
         return p
-    return {**p, "messages": [*p["messages"][:i], {"role": "assistant", "content": text}, *p["messages"][i + 1:]]}
+    return {**p, "messages": [*p["messages"][:i], {"role": "assistant", "content": text}, *p["messages"][i + 1 :]]}
 
 
 def _answer_own_turns(baseline: EngineUnit, tok, prompts: list[dict], max_tokens: int, log) -> list[dict]:
@@ -531,13 +631,18 @@ def _answer_own_turns(baseline: EngineUnit, tok, prompts: list[dict], max_tokens
     from specserve.engine.llm import SamplingParams
 
     todo = [i for i, p in enumerate(prompts) if own_answer_index(p["messages"]) is not None]
-    log(f"[bench] the target answers {len(todo)} first turns (greedy, up to {max_tokens} tokens) to ask the "
-        f"second turns ...")
-    heads = [_encode(tok, {**prompts[i], "messages": prompts[i]["messages"][:own_answer_index(prompts[i]["messages"])]})
-             for i in todo]
+    log(
+        f"[bench] the target answers {len(todo)} first turns (greedy, up to {max_tokens} tokens) to ask the "
+        f"second turns ..."
+    )
+    heads = [
+        _encode(tok, {**prompts[i], "messages": prompts[i]["messages"][: own_answer_index(prompts[i]["messages"])]})
+        for i in todo
+    ]
     stop = [tok.end_of_turn_id] if tok.end_of_turn_id is not None else []
-    out = baseline.run(heads, [SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop)
-                               for _ in todo])
+    out = baseline.run(
+        heads, [SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop) for _ in todo]
+    )
     answered = list(prompts)
     for i, ids in zip(todo, out.tokens):
         answered[i] = {**_answered(prompts[i], tok.decode(ids).strip()), "own_answer_tokens": len(ids)}
@@ -558,9 +663,14 @@ def _encode(tok, p: dict) -> list[int]:
 
 
 class _NoBar:
-    def update(self, n=1): pass
-    def set_postfix_str(self, s, refresh=True): pass
-    def close(self): pass
+    def update(self, n=1):
+        pass
+
+    def set_postfix_str(self, s, refresh=True):
+        pass
+
+    def close(self):
+        pass
 
 
 def _progress(total: int, enabled: bool):
@@ -569,8 +679,15 @@ def _progress(total: int, enabled: bool):
     except ImportError:  # the bar is a nicety
         return _NoBar()
     # disable=None: no bar when stderr is not a terminal (CI logs would fill with redraws)
-    return tqdm(total=total, desc="bench", unit="batch", disable=None if enabled else True, file=sys.stderr,
-                dynamic_ncols=True, mininterval=0.5)
+    return tqdm(
+        total=total,
+        desc="bench",
+        unit="batch",
+        disable=None if enabled else True,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        mininterval=0.5,
+    )
 
 
 # ------------------------------------------------------------------ statistics
@@ -581,10 +698,25 @@ def _stats(xs: list[float]) -> dict | None:
 
 
 def _na_row(label: str, bs: int, reason: str, category: str | None = None) -> dict:
-    return {"config": label, "kind": "peer" if label in ("hf", "hf-assisted") else "engine", "batch_size": bs,
-            "category": category or "all", "available": False, "reason": reason, "tok_s": None, "tpot_ms": None,
-            "ttft_ms": None, "tokens_per_repeat": None, "accept_length": None, "accept_per_position": None,
-            "speedup": None, "speedup_values": None, "matches_baseline": None, "match_rate": None, "details": {}}
+    return {
+        "config": label,
+        "kind": "peer" if label in ("hf", "hf-assisted") else "engine",
+        "batch_size": bs,
+        "category": category or "all",
+        "available": False,
+        "reason": reason,
+        "tok_s": None,
+        "tpot_ms": None,
+        "ttft_ms": None,
+        "tokens_per_repeat": None,
+        "accept_length": None,
+        "accept_per_position": None,
+        "speedup": None,
+        "speedup_values": None,
+        "matches_baseline": None,
+        "match_rate": None,
+        "details": {},
+    }
 
 
 def summarize(label: str, unit, bs: int, category: str | None, runs, reason: str | None, temperature: float) -> dict:
@@ -625,8 +757,10 @@ def summarize(label: str, unit, bs: int, category: str | None, runs, reason: str
         # Per engine step, the host's time inside it and of that the wait for the device: a loop that
         # barely waits is bound by the host, and the device idles between its steps.
         steps = sum(h["steps"] for h in hosts)
-        details["host_ms_per_step"] = {"in_step": round(1e3 * sum(h["step_s"] for h in hosts) / steps, 4),
-                                       "waiting_for_device": round(1e3 * sum(h["wait_s"] for h in hosts) / steps, 4)}
+        details["host_ms_per_step"] = {
+            "in_step": round(1e3 * sum(h["step_s"] for h in hosts) / steps, 4),
+            "waiting_for_device": round(1e3 * sum(h["wait_s"] for h in hosts) / steps, 4),
+        }
     specs = [r.out.spec for r in mine if r.out.spec]
     if specs and "drafted_per_pos" in specs[0]:
         cycles = sum(s["cycles"] for s in specs)
@@ -655,11 +789,21 @@ def summarize(label: str, unit, bs: int, category: str | None, runs, reason: str
         details["accept_length_note"] = "tokens per assisted-generation cycle (from transformers' step count)"
 
     return {
-        "config": label, "kind": unit.kind, "batch_size": bs, "category": category or "all",
-        "available": True, "reason": None,
-        "tok_s": _stats(tok_s), "tpot_ms": _stats(tpot), "ttft_ms": _stats(ttft),
+        "config": label,
+        "kind": unit.kind,
+        "batch_size": bs,
+        "category": category or "all",
+        "available": True,
+        "reason": None,
+        "tok_s": _stats(tok_s),
+        "tpot_ms": _stats(tpot),
+        "ttft_ms": _stats(ttft),
         "tokens_per_repeat": statistics.fmean(ntok) if ntok else None,
-        "accept_length": accept_len, "accept_per_position": per_pos,
-        "speedup": statistics.median(ratios) if ratios else None, "speedup_values": ratios or None,
-        "matches_baseline": matches, "match_rate": match_rate, "details": details,
+        "accept_length": accept_len,
+        "accept_per_position": per_pos,
+        "speedup": statistics.median(ratios) if ratios else None,
+        "speedup_values": ratios or None,
+        "matches_baseline": matches,
+        "match_rate": match_rate,
+        "details": details,
     }

@@ -23,17 +23,25 @@ from specserve.config import ConfigError
 # suffix) is optional. Per-position rates divide by the drafted-per-position counter where the
 # server has one (specserve: right under adaptive K), else by the drafts (vLLM: fixed K).
 SPEC_COUNTERS = {
-    "specserve": ("specserve:spec_decode_num_drafts", "specserve:spec_decode_num_draft_tokens",
-                  "specserve:spec_decode_num_accepted_tokens", "specserve:spec_decode_num_accepted_tokens_per_pos",
-                  "specserve:spec_decode_num_draft_tokens_per_pos"),
-    "vllm": ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
-             "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos", None),
+    "specserve": (
+        "specserve:spec_decode_num_drafts",
+        "specserve:spec_decode_num_draft_tokens",
+        "specserve:spec_decode_num_accepted_tokens",
+        "specserve:spec_decode_num_accepted_tokens_per_pos",
+        "specserve:spec_decode_num_draft_tokens_per_pos",
+    ),
+    "vllm": (
+        "vllm:spec_decode_num_drafts",
+        "vllm:spec_decode_num_draft_tokens",
+        "vllm:spec_decode_num_accepted_tokens",
+        "vllm:spec_decode_num_accepted_tokens_per_pos",
+        None,
+    ),
 }
 STEPS_CHOSEN = "specserve:spec_decode_steps_chosen"  # {k="K"}: engine steps per K (adaptive)
 # SGLang exports no draft counters: verify calls and generated tokens are counters, acceptance
 # length and rate are gauges of recent batches.
-SGLANG_VERIFY, SGLANG_GEN, SGLANG_REQS = ("sglang:spec_verify_calls", "sglang:generation_tokens",
-                                          "sglang:num_requests")
+SGLANG_VERIFY, SGLANG_GEN, SGLANG_REQS = ("sglang:spec_verify_calls", "sglang:generation_tokens", "sglang:num_requests")
 SGLANG_GAUGES = ("sglang:spec_accept_length", "sglang:spec_accept_rate")
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
@@ -87,9 +95,15 @@ def acceptance_delta(before: dict, after: dict, completed: int) -> dict | None:
             den = [da.get(i, 0.0) - db.get(i, 0.0) for i in sorted(pa)]
         else:
             den = [d] * len(acc_pos)
-        out = {"source": source, "drafts": d, "draft_tokens": dt, "accepted_tokens": a,
-               "accept_length": 1 + a / d if d else None, "accept_rate": a / dt if dt else None,
-               "accept_per_position": [x / n if n else None for x, n in zip(acc_pos, den)] if d and acc_pos else None}
+        out = {
+            "source": source,
+            "drafts": d,
+            "draft_tokens": dt,
+            "accepted_tokens": a,
+            "accept_length": 1 + a / d if d else None,
+            "accept_rate": a / dt if dt else None,
+            "accept_per_position": [x / n if n else None for x, n in zip(acc_pos, den)] if d and acc_pos else None,
+        }
         if STEPS_CHOSEN in after:
             kb = {lb.get("k"): v for lb, v in before.get(STEPS_CHOSEN, [])}
             out["steps_chosen"] = {lb.get("k"): v - kb.get(lb.get("k"), 0.0) for lb, v in after[STEPS_CHOSEN]}
@@ -100,9 +114,15 @@ def acceptance_delta(before: dict, after: dict, completed: int) -> dict | None:
         r = ((_sum(after, SGLANG_REQS) or 0) - (_sum(before, SGLANG_REQS) or 0)) if SGLANG_REQS in after else completed
         gauges = {n.split(":")[1]: _sum(after, n) for n in SGLANG_GAUGES if n in after}
         # Each request's first token comes from prefill; every later token from a verify step.
-        return {"source": "sglang", "verify_calls": v, "generated_tokens": g,
-                "accept_length": (g - r) / v if v else None, "accept_rate": gauges.get("spec_accept_rate"),
-                "accept_per_position": None, "gauges_after": gauges}
+        return {
+            "source": "sglang",
+            "verify_calls": v,
+            "generated_tokens": g,
+            "accept_length": (g - r) / v if v else None,
+            "accept_rate": gauges.get("spec_accept_rate"),
+            "accept_per_position": None,
+            "gauges_after": gauges,
+        }
     return None
 
 
@@ -117,8 +137,15 @@ def percentiles(xs: list[float]) -> dict | None:
         hi = min(lo + 1, len(s) - 1)
         return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
-    return {"mean": statistics.fmean(s), "p50": q(50), "p90": q(90), "p99": q(99), "min": s[0], "max": s[-1],
-            "count": len(s)}
+    return {
+        "mean": statistics.fmean(s),
+        "p50": q(50),
+        "p90": q(90),
+        "p99": q(99),
+        "min": s[0],
+        "max": s[-1],
+        "count": len(s),
+    }
 
 
 @dataclass
@@ -135,8 +162,13 @@ async def _one(client, base: str, model: str, prompt: dict, args) -> Result:
     import httpx
 
     chat = prompt["prompt"] is None
-    body = {"model": model, "max_tokens": args.max_tokens, "temperature": args.temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.ignore_eos or (args.ignore_eos is None and not chat):  # (a chat answer ends at its turn by default)
         body["ignore_eos"] = True  # an extension (vLLM, SGLang, specserve) for equal output lengths
     if chat:
@@ -212,8 +244,10 @@ async def _run(args, prompts: list[dict]) -> dict:
             models = (await client.get(f"{base}/v1/models")).json()
         except (httpx.HTTPError, ValueError) as e:
             if args.served_model_name is None:
-                raise ConfigError(f"cannot read {base}/v1/models ({type(e).__name__}: {e}); is the server up? "
-                                  f"(or pass --served-model-name)") from None
+                raise ConfigError(
+                    f"cannot read {base}/v1/models ({type(e).__name__}: {e}); is the server up? "
+                    f"(or pass --served-model-name)"
+                ) from None
             models = None
         model = args.served_model_name or ((models or {}).get("data") or [{}])[0].get("id")
         if not model:
@@ -272,36 +306,87 @@ async def _run(args, prompts: list[dict]) -> dict:
     out_tok = sum(tokens)
     label = args.label or model
     online = {
-        "url": base, "model": model, "server_info": server_info, "load": {**load, "num_requests": n, "seed": args.seed},
-        "completed": len(ok), "failed": n - len(ok), "errors": [r.error for r in results if r.error][:5],
-        "duration_s": duration, "output_tokens": out_tok,
+        "url": base,
+        "model": model,
+        "server_info": server_info,
+        "load": {**load, "num_requests": n, "seed": args.seed},
+        "completed": len(ok),
+        "failed": n - len(ok),
+        "errors": [r.error for r in results if r.error][:5],
+        "duration_s": duration,
+        "output_tokens": out_tok,
         "tokens_counted_by": "usage" if have_usage else "chunks (no usage in stream)",
-        "output_tok_s": out_tok / duration if duration else 0.0, "request_s": len(ok) / duration if duration else 0.0,
-        "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl),
-        "e2e_ms": percentiles(e2e), "metrics_available": after is not None, "acceptance": acc,
+        "output_tok_s": out_tok / duration if duration else 0.0,
+        "request_s": len(ok) / duration if duration else 0.0,
+        "ttft_ms": percentiles(ttft),
+        "tpot_ms": percentiles(tpot),
+        "itl_ms": percentiles(itl),
+        "e2e_ms": percentiles(e2e),
+        "metrics_available": after is not None,
+        "acceptance": acc,
     }
     tps = online["output_tok_s"]
-    row = {"config": label, "kind": "server", "batch_size": load.get("concurrency"), "category": "all",
-           "available": bool(ok), "reason": None if ok else "no request completed",
-           "tok_s": {"median": tps, "min": tps, "max": tps, "values": [tps]} if ok else None,
-           "tpot_ms": None, "ttft_ms": None, "tokens_per_repeat": out_tok,
-           "accept_length": acc and acc.get("accept_length"),
-           "accept_per_position": acc and acc.get("accept_per_position"),
-           "speedup": None, "speedup_values": None, "matches_baseline": None, "match_rate": None, "details": {}}
+    row = {
+        "config": label,
+        "kind": "server",
+        "batch_size": load.get("concurrency"),
+        "category": "all",
+        "available": bool(ok),
+        "reason": None if ok else "no request completed",
+        "tok_s": {"median": tps, "min": tps, "max": tps, "values": [tps]} if ok else None,
+        "tpot_ms": None,
+        "ttft_ms": None,
+        "tokens_per_repeat": out_tok,
+        "accept_length": acc and acc.get("accept_length"),
+        "accept_per_position": acc and acc.get("accept_per_position"),
+        "speedup": None,
+        "speedup_values": None,
+        "matches_baseline": None,
+        "match_rate": None,
+        "details": {},
+    }
     if ok:
-        row["tpot_ms"] = {"median": online["tpot_ms"]["p50"], "min": online["tpot_ms"]["min"],
-                          "max": online["tpot_ms"]["max"], "values": []} if online["tpot_ms"] else None
-        row["ttft_ms"] = {"median": online["ttft_ms"]["p50"], "min": online["ttft_ms"]["min"],
-                          "max": online["ttft_ms"]["max"], "values": []} if online["ttft_ms"] else None
+        row["tpot_ms"] = (
+            {
+                "median": online["tpot_ms"]["p50"],
+                "min": online["tpot_ms"]["min"],
+                "max": online["tpot_ms"]["max"],
+                "values": [],
+            }
+            if online["tpot_ms"]
+            else None
+        )
+        row["ttft_ms"] = (
+            {
+                "median": online["ttft_ms"]["p50"],
+                "min": online["ttft_ms"]["min"],
+                "max": online["ttft_ms"]["max"],
+                "values": [],
+            }
+            if online["ttft_ms"]
+            else None
+        )
     return {
-        "schema_version": report.SCHEMA_VERSION, "mode": "online", "created": report.now_iso(),
-        "command": report.command_line(), "machine": report.machine_info(None), "versions": report.versions(),
-        "model": {"path": None, "name": model, "preset": None}, "draft": None,
-        "settings": {"max_tokens": args.max_tokens, "temperature": args.temperature,
-                     "ignore_eos": "plain-text prompts" if args.ignore_eos is None else args.ignore_eos,
-                     "prompts": {"path": str(args.prompts or "bundled"), "count": len(prompts)}},
-        "wall_s": round(duration, 3), "load_average": {"start": load_avg_start, "end": report.load_average()},
-        "results": [row], "by_category": [], "cost_model": None, "online": online,
+        "schema_version": report.SCHEMA_VERSION,
+        "mode": "online",
+        "created": report.now_iso(),
+        "command": report.command_line(),
+        "machine": report.machine_info(None),
+        "versions": report.versions(),
+        "model": {"path": None, "name": model, "preset": None},
+        "draft": None,
+        "settings": {
+            "max_tokens": args.max_tokens,
+            "temperature": args.temperature,
+            "ignore_eos": "plain-text prompts" if args.ignore_eos is None else args.ignore_eos,
+            "prompts": {"path": str(args.prompts or "bundled"), "count": len(prompts)},
+        },
+        "wall_s": round(duration, 3),
+        "load_average": {"start": load_avg_start, "end": report.load_average()},
+        "results": [row],
+        "by_category": [],
+        "cost_model": None,
+        "online": online,
     }
 
 

@@ -45,7 +45,6 @@ class _Clock:
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
-
 def _load_hf(auto_cls, model: str, dtype):
     """transformers' model for `model`: a Hugging Face folder, or a GGUF file (also by known name),
     which transformers dequantizes itself."""
@@ -56,12 +55,24 @@ def _load_hf(auto_cls, model: str, dtype):
         return auto_cls.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=dtype)
     return auto_cls.from_pretrained(model, dtype=dtype)
 
+
 class HFPeer:
     kind = "peer"
 
-    def __init__(self, name: str, model_dir: str, device: str, dtype, max_tokens: int, temperature: float,
-                 ignore_eos: bool, eos_ids: set[int], peer_draft: str | None = None, max_cache_len: int = 2048,
-                 threads: int | None = None):
+    def __init__(
+        self,
+        name: str,
+        model_dir: str,
+        device: str,
+        dtype,
+        max_tokens: int,
+        temperature: float,
+        ignore_eos: bool,
+        eos_ids: set[int],
+        peer_draft: str | None = None,
+        max_cache_len: int = 2048,
+        threads: int | None = None,
+    ):
         import transformers
         from transformers import AutoModelForCausalLM
 
@@ -99,11 +110,16 @@ class HFPeer:
         from transformers import GenerationConfig
 
         sample = self.temperature > 0
-        kw = dict(max_new_tokens=self.max_tokens, do_sample=sample,
-                  # None would fall back to the model's defaults (top_k 50): switch the filters off explicitly.
-                  temperature=self.temperature if sample else 1.0, top_k=0, top_p=1.0,
-                  eos_token_id=None if self.ignore_eos or not self.eos_ids else self.eos_ids,
-                  pad_token_id=self.eos_ids[0] if self.eos_ids else 0)
+        kw = dict(
+            max_new_tokens=self.max_tokens,
+            do_sample=sample,
+            # None would fall back to the model's defaults (top_k 50): switch the filters off explicitly.
+            temperature=self.temperature if sample else 1.0,
+            top_k=0,
+            top_p=1.0,
+            eos_token_id=None if self.ignore_eos or not self.eos_ids else self.eos_ids,
+            pad_token_id=self.eos_ids[0] if self.eos_ids else 0,
+        )
         if self.name == "hf-assisted" and self.assistant is None:
             kw["prompt_lookup_num_tokens"] = PROMPT_LOOKUP_TOKENS
         return GenerationConfig(**kw)
@@ -124,8 +140,13 @@ class HFPeer:
         with warnings.catch_warnings():
             # Newer transformers name it `cache`; `past_key_values` works on every 5.x (deprecated for 6.0).
             warnings.filterwarnings("ignore", message=".*past_key_values.*deprecated", category=FutureWarning)
-            return self.model.generate(ids, attention_mask=mask, generation_config=self._config(),
-                                       stopping_criteria=StoppingCriteriaList([clock]), **extra)
+            return self.model.generate(
+                ids,
+                attention_mask=mask,
+                generation_config=self._config(),
+                stopping_criteria=StoppingCriteriaList([clock]),
+                **extra,
+            )
 
     def run(self, prompts: list[list[int]], params: list) -> RunOutput:
         # Left padding: every row's new tokens start at the same column.
@@ -201,8 +222,9 @@ class PeerProcess:
         self.name = name
         ctx = multiprocessing.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve_peer, args=(child, os.getpid(), (name, *args)), daemon=True,
-                                 name=f"specserve-peer-{name}")
+        self._proc = ctx.Process(
+            target=_serve_peer, args=(child, os.getpid(), (name, *args)), daemon=True, name=f"specserve-peer-{name}"
+        )
         self._proc.start()
         child.close()
         reply = self._recv()

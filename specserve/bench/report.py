@@ -47,9 +47,14 @@ def machine_info(device: str | None = None) -> dict:
     """The machine that ran the engine (offline) or the client (online)."""
     cores = os.cpu_count() or 0
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cores
-    info = {"device": "cpu", "name": cpu_model(), "count": usable,
-            "cpu": {"model": cpu_model(), "cores": cores, "usable_cores": usable},
-            "gpu": None, "platform": platform.platform()}
+    info = {
+        "device": "cpu",
+        "name": cpu_model(),
+        "count": usable,
+        "cpu": {"model": cpu_model(), "cores": cores, "usable_cores": usable},
+        "gpu": None,
+        "platform": platform.platform(),
+    }
     if device and device.startswith("cuda"):
         import torch
 
@@ -95,10 +100,17 @@ def model_identity(model_dir: str, dtype: str | None = None) -> dict:
     gguf_file = find_gguf(model_dir)  # a GGUF's config is its metadata
     p = gguf_file or Path(model_dir)
     cfg = hf_config(gguf_file) if gguf_file else _read_cfg(p)
-    return {"path": str(p.resolve()), "name": p.resolve().name, "preset": _preset(p, cfg),
-            "grown_from": cfg.get("grown_from"), "architecture": (cfg.get("architectures") or [None])[0],
-            "num_layers": cfg.get("num_hidden_layers"), "hidden_size": cfg.get("hidden_size"),
-            "vocab_size": cfg.get("vocab_size"), "dtype": dtype}
+    return {
+        "path": str(p.resolve()),
+        "name": p.resolve().name,
+        "preset": _preset(p, cfg),
+        "grown_from": cfg.get("grown_from"),
+        "architecture": (cfg.get("architectures") or [None])[0],
+        "num_layers": cfg.get("num_hidden_layers"),
+        "hidden_size": cfg.get("hidden_size"),
+        "vocab_size": cfg.get("vocab_size"),
+        "dtype": dtype,
+    }
 
 
 def draft_identity(draft_dir: str | None) -> dict | None:
@@ -106,9 +118,14 @@ def draft_identity(draft_dir: str | None) -> dict | None:
         return None
     p = Path(draft_dir)
     cfg = _read_cfg(p)
-    return {"path": str(p.resolve()), "name": p.resolve().name, "preset": _preset(p, cfg, "draft"),
-            "architecture": (cfg.get("architectures") or [None])[0], "hidden_size": cfg.get("hidden_size"),
-            "draft_vocab_size": cfg.get("draft_vocab_size") or cfg.get("vocab_size")}
+    return {
+        "path": str(p.resolve()),
+        "name": p.resolve().name,
+        "preset": _preset(p, cfg, "draft"),
+        "architecture": (cfg.get("architectures") or [None])[0],
+        "hidden_size": cfg.get("hidden_size"),
+        "draft_vocab_size": cfg.get("draft_vocab_size") or cfg.get("vocab_size"),
+    }
 
 
 def write_json(result: dict, path: str) -> None:
@@ -129,10 +146,14 @@ def _yes(x, rate=None) -> str:
 def _header(r: dict) -> list[str]:
     m, s = r["machine"], r["settings"]
     la = r.get("load_average") or {}
-    lines = [f"specserve bench ({r['mode']}) {r['created']}",
-             (f"machine: {m['name']} x{m['count']} ({m['device']}); 1-min load average "
-              f"{_f(la.get('start'), '.2f')} at start, {_f(la.get('end'), '.2f')} at end"),
-             "versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items())]
+    lines = [
+        f"specserve bench ({r['mode']}) {r['created']}",
+        (
+            f"machine: {m['name']} x{m['count']} ({m['device']}); 1-min load average "
+            f"{_f(la.get('start'), '.2f')} at start, {_f(la.get('end'), '.2f')} at end"
+        ),
+        "versions: " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()),
+    ]
     if r["mode"] == "offline":
         md, dr = r["model"], r.get("draft")
         lines.append(f"model: {md['path']}" + (f" [{md['preset']}]" if md.get("preset") else "") + f", {md['dtype']}")
@@ -140,16 +161,20 @@ def _header(r: dict) -> list[str]:
             lines.append(f"draft: {dr['path']}" + (f" [{dr['preset']}]" if dr.get("preset") else ""))
         p = s["prompts"]
         cats = ", ".join(f"{k} {v}" for k, v in p["categories"].items())
-        lines.append(f"workload: {p['count']} prompts ({cats}; {p['mean_prompt_tokens']} tokens mean), "
-                     f"{s['max_tokens']} new tokens{'' if s.get('ignore_eos', True) else ' at most (to the end of turn or EOS)'}, "
-                     f"temperature {s['temperature']}, {s['repeats']} repeats, "
-                     f"{s['warmup']} warm-up, {s.get('torch_threads')} torch threads; load {r.get('load_s')} s, "
-                     f"run {r['wall_s']} s")
+        lines.append(
+            f"workload: {p['count']} prompts ({cats}; {p['mean_prompt_tokens']} tokens mean), "
+            f"{s['max_tokens']} new tokens{'' if s.get('ignore_eos', True) else ' at most (to the end of turn or EOS)'}, "
+            f"temperature {s['temperature']}, {s['repeats']} repeats, "
+            f"{s['warmup']} warm-up, {s.get('torch_threads')} torch threads; load {r.get('load_s')} s, "
+            f"run {r['wall_s']} s"
+        )
         own = p.get("own_answers")
         if own:
-            lines.append(f"second turns: {own['count']} asked after the model's own greedy answer to the first turn "
-                         f"({own['mean_tokens']} tokens mean), generated once before the configs ran; every "
-                         f"config and peer got the same conversations")
+            lines.append(
+                f"second turns: {own['count']} asked after the model's own greedy answer to the first turn "
+                f"({own['mean_tokens']} tokens mean), generated once before the configs ran; every "
+                f"config and peer got the same conversations"
+            )
     return lines
 
 
@@ -167,41 +192,69 @@ def main_table(r: dict) -> tuple[list[str], list[list[str]]]:
             continue
         t = x["tok_s"]
         pos = " ".join(_f(a, ".2f") for a in x["accept_per_position"] or [])
-        rows.append([x["config"], _batch(x), f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]",
-                     _f(x["tpot_ms"] and x["tpot_ms"]["median"], ".2f"), _f(x["accept_length"], ".2f"),
-                     pos or "-", _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
-                     _yes(x["matches_baseline"], x.get("match_rate"))])
+        rows.append(
+            [
+                x["config"],
+                _batch(x),
+                f"{t['median']:.1f} [{t['min']:.1f}-{t['max']:.1f}]",
+                _f(x["tpot_ms"] and x["tpot_ms"]["median"], ".2f"),
+                _f(x["accept_length"], ".2f"),
+                pos or "-",
+                _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
+                _yes(x["matches_baseline"], x.get("match_rate")),
+            ]
+        )
     return head, rows
 
 
 def category_table(r: dict) -> tuple[list[str], list[list[str]]]:
     head = ["config", "batch", "category", "tok/s median", "accept len", "speedup", "=greedy"]
-    rows = [[x["config"], _batch(x), x["category"], _f(x["tok_s"]["median"]), _f(x["accept_length"], ".2f"),
-             _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
-             _yes(x["matches_baseline"], x.get("match_rate"))]
-            for x in r["by_category"] if x["available"]]
+    rows = [
+        [
+            x["config"],
+            _batch(x),
+            x["category"],
+            _f(x["tok_s"]["median"]),
+            _f(x["accept_length"], ".2f"),
+            _f(x["speedup"], ".2f") + ("x" if x["speedup"] is not None else ""),
+            _yes(x["matches_baseline"], x.get("match_rate")),
+        ]
+        for x in r["by_category"]
+        if x["available"]
+    ]
     return head, rows
 
 
 def dataset_table(r: dict, names: list[str]) -> dict:
     """The EAGLE-3 paper's table: per config and batch size, speedup and acceptance length (tau) on each
     dataset and their mean over the datasets that have a value."""
-    cells = {(x["config"], x["batch_size"], x.get("context"), x["category"]): x for x in r["by_category"]
-             if x["available"]}
+    cells = {
+        (x["config"], x["batch_size"], x.get("context"), x["category"]): x for x in r["by_category"] if x["available"]
+    }
     rows = []
     for x in r["results"]:
         if not x["available"] or x["config"] == "baseline":
             continue
         per = {}
         for name in names:
-            c = cells.get((x["config"], x["batch_size"], x.get("context"),
-                           Path(name).stem if name.endswith(".jsonl") else name))
+            c = cells.get(
+                (x["config"], x["batch_size"], x.get("context"), Path(name).stem if name.endswith(".jsonl") else name)
+            )
             per[name] = {"speedup": c and c["speedup"], "accept_length": c and c["accept_length"]}
-        mean = {k: (sum(v) / len(v) if v else None)
-                for k in ("speedup", "accept_length")
-                for v in [[d[k] for d in per.values() if d[k] is not None]]}
-        rows.append({"config": x["config"], "batch_size": x["batch_size"], "context": x.get("context"), "datasets": per,
-                     "mean": mean})
+        mean = {
+            k: (sum(v) / len(v) if v else None)
+            for k in ("speedup", "accept_length")
+            for v in [[d[k] for d in per.values() if d[k] is not None]]
+        }
+        rows.append(
+            {
+                "config": x["config"],
+                "batch_size": x["batch_size"],
+                "context": x.get("context"),
+                "datasets": per,
+                "mean": mean,
+            }
+        )
     return {"names": list(names), "temperature": r["settings"]["temperature"], "rows": rows}
 
 
@@ -211,9 +264,20 @@ def paper_table(r: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for x in r["datasets"]["rows"]:
         cells = [*(x["datasets"][n] for n in names), x["mean"]]
-        rows.append([x["config"], _batch(x),
-                     *(v for c in cells for v in (_f(c["speedup"], ".2f") + ("x" if c["speedup"] is not None else ""),
-                                                  _f(c["accept_length"], ".2f")))])
+        rows.append(
+            [
+                x["config"],
+                _batch(x),
+                *(
+                    v
+                    for c in cells
+                    for v in (
+                        _f(c["speedup"], ".2f") + ("x" if c["speedup"] is not None else ""),
+                        _f(c["accept_length"], ".2f"),
+                    )
+                ),
+            ]
+        )
     return head, rows
 
 
@@ -222,9 +286,17 @@ def cost_table(r: dict) -> tuple[list[str], list[list[str]]]:
     rows = []
     for c in r.get("cost_model") or []:
         for p in c["predictions"]:
-            rows.append([_batch(c), str(p["steps"]), _f(p["expected_tokens_per_cycle"], ".2f"),
-                         _f(p["cycle_ms"], ".2f"), _f(p["predicted_tok_s"]), _f(p["measured_tok_s"]),
-                         "<- recommended" if p["steps"] == c["recommended_steps"] else ""])
+            rows.append(
+                [
+                    _batch(c),
+                    str(p["steps"]),
+                    _f(p["expected_tokens_per_cycle"], ".2f"),
+                    _f(p["cycle_ms"], ".2f"),
+                    _f(p["predicted_tok_s"]),
+                    _f(p["measured_tok_s"]),
+                    "<- recommended" if p["steps"] == c["recommended_steps"] else "",
+                ]
+            )
     return head, rows
 
 
@@ -233,26 +305,40 @@ def context_cost_table(r: dict) -> tuple[list[str], list[list[str]]]:
     entries = r.get("context_cost_model") or []
     ks = sorted({int(K) for e in entries for c in e["contexts"] for K in c["speedup"]})
     head = ["config", "batch", "context bucket (up to)", "plain ms", *(f"K={K}" for K in ks), "best K"]
-    rows = [[e["config"], str(e["batch_size"]), str(c["context_bucket"]), _f(c["step_ms"]["0"], ".2f"),
-             *(_f(c["speedup"].get(str(K)), ".2f") + ("x" if str(K) in c["speedup"] else "") for K in ks),
-             str(c["best_steps"])]
-            for e in entries for c in e["contexts"]]
+    rows = [
+        [
+            e["config"],
+            str(e["batch_size"]),
+            str(c["context_bucket"]),
+            _f(c["step_ms"]["0"], ".2f"),
+            *(_f(c["speedup"].get(str(K)), ".2f") + ("x" if str(K) in c["speedup"] else "") for K in ks),
+            str(c["best_steps"]),
+        ]
+        for e in entries
+        for c in e["contexts"]
+    ]
     return head, rows
 
 
 def _acceptance_line(r: dict) -> str:
     e = (r.get("context_cost_model") or [{}])[0]
     rates = " ".join(f"{a:.2f}" for a in e.get("acceptance_per_position", []))
-    return (f"predicted speedup per context from the adaptive policy's step costs (live, else start-up), at "
-            f"acceptance per position {rates} ({e.get('acceptance_source')}):")
+    return (
+        f"predicted speedup per context from the adaptive policy's step costs (live, else start-up), at "
+        f"acceptance per position {rates} ({e.get('acceptance_source')}):"
+    )
 
 
 def online_table(r: dict) -> tuple[list[str], list[list[str]]]:
     o = r["online"]
     head = ["metric", "mean", "p50", "p90", "p99"]
     rows = []
-    for key, name in (("ttft_ms", "TTFT ms"), ("tpot_ms", "TPOT ms"), ("itl_ms", "inter-chunk ms"),
-                      ("e2e_ms", "end-to-end ms")):
+    for key, name in (
+        ("ttft_ms", "TTFT ms"),
+        ("tpot_ms", "TPOT ms"),
+        ("itl_ms", "inter-chunk ms"),
+        ("e2e_ms", "end-to-end ms"),
+    ):
         s = o[key]
         rows.append([name] + [_f(s and s.get(k), ".2f") for k in ("mean", "p50", "p90", "p99")])
     return head, rows
@@ -273,15 +359,22 @@ def _md_table(head, rows) -> str:
 def _online_summary(r: dict) -> list[str]:
     o = r["online"]
     acc = o.get("acceptance") or {}
-    lines = [f"server: {o['url']} model {o['model']}; load: {o['load']}",
-             (f"requests: {o['completed']} ok, {o['failed']} failed in {o['duration_s']:.2f} s; "
-              f"output {o['output_tok_s']:.1f} tok/s, {o['request_s']:.2f} req/s; "
-              f"{o['output_tokens']} output tokens ({o['tokens_counted_by']})")]
+    lines = [
+        f"server: {o['url']} model {o['model']}; load: {o['load']}",
+        (
+            f"requests: {o['completed']} ok, {o['failed']} failed in {o['duration_s']:.2f} s; "
+            f"output {o['output_tok_s']:.1f} tok/s, {o['request_s']:.2f} req/s; "
+            f"{o['output_tokens']} output tokens ({o['tokens_counted_by']})"
+        ),
+    ]
     if acc.get("source"):
         pos = " ".join(_f(a, ".2f") for a in acc.get("accept_per_position") or [])
-        lines.append(f"acceptance ({acc['source']}): length {_f(acc.get('accept_length'), '.2f')}, "
-                     f"rate {_f(acc.get('accept_rate'), '.2f')}" + (f", per position {pos}" if pos else "")
-                     + (f", steps chosen {acc['steps_chosen']}" if acc.get("steps_chosen") else ""))
+        lines.append(
+            f"acceptance ({acc['source']}): length {_f(acc.get('accept_length'), '.2f')}, "
+            f"rate {_f(acc.get('accept_rate'), '.2f')}"
+            + (f", per position {pos}" if pos else "")
+            + (f", steps chosen {acc['steps_chosen']}" if acc.get("steps_chosen") else "")
+        )
     else:
         lines.append("acceptance: no speculative-decoding counters found in /metrics")
     if o.get("errors"):
@@ -314,8 +407,10 @@ def _not_quotable(values: list[float], load: dict) -> str | None:
         busy = ""
         if load.get("start") is not None and load.get("end") is not None:
             busy = f", load average {load['start']:.1f} -> {load['end']:.1f}"
-        return f"the repeats differ by more than {QUOTABLE_SPREAD:g}x (other work on the machine?{busy}); " \
-               f"rerun on an idle machine or with more --repeats"
+        return (
+            f"the repeats differ by more than {QUOTABLE_SPREAD:g}x (other work on the machine?{busy}); "
+            f"rerun on an idle machine or with more --repeats"
+        )
     return None
 
 
@@ -340,11 +435,13 @@ def render_text(r: dict) -> str:
     if r["mode"] == "online":
         out += [""] + _online_summary(r) + ["", _text_table(*online_table(r))]
         return "\n".join(out)
-    out += ["", _text_table(*main_table(r)), *summary_lines(r), "", "per category:",
-            _text_table(*category_table(r))]
+    out += ["", _text_table(*main_table(r)), *summary_lines(r), "", "per category:", _text_table(*category_table(r))]
     if r.get("datasets"):
-        out += ["", f"per dataset (temperature {r['datasets']['temperature']}; tau = acceptance length):",
-                _text_table(*paper_table(r))]
+        out += [
+            "",
+            f"per dataset (temperature {r['datasets']['temperature']}; tau = acceptance length):",
+            _text_table(*paper_table(r)),
+        ]
     if r.get("cost_model"):
         out += ["", "cost model (from --profile):", _text_table(*cost_table(r))]
     if r.get("context_cost_model"):
@@ -360,15 +457,34 @@ def render_markdown(r: dict) -> str:
     if r["mode"] == "online":
         out += _online_summary(r) + ["", _md_table(*online_table(r)), ""]
         return "\n".join(out)
-    out += ["## Results", "", _md_table(*main_table(r)), "", *[f"- {x}" for x in summary_lines(r)], "",
-            ("tok/s: generated tokens / wall time per repeat (median, min, max). TPOT: time per output token "
-             "after the first, per request. speedup: median over repeats of the paired ratio to baseline at "
-             "the same batch size. =greedy: every output token-identical to plain greedy decoding (else the share of outputs that are)."), "",
-            "## Per category", "", _md_table(*category_table(r)), ""]
+    out += [
+        "## Results",
+        "",
+        _md_table(*main_table(r)),
+        "",
+        *[f"- {x}" for x in summary_lines(r)],
+        "",
+        (
+            "tok/s: generated tokens / wall time per repeat (median, min, max). TPOT: time per output token "
+            "after the first, per request. speedup: median over repeats of the paired ratio to baseline at "
+            "the same batch size. =greedy: every output token-identical to plain greedy decoding (else the share of outputs that are)."
+        ),
+        "",
+        "## Per category",
+        "",
+        _md_table(*category_table(r)),
+        "",
+    ]
     if r.get("datasets"):
-        out += ["## Per dataset", "", f"temperature {r['datasets']['temperature']}; speedup over plain decoding and "
-                "acceptance length tau (tokens per target forward) on each dataset, and their mean.", "",
-                _md_table(*paper_table(r)), ""]
+        out += [
+            "## Per dataset",
+            "",
+            f"temperature {r['datasets']['temperature']}; speedup over plain decoding and "
+            "acceptance length tau (tokens per target forward) on each dataset, and their mean.",
+            "",
+            _md_table(*paper_table(r)),
+            "",
+        ]
     if r.get("cost_model"):
         out += ["## Cost model", "", _md_table(*cost_table(r)), ""]
     if r.get("context_cost_model"):
@@ -393,8 +509,11 @@ def plot(r: dict, path: str) -> None:
         raise ValueError("--plot applies to the offline mode")
     shown = (r["settings"].get("contexts") or [None])[0]  # (with --context, the first context's figures)
     rows = [x for x in r["results"] if x["available"] and x.get("context") == shown]
-    fixed = [x for x in rows if x["config"] == "baseline" or
-             (x["config"].startswith("eagle3:") and "adaptive" not in x["config"])]
+    fixed = [
+        x
+        for x in rows
+        if x["config"] == "baseline" or (x["config"].startswith("eagle3:") and "adaptive" not in x["config"])
+    ]
     from specserve.bench.bench_cmd import parse_config
 
     parsed = {x["config"]: parse_config(x["config"]) for x in fixed}
@@ -402,15 +521,24 @@ def plot(r: dict, path: str) -> None:
     fig, ax = plt.subplots(1, 3, figsize=(15, 4.2))
     cost = {c["batch_size"]: c for c in r.get("cost_model") or [] if c.get("context") == shown}
     for bs, topk in ((bs, k) for bs in r["settings"]["batch_sizes"] for k in topks):
-        pts = sorted((parsed[x["config"]].spec_steps, x["speedup"], x["accept_length"] or 1.0) for x in fixed
-                     if x["batch_size"] == bs and (x["config"] == "baseline" or parsed[x["config"]].tree[0] == topk))
+        pts = sorted(
+            (parsed[x["config"]].spec_steps, x["speedup"], x["accept_length"] or 1.0)
+            for x in fixed
+            if x["batch_size"] == bs and (x["config"] == "baseline" or parsed[x["config"]].tree[0] == topk)
+        )
         name = f"batch {bs}" + (f", tree top-{topk}" if topk > 1 else "")
         line = ax[0].plot([p[0] for p in pts], [p[1] for p in pts], "o-" if topk == 1 else "s:", label=name)[0]
         ax[1].plot([p[0] for p in pts], [p[2] for p in pts], "o-" if topk == 1 else "s:", label=name)
         if bs in cost and topk == 1:  # the cost model's prediction, relative to its own plain-decoding figure
             pr = cost[bs]["predictions"]
-            ax[0].plot([q["steps"] for q in pr], [q["predicted_tok_s"] / pr[0]["predicted_tok_s"] for q in pr],
-                       "--", color=line.get_color(), alpha=0.6, label=f"batch {bs} predicted")
+            ax[0].plot(
+                [q["steps"] for q in pr],
+                [q["predicted_tok_s"] / pr[0]["predicted_tok_s"] for q in pr],
+                "--",
+                color=line.get_color(),
+                alpha=0.6,
+                label=f"batch {bs} predicted",
+            )
     for c in r["settings"]["configs"] + r["settings"]["peers"]:
         pts = sorted((x["batch_size"], x["speedup"]) for x in rows if x["config"] == c and x["speedup"] is not None)
         if pts:

@@ -52,11 +52,14 @@ class SpecConfig:
         if self.method not in SPEC_METHODS:
             raise ConfigError(f"--speculative-method must be one of {', '.join(SPEC_METHODS)}, got {self.method!r}")
         if self.text_drafts is not None and (self.text_drafts not in DRAFT_FREE_METHODS or self.draft_free):
-            raise ConfigError(f"--text-drafts takes {' or '.join(DRAFT_FREE_METHODS)}, beside a drafter model "
-                              f"(--speculative-method eagle3 or mtp); got {self.text_drafts!r} with {self.method}")
+            raise ConfigError(
+                f"--text-drafts takes {' or '.join(DRAFT_FREE_METHODS)}, beside a drafter model "
+                f"(--speculative-method eagle3 or mtp); got {self.text_drafts!r} with {self.method}"
+            )
         if not 1 <= self.ngram_min <= self.ngram_max <= 64:
-            raise ConfigError(f"--ngram-min / --ngram-max must satisfy 1 <= min <= max <= 64, "
-                              f"got {self.ngram_min} / {self.ngram_max}")
+            raise ConfigError(
+                f"--ngram-min / --ngram-max must satisfy 1 <= min <= max <= 64, got {self.ngram_min} / {self.ngram_max}"
+            )
         if self.steps < 0 or self.steps > 16:
             raise ConfigError(f"--spec-steps must be in 0..16, got {self.steps}")
         if self.max_steps is None:
@@ -68,9 +71,11 @@ class SpecConfig:
         if self.topk > 1:
             k_max = self.max_steps
             if self.topk * max(k_max - 1, 0) > MAX_TREE_NODES:
-                raise ConfigError(f"--spec-topk {self.topk} with up to {k_max} steps needs "
-                                  f"{self.topk * (k_max - 1)} drafter tree slots; at most {MAX_TREE_NODES} "
-                                  f"are supported: lower --spec-topk or --spec-steps")
+                raise ConfigError(
+                    f"--spec-topk {self.topk} with up to {k_max} steps needs "
+                    f"{self.topk * (k_max - 1)} drafter tree slots; at most {MAX_TREE_NODES} "
+                    f"are supported: lower --spec-topk or --spec-steps"
+                )
             if self.tokens is not None and not 1 <= self.tokens <= MAX_TREE_NODES:
                 raise ConfigError(f"--spec-tokens must be in 1..{MAX_TREE_NODES}, got {self.tokens}")
             if self.tree_max_batch < 1:
@@ -100,7 +105,7 @@ class SpecConfig:
         `tokens` of the tree's candidates (top-k at depth 1, top-k of each kept branch after)."""
         if self.topk == 1:
             return K
-        candidates = self.topk + (K - 1) * self.topk ** 2
+        candidates = self.topk + (K - 1) * self.topk**2
         return min(candidates, self.tokens or self.topk * K, MAX_TREE_NODES)
 
 
@@ -124,8 +129,10 @@ class ParallelConfig:
         if self.nnodes < 1:
             raise ConfigError(f"--nnodes must be at least 1, got {self.nnodes}")
         if not 0 <= self.node_rank < self.nnodes:
-            raise ConfigError(f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes} "
-                              f"(0..{self.nnodes - 1}; node 0 drives, the others are headless)")
+            raise ConfigError(
+                f"--node-rank {self.node_rank} is out of range for --nnodes {self.nnodes} "
+                f"(0..{self.nnodes - 1}; node 0 drives, the others are headless)"
+            )
         if self.dist_timeout <= 0:
             raise ConfigError(f"--dist-timeout must be positive seconds, got {self.dist_timeout}")
         if self.nnodes == 1:
@@ -133,12 +140,14 @@ class ParallelConfig:
                 raise ConfigError("--dist-init-addr is only used with --nnodes > 1 (one node needs no address)")
             return
         if self.dist_init_addr is None:
-            raise ConfigError(f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT: node 0's address, "
-                              "reachable from every node")
+            raise ConfigError(
+                f"--nnodes {self.nnodes} needs --dist-init-addr HOST:PORT: node 0's address, reachable from every node"
+            )
         parse_dist_addr(self.dist_init_addr)
         if self.tp % self.nnodes:
-            raise ConfigError(f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}: every node runs "
-                              "tp / nnodes workers")
+            raise ConfigError(
+                f"--tp {self.tp} is not divisible by --nnodes {self.nnodes}: every node runs tp / nnodes workers"
+            )
 
     @property
     def local_tp(self) -> int:
@@ -199,7 +208,9 @@ class EngineConfig:
     admit_wait: int = 0  # steps free rows may wait for more arrivals to prefill together (Engine._admission_deferred)
     kv_block_size: int = 16  # tokens per KV block
     kv_cache_tokens: int | None = None  # KV pool size in tokens (None: see gpu_memory_utilization)
-    gpu_memory_utilization: float | None = None  # GPU: size the pool to this fraction of memory (None: max_num_seqs x max_model_len)
+    gpu_memory_utilization: float | None = (
+        None  # GPU: size the pool to this fraction of memory (None: max_num_seqs x max_model_len)
+    )
     prefix_cache: bool = False  # share full prompt blocks across requests by content
     cuda_graphs: bool = True
     batch_invariant: bool = False  # GPU products of 1-64 rows take one fixed GEMV shape (tune_linear, tune_int4)
@@ -250,8 +261,11 @@ class EngineConfig:
                 continue
             object.__setattr__(self, f.name, options.get(f.name, f.default))
         spec = dataclasses.replace(spec, **groups["spec"]) if spec is not None else SpecConfig(**groups["spec"])
-        parallel = (dataclasses.replace(parallel, **groups["parallel"]) if parallel is not None
-                    else ParallelConfig(**groups["parallel"]))
+        parallel = (
+            dataclasses.replace(parallel, **groups["parallel"])
+            if parallel is not None
+            else ParallelConfig(**groups["parallel"])
+        )
         object.__setattr__(self, "spec", spec)
         object.__setattr__(self, "parallel", parallel)
         self._validate()
@@ -259,11 +273,15 @@ class EngineConfig:
     def _validate(self) -> None:
         method = self.spec.method
         if self.spec.steps and method == "eagle3" and not self.draft:
-            raise ConfigError("--spec-steps > 0 needs a drafter: pass --draft DIR (or a draft-free "
-                              "--speculative-method ngram / suffix, or mtp for a checkpoint with an MTP layer)")
+            raise ConfigError(
+                "--spec-steps > 0 needs a drafter: pass --draft DIR (or a draft-free "
+                "--speculative-method ngram / suffix, or mtp for a checkpoint with an MTP layer)"
+            )
         if self.draft and method != "eagle3":
-            raise ConfigError(f"--speculative-method {method} takes no --draft: "
-                              + ("the target's own MTP layer drafts" if method == "mtp" else "it drafts from the text itself"))
+            raise ConfigError(
+                f"--speculative-method {method} takes no --draft: "
+                + ("the target's own MTP layer drafts" if method == "mtp" else "it drafts from the text itself")
+            )
         check_max_num_seqs(self.max_num_seqs)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ConfigError(f"--max-model-len must be at least 2, got {self.max_model_len}")
@@ -300,5 +318,8 @@ class EngineConfig:
 
 
 # Flat option name -> (group attribute, field name) of the grouped settings (the methods left out).
-_GROUPED = {name: (d.group, d.key) for name, d in vars(EngineConfig).items()
-            if isinstance(d, _Grouped) and d.key in _GROUP_CLASSES[d.group].__dataclass_fields__}
+_GROUPED = {
+    name: (d.group, d.key)
+    for name, d in vars(EngineConfig).items()
+    if isinstance(d, _Grouped) and d.key in _GROUP_CLASSES[d.group].__dataclass_fields__
+}

@@ -64,7 +64,7 @@ def checkpoint_files(model_dir: Path, allow_pickle: bool) -> list[Path]:
 def draft_tensor_name(name: str) -> str:
     """EAGLE-reference tensor names (`layers.0.*`, optional `model.` prefix) -> SpecForge names (`midlayer.*`)."""
     if name.startswith("model."):
-        name = name[len("model."):]
+        name = name[len("model.") :]
     if name.startswith("layers.0."):
-        name = "midlayer." + name[len("layers.0."):]
+        name = "midlayer." + name[len("layers.0.") :]
     return name

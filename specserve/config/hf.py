@@ -8,8 +8,14 @@ from typing import Any
 
 from specserve.errors import ConfigError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "DeepseekV3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+    "MixtralForCausalLM",
+)
 MOE_ARCHITECTURES = ("DeepseekV3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 # Multimodal wrappers whose `text_config` holds a supported text model: architecture -> the text
 # model's tensor prefix in the checkpoint and the prefixes of the tensors it does not use (vision).

@@ -36,6 +36,12 @@ def mla_from_hf(cfg: dict[str, Any], scaling: dict[str, Any] | None, path: Path)
         m = yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"]))
         scale *= m * m
     q_lora = cfg.get("q_lora_rank")
-    return MLAConfig(q_lora_rank=int(q_lora) if q_lora else None, kv_lora_rank=int(need("kv_lora_rank")),
-                     qk_nope_head_dim=nope, qk_rope_head_dim=rope, v_head_dim=int(need("v_head_dim")),
-                     rope_interleave=bool(cfg.get("rope_interleave", True)), softmax_scale=scale)
+    return MLAConfig(
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(need("kv_lora_rank")),
+        qk_nope_head_dim=nope,
+        qk_rope_head_dim=rope,
+        v_head_dim=int(need("v_head_dim")),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        softmax_scale=scale,
+    )

@@ -81,8 +81,10 @@ class ModelConfig:
         if cfg.get("use_sliding_window"):
             raise ConfigError(f"{path}: sliding-window attention (use_sliding_window=true) is not supported")
         if arch == "MixtralForCausalLM" and cfg.get("sliding_window") is not None:
-            raise ConfigError(f"{path}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
-                              "supported; set it to null for full attention")
+            raise ConfigError(
+                f"{path}: sliding-window attention (sliding_window={cfg['sliding_window']}) is not "
+                "supported; set it to null for full attention"
+            )
 
         def need(key: str) -> Any:
             return need_key(cfg, key, path)
@@ -92,7 +94,9 @@ class ModelConfig:
         kv_heads = int(cfg.get("num_key_value_heads") or heads)
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         if heads % kv_heads:
-            raise ConfigError(f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+            raise ConfigError(
+                f"{path}: num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         theta, scaling = rope_from_hf(cfg, path)
         layers = int(need("num_hidden_layers"))
         mla = moe = None

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # (the server's flags read this module; `serve --help` loads no torch)
+    import torch
 
 KINDS = ("json_schema", "json_object", "ebnf")
 MAX_KEPT = 256  # compiled grammars kept for reuse (oldest dropped first)
@@ -71,8 +73,9 @@ class Grammars:
         import xgrammar as xgr
 
         vocab = vocabulary(self.tokenizer, self.vocab_size, markers, self.stop_token_ids)
-        info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW,
-                                 vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids)
+        info = xgr.TokenizerInfo(
+            vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=self.stop_token_ids
+        )
         return xgr.GrammarCompiler(info, max_threads=1)
 
     def compile(self, spec: GrammarSpec):

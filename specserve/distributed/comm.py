@@ -32,8 +32,16 @@ log = logging.getLogger("specserve.tp")
 BACKENDS = ("torch", "nccl", "symm_mem")
 
 # ------------------------------------------------------------ NCCL via ctypes
-_NCCL_DTYPES = {torch.int8: 0, torch.uint8: 1, torch.int32: 2, torch.int64: 4, torch.float16: 6,
-                torch.float32: 7, torch.float64: 8, torch.bfloat16: 9}
+_NCCL_DTYPES = {
+    torch.int8: 0,
+    torch.uint8: 1,
+    torch.int32: 2,
+    torch.int64: 4,
+    torch.float16: 6,
+    torch.float32: 7,
+    torch.float64: 8,
+    torch.bfloat16: 9,
+}
 _NCCL_SUM = 0
 
 
@@ -71,10 +79,23 @@ class NcclComm:
         self.lib = lib = _load_libnccl()
         lib.ncclGetErrorString.restype = ctypes.c_char_p
         lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, _UniqueId, ctypes.c_int]
-        lib.ncclAllReduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                                      ctypes.c_void_p, ctypes.c_void_p]
-        lib.ncclAllGather.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                                      ctypes.c_void_p, ctypes.c_void_p]
+        lib.ncclAllReduce.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
+        lib.ncclAllGather.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_void_p,
+        ]
         version = ctypes.c_int()
         self._check(lib.ncclGetVersion(ctypes.byref(version)), "ncclGetVersion")
         self.version = version.value
@@ -106,16 +127,20 @@ class NcclComm:
             x.copy_(y)
             return x
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        self._check(self.lib.ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), self._dtype(x), _NCCL_SUM,
-                                           self.comm, stream), "ncclAllReduce")
+        self._check(
+            self.lib.ncclAllReduce(x.data_ptr(), x.data_ptr(), x.numel(), self._dtype(x), _NCCL_SUM, self.comm, stream),
+            "ncclAllReduce",
+        )
         return x
 
     def all_gather_last_dim(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty((self.size, *x.shape), dtype=x.dtype, device=x.device)
         stream = torch.cuda.current_stream(x.device).cuda_stream
-        self._check(self.lib.ncclAllGather(x.data_ptr(), out.data_ptr(), x.numel(), self._dtype(x), self.comm,
-                                           stream), "ncclAllGather")
+        self._check(
+            self.lib.ncclAllGather(x.data_ptr(), out.data_ptr(), x.numel(), self._dtype(x), self.comm, stream),
+            "ncclAllGather",
+        )
         # [tp, ..., n] -> [..., tp * n]: rank r's shard is columns r*n .. (r+1)*n.
         return out.movedim(0, -2).reshape(*x.shape[:-1], self.size * x.shape[-1])
 
@@ -151,8 +176,9 @@ class SymmMemAllReduce:
         return self.fallback.all_gather_last_dim(x)
 
 
-def install(backend: str, rank: int, size: int, device: torch.device, dtype: torch.dtype, group=None,
-            control_group=None) -> str:
+def install(
+    backend: str, rank: int, size: int, device: torch.device, dtype: torch.dtype, group=None, control_group=None
+) -> str:
     """Set up `backend` on every rank (or fall back to torch everywhere); returns the one in use."""
     if size == 1:
         return "none"
@@ -175,8 +201,11 @@ def install(backend: str, rank: int, size: int, device: torch.device, dtype: tor
         except Exception as e:  # noqa: BLE001 - any failure means: fall back on all ranks
             impl, error = None, f"{type(e).__name__}: {e}"
     if backend != "torch" and not ps.all_ranks_agree(impl is not None):
-        log.warning("all-reduce backend %s could not be set up on every rank (%s); using torch.distributed",
-                    backend, error or "failed on another rank")
+        log.warning(
+            "all-reduce backend %s could not be set up on every rank (%s); using torch.distributed",
+            backend,
+            error or "failed on another rank",
+        )
         backend, impl = "torch", None
     ps.set_collectives(impl)
     return backend

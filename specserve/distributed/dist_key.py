@@ -25,8 +25,10 @@ from specserve import envs
 from specserve.config import ConfigError
 
 MIN_CHARS = 16  # shorter secrets fall to an offline guess from one recorded handshake
-HOW = ("make one with `specserve dist-key --out FILE`, copy FILE to every node (mode 0600) and pass "
-       f"--dist-key-file FILE on each, or set {envs.DIST_KEY.name} to the same secret on every node")
+HOW = (
+    "make one with `specserve dist-key --out FILE`, copy FILE to every node (mode 0600) and pass "
+    f"--dist-key-file FILE on each, or set {envs.DIST_KEY.name} to the same secret on every node"
+)
 
 
 def is_loopback(host: str) -> bool:
@@ -47,8 +49,10 @@ def read_key_file(path: str) -> bytes:
     except OSError as e:
         raise ConfigError(f"--dist-key-file {path}: {e.strerror}; {HOW}") from None
     if st.st_mode & 0o077:
-        raise ConfigError(f"--dist-key-file {path} may be read by group or others (mode "
-                          f"{stat.filemode(st.st_mode)}): run `chmod 600 {path}`")
+        raise ConfigError(
+            f"--dist-key-file {path} may be read by group or others (mode "
+            f"{stat.filemode(st.st_mode)}): run `chmod 600 {path}`"
+        )
     return _checked(p.read_text().strip(), f"--dist-key-file {path}")
 
 
@@ -81,8 +85,10 @@ def secret(key_file: str | None, host: str, port: int, node_rank: int) -> bytes:
         return _checked(envs.DIST_KEY.get(), envs.DIST_KEY.name)
     if not is_loopback(host):
         where = "node 0 will not listen on" if node_rank == 0 else "this node cannot authenticate to"
-        raise ConfigError(f"--dist-init-addr {host}:{port} is not a loopback address and no secret is set, so "
-                          f"{where} it (anyone who reaches node 0 could otherwise drive every node): {HOW}")
+        raise ConfigError(
+            f"--dist-init-addr {host}:{port} is not a loopback address and no secret is set, so "
+            f"{where} it (anyone who reaches node 0 could otherwise drive every node): {HOW}"
+        )
     path = run_key_path(port)
     if node_rank == 0:
         key = secrets.token_hex(32)
@@ -96,8 +102,10 @@ def secret(key_file: str | None, host: str, port: int, node_rank: int) -> bytes:
     try:  # read once node 0 listens: it writes the file before it opens its port
         return _checked(path.read_text().strip(), str(path))
     except FileNotFoundError:
-        raise ConfigError(f"no per-run secret at {path}: is node 0 running on this machine as this user? "
-                          f"Across users or machines: {HOW}") from None
+        raise ConfigError(
+            f"no per-run secret at {path}: is node 0 running on this machine as this user? "
+            f"Across users or machines: {HOW}"
+        ) from None
 
 
 def _remove(path: Path, key: str) -> None:
@@ -110,8 +118,12 @@ def _remove(path: Path, key: str) -> None:
 
 # ------------------------------------------------------------------ specserve dist-key
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--out", metavar="FILE", help="write the secret to FILE (created with mode 0600, never "
-                                                  "overwritten); without it the secret is printed once")
+    p.add_argument(
+        "--out",
+        metavar="FILE",
+        help="write the secret to FILE (created with mode 0600, never "
+        "overwritten); without it the secret is printed once",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -122,10 +134,15 @@ def run(args: argparse.Namespace) -> int:
     try:
         fd = os.open(args.out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
-        raise ConfigError(f"{args.out} exists: remove it first or pick another --out (a secret is never "
-                          "overwritten: the other nodes may hold it)") from None
+        raise ConfigError(
+            f"{args.out} exists: remove it first or pick another --out (a secret is never "
+            "overwritten: the other nodes may hold it)"
+        ) from None
     with os.fdopen(fd, "w") as f:
         f.write(key + "\n")
-    print(f"wrote a new secret to {args.out} (mode 0600); copy it to every node, keeping its mode, and start "
-          f"each with --dist-key-file {args.out}", file=sys.stderr)
+    print(
+        f"wrote a new secret to {args.out} (mode 0600); copy it to every node, keeping its mode, and start "
+        f"each with --dist-key-file {args.out}",
+        file=sys.stderr,
+    )
     return 0

@@ -94,22 +94,36 @@ def _popen(args, **kw) -> subprocess.Popen:
 WORKER_ARGS = ("-m", "specserve.distributed.worker")  # the interpreter arguments that start one worker
 
 
-def spawn_worker(base_env: dict[str, str], rank: int, local_rank: int, size: int, fd: int,
-                 master: tuple[str, int]) -> subprocess.Popen:
+def spawn_worker(
+    base_env: dict[str, str], rank: int, local_rank: int, size: int, fd: int, master: tuple[str, int]
+) -> subprocess.Popen:
     """Start one worker: `base_env` plus its place in the group; `fd` is its end of the
     connection to the driver, `master` the rendezvous store."""
     env = dict(base_env)
     env.pop(envs.DIST_KEY.name, None)  # the nodes' secret stays with the processes that authenticate
-    env.update({
-        envs.TP_RANK.name: str(rank), envs.TP_SIZE.name: str(size),
-        envs.TP_FD.name: str(fd), envs.TP_PARENT_PID.name: str(os.getpid()),
-        "MASTER_ADDR": master[0], "MASTER_PORT": str(master[1]),
-        "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(size),
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            envs.TP_RANK.name: str(rank),
+            envs.TP_SIZE.name: str(size),
+            envs.TP_FD.name: str(fd),
+            envs.TP_PARENT_PID.name: str(os.getpid()),
+            "MASTER_ADDR": master[0],
+            "MASTER_PORT": str(master[1]),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(local_rank),
+            "WORLD_SIZE": str(size),
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     # Worker stdout goes to our stderr: `generate --json` keeps a clean stdout.
-    return _popen([sys.executable, *WORKER_ARGS], env=worker_env_hook(env, rank), pass_fds=(fd,), stdout=2,
-                  stdin=subprocess.DEVNULL, close_fds=True)
+    return _popen(
+        [sys.executable, *WORKER_ARGS],
+        env=worker_env_hook(env, rank),
+        pass_fds=(fd,),
+        stdout=2,
+        stdin=subprocess.DEVNULL,
+        close_fds=True,
+    )
 
 
 class WorkerGroup:
@@ -117,8 +131,15 @@ class WorkerGroup:
     with a `cluster` (specserve.distributed.multinode) the first `cluster.local` here and the
     others started by the other nodes' launchers (`procs` holds None for those)."""
 
-    def __init__(self, size: int, wenv: WorkerEnv, hello_timeout: float = 60.0, cluster=None, profile=None,
-                 explicit: dict[str, str] | None = None):
+    def __init__(
+        self,
+        size: int,
+        wenv: WorkerEnv,
+        hello_timeout: float = 60.0,
+        cluster=None,
+        profile=None,
+        explicit: dict[str, str] | None = None,
+    ):
         import torch.distributed as dist
 
         self.size, self.wenv, self.cluster = size, wenv, cluster
@@ -178,8 +199,10 @@ class WorkerGroup:
         while not (self.closed or self.stopping or self.lost):
             for rank, p in enumerate(self.procs):
                 if p is not None and p.poll() is not None and not (self.closed or self.stopping):
-                    self._node_lost(f"{self.who(rank)} (pid {p.pid}) exited unexpectedly ({_exit_status(p.returncode)})"
-                                    f" while serving; last step: {self.last_progress[rank] or 'none'}")
+                    self._node_lost(
+                        f"{self.who(rank)} (pid {p.pid}) exited unexpectedly ({_exit_status(p.returncode)})"
+                        f" while serving; last step: {self.last_progress[rank] or 'none'}"
+                    )
                     return
             time.sleep(interval)
 
@@ -198,23 +221,33 @@ class WorkerGroup:
             for k, want in self.wenv.requested.items():
                 got = seen.get(k)
                 if got != want:
-                    problems.append(f"{name} (pid {msg['pid']}): {k} should be {want!r}{' (as on node 0)' if multi else ''} "
-                                    f"but the worker sees {'<unset>' if got is None else repr(got)}")
+                    problems.append(
+                        f"{name} (pid {msg['pid']}): {k} should be {want!r}{' (as on node 0)' if multi else ''} "
+                        f"but the worker sees {'<unset>' if got is None else repr(got)}"
+                    )
             for k in sorted(seen):
                 if k.startswith(SHOWN_PREFIXES) and k not in self.wenv.requested:
-                    problems.append(f"{name} (pid {msg['pid']}): {k}={seen[k]!r} is set there but not on node 0's "
-                                    "workers")
+                    problems.append(
+                        f"{name} (pid {msg['pid']}): {k}={seen[k]!r} is set there but not on node 0's workers"
+                    )
             shown = {k: v for k, v in sorted(seen.items()) if k.startswith(SHOWN_PREFIXES) or k in self.wenv.requested}
             self.env_reports.append({"rank": rank, "node": rank // self.local, "pid": msg["pid"], "env": shown})
         if problems:
-            why = ("the nodes' environments differ (every worker must see node 0's NCCL settings; unset or "
-                   "align them on the other nodes):" if multi else
-                   "a requested environment variable did not reach a TP worker (is a wrapper, sudo or a "
-                   "container entrypoint resetting the environment?):")
+            why = (
+                "the nodes' environments differ (every worker must see node 0's NCCL settings; unset or "
+                "align them on the other nodes):"
+                if multi
+                else "a requested environment variable did not reach a TP worker (is a wrapper, sudo or a "
+                "container entrypoint resetting the environment?):"
+            )
             raise WorkerError(why + "\n  " + "\n  ".join(problems))
         for r in self.env_reports:
-            log.info("[tp] %s (pid %d) env: %s", self.who(r["rank"]).removeprefix("TP "), r["pid"],
-                     " ".join(f"{k}={v}" for k, v in r["env"].items()) or "(no NCCL_* variables)")
+            log.info(
+                "[tp] %s (pid %d) env: %s",
+                self.who(r["rank"]).removeprefix("TP "),
+                r["pid"],
+                " ".join(f"{k}={v}" for k, v in r["env"].items()) or "(no NCCL_* variables)",
+            )
 
     # ----------------------------------------------------------- messages
     def send_all(self, msg: dict) -> None:
@@ -224,9 +257,15 @@ class WorkerGroup:
             except (BrokenPipeError, ConnectionResetError, OSError):
                 self._raise_dead(rank)
 
-    def recv_all(self, timeout: float | None = None, stall_timeout: float | None = None,
-                 stall_phases: tuple[str, ...] = ("graphs",), what: str = "reply", on_progress=None,
-                 init_timeout: float = 600.0) -> list[dict]:
+    def recv_all(
+        self,
+        timeout: float | None = None,
+        stall_timeout: float | None = None,
+        stall_phases: tuple[str, ...] = ("graphs",),
+        what: str = "reply",
+        on_progress=None,
+        init_timeout: float = 600.0,
+    ) -> list[dict]:
         """One non-progress message from every worker. Raises WorkerError if a worker
         dies or reports an error, PhaseTimeout if a worker whose last progress is in
         `stall_phases` is silent for `stall_timeout` s (or in phase "init" for
@@ -261,7 +300,9 @@ class WorkerGroup:
                         from specserve.config import ConfigError
 
                         raise ConfigError(f"{self.who(rank)}: {msg['error'].split(': ', 1)[-1]}")
-                    err = WorkerError(f"{self.who(rank)} failed during {what}: {msg['error']}\n{msg.get('traceback', '')}")
+                    err = WorkerError(
+                        f"{self.who(rank)} failed during {what}: {msg['error']}\n{msg.get('traceback', '')}"
+                    )
                     err.phase = phase[rank]
                     raise err
                 out[rank] = msg
@@ -271,18 +312,25 @@ class WorkerGroup:
                 proc = self.procs[rank]
                 if proc is not None and proc.poll() is not None:
                     self._raise_dead(rank, phase[rank])
-                limit = stall_timeout if phase[rank] in stall_phases else init_timeout if phase[rank] == "init" else None
+                limit = (
+                    stall_timeout if phase[rank] in stall_phases else init_timeout if phase[rank] == "init" else None
+                )
                 if limit is not None and now - last_heard[rank] > limit:
                     err = PhaseTimeout(
                         f"{self.who(rank)} made no progress for {limit:.0f} s during {phase[rank]} "
-                        f"(last step: {self.last_progress[rank] or 'none'})", rank, self.last_progress[rank])
+                        f"(last step: {self.last_progress[rank] or 'none'})",
+                        rank,
+                        self.last_progress[rank],
+                    )
                     err.phase = phase[rank]
                     raise err
             if timeout is not None and now - t_start > timeout:
                 ranks = sorted(pending.values())
                 nodes = f" on node(s) {sorted({r // self.local for r in ranks})}" if self.cluster is not None else ""
-                raise WorkerError(f"TP worker(s) {ranks}{nodes} did not answer within {timeout:.0f} s during {what} "
-                                  f"(last steps: {[self.last_progress[r] for r in ranks]})")
+                raise WorkerError(
+                    f"TP worker(s) {ranks}{nodes} did not answer within {timeout:.0f} s during {what} "
+                    f"(last steps: {[self.last_progress[r] for r in ranks]})"
+                )
         return out  # type: ignore[return-value]
 
     def request(self, msg: dict, **kw) -> list[dict]:
@@ -293,15 +341,19 @@ class WorkerGroup:
         self._check_lost()
         proc = self.procs[rank]
         if proc is None:
-            err = WorkerError(f"{self.who(rank)} closed its connection (the worker exited or its node went away); "
-                              f"last step: {self.last_progress[rank] or 'none'}")
+            err = WorkerError(
+                f"{self.who(rank)} closed its connection (the worker exited or its node went away); "
+                f"last step: {self.last_progress[rank] or 'none'}"
+            )
         else:
             try:
                 code = proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
                 code = None
-            err = WorkerError(f"{self.who(rank)} (pid {proc.pid}) exited unexpectedly ({_exit_status(code)}); "
-                              f"last step: {self.last_progress[rank] or 'none'}")
+            err = WorkerError(
+                f"{self.who(rank)} (pid {proc.pid}) exited unexpectedly ({_exit_status(code)}); "
+                f"last step: {self.last_progress[rank] or 'none'}"
+            )
         err.phase = phase
         raise err
 

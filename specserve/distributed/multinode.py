@@ -69,7 +69,10 @@ FIRST = {  # a launcher's or a remote worker's first message to node 0
     "worker": {"group": int, "rank": int, "node": int},
 }
 TO_LAUNCHER = {
-    "welcome": {}, "reject": {"reason": str}, "beat": {}, "bye": {},
+    "welcome": {},
+    "reject": {"reason": str},
+    "beat": {},
+    "bye": {},
     "spawn": {"group": int, "profile": {"name": str, "env": wire.STR_MAP}, "explicit": wire.STR_MAP},
     "stop": {"group": int, "reason": (str, type(None))},
 }
@@ -118,8 +121,10 @@ def connect(host: str, port: int, deadline: float, first: dict, key_file: str | 
             break
         except OSError as e:
             if time.monotonic() > deadline:
-                raise ConfigError(f"cannot reach node 0 at {host}:{port} ({e}): is node 0 started with the same "
-                                  "--dist-init-addr, and is the port open?") from None
+                raise ConfigError(
+                    f"cannot reach node 0 at {host}:{port} ({e}): is node 0 started with the same "
+                    "--dist-init-addr, and is the port open?"
+                ) from None
             time.sleep(0.5)
     try:  # the secret is read once node 0 listens: a loopback run's per-run secret exists by then
         key = dist_key.secret(key_file, host, port - 1, node_rank=first["node"])
@@ -128,8 +133,10 @@ def connect(host: str, port: int, deadline: float, first: dict, key_file: str | 
         sock.close()
         raise
     except Exception as e:  # noqa: BLE001 - a wrong secret, a reset: one clear message
-        raise ConfigError(f"node 0 at {host}:{port} refused this node ({type(e).__name__}: {e or 'closed'}): is the "
-                          "secret (--dist-key-file / SPECSERVE_DIST_KEY) the same on every node?") from None
+        raise ConfigError(
+            f"node 0 at {host}:{port} refused this node ({type(e).__name__}: {e or 'closed'}): is the "
+            "secret (--dist-key-file / SPECSERVE_DIST_KEY) the same on every node?"
+        ) from None
     conn.send(first)
     return conn
 
@@ -164,8 +171,10 @@ class Cluster:
             if c is None:
                 c = cls._instance = cls(par)
             elif (c.nnodes, c.tp, c.addr) != (par.nnodes, par.tp, par.dist_init_addr):
-                raise ConfigError(f"this process already drives --nnodes {c.nnodes} --tp {c.tp} at {c.addr}; "
-                                  "one process drives one set of nodes")
+                raise ConfigError(
+                    f"this process already drives --nnodes {c.nnodes} --tp {c.tp} at {c.addr}; "
+                    "one process drives one set of nodes"
+                )
             if c.lost:
                 raise RuntimeError(f"the multi-node group is broken: {c.lost}")
             return c
@@ -186,8 +195,10 @@ class Cluster:
         try:
             self.store = dist.TCPStore(self.host, self.port, None, True, wait_for_workers=False)
         except Exception as e:  # noqa: BLE001 - a busy port or an address not on this machine
-            raise ConfigError(f"--dist-init-addr {self.addr}: node 0 cannot open the rendezvous store on port "
-                              f"{self.port} ({e}); run node 0 on {self.host} with a free port") from None
+            raise ConfigError(
+                f"--dist-init-addr {self.addr}: node 0 cannot open the rendezvous store on port "
+                f"{self.port} ({e}); run node 0 on {self.host} with a free port"
+            ) from None
         # A loopback run listens on loopback only. Otherwise every interface, as the store listens: HOST
         # may name an address this machine only reaches through another (a hostname that /etc/hosts
         # maps to 127.0.1.1, a NAT).
@@ -195,11 +206,12 @@ class Cluster:
         bind = ("127.0.0.1" if self.host == "localhost" else self.host) if dist_key.is_loopback(self.host) else ""
         family = socket.AF_INET6 if dual or ":" in bind else socket.AF_INET
         try:
-            self.listener = socket.create_server((bind, self.port + 1), family=family, backlog=256,
-                                                 dualstack_ipv6=dual)
+            self.listener = socket.create_server((bind, self.port + 1), family=family, backlog=256, dualstack_ipv6=dual)
         except OSError as e:
-            raise ConfigError(f"--dist-init-addr {self.addr}: node 0 cannot listen on port {self.port + 1} ({e}); "
-                              "PORT and PORT+1 must both be free") from None
+            raise ConfigError(
+                f"--dist-init-addr {self.addr}: node 0 cannot listen on port {self.port + 1} ({e}); "
+                "PORT and PORT+1 must both be free"
+            ) from None
         self.listener.settimeout(0.25)
         try:
             self._join()
@@ -222,8 +234,13 @@ class Cluster:
             try:
                 conn, first = _open(sock, self.key, server=True)
             except Exception as e:  # noqa: BLE001 - a stray, unauthenticated or malformed peer: drop it
-                log.warning("[tp] refused a connection from %s on port %d: %s: %s", peer[0], self.port + 1,
-                            type(e).__name__, e or "closed")
+                log.warning(
+                    "[tp] refused a connection from %s on port %d: %s: %s",
+                    peer[0],
+                    self.port + 1,
+                    type(e).__name__,
+                    e or "closed",
+                )
                 continue
             if first["type"] != want:
                 conn.send({"type": "reject", "reason": f"node 0 expected a {want} connection, got {first['type']}"})
@@ -234,20 +251,29 @@ class Cluster:
 
     def _join(self) -> None:
         deadline = time.monotonic() + self.timeout
-        log.info("[tp] node 0: waiting up to %.0f s for %d other node(s) at %s (port %d)", self.timeout,
-                 self.nnodes - 1, self.host, self.port + 1)
+        log.info(
+            "[tp] node 0: waiting up to %.0f s for %d other node(s) at %s (port %d)",
+            self.timeout,
+            self.nnodes - 1,
+            self.host,
+            self.port + 1,
+        )
         while len(self.peers) < self.nnodes - 1:
             got = self.accept(deadline, "node")
             if got is None:
                 missing = [n for n in range(1, self.nnodes) if n not in self.peers]
-                raise ConfigError(f"node(s) {missing} did not join within --dist-timeout {self.timeout:g} s: start "
-                                  f"the same command with --node-rank N on each, pointing at {self.addr}")
+                raise ConfigError(
+                    f"node(s) {missing} did not join within --dist-timeout {self.timeout:g} s: start "
+                    f"the same command with --node-rank N on each, pointing at {self.addr}"
+                )
             conn, info = got
             node = info["node"]
             problem = None
             if (info["nnodes"], info["tp"]) != (self.nnodes, self.tp):
-                problem = (f"node {node} was started with --tp {info['tp']} --nnodes {info['nnodes']}, node 0 with "
-                           f"--tp {self.tp} --nnodes {self.nnodes}")
+                problem = (
+                    f"node {node} was started with --tp {info['tp']} --nnodes {info['nnodes']}, node 0 with "
+                    f"--tp {self.tp} --nnodes {self.nnodes}"
+                )
             elif node in self.peers:
                 problem = f"two launchers claim --node-rank {node} ({self.peers[node].info['host']} and {info['host']})"
             if problem:
@@ -264,8 +290,14 @@ class Cluster:
     def spawn_remote(self, group_id: int, profile, explicit: dict, check) -> dict[int, wire.Conn]:
         """Ask every launcher for its workers of group `group_id`; their connections by global rank."""
         for p in self.peers.values():
-            p.send({"type": "spawn", "group": group_id, "profile": {"name": profile.name, "env": dict(profile.env)},
-                    "explicit": dict(explicit)})
+            p.send(
+                {
+                    "type": "spawn",
+                    "group": group_id,
+                    "profile": {"name": profile.name, "env": dict(profile.env)},
+                    "explicit": dict(explicit),
+                }
+            )
         want = {r for r in range(self.local, self.tp)}
         out: dict[int, wire.Conn] = {}
         deadline = time.monotonic() + self.timeout
@@ -274,8 +306,9 @@ class Cluster:
             if got is None:
                 missing = sorted(want - set(out))
                 nodes = sorted({self.node_of(r) for r in missing})
-                raise RuntimeError(f"the workers {missing} of node(s) {nodes} did not connect within "
-                                   f"--dist-timeout {self.timeout:g} s")
+                raise RuntimeError(
+                    f"the workers {missing} of node(s) {nodes} did not connect within --dist-timeout {self.timeout:g} s"
+                )
             conn, info = got
             if info.get("group") != group_id or info.get("rank") not in want:
                 conn.close()  # a straggler of an earlier group
@@ -324,8 +357,9 @@ class Cluster:
                     return
             for p in self.peers.values():
                 if time.monotonic() - p.last_heard > self.silence_s:
-                    self._lose(f"{p.where()} was silent for {self.silence_s:.0f} s (the machine or its network "
-                               "is down)")
+                    self._lose(
+                        f"{p.where()} was silent for {self.silence_s:.0f} s (the machine or its network is down)"
+                    )
                     return
 
     def _lose(self, reason: str) -> None:
@@ -378,8 +412,20 @@ def run_node(par: ParallelConfig) -> int:
     try:
         if not dist_key.is_loopback(host):  # no usable secret: say so now, not after reaching node 0
             dist_key.secret(par.dist_key_file, host, port, node)
-        ctl = connect(host, port + 1, deadline, {"type": "node", "node": node, "nnodes": par.nnodes, "tp": par.tp,
-                                                 "pid": os.getpid(), "host": socket.gethostname()}, par.dist_key_file)
+        ctl = connect(
+            host,
+            port + 1,
+            deadline,
+            {
+                "type": "node",
+                "node": node,
+                "nnodes": par.nnodes,
+                "tp": par.tp,
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+            },
+            par.dist_key_file,
+        )
         if not ctl.poll(max(deadline - time.monotonic(), 1.0)):
             raise ConfigError(f"node 0 at {par.dist_init_addr} accepted this node but never answered")
         answer = wire.check(ctl.recv(), TO_LAUNCHER, "node 0")
@@ -389,8 +435,15 @@ def run_node(par: ParallelConfig) -> int:
     if answer["type"] != "welcome":
         print(f"error: node {node}: node 0 refused this node: {answer.get('reason')}", file=sys.stderr)
         return 1
-    log.info("joined node 0 at %s as node %d of %d (%d workers here, ranks %d..%d)", par.dist_init_addr, node,
-             par.nnodes, local, node * local, node * local + local - 1)
+    log.info(
+        "joined node 0 at %s as node %d of %d (%d workers here, ranks %d..%d)",
+        par.dist_init_addr,
+        node,
+        par.nnodes,
+        local,
+        node * local,
+        node * local + local - 1,
+    )
     procs: dict[int, list] = {}  # group id -> Popen of this node's workers
     silence_s = min(30.0, par.dist_timeout)
     last_heard, next_beat = time.monotonic(), 0.0
@@ -413,8 +466,11 @@ def run_node(par: ParallelConfig) -> int:
             if now >= next_status:
                 next_status = now + STATUS_EVERY_S
                 alive = {gid: sum(p.poll() is None for p in ps) for gid, ps in procs.items()}
-                log.info("status: node 0 heard %.1f s ago; workers alive per group: %s", now - last_heard,
-                         alive or "none (waiting for node 0)")
+                log.info(
+                    "status: node 0 heard %.1f s ago; workers alive per group: %s",
+                    now - last_heard,
+                    alive or "none (waiting for node 0)",
+                )
             if ctl.poll(0.25):
                 msg = wire.check(ctl.recv(), TO_LAUNCHER, "node 0")
                 last_heard = time.monotonic()
@@ -424,25 +480,39 @@ def run_node(par: ParallelConfig) -> int:
                     prof_env, explicit = msg["profile"]["env"], msg["explicit"]
                     refused = remote_env_refused({**prof_env, **explicit})
                     if refused:  # node 0's hello check then names them, failing the start-up
-                        log.warning("refused node 0's %s for this node's workers: a variable that could load code "
-                                    "or write files here must be set in this node's own environment", refused)
-                    prof = Profile(msg["profile"]["name"], {k: v for k, v in prof_env.items() if k not in refused},
-                                   "node 0")
-                    wenv = build_worker_env(dict(os.environ), prof,
-                                            {k: v for k, v in explicit.items() if k not in refused})
+                        log.warning(
+                            "refused node 0's %s for this node's workers: a variable that could load code "
+                            "or write files here must be set in this node's own environment",
+                            refused,
+                        )
+                    prof = Profile(
+                        msg["profile"]["name"], {k: v for k, v in prof_env.items() if k not in refused}, "node 0"
+                    )
+                    wenv = build_worker_env(
+                        dict(os.environ), prof, {k: v for k, v in explicit.items() if k not in refused}
+                    )
                     for note in wenv.notes:
                         log.warning("%s", note)
                     procs[gid] = []
                     for i in range(local):
                         rank = node * local + i
-                        conn = connect(host, port + 1, time.monotonic() + par.dist_timeout,
-                                       {"type": "worker", "group": gid, "rank": rank, "node": node},
-                                       par.dist_key_file)
-                        procs[gid].append(group_mod.spawn_worker(
-                            wenv.env, rank, i, par.tp, conn.fileno(), (host, port)))
+                        conn = connect(
+                            host,
+                            port + 1,
+                            time.monotonic() + par.dist_timeout,
+                            {"type": "worker", "group": gid, "rank": rank, "node": node},
+                            par.dist_key_file,
+                        )
+                        procs[gid].append(
+                            group_mod.spawn_worker(wenv.env, rank, i, par.tp, conn.fileno(), (host, port))
+                        )
                         conn.close()  # the worker holds the socket now
-                    log.info("started workers %s for group %d (pids %s)", [node * local + i for i in range(local)],
-                             gid, [p.pid for p in procs[gid]])
+                    log.info(
+                        "started workers %s for group %d (pids %s)",
+                        [node * local + i for i in range(local)],
+                        gid,
+                        [p.pid for p in procs[gid]],
+                    )
                 elif op == "stop":
                     stop(msg["group"])
                     if msg["reason"]:

@@ -90,7 +90,7 @@ def load_profile(spec: str | None) -> Profile:
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON: {e}") from None
         if not isinstance(data, dict) or "env" not in data:
-            raise ConfigError(f"{path}: a JSON profile needs an 'env' object, e.g. {{\"env\": {{\"NCCL_PROTO\": \"LL\"}}}}")
+            raise ConfigError(f'{path}: a JSON profile needs an \'env\' object, e.g. {{"env": {{"NCCL_PROTO": "LL"}}}}')
         return Profile(str(data.get("name") or path.stem), _check_vars(data["env"], str(path)), str(path))
     env = {}
     for n, line in enumerate(text.splitlines(), 1):
@@ -98,7 +98,7 @@ def load_profile(spec: str | None) -> Profile:
         if not line or line.startswith("#"):
             continue
         if line.startswith("export "):
-            line = line[len("export "):].strip()
+            line = line[len("export ") :].strip()
         if "=" not in line:
             raise ConfigError(f"{path}:{n}: expected KEY=VALUE, got {line!r}")
         k, v = line.split("=", 1)
@@ -130,8 +130,9 @@ def build_worker_env(base: dict[str, str], profile: Profile, explicit: dict[str,
             continue
         if k in base:
             if base[k] != v:
-                notes.append(f"{k}={base[k]} kept from the operator's environment (profile {profile.name} "
-                             f"would set {v})")
+                notes.append(
+                    f"{k}={base[k]} kept from the operator's environment (profile {profile.name} would set {v})"
+                )
             continue
         env[k] = v
     env.update(explicit)

@@ -43,10 +43,10 @@ from types import SimpleNamespace
 from specserve import envs
 from specserve.config import ConfigError, EngineConfig
 from specserve.engine.engine import Engine
-from specserve.engine.sequence import Sequence, SpecStats, Status
 from specserve.engine.llm import LLM, RequestOutput, attach_grammars, default_pair, prepare_requests
 from specserve.engine.protocol import ServingEngine, SpeculationPolicy
 from specserve.engine.sampling import SamplingParams
+from specserve.engine.sequence import Sequence, SpecStats, Status
 from specserve.engine.tokenizer import Tokenizer
 from specserve.model.gguf import find_gguf, require_model
 
@@ -105,25 +105,44 @@ class WorkerLLM(LLM):
     def light_stats(self) -> dict:
         """Counters attached to every reply of rank 0 (cheap; no per-cycle profile)."""
         e = self.engine
-        return {"totals": dataclasses.asdict(e.totals), "tokens_generated": e.tokens_generated, "last_k": e.last_k,
-                "policy": policy_facts(e.policy), "kv_usage": e.kv_usage(), "n_running": e.n_running,
-                "waiting_ids": [s.seq_id for s in e.waiting], "free_rows": e.free_rows}
+        return {
+            "totals": dataclasses.asdict(e.totals),
+            "tokens_generated": e.tokens_generated,
+            "last_k": e.last_k,
+            "policy": policy_facts(e.policy),
+            "kv_usage": e.kv_usage(),
+            "n_running": e.n_running,
+            "waiting_ids": [s.seq_id for s in e.waiting],
+            "free_rows": e.free_rows,
+        }
 
 
 def policy_facts(policy: SpeculationPolicy | None) -> dict | None:
     """Everything `SpeculationPolicy` offers, as plain data for the driver's `_PolicyView`."""
     if policy is None:
         return None
-    return {"k_max": policy.k_max, "choices": dict(policy.choices), "acceptance": policy.acceptance(),
-            "acceptance_tree": policy.acceptance(True)}
+    return {
+        "k_max": policy.k_max,
+        "choices": dict(policy.choices),
+        "acceptance": policy.acceptance(),
+        "acceptance_tree": policy.acceptance(True),
+    }
 
 
 def engine_facts(engine: Engine) -> dict:
     """A worker's engine as its driver's `TPEngineView` presents it (fixed after start-up)."""
     r = engine.runner
-    return {"graphs": len(r.graphs), "graph_seconds": engine.graph_seconds, "load_seconds": r.load_seconds,
-            "max_model_len": engine.max_model_len, "rows": r.rows, "device": str(engine.device), "dtype": str(r.dtype),
-            "kv_bytes": r.kv.nbytes(), "has_drafter": r.drafter is not None}
+    return {
+        "graphs": len(r.graphs),
+        "graph_seconds": engine.graph_seconds,
+        "load_seconds": r.load_seconds,
+        "max_model_len": engine.max_model_len,
+        "rows": r.rows,
+        "device": str(engine.device),
+        "dtype": str(r.dtype),
+        "kv_bytes": r.kv.nbytes(),
+        "has_drafter": r.drafter is not None,
+    }
 
 
 def outputs_digest(obj) -> str:
@@ -134,9 +153,14 @@ def outputs_digest(obj) -> str:
 
 
 def seq_snapshot(s: Sequence) -> dict:
-    new_logprobs = s.logprobs[len(s.output_ids) - len(s.new_tokens):] if s.logprobs is not None else None
-    return {"seq_id": s.seq_id, "new_tokens": list(s.new_tokens), "new_logprobs": new_logprobs,
-            "finish_reason": s.finish_reason, "spec": dataclasses.asdict(s.spec)}
+    new_logprobs = s.logprobs[len(s.output_ids) - len(s.new_tokens) :] if s.logprobs is not None else None
+    return {
+        "seq_id": s.seq_id,
+        "new_tokens": list(s.new_tokens),
+        "new_logprobs": new_logprobs,
+        "finish_reason": s.finish_reason,
+        "spec": dataclasses.asdict(s.spec),
+    }
 
 
 # ------------------------------------------------------------------ driver side
@@ -162,9 +186,17 @@ class TPLLM:
     engine), backed by `tp` worker processes. Extra: worker_env(), worker_pids(),
     info (start-up facts), warnings (e.g. the CUDA graph fallback), close()."""
 
-    def __init__(self, model: str | None = None, draft: str | None = None, env: dict | None = None,
-                 nccl_profile: str | None = None, on_graph_progress=None, start_timeout: float = 3600.0,
-                 on_group_lost=None, **engine_kwargs):
+    def __init__(
+        self,
+        model: str | None = None,
+        draft: str | None = None,
+        env: dict | None = None,
+        nccl_profile: str | None = None,
+        on_graph_progress=None,
+        start_timeout: float = 3600.0,
+        on_group_lost=None,
+        **engine_kwargs,
+    ):
         from specserve.distributed.group import PhaseTimeout, WorkerError
         from specserve.distributed.nccl_profiles import build_worker_env, load_profile
         from specserve.model.loader import resolve_device
@@ -172,8 +204,10 @@ class TPLLM:
         _ensure_log_handler()
         model, draft = default_pair(model, draft, speculating=bool(engine_kwargs.get("spec_steps", 0)))
         if find_gguf(str(model)) is not None:
-            raise ConfigError(f"--tp shards safetensors checkpoints; convert {model} first "
-                              "(specserve convert-gguf IN.gguf OUT_DIR) and pass --model OUT_DIR")
+            raise ConfigError(
+                f"--tp shards safetensors checkpoints; convert {model} first "
+                "(specserve convert-gguf IN.gguf OUT_DIR) and pass --model OUT_DIR"
+            )
         require_model(str(model))
         kw = dict(engine_kwargs, env=dict(env or {}), nccl_profile=nccl_profile or "default")
         self.config = cfg = EngineConfig.from_kwargs(model=str(model), draft=draft, **kw)
@@ -181,16 +215,20 @@ class TPLLM:
         if par.tp < 2:
             raise ConfigError("TPLLM needs tp >= 2; use LLM for a single process")
         if par.node_rank != 0:
-            raise ConfigError(f"--node-rank {par.node_rank} runs headless (specserve.distributed.multinode.run_node); "
-                              "only node 0 drives the workers")
+            raise ConfigError(
+                f"--node-rank {par.node_rank} runs headless (specserve.distributed.multinode.run_node); "
+                "only node 0 drives the workers"
+            )
         self.device = device = resolve_device(cfg.device)
         if device.type == "cuda":
             import torch
 
             local = par.local_tp
             if device.index not in (None, 0):
-                raise ConfigError(f"--device {cfg.device} with --tp {par.tp}: TP workers use cuda:0..cuda:{local - 1}; "
-                                  "select GPUs with CUDA_VISIBLE_DEVICES instead")
+                raise ConfigError(
+                    f"--device {cfg.device} with --tp {par.tp}: TP workers use cuda:0..cuda:{local - 1}; "
+                    "select GPUs with CUDA_VISIBLE_DEVICES instead"
+                )
             if torch.cuda.device_count() < local:
                 where = f" on each of the {par.nnodes} nodes" if par.nnodes > 1 else ""
                 raise ConfigError(f"--tp {par.tp} needs {local} GPUs{where}, {torch.cuda.device_count()} visible")
@@ -209,17 +247,22 @@ class TPLLM:
         self._ids = 0
         self._stats: dict = {}
         # The workers' engines are single-process engines inside the group: no node or profile settings.
-        base = {k: v for k, v in cfg.flat().items()
-                if k not in ("env", "nccl_profile", "nnodes", "node_rank", "dist_init_addr", "dist_timeout")}
+        base = {
+            k: v
+            for k, v in cfg.flat().items()
+            if k not in ("env", "nccl_profile", "nnodes", "node_rank", "dist_init_addr", "dist_timeout")
+        }
         graphs = cfg.cuda_graphs and graphs_possible(device)
         try:
             self._start(base, graphs, start_timeout)
         except (PhaseTimeout, WorkerError) as e:
             if not graphs or e.phase != "graphs":
                 raise
-            msg = (f"CUDA graph capture with collectives failed or stalled ({str(e).splitlines()[0]}); restarted "
-                   f"the TP workers without CUDA graphs (eager collectives, slower decoding). --disable-cuda-graph "
-                   f"skips the attempt; another all-reduce can be tried with --env SPECSERVE_ALLREDUCE=torch|nccl|symm_mem")
+            msg = (
+                f"CUDA graph capture with collectives failed or stalled ({str(e).splitlines()[0]}); restarted "
+                f"the TP workers without CUDA graphs (eager collectives, slower decoding). --disable-cuda-graph "
+                f"skips the attempt; another all-reduce can be tried with --env SPECSERVE_ALLREDUCE=torch|nccl|symm_mem"
+            )
             log.warning("[tp] warning: %s", msg)
             self.warnings.append(msg)
             self._start(base, False, start_timeout)
@@ -229,8 +272,12 @@ class TPLLM:
         from specserve.config import ModelConfig
 
         m, tp = ModelConfig.from_dir(self.config.model), self.config.parallel.tp
-        for what, n in (("num_attention_heads", m.num_heads), ("num_key_value_heads", m.num_kv_heads),
-                        ("intermediate_size", m.intermediate_size), ("vocab_size", m.vocab_size)):
+        for what, n in (
+            ("num_attention_heads", m.num_heads),
+            ("num_key_value_heads", m.num_kv_heads),
+            ("intermediate_size", m.intermediate_size),
+            ("vocab_size", m.vocab_size),
+        ):
             if n % tp:
                 raise ConfigError(f"--tp {tp}: the target's {what} ({n}) is not divisible by {tp}")
         return m
@@ -243,8 +290,9 @@ class TPLLM:
             from specserve.distributed.multinode import Cluster
 
             cluster = Cluster.get(par)  # the other nodes join here (bounded by --dist-timeout)
-            self.group = group = WorkerGroup(par.tp, self.wenv, cluster=cluster, profile=self.nccl_profile,
-                                             explicit=par.env)
+            self.group = group = WorkerGroup(
+                par.tp, self.wenv, cluster=cluster, profile=self.nccl_profile, explicit=par.env
+            )
             pg_timeout = par.dist_timeout
         else:
             self.group = group = WorkerGroup(par.tp, self.wenv)
@@ -259,10 +307,21 @@ class TPLLM:
         try:
             for rank, conn in enumerate(group.conns):
                 dev = f"cuda:{rank % group.local}" if self.device.type == "cuda" else "cpu"
-                conn.send({"type": "init", "mode": "engine", "engine": dict(base, cuda_graphs=graphs, device=dev),
-                           "timeout_s": pg_timeout, "store_prefix": group.store_prefix})
-            ready = group.recv_all(timeout=timeout, stall_timeout=self.config.parallel.capture_timeout if graphs else None,
-                                   what="start-up", on_progress=on_progress)
+                conn.send(
+                    {
+                        "type": "init",
+                        "mode": "engine",
+                        "engine": dict(base, cuda_graphs=graphs, device=dev),
+                        "timeout_s": pg_timeout,
+                        "store_prefix": group.store_prefix,
+                    }
+                )
+            ready = group.recv_all(
+                timeout=timeout,
+                stall_timeout=self.config.parallel.capture_timeout if graphs else None,
+                what="start-up",
+                on_progress=on_progress,
+            )
         except BaseException:
             group.kill()
             raise
@@ -270,8 +329,13 @@ class TPLLM:
         self.info.update(graphs_enabled=graphs, nccl_profile=self.nccl_profile.name, env_notes=list(self.wenv.notes))
         self._stats = ready[0]["stats"]
         group.watch()  # a worker that dies while serving ends the group at once, also when idle
-        log.info("[tp] %d workers ready: all-reduce %s, %d CUDA graphs, max_model_len %d", self.config.parallel.tp,
-                 self.info["allreduce"], self.info["graphs"], self.info["max_model_len"])
+        log.info(
+            "[tp] %d workers ready: all-reduce %s, %d CUDA graphs, max_model_len %d",
+            self.config.parallel.tp,
+            self.info["allreduce"],
+            self.info["graphs"],
+            self.info["max_model_len"],
+        )
 
     def _group_lost(self, reason: str) -> None:
         """A node or worker went away (monitor or watch thread): the group is over; the caller may end
@@ -326,12 +390,14 @@ class TPLLM:
             self.group.kill()
             raise RuntimeError(f"TP ranks diverged: {self._broken} (a nondeterministic decision was not synchronized)")
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, progress: bool = False
+    ) -> list[RequestOutput]:
         """Like LLM.generate (the batch runs to completion inside the workers)."""
         ids, params = prepare_requests(self.tokenizer, prompts, sampling_params)
-        replies = self._request({"op": "generate", "prompts": ids, "params": [self._seeded(p) for p in params]},
-                                "generate", bounded=False)
+        replies = self._request(
+            {"op": "generate", "prompts": ids, "params": [self._seeded(p) for p in params]}, "generate", bounded=False
+        )
         self._check_agree(replies[0], replies[1:], "outputs")
         return replies[0]
 
@@ -441,9 +507,13 @@ class TPEngineView(ServingEngine):
         self.device = llm.device
         import torch
 
-        self.runner = SimpleNamespace(model_cfg=llm.model_cfg, dtype=getattr(torch, info["dtype"].split(".")[-1]),
-                                      rows=info["rows"], load_seconds=info["load_seconds"],
-                                      drafter=True if info["has_drafter"] else None)
+        self.runner = SimpleNamespace(
+            model_cfg=llm.model_cfg,
+            dtype=getattr(torch, info["dtype"].split(".")[-1]),
+            rows=info["rows"],
+            load_seconds=info["load_seconds"],
+            drafter=True if info["has_drafter"] else None,
+        )
 
     @property
     def _s(self) -> dict:

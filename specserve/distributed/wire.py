@@ -90,8 +90,10 @@ def _to_json(x):
     name = type(x).__name__
     if dataclasses.is_dataclass(x) and CLASSES.get(name) == f"{type(x).__module__}:{type(x).__qualname__}":
         return {_TAG: name, "fields": {f.name: _to_json(getattr(x, f.name)) for f in dataclasses.fields(x) if f.init}}
-    raise WireError(f"a {type(x).__module__}.{name} cannot be sent between processes: send plain data "
-                    "(or add a plain dataclass to specserve.distributed.wire.CLASSES)")
+    raise WireError(
+        f"a {type(x).__module__}.{name} cannot be sent between processes: send plain data "
+        "(or add a plain dataclass to specserve.distributed.wire.CLASSES)"
+    )
 
 
 def decode(data: bytes) -> dict:
@@ -101,7 +103,7 @@ def decode(data: bytes) -> dict:
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise WireError(f"not a JSON frame ({type(e).__name__}: {str(e)[:80]})") from None
     if not isinstance(frame, dict) or set(frame) != {"v", "m"}:
-        raise WireError("a frame is {\"v\": version, \"m\": message}")
+        raise WireError('a frame is {"v": version, "m": message}')
     if frame["v"] != VERSION:
         raise WireError(f"wire version {frame['v']!r}, this side speaks {VERSION}: run the same specserve everywhere")
     try:
@@ -171,8 +173,9 @@ def _conforms(v, hint) -> bool:
     if origin is list or hint is list:
         return isinstance(v, list) and all(_conforms(i, args[0]) for i in v) if args else isinstance(v, list)
     if origin is dict or hint is dict:
-        return isinstance(v, dict) and (not args or all(_conforms(k, args[0]) and _conforms(i, args[1])
-                                                       for k, i in v.items()))
+        return isinstance(v, dict) and (
+            not args or all(_conforms(k, args[0]) and _conforms(i, args[1]) for k, i in v.items())
+        )
     if origin is tuple:
         if not isinstance(v, tuple):
             return False

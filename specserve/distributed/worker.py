@@ -124,8 +124,7 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
     from specserve.model.loader import resolve_dtype
 
     dtype = resolve_dtype(cfg.dtype, mcfg.dtype, device)
-    backend = comm.install(envs.ALLREDUCE.get(), rank, size, device, dtype,
-                           ps._GROUP, ps._CONTROL_GROUP)
+    backend = comm.install(envs.ALLREDUCE.get(), rank, size, device, dtype, ps._GROUP, ps._CONTROL_GROUP)
     comm.warm_up(device, mcfg.hidden_size, dtype)
     ch.progress("init", f"collectives ready (all-reduce: {backend})")
     graphs = probe_graph_capture(ch, cfg, device, mcfg.hidden_size, dtype, rank, size)
@@ -134,9 +133,16 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
     llm = WorkerLLM(cfg)  # built without graphs: capture runs below, under the driver's timeout
     ch.progress("graphs" if graphs else "load", f"weights loaded in {llm.engine.runner.load_seconds:.1f} s")
     if graphs:
-        llm.capture_graphs(lambda n, total, key, B: ch.send({
-            "type": "progress", "phase": "graphs", "text": f"captured graph {n}/{total} {'/'.join(map(str, key))} "
-            f"batch {B}", "data": {"graph": [n, total, list(key), B]}}))
+        llm.capture_graphs(
+            lambda n, total, key, B: ch.send(
+                {
+                    "type": "progress",
+                    "phase": "graphs",
+                    "text": f"captured graph {n}/{total} {'/'.join(map(str, key))} batch {B}",
+                    "data": {"graph": [n, total, list(key), B]},
+                }
+            )
+        )
     engine = llm.engine
     if engine.policy is not None and cfg.spec.adaptive and size > 1:
         engine.policy.sync_choice = ps.broadcast_int
@@ -147,8 +153,16 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
             g.graph.replay()
         torch.cuda.synchronize(device)
         ch.progress("graphs", f"replayed {len(engine.runner.graphs)} graphs")
-    ch.send({"type": "ready", "allreduce": backend, "startup_seconds": time.perf_counter() - t0, **engine_facts(engine),
-             "draft_embedding": llm.draft_embedding, "stats": llm.light_stats()})
+    ch.send(
+        {
+            "type": "ready",
+            "allreduce": backend,
+            "startup_seconds": time.perf_counter() - t0,
+            **engine_facts(engine),
+            "draft_embedding": llm.draft_embedding,
+            "stats": llm.light_stats(),
+        }
+    )
 
     while True:
         cmd = ch.conn.recv()
@@ -162,8 +176,11 @@ def run_engine(ch: Channel, rank: int, size: int, msg: dict) -> None:
                 reply = seq.seq_id
             elif op == "step":
                 touched = engine.step()
-                reply = [seq_snapshot(s) for s in touched] if rank == 0 else outputs_digest(
-                    [(s.seq_id, s.new_tokens) for s in touched])
+                reply = (
+                    [seq_snapshot(s) for s in touched]
+                    if rank == 0
+                    else outputs_digest([(s.seq_id, s.new_tokens) for s in touched])
+                )
             elif op == "abort":
                 engine.abort(cmd["seq_id"])
                 reply = None
@@ -223,8 +240,14 @@ def main() -> int:
         return 1  # the driver went away
     except BaseException as e:  # noqa: BLE001 - report everything to the driver, then exit
         try:
-            ch.send({"type": "error", "kind": type(e).__name__, "error": f"{type(e).__name__}: {e}",
-                     "traceback": traceback.format_exc()})
+            ch.send(
+                {
+                    "type": "error",
+                    "kind": type(e).__name__,
+                    "error": f"{type(e).__name__}: {e}",
+                    "traceback": traceback.format_exc(),
+                }
+            )
         except (OSError, EOFError):
             pass
         return 1

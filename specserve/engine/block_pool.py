@@ -51,7 +51,7 @@ class BlockPool:
 
     def _key(self, parent: int, tokens: list[int], j: int) -> tuple:
         bs = self.block_size
-        return parent, tuple(tokens[j * bs: (j + 1) * bs]), tokens[(j + 1) * bs]
+        return parent, tuple(tokens[j * bs : (j + 1) * bs]), tokens[(j + 1) * bs]
 
     def match(self, tokens: list[int]) -> list[int]:
         """The cached blocks holding the longest prefix of `tokens` (whole blocks, each followed by
@@ -146,13 +146,21 @@ class BlockPool:
             raise AssertionError(f"KV blocks still referenced while idle: {held[:16]}")
         seen = list(self.free) + list(self.evictable)
         if len(seen) != len(set(seen)) or set(seen) != set(range(1, self.num_blocks)):
-            raise AssertionError(f"KV block lists broken: {len(seen)} listed, {len(set(seen))} distinct, "
-                                 f"{self.usable} blocks")
+            raise AssertionError(
+                f"KV block lists broken: {len(seen)} listed, {len(set(seen))} distinct, {self.usable} blocks"
+            )
         if set(self.evictable) != set(self.key_of) or len(self.block_of) != len(self.key_of):
             raise AssertionError("prefix cache index out of step with the evictable blocks")
 
     def stats(self) -> dict:
-        return {"blocks_total": self.usable, "blocks_used": self.used(), "blocks_free": len(self.free),
-                "blocks_cached": len(self.key_of), "block_size": self.block_size,
-                "prefix_cache": self.prefix_cache, "prefix_hit_tokens": self.hit_tokens,
-                "prefix_queried_tokens": self.queried_tokens, "prefix_evictions": self.evictions}
+        return {
+            "blocks_total": self.usable,
+            "blocks_used": self.used(),
+            "blocks_free": len(self.free),
+            "blocks_cached": len(self.key_of),
+            "block_size": self.block_size,
+            "prefix_cache": self.prefix_cache,
+            "prefix_hit_tokens": self.hit_tokens,
+            "prefix_queried_tokens": self.queried_tokens,
+            "prefix_evictions": self.evictions,
+        }

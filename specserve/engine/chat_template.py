@@ -49,10 +49,13 @@ class TemplateFeatures:
     tool_calls: str | None  # the tool-call format whose markers the template writes (TOOL_CALL_MARKERS)
 
     def words(self) -> str:
-        parts = ["tools" if self.tools else "no tool section",
-                 f"thinking switch '{self.thinking_switch}'" if self.thinking_switch else "no thinking switch",
-                 f"reasoning markers {' '.join(REASONING_MARKERS[self.reasoning])}" if self.reasoning
-                 else "no reasoning markers"]
+        parts = [
+            "tools" if self.tools else "no tool section",
+            f"thinking switch '{self.thinking_switch}'" if self.thinking_switch else "no thinking switch",
+            f"reasoning markers {' '.join(REASONING_MARKERS[self.reasoning])}"
+            if self.reasoning
+            else "no reasoning markers",
+        ]
         if self.tool_calls:
             parts.append(f"tool calls as {self.tool_calls} ({TOOL_CALL_MARKERS[self.tool_calls]})")
         return ", ".join(parts)

@@ -45,8 +45,9 @@ log = logging.getLogger("specserve.engine")
 
 
 class Engine(ServingEngine):
-    def __init__(self, cfg: EngineConfig, eos_token_ids: set[int] | None = None, stop_checker=None,
-                 on_graph_progress=None):
+    def __init__(
+        self, cfg: EngineConfig, eos_token_ids: set[int] | None = None, stop_checker=None, on_graph_progress=None
+    ):
         self.cfg = cfg
         self.runner = ModelRunner(cfg)
         self.device = self.runner.device
@@ -99,8 +100,9 @@ class Engine(ServingEngine):
             buckets = bucket_sizes(self.runner.rows)
             contexts = startup_contexts(self.max_model_len - 1, self.device.type == "cuda")
             timed = self.runner.measure_step_costs(*startup_grid(buckets, spec_values, cfg.spec.drafts_tree), contexts)
-            by_context = {c: interpolate_costs(t, buckets, [0] + spec_values, cfg.spec.drafts_tree)
-                          for c, t in timed.items()}
+            by_context = {
+                c: interpolate_costs(t, buckets, [0] + spec_values, cfg.spec.drafts_tree) for c, t in timed.items()
+            }
             for c, costs in interpolate_contexts(by_context, context_buckets(self.max_model_len)).items():
                 self.policy.seed_costs(costs, c)
         self.last_k = cfg.spec.steps if self.runner.k_max else 0
@@ -280,9 +282,13 @@ class Engine(ServingEngine):
             budget -= take
         ends = [s.prefilled + len(chunks[i]) == s.prefill_len for i, s in enumerate(seqs)]
         done = [i for i, end in enumerate(ends) if end]
-        logits, feats = self.runner.prefill(self.n_running, chunks, starts,
-                                            self.runner.prefill_history(seqs, chunks, starts),
-                                            self.proposer.after(seqs, chunks, starts, ends) if self.drafting else None)
+        logits, feats = self.runner.prefill(
+            self.n_running,
+            chunks,
+            starts,
+            self.runner.prefill_history(seqs, chunks, starts),
+            self.proposer.after(seqs, chunks, starts, ends) if self.drafting else None,
+        )
         # A resumed sequence (preempted earlier) already has the token its prefill ends at.
         fresh = [i for i in done if not seqs[i].resumed]
         first = {i: seqs[i].last_token for i in done}  # chunk index -> the token after its prefill
@@ -344,8 +350,15 @@ class Engine(ServingEngine):
         ov = self.overlap
         chosen, ov.chosen = ov.chosen, None
         context = batch_context(seqs)
-        K = chosen if chosen is not None else (self.policy.choose(
-            len(seqs), self._job_remaining(), any(s.stale for s in seqs), context) if self.policy else 0)
+        K = (
+            chosen
+            if chosen is not None
+            else (
+                self.policy.choose(len(seqs), self._job_remaining(), any(s.stale for s in seqs), context)
+                if self.policy
+                else 0
+            )
+        )
         self.last_k = K
         self._close_timing()
         self._timing = (len(seqs), K, context, time.perf_counter())
@@ -359,8 +372,10 @@ class Engine(ServingEngine):
         in the race too."""
         if not self.batch_job or self.waiting or self.policy.fixed is not None:
             return None
-        return [min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.total_len)
-                for s in self.rows[: self.n_running + self.n_prefill]]
+        return [
+            min(s.params.max_tokens - len(s.output_ids), self.max_model_len - s.total_len)
+            for s in self.rows[: self.n_running + self.n_prefill]
+        ]
 
     def _untimed(self, work) -> float:
         """Run `work`, and wait for the device to finish it and whatever was queued before, outside the
@@ -389,8 +404,9 @@ class Engine(ServingEngine):
             self._sampling_cache = (key, built)
         return self._sampling_cache[1]
 
-    def _logprobs(self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor,
-                  path: torch.Tensor | None = None) -> LogprobBatch | None:
+    def _logprobs(
+        self, seqs: list[Sequence], logits: torch.Tensor, tokens: torch.Tensor, path: torch.Tensor | None = None
+    ) -> LogprobBatch | None:
         """Log-probabilities of the emitted tokens for the rows of `seqs` whose requests ask for
         them (see LogprobBatch for the arguments); None when none do. (Finding the rows costs what a
         cache key of the batch would: one pass over it.)"""
@@ -405,8 +421,9 @@ class Engine(ServingEngine):
             return {}
         return batch.read([seqs[b].params.logprobs for b in batch.rows])
 
-    def _launch_plain(self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor,
-                      pending_at: torch.Tensor | None = None) -> Launched:
+    def _launch_plain(
+        self, seqs: list[Sequence], ids: torch.Tensor, pos: torch.Tensor, pending_at: torch.Tensor | None = None
+    ) -> Launched:
         """Queue one plain decode step (ids/pos on the device) and the copy of its tokens to the host.
         With `pending_at`, the step's (feature, token) pairs also go into the drafter's pending inputs
         at those slots, on the device, before any later step can overwrite the features."""
@@ -437,9 +454,15 @@ class Engine(ServingEngine):
             # still hold for the sequences that kept running: their KV rows moved with them. Not so
             # where it stored drafter inputs: rows moved without them, so it is dropped (it wrote
             # nothing a later step does not rewrite).
-            kept = [] if ahead.pending_at is not None else [
-                (b, s, t) for b, (s, t) in enumerate(zip(ahead.seqs, ahead.token_list()))
-                if s.status == Status.RUNNING and s.finish_reason is None]
+            kept = (
+                []
+                if ahead.pending_at is not None
+                else [
+                    (b, s, t)
+                    for b, (s, t) in enumerate(zip(ahead.seqs, ahead.token_list()))
+                    if s.status == Status.RUNNING and s.finish_reason is None
+                ]
+            )
             lps = self._read_logprobs(ahead.seqs, ahead.logprobs) if kept else {}
             for b, seq, tok in kept:
                 self._advance(seq, drafting, stored=False)
@@ -454,8 +477,9 @@ class Engine(ServingEngine):
             ids = to_device([s.last_token for s in seqs], self.device)
             pos = to_device([s.num_cached for s in seqs], self.device)
             store = all(s.stale == 0 and s.pending < width for s in seqs)
-            cur = self._launch_plain(seqs, ids, pos, to_device([s.pending for s in seqs], self.device)
-                                     if store else None)
+            cur = self._launch_plain(
+                seqs, ids, pos, to_device([s.pending for s in seqs], self.device) if store else None
+            )
         stored = cur.pending_at is not None
         # A constrained row's next mask needs this step's token on the host: nothing is queued ahead.
         if ov.may_queue_plain(seqs, self._batch_fixed()) and not self._constrained(seqs):
@@ -530,8 +554,9 @@ class Engine(ServingEngine):
             marks[2].record()
         constrained = self._constrained(seqs)
         if tree:  # acceptance, KV move and the drafter's next inputs happen in the verify graph
-            n_acc, grid, logits, path = r.verify_tree(K, last, pos0, enabled, sampling,
-                                                      self._tree_masks(seqs, constrained, draft))
+            n_acc, grid, logits, path = r.verify_tree(
+                K, last, pos0, enabled, sampling, self._tree_masks(seqs, constrained, draft)
+            )
             if prof:
                 marks[3].record()
             lp = self._logprobs(seqs, logits, grid, path)
@@ -547,8 +572,9 @@ class Engine(ServingEngine):
         if prof:
             marks[4].record()
         results = host_lists(self.device, n_acc, grid, waits=self.device_waits)
-        kept = ov.queue_draft(seqs, K, n_acc, pos0, sampling, self._batch_fixed(), self.policy, pr,
-                              prof, self._job_remaining())
+        kept = ov.queue_draft(
+            seqs, K, n_acc, pos0, sampling, self._batch_fixed(), self.policy, pr, prof, self._job_remaining()
+        )
         acc_list, grid_list = results()  # the one host sync of the cycle
         lps = self._read_logprobs(seqs, lp)
         for b, seq in enumerate(seqs):
@@ -575,8 +601,9 @@ class Engine(ServingEngine):
         r, ov, B = self.runner, self.overlap, len(seqs)
         tree = self.cfg.spec.drafts_tree(B)
         N = self.cfg.spec.tree_nodes(K)
-        drafted = tree_drafts(self.text_drafts, seqs, K, N) if tree else chain_drafts(self.text_drafts, seqs, K,
-                                                                                       self.device)
+        drafted = (
+            tree_drafts(self.text_drafts, seqs, K, N) if tree else chain_drafts(self.text_drafts, seqs, K, self.device)
+        )
         if drafted is None:
             self._timing = (B, 0, *self._timing[2:])
             return self._plain_step(seqs)
@@ -631,8 +658,9 @@ class Engine(ServingEngine):
         after its first i drafted tokens."""
         if rows:
             drafted = drafts[rows].tolist()
-            bitmask = masks.fill([seqs[b].matcher for b in rows], [masks.chain_paths(d) for d in drafted],
-                                 logits.shape[-1])
+            bitmask = masks.fill(
+                [seqs[b].matcher for b in rows], [masks.chain_paths(d) for d in drafted], logits.shape[-1]
+            )
             masks.apply(logits, rows, bitmask)
 
     def _text_masks(self, seqs: list[Sequence], drafted, tree: bool) -> tuple[list[int], torch.Tensor] | None:
@@ -646,12 +674,13 @@ class Engine(ServingEngine):
         if tree:
             tokens, parents = drafted[0][0], drafted[0][1]
             width = tokens.shape[1] + 1
-            paths = [masks.tree_paths(tokens[b, :lengths[b]].tolist(), parents[b, :lengths[b]].tolist())
-                     for b in rows]
+            paths = [
+                masks.tree_paths(tokens[b, : lengths[b]].tolist(), parents[b, : lengths[b]].tolist()) for b in rows
+            ]
         else:
             drafts = drafted[0].tolist()
             width = len(drafts[0]) + 1
-            paths = [masks.chain_paths(drafts[b][:lengths[b]]) for b in rows]
+            paths = [masks.chain_paths(drafts[b][: lengths[b]]) for b in rows]
         paths = [p + [p[-1]] * (width - len(p)) for p in paths]
         return rows, masks.fill([seqs[b].matcher for b in rows], paths, self.runner.model_cfg.vocab_size)
 
@@ -751,9 +780,14 @@ class Engine(ServingEngine):
     def kv_usage(self) -> dict:
         used = self.n_running + self.n_prefill
         pool = self.scheduler.pool
-        return {"rows_total": self.runner.rows, "rows_used": used, "usage": pool.used() / pool.usable,
-                "tokens_cached": sum(s.num_cached for s in self.rows[:used] if s),
-                "preemptions": self.scheduler.preemptions, **pool.stats()}
+        return {
+            "rows_total": self.runner.rows,
+            "rows_used": used,
+            "usage": pool.used() / pool.usable,
+            "tokens_cached": sum(s.num_cached for s in self.rows[:used] if s),
+            "preemptions": self.scheduler.preemptions,
+            **pool.stats(),
+        }
 
     def check_idle_integrity(self) -> None:
         """When idle every row is free, no block is referenced, the free and cached lists cover the

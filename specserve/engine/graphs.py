@@ -34,8 +34,9 @@ def default_graph_batch_sizes(max_num_seqs: int) -> tuple[int, ...]:
     return tuple(sizes + [max_num_seqs])
 
 
-def capture(jobs: list[tuple[GraphKey, Callable]], device: torch.device, graphs: dict[GraphKey, Graph],
-            on_progress=None):
+def capture(
+    jobs: list[tuple[GraphKey, Callable]], device: torch.device, graphs: dict[GraphKey, Graph], on_progress=None
+):
     """Capture each (key, body) job into `graphs`, in order, all in one memory pool: a warm-up
     run of the body outside the graph (allocator, lazy init), then the capture. Returns the pool."""
     pool = None

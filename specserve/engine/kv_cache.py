@@ -45,8 +45,9 @@ def bytes_per_block(target, drafter, block_size: int, dtype: torch.dtype) -> int
     return sum(a.num_kv_heads * (a.head_dim + a.v_dim) * block_size * torch.finfo(dtype).bits // 8 for a in mods)
 
 
-def plan_blocks(cfg, rows: int, max_model_len: int, room: int, block_bytes: int, device: torch.device,
-                activation_bytes: int = 0) -> int:
+def plan_blocks(
+    cfg, rows: int, max_model_len: int, room: int, block_bytes: int, device: torch.device, activation_bytes: int = 0
+) -> int:
     """Blocks in the pool (the null block included); see the module's doc."""
     bs = cfg.kv_block_size
     if cfg.kv_cache_tokens is not None:
@@ -54,8 +55,10 @@ def plan_blocks(cfg, rows: int, max_model_len: int, room: int, block_bytes: int,
         why = f"--kv-cache-tokens {cfg.kv_cache_tokens}"
         one = (row_blocks(max_model_len, room, bs) - 1) * bs
         if n * bs < one:
-            raise ConfigError(f"{why} holds less than one sequence of --max-model-len {max_model_len} (with room for "
-                              f"speculation: {one} tokens); raise --kv-cache-tokens or lower --max-model-len")
+            raise ConfigError(
+                f"{why} holds less than one sequence of --max-model-len {max_model_len} (with room for "
+                f"speculation: {one} tokens); raise --kv-cache-tokens or lower --max-model-len"
+            )
     elif cfg.gpu_memory_utilization is not None:
         if device.type != "cuda":
             raise ConfigError("--gpu-memory-utilization sizes the KV pool on a GPU; on CPU use --kv-cache-tokens")
@@ -66,13 +69,17 @@ def plan_blocks(cfg, rows: int, max_model_len: int, room: int, block_bytes: int,
         # other processes hold is not ours to plan with.
         budget = min(cfg.gpu_memory_utilization * total - held, free * 0.95) - activation_bytes - graphs
         n = int(budget // block_bytes)
-        why = (f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB with "
-               f"{free / 2**30:.1f} GiB free, after {held / 2**30:.2f} GiB this process holds (weights, and any "
-               f"other engine's KV), {activation_bytes / 2**30:.2f} GiB of activations and {graphs / 2**30:.2f} GiB "
-               f"for graphs")
+        why = (
+            f"--gpu-memory-utilization {cfg.gpu_memory_utilization} of {total / 2**30:.1f} GiB with "
+            f"{free / 2**30:.1f} GiB free, after {held / 2**30:.2f} GiB this process holds (weights, and any "
+            f"other engine's KV), {activation_bytes / 2**30:.2f} GiB of activations and {graphs / 2**30:.2f} GiB "
+            f"for graphs"
+        )
         if n < row_blocks(max_model_len, room, bs):
-            raise ConfigError(f"{why} leaves room for {max(n, 0) * bs} KV tokens, less than one sequence of "
-                              f"--max-model-len {max_model_len}; raise --gpu-memory-utilization or lower --max-model-len")
+            raise ConfigError(
+                f"{why} leaves room for {max(n, 0) * bs} KV tokens, less than one sequence of "
+                f"--max-model-len {max_model_len}; raise --gpu-memory-utilization or lower --max-model-len"
+            )
     else:
         n = rows * (row_blocks(max_model_len, room, bs) - 1)
         why = f"{rows} sequences x {max_model_len} tokens (--max-num-seqs x --max-model-len)"
@@ -84,8 +91,10 @@ def plan_blocks(cfg, rows: int, max_model_len: int, room: int, block_bytes: int,
 
         budget = int(psutil.virtual_memory().available * 0.5)
     if needed > budget:
-        raise ConfigError(f"KV cache for {why} needs {needed / 2**30:.2f} GiB, only {budget / 2**30:.2f} GiB is "
-                          f"available; lower --kv-cache-tokens, --max-num-seqs or --max-model-len")
+        raise ConfigError(
+            f"KV cache for {why} needs {needed / 2**30:.2f} GiB, only {budget / 2**30:.2f} GiB is "
+            f"available; lower --kv-cache-tokens, --max-num-seqs or --max-model-len"
+        )
     log.info("KV pool: %d blocks of %d tokens (%d tokens, %.2f GiB) for %s", n, bs, n * bs, needed / 2**30, why)
     return n + 1
 
@@ -97,8 +106,19 @@ class KVCache:
     layers, not one per layer. A module whose `v_dim` is 0 (latent attention: its values are part
     of the cached latent) gets no V cache, and `v_all` is None."""
 
-    def __init__(self, target, drafter, rows: int, max_model_len: int, room: int, dtype: torch.dtype,
-                 device: torch.device, stage_tokens: int, block_size: int, num_blocks: int):
+    def __init__(
+        self,
+        target,
+        drafter,
+        rows: int,
+        max_model_len: int,
+        room: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        stage_tokens: int,
+        block_size: int,
+        num_blocks: int,
+    ):
         self.target_mods = list(target.attention_modules())
         self.drafter_mods = list(drafter.attention_modules()) if drafter is not None else []
         self.rows, self.room, self.dtype, self.device = rows, room, dtype, device
@@ -119,13 +139,15 @@ class KVCache:
         self.stage: dict[KVCacheAttention, tuple[torch.Tensor, torch.Tensor]] = {}
         if stage_tokens:
             self.k_stage, self.v_stage = self._pair(t[0], 1, self.stage_len, (len(t),))
-            self.stage = {a: (self.k_stage[i], self.v_stage[i] if self.v_stage is not None else None)
-                          for i, a in enumerate(t)}
+            self.stage = {
+                a: (self.k_stage[i], self.v_stage[i] if self.v_stage is not None else None) for i, a in enumerate(t)
+            }
             self.stage.update({a: self._pair(a, 1, self.stage_len) for a in self.drafter_mods})
 
     def _pair(self, a: KVCacheAttention, blocks: int, length: int, layers: tuple[int, ...] = ()):
         """Zeroed (K, V) caches of `blocks` blocks of `length` for attention module `a` (V None
         where a.v_dim is 0)."""
+
         def cache(dim):
             return torch.zeros(*layers, blocks, a.num_kv_heads, length, dim, dtype=self.dtype, device=self.device)
 
@@ -137,8 +159,12 @@ class KVCache:
 
     def nbytes(self) -> int:
         """Bytes of the target's and the drafter's block pools (staging not included)."""
-        return sum(c.numel() * c.element_size() for a in self.target_mods + self.drafter_mods
-                   for c in (a.k_cache, a.v_cache) if c is not None)
+        return sum(
+            c.numel() * c.element_size()
+            for a in self.target_mods + self.drafter_mods
+            for c in (a.k_cache, a.v_cache)
+            if c is not None
+        )
 
     def set_row(self, row: int, blocks: list[int]) -> None:
         """Row `row` of the block table lists `blocks`, the null block after them."""
@@ -179,9 +205,9 @@ class KVCache:
         block, offset = self.slots(row, T, dst)
         for cache, staged in ((self.k_all, self.k_stage), (self.v_all, self.v_stage)):
             if cache is not None:
-                cache[:, block, :, offset] = staged[:, 0, :, src:src + T].permute(2, 0, 1, 3)
+                cache[:, block, :, offset] = staged[:, 0, :, src : src + T].permute(2, 0, 1, 3)
         for a in self.drafter_mods if drafter else ():
             k, v = self.stage[a]
-            a.k_cache[block, :, offset] = k[0, :, src:src + T].transpose(0, 1)
+            a.k_cache[block, :, offset] = k[0, :, src : src + T].transpose(0, 1)
             if v is not None:  # (latent attention keeps no values)
-                a.v_cache[block, :, offset] = v[0, :, src:src + T].transpose(0, 1)
+                a.v_cache[block, :, offset] = v[0, :, src : src + T].transpose(0, 1)

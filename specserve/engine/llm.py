@@ -1,9 +1,9 @@
 """The Python API.
 
-    from specserve import LLM, SamplingParams
-    llm = LLM()                                   # the bundled demo pair
-    outs = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=32))
-    print(outs[0].text, outs[0].spec["accept_length_mean"])
+from specserve import LLM, SamplingParams
+llm = LLM()                                   # the bundled demo pair
+outs = llm.generate(["def add(a, b):"], SamplingParams(temperature=0, max_tokens=32))
+print(outs[0].text, outs[0].spec["accept_length_mean"])
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from specserve.config import DEMO_DIR, EngineConfig
 from specserve.constrain.grammar import Grammars
 from specserve.engine.engine import Engine
 from specserve.engine.logprobs import TokenLogprob
-from specserve.engine.sequence import Sequence
 from specserve.engine.sampling import SamplingParams
+from specserve.engine.sequence import Sequence
 from specserve.engine.tokenizer import Tokenizer
 from specserve.model.catalog import bundled_draft
 from specserve.model.gguf import require_model
@@ -86,8 +86,12 @@ class LLM:
         require_model(str(model))
         self.config = EngineConfig.from_kwargs(model=str(model), draft=draft, **engine_kwargs)
         self.tokenizer = Tokenizer(self.config.model)
-        self.engine = Engine(self.config, eos_token_ids=self.tokenizer.eos_token_ids, stop_checker=self._stop_hit,
-                             on_graph_progress=on_graph_progress)
+        self.engine = Engine(
+            self.config,
+            eos_token_ids=self.tokenizer.eos_token_ids,
+            stop_checker=self._stop_hit,
+            on_graph_progress=on_graph_progress,
+        )
         attach_grammars(self.engine, self.tokenizer)
 
     def _stop_hit(self, seq: Sequence) -> bool:
@@ -99,8 +103,9 @@ class LLM:
     def encode_prompts(self, prompts) -> list[list[int]]:
         return prepare_requests(self.tokenizer, prompts, None)[0]
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 progress: bool = False) -> list[RequestOutput]:
+    def generate(
+        self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, progress: bool = False
+    ) -> list[RequestOutput]:
         """Generate for one prompt or many (text or token ids), batched together."""
         ids, params = prepare_requests(self.tokenizer, prompts, sampling_params)
         seqs = [self.engine.add_request(p, sp) for p, sp in zip(ids, params)]
@@ -126,8 +131,12 @@ class LLM:
         if s.params.stop:
             text = cut_at_stop(text, s.params.stop)[0]
         return RequestOutput(
-            request_id=s.seq_id, prompt_token_ids=s.prompt_ids, token_ids=list(s.output_ids), text=text,
-            finish_reason=s.finish_reason, spec=s.spec.as_dict() if self.engine.policy is not None else {},
+            request_id=s.seq_id,
+            prompt_token_ids=s.prompt_ids,
+            token_ids=list(s.output_ids),
+            text=text,
+            finish_reason=s.finish_reason,
+            spec=s.spec.as_dict() if self.engine.policy is not None else {},
             ttft_s=(s.first_token_time - s.arrival) if s.first_token_time else None,
             latency_s=(s.finish_time - s.arrival) if s.finish_time else None,
             logprobs=list(s.logprobs) if s.logprobs is not None else None,
@@ -139,7 +148,12 @@ class LLM:
         for part in ("draft", "verify", "accept"):
             xs = sorted(p[part] for p in self.engine.profile)
             if xs:
-                out[part] = {"mean_ms": statistics.fmean(xs), "p50_ms": _pct(xs, 50), "p90_ms": _pct(xs, 90), "cycles": len(xs)}
+                out[part] = {
+                    "mean_ms": statistics.fmean(xs),
+                    "p50_ms": _pct(xs, 50),
+                    "p90_ms": _pct(xs, 90),
+                    "cycles": len(xs),
+                }
         return out
 
 

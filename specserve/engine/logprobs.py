@@ -42,8 +42,9 @@ class LogprobBatch:
     `path` [B, K], the accepted branch's verify rows by depth (`accept_tree`): the token at
     depth d then came from the logits of the branch node at depth d - 1, the root for d = 0."""
 
-    def __init__(self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: int,
-                 path: torch.Tensor | None = None):
+    def __init__(
+        self, logits: torch.Tensor, tokens: torch.Tensor, rows: list[int], k: int, path: torch.Tensor | None = None
+    ):
         if logits.dim() == 2:
             logits, tokens = logits.unsqueeze(1), tokens.unsqueeze(1)
         idx = to_device(rows, logits.device)
@@ -63,6 +64,8 @@ class LogprobBatch:
         out = {}
         for i, (row, k) in enumerate(zip(self.rows, ks)):
             # Tokens a grammar refuses (-inf) are no alternatives: fewer than k may be listed.
-            out[row] = [TokenLogprob(t, lp, tuple((i, v) for i, v in zip(ids[:k], lps[:k]) if v != -math.inf))
-                        for t, lp, ids, lps in zip(tokens[i], chosen[i], top_ids[i], top_lp[i])]
+            out[row] = [
+                TokenLogprob(t, lp, tuple((i, v) for i, v in zip(ids[:k], lps[:k]) if v != -math.inf))
+                for t, lp, ids, lps in zip(tokens[i], chosen[i], top_ids[i], top_lp[i])
+            ]
         return out

@@ -92,16 +92,22 @@ class ModelRunner:
         self.target = load_target(cfg.model, self.device, self.dtype, self.cache_len, cfg.allow_pickle)
         self.drafter = None
         if self.draft_cfg is not None:
-            self.target.aux_layers = resolve_aux_layers(self.draft_cfg, self.model_cfg.num_layers, cfg.aux_layer_convention)
-            self.drafter = load_drafter(cfg.draft, self.target, self.device, self.dtype, self.cache_len, cfg.allow_pickle)
+            self.target.aux_layers = resolve_aux_layers(
+                self.draft_cfg, self.model_cfg.num_layers, cfg.aux_layer_convention
+            )
+            self.drafter = load_drafter(
+                cfg.draft, self.target, self.device, self.dtype, self.cache_len, cfg.allow_pickle
+            )
             if self.draft_cfg.target_hidden_size != self.model_cfg.hidden_size:
                 raise ConfigError(
                     f"drafter expects target hidden size {self.draft_cfg.target_hidden_size} (fc input "
                     f"{3 * self.draft_cfg.target_hidden_size}), target has {self.model_cfg.hidden_size}"
                 )
             if self.topk > self.draft_cfg.draft_vocab_size:
-                raise ConfigError(f"--spec-topk {self.topk} exceeds the drafter's draft vocabulary "
-                                  f"({self.draft_cfg.draft_vocab_size} tokens)")
+                raise ConfigError(
+                    f"--spec-topk {self.topk} exceeds the drafter's draft vocabulary "
+                    f"({self.draft_cfg.draft_vocab_size} tokens)"
+                )
             if self.draft_cfg.vocab_size != self.model_cfg.vocab_size:
                 raise ConfigError(
                     f"drafter vocab_size {self.draft_cfg.vocab_size} differs from the target's {self.model_cfg.vocab_size}"
@@ -147,8 +153,13 @@ class ModelRunner:
         if self.device.type == "cuda":
             max_rows = min(GEMV_ROWS[-1], max_rows)
             report = tune_linear(weights, max_rows=max_rows, invariant=self.cfg.batch_invariant)
-            int4 = [(m.weight_packed, m.weight_scale, m.weight_zero_point) for model in (self.target, self.drafter)
-                    if model is not None for m in model.modules() if isinstance(m, Int4Linear)]
+            int4 = [
+                (m.weight_packed, m.weight_scale, m.weight_zero_point)
+                for model in (self.target, self.drafter)
+                if model is not None
+                for m in model.modules()
+                if isinstance(m, Int4Linear)
+            ]
             report |= tune_int4(int4, max_rows=max_rows, invariant=self.cfg.batch_invariant)
         else:
             for w in weights:  # (the drafter's stacked weights already are)
@@ -156,8 +167,12 @@ class ModelRunner:
                     w.data = column_major_copy(w.data)
             report = tune_linear_cpu(weights, max_rows=max_rows)
         if report:
-            log.info("linear kernels tuned in %.1fs: %d weight shapes, %d (shape, rows) timings (details at DEBUG)",
-                     time.perf_counter() - t0, len(report), sum(len(v) for v in report.values()))
+            log.info(
+                "linear kernels tuned in %.1fs: %d weight shapes, %d (shape, rows) timings (details at DEBUG)",
+                time.perf_counter() - t0,
+                len(report),
+                sum(len(v) for v in report.values()),
+            )
             log.debug("linear kernel timings per shape and rows: %s", report)
         return report
 
@@ -165,8 +180,12 @@ class ModelRunner:
     def _prefill_graph_buckets(self) -> tuple[int, ...]:
         """Prompt lengths (padded up to these) prefilled by a CUDA graph: run eagerly, a large
         model's hundreds of kernel launches cost more host time than the GPU's work takes."""
-        if not (self.device.type == "cuda" and self.cfg.cuda_graphs and self.target.graph_safe
-                and getattr(self.drafter, "graph_safe", True)):
+        if not (
+            self.device.type == "cuda"
+            and self.cfg.cuda_graphs
+            and self.target.graph_safe
+            and getattr(self.drafter, "graph_safe", True)
+        ):
             return ()
         return tuple(b for b in PREFILL_GRAPH_TOKENS if b <= self.max_model_len and b // 2 < self.cfg.prefill_chunk)
 
@@ -186,16 +205,19 @@ class ModelRunner:
         saved = [(a.k_cache, a.v_cache) for a in mods]
         for a in mods:
             a.k_cache = torch.zeros(n, a.num_kv_heads, bs, a.head_dim, dtype=self.dtype, device=self.device)
-            a.v_cache = (torch.zeros(n, a.num_kv_heads, bs, a.v_dim, dtype=self.dtype, device=self.device)
-                         if a.v_dim else None)
+            a.v_cache = (
+                torch.zeros(n, a.num_kv_heads, bs, a.v_dim, dtype=self.dtype, device=self.device) if a.v_dim else None
+            )
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         table = torch.arange(n, device=self.device).unsqueeze(0)
         pos = torch.arange(T, device=self.device).unsqueeze(0)
         with torch.inference_mode():
-            hidden, _ = self.target(torch.zeros(1, T, dtype=torch.long, device=self.device),
-                                    ForwardContext(0, pos, pos, T, block_table=table, block_size=bs))
+            hidden, _ = self.target(
+                torch.zeros(1, T, dtype=torch.long, device=self.device),
+                ForwardContext(0, pos, pos, T, block_table=table, block_size=bs),
+            )
             self.target.logits(hidden[:, -1])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - base
@@ -206,11 +228,22 @@ class ModelRunner:
     def _allocate(self) -> None:
         self.prefill_buckets = self._prefill_graph_buckets()
         block_bytes = bytes_per_block(self.target, self.drafter, self.block_size, self.dtype)
-        num_blocks = plan_blocks(self.cfg, self.rows, self.max_model_len, self.room, block_bytes, self.device,
-                                 self._activation_bytes())
+        num_blocks = plan_blocks(
+            self.cfg, self.rows, self.max_model_len, self.room, block_bytes, self.device, self._activation_bytes()
+        )
         num_blocks = min_over_ranks(num_blocks)  # every TP rank's engine must take the same decisions
-        self.kv = KVCache(self.target, self.drafter, self.rows, self.max_model_len, self.room, self.dtype, self.device,
-                          max(self.prefill_buckets, default=0), self.block_size, num_blocks)
+        self.kv = KVCache(
+            self.target,
+            self.drafter,
+            self.rows,
+            self.max_model_len,
+            self.room,
+            self.dtype,
+            self.device,
+            max(self.prefill_buckets, default=0),
+            self.block_size,
+            num_blocks,
+        )
         self.pending: PendingInputs | None = None
         if self.drafter is not None:
             feat_dim = len(self.target.aux_layers) * self.model_cfg.hidden_size  # EAGLE-3: 3H; MTP: H
@@ -263,8 +296,14 @@ class ModelRunner:
 
     # ----------------------------------------------------------------- prefill
     @torch.inference_mode()
-    def prefill(self, row_start: int, chunks: list[list[int]], starts: list[int],
-                history: list[list[int]] | None = None, after: list[int] | None = None):
+    def prefill(
+        self,
+        row_start: int,
+        chunks: list[list[int]],
+        starts: list[int],
+        history: list[list[int]] | None = None,
+        after: list[int] | None = None,
+    ):
         """Run the target over one chunk per row (rows row_start..), chunk i from index starts[i]. Returns the
         logits at each row's last chunk token [m, V] and the EAGLE features there [m, 3H] (None without a
         drafter). `history`: each row's tokens before its chunk (a prefix-cache hit, an earlier chunk), with
@@ -277,8 +316,16 @@ class ModelRunner:
         if all(chunks) and (history is not None or not any(starts)):
             groups = self._prefill_groups([len(c) + (len(history[i]) if history else 0) for i, c in enumerate(chunks)])
         if groups:
-            outs = [self._graph_prefill(row_start + a, chunks[a:b], starts[a:b], history[a:b] if history else None,
-                                        after[a:b] if after is not None else None) for a, b in groups]
+            outs = [
+                self._graph_prefill(
+                    row_start + a,
+                    chunks[a:b],
+                    starts[a:b],
+                    history[a:b] if history else None,
+                    after[a:b] if after is not None else None,
+                )
+                for a, b in groups
+            ]
             if len(outs) == 1:
                 return outs[0]
             feats = None if outs[0][1] is None else torch.cat([f for _, f in outs])
@@ -292,8 +339,9 @@ class ModelRunner:
             last[i] = max(len(c) - 1, 0)
         ids, pos_d, last = ids.to(self.device), pos.to(self.device), last.to(self.device)
         kv_len = max(s + len(c) for c, s in zip(chunks, starts))
-        ctx = ForwardContext(row_start, self._rope_pos(pos_d), pos_d, kv_len, block_table=self.kv.table,
-                             block_size=self.block_size)
+        ctx = ForwardContext(
+            row_start, self._rope_pos(pos_d), pos_d, kv_len, block_table=self.kv.table, block_size=self.block_size
+        )
         hidden, feats = self.target(ids, ctx)
         rows = torch.arange(m, device=self.device)
         if after is not None and self.drafter is not None:
@@ -334,13 +382,22 @@ class ModelRunner:
         an earlier chunk, a catch-up): their tokens before the chunk, where each row's tokens from the first
         fit a prefill graph (computing them again costs less than the eager forward it saves: on a GPU a
         forward of short chunks is bound by the host; `_prefill_groups` bounds the rest); else None."""
-        if not any(starts) or not all(chunks) or \
-                max(s + len(c) for s, c in zip(starts, chunks)) > self.graph_prefill_tokens():
+        if (
+            not any(starts)
+            or not all(chunks)
+            or max(s + len(c) for s, c in zip(starts, chunks)) > self.graph_prefill_tokens()
+        ):
             return None
         return [seq.tokens(0, s) for seq, s in zip(seqs, starts)]
 
-    def _graph_prefill(self, row_start: int, chunks: list[list[int]], starts: list[int],
-                       history: list[list[int]] | None, after: list[int] | None):
+    def _graph_prefill(
+        self,
+        row_start: int,
+        chunks: list[list[int]],
+        starts: list[int],
+        history: list[list[int]] | None,
+        after: list[int] | None,
+    ):
         """`prefill` of a group of rows (`_prefill_groups`) by one prefill graph: each row's tokens from its
         first (history, then chunk) packed one after another into the staging row, each chunk's KV (the
         target's, and the drafter's where `after` is given) then copied to its row (a history's tokens are
@@ -395,8 +452,11 @@ class ModelRunner:
                 keep &= rope < self.drafter_max_pos
             scratch = self.kv.stage_scratch
             with self.kv.staged(self.drafter.attention_modules()):
-                self.drafter.write_kv(tok.clamp(min=0), feats, ForwardContext(
-                    0, torch.where(keep, rope, 0), torch.where(keep, pos, scratch), Tb))
+                self.drafter.write_kv(
+                    tok.clamp(min=0),
+                    feats,
+                    ForwardContext(0, torch.where(keep, rope, 0), torch.where(keep, pos, scratch), Tb),
+                )
         return self.target.logits(hidden[0, self.s_pf_last]), feats
 
     def _rope_pos(self, pos: torch.Tensor) -> torch.Tensor:
@@ -430,8 +490,13 @@ class ModelRunner:
         self.s_top_k[:B].copy_(s.top_k)
         self.s_seed[:B].copy_(s.seed)
 
-    def _context(self, pos: torch.Tensor, rope_pos: torch.Tensor, row_start: int = 0,
-                 tree: tuple[torch.Tensor, torch.Tensor] | None = None) -> ForwardContext:
+    def _context(
+        self,
+        pos: torch.Tensor,
+        rope_pos: torch.Tensor,
+        row_start: int = 0,
+        tree: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> ForwardContext:
         """Attention metadata for rows row_start.. at cache indices `pos` (`tree`: (tree_base,
         tree_anc), see ForwardContext). CUDA: every cache position is read (graphs need static
         shapes; the Triton kernel stops at each row's end by itself). CPU: up to the furthest real
@@ -444,8 +509,16 @@ class ModelRunner:
             return ForwardContext(row_start, rope_pos, pos, self.cache_len, tree_base=base, tree_anc=anc, **paged)
         flat = pos.reshape(-1).tolist()
         kv_len = max((p for p in flat if p != self.scratch), default=0) + 1
-        return ForwardContext(row_start, rope_pos, pos, kv_len, full_view=tree is None and min(flat) >= kv_len - 1,
-                              tree_base=base, tree_anc=anc, **paged)
+        return ForwardContext(
+            row_start,
+            rope_pos,
+            pos,
+            kv_len,
+            full_view=tree is None and min(flat) >= kv_len - 1,
+            tree_base=base,
+            tree_anc=anc,
+            **paged,
+        )
 
     def _decode_body(self, B: int):
         ids, pos = self.s_ids[:B, :1], self.s_pos[:B, :1]
@@ -485,7 +558,7 @@ class ModelRunner:
             tid = d.to_target_ids(self._pick_draft(d.logits(g[:, 0], upcast=sampling), p[:, i], sampling, filtered))
             tokens.append(tid)
             if i + 1 < K:
-                step_pos = p[:, i + 1: i + 2]
+                step_pos = p[:, i + 1 : i + 2]
                 g = d(tid.unsqueeze(1), g, self._context(step_pos, step_pos))
         return (torch.stack(tokens, 1),)
 
@@ -530,7 +603,8 @@ class ModelRunner:
             g = d(ids, front_g, ctx)  # [B, k, H]
             off = k + (i - 1) * k * k
             score, ids, node, front_bits, front_idx = tree_level(
-                d.logits(g, upcast=False), score, bits, front_idx, all_score, all_ids, all_par, off, d.d2t)
+                d.logits(g, upcast=False), score, bits, front_idx, all_score, all_ids, all_par, off, d.d2t
+            )
             front_g = g.gather(1, node.unsqueeze(-1).expand(-1, -1, g.shape[-1]))
         sel = all_score.topk(N, -1).indices.sort(-1).values  # [B, N], parents before children
         tokens = all_ids.gather(1, sel)
@@ -562,13 +636,17 @@ class ModelRunner:
             cand = torch.arange(k + (K - 1) * k * k, device=dev)
             N = MAX_TREE_NODES
             got = self._tree_const[K] = {
-                "own": own, "own_bits": 1 << own,
+                "own": own,
+                "own_bits": 1 << own,
                 "depth_of_slot": torch.arange(1, K, device=dev).view(K - 1, 1).expand(K - 1, k).contiguous(),
-                "front_idx": torch.arange(k, device=dev), "front_bits": torch.zeros(k, dtype=torch.long, device=dev),
+                "front_idx": torch.arange(k, device=dev),
+                "front_bits": torch.zeros(k, dtype=torch.long, device=dev),
                 "cand_depth": torch.where(cand < k, 1, 2 + (cand - k).div(k * k, rounding_mode="floor")),
                 "node_rows": torch.arange(1, N + 1, device=dev),  # verify row of the j-th selected node
                 # root column 0 (no bits), then node j's own bit 1 << j
-                "node_bits": torch.cat([torch.zeros(1, dtype=torch.long, device=dev), 1 << torch.arange(N, device=dev)]),
+                "node_bits": torch.cat(
+                    [torch.zeros(1, dtype=torch.long, device=dev), 1 << torch.arange(N, device=dev)]
+                ),
             }
         return got
 
@@ -594,12 +672,17 @@ class ModelRunner:
         if grammar is not None:  # (rows, bitmask): constrained rows' grammar masks (constrain.masks)
             masks.apply(logits, *grammar)
         per_node = lambda t: t[:B].unsqueeze(1).expand(-1, N + 1)  # noqa: E731
-        s = BatchSampling(per_node(self.s_temp), per_node(self.s_top_p), per_node(self.s_top_k),
-                          per_node(self.s_seed), all_greedy=not sampling, filtered=filtered)
+        s = BatchSampling(
+            per_node(self.s_temp),
+            per_node(self.s_top_p),
+            per_node(self.s_top_k),
+            per_node(self.s_seed),
+            all_greedy=not sampling,
+            filtered=filtered,
+        )
         pred = sample_tokens(logits, s, rope + 1)  # each node's token, keyed by the position it would fill
         n_acc, next_tok, path = accept_tree(pred, tree, K, self.s_enabled[:B])
-        move_branch_kv(self.kv.target_caches(), self.kv.table[:B], self.block_size, pos0, pad, n_acc, path, K,
-                       scratch)
+        move_branch_kv(self.kv.target_caches(), self.kv.table[:B], self.block_size, pos0, pad, n_acc, path, K, scratch)
         grid, feat = branch_inputs(tree, feats, n_acc, next_tok, path)
         if self.pending is not None:
             self.pending.set_cycle_except(B, pad, grid, feat)
@@ -673,8 +756,15 @@ class ModelRunner:
             buf.copy_(val, non_blocking=True)
 
     @torch.inference_mode()
-    def verify_tree(self, K: int, root: torch.Tensor, pos0: torch.Tensor, enabled: torch.Tensor,
-                    s: BatchSampling | None = None, grammar=None):
+    def verify_tree(
+        self,
+        K: int,
+        root: torch.Tensor,
+        pos0: torch.Tensor,
+        enabled: torch.Tensor,
+        s: BatchSampling | None = None,
+        grammar=None,
+    ):
         """Verify the tree `draft_tree` left, rooted at token `root` at index `pos0` per row, and
         keep its accepted branch (see _tree_verify_body); rows not `enabled` accept nothing; `s`:
         the batch's sampling (None or all greedy: argmax); `grammar`: (rows, bitmask) masking the logits
@@ -694,8 +784,9 @@ class ModelRunner:
         filtered = sampling and s.filtered
         if grammar is not None:  # the masks come from the host each cycle: no graph holds them
             return self._tree_verify_body(B, K, sampling, filtered, grammar)
-        return self._run("tree_verify", B, lambda b: self._tree_verify_body(b, K, sampling, filtered), K, sampling,
-                         filtered)
+        return self._run(
+            "tree_verify", B, lambda b: self._tree_verify_body(b, K, sampling, filtered), K, sampling, filtered
+        )
 
     def sync(self) -> None:
         """Wait for the device's queued work (nothing to wait for on the CPU), to time it."""
@@ -703,8 +794,9 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def measure_step_costs(self, batch_sizes: list[int], spec_steps: list[int], contexts: list[int],
-                           reps: int | None = None) -> dict[int, dict[tuple[int, int], float]]:
+    def measure_step_costs(
+        self, batch_sizes: list[int], spec_steps: list[int], contexts: list[int], reps: int | None = None
+    ) -> dict[int, dict[tuple[int, int], float]]:
         """{context: {(batch size, K): seconds}} per plain step (K=0) and per speculative cycle (K drafts +
         verify) at each batch size and context, timed on dummy rows whose blocks are distinct (as far as the
         pool holds them), so a long context reads as many cache bytes as a real one. Seeds the adaptive policy,
@@ -744,6 +836,7 @@ class ModelRunner:
                         return
                     d = self.draft(K, entry, last, greedy).tokens if drafter else ids.unsqueeze(1).expand(B, K)
                     self.verify(torch.cat([ids.unsqueeze(1), d], 1), pos)
+
                 runs[K] = cycle
             for K, fn in runs.items():
                 done += 1
@@ -789,12 +882,20 @@ class ModelRunner:
                 jobs.append((GraphKey("verify", B, K), lambda b, K=K: self._verify_body(b, K)))
                 if self.drafter is not None:
                     jobs.append((GraphKey("draft", B, K), lambda b, K=K: self._draft_body(b, K, False, False)))
-                    jobs.append((GraphKey("draft", B, K, sampling=True, filtered=True),
-                                 lambda b, K=K: self._draft_body(b, K, True, True)))
+                    jobs.append(
+                        (
+                            GraphKey("draft", B, K, sampling=True, filtered=True),
+                            lambda b, K=K: self._draft_body(b, K, True, True),
+                        )
+                    )
                 if B in tree_buckets:
                     for flags in ((False, False), (True, False), (True, True)):  # greedy, sampled, filtered
-                        jobs.append((GraphKey("tree_verify", B, K, 0, *flags),
-                                     lambda b, K=K, f=flags: self._tree_verify_body(b, K, *f)))
+                        jobs.append(
+                            (
+                                GraphKey("tree_verify", B, K, 0, *flags),
+                                lambda b, K=K, f=flags: self._tree_verify_body(b, K, *f),
+                            )
+                        )
                     if self.drafter is not None:
                         jobs.append((GraphKey("tree_draft", B, K), lambda b, K=K: self._tree_draft_body(b, K)))
         # Padding state for capture: every row writes to the scratch slot.
@@ -828,9 +929,25 @@ class ModelRunner:
                     continue
                 done.add(key)
                 if type(attn) is LatentAttention:
-                    compile_eager_latent_variants(attn.k_cache, attn.num_heads, attn.latent_dim, attn.scale,
-                                                  self.scratch, self.kv.table, self.block_size, self.rows)
+                    compile_eager_latent_variants(
+                        attn.k_cache,
+                        attn.num_heads,
+                        attn.latent_dim,
+                        attn.scale,
+                        self.scratch,
+                        self.kv.table,
+                        self.block_size,
+                        self.rows,
+                    )
                 elif type(attn) is KVCacheAttention:
-                    compile_eager_variants(attn.k_cache, attn.v_cache, attn.num_heads, attn.scale, self.scratch,
-                                           self.kv.table, self.block_size, self.rows)
+                    compile_eager_variants(
+                        attn.k_cache,
+                        attn.v_cache,
+                        attn.num_heads,
+                        attn.scale,
+                        self.scratch,
+                        self.kv.table,
+                        self.block_size,
+                        self.rows,
+                    )
         self.sync()

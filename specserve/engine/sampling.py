@@ -113,8 +113,9 @@ def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, columns: 
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
-def processed_probs(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor,
-                    filtered: bool = True) -> torch.Tensor:
+def processed_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor, filtered: bool = True
+) -> torch.Tensor:
     """The distribution a request samples from: softmax(logits / T) restricted
     to its top-k and top-p set. logits [..., V]; params broadcast over [...].
     Greedy rows (T == 0) get a one-hot at the argmax, which makes greedy a

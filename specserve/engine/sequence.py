@@ -50,9 +50,13 @@ class SpecStats:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_per_pos, self.drafted_per_pos)]
 
     def as_dict(self) -> dict:
-        return {"cycles": self.cycles, "drafted_tokens": self.drafted, "accepted_tokens": self.accepted,
-                "accept_length_mean": self.accept_length, "accept_per_position": self.accept_per_position}
-
+        return {
+            "cycles": self.cycles,
+            "drafted_tokens": self.drafted,
+            "accepted_tokens": self.accepted,
+            "accept_length_mean": self.accept_length,
+            "accept_per_position": self.accept_per_position,
+        }
 
 
 @dataclass

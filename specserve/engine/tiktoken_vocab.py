@@ -17,18 +17,24 @@ from specserve.config import ConfigError
 # Kimi-K2's split (tokenization_kimi.py's pat_str, public): Han runs apart from other letters, cased
 # words with English contractions, numbers in runs of up to three digits. `&&` is a class intersection,
 # which tiktoken's regex engine supports.
-KIMI_PATTERN = "|".join([
-    r"""[\p{Han}]+""",
-    (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
-     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""),
-    (r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
-     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""),
-    r"""\p{N}{1,3}""",
-    r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
-    r"""\s*[\r\n]+""",
-    r"""\s+(?!\S)""",
-    r"""\s+""",
-])
+KIMI_PATTERN = "|".join(
+    [
+        r"""[\p{Han}]+""",
+        (
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+"""
+            r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+        ),
+        (
+            r"""[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*"""
+            r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)?"""
+        ),
+        r"""\p{N}{1,3}""",
+        r""" ?[^\s\p{L}\p{N}]+[\r\n]*""",
+        r"""\s*[\r\n]+""",
+        r"""\s+(?!\S)""",
+        r"""\s+""",
+    ]
+)
 # Families whose tokenizer code carries the pattern: tokenizer_config.json's tokenizer_class -> pattern.
 BUILT_IN_PATTERNS = {"TikTokenTokenizer": KIMI_PATTERN}
 # Kimi's tokenizer reserves this many ids after the ranks for special tokens, named or not.
@@ -65,8 +71,9 @@ def read_ranks(path: Path) -> dict[bytes, int]:
 
 
 def write_ranks(ranks: dict[bytes, int], path: Path) -> None:
-    path.write_text("".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(),
-                                                                                        key=lambda kv: kv[1])))
+    path.write_text(
+        "".join(f"{base64.b64encode(t).decode()} {r}\n" for t, r in sorted(ranks.items(), key=lambda kv: kv[1]))
+    )
 
 
 class TiktokenVocab:
@@ -76,8 +83,9 @@ class TiktokenVocab:
         self.ranks = ranks
         self.specials = specials
         self.special_ids = {t.content: i for i, t in specials.items()}
-        self.enc = tiktoken.Encoding("specserve", pat_str=pattern, mergeable_ranks=ranks,
-                                     special_tokens=self.special_ids)
+        self.enc = tiktoken.Encoding(
+            "specserve", pat_str=pattern, mergeable_ranks=ranks, special_tokens=self.special_ids
+        )
         self._bytes = {r: t for t, r in ranks.items()} | {i: t.content.encode() for i, t in specials.items()}
         self.decoder = None  # no tokenizers decoder: token_bytes holds each token's bytes
 
@@ -87,18 +95,24 @@ class TiktokenVocab:
         ranks = read_ranks(path)
         pattern = config.get("pat_str") or BUILT_IN_PATTERNS.get(config.get("tokenizer_class", ""))
         if pattern is None:
-            raise ConfigError(f"{path}: no split pattern: tokenizer_config.json names no 'pat_str' and its "
-                              f"tokenizer_class {config.get('tokenizer_class')!r} is none of the known families "
-                              f"({', '.join(BUILT_IN_PATTERNS)}); add the pattern as 'pat_str'")
+            raise ConfigError(
+                f"{path}: no split pattern: tokenizer_config.json names no 'pat_str' and its "
+                f"tokenizer_class {config.get('tokenizer_class')!r} is none of the known families "
+                f"({', '.join(BUILT_IN_PATTERNS)}); add the pattern as 'pat_str'"
+            )
         specials: dict[int, SpecialToken] = {}
         for key, entry in (config.get("added_tokens_decoder") or {}).items():
             content = entry.get("content") if isinstance(entry, dict) else None
             if not str(key).isdigit() or not isinstance(content, str):
-                raise ConfigError(f"{model_dir}/tokenizer_config.json: added_tokens_decoder entry {key!r} needs an "
-                                  "integer id and a 'content' string")
+                raise ConfigError(
+                    f"{model_dir}/tokenizer_config.json: added_tokens_decoder entry {key!r} needs an "
+                    "integer id and a 'content' string"
+                )
             if int(key) < len(ranks):
-                raise ConfigError(f"{model_dir}/tokenizer_config.json: added token {content!r} has id {key}, "
-                                  f"inside the {len(ranks)} BPE ranks of {path.name}")
+                raise ConfigError(
+                    f"{model_dir}/tokenizer_config.json: added token {content!r} has id {key}, "
+                    f"inside the {len(ranks)} BPE ranks of {path.name}"
+                )
             specials[int(key)] = SpecialToken(content, bool(entry.get("special", True)))
         if config.get("tokenizer_class") in BUILT_IN_PATTERNS:  # the family's unnamed reserved ids
             for i in range(len(ranks), len(ranks) + KIMI_RESERVED_SPECIALS):

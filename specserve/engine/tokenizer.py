@@ -9,14 +9,28 @@ import json
 from pathlib import Path
 
 from specserve.config import ConfigError
-from specserve.engine.chat_template import (REASONING_MARKERS, TOOL_CALL_MARKERS, compile_template,
-                                            template_features, template_kwargs)
+from specserve.engine.chat_template import (
+    REASONING_MARKERS,
+    TOOL_CALL_MARKERS,
+    compile_template,
+    template_features,
+    template_kwargs,
+)
 
 # Special tokens that carry a reply's structure: decoded text keeps them even when it skips special
 # tokens, so the reasoning and tool-call parsers see where a part begins and ends.
-STRUCTURE_TOKENS = frozenset({m for pair in REASONING_MARKERS.values() for m in pair} | {
-    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-    "<|tool_call_argument_begin|>", "<|tool_call_end|>", *TOOL_CALL_MARKERS.values(), "</tool_call>"})
+STRUCTURE_TOKENS = frozenset(
+    {m for pair in REASONING_MARKERS.values() for m in pair}
+    | {
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        *TOOL_CALL_MARKERS.values(),
+        "</tool_call>",
+    }
+)
 
 
 def tokenizer_kind(model_dir: Path) -> str:
@@ -24,10 +38,12 @@ def tokenizer_kind(model_dir: Path) -> str:
     for name in ("tokenizer.json", "tiktoken.model", "tokenizer.model"):
         if (model_dir / name).exists():
             return name
-    raise ConfigError(f"{model_dir} has no tokenizer.json, tiktoken.model or tokenizer.model: specserve reads a "
-                      "Hugging Face tokenizer.json, tiktoken BPE ranks (with tokenizer_config.json) or a SentencePiece "
-                      "model (save a tokenizer.json with transformers' "
-                      "AutoTokenizer.from_pretrained(...).save_pretrained(dir))")
+    raise ConfigError(
+        f"{model_dir} has no tokenizer.json, tiktoken.model or tokenizer.model: specserve reads a "
+        "Hugging Face tokenizer.json, tiktoken BPE ranks (with tokenizer_config.json) or a SentencePiece "
+        "model (save a tokenizer.json with transformers' "
+        "AutoTokenizer.from_pretrained(...).save_pretrained(dir))"
+    )
 
 
 def _sentencepiece(model_dir: Path):
@@ -36,17 +52,21 @@ def _sentencepiece(model_dir: Path):
 
     missing = [m for m in ("sentencepiece", "google.protobuf") if importlib.util.find_spec(m.split(".")[0]) is None]
     if missing:
-        raise ConfigError(f"{model_dir}/tokenizer.model is a SentencePiece model, which specserve converts with "
-                          f"transformers; that needs {' and '.join(missing)} (pip install sentencepiece protobuf). "
-                          "Or convert it once: AutoTokenizer.from_pretrained(dir).save_pretrained(dir) writes "
-                          "tokenizer.json")
+        raise ConfigError(
+            f"{model_dir}/tokenizer.model is a SentencePiece model, which specserve converts with "
+            f"transformers; that needs {' and '.join(missing)} (pip install sentencepiece protobuf). "
+            "Or convert it once: AutoTokenizer.from_pretrained(dir).save_pretrained(dir) writes "
+            "tokenizer.json"
+        )
     from transformers import AutoTokenizer
 
     try:
         return AutoTokenizer.from_pretrained(str(model_dir), trust_remote_code=False).backend_tokenizer
     except Exception as e:  # transformers raises many kinds; the file and the way out matter
-        raise ConfigError(f"{model_dir}/tokenizer.model could not be converted to a fast tokenizer ({e}); save a "
-                          "tokenizer.json beside it") from None
+        raise ConfigError(
+            f"{model_dir}/tokenizer.model could not be converted to a fast tokenizer ({e}); save a "
+            "tokenizer.json beside it"
+        ) from None
 
 
 class Tokenizer:
@@ -77,8 +97,11 @@ class Tokenizer:
             tmpl = model_dir / "chat_template.jinja"
             if self.config.get("chat_template") is None and tmpl.exists():
                 self.config["chat_template"] = tmpl.read_text()
-            side_configs += [json.loads(p.read_text()) for p in (model_dir / "generation_config.json",
-                                                                  model_dir / "config.json") if p.exists()]
+            side_configs += [
+                json.loads(p.read_text())
+                for p in (model_dir / "generation_config.json", model_dir / "config.json")
+                if p.exists()
+            ]
         self.chat_template = self.config.get("chat_template")
         self.bos_token = self._token_text(self.config.get("bos_token"))
         self.eos_token = self._token_text(self.config.get("eos_token"))
@@ -149,13 +172,16 @@ class Tokenizer:
         there even where generation_config.json does not list it as an EOS."""
         probe = "specserve probe reply"
         try:
-            text = self.apply_chat_template([{"role": "user", "content": "hi"},
-                                             {"role": "assistant", "content": probe}], add_generation_prompt=False)
+            text = self.apply_chat_template(
+                [{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}],
+                add_generation_prompt=False,
+            )
         except Exception:  # no template, or one that refuses this conversation: nothing to learn
             return None
         after = text.partition(probe)[2].lstrip()
-        specials = sorted((t.content for t in self.tok.get_added_tokens_decoder().values() if t.special),
-                          key=len, reverse=True)
+        specials = sorted(
+            (t.content for t in self.tok.get_added_tokens_decoder().values() if t.special), key=len, reverse=True
+        )
         for content in specials:
             if content and after.startswith(content):
                 return self.tok.token_to_id(content)
@@ -170,15 +196,19 @@ class Tokenizer:
         """What the chat template can render (tools, a thinking switch, reasoning and tool-call markers)."""
         return template_features(self.chat_template) if self.chat_template else None
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None, **kwargs) -> str:
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: list[dict] | None = None, **kwargs
+    ) -> str:
         """The conversation as the model reads it; `kwargs` are a request's chat_template_kwargs
         (thinking / enable_thinking, ...), which the template reads as variables."""
         if not self.chat_template:
             raise ConfigError("this model's tokenizer_config.json has no chat_template; use /v1/completions")
         return self._compiled_template.render(
-            **template_kwargs(self.template_features, kwargs), messages=messages, tools=tools,
-            add_generation_prompt=add_generation_prompt, bos_token=self.bos_token or "",
+            **template_kwargs(self.template_features, kwargs),
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
         )
 
@@ -215,14 +245,15 @@ class IncrementalDecoder:
 
     def push(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
+
         def decode(ids: list[int]) -> str:
             return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
-        before = decode(self.ids[self.prefix: self.read])
-        window = decode(self.ids[self.prefix:])
+        before = decode(self.ids[self.prefix : self.read])
+        window = decode(self.ids[self.prefix :])
         if window.endswith("\ufffd") or len(window) <= len(before):
             return ""  # wait for the rest of the character
-        delta = window[len(before):]
+        delta = window[len(before) :]
         self.text += delta
         self.prefix, self.read = max(self.read - 4, 0), len(self.ids)
         return delta

@@ -12,8 +12,9 @@ if triton is not None:
     from specserve.kernels.common import wait_for_previous
 
     @triton.jit(do_not_specialize=["V", "S"])
-    def _argmax_kernel(x_ptr, part_v, part_i, cnt_ptr, out_ptr, V, S, BLOCK: tl.constexpr, SP: tl.constexpr,
-                       PDL: tl.constexpr):
+    def _argmax_kernel(
+        x_ptr, part_v, part_i, cnt_ptr, out_ptr, V, S, BLOCK: tl.constexpr, SP: tl.constexpr, PDL: tl.constexpr
+    ):
         # Program (row, chunk): the first index of the chunk's maximum; the row's last chunk to
         # finish picks among the chunks' (in chunk order: the first maximum wins, as in torch).
         row = tl.program_id(0)
@@ -59,7 +60,7 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(-1). On GPU one kernel over the rows split into chunks side by side: torch's
     reduction runs a 128k-entry row in one block, which takes longer than a whole layer's
     attention."""
-    if not (use_triton(x) and x.is_contiguous() and x.numel() > 0 and x.shape[-1] < 2 ** 31):
+    if not (use_triton(x) and x.is_contiguous() and x.numel() > 0 and x.shape[-1] < 2**31):
         return x.argmax(-1)
     return argmax_triton(x)
 
@@ -70,6 +71,17 @@ def argmax_triton(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(R, dtype=torch.long, device=x.device)
     part_v = torch.empty(R * S, dtype=torch.float32, device=x.device)
     part_i = torch.empty(R * S, dtype=torch.int32, device=x.device)
-    _argmax_kernel[(R, S)](x, part_v, part_i, _chunk_counters(x.device, R), out, V, S, BLOCK=ARGMAX_BLOCK,
-                           SP=triton.next_power_of_2(S), num_warps=8, **pdl_args(x))
+    _argmax_kernel[(R, S)](
+        x,
+        part_v,
+        part_i,
+        _chunk_counters(x.device, R),
+        out,
+        V,
+        S,
+        BLOCK=ARGMAX_BLOCK,
+        SP=triton.next_power_of_2(S),
+        num_warps=8,
+        **pdl_args(x),
+    )
     return out.view(x.shape[:-1])

@@ -69,13 +69,53 @@ if triton is not None:
     # The batch size sets the split count and chunk (`key_splits`): run-time values here, so an eager call
     # at any batch size (a drafter's feed or catch-up) needs no kernel of its own; the combine's SPLITS, a
     # power of two, takes a few values (`ModelRunner._compile_eager_attention` compiles them at start-up).
-    @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "anc_stride", "length", "row_start",
-                                   "scratch", "bt_stride"])
-    def _attn_partial_kernel(q_ptr, kc_ptr, vc_ptr, widx_ptr, tbase_ptr, anc_ptr, bt_ptr, o_ptr, ml_ptr,
-                             T, H, G, n_kv, n_split, chunk, widx_stride, anc_stride, length, row_start, scratch, scale,
-                             bt_stride, c_row, c_head, c_pos,
-                             D: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                             TREE: tl.constexpr, BS: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(
+        do_not_specialize=[
+            "T",
+            "n_split",
+            "chunk",
+            "widx_stride",
+            "anc_stride",
+            "length",
+            "row_start",
+            "scratch",
+            "bt_stride",
+        ]
+    )
+    def _attn_partial_kernel(
+        q_ptr,
+        kc_ptr,
+        vc_ptr,
+        widx_ptr,
+        tbase_ptr,
+        anc_ptr,
+        bt_ptr,
+        o_ptr,
+        ml_ptr,
+        T,
+        H,
+        G,
+        n_kv,
+        n_split,
+        chunk,
+        widx_stride,
+        anc_stride,
+        length,
+        row_start,
+        scratch,
+        scale,
+        bt_stride,
+        c_row,
+        c_head,
+        c_pos,
+        D: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        TREE: tl.constexpr,
+        BS: tl.constexpr,
+        PAGED: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program (b, kv head, split): the G*T queries of one KV head of one sequence against keys
         # [split * chunk, (split + 1) * chunk), cut at the last key any of them may see.
         # TREE: keys at or past the row's tree base are seen only where the query's ancestor bit is set.
@@ -102,11 +142,13 @@ if triton is not None:
         for start in range(lo, hi, BLOCK_N):
             offs_n = start + tl.arange(0, BLOCK_N)
             kmask = offs_n < hi
-            kv_off = (key_offsets(bt_ptr, row, bt_stride, offs_n, kmask, c_row, c_pos, BS, PAGED)
-                      + kvh * c_head)[:, None] + offs_d[None, :]
+            kv_off = (key_offsets(bt_ptr, row, bt_stride, offs_n, kmask, c_row, c_pos, BS, PAGED) + kvh * c_head)[
+                :, None
+            ] + offs_d[None, :]
             k = tl.load(kc_ptr + kv_off, mask=kmask[:, None], other=0.0)
-            p, alpha, m_new, l_i = softmax_tile(tl.dot(q, tl.trans(k)) * scale, offs_n, kmask, limit, anc, tbase,
-                                                m_i, l_i, TREE)
+            p, alpha, m_new, l_i = softmax_tile(
+                tl.dot(q, tl.trans(k)) * scale, offs_n, kmask, limit, anc, tbase, m_i, l_i, TREE
+            )
             v = tl.load(vc_ptr + kv_off, mask=kmask[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -119,8 +161,24 @@ if triton is not None:
             tl.store(ml_ptr + part * 2 + 1, l_i)
 
     @triton.jit(do_not_specialize=["T", "n_split", "chunk", "widx_stride", "scratch"])
-    def _attn_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, G, n_kv, n_split, chunk, widx_stride, scratch,
-                             D: tl.constexpr, BLOCK_Q: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr):
+    def _attn_combine_kernel(
+        o_ptr,
+        ml_ptr,
+        out_ptr,
+        widx_ptr,
+        T,
+        H,
+        G,
+        n_kv,
+        n_split,
+        chunk,
+        widx_stride,
+        scratch,
+        D: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        SPLITS: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         wait_for_previous(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
@@ -152,8 +210,9 @@ def split_classes(length: int, block_n: int, programs: int, rows: int, sm_count:
     return list(batches.values())
 
 
-def compile_eager_variants(k_cache, v_cache, num_heads: int, scale: float, scratch: int, block_table,
-                           block_size: int, rows: int) -> None:
+def compile_eager_variants(
+    k_cache, v_cache, num_heads: int, scale: float, scratch: int, block_table, block_size: int, rows: int
+) -> None:
     """Compile now the `cache_attention_triton` kernels only eager forwards reach (a drafter's feed of pending
     entries or catch-up, a chunk continuing a prompt, at any of `rows` batch sizes): each query block up to
     ATTN_MAX_QUERIES rows a KV head at one batch size of each power-of-two split count. Every query sits at
@@ -169,9 +228,12 @@ def compile_eager_variants(k_cache, v_cache, num_heads: int, scale: float, scrat
             q = torch.zeros(B, T, num_heads, D, dtype=k_cache.dtype, device=k_cache.device)
             at = torch.full((B, T), scratch, dtype=torch.long, device=k_cache.device)
             if cache_attention_ok(q, k_cache, at):
-                cache_attention_triton(q, k_cache, v_cache, 0, at, scratch, scale, block_table=block_table,
-                                       block_size=block_size)
+                cache_attention_triton(
+                    q, k_cache, v_cache, 0, at, scratch, scale, block_table=block_table, block_size=block_size
+                )
             block_q *= 2
+
+
 ATTN_MAX_QUERIES = 128  # G * T per KV head; longer blocks (prefill) use SDPA
 
 
@@ -179,9 +241,16 @@ def cache_attention_ok(q: torch.Tensor, k_cache: torch.Tensor, write_idx: torch.
     """Can `cache_attention` serve these queries [B, T, H, D]?"""
     B, T, H, D = q.shape
     G = H // k_cache.shape[1]
-    return (use_triton(q) and q.dtype in (torch.bfloat16, torch.float16) and q.is_contiguous()
-            and write_idx.stride(1) == 1 and k_cache.stride(3) == 1 and 16 <= D <= 256 and triton.next_power_of_2(D) == D
-            and G * T <= ATTN_MAX_QUERIES)
+    return (
+        use_triton(q)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and q.is_contiguous()
+        and write_idx.stride(1) == 1
+        and k_cache.stride(3) == 1
+        and 16 <= D <= 256
+        and triton.next_power_of_2(D) == D
+        and G * T <= ATTN_MAX_QUERIES
+    )
 
 
 def key_splits(length: int, block_n: int, programs: int, sm_count: int) -> tuple[int, int]:
@@ -192,9 +261,20 @@ def key_splits(length: int, block_n: int, programs: int, sm_count: int) -> tuple
     return triton.cdiv(length, chunk), chunk
 
 
-def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scratch: int, scale: float,
-                           sm_count: int | None = None, tree_base=None, tree_anc=None, block_table=None,
-                           block_size: int = 0) -> torch.Tensor:
+def cache_attention_triton(
+    q,
+    k_cache,
+    v_cache,
+    row_start: int,
+    write_idx,
+    scratch: int,
+    scale: float,
+    sm_count: int | None = None,
+    tree_base=None,
+    tree_anc=None,
+    block_table=None,
+    block_size: int = 0,
+) -> torch.Tensor:
     """Attention of q [B, T, H, D] over rows row_start.. of the caches, query (b, t) seeing keys
     0..write_idx[b, t] (flash-decoding: the keys are split into chunks that run in parallel,
     then merged); with a tree, keys from tree_base[b] on only where bit key - tree_base[b] of
@@ -212,16 +292,59 @@ def cache_attention_triton(q, k_cache, v_cache, row_start: int, write_idx, scrat
     ml = torch.empty(B * n_kv * n_split * block_q, 2, dtype=torch.float32, device=q.device)
     tree = tree_anc is not None
     _attn_partial_kernel[(B, n_kv, n_split)](
-        q, k_cache, v_cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx,
-        block_table if paged else write_idx, part, ml,
-        T, H, G, n_kv, n_split, chunk, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start,
-        scratch, scale, block_table.stride(0) if paged else 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        D=D, BLOCK_Q=block_q, BLOCK_N=ATTN_BLOCK_N, TREE=tree, BS=block_size if paged else 1,
-        PAGED=paged, num_warps=4, num_stages=2,
-        **pdl_args(q))
+        q,
+        k_cache,
+        v_cache,
+        write_idx,
+        tree_base if tree else write_idx,
+        tree_anc if tree else write_idx,
+        block_table if paged else write_idx,
+        part,
+        ml,
+        T,
+        H,
+        G,
+        n_kv,
+        n_split,
+        chunk,
+        write_idx.stride(0),
+        tree_anc.stride(0) if tree else 0,
+        length,
+        row_start,
+        scratch,
+        scale,
+        block_table.stride(0) if paged else 0,
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        D=D,
+        BLOCK_Q=block_q,
+        BLOCK_N=ATTN_BLOCK_N,
+        TREE=tree,
+        BS=block_size if paged else 1,
+        PAGED=paged,
+        num_warps=4,
+        num_stages=2,
+        **pdl_args(q),
+    )
     out = torch.empty_like(q)
-    _attn_combine_kernel[(B, n_kv, block_q)](part, ml, out, write_idx, T, H, G, n_kv, n_split, chunk,
-                                             write_idx.stride(0), scratch, D=D, BLOCK_Q=block_q,
-                                             SPLITS=triton.next_power_of_2(n_split), num_warps=1, **pdl_args(q))
+    _attn_combine_kernel[(B, n_kv, block_q)](
+        part,
+        ml,
+        out,
+        write_idx,
+        T,
+        H,
+        G,
+        n_kv,
+        n_split,
+        chunk,
+        write_idx.stride(0),
+        scratch,
+        D=D,
+        BLOCK_Q=block_q,
+        SPLITS=triton.next_power_of_2(n_split),
+        num_warps=1,
+        **pdl_args(q),
+    )
     return out

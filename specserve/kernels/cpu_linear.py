@@ -95,8 +95,9 @@ def tune_linear_cpu(weights: list[torch.Tensor], max_rows: int = CPU_ROWS[-1]) -
         if dnnl:
             try:
                 copies[ONEDNN] = [torch.ops.mkldnn._reorder_linear_weight(w, 8) for w in group]
-                torch.ops.mkldnn._linear_pointwise(torch.zeros(1, shape[1], dtype=dtype), copies[ONEDNN][0], None,
-                                                   "none", [], "")
+                torch.ops.mkldnn._linear_pointwise(
+                    torch.zeros(1, shape[1], dtype=dtype), copies[ONEDNN][0], None, "none", [], ""
+                )
             except RuntimeError as e:  # a oneDNN build that cannot take this shape or dtype
                 log.warning("oneDNN product for %s skipped: %s", shape, e)
                 copies.pop(ONEDNN, None)
@@ -105,14 +106,20 @@ def tune_linear_cpu(weights: list[torch.Tensor], max_rows: int = CPU_ROWS[-1]) -
         times = {}
         for rows in counts:
             x = torch.randn(rows, shape[1], dtype=dtype)
-            times[rows] = {k: _cpu_us(lambda: products(k, x, c, shape[0]), reps=max(1, 20 // len(group))) / len(group)
-                           for k, c in copies.items() if k != NATIVE or rows <= cpu_native.MAX_ROWS}
+            times[rows] = {
+                k: _cpu_us(lambda: products(k, x, c, shape[0]), reps=max(1, 20 // len(group))) / len(group)
+                for k, c in copies.items()
+                if k != NATIVE or rows <= cpu_native.MAX_ROWS
+            }
         report[f"{shape[0]}x{shape[1]}"] = {r: {k: round(v, 1) for k, v in t.items()} for r, t in times.items()}
         by_rows = _choices(times)
         if set(by_rows) != {MKL}:
             for i, w in enumerate(group):
-                w.cpu_plan = CpuPlan(by_rows, copies[ONEDNN][i] if ONEDNN in by_rows else None,
-                                     copies[NATIVE][i] if NATIVE in by_rows else None)
+                w.cpu_plan = CpuPlan(
+                    by_rows,
+                    copies[ONEDNN][i] if ONEDNN in by_rows else None,
+                    copies[NATIVE][i] if NATIVE in by_rows else None,
+                )
     return report
 
 

@@ -40,8 +40,12 @@ def _build():
         pass
     log.info("loading the native CPU kernels (built once per machine: about a minute the first time)")
     with builder_lock(Path(_get_build_directory(_NAME, verbose=False))):
-        return load(name=_NAME, sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"], verbose=False)
+        return load(
+            name=_NAME,
+            sources=[str(_SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-ffp-contract=off"],
+            verbose=False,
+        )
 
 
 class builder_lock:
@@ -101,7 +105,9 @@ def ops():
             try:
                 module = _build()
             except Exception as e:  # no compiler, no ninja, a failed build: the torch path serves
-                why = f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e})"
+                why = (
+                    f"the build failed ({type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else e})"
+                )
         if why is not None:
             log.warning("native CPU kernels unavailable: %s; using torch's CPU ops", why)
         _state["ops"] = module

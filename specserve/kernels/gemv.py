@@ -36,16 +36,23 @@ GEMV_ROWS = (1, 2, 4, 8, 16, 32, 64)  # row counts tuned (r rows use the tuning 
 # --batch-invariant: one fixed launch shape (16-row tiles) for every row count, chosen by no
 # timing, so two engines (plain and speculative) round every row alike.
 ROW_INVARIANT_GEMV = (32, 256, 4, 4, 16)
-GEMV_CONFIGS = {1: ((8, 512, 4, 4), (8, 512, 8, 4), (8, 256, 4, 4), (8, 1024, 8, 4)),
-                2: ((32, 256, 4, 4), (64, 256, 4, 4), (32, 128, 4, 3)),
-                16: ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4))}
+GEMV_CONFIGS = {
+    1: ((8, 512, 4, 4), (8, 512, 8, 4), (8, 256, 4, 4), (8, 1024, 8, 4)),
+    2: ((32, 256, 4, 4), (64, 256, 4, 4), (32, 128, 4, 3)),
+    16: ((16, 256, 4, 4), (32, 256, 4, 4), (64, 128, 4, 4)),
+}
 # One row also tries the CUDA GEMV (kernels/csrc/gemv.cu: Hopper or later, bf16, K a multiple of 256):
 # ("cuda", warps a block, weight rows a warp, warps sharing a row's features, 16-byte loads a lane per
 # row and batch of steps).
 # The best of the sweep at Kimi-K2.5's shapes (benchmarks/gemv_sweep.py --shapes kimi; figures in
 # BENCHMARKS.md); the tuner takes one only where it measures faster than Triton and cuBLAS.
-GEMV_CUDA_CONFIGS = (("cuda", 8, 1, 2, 2), ("cuda", 4, 2, 1, 2), ("cuda", 8, 2, 2, 2), ("cuda", 4, 1, 4, 2),
-                     ("cuda", 8, 1, 1, 2))
+GEMV_CUDA_CONFIGS = (
+    ("cuda", 8, 1, 2, 2),
+    ("cuda", 4, 2, 1, 2),
+    ("cuda", 8, 2, 2, 2),
+    ("cuda", 4, 1, 4, 2),
+    ("cuda", 8, 1, 1, 2),
+)
 
 
 @dataclass
@@ -61,6 +68,7 @@ class LinearTuning:
         bucket = rows_bucket(rows)
         return self.gemv.get((w.shape[0], w.shape[1], dtype, bucket)) if bucket else None
 
+
 if triton is not None:
 
     @triton.jit
@@ -69,13 +77,25 @@ if triton is not None:
             x = tl.load(x_ptr + offs_k, mask=kmask, other=0.0).to(tl.float32)
             return acc + tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         else:  # rows padded to BLOCK_M (at least 16) for the tensor cores
-            x = tl.load(x_ptr + offs_m[:, None] * K + offs_k[None, :],
-                        mask=(offs_m[:, None] < M) & kmask[None, :], other=0.0)
+            x = tl.load(
+                x_ptr + offs_m[:, None] * K + offs_k[None, :], mask=(offs_m[:, None] < M) & kmask[None, :], other=0.0
+            )
             return acc + tl.dot(x, tl.trans(w))
 
     @triton.jit(do_not_specialize=["M"])
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr, PDL: tl.constexpr):
+    def _gemv_kernel(
+        x_ptr,
+        w_ptr,
+        y_ptr,
+        M,
+        N,
+        K: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        ONE_ROW: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         pid = tl.program_id(0)
         offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -98,8 +118,11 @@ if triton is not None:
         if ONE_ROW:
             tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
         else:
-            tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=(offs_m[:, None] < M) & nmask[None, :])
+            tl.store(
+                y_ptr + offs_m[:, None] * N + offs_n[None, :],
+                acc.to(y_ptr.dtype.element_ty),
+                mask=(offs_m[:, None] < M) & nmask[None, :],
+            )
 
 
 def gemv_triton(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
@@ -111,9 +134,21 @@ def gemv_triton(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
     block_n, block_k, warps, stages, *fixed_m = cfg
     block_m = fixed_m[0] if fixed_m else max(16, triton.next_power_of_2(M))
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
-    _gemv_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](x2, w, y, M, N, K, BLOCK_M=block_m,
-                                             BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=M == 1 and not fixed_m,
-                                             num_warps=warps, num_stages=stages, **pdl_args(x2))
+    _gemv_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, block_m))](
+        x2,
+        w,
+        y,
+        M,
+        N,
+        K,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ONE_ROW=M == 1 and not fixed_m,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl_args(x2),
+    )
     return y
 
 
@@ -122,15 +157,24 @@ def _gemv_cuda_kernel(warps: int, rows_a_warp: int, split: int, unroll: int):
     if warps % split:
         raise ValueError(f"CUDA GEMV: {split} warps a row do not divide {warps} warps a block")
     src = (Path(__file__).parent / "csrc" / "gemv.cu").read_text()
-    return torch.cuda._compile_kernel(src, "gemv_bf16", nvcc_options=[
-        f"-DWARPS={warps}", f"-DRPW={rows_a_warp}", f"-DSPLIT={split}", f"-DUNROLL={unroll}"])
+    return torch.cuda._compile_kernel(
+        src,
+        "gemv_bf16",
+        nvcc_options=[f"-DWARPS={warps}", f"-DRPW={rows_a_warp}", f"-DSPLIT={split}", f"-DUNROLL={unroll}"],
+    )
 
 
 def gemv_cuda_fits(x2: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether the CUDA GEMV serves x2 [rows, K] @ w [N, K]^T (it may still fail to compile: the tuner
     then keeps to the other kernels)."""
-    return (x2.shape[0] == 1 and x2.dtype == w.dtype == torch.bfloat16 and x2.shape[1] % 256 == 0 and x2.is_cuda
-            and hasattr(torch.cuda, "_compile_kernel") and torch.cuda.get_device_capability(x2.device) >= (9, 0))
+    return (
+        x2.shape[0] == 1
+        and x2.dtype == w.dtype == torch.bfloat16
+        and x2.shape[1] % 256 == 0
+        and x2.is_cuda
+        and hasattr(torch.cuda, "_compile_kernel")
+        and torch.cuda.get_device_capability(x2.device) >= (9, 0)
+    )
 
 
 def gemv_cuda(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
@@ -139,8 +183,9 @@ def gemv_cuda(x2: torch.Tensor, w: torch.Tensor, cfg: tuple) -> torch.Tensor:
     N, K = w.shape
     y = torch.empty(1, N, dtype=x2.dtype, device=x2.device)
     rows_a_block = warps // split * rows_a_warp
-    _gemv_cuda_kernel(warps, rows_a_warp, split, unroll)(grid=(-(-N // rows_a_block), 1, 1), block=(32 * warps, 1, 1),
-                                                         args=[x2, w, y, N, K])
+    _gemv_cuda_kernel(warps, rows_a_warp, split, unroll)(
+        grid=(-(-N // rows_a_block), 1, 1), block=(32 * warps, 1, 1), args=[x2, w, y, N, K]
+    )
     return y
 
 
@@ -223,10 +268,14 @@ def tune_linear(weights: list[torch.Tensor], max_rows: int = 8, invariant: bool 
         if invariant:
             x = torch.randn(GEMV_ROWS[-1], K, device=ws[0].device, dtype=dtype)
             ref = F.linear(x, ws[0]).float()
-            err = ((gemv_triton(x, ws[0], ROW_INVARIANT_GEMV).float() - ref).norm() / ref.norm().clamp_min(1e-12)).item()
+            err = (
+                (gemv_triton(x, ws[0], ROW_INVARIANT_GEMV).float() - ref).norm() / ref.norm().clamp_min(1e-12)
+            ).item()
             if err > 1e-2:  # (no GEMV: cuBLAS, whose kernels differ by row count)
-                raise RuntimeError(f"--batch-invariant: the row-invariant GEMV is off by {err:.2g} for a "
-                                   f"{N}x{K} weight; run without --batch-invariant")
+                raise RuntimeError(
+                    f"--batch-invariant: the row-invariant GEMV is off by {err:.2g} for a "
+                    f"{N}x{K} weight; run without --batch-invariant"
+                )
             tuning.gemv.update({(N, K, dtype, rows): ROW_INVARIANT_GEMV for rows in GEMV_ROWS})
             report[f"{N}x{K}"] = {"any": (None, None, ROW_INVARIANT_GEMV)}
             continue

@@ -62,8 +62,9 @@ def unpack_int4(words: torch.Tensor, size: int, dim: int = -1) -> torch.Tensor:
     return (nibbles.flatten(-2)[..., :size] - 8).to(torch.int8).movedim(-1, dim)
 
 
-def dequantize_int4(packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
+def dequantize_int4(
+    packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """Weights [..., N, K] in `dtype` (default the scales') from packed words [..., N, K/8],
     scales [..., N, G] and optional zero points [..., N, G] (unpacked). Computed in `dtype`, as
     compressed-tensors does in the scales' dtype: (v - zero) is exact there, the product rounds once."""
@@ -110,8 +111,10 @@ def tile_experts(packed: torch.Tensor, scale: torch.Tensor, interleave: int = 0)
     only the order inside each expert changes (`untile_experts` reverses it)."""
     *lead, R, W = packed.shape
     if R % TILE_ROWS or W % TILE_WORDS or (interleave and interleave % (TILE_ROWS // 2)):
-        raise ValueError(f"int4 experts of {R} rows and {W * PACK} input features do not tile into 16 rows x "
-                         f"{TILE_WORDS * PACK} features")
+        raise ValueError(
+            f"int4 experts of {R} rows and {W * PACK} input features do not tile into 16 rows x "
+            f"{TILE_WORDS * PACK} features"
+        )
     words = _rows_in_tiles(packed, interleave).unflatten(-1, (W // TILE_WORDS, TILE_WORDS)).transpose(-3, -2)
     scales = _rows_in_tiles(scale, interleave).transpose(-2, -1)
     return words.contiguous().view(packed.shape), scales.contiguous().view(scale.shape)
@@ -124,12 +127,19 @@ def untile_experts(packed: torch.Tensor, scale: torch.Tensor, interleave: int = 
     T = R // TILE_ROWS
     words = packed.reshape(*lead, T, W // TILE_WORDS, TILE_ROWS, TILE_WORDS).transpose(-3, -2)
     scales = scale.reshape(*lead, T, G, TILE_ROWS).transpose(-2, -1)
-    return (_tiles_as_rows(words.reshape(*lead, T, TILE_ROWS, W), interleave).contiguous(),
-            _tiles_as_rows(scales, interleave).contiguous())
+    return (
+        _tiles_as_rows(words.reshape(*lead, T, TILE_ROWS, W), interleave).contiguous(),
+        _tiles_as_rows(scales, interleave).contiguous(),
+    )
 
 
-def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_linear(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """x @ W.T (+ bias) for an int4 weight W: the reference path, which dequantizes W for each
     call. Keeping only the packed form keeps int4's 4x smaller footprint, the point of loading it."""
     return F.linear(x, dequantize_int4(packed, scale, zero, x.dtype), bias)
@@ -138,8 +148,13 @@ def int4_linear(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero
 INT4_GEMV_MAX_ROWS = 64  # more rows (prefill) dequantize once per call and run one float matmul
 
 
-def int4_matmul(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
+def int4_matmul(
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`int4_linear`, by the W4A16 kernel where it applies (CUDA, at most 64 rows): it streams the
     packed words, a quarter of a bf16 weight's bytes, which is what a decode step waits on. Its
     launch shape is the one `tune_int4` chose for these words and row count, if it ran."""
@@ -164,8 +179,20 @@ if triton is not None:
             return rows * GROUPS + g
 
     @triton.jit
-    def _group_tile(p_ptr, rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr, ADD: tl.constexpr,
-                    DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TILED: tl.constexpr):
+    def _group_tile(
+        p_ptr,
+        rows,
+        nmask,
+        k0,
+        cols,
+        K: tl.constexpr,
+        GROUPS: tl.constexpr,
+        ADD: tl.constexpr,
+        DT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        TILED: tl.constexpr,
+    ):
         """Per-(row, group) values p [.., rows, GROUPS] (scales or zero points; `_group_at`'s order) of
         weight rows `rows` for a weight tile over columns `cols` (k0..k0+BLOCK_K), plus ADD, in DT,
         broadcastable to the [BLOCK_K, BLOCK_N] tile. Each (row, group) loads and converts once
@@ -180,13 +207,19 @@ if triton is not None:
         elif BLOCK_K % GS == 0:
             T: tl.constexpr = BLOCK_K // GS
             g = k0 // GS + tl.arange(0, T)
-            v = tl.load(p_ptr + _group_at(rows[None, :], g[:, None], GROUPS, TILED),
-                        mask=(g < GROUPS)[:, None] & nmask[None, :], other=0)
+            v = tl.load(
+                p_ptr + _group_at(rows[None, :], g[:, None], GROUPS, TILED),
+                mask=(g < GROUPS)[:, None] & nmask[None, :],
+                other=0,
+            )
             v = (v.to(tl.float32) + ADD).to(DT)
             return tl.reshape(tl.broadcast_to(v[:, None, :], (T, GS, BLOCK_N)), (BLOCK_K, BLOCK_N))
         else:
-            v = tl.load(p_ptr + _group_at(rows[None, :], cols[:, None] // GS, GROUPS, TILED),
-                        mask=(cols < K)[:, None] & nmask[None, :], other=0)
+            v = tl.load(
+                p_ptr + _group_at(rows[None, :], cols[:, None] // GS, GROUPS, TILED),
+                mask=(cols < K)[:, None] & nmask[None, :],
+                other=0,
+            )
             return (v.to(tl.float32) + ADD).to(DT)
 
     @triton.jit
@@ -207,9 +240,22 @@ if triton is not None:
         return tl.reshape(out, (BLOCK_K, BLOCK_N))
 
     @triton.jit
-    def int4_tile(w_ptr, s_ptr, z_ptr, rows, nmask, k0, cols, K: tl.constexpr, GROUPS: tl.constexpr,
-                  HAS_ZERO: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                  TILED: tl.constexpr):
+    def int4_tile(
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        rows,
+        nmask,
+        k0,
+        cols,
+        K: tl.constexpr,
+        GROUPS: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        dt: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        TILED: tl.constexpr,
+    ):
         """The int4 weight W [.., K] (packed words w_ptr [.., K/8], scales s_ptr and int8 zero
         points z_ptr [.., GROUPS]; row-major, or under TILED in `tile_experts`' order, `rows` then
         counting tile rows) at rows `rows` [BLOCK_N] (where `nmask`) and columns `cols`
@@ -221,8 +267,12 @@ if triton is not None:
         WORDS: tl.constexpr = K // 8
         offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         if TILED:  # (`tile_experts`' order: 16-row tiles, 16 words of each row a chunk)
-            at = ((rows[None, :] // 16) * (16 * WORDS) + (offs_w[:, None] // 16) * 256 + (rows[None, :] % 16) * 16
-                  + offs_w[:, None] % 16)
+            at = (
+                (rows[None, :] // 16) * (16 * WORDS)
+                + (offs_w[:, None] // 16) * 256
+                + (rows[None, :] % 16) * 16
+                + offs_w[:, None] % 16
+            )
         else:
             at = rows[None, :] * WORDS + offs_w[:, None]
         words = tl.load(w_ptr + at, mask=(offs_w < WORDS)[:, None] & nmask[None, :], other=0)
@@ -247,8 +297,11 @@ if triton is not None:
         """The packed words [BLOCK_N, T, WPG] of weight rows `rows` over columns k0..k0+8*T*WPG
         (T runs of WPG consecutive words), zero from column k_hi on."""
         word = k0 // 8 + tl.arange(0, T)[:, None] * WPG + tl.arange(0, WPG)[None, :]
-        return tl.load(w_ptr + rows[:, None, None] * (K // 8) + word[None, :, :],
-                       mask=nmask[:, None, None] & (word < k_hi // 8)[None, :, :], other=0)
+        return tl.load(
+            w_ptr + rows[:, None, None] * (K // 8) + word[None, :, :],
+            mask=nmask[:, None, None] & (word < k_hi // 8)[None, :, :],
+            other=0,
+        )
 
     @triton.jit
     def _nibble_products(run, words, i: tl.constexpr, x_lo, x_hi, EXACT: tl.constexpr):
@@ -266,8 +319,22 @@ if triton is not None:
         return run + hi * x_hi[None, :, :]
 
     @triton.jit
-    def _row_dot(acc, words, x_ptr, s_ptr, z_ptr, rows, nmask, k0, k_hi, K: tl.constexpr, GROUPS: tl.constexpr,
-                 HAS_ZERO: tl.constexpr, T: tl.constexpr, WPG: tl.constexpr):
+    def _row_dot(
+        acc,
+        words,
+        x_ptr,
+        s_ptr,
+        z_ptr,
+        rows,
+        nmask,
+        k0,
+        k_hi,
+        K: tl.constexpr,
+        GROUPS: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        T: tl.constexpr,
+        WPG: tl.constexpr,
+    ):
         """acc [BLOCK_N, T] + one row x times the int4 weight's rows `rows` over columns
         k0..k0+8*T*WPG (`words` from `_row_words`; each run of WPG words inside one scale group),
         in float32 on the CUDA cores. Each value becomes the float32 128 + nibble exactly by
@@ -284,8 +351,9 @@ if triton is not None:
         col = word * 8
         inside = col < k_hi
         # x[8w .. 8w + 7] of each word w, split into the eight columns' tensors
-        xw = tl.load(x_ptr + col[:, :, None] + tl.arange(0, 8)[None, None, :], mask=inside[:, :, None],
-                     other=0.0).to(tl.float32)
+        xw = tl.load(x_ptr + col[:, :, None] + tl.arange(0, 8)[None, None, :], mask=inside[:, :, None], other=0.0).to(
+            tl.float32
+        )
         x04, x15 = tl.split(tl.reshape(xw, (T, WPG, 4, 2)))  # columns 0 2 4 6 and 1 3 5 7 of a word
         x0, x2 = tl.split(tl.reshape(x04, (T, WPG, 2, 2)))  # 0 4, 2 6
         x1, x3 = tl.split(tl.reshape(x15, (T, WPG, 2, 2)))  # 1 5, 3 7
@@ -310,8 +378,22 @@ if triton is not None:
         return acc + (run - offset * xs) * scale
 
     @triton.jit
-    def _row_sum(x_ptr, w_ptr, s_ptr, z_ptr, rows, nmask, k_lo, k_hi, K: tl.constexpr, GROUPS: tl.constexpr,
-                 HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _row_sum(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        rows,
+        nmask,
+        k_lo,
+        k_hi,
+        K: tl.constexpr,
+        GROUPS: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         """One row x [K] times the int4 weight's rows `rows` [BLOCK_N] (where `nmask`) over
         columns k_lo..k_hi in steps of BLOCK_K, as float32 [BLOCK_N] (`_row_dot`). A step's words
         form runs inside one scale group (one run per step where a group holds it, one per
@@ -320,8 +402,9 @@ if triton is not None:
         the next one's words before it computes: their latency hides behind the arithmetic (the
         first, not depending on the kernel before, loads while that one drains)."""
         GS: tl.constexpr = K // GROUPS
-        T: tl.constexpr = (1 if GROUPS == 1 or GS % BLOCK_K == 0 else BLOCK_K // GS if BLOCK_K % GS == 0
-                           else BLOCK_K // 8)
+        T: tl.constexpr = (
+            1 if GROUPS == 1 or GS % BLOCK_K == 0 else BLOCK_K // GS if BLOCK_K % GS == 0 else BLOCK_K // 8
+        )
         WPG: tl.constexpr = BLOCK_K // 8 // T
         acc = tl.zeros([BLOCK_N, T], tl.float32)
         words = _row_words(w_ptr, rows, nmask, k_lo, k_hi, K, T, WPG)
@@ -333,10 +416,28 @@ if triton is not None:
         return tl.sum(acc, axis=1)
 
     @triton.jit(do_not_specialize=["M", "SPAN_STEPS"])
-    def _int4_gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, SPAN_STEPS, K: tl.constexpr,
-                          GROUPS: tl.constexpr, HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ONE_ROW: tl.constexpr,
-                          PRECISION: tl.constexpr, PDL: tl.constexpr):
+    def _int4_gemv_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        b_ptr,
+        y_ptr,
+        M,
+        N,
+        SPAN_STEPS,
+        K: tl.constexpr,
+        GROUPS: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        SPLIT: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        ONE_ROW: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         """y [M, N] = x [M, K] @ W^T for W packed [N, K/8] int32, scales / zero points [N, GROUPS].
         Program (n, s, m) owns BLOCK_N output features and BLOCK_M rows over SPAN_STEPS steps of
         BLOCK_K input columns from s*SPAN_STEPS*BLOCK_K (a runtime count: one compiled kernel
@@ -353,8 +454,9 @@ if triton is not None:
         k_lo = split * SPAN_STEPS * BLOCK_K
         k_hi = tl.minimum(k_lo + SPAN_STEPS * BLOCK_K, K)
         if ONE_ROW:
-            acc = _row_sum(x_ptr, w_ptr, s_ptr, z_ptr, offs_n, nmask, k_lo, k_hi, K, GROUPS, HAS_ZERO,
-                           BLOCK_N, BLOCK_K, PDL)
+            acc = _row_sum(
+                x_ptr, w_ptr, s_ptr, z_ptr, offs_n, nmask, k_lo, k_hi, K, GROUPS, HAS_ZERO, BLOCK_N, BLOCK_K, PDL
+            )
         else:
             # Rows padded to BLOCK_M (at least 16) for the tensor cores, as W^T x^T (the MoE
             # kernels' SWAP): the dequantized tile is the left operand of Hopper's warp-group
@@ -363,10 +465,27 @@ if triton is not None:
             wait_for_previous(PDL)
             for k0 in range(k_lo, k_hi, BLOCK_K):
                 cols = k0 + tl.arange(0, BLOCK_K)
-                w = int4_tile(w_ptr, s_ptr, z_ptr, offs_n, nmask, k0, cols, K, GROUPS, HAS_ZERO,
-                              x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, False)
-                x = tl.load(x_ptr + offs_m[:, None] * K + cols[None, :],
-                            mask=(offs_m[:, None] < M) & (cols < K)[None, :], other=0.0)
+                w = int4_tile(
+                    w_ptr,
+                    s_ptr,
+                    z_ptr,
+                    offs_n,
+                    nmask,
+                    k0,
+                    cols,
+                    K,
+                    GROUPS,
+                    HAS_ZERO,
+                    x_ptr.dtype.element_ty,
+                    BLOCK_N,
+                    BLOCK_K,
+                    False,
+                )
+                x = tl.load(
+                    x_ptr + offs_m[:, None] * K + cols[None, :],
+                    mask=(offs_m[:, None] < M) & (cols < K)[None, :],
+                    other=0.0,
+                )
                 acc = tl.dot(tl.trans(w), tl.trans(x), acc, input_precision=PRECISION)
             acc = tl.trans(acc)
         if SPLIT:
@@ -377,12 +496,16 @@ if triton is not None:
         if ONE_ROW:
             tl.store(y_ptr + offs_n, acc.to(y_ptr.dtype.element_ty), mask=nmask)
         else:
-            tl.store(y_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
-                     mask=(offs_m[:, None] < M) & nmask[None, :])
+            tl.store(
+                y_ptr + offs_m[:, None] * N + offs_n[None, :],
+                acc.to(y_ptr.dtype.element_ty),
+                mask=(offs_m[:, None] < M) & nmask[None, :],
+            )
 
     @triton.jit
-    def _split_sum_kernel(p_ptr, b_ptr, y_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
-                          BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _split_sum_kernel(
+        p_ptr, b_ptr, y_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr
+    ):
         """y [M, N] = the sum of float32 partials [SPLITS, M, N] in split order (+ bias [N])."""
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < MN
@@ -427,8 +550,14 @@ def k_slices(K: int, block_k: int, splits: int) -> tuple[int, int]:
     return span, -(-K // span)
 
 
-def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None = None,
-                     bias: torch.Tensor | None = None, cfg: tuple | None = None) -> torch.Tensor:
+def int4_gemv_triton(
+    x2: torch.Tensor,
+    packed: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    cfg: tuple | None = None,
+) -> torch.Tensor:
     """x2 [M <= 64, K] (contiguous) @ W^T (+ bias) for int4 W: packed [N, K/8], scales and
     unpacked int8 zero points [N, G]; float32 accumulation, the result in x2's dtype. `cfg`:
     (BLOCK_N, BLOCK_K, warps, splits[, BLOCK_M]) (default `default_config`); splits > 1 cut K
@@ -438,8 +567,10 @@ def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     M, K = x2.shape
     N, groups = packed.shape[0], scale.shape[-1]
     if packed.shape[1] * PACK != K or M > INT4_GEMV_MAX_ROWS:
-        raise ValueError(f"int4 GEMV takes at most {INT4_GEMV_MAX_ROWS} rows of {packed.shape[1] * PACK} features, "
-                         f"got {tuple(x2.shape)}")
+        raise ValueError(
+            f"int4 GEMV takes at most {INT4_GEMV_MAX_ROWS} rows of {packed.shape[1] * PACK} features, "
+            f"got {tuple(x2.shape)}"
+        )
     block_n, block_k, warps, splits, *fixed_m = cfg or default_config(N, K, M, x2.device)
     block_m = fixed_m[0] if fixed_m else max(16, triton.next_power_of_2(M))
     span, splits = k_slices(K, block_k, splits)
@@ -447,15 +578,40 @@ def int4_gemv_triton(x2: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor
     y = torch.empty(M, N, dtype=x2.dtype, device=x2.device)
     out = torch.empty(splits, M, N, dtype=torch.float32, device=x2.device) if splits > 1 else y
     _int4_gemv_kernel[(triton.cdiv(N, block_n), splits, triton.cdiv(M, block_m))](
-        x2, packed, scale.contiguous(), zero if zero is not None else packed, bias if bias is not None else scale,
-        out, M, N, span // block_k, K, groups, HAS_ZERO=zero is not None, HAS_BIAS=bias is not None, SPLIT=splits > 1,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, ONE_ROW=one_row,
+        x2,
+        packed,
+        scale.contiguous(),
+        zero if zero is not None else packed,
+        bias if bias is not None else scale,
+        out,
+        M,
+        N,
+        span // block_k,
+        K,
+        groups,
+        HAS_ZERO=zero is not None,
+        HAS_BIAS=bias is not None,
+        SPLIT=splits > 1,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        ONE_ROW=one_row,
         PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",  # (tf32 would round float32 inputs)
-        num_warps=warps, **pdl_args(x2))
+        num_warps=warps,
+        **pdl_args(x2),
+    )
     if splits > 1:
         _split_sum_kernel[(triton.cdiv(M * N, SUM_BLOCK),)](
-            out, bias if bias is not None else scale, y, M * N, N, SPLITS=splits, HAS_BIAS=bias is not None,
-            BLOCK=SUM_BLOCK, **pdl_args(x2))
+            out,
+            bias if bias is not None else scale,
+            y,
+            M * N,
+            N,
+            SPLITS=splits,
+            HAS_BIAS=bias is not None,
+            BLOCK=SUM_BLOCK,
+            **pdl_args(x2),
+        )
     return y
 
 
@@ -532,14 +688,18 @@ def tune_int4(weights: list[tuple], max_rows: int = 8, invariant: bool = False) 
                 raise RuntimeError(f"no int4 GEMV config runs for {name} at {rows} rows")
             best = min(times, key=times.get)
             configs[rows] = best
-            report.setdefault(name, {})[rows] = (round(times.get(default, float("nan")), 1), round(times[best], 1),
-                                                 best)
+            report.setdefault(name, {})[rows] = (
+                round(times.get(default, float("nan")), 1),
+                round(times[best], 1),
+                best,
+            )
     torch.cuda.empty_cache()
     return report
 
 
-def quantize_int4(w: torch.Tensor, group_size: int | None, symmetric: bool = True
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def quantize_int4(
+    w: torch.Tensor, group_size: int | None, symmetric: bool = True
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest int4 of float weights [..., N, K]: (values int8 [..., N, K], scales
     [..., N, G] in w's dtype, zero points int8 [..., N, G] or None when symmetric), groups of
     `group_size` input columns (None: one per row). For test and benchmark checkpoints."""

@@ -43,8 +43,17 @@ if triton is not None:
     from specserve.kernels.norm import _cache_slot, _rope_tables, _rotate
 
     @triton.jit
-    def latent_chunk(widx_ptr, b, widx_stride, T, scratch, n_split, T_BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                     MIN_CHUNK: tl.constexpr):
+    def latent_chunk(
+        widx_ptr,
+        b,
+        widx_stride,
+        T,
+        scratch,
+        n_split,
+        T_BLOCK: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MIN_CHUNK: tl.constexpr,
+    ):
         """Keys per split of sequence b: its length (past its last real query's key) over n_split, in
         whole key tiles, at least MIN_CHUNK. The partial and combine kernels compute it alike."""
         t = tl.arange(0, T_BLOCK)
@@ -55,15 +64,44 @@ if triton is not None:
 
     # The split count, token count and strides are run-time values: an eager call at any batch size or
     # context meets a compiled kernel (T_BLOCK and the combine's SPLITS, powers of two, take a few values).
-    @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch",
-                                   "bt_stride"])
-    def _latent_partial_kernel(q_ptr, c_ptr, widx_ptr, tbase_ptr, anc_ptr, bt_ptr, o_ptr, ml_ptr, out_ptr,
-                               T, H, n_split, widx_stride, anc_stride, length, row_start, scratch, scale,
-                               bt_stride, c_row, c_pos,
-                               L: tl.constexpr, R: tl.constexpr, BLOCK_Q: tl.constexpr, T_BLOCK: tl.constexpr,
-                               BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, TREE: tl.constexpr,
-                               BS: tl.constexpr, PAGED: tl.constexpr, ONE_SPLIT: tl.constexpr,
-                               F32_DOT: tl.constexpr, PDL: tl.constexpr):
+    @triton.jit(
+        do_not_specialize=["T", "n_split", "widx_stride", "anc_stride", "length", "row_start", "scratch", "bt_stride"]
+    )
+    def _latent_partial_kernel(
+        q_ptr,
+        c_ptr,
+        widx_ptr,
+        tbase_ptr,
+        anc_ptr,
+        bt_ptr,
+        o_ptr,
+        ml_ptr,
+        out_ptr,
+        T,
+        H,
+        n_split,
+        widx_stride,
+        anc_stride,
+        length,
+        row_start,
+        scratch,
+        scale,
+        bt_stride,
+        c_row,
+        c_pos,
+        L: tl.constexpr,
+        R: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        T_BLOCK: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MIN_CHUNK: tl.constexpr,
+        TREE: tl.constexpr,
+        BS: tl.constexpr,
+        PAGED: tl.constexpr,
+        ONE_SPLIT: tl.constexpr,
+        F32_DOT: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program (row block, split, b): query rows g = token * H + head of block rb against the keys
         # of split sp, cut at the last key any of the rows may see.
         rb = tl.program_id(0)
@@ -115,8 +153,7 @@ if triton is not None:
             m_i = m_new
         if ONE_SPLIT:  # the whole row in this program: normalise and write the output (zeros: no key), no combine
             o = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-            tl.store(out_ptr + head[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty),
-                     mask=rmask[:, None])
+            tl.store(out_ptr + head[:, None] * L + offs_l[None, :], o.to(out_ptr.dtype.element_ty), mask=rmask[:, None])
         elif lo < hi:  # splits past every row's last key write nothing; the combine skips them
             part = ((b * n_split + sp) * tl.num_programs(0) + rb) * BLOCK_Q + r
             tl.store(o_ptr + part[:, None] * L + offs_l[None, :], acc, mask=rmask[:, None])
@@ -124,10 +161,25 @@ if triton is not None:
             tl.store(ml_ptr + part * 2 + 1, l_i, mask=rmask)
 
     @triton.jit(do_not_specialize=["T", "n_split", "widx_stride", "scratch"])
-    def _latent_combine_kernel(o_ptr, ml_ptr, out_ptr, widx_ptr, T, H, n_split, widx_stride, scratch,
-                               L: tl.constexpr, BLOCK_Q: tl.constexpr, T_BLOCK: tl.constexpr,
-                               BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr, SPLITS: tl.constexpr,
-                               DC: tl.constexpr, PDL: tl.constexpr):
+    def _latent_combine_kernel(
+        o_ptr,
+        ml_ptr,
+        out_ptr,
+        widx_ptr,
+        T,
+        H,
+        n_split,
+        widx_stride,
+        scratch,
+        L: tl.constexpr,
+        BLOCK_Q: tl.constexpr,
+        T_BLOCK: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        MIN_CHUNK: tl.constexpr,
+        SPLITS: tl.constexpr,
+        DC: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program (query row g, b, value chunk): DC of the row's L output dims, from its splits' partials.
         wait_for_previous(PDL)
         g = tl.program_id(0)
@@ -152,10 +204,35 @@ if triton is not None:
     # head H writes the token's cache entry [normed latent | rotated k_rot]. (Token counts, strides and
     # rows change from call to call: not specialized on.)
     @triton.jit(do_not_specialize=["T", "qr_tok", "c_tok", "kr_tok", "idx_stride", "row_start", "bt_stride"])
-    def _rope_latent_kernel(ql_ptr, qr_ptr, c_ptr, kr_ptr, q_out_ptr, cos_ptr, sin_ptr, pos_ptr, widx_ptr,
-                            cache_ptr, bt_ptr, T, H, qr_tok, qr_head, c_tok, kr_tok, idx_stride, row_start,
-                            bt_stride, c_row, c_pos, L: tl.constexpr, HALF: tl.constexpr, BS: tl.constexpr,
-                            PAGED: tl.constexpr, PDL: tl.constexpr):
+    def _rope_latent_kernel(
+        ql_ptr,
+        qr_ptr,
+        c_ptr,
+        kr_ptr,
+        q_out_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        widx_ptr,
+        cache_ptr,
+        bt_ptr,
+        T,
+        H,
+        qr_tok,
+        qr_head,
+        c_tok,
+        kr_tok,
+        idx_stride,
+        row_start,
+        bt_stride,
+        c_row,
+        c_pos,
+        L: tl.constexpr,
+        HALF: tl.constexpr,
+        BS: tl.constexpr,
+        PAGED: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         tok = tl.program_id(0)
         head = tl.program_id(1)
         dt = q_out_ptr.dtype.element_ty
@@ -172,8 +249,9 @@ if triton is not None:
             tl.store(out + L + HALF + offs, o2)
         else:
             o1, o2 = _rotate(kr_ptr + tok * kr_tok, c1, c2, s1, s2, offs, HALF, dt)
-            slot = _cache_slot(bt_ptr, row_start + tok // T, tl.load(widx_ptr + idx), bt_stride, c_row, c_pos, BS,
-                               PAGED)
+            slot = _cache_slot(
+                bt_ptr, row_start + tok // T, tl.load(widx_ptr + idx), bt_stride, c_row, c_pos, BS, PAGED
+            )
             cdt = cache_ptr.dtype.element_ty
             tl.store(cache_ptr + slot + lat, tl.load(c_ptr + tok * c_tok + lat).to(cdt))
             tl.store(cache_ptr + slot + L + offs, o1.to(cdt))
@@ -201,9 +279,24 @@ LATENT_COMBINE_TILE = 4096
 if triton is not None:
 
     @triton.jit(do_not_specialize=["M", "a_stride_m"])
-    def _head_product_kernel(a_ptr, w_ptr, out_ptr, M, a_stride_m, a_stride_h, H, w_stride_h, w_stride_k,
-                             K: tl.constexpr, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr, F32_DOT: tl.constexpr, PDL: tl.constexpr):
+    def _head_product_kernel(
+        a_ptr,
+        w_ptr,
+        out_ptr,
+        M,
+        a_stride_m,
+        a_stride_h,
+        H,
+        w_stride_h,
+        w_stride_k,
+        K: tl.constexpr,
+        N: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        F32_DOT: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program (h, n): out[m, h, n..] = sum_k a[m, h, k] W_h[k, n..] for the M tokens, each weight tile
         # read once for all of them (W_h rows w_stride_k apart).
         h = tl.program_id(0)
@@ -215,16 +308,25 @@ if triton is not None:
         for k0 in range(0, K, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             kmask = offs_k < K
-            a = tl.load(a_ptr + offs_m[:, None] * a_stride_m + h * a_stride_h + offs_k[None, :],
-                        mask=mmask[:, None] & kmask[None, :], other=0.0)
-            w = tl.load(w_ptr + h * w_stride_h + offs_k[:, None] * w_stride_k + offs_n[None, :],
-                        mask=kmask[:, None] & nmask[None, :], other=0.0)
+            a = tl.load(
+                a_ptr + offs_m[:, None] * a_stride_m + h * a_stride_h + offs_k[None, :],
+                mask=mmask[:, None] & kmask[None, :],
+                other=0.0,
+            )
+            w = tl.load(
+                w_ptr + h * w_stride_h + offs_k[:, None] * w_stride_k + offs_n[None, :],
+                mask=kmask[:, None] & nmask[None, :],
+                other=0.0,
+            )
             if F32_DOT:
                 acc += tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
             else:
                 acc = tl.dot(a, w, acc)
-        tl.store(out_ptr + offs_m[:, None] * (H * N) + h * N + offs_n[None, :], acc.to(out_ptr.dtype.element_ty),
-                 mask=mmask[:, None] & nmask[None, :])
+        tl.store(
+            out_ptr + offs_m[:, None] * (H * N) + h * N + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=mmask[:, None] & nmask[None, :],
+        )
 
 
 # The absorbed query's product at decode and verify sizes (H200, Kimi-K2.5 width, 64 heads of [128, 512]:
@@ -241,9 +343,17 @@ def head_product(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     launch (cuBLAS's batched product of one-row matrices streams the weights slower there); else
     torch.einsum."""
     B, T, H, K = a.shape
-    fits = (use_triton(a, w) and a.dtype in (torch.bfloat16, torch.float16) and w.dtype == a.dtype
-            and B * T <= HEAD_PRODUCT_MAX_TOKENS and a.stride(3) == 1 and _tokens_even(a) and w.stride(2) == 1
-            and w.shape[0] == H and w.shape[1] == K)
+    fits = (
+        use_triton(a, w)
+        and a.dtype in (torch.bfloat16, torch.float16)
+        and w.dtype == a.dtype
+        and B * T <= HEAD_PRODUCT_MAX_TOKENS
+        and a.stride(3) == 1
+        and _tokens_even(a)
+        and w.stride(2) == 1
+        and w.shape[0] == H
+        and w.shape[1] == K
+    )
     if not fits:
         return torch.einsum("bthk,hkn->bthn", a, w)
     return head_product_triton(a, w)
@@ -257,9 +367,25 @@ def head_product_triton(a: torch.Tensor, w: torch.Tensor, cfg: tuple | None = No
     block_n, block_k, warps, stages = cfg or HEAD_PRODUCT_CONFIG
     out = torch.empty(B, T, H, N, dtype=a.dtype, device=a.device)
     _head_product_kernel[(H, triton.cdiv(N, block_n))](
-        a, w, out, M, _token_stride(a), a.stride(2), H, w.stride(0), w.stride(1), K=K, N=N,
-        BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n, BLOCK_K=block_k, F32_DOT=_interpreted_bf16(a),
-        num_warps=warps, num_stages=stages, **pdl_args(a))
+        a,
+        w,
+        out,
+        M,
+        _token_stride(a),
+        a.stride(2),
+        H,
+        w.stride(0),
+        w.stride(1),
+        K=K,
+        N=N,
+        BLOCK_M=max(16, triton.next_power_of_2(M)),
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        F32_DOT=_interpreted_bf16(a),
+        num_warps=warps,
+        num_stages=stages,
+        **pdl_args(a),
+    )
     return out
 
 
@@ -275,15 +401,27 @@ def latent_attention_fits(q: torch.Tensor, cache: torch.Tensor, write_idx: torch
     T, D = q.shape[1], q.shape[3]
     L, R = latent_dim, D - latent_dim
     pow2 = triton is not None and triton.next_power_of_2(L) == L and triton.next_power_of_2(R) == R
-    return (pow2 and 16 <= R and 16 <= L <= 512 and cache.shape[1] == 1 and cache.shape[3] == D
-            and q.is_contiguous() and cache.stride(3) == 1 and write_idx.stride(1) == 1 and T <= LATENT_MAX_TOKENS)
+    return (
+        pow2
+        and 16 <= R
+        and 16 <= L <= 512
+        and cache.shape[1] == 1
+        and cache.shape[3] == D
+        and q.is_contiguous()
+        and cache.stride(3) == 1
+        and write_idx.stride(1) == 1
+        and T <= LATENT_MAX_TOKENS
+    )
 
 
 def latent_attention_ok(q: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor, latent_dim: int) -> bool:
     """Can `latent_attention_triton` serve these queries on this device? (Half precision only: a
     float32 tl.dot on a GPU would round through TF32.)"""
-    return (use_triton(q) and q.dtype in (torch.bfloat16, torch.float16)
-            and latent_attention_fits(q, cache, write_idx, latent_dim))
+    return (
+        use_triton(q)
+        and q.dtype in (torch.bfloat16, torch.float16)
+        and latent_attention_fits(q, cache, write_idx, latent_dim)
+    )
 
 
 def latent_splits(length: int, batch: int, tokens: int, heads: int, sm_count: int) -> int:
@@ -294,9 +432,20 @@ def latent_splits(length: int, batch: int, tokens: int, heads: int, sm_count: in
     return max(1, min(triton.cdiv(length, LATENT_MIN_CHUNK), LATENT_WAVES * sm_count // programs))
 
 
-def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx, scratch: int, scale: float,
-                            sm_count: int | None = None, tree_base=None, tree_anc=None, block_table=None,
-                            block_size: int = 0) -> torch.Tensor:
+def latent_attention_triton(
+    q,
+    cache,
+    latent_dim: int,
+    row_start: int,
+    write_idx,
+    scratch: int,
+    scale: float,
+    sm_count: int | None = None,
+    tree_base=None,
+    tree_anc=None,
+    block_table=None,
+    block_size: int = 0,
+) -> torch.Tensor:
     """Absorbed attention of q [B, T, H, L + R] over rows row_start.. of the latent cache
     ([rows, 1, length, L + R], or a block pool with `block_table`), values its first L dims ->
     [B, T, H, L]. Query (b, t) sees keys 0..write_idx[b, t], a padding query (scratch index)
@@ -315,20 +464,65 @@ def latent_attention_triton(q, cache, latent_dim: int, row_start: int, write_idx
     ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
     tree = tree_anc is not None
     _latent_partial_kernel[(n_rb, n_split, B)](
-        q, cache, write_idx, tree_base if tree else write_idx, tree_anc if tree else write_idx,
-        block_table if paged else write_idx, part, ml, out,
-        T, H, n_split, write_idx.stride(0), tree_anc.stride(0) if tree else 0, length, row_start, scratch,
-        scale, block_table.stride(0) if paged else 0, cache.stride(0), cache.stride(2),
-        L=L, R=R, BLOCK_Q=LATENT_ROWS, T_BLOCK=t_block, BLOCK_N=LATENT_BLOCK_N, MIN_CHUNK=LATENT_MIN_CHUNK,
-        TREE=tree, BS=block_size if paged else 1, PAGED=paged, ONE_SPLIT=one, F32_DOT=_interpreted_bf16(q),
-        num_warps=LATENT_WARPS, num_stages=LATENT_STAGES, **pdl_args(q))
+        q,
+        cache,
+        write_idx,
+        tree_base if tree else write_idx,
+        tree_anc if tree else write_idx,
+        block_table if paged else write_idx,
+        part,
+        ml,
+        out,
+        T,
+        H,
+        n_split,
+        write_idx.stride(0),
+        tree_anc.stride(0) if tree else 0,
+        length,
+        row_start,
+        scratch,
+        scale,
+        block_table.stride(0) if paged else 0,
+        cache.stride(0),
+        cache.stride(2),
+        L=L,
+        R=R,
+        BLOCK_Q=LATENT_ROWS,
+        T_BLOCK=t_block,
+        BLOCK_N=LATENT_BLOCK_N,
+        MIN_CHUNK=LATENT_MIN_CHUNK,
+        TREE=tree,
+        BS=block_size if paged else 1,
+        PAGED=paged,
+        ONE_SPLIT=one,
+        F32_DOT=_interpreted_bf16(q),
+        num_warps=LATENT_WARPS,
+        num_stages=LATENT_STAGES,
+        **pdl_args(q),
+    )
     if not one:
         splits = triton.next_power_of_2(n_split)
         dc = min(L, max(16, LATENT_COMBINE_TILE // splits))
         _latent_combine_kernel[(T * H, B, L // dc)](
-            part, ml, out, write_idx, T, H, n_split, write_idx.stride(0), scratch,
-            L=L, BLOCK_Q=LATENT_ROWS, T_BLOCK=t_block, BLOCK_N=LATENT_BLOCK_N, MIN_CHUNK=LATENT_MIN_CHUNK,
-            SPLITS=splits, DC=dc, num_warps=4, **pdl_args(q))
+            part,
+            ml,
+            out,
+            write_idx,
+            T,
+            H,
+            n_split,
+            write_idx.stride(0),
+            scratch,
+            L=L,
+            BLOCK_Q=LATENT_ROWS,
+            T_BLOCK=t_block,
+            BLOCK_N=LATENT_BLOCK_N,
+            MIN_CHUNK=LATENT_MIN_CHUNK,
+            SPLITS=splits,
+            DC=dc,
+            num_warps=4,
+            **pdl_args(q),
+        )
     return out
 
 
@@ -344,8 +538,16 @@ def latent_variants(length: int, heads: int, rows: int, sm_count: int) -> dict[t
     return variants
 
 
-def compile_eager_latent_variants(cache: torch.Tensor, num_heads: int, latent_dim: int, scale: float, scratch: int,
-                                  block_table, block_size: int, rows: int) -> None:
+def compile_eager_latent_variants(
+    cache: torch.Tensor,
+    num_heads: int,
+    latent_dim: int,
+    scale: float,
+    scratch: int,
+    block_table,
+    block_size: int,
+    rows: int,
+) -> None:
     """Compile now the latent kernels only eager forwards reach (a catch-up or a chunk continuing a prompt of
     up to LATENT_MAX_TOKENS tokens a row, at any of `rows` batch sizes): each `latent_variants` launch. Every
     query sits at the padding slot (`scratch`), so nothing is read and only zeros are written."""
@@ -355,30 +557,64 @@ def compile_eager_latent_variants(cache: torch.Tensor, num_heads: int, latent_di
         q = torch.zeros(B, T, num_heads, D, dtype=cache.dtype, device=cache.device)
         at = torch.full((B, T), scratch, dtype=torch.long, device=cache.device)
         if latent_attention_ok(q, cache, at, latent_dim):
-            latent_attention_triton(q, cache, latent_dim, 0, at, scratch, scale, block_table=block_table,
-                                    block_size=block_size)
+            latent_attention_triton(
+                q, cache, latent_dim, 0, at, scratch, scale, block_table=block_table, block_size=block_size
+            )
 
 
-def rope_store_latent_fits(q_rot: torch.Tensor, k_rot: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor,
-                           positions: torch.Tensor, latent_dim: int) -> bool:
+def rope_store_latent_fits(
+    q_rot: torch.Tensor,
+    k_rot: torch.Tensor,
+    cache: torch.Tensor,
+    write_idx: torch.Tensor,
+    positions: torch.Tensor,
+    latent_dim: int,
+) -> bool:
     """Do the rope parts q_rot [B, T, H, R] and k_rot [B, T, 1, R] and a latent cache have the layout
     `rope_store_latent_triton` takes?"""
     R = q_rot.shape[-1]
-    return (triton is not None and R % 2 == 0 and triton.next_power_of_2(R // 2) == R // 2
-            and triton.next_power_of_2(latent_dim) == latent_dim and cache.shape[3] == latent_dim + R
-            and cache.stride(3) == 1 and q_rot.stride(3) == 1 and k_rot.stride(3) == 1
-            and _tokens_even(q_rot) and _tokens_even(k_rot)
-            and positions.stride() == write_idx.stride() and write_idx.stride(1) == 1)
+    return (
+        triton is not None
+        and R % 2 == 0
+        and triton.next_power_of_2(R // 2) == R // 2
+        and triton.next_power_of_2(latent_dim) == latent_dim
+        and cache.shape[3] == latent_dim + R
+        and cache.stride(3) == 1
+        and q_rot.stride(3) == 1
+        and k_rot.stride(3) == 1
+        and _tokens_even(q_rot)
+        and _tokens_even(k_rot)
+        and positions.stride() == write_idx.stride()
+        and write_idx.stride(1) == 1
+    )
 
 
-def rope_store_latent_ok(q_rot: torch.Tensor, k_rot: torch.Tensor, cache: torch.Tensor, write_idx: torch.Tensor,
-                         positions: torch.Tensor, latent_dim: int) -> bool:
+def rope_store_latent_ok(
+    q_rot: torch.Tensor,
+    k_rot: torch.Tensor,
+    cache: torch.Tensor,
+    write_idx: torch.Tensor,
+    positions: torch.Tensor,
+    latent_dim: int,
+) -> bool:
     """Can `rope_store_latent_triton` serve these on this device?"""
     return use_triton(q_rot, k_rot) and rope_store_latent_fits(q_rot, k_rot, cache, write_idx, positions, latent_dim)
 
 
-def rope_store_latent_triton(q_latent, q_rot, c, k_rot, cos, sin, positions, cache, row_start: int, write_idx,
-                             block_table=None, block_size: int = 0) -> torch.Tensor:
+def rope_store_latent_triton(
+    q_latent,
+    q_rot,
+    c,
+    k_rot,
+    cos,
+    sin,
+    positions,
+    cache,
+    row_start: int,
+    write_idx,
+    block_table=None,
+    block_size: int = 0,
+) -> torch.Tensor:
     """MLA's step between the projections and the attention, in one launch: the absorbed query
     [q_latent | rope(q_rot)] [B, T, H, L + R] is returned, and each token's cache entry
     [c | rope(k_rot)] is written for rows row_start.. at cache index `write_idx` [B, T] (cache
@@ -392,9 +628,34 @@ def rope_store_latent_triton(q_latent, q_rot, c, k_rot, cos, sin, positions, cac
     q_out = torch.empty(B, T, H, L + R, dtype=q_rot.dtype, device=q_rot.device)
     paged = block_table is not None
     _rope_latent_kernel[(B * T, H + 1)](
-        q_latent, q_rot, c, k_rot, q_out, cos, sin, positions, write_idx, cache,
-        block_table if paged else write_idx, T, H, _token_stride(q_rot), q_rot.stride(2), c.shape[-1],
-        _token_stride(k_rot), write_idx.stride(0), row_start, block_table.stride(0) if paged else 0,
-        cache.stride(0), cache.stride(2), L=L, HALF=R // 2, BS=block_size if paged else 1, PAGED=paged,
-        num_warps=2, enable_fp_fusion=False, **pdl_args(q_rot))  # (no fused multiply-add: the reference rounds each product)
+        q_latent,
+        q_rot,
+        c,
+        k_rot,
+        q_out,
+        cos,
+        sin,
+        positions,
+        write_idx,
+        cache,
+        block_table if paged else write_idx,
+        T,
+        H,
+        _token_stride(q_rot),
+        q_rot.stride(2),
+        c.shape[-1],
+        _token_stride(k_rot),
+        write_idx.stride(0),
+        row_start,
+        block_table.stride(0) if paged else 0,
+        cache.stride(0),
+        cache.stride(2),
+        L=L,
+        HALF=R // 2,
+        BS=block_size if paged else 1,
+        PAGED=paged,
+        num_warps=2,
+        enable_fp_fusion=False,
+        **pdl_args(q_rot),
+    )  # (no fused multiply-add: the reference rounds each product)
     return q_out

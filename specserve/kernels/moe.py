@@ -53,9 +53,26 @@ if triton is not None:
     from specserve.kernels.int4 import int4_tile
 
     @triton.jit
-    def _weight_tile(w_ptr, s_ptr, z_ptr, e, rows, nmask, k0, cols, ROWS: tl.constexpr, K: tl.constexpr,
-                     GROUPS: tl.constexpr, INT4: tl.constexpr, HAS_ZERO: tl.constexpr, TILED: tl.constexpr,
-                     HALF: tl.constexpr, dt: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _weight_tile(
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        e,
+        rows,
+        nmask,
+        k0,
+        cols,
+        ROWS: tl.constexpr,
+        K: tl.constexpr,
+        GROUPS: tl.constexpr,
+        INT4: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        TILED: tl.constexpr,
+        HALF: tl.constexpr,
+        dt: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+    ):
         """Expert e's weight [ROWS, K] at rows `rows` [BLOCK_N] and columns `cols` (k0..k0+BLOCK_K)
         as a [BLOCK_K, BLOCK_N] tile in dt, zero outside the weight. Float weights load and
         convert; int4 ones load packed words and dequantize them in dt (`int4_tile`), under TILED
@@ -65,8 +82,9 @@ if triton is not None:
             if TILED and HALF > 0:  # gate row i: tile i // 8, row i % 8; up row HALF + i: row 8 + i % 8
                 r = rows % HALF
                 rows = (r // 8) * 16 + r % 8 + (rows >= HALF).to(r.dtype) * 8
-            return int4_tile(w_ptr, s_ptr, z_ptr, e * ROWS + rows, nmask, k0, cols, K, GROUPS, HAS_ZERO, dt,
-                             BLOCK_N, BLOCK_K, TILED)  # (int64 rows: the expert's offset)
+            return int4_tile(
+                w_ptr, s_ptr, z_ptr, e * ROWS + rows, nmask, k0, cols, K, GROUPS, HAS_ZERO, dt, BLOCK_N, BLOCK_K, TILED
+            )  # (int64 rows: the expert's offset)
         else:
             mask = (cols < K)[:, None] & nmask[None, :]
             return tl.load(w_ptr + (e * ROWS + rows[None, :]) * K + cols[:, None], mask=mask, other=0.0).to(dt)
@@ -109,11 +127,32 @@ if triton is not None:
     # (P and E are arguments Triton would specialize by divisibility by 16: a prefill chunk of an odd token
     # count would compile a second variant mid-run, stalling that step.)
     @triton.jit(do_not_specialize=["P", "E"])
-    def _gate_up_kernel(x_ptr, w_ptr, s_ptr, z_ptr, h_ptr, g_ptr, pairs_ptr, block_expert_ptr, P, E,
-                        H: tl.constexpr, I: tl.constexpr, TOP_K: tl.constexpr, GROUPS: tl.constexpr,
-                        INT4: tl.constexpr, HAS_ZERO: tl.constexpr, TILED: tl.constexpr, SWAP: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr,
-                        PRECISION: tl.constexpr, PDL: tl.constexpr):
+    def _gate_up_kernel(
+        x_ptr,
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        h_ptr,
+        g_ptr,
+        pairs_ptr,
+        block_expert_ptr,
+        P,
+        E,
+        H: tl.constexpr,
+        I: tl.constexpr,
+        TOP_K: tl.constexpr,
+        GROUPS: tl.constexpr,
+        INT4: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        TILED: tl.constexpr,
+        SWAP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        K_SPAN: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N gate and up features
         # each, over input columns s*K_SPAN..(s+1)*K_SPAN. With the whole input (K_SPAN >= H) it
         # stores silu(gate) * up; with a slice it adds its float32 sums into g_ptr [P, 2I]
@@ -137,12 +176,47 @@ if triton is not None:
         acc_u = _zeros(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, H), BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=valid[:, None] & (cols < H)[None, :],
-                        other=0.0)
-            wg = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, cols, 2 * I, H, GROUPS, INT4, HAS_ZERO,
-                              TILED, I, dt, BLOCK_N, BLOCK_K)
-            wu = _weight_tile(w_ptr, s_ptr, z_ptr, e, I + offs_n, nmask, k0, cols, 2 * I, H, GROUPS, INT4, HAS_ZERO,
-                              TILED, I, dt, BLOCK_N, BLOCK_K)
+            a = tl.load(x_ptr + tok[:, None] * H + cols[None, :], mask=valid[:, None] & (cols < H)[None, :], other=0.0)
+            wg = _weight_tile(
+                w_ptr,
+                s_ptr,
+                z_ptr,
+                e,
+                offs_n,
+                nmask,
+                k0,
+                cols,
+                2 * I,
+                H,
+                GROUPS,
+                INT4,
+                HAS_ZERO,
+                TILED,
+                I,
+                dt,
+                BLOCK_N,
+                BLOCK_K,
+            )
+            wu = _weight_tile(
+                w_ptr,
+                s_ptr,
+                z_ptr,
+                e,
+                I + offs_n,
+                nmask,
+                k0,
+                cols,
+                2 * I,
+                H,
+                GROUPS,
+                INT4,
+                HAS_ZERO,
+                TILED,
+                I,
+                dt,
+                BLOCK_N,
+                BLOCK_K,
+            )
             acc_g = _mma(a, wg, acc_g, SWAP, PRECISION)
             acc_u = _mma(a, wu, acc_u, SWAP, PRECISION)
         acc_g = _unswap(acc_g, SWAP)
@@ -167,11 +241,31 @@ if triton is not None:
         tl.store(h_ptr + pair * I + offs, _swiglu(g, u, h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit(do_not_specialize=["P", "E"])
-    def _down_kernel(h_ptr, w_ptr, s_ptr, z_ptr, rw_ptr, out_ptr, pairs_ptr, block_expert_ptr, P, E,
-                     H: tl.constexpr, I: tl.constexpr, GROUPS: tl.constexpr, INT4: tl.constexpr,
-                     HAS_ZERO: tl.constexpr, TILED: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, K_SPAN: tl.constexpr, PRECISION: tl.constexpr, PDL: tl.constexpr):
+    def _down_kernel(
+        h_ptr,
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        rw_ptr,
+        out_ptr,
+        pairs_ptr,
+        block_expert_ptr,
+        P,
+        E,
+        H: tl.constexpr,
+        I: tl.constexpr,
+        GROUPS: tl.constexpr,
+        INT4: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
+        TILED: tl.constexpr,
+        SWAP: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        K_SPAN: tl.constexpr,
+        PRECISION: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program (block, n, s): BLOCK_M pairs of one expert times BLOCK_N output features over
         # input columns s*K_SPAN..(s+1)*K_SPAN. With the whole input (K_SPAN >= I) each row is
         # scaled by its routing weight and stored; with a slice the float32 sums are added into
@@ -193,10 +287,27 @@ if triton is not None:
         acc = _zeros(BLOCK_M, BLOCK_N, SWAP)
         for k0 in range(k_lo, tl.minimum(k_lo + K_SPAN, I), BLOCK_K):
             cols = k0 + tl.arange(0, BLOCK_K)
-            a = tl.load(h_ptr + pair[:, None] * I + cols[None, :], mask=valid[:, None] & (cols < I)[None, :],
-                        other=0.0)
-            b = _weight_tile(w_ptr, s_ptr, z_ptr, e, offs_n, nmask, k0, cols, H, I, GROUPS, INT4, HAS_ZERO, TILED, 0,
-                             dt, BLOCK_N, BLOCK_K)
+            a = tl.load(h_ptr + pair[:, None] * I + cols[None, :], mask=valid[:, None] & (cols < I)[None, :], other=0.0)
+            b = _weight_tile(
+                w_ptr,
+                s_ptr,
+                z_ptr,
+                e,
+                offs_n,
+                nmask,
+                k0,
+                cols,
+                H,
+                I,
+                GROUPS,
+                INT4,
+                HAS_ZERO,
+                TILED,
+                0,
+                dt,
+                BLOCK_N,
+                BLOCK_K,
+            )
             acc = _mma(a, b, acc, SWAP, PRECISION)
         acc = _unswap(acc, SWAP)
         out_at = out_ptr + pair[:, None] * H + offs_n[None, :]
@@ -209,8 +320,21 @@ if triton is not None:
             tl.atomic_add(out_at, acc, mask=out_mask, sem="relaxed")
 
     @triton.jit
-    def _combine_kernel(y_ptr, rw_ptr, ids_ptr, add_ptr, out_ptr, first, E, H: tl.constexpr, TOP_K: tl.constexpr,
-                        SPLIT: tl.constexpr, ADD: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _combine_kernel(
+        y_ptr,
+        rw_ptr,
+        ids_ptr,
+        add_ptr,
+        out_ptr,
+        first,
+        E,
+        H: tl.constexpr,
+        TOP_K: tl.constexpr,
+        SPLIT: tl.constexpr,
+        ADD: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program (token, n): BLOCK output features of one token, its TOP_K rows of y [P, H]
         # summed in float32 and rounded once. Rows of pairs held elsewhere are never written
         # (nor zeroed): they are skipped. Under SPLIT y holds the split down kernel's float32
@@ -274,8 +398,15 @@ def _weight_args(w: Experts) -> dict:
         return dict(w_ptr=w, s_ptr=w, z_ptr=w, GROUPS=1, INT4=False, HAS_ZERO=False, TILED=False)
     scale = w.scale.contiguous()
     zero = w.zero.contiguous() if w.zero is not None else scale  # (the scales again where there are none)
-    return dict(w_ptr=w.packed.contiguous(), s_ptr=scale, z_ptr=zero, GROUPS=scale.shape[-1], INT4=True,
-                HAS_ZERO=w.zero is not None, TILED=_tiled(w))
+    return dict(
+        w_ptr=w.packed.contiguous(),
+        s_ptr=scale,
+        z_ptr=zero,
+        GROUPS=scale.shape[-1],
+        INT4=True,
+        HAS_ZERO=w.zero is not None,
+        TILED=_tiled(w),
+    )
 
 
 def fused_experts_supported(w13: Experts, w2: Experts) -> bool:
@@ -287,8 +418,9 @@ def fused_experts_supported(w13: Experts, w2: Experts) -> bool:
         return False
     if isinstance(w13, torch.Tensor):
         return w13.is_cuda and w13.dtype in FLOATS
-    return all(w.packed.is_cuda and w.scale.dtype in FLOATS and expert_shape(w)[2] % w.scale.shape[-1] == 0
-               for w in (w13, w2))
+    return all(
+        w.packed.is_cuda and w.scale.dtype in FLOATS and expert_shape(w)[2] % w.scale.shape[-1] == 0 for w in (w13, w2)
+    )
 
 
 @dataclass(frozen=True)
@@ -355,8 +487,9 @@ def align_pairs(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
     blocks = aligned_blocks(P, experts, block_m)
     local = ids.reshape(-1).long() - first
     local = torch.where((local >= 0) & (local < experts), local, experts)  # others' experts: one more bucket
-    counts = torch.zeros(experts + 1, dtype=torch.long, device=ids.device).scatter_add_(0, local,
-                                                                                       torch.ones_like(local))
+    counts = torch.zeros(experts + 1, dtype=torch.long, device=ids.device).scatter_add_(
+        0, local, torch.ones_like(local)
+    )
     padded = (counts[:experts] + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     order = torch.argsort(local, stable=True)
@@ -377,16 +510,36 @@ def _align(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tuple[t
     return align(ids, experts, first, block_m)
 
 
-def _combine(out: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, x: torch.Tensor, add: torch.Tensor | None,
-             first: int, experts: int, split: bool) -> torch.Tensor:
+def _combine(
+    out: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    x: torch.Tensor,
+    add: torch.Tensor | None,
+    first: int,
+    experts: int,
+    split: bool,
+) -> torch.Tensor:
     """Each token's top_k rows of `out` [P, H] summed (`_combine_kernel`; `split`: the rows are unweighted
     products the routing weight is applied to here), plus `add` where given: [N, H] in x's dtype."""
     N, H = x.shape
     y = torch.empty_like(x)
     _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
-        out, weights.contiguous(), ids.contiguous(), y if add is None else add.contiguous(), y, first, experts, H=H,
-        TOP_K=ids.shape[1], SPLIT=split, ADD=add is not None, BLOCK=COMBINE_BLOCK, enable_fp_fusion=False,
-        **pdl_args(x))
+        out,
+        weights.contiguous(),
+        ids.contiguous(),
+        y if add is None else add.contiguous(),
+        y,
+        first,
+        experts,
+        H=H,
+        TOP_K=ids.shape[1],
+        SPLIT=split,
+        ADD=add is not None,
+        BLOCK=COMBINE_BLOCK,
+        enable_fp_fusion=False,
+        **pdl_args(x),
+    )
     return y
 
 
@@ -406,8 +559,11 @@ def _cuda_kernels(group: int) -> dict | None:
     try:
         return compile_cuda_kernels(CUDA_WARPS, CUDA_SPLIT, group)
     except (RuntimeError, OSError) as e:
-        log.warning("the CUDA int4 expert kernels could not be built (%s); int4 experts take the Triton kernels "
-                    "(SPECSERVE_INT4_MOE_CUDA=0 skips this attempt)", e)
+        log.warning(
+            "the CUDA int4 expert kernels could not be built (%s); int4 experts take the Triton kernels "
+            "(SPECSERVE_INT4_MOE_CUDA=0 skips this attempt)",
+            e,
+        )
         return None
 
 
@@ -416,7 +572,9 @@ def compile_cuda_kernels(warps: int, split: int, group: int, options: tuple[str,
     features and scale groups of `group` features (plus nvcc-style `options`)."""
     src = (Path(__file__).parent / "csrc" / "int4_moe.cu").read_text()
     opts = [f"-DWARPS={warps}", f"-DSPLIT={split}", f"-DGROUP={group}", *options]
-    return {name: torch.cuda._compile_kernel(src, name, nvcc_options=opts) for name in ("int4_moe_gate_up", "int4_moe_down")}
+    return {
+        name: torch.cuda._compile_kernel(src, name, nvcc_options=opts) for name in ("int4_moe_gate_up", "int4_moe_down")
+    }
 
 
 def _group(w: Int4Stack) -> int:
@@ -435,8 +593,12 @@ def int4_cuda_layout_fits(w13: Experts, w2: Experts) -> bool:
     (SPECSERVE_INT4_MOE_CUDA=0: never)."""
     if isinstance(w13, torch.Tensor) or isinstance(w2, torch.Tensor) or w13.zero is not None or w2.zero is not None:
         return False
-    if not (envs.INT4_MOE_CUDA.get() and w13.packed.is_cuda and hasattr(torch.cuda, "_compile_kernel")
-            and torch.cuda.get_device_capability(w13.packed.device) >= (8, 0)):
+    if not (
+        envs.INT4_MOE_CUDA.get()
+        and w13.packed.is_cuda
+        and hasattr(torch.cuda, "_compile_kernel")
+        and torch.cuda.get_device_capability(w13.packed.device) >= (8, 0)
+    ):
         return False
     _, _, H = expert_shape(w13)
     _, _, I = expert_shape(w2)
@@ -444,19 +606,36 @@ def int4_cuda_layout_fits(w13: Experts, w2: Experts) -> bool:
         group = _group(w)
         if w.scale.dtype != torch.bfloat16 or K % 128 or group % 32 or K % group:
             return False
-    return (I % (8 * CUDA_WARPS) == 0 and H % (16 * CUDA_WARPS) == 0
-            and all(_cuda_kernels(_group(w)) is not None for w in (w13, w2)))
+    return (
+        I % (8 * CUDA_WARPS) == 0
+        and H % (16 * CUDA_WARPS) == 0
+        and all(_cuda_kernels(_group(w)) is not None for w in (w13, w2))
+    )
 
 
 def int4_cuda_fits(x: torch.Tensor, w13: Experts, w2: Experts, pairs: int) -> bool:
     """Whether `int4_cuda_experts` serves these: tiled int4 experts (`int4_cuda_layout_fits` held when
     they were tiled), bf16 activations and at most CUDA_MAX_PAIRS pairs."""
-    return (not isinstance(w13, torch.Tensor) and _tiled(w13) and _tiled(w2) and envs.INT4_MOE_CUDA.get()
-            and x.is_cuda and x.dtype == torch.bfloat16 and pairs <= CUDA_MAX_PAIRS)
+    return (
+        not isinstance(w13, torch.Tensor)
+        and _tiled(w13)
+        and _tiled(w2)
+        and envs.INT4_MOE_CUDA.get()
+        and x.is_cuda
+        and x.dtype == torch.bfloat16
+        and pairs <= CUDA_MAX_PAIRS
+    )
 
 
-def int4_cuda_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Int4Stack, w2: Int4Stack,
-                      first: int = 0, add: torch.Tensor | None = None) -> torch.Tensor:
+def int4_cuda_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: Int4Stack,
+    w2: Int4Stack,
+    first: int = 0,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
     """`fused_experts` for tiled experts within `int4_cuda_fits`: pairs in blocks of eight of one expert,
     gate/up with SwiGLU (one kernel) and down (another) on the tensor cores, then `_combine_kernel`."""
     N, H = x.shape
@@ -469,17 +648,30 @@ def int4_cuda_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     threads = (32 * CUDA_WARPS * CUDA_SPLIT, 1, 1)
     # (the kernels index rows of whole experts: a rank's slice of a stack is contiguous, a copy otherwise)
-    _cuda_kernels(_group(w13))["int4_moe_gate_up"](grid=(blocks, I // (8 * CUDA_WARPS), 1), block=threads, args=[
-        x, w13.packed.contiguous(), w13.scale.contiguous(), h, pairs, block_expert, P, E, H, I, top_k])
+    _cuda_kernels(_group(w13))["int4_moe_gate_up"](
+        grid=(blocks, I // (8 * CUDA_WARPS), 1),
+        block=threads,
+        args=[x, w13.packed.contiguous(), w13.scale.contiguous(), h, pairs, block_expert, P, E, H, I, top_k],
+    )
     out = torch.empty(P, H, dtype=x.dtype, device=x.device)
-    _cuda_kernels(_group(w2))["int4_moe_down"](grid=(blocks, H // (16 * CUDA_WARPS), 1), block=threads, args=[
-        h, w2.packed.contiguous(), w2.scale.contiguous(), out, pairs, block_expert, P, E, H, I])
+    _cuda_kernels(_group(w2))["int4_moe_down"](
+        grid=(blocks, H // (16 * CUDA_WARPS), 1),
+        block=threads,
+        args=[h, w2.packed.contiguous(), w2.scale.contiguous(), out, pairs, block_expert, P, E, H, I],
+    )
     return _combine(out, weights, ids, x, add, first, E, split=True)  # (down products stored unweighted)
 
 
-def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: Experts,
-                  w2: Experts, first: int = 0, tiles: Tiles | None = None, add: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+def fused_experts(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: Experts,
+    w2: Experts,
+    first: int = 0,
+    tiles: Tiles | None = None,
+    add: torch.Tensor | None = None,
+) -> torch.Tensor:
     """sum over k of weights[:, k] * expert_{ids[:, k]}(x) for x [N, H]; w13 [E, 2I, H] (gate
     rows then up rows) and w2 [E, H, I], float or int4 (`Int4Stack`), hold experts
     first..first+E-1; pairs routed elsewhere contribute zero (the other ranks add them). int4
@@ -501,23 +693,54 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # (tf32 is ignored for 16-bit inputs)
     block_n, block_k = tiles.block_n, tiles.block_k
     span_h, span_i = tiles.k_span(H), tiles.k_span(I)
-    consts = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, PRECISION=precision, num_warps=tiles.num_warps,
-                  num_stages=tiles.num_stages, SWAP=tiles.swap, **pdl_args(x))
+    consts = dict(
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PRECISION=precision,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+        SWAP=tiles.swap,
+        **pdl_args(x),
+    )
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)
     # Split slices add into float32 sums, which start at zero: gate_up's [P, 2I] and down's
     # [P, H], one buffer zeroed once. Unsplit rows are stored whole (rows of pairs held
     # elsewhere stay unwritten: `_combine_kernel` skips them).
     split_h, split_i = span_h < H, span_i < I
     sums = torch.zeros(P * (2 * I * split_h + H * split_i), dtype=torch.float32, device=x.device)
-    g = sums[:P * 2 * I].view(P, 2 * I) if split_h else h
+    g = sums[: P * 2 * I].view(P, 2 * I) if split_h else h
     _gate_up_kernel[(blocks, triton.cdiv(I, block_n), triton.cdiv(H, span_h))](
-        x, h_ptr=h, g_ptr=g, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H, I=I, TOP_K=top_k,
-        K_SPAN=span_h, **consts, **_weight_args(w13))
+        x,
+        h_ptr=h,
+        g_ptr=g,
+        pairs_ptr=pairs,
+        block_expert_ptr=block_expert,
+        P=P,
+        E=E,
+        H=H,
+        I=I,
+        TOP_K=top_k,
+        K_SPAN=span_h,
+        **consts,
+        **_weight_args(w13),
+    )
     if split_h:
         _swiglu_kernel[(P, triton.cdiv(I, 1024))](g, h, I=I, BLOCK=1024, **pdl_args(x))
-    out = sums[-P * H:].view(P, H) if split_i else torch.empty(P, H, dtype=x.dtype, device=x.device)
+    out = sums[-P * H :].view(P, H) if split_i else torch.empty(P, H, dtype=x.dtype, device=x.device)
     rw = weights.contiguous()
     _down_kernel[(blocks, triton.cdiv(H, block_n), triton.cdiv(I, span_i))](
-        h, rw_ptr=rw, out_ptr=out, pairs_ptr=pairs, block_expert_ptr=block_expert, P=P, E=E, H=H,
-        I=I, K_SPAN=span_i, **consts, **_weight_args(w2))
+        h,
+        rw_ptr=rw,
+        out_ptr=out,
+        pairs_ptr=pairs,
+        block_expert_ptr=block_expert,
+        P=P,
+        E=E,
+        H=H,
+        I=I,
+        K_SPAN=span_i,
+        **consts,
+        **_weight_args(w2),
+    )
     return _combine(out, rw, ids, x, add, first, E, split_i)

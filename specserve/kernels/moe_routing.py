@@ -58,10 +58,25 @@ if triton is not None:
             return tl.math.div_rn(tl.exp(x - peak), total)
 
     @triton.jit
-    def _route_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, E: tl.constexpr, TOP_K: tl.constexpr,
-                      GROUPS: tl.constexpr, KEPT: tl.constexpr, G_PAD: tl.constexpr, PER_PAD: tl.constexpr,
-                      K_PAD: tl.constexpr, SIGMOID: tl.constexpr, NORM: tl.constexpr, SCALE: tl.constexpr,
-                      SCORE_DT: tl.constexpr, CHOICE_DT: tl.constexpr, PDL: tl.constexpr):
+    def _route_kernel(
+        logits_ptr,
+        bias_ptr,
+        w_ptr,
+        ids_ptr,
+        E: tl.constexpr,
+        TOP_K: tl.constexpr,
+        GROUPS: tl.constexpr,
+        KEPT: tl.constexpr,
+        G_PAD: tl.constexpr,
+        PER_PAD: tl.constexpr,
+        K_PAD: tl.constexpr,
+        SIGMOID: tl.constexpr,
+        NORM: tl.constexpr,
+        SCALE: tl.constexpr,
+        SCORE_DT: tl.constexpr,
+        CHOICE_DT: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program n: token n's logits as a [group, expert in group] tile (one group unless
         # grouped sigmoid routing), padded to powers of two; padding ranks below everything.
         n = tl.program_id(0).to(tl.int64)
@@ -76,8 +91,7 @@ if triton is not None:
             peak = 0.0
             total = 1.0
             bias = tl.load(bias_ptr + e, mask=valid, other=0.0).to(tl.float32)
-            choice = tl.where(valid, _round(_scores(x, True, SCORE_DT, peak, total) + bias, CHOICE_DT),
-                              float("-inf"))
+            choice = tl.where(valid, _round(_scores(x, True, SCORE_DT, peak, total) + bias, CHOICE_DT), float("-inf"))
             if GROUPS > 1:
                 # a group's strength: its best two biased scores (the first best taken out once)
                 best, at = tl.max(choice, axis=1, return_indices=True, return_indices_tie_break_left=True)
@@ -85,8 +99,12 @@ if triton is not None:
                 strength = tl.where(g < GROUPS, _round(best + second, CHOICE_DT), float("-inf"))
                 kept = g < 0
                 for _ in tl.static_range(KEPT):
-                    _, pick = tl.max(tl.where(kept, float("-inf"), strength), axis=0, return_indices=True,
-                                     return_indices_tie_break_left=True)
+                    _, pick = tl.max(
+                        tl.where(kept, float("-inf"), strength),
+                        axis=0,
+                        return_indices=True,
+                        return_indices_tie_break_left=True,
+                    )
                     kept = kept | (g == pick)
                 choice = tl.where(kept[:, None], choice, float("-inf"))
         else:
@@ -116,9 +134,21 @@ if triton is not None:
         tl.store(ids_ptr + n * TOP_K + kk, ids.to(tl.int64), mask=out)
 
     @triton.jit(do_not_specialize=["first", "P", "BLOCKS"])
-    def _align_kernel(ids_ptr, pairs_ptr, block_expert_ptr, first, P, BLOCKS, E: tl.constexpr,
-                      BLOCK_M: tl.constexpr, P_PAD: tl.constexpr, BINS: tl.constexpr, ROWS_PAD: tl.constexpr,
-                      BLOCKS_PAD: tl.constexpr, PDL: tl.constexpr):
+    def _align_kernel(
+        ids_ptr,
+        pairs_ptr,
+        block_expert_ptr,
+        first,
+        P,
+        BLOCKS,
+        E: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        P_PAD: tl.constexpr,
+        BINS: tl.constexpr,
+        ROWS_PAD: tl.constexpr,
+        BLOCKS_PAD: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # One program. Bucket E collects the pairs of experts another rank holds (and padding).
         # (P and BLOCKS are arguments, not constants: one compile serves every batch up to P_PAD.)
         p = tl.arange(0, P_PAD)
@@ -146,8 +176,18 @@ if triton is not None:
         tl.store(block_expert_ptr + dest // BLOCK_M, expert, mask=mine & (dest % BLOCK_M == 0))
 
     @triton.jit(do_not_specialize=["N"])
-    def _router_kernel(x_ptr, w_ptr, out_ptr, N, E, H: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    def _router_kernel(
+        x_ptr,
+        w_ptr,
+        out_ptr,
+        N,
+        E,
+        H: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_E: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program e: experts e*BLOCK_E.. for every token, each weight tile read once for all of them.
         # Float32 products of the activations (exact in float32) and the weights, summed per step
         # over BLOCK_K features, then across steps: the same order for a row whatever N is.
@@ -157,17 +197,20 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_E], tl.float32)
         offs_k = tl.arange(0, BLOCK_K)
         # (the router does not depend on the kernel before: its first tile is read while that one drains)
-        w = tl.load(w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=emask[:, None] & (offs_k < H)[None, :],
-                    other=0.0)
+        w = tl.load(
+            w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=emask[:, None] & (offs_k < H)[None, :], other=0.0
+        )
         wait_for_previous(PDL)
         for k0 in range(0, H, BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             kmask = offs_k < H
             if k0 > 0:
-                w = tl.load(w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=emask[:, None] & kmask[None, :],
-                            other=0.0)
-            x = tl.load(x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=mmask[:, None] & kmask[None, :],
-                        other=0.0).to(tl.float32)
+                w = tl.load(
+                    w_ptr + offs_e[:, None] * H + offs_k[None, :], mask=emask[:, None] & kmask[None, :], other=0.0
+                )
+            x = tl.load(
+                x_ptr + offs_m[:, None] * H + offs_k[None, :], mask=mmask[:, None] & kmask[None, :], other=0.0
+            ).to(tl.float32)
             acc += tl.sum(x[:, None, :] * w[None, :, :], axis=2)
         tl.store(out_ptr + offs_m[:, None] * E + offs_e[None, :], acc, mask=mmask[:, None] & emask[None, :])
 
@@ -175,8 +218,14 @@ if triton is not None:
 def _router_kernel_fits(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether `_router_kernel` serves tokens x [N, H] and router w [E, H]: a float32 router on the GPU,
     2 to ROUTER_ROWS tokens."""
-    return (use_triton(x, w) and w.dtype == torch.float32 and x.dtype in FLOATS and x.dim() == 2
-            and 1 < x.shape[0] <= ROUTER_ROWS and w.is_contiguous())
+    return (
+        use_triton(x, w)
+        and w.dtype == torch.float32
+        and x.dtype in FLOATS
+        and x.dim() == 2
+        and 1 < x.shape[0] <= ROUTER_ROWS
+        and w.is_contiguous()
+    )
 
 
 def router_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -197,8 +246,20 @@ def router_logits_triton(x: torch.Tensor, w: torch.Tensor, cfg: tuple | None = N
     x = x.contiguous()
     out = torch.empty(N, E, dtype=torch.float32, device=x.device)
     # (one tile of 8 rows whatever N is (ROUTER_ROWS <= 8): a row's sums add in one order in every batch)
-    _router_kernel[(triton.cdiv(E, block_e),)](x, w, out, N, E, H=H, BLOCK_M=8, BLOCK_E=block_e, BLOCK_K=block_k,
-                                              num_warps=warps, num_stages=stages, **pdl_args(x))
+    _router_kernel[(triton.cdiv(E, block_e),)](
+        x,
+        w,
+        out,
+        N,
+        E,
+        H=H,
+        BLOCK_M=8,
+        BLOCK_E=block_e,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=stages,
+        **pdl_args(x),
+    )
     return out
 
 
@@ -217,8 +278,9 @@ def fused_routing_fits(tokens: int, top_k: int, experts: int) -> bool:
     return triton is not None and tokens <= MAX_TOKENS and top_k <= MAX_TOP_K and experts <= MAX_EXPERTS
 
 
-def fused_route(logits: torch.Tensor, m: MoEConfig, bias: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_route(
+    logits: torch.Tensor, m: MoEConfig, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`route_grouped_sigmoid(logits, bias, m)` when `bias` is given (sigmoid scoring), else
     `route_softmax(logits, m)`, for router logits [N, E] within `fused_routing_fits`: (weights
     [N, k] in the logits' dtype, expert ids [N, k] int64). Roundings follow the torch functions
@@ -230,25 +292,43 @@ def fused_route(logits: torch.Tensor, m: MoEConfig, bias: torch.Tensor | None = 
     if logits.dtype not in FLOATS:
         raise ValueError(f"fused_route takes float32/float16/bfloat16 logits, got {logits.dtype}")
     if not fused_routing_fits(N, k, E):
-        raise ValueError(f"fused_route serves up to {MAX_TOKENS} tokens, top_k {MAX_TOP_K} and {MAX_EXPERTS} "
-                         f"experts, got {N} tokens, top_k {k}, {E} experts: route these with the torch functions")
+        raise ValueError(
+            f"fused_route serves up to {MAX_TOKENS} tokens, top_k {MAX_TOP_K} and {MAX_EXPERTS} "
+            f"experts, got {N} tokens, top_k {k}, {E} experts: route these with the torch functions"
+        )
     sigmoid = bias is not None
     groups = m.n_group if sigmoid else 1
     kept = m.topk_group if groups > 1 else 1
     if E % groups or (groups > 1 and E // groups < 2) or not 1 <= k <= E // groups * kept:
-        raise ValueError(f"{E} experts in {groups} groups ({kept} kept) cannot route top_k {k}: the groups must "
-                         f"be equal, of two experts or more, and the kept ones hold at least top_k")
+        raise ValueError(
+            f"{E} experts in {groups} groups ({kept} kept) cannot route top_k {k}: the groups must "
+            f"be equal, of two experts or more, and the kept ones hold at least top_k"
+        )
     logits = logits.contiguous()
     weights = torch.empty(N, k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(N, k, dtype=torch.int64, device=logits.device)
     if N:
         choice = torch.promote_types(logits.dtype, bias.dtype) if sigmoid else torch.float32
-        _route_kernel[(N,)](logits, bias.contiguous() if sigmoid else logits, weights, ids, E=E, TOP_K=k,
-                            GROUPS=groups, KEPT=kept, G_PAD=_pow2(groups),
-                            PER_PAD=_pow2(E // groups), K_PAD=_pow2(k), SIGMOID=sigmoid, NORM=m.norm_topk_prob,
-                            SCALE=float(m.routed_scaling_factor) if sigmoid else 1.0,
-                            SCORE_DT=_tl_dtype(logits.dtype), CHOICE_DT=_tl_dtype(choice), num_warps=1,
-                            **pdl_args(logits))
+        _route_kernel[(N,)](
+            logits,
+            bias.contiguous() if sigmoid else logits,
+            weights,
+            ids,
+            E=E,
+            TOP_K=k,
+            GROUPS=groups,
+            KEPT=kept,
+            G_PAD=_pow2(groups),
+            PER_PAD=_pow2(E // groups),
+            K_PAD=_pow2(k),
+            SIGMOID=sigmoid,
+            NORM=m.norm_topk_prob,
+            SCALE=float(m.routed_scaling_factor) if sigmoid else 1.0,
+            SCORE_DT=_tl_dtype(logits.dtype),
+            CHOICE_DT=_tl_dtype(choice),
+            num_warps=1,
+            **pdl_args(logits),
+        )
     return weights, ids
 
 
@@ -261,14 +341,28 @@ def fused_align(ids: torch.Tensor, experts: int, first: int, block_m: int) -> tu
     (`experts`: those held here): the same (pairs, block_expert), element for element."""
     N, k = ids.shape
     if not fused_routing_fits(N, k, experts):
-        raise ValueError(f"fused_align serves up to {MAX_TOKENS} tokens, top_k {MAX_TOP_K} and {MAX_EXPERTS} "
-                         f"experts, got {N} tokens, top_k {k}, {experts} experts: use align_pairs")
+        raise ValueError(
+            f"fused_align serves up to {MAX_TOKENS} tokens, top_k {MAX_TOP_K} and {MAX_EXPERTS} "
+            f"experts, got {N} tokens, top_k {k}, {experts} experts: use align_pairs"
+        )
     P = N * k
     blocks = aligned_blocks(P, experts, block_m)
     pairs = torch.empty(blocks * block_m, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(blocks, dtype=torch.int32, device=ids.device)
     if P:
-        _align_kernel[(1,)](ids.contiguous(), pairs, block_expert, first, P, blocks, E=experts, BLOCK_M=block_m,
-                            P_PAD=_pow2(P), BINS=_pow2(experts + 1), ROWS_PAD=_pow2(blocks * block_m),
-                            BLOCKS_PAD=_pow2(blocks), **pdl_args(ids))
+        _align_kernel[(1,)](
+            ids.contiguous(),
+            pairs,
+            block_expert,
+            first,
+            P,
+            blocks,
+            E=experts,
+            BLOCK_M=block_m,
+            P_PAD=_pow2(P),
+            BINS=_pow2(experts + 1),
+            ROWS_PAD=_pow2(blocks * block_m),
+            BLOCKS_PAD=_pow2(blocks),
+            **pdl_args(ids),
+        )
     return pairs, block_expert

@@ -23,8 +23,19 @@ if triton is not None:
     from specserve.kernels.common import wait_for_previous
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, N, x_stride, eps,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rms_norm_kernel(
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        sum_ptr,
+        N,
+        x_stride,
+        eps,
+        HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # x's rows lie x_stride apart (a slice of a wider product's rows); the others are packed.
         row = tl.program_id(0)
         offs = tl.arange(0, BLOCK)
@@ -74,9 +85,34 @@ if triton is not None:
     # Integers that change from request to request (row, token count, strides of the position
     # buffers) are not specialized on: each new value class would compile again while serving.
     @triton.jit(do_not_specialize=["T", "idx_stride", "row_start", "bt_stride"])
-    def _rope_kv_kernel(q_ptr, k_ptr, v_ptr, q_out_ptr, cos_ptr, sin_ptr, pos_ptr, widx_ptr, kc_ptr, vc_ptr, bt_ptr,
-                        T, H, q_stride, k_stride, v_stride, idx_stride, row_start, bt_stride, c_row, c_head, c_pos,
-                        HALF: tl.constexpr, BS: tl.constexpr, PAGED: tl.constexpr, PDL: tl.constexpr):
+    def _rope_kv_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        q_out_ptr,
+        cos_ptr,
+        sin_ptr,
+        pos_ptr,
+        widx_ptr,
+        kc_ptr,
+        vc_ptr,
+        bt_ptr,
+        T,
+        H,
+        q_stride,
+        k_stride,
+        v_stride,
+        idx_stride,
+        row_start,
+        bt_stride,
+        c_row,
+        c_head,
+        c_pos,
+        HALF: tl.constexpr,
+        BS: tl.constexpr,
+        PAGED: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         tok = tl.program_id(0)
         head = tl.program_id(1)
         dt = q_ptr.dtype.element_ty
@@ -92,8 +128,10 @@ if triton is not None:
         else:
             kh = head - H
             o1, o2 = _rotate(k_ptr + tok * k_stride + kh * 2 * HALF, c1, c2, s1, s2, offs, HALF, dt)
-            slot = _cache_slot(bt_ptr, row_start + tok // T, tl.load(widx_ptr + idx), bt_stride, c_row, c_pos, BS,
-                               PAGED) + kh * c_head
+            slot = (
+                _cache_slot(bt_ptr, row_start + tok // T, tl.load(widx_ptr + idx), bt_stride, c_row, c_pos, BS, PAGED)
+                + kh * c_head
+            )
             cdt = kc_ptr.dtype.element_ty
             tl.store(kc_ptr + slot + offs, o1.to(cdt))
             tl.store(kc_ptr + slot + HALF + offs, o2.to(cdt))
@@ -133,8 +171,9 @@ def apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
 
 
-def rope_store_kv_ref(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx,
-                      block_table=None, block_size: int = 0):
+def rope_store_kv_ref(
+    q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx, block_table=None, block_size: int = 0
+):
     q, k = apply_rope(q, k, cos, sin, positions)
     B = q.shape[0]
     block = torch.arange(B, device=q.device).unsqueeze(1) + row_start
@@ -154,8 +193,11 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None):
     """RMSNorm of x; with ``residual``: (norm(x + residual), x + residual), the sum being the
     new residual stream (one kernel on GPU instead of an add plus ~7)."""
-    if use_triton(x, weight, residual) and x.shape[-1] <= 16384 and (
-            _row_stride(x) is not None if residual is None else x.is_contiguous() and residual.is_contiguous()):
+    if (
+        use_triton(x, weight, residual)
+        and x.shape[-1] <= 16384
+        and (_row_stride(x) is not None if residual is None else x.is_contiguous() and residual.is_contiguous())
+    ):
         return rms_norm_triton(x, weight, eps, residual)
     if x.dtype == torch.float32 and not x.is_cuda:
         native = fused_ops()
@@ -193,9 +235,20 @@ def rms_norm_triton(x, weight, eps: float, residual=None):
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     total = torch.empty_like(out) if residual is not None else out
     block = triton.next_power_of_2(N)
-    _rms_norm_kernel[(x.numel() // N,)](x, residual if residual is not None else x, weight, out, total, N, stride, eps,
-                                        HAS_RES=residual is not None, BLOCK=block,
-                                        num_warps=min(16, max(1, block // 256)), **pdl_args(x))
+    _rms_norm_kernel[(x.numel() // N,)](
+        x,
+        residual if residual is not None else x,
+        weight,
+        out,
+        total,
+        N,
+        stride,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+        **pdl_args(x),
+    )
     return out if residual is None else (out, total)
 
 
@@ -218,33 +271,67 @@ def _token_stride(t: torch.Tensor) -> int:
     return t.stride(1) if t.shape[1] > 1 else t.stride(0)
 
 
-def rope_store_kv(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx, block_table=None,
-                  block_size: int = 0) -> torch.Tensor:
+def rope_store_kv(
+    q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx, block_table=None, block_size: int = 0
+) -> torch.Tensor:
     """Rotary embedding of q [B, T, H, D] and k [B, T, Hkv, D]; k and v are written for rows
     row_start.. at cache index ``write_idx`` [B, T]: caches [rows, Hkv, len, D], or with a
     `block_table` [rows, blocks] pools [blocks, Hkv, block_size, D]. Returns rotated q."""
     D = q.shape[-1]
-    if (use_triton(q, k, v) and D % 2 == 0 and triton.next_power_of_2(D // 2) == D // 2
-            and all(_tokens_strided(t) for t in (q, k, v)) and k_cache.stride() == v_cache.stride()
-            and k_cache.stride(3) == 1 and positions.stride() == write_idx.stride() and write_idx.stride(1) == 1):
-        return rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx,
-                                    block_table, block_size)
-    return rope_store_kv_ref(q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx, block_table,
-                             block_size)
+    if (
+        use_triton(q, k, v)
+        and D % 2 == 0
+        and triton.next_power_of_2(D // 2) == D // 2
+        and all(_tokens_strided(t) for t in (q, k, v))
+        and k_cache.stride() == v_cache.stride()
+        and k_cache.stride(3) == 1
+        and positions.stride() == write_idx.stride()
+        and write_idx.stride(1) == 1
+    ):
+        return rope_store_kv_triton(
+            q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx, block_table, block_size
+        )
+    return rope_store_kv_ref(
+        q, k, v, cos, sin, positions, k_cache, v_cache, row_start, write_idx, block_table, block_size
+    )
 
 
-def rope_store_kv_triton(q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx,
-                         block_table=None, block_size: int = 0):
+def rope_store_kv_triton(
+    q, k, v, cos, sin, positions, k_cache, v_cache, row_start: int, write_idx, block_table=None, block_size: int = 0
+):
     B, T, H, D = q.shape
     q_out = torch.empty(B, T, H, D, dtype=q.dtype, device=q.device)
     paged = block_table is not None
     _rope_kv_kernel[(B * T, H + k.shape[2])](
-        q, k, v, q_out, cos, sin, positions, write_idx, k_cache, v_cache, block_table if paged else write_idx,
-        T, H, _token_stride(q), _token_stride(k), _token_stride(v), write_idx.stride(0), row_start,
+        q,
+        k,
+        v,
+        q_out,
+        cos,
+        sin,
+        positions,
+        write_idx,
+        k_cache,
+        v_cache,
+        block_table if paged else write_idx,
+        T,
+        H,
+        _token_stride(q),
+        _token_stride(k),
+        _token_stride(v),
+        write_idx.stride(0),
+        row_start,
         block_table.stride(0) if paged else 0,
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), HALF=D // 2, BS=block_size if paged else 1,
-        PAGED=paged, num_warps=1,
-        enable_fp_fusion=False, **pdl_args(q))  # a fused multiply-add would skip the reference's rounding of each product
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        HALF=D // 2,
+        BS=block_size if paged else 1,
+        PAGED=paged,
+        num_warps=1,
+        enable_fp_fusion=False,
+        **pdl_args(q),
+    )  # a fused multiply-add would skip the reference's rounding of each product
     return q_out
 
 
@@ -263,6 +350,7 @@ def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:
     I = gate_up.shape[-1] // 2
     out = torch.empty(*gate_up.shape[:-1], I, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(I))
-    _silu_mul_kernel[(gate_up.numel() // (2 * I), triton.cdiv(I, block))](gate_up, out, I, BLOCK=block, num_warps=4,
-                                                                         **pdl_args(gate_up))
+    _silu_mul_kernel[(gate_up.numel() // (2 * I), triton.cdiv(I, block))](
+        gate_up, out, I, BLOCK=block, num_warps=4, **pdl_args(gate_up)
+    )
     return out

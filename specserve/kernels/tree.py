@@ -12,8 +12,18 @@ if triton is not None:
     from specserve.kernels.common import wait_for_previous
 
     @triton.jit(do_not_specialize=["V"])
-    def _tree_expand_kernel(logits_ptr, parent_ptr, child_ptr, cid_ptr, d2t_ptr, V,
-                            TOPK: tl.constexpr, KP: tl.constexpr, BLOCK_V: tl.constexpr, PDL: tl.constexpr):
+    def _tree_expand_kernel(
+        logits_ptr,
+        parent_ptr,
+        child_ptr,
+        cid_ptr,
+        d2t_ptr,
+        V,
+        TOPK: tl.constexpr,
+        KP: tl.constexpr,
+        BLOCK_V: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program = one frontier node: its TOPK best children by log-probability, each scored
         # min(parent + log p, the float just below the parent), as target ids (see tree_level_ref).
         row = tl.program_id(0)
@@ -40,9 +50,25 @@ if triton is not None:
         tl.store(cid_ptr + row * TOPK + kr, ids, mask=kr < TOPK)
 
     @triton.jit(do_not_specialize=["all_stride", "off"])
-    def _tree_front_kernel(child_ptr, cid_ptr, bits_ptr, idx_ptr, score_out, ids_out, node_out, bits_out, idx_out,
-                           all_score_ptr, all_ids_ptr, all_par_ptr, all_stride, off,
-                           TOPK: tl.constexpr, KK: tl.constexpr, PDL: tl.constexpr):
+    def _tree_front_kernel(
+        child_ptr,
+        cid_ptr,
+        bits_ptr,
+        idx_ptr,
+        score_out,
+        ids_out,
+        node_out,
+        bits_out,
+        idx_out,
+        all_score_ptr,
+        all_ids_ptr,
+        all_par_ptr,
+        all_stride,
+        off,
+        TOPK: tl.constexpr,
+        KK: tl.constexpr,
+        PDL: tl.constexpr,
+    ):
         # Program = one sequence: record this depth's TOPK*TOPK candidates, keep the TOPK best as
         # the next frontier (with their ids, parent node, ancestor bits and candidate index).
         b = tl.program_id(0)
@@ -89,9 +115,9 @@ def tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all
     parent = front_score.unsqueeze(-1)
     child = torch.minimum(parent + lp, torch.nextafter(parent, torch.full_like(parent, -float("inf"))))
     child, cid = child.flatten(1), cid.flatten(1)
-    all_score[:, off: off + k * k] = child
-    all_ids[:, off: off + k * k] = cid
-    all_par[:, off: off + k * k] = front_idx.repeat_interleave(k, 1)
+    all_score[:, off : off + k * k] = child
+    all_ids[:, off : off + k * k] = cid
+    all_par[:, off : off + k * k] = front_idx.repeat_interleave(k, 1)
     score, pick = child.topk(k, -1)
     node = pick // k
     return score, cid.gather(1, pick), node, bits.gather(1, node), off + pick
@@ -100,8 +126,12 @@ def tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all
 def tree_level(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off: int, d2t):
     """`tree_level_ref` in two kernels on GPU (the reference's ~20 small kernels per depth each
     take a launch slot, even inside a CUDA graph)."""
-    if not (use_triton(logits) and logits.shape[-1] <= TREE_MAX_VOCAB and logits.is_contiguous()
-            and all_score.is_contiguous()):
+    if not (
+        use_triton(logits)
+        and logits.shape[-1] <= TREE_MAX_VOCAB
+        and logits.is_contiguous()
+        and all_score.is_contiguous()
+    ):
         return tree_level_ref(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off, d2t)
     return tree_level_triton(logits, front_score, bits, front_idx, all_score, all_ids, all_par, off, d2t)
 
@@ -112,12 +142,40 @@ def tree_level_triton(logits, front_score, bits, front_idx, all_score, all_ids, 
     child = torch.empty(B, k * k, dtype=torch.float32, device=dev)
     cid = torch.empty(B, k * k, dtype=torch.long, device=dev)
     block_v = triton.next_power_of_2(V)
-    _tree_expand_kernel[(B * k,)](logits, front_score.contiguous(), child, cid, d2t, V, TOPK=k,
-                                  KP=triton.next_power_of_2(k), BLOCK_V=block_v,
-                                  num_warps=max(1, min(8, block_v // 256)), **pdl_args(logits))
-    score, ids, node, new_bits, idx = (torch.empty(B, k, dtype=t, device=dev)
-                                       for t in (torch.float32, torch.long, torch.long, torch.long, torch.long))
-    _tree_front_kernel[(B,)](child, cid, bits.contiguous(), front_idx.contiguous(), score, ids, node, new_bits, idx,
-                             all_score, all_ids, all_par, all_score.stride(0), off,
-                             TOPK=k, KK=triton.next_power_of_2(k * k), num_warps=1, **pdl_args(logits))
+    _tree_expand_kernel[(B * k,)](
+        logits,
+        front_score.contiguous(),
+        child,
+        cid,
+        d2t,
+        V,
+        TOPK=k,
+        KP=triton.next_power_of_2(k),
+        BLOCK_V=block_v,
+        num_warps=max(1, min(8, block_v // 256)),
+        **pdl_args(logits),
+    )
+    score, ids, node, new_bits, idx = (
+        torch.empty(B, k, dtype=t, device=dev) for t in (torch.float32, torch.long, torch.long, torch.long, torch.long)
+    )
+    _tree_front_kernel[(B,)](
+        child,
+        cid,
+        bits.contiguous(),
+        front_idx.contiguous(),
+        score,
+        ids,
+        node,
+        new_bits,
+        idx,
+        all_score,
+        all_ids,
+        all_par,
+        all_score.stride(0),
+        off,
+        TOPK=k,
+        KK=triton.next_power_of_2(k * k),
+        num_warps=1,
+        **pdl_args(logits),
+    )
     return score, ids, node, new_bits, idx

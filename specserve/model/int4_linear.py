@@ -33,8 +33,9 @@ def unpack_zero_points(loaded: torch.Tensor, rows: int, groups: int) -> torch.Te
     [ceil(rows/8), groups]) -> int8 [rows, groups], ready to stack and shard by row."""
     check_int32(loaded)
     if tuple(loaded.shape) != (-(-rows // PACK), groups):
-        raise ValueError(f"expected packed zero points of shape {(-(-rows // PACK), groups)}, "
-                         f"checkpoint has {tuple(loaded.shape)}")
+        raise ValueError(
+            f"expected packed zero points of shape {(-(-rows // PACK), groups)}, checkpoint has {tuple(loaded.shape)}"
+        )
     return unpack_int4(loaded, rows, dim=-2)
 
 
@@ -43,8 +44,15 @@ class Int4Linear(HotPathModule):
     ranks, several Hugging Face modules stacked (`shard_sizes`, as ColumnParallelLinear);
     "row": input features split, partial sums all-reduced (as RowParallelLinear)."""
 
-    def __init__(self, in_features: int, shard_sizes: list[int], fmt: Int4Weights, split: str = "column",
-                 bias: bool = False, gather_output: bool = False):
+    def __init__(
+        self,
+        in_features: int,
+        shard_sizes: list[int],
+        fmt: Int4Weights,
+        split: str = "column",
+        bias: bool = False,
+        gather_output: bool = False,
+    ):
         super().__init__()
         self.tp = tp_size()
         self.split, self.fmt, self.gather_output = split, fmt, gather_output
@@ -58,8 +66,10 @@ class Int4Linear(HotPathModule):
         self.offsets = [sum(self.local_sizes[:i]) for i in range(len(shard_sizes))]
         group = fmt.group_size or in_features
         if in_features % group or self.local_in % group or self.local_in % PACK:
-            raise ValueError(f"int4 weight with {in_features} input features ({self.local_in} per rank) does not "
-                             f"split into whole groups of {group} and words of {PACK}")
+            raise ValueError(
+                f"int4 weight with {in_features} input features ({self.local_in} per rank) does not "
+                f"split into whole groups of {group} and words of {PACK}"
+            )
         # Per channel, every rank's slice of a row shares that row's one scale.
         self.group = fmt.group_size
         groups = 1 if fmt.group_size is None else self.local_in // fmt.group_size
@@ -89,8 +99,11 @@ class Int4Linear(HotPathModule):
 
     def hf_tensors(self, name: str, shard: int) -> dict[str, tuple[torch.Tensor, int]]:
         """Checkpoint tensor names of Hugging Face module `name` (stacked as `shard`) -> (our tensor, shard)."""
-        out = {f"{name}.weight_packed": (self.weight_packed, shard), f"{name}.weight_scale": (self.weight_scale, shard),
-               f"{name}.weight_shape": (self.weight_shape, shard)}
+        out = {
+            f"{name}.weight_packed": (self.weight_packed, shard),
+            f"{name}.weight_scale": (self.weight_scale, shard),
+            f"{name}.weight_shape": (self.weight_shape, shard),
+        }
         if self.weight_zero_point is not None:
             out[f"{name}.weight_zero_point"] = (self.weight_zero_point, shard)
         if self.bias is not None:
@@ -151,8 +164,14 @@ class Int4Linear(HotPathModule):
         return all_gather_last_dim(y) if self.gather_output else y
 
 
-def column_linear(quant: QuantConfig | None, names: list[str], in_features: int, shard_sizes: list[int],
-                  bias: bool = False, gather_output: bool = False) -> nn.Module:
+def column_linear(
+    quant: QuantConfig | None,
+    names: list[str],
+    in_features: int,
+    shard_sizes: list[int],
+    bias: bool = False,
+    gather_output: bool = False,
+) -> nn.Module:
     """The output-split linear of Hugging Face modules `names` (stacked in that order): int4
     where the checkpoint's quantization config says so, else float."""
     fmt = quant.stacked(names) if quant is not None else None
@@ -161,8 +180,9 @@ def column_linear(quant: QuantConfig | None, names: list[str], in_features: int,
     return Int4Linear(in_features, shard_sizes, fmt, "column", bias=bias, gather_output=gather_output)
 
 
-def row_linear(quant: QuantConfig | None, name: str, in_features: int, out_features: int,
-               bias: bool = False) -> nn.Module:
+def row_linear(
+    quant: QuantConfig | None, name: str, in_features: int, out_features: int, bias: bool = False
+) -> nn.Module:
     """The input-split linear of Hugging Face module `name`: int4 or float, as `column_linear`."""
     fmt = quant.linear(name) if quant is not None else None
     if fmt is None:

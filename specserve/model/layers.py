@@ -87,7 +87,7 @@ class ReplicatedLinear(HotPathModule, nn.Linear):
             return
         names = list(self.parts)
         lo = sum(self.parts[n] for n in names[: names.index(shard)])
-        _copy_checked(param.data[lo:lo + self.parts[shard]], loaded, shard)
+        _copy_checked(param.data[lo : lo + self.parts[shard]], loaded, shard)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
@@ -118,7 +118,9 @@ class ColumnParallelLinear(HotPathModule):
         piece = loaded.narrow(0, tp_rank() * size, size) if self.tp > 1 else loaded
         target = param.data.narrow(0, self.offsets[shard], size)
         if target.shape != piece.shape:
-            raise ValueError(f"expected shape {tuple(target.shape)} for shard {shard}, checkpoint gives {tuple(piece.shape)}")
+            raise ValueError(
+                f"expected shape {tuple(target.shape)} for shard {shard}, checkpoint gives {tuple(piece.shape)}"
+            )
         target.copy_(piece)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -319,7 +321,7 @@ class ForwardContext:
     def row_table(self) -> torch.Tensor:
         """[B, blocks] the block table's rows of this forward's sequences (once per forward)."""
         if self._row_table is None:
-            self._row_table = self.block_table[self.row_start: self.row_start + self.write_idx.shape[0]]
+            self._row_table = self.block_table[self.row_start : self.row_start + self.write_idx.shape[0]]
         return self._row_table
 
     def read_blocks(self) -> torch.Tensor:
@@ -327,7 +329,7 @@ class ForwardContext:
         if self._blocks is None:
             n = -(-self.kv_len // self.block_size)
             B = self.write_idx.shape[0]
-            self._blocks = self.block_table[self.row_start: self.row_start + B, :n]
+            self._blocks = self.block_table[self.row_start : self.row_start + B, :n]
         return self._blocks
 
     def cached(self, cache: torch.Tensor) -> torch.Tensor:
@@ -335,7 +337,7 @@ class ForwardContext:
         (a view without paging, else the row's blocks gathered)."""
         B = self.write_idx.shape[0]
         if self.block_table is None:
-            return cache[self.row_start: self.row_start + B, :, : self.kv_len]
+            return cache[self.row_start : self.row_start + B, :, : self.kv_len]
         blocks = self.read_blocks()
         H, D = cache.shape[1], cache.shape[3]
         if B == 1:  # gathered head-major ([heads, n, bs, dim]), the result needs no second copy
@@ -371,18 +373,41 @@ class KVCacheAttention(HotPathModule):
         self.k_cache: torch.Tensor | None = None  # [blocks, kv_heads, block_size, head_dim], set by the runner
         self.v_cache: torch.Tensor | None = None  # [blocks, kv_heads, block_size, v_dim]
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
-                rope: RotaryEmbedding) -> torch.Tensor:
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding
+    ) -> torch.Tensor:
         """Rotates q and k, writes k and v into the cache, attends (q [B, T, H, D], k/v [B, T, Hkv, D])."""
         if q.is_cuda:
-            q = rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache,
-                              ctx.row_start, ctx.write_idx, ctx.block_table, ctx.block_size)
+            q = rope_store_kv(
+                q,
+                k,
+                v,
+                rope.cos,
+                rope.sin,
+                ctx.positions,
+                self.k_cache,
+                self.v_cache,
+                ctx.row_start,
+                ctx.write_idx,
+                ctx.block_table,
+                ctx.block_size,
+            )
             if ctx.key_lo is None and cache_attention_ok(q, self.k_cache, ctx.write_idx):  # decode/verify/draft
                 B, T = q.shape[:2]
                 scratch = ctx.cache_length(self.k_cache) - 1  # the runner's padding slot
-                out = cache_attention_triton(q, self.k_cache, self.v_cache, ctx.row_start, ctx.write_idx, scratch,
-                                             self.scale, tree_base=ctx.tree_base, tree_anc=ctx.tree_anc,
-                                             block_table=ctx.block_table, block_size=ctx.block_size)
+                out = cache_attention_triton(
+                    q,
+                    self.k_cache,
+                    self.v_cache,
+                    ctx.row_start,
+                    ctx.write_idx,
+                    scratch,
+                    self.scale,
+                    tree_base=ctx.tree_base,
+                    tree_anc=ctx.tree_anc,
+                    block_table=ctx.block_table,
+                    block_size=ctx.block_size,
+                )
                 return out.view(B, T, self.num_heads * self.head_dim)
             return self._attend(q, ctx)
         q, k = self._rotate(q, ctx, rope), self._rotate(k, ctx, rope)
@@ -397,10 +422,11 @@ class KVCacheAttention(HotPathModule):
         if native is not None:  # one call each for rope + KV write and for attention, the keys read where they lie
             self.write_kv(heads, ctx, rope)  # (q rotated in place too: the projection's output is this call's own)
             blocks = ctx.row_table() if ctx.block_table is not None else None
-            return native.cache_attention(heads, H, self.k_cache, self.v_cache, blocks, ctx.row_start, ctx.write_idx,
-                                          ctx.kv_len, self.scale)
+            return native.cache_attention(
+                heads, H, self.k_cache, self.v_cache, blocks, ctx.row_start, ctx.write_idx, ctx.kv_len, self.scale
+            )
         qk = self._rotate(heads[:, :, : H + Hkv], ctx, rope)
-        self._store(qk[:, :, H:], heads[:, :, H + Hkv:], ctx)
+        self._store(qk[:, :, H:], heads[:, :, H + Hkv :], ctx)
         return self._attend(qk[:, :, :H], ctx)
 
     def write_kv(self, heads: torch.Tensor, ctx: ForwardContext, rope: RotaryEmbedding) -> None:
@@ -409,8 +435,20 @@ class KVCacheAttention(HotPathModule):
         H, Hkv = self.num_heads, self.num_kv_heads
         q, k, v = heads.split([H, Hkv, Hkv], dim=2)
         if heads.is_cuda:
-            rope_store_kv(q, k, v, rope.cos, rope.sin, ctx.positions, self.k_cache, self.v_cache, ctx.row_start,
-                          ctx.write_idx, ctx.block_table, ctx.block_size)
+            rope_store_kv(
+                q,
+                k,
+                v,
+                rope.cos,
+                rope.sin,
+                ctx.positions,
+                self.k_cache,
+                self.v_cache,
+                ctx.row_start,
+                ctx.write_idx,
+                ctx.block_table,
+                ctx.block_size,
+            )
             return
         native = _native_ops(heads)
         if native is not None:  # (rotates q in place as well)
@@ -445,7 +483,9 @@ class KVCacheAttention(HotPathModule):
         else:
             qg = q.view(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
         with sdpa_kernel(_CUDA_SDPA) if q.is_cuda else nullcontext():
-            out = F.scaled_dot_product_attention(qg, keys, values, attn_mask=ctx.attn_bias(G, q.dtype), scale=self.scale)
+            out = F.scaled_dot_product_attention(
+                qg, keys, values, attn_mask=ctx.attn_bias(G, q.dtype), scale=self.scale
+            )
         if T > 1:
             out = out.view(B, Hkv, G, T, Dv).permute(0, 3, 1, 2, 4)
         return out.reshape(B, T, self.num_heads * Dv)

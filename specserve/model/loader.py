@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -25,8 +25,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float16": torch.float16, "fp16": torch.float16,
-          "half": torch.float16, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def resolve_device(device: str) -> torch.device:
@@ -77,8 +84,14 @@ def tensor_names(files: list[Path]) -> set[str]:
     return names
 
 
-def _fill(module: nn.Module, weight_map: dict, tensors: Iterator[tuple[str, torch.Tensor]], where: str,
-          rename=lambda n: n, optional: frozenset[str] = frozenset()) -> None:
+def _fill(
+    module: nn.Module,
+    weight_map: dict,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    where: str,
+    rename=lambda n: n,
+    optional: frozenset[str] = frozenset(),
+) -> None:
     seen: set[str] = set()
     unexpected: list[str] = []
     for raw_name, tensor in tensors:
@@ -127,11 +140,11 @@ class _build_on:
         torch.set_default_dtype(self.prev)
 
 
-def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int,
-                allow_pickle: bool = False) -> "CausalLM":
-    from specserve.model.transformer import CausalLM
-
+def load_target(
+    model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int, allow_pickle: bool = False
+) -> "CausalLM":
     from specserve.model.gguf import find_gguf, iter_hf_tensors
+    from specserve.model.transformer import CausalLM
 
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
@@ -139,7 +152,7 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     skipped: set[str] = set()
 
     def text_name(name: str) -> str:  # the text model's tensors, named as in a text-only checkpoint
-        return name[len(cfg.tensor_prefix):] if cfg.tensor_prefix and name.startswith(cfg.tensor_prefix) else name
+        return name[len(cfg.tensor_prefix) :] if cfg.tensor_prefix and name.startswith(cfg.tensor_prefix) else name
 
     def keep(name: str) -> bool:  # not a tensor the text model skips (a vision tower, MTP layers)
         hit = next((p for p in cfg.skip_prefixes if name.startswith(p) or text_name(name).startswith(p)), None)
@@ -155,13 +168,23 @@ def load_target(model_dir: str | Path, device: torch.device, dtype: torch.dtype,
     _fill(model, model.hf_weight_map(), weights, str(model_dir), rename=text_name)
     model.weights_loaded()
     if skipped:
-        log.info("%s: skipped the checkpoint's tensors under %s (not part of the %s text model)", model_dir,
-                 ", ".join(sorted(skipped)), cfg.architecture)
+        log.info(
+            "%s: skipped the checkpoint's tensors under %s (not part of the %s text model)",
+            model_dir,
+            ", ".join(sorted(skipped)),
+            cfg.architecture,
+        )
     return model.eval().requires_grad_(False)
 
 
-def load_drafter(draft_dir: str | Path, target, device: torch.device, dtype: torch.dtype, max_positions: int,
-                 allow_pickle: bool = False) -> "Eagle3Drafter":
+def load_drafter(
+    draft_dir: str | Path,
+    target,
+    device: torch.device,
+    dtype: torch.dtype,
+    max_positions: int,
+    allow_pickle: bool = False,
+) -> "Eagle3Drafter":
     from specserve.model.eagle3 import Eagle3Drafter
 
     draft_dir = Path(draft_dir)
@@ -172,7 +195,14 @@ def load_drafter(draft_dir: str | Path, target, device: torch.device, dtype: tor
         drafter = Eagle3Drafter(cfg, max_positions, has_embedding="embed_tokens.weight" in names)
     # d2t/t2d may be absent when the draft vocabulary is the full target vocabulary.
     optional = frozenset({"d2t", "t2d"}) if cfg.draft_vocab_size == cfg.vocab_size else frozenset({"t2d"})
-    _fill(drafter, drafter.hf_weight_map(), iter_tensors(files), str(draft_dir), rename=draft_tensor_name, optional=optional)
+    _fill(
+        drafter,
+        drafter.hf_weight_map(),
+        iter_tensors(files),
+        str(draft_dir),
+        rename=draft_tensor_name,
+        optional=optional,
+    )
     if drafter.embed_tokens is None:
         drafter.target_embed = target.embed_tokens
     return drafter.eval().requires_grad_(False)

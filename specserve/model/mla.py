@@ -18,8 +18,13 @@ from torch import nn
 
 from specserve.config import ModelConfig
 from specserve.distributed.parallel_state import tp_rank, tp_size
-from specserve.kernels.latent_attention import (head_product, latent_attention_ok, latent_attention_triton,
-                                                rope_store_latent_ok, rope_store_latent_triton)
+from specserve.kernels.latent_attention import (
+    head_product,
+    latent_attention_ok,
+    latent_attention_triton,
+    rope_store_latent_ok,
+    rope_store_latent_triton,
+)
 from specserve.model.layers import (
     ColumnParallelLinear,
     ForwardContext,
@@ -55,10 +60,19 @@ class LatentAttention(KVCacheAttention):
         """`forward` once the tokens' latents are in the cache."""
         if ctx.key_lo is None and latent_attention_ok(q, self.k_cache, ctx.write_idx, self.latent_dim):  # decode...
             B, T = q.shape[:2]
-            out = latent_attention_triton(q, self.k_cache, self.latent_dim, ctx.row_start, ctx.write_idx,
-                                          ctx.cache_length(self.k_cache) - 1, self.scale, tree_base=ctx.tree_base,
-                                          tree_anc=ctx.tree_anc, block_table=ctx.block_table,
-                                          block_size=ctx.block_size)
+            out = latent_attention_triton(
+                q,
+                self.k_cache,
+                self.latent_dim,
+                ctx.row_start,
+                ctx.write_idx,
+                ctx.cache_length(self.k_cache) - 1,
+                self.scale,
+                tree_base=ctx.tree_base,
+                tree_anc=ctx.tree_anc,
+                block_table=ctx.block_table,
+                block_size=ctx.block_size,
+            )
             return out.view(B, T, -1)
         keys = ctx.cached(self.k_cache)
         return self._sdpa(q, keys, keys[..., : self.latent_dim], ctx)
@@ -70,6 +84,7 @@ KV_A = "kv_a_proj_with_mqa"  # the checkpoint's key/value down-projection (laten
 def _rows_permuted(loader, rows: torch.Tensor, name: str, only_shard: str | None = None):
     """A weight loader that stores the checkpoint tensor `name`'s rows in the order `rows` (of shard
     `only_shard` alone where given)."""
+
     def load(param, loaded, shard=None):
         if only_shard is None or shard == only_shard:
             if loaded.shape[0] != rows.numel():
@@ -86,7 +101,12 @@ class MLASelfAttention(HotPathModule):
         m = cfg.mla
         H, hidden = _divide(cfg.num_heads, tp_size(), "num_attention_heads"), cfg.hidden_size
         self.heads, self.nope, self.rope_dim, self.latent, self.v_dim = (
-            H, m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank, m.v_head_dim)
+            H,
+            m.qk_nope_head_dim,
+            m.qk_rope_head_dim,
+            m.kv_lora_rank,
+            m.v_head_dim,
+        )
         qk = self.nope + self.rope_dim
         # Both down-projections of x (q_a_proj's, with a query latent, and kv_a_proj_with_mqa's) are one
         # replicated product, [q_lora_rank + latent + rope, hidden]: one launch and one read of x.
@@ -100,8 +120,12 @@ class MLASelfAttention(HotPathModule):
             self.q_a_layernorm = RMSNorm(m.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = ColumnParallelLinear(m.q_lora_rank, [cfg.num_heads * qk])
             q_out = self.q_b_proj
-        self.latent_proj = ReplicatedLinear(hidden, self.q_lora + self.latent + self.rope_dim, bias=cfg.o_bias,
-                                            parts={"q_a_proj": self.q_lora, KV_A: self.latent + self.rope_dim})
+        self.latent_proj = ReplicatedLinear(
+            hidden,
+            self.q_lora + self.latent + self.rope_dim,
+            bias=cfg.o_bias,
+            parts={"q_a_proj": self.q_lora, KV_A: self.latent + self.rope_dim},
+        )
         self.kv_a_layernorm = RMSNorm(self.latent, LATENT_NORM_EPS)
         # kv_b_proj as [H, nope + v, latent]: W_UK = [:, :nope], W_UV = [:, nope:] (3-D, so the
         # linear tuning, which re-lays out 2-D weights, leaves it as it is).
@@ -140,20 +164,37 @@ class MLASelfAttention(HotPathModule):
         cache = self.attn.k_cache
         if rope_store_latent_ok(q_rot, k_rot, cache, ctx.write_idx, ctx.positions, self.latent):
             # (one launch for both rotations, the query's concatenation and the cache write)
-            q = rope_store_latent_triton(q_latent, q_rot, c, k_rot, self.rope.cos, self.rope.sin, ctx.positions, cache,
-                                         ctx.row_start, ctx.write_idx, ctx.block_table, ctx.block_size)
+            q = rope_store_latent_triton(
+                q_latent,
+                q_rot,
+                c,
+                k_rot,
+                self.rope.cos,
+                self.rope.sin,
+                ctx.positions,
+                cache,
+                ctx.row_start,
+                ctx.write_idx,
+                ctx.block_table,
+                ctx.block_size,
+            )
             out = self.attn.attend(q, ctx)
         else:
             q_rot = KVCacheAttention._rotate(q_rot, ctx, self.rope)
             latent = torch.cat([c.unsqueeze(2), KVCacheAttention._rotate(k_rot, ctx, self.rope)], dim=-1)
             out = self.attn(torch.cat([q_latent, q_rot], dim=-1), latent, ctx)
-        v = torch.einsum("bthl,hvl->bthv", out.view(B, T, self.heads, self.latent), self.kv_b[:, self.nope:])
+        v = torch.einsum("bthl,hvl->bthv", out.view(B, T, self.heads, self.latent), self.kv_b[:, self.nope :])
         return self.o_proj(v.reshape(B, T, self.heads * self.v_dim))
 
     def hf_weights(self, prefix: str) -> dict[str, tuple[nn.Parameter, int | None]]:
         """Hugging Face tensor names under `prefix` (".../self_attn.") -> (parameter, shard)."""
-        mods = {"q_proj": self.q_proj, "q_a_layernorm": self.q_a_layernorm, "q_b_proj": self.q_b_proj,
-                "kv_a_layernorm": self.kv_a_layernorm, "o_proj": self.o_proj}
+        mods = {
+            "q_proj": self.q_proj,
+            "q_a_layernorm": self.q_a_layernorm,
+            "q_b_proj": self.q_b_proj,
+            "kv_a_layernorm": self.kv_a_layernorm,
+            "o_proj": self.o_proj,
+        }
         out: dict[str, tuple[nn.Parameter, int | str | None]] = {prefix + "kv_b_proj.weight": (self.kv_b, None)}
         for name in ("q_a_proj", KV_A) if self.q_lora else (KV_A,):
             out.update({f"{prefix}{name}.{p}": (t, name) for p, t in self.latent_proj.named_parameters()})

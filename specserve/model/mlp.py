@@ -15,8 +15,9 @@ class SwiGLU(HotPathModule):
         """`quant` (a model.quant.QuantConfig) and `prefix` (the Hugging Face module name, `...mlp.`)
         make int4 those projections the checkpoint stores as int4."""
         super().__init__()
-        self.gate_up_proj = column_linear(quant, [prefix + "gate_proj", prefix + "up_proj"], hidden,
-                                          [intermediate, intermediate], bias=bias)
+        self.gate_up_proj = column_linear(
+            quant, [prefix + "gate_proj", prefix + "up_proj"], hidden, [intermediate, intermediate], bias=bias
+        )
         self.down_proj = row_linear(quant, prefix + "down_proj", intermediate, hidden, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -24,5 +25,7 @@ class SwiGLU(HotPathModule):
 
     def hf_weights(self, prefix: str) -> dict[str, tuple[torch.Tensor, int]]:
         """Hugging Face tensor names under `prefix` (".../mlp.") -> (our tensor, shard)."""
-        return {**linear_tensors(self.gate_up_proj, [prefix + "gate_proj", prefix + "up_proj"]),
-                **linear_tensors(self.down_proj, [prefix + "down_proj"])}
+        return {
+            **linear_tensors(self.gate_up_proj, [prefix + "gate_proj", prefix + "up_proj"]),
+            **linear_tensors(self.down_proj, [prefix + "down_proj"]),
+        }

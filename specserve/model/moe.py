@@ -75,6 +75,7 @@ def _expert_loader(first: int, width: int | None = None):
     """Loads one expert's tensor into a stacked [E_local, rows, cols] weight holding experts first..:
     shard (expert, part) puts it at rows part*width.. of that expert (gate then up in one [2I, H]
     block), shard `expert` whole; experts another rank holds are passed over."""
+
     def load(param: torch.Tensor, loaded: torch.Tensor, shard) -> None:
         expert, part = shard if isinstance(shard, tuple) else (shard, None)
         expert -= first
@@ -82,8 +83,9 @@ def _expert_loader(first: int, width: int | None = None):
             return
         target = param.data[expert] if part is None else param.data[expert].narrow(0, part * width, width)
         if target.shape != loaded.shape:
-            raise ValueError(f"expected shape {tuple(target.shape)} for expert {expert}, checkpoint has "
-                             f"{tuple(loaded.shape)}")
+            raise ValueError(
+                f"expected shape {tuple(target.shape)} for expert {expert}, checkpoint has {tuple(loaded.shape)}"
+            )
         target.copy_(loaded)
 
     return load
@@ -101,8 +103,10 @@ class Int4Experts(nn.Module):
         super().__init__()
         group = fmt.group_size or in_features
         if in_features % group or in_features % PACK:
-            raise ConfigError(f"int4 experts with {in_features} input features do not split into whole groups of "
-                              f"{group} and words of {PACK}")
+            raise ConfigError(
+                f"int4 experts with {in_features} input features do not split into whole groups of "
+                f"{group} and words of {PACK}"
+            )
         rows, groups = rows_per_part * parts, fmt.groups(in_features)
         self.interleave = rows_per_part if parts == 2 else 0  # (gate/up rows interleave in tiles)
         self.tiled = False
@@ -124,8 +128,11 @@ class Int4Experts(nn.Module):
 
     def hf_tensors(self, name: str, shard) -> dict[str, tuple[torch.Tensor, object]]:
         """Checkpoint tensor names of Hugging Face module `name` (one expert's projection) -> (our tensor, shard)."""
-        out = {f"{name}.weight_packed": (self.packed, shard), f"{name}.weight_scale": (self.scale, shard),
-               f"{name}.weight_shape": (self.shape, shard)}
+        out = {
+            f"{name}.weight_packed": (self.packed, shard),
+            f"{name}.weight_scale": (self.scale, shard),
+            f"{name}.weight_shape": (self.shape, shard),
+        }
         if self.zero is not None:
             out[f"{name}.weight_zero_point"] = (self.zero, shard)
         return out
@@ -152,6 +159,7 @@ class Int4Experts(nn.Module):
 
 def _checked(check, place):
     """A weight loader that runs `check` (it raises) on the checkpoint's tensor, then `place`s it."""
+
     def load(param: torch.Tensor, loaded: torch.Tensor, shard) -> None:
         check(loaded)
         place(param, loaded, shard)
@@ -189,8 +197,11 @@ class MoE(HotPathModule):
         else:
             self.w13 = Int4Experts(local, self.first, inter, 2, hidden, self.int4)
             self.w2 = Int4Experts(local, self.first, hidden, 1, inter, self.int4)
-        self.shared = SwiGLU(hidden, m.shared_intermediate_size, quant=quant, prefix=prefix + "shared_experts.") \
-            if m.shared_intermediate_size else None
+        self.shared = (
+            SwiGLU(hidden, m.shared_intermediate_size, quant=quant, prefix=prefix + "shared_experts.")
+            if m.shared_intermediate_size
+            else None
+        )
 
     def expert_weights(self, expert: int, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Local expert `expert`'s (gate/up [2I, H], down [H, I]) as float weights: float experts'
@@ -213,8 +224,11 @@ class MoE(HotPathModule):
         verify's few tokens route in one Triton program (`kernels.moe_routing.fused_route`),
         more tokens (and the CPU) through the torch functions."""
         logits = router_logits(x, self.gate)
-        if (use_triton(logits, self.gate, self.score_bias) and logits.dtype in FLOATS
-                and fused_routing_fits(logits.shape[0], self.m.top_k, self.m.num_experts)):
+        if (
+            use_triton(logits, self.gate, self.score_bias)
+            and logits.dtype in FLOATS
+            and fused_routing_fits(logits.shape[0], self.m.top_k, self.m.num_experts)
+        ):
             return fused_route(logits, self.m, self.score_bias)
         if self.score_bias is not None:
             return route_grouped_sigmoid(logits, self.score_bias, self.m)
@@ -281,4 +295,3 @@ class MoE(HotPathModule):
         if self.shared is not None:
             out.update(self.shared.hf_weights(prefix + "shared_experts."))
         return out
-

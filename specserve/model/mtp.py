@@ -83,9 +83,13 @@ class MTPDrafter(nn.Module):
 
     def hf_weight_map(self) -> dict[str, tuple[torch.Tensor, int | None]]:
         p = f"model.layers.{self.index}."
-        return {**self.block.hf_weights(p), p + "enorm.weight": (self.enorm.weight, None),
-                p + "hnorm.weight": (self.hnorm.weight, None), p + "eh_proj.weight": (self.eh_proj.weight, None),
-                p + "shared_head.norm.weight": (self.shared_norm.weight, None)}
+        return {
+            **self.block.hf_weights(p),
+            p + "enorm.weight": (self.enorm.weight, None),
+            p + "hnorm.weight": (self.hnorm.weight, None),
+            p + "eh_proj.weight": (self.eh_proj.weight, None),
+            p + "shared_head.norm.weight": (self.shared_norm.weight, None),
+        }
 
 
 def has_mtp_layer(cfg: ModelConfig) -> bool:
@@ -98,21 +102,28 @@ def load_mtp(model_dir: str | Path, target, device: torch.device, dtype: torch.d
 
     cfg = target.cfg
     if not has_mtp_layer(cfg):
-        raise ConfigError(f"{model_dir}: --speculative-method mtp needs a checkpoint with a multi-token-prediction "
-                          f"layer (num_nextn_predict_layers >= 1 in config.json, as DeepSeek-V3 / R1 ship); "
-                          f"{cfg.architecture} here has none: use eagle3 (--draft), ngram or suffix")
+        raise ConfigError(
+            f"{model_dir}: --speculative-method mtp needs a checkpoint with a multi-token-prediction "
+            f"layer (num_nextn_predict_layers >= 1 in config.json, as DeepSeek-V3 / R1 ship); "
+            f"{cfg.architecture} here has none: use eagle3 (--draft), ngram or suffix"
+        )
     prefix = f"model.layers.{cfg.num_layers}."
 
     def text(name: str) -> str:  # the text model's name (a multimodal wrapper's prefix removed)
-        return name[len(cfg.tensor_prefix):] if cfg.tensor_prefix and name.startswith(cfg.tensor_prefix) else name
+        return name[len(cfg.tensor_prefix) :] if cfg.tensor_prefix and name.startswith(cfg.tensor_prefix) else name
 
     def keep(name: str) -> bool:  # the MTP layer's own tensors
-        return text(name).startswith(prefix) and text(name)[len(prefix):] not in SHARED
+        return text(name).startswith(prefix) and text(name)[len(prefix) :] not in SHARED
 
     with _build_on(device, dtype):
         mtp = MTPDrafter(cfg, target)
-    _fill(mtp, mtp.hf_weight_map(), iter_tensors(checkpoint_files(Path(model_dir), allow_pickle), keep),
-          f"{model_dir} (MTP layer {prefix[:-1]})", rename=text)
+    _fill(
+        mtp,
+        mtp.hf_weight_map(),
+        iter_tensors(checkpoint_files(Path(model_dir), allow_pickle), keep),
+        f"{model_dir} (MTP layer {prefix[:-1]})",
+        rename=text,
+    )
     if hasattr(mtp.block.mlp, "weights_loaded"):
         mtp.block.mlp.weights_loaded()
     return mtp.eval().requires_grad_(False)

@@ -79,8 +79,10 @@ class QuantConfig:
         found = [self.linear(n) for n in names]
         if len(set(found)) > 1:
             parts = ", ".join(f"{n.rsplit('.', 1)[-1]} {_describe(f)}" for n, f in zip(names, found))
-            raise ConfigError(f"{names[0].rsplit('.', 1)[0]}: {parts} in quantization_config; they run as one fused "
-                              "product, so they must be quantized alike")
+            raise ConfigError(
+                f"{names[0].rsplit('.', 1)[0]}: {parts} in quantization_config; they run as one fused "
+                "product, so they must be quantized alike"
+            )
         return found[0]
 
     def experts(self, prefix: str, num_experts: int) -> Int4Weights | None:
@@ -90,9 +92,11 @@ class QuantConfig:
         first = self.linear(names[0])
         odd = next((n for n in names[1:] if self.linear(n) != first), None)
         if odd is not None:
-            raise ConfigError(f"{prefix}experts: {names[0]} is {_describe(first)} but {odd} is "
-                              f"{_describe(self.linear(odd))} in quantization_config; a layer's routed experts are "
-                              "stacked into one weight per projection, so they must be quantized alike")
+            raise ConfigError(
+                f"{prefix}experts: {names[0]} is {_describe(first)} but {odd} is "
+                f"{_describe(self.linear(odd))} in quantization_config; a layer's routed experts are "
+                "stacked into one weight per projection, so they must be quantized alike"
+            )
         return first
 
 
@@ -146,8 +150,9 @@ def parse_quantization_config(q: Any, where: str, prefix: str = "") -> QuantConf
         fmt = group.get("format") or top_format
         if fmt != PACK_QUANTIZED:
             w = group.get("weights") or {}
-            _refuse(gwhere, f"compressed-tensors format {fmt!r} ({w.get('type', '?')} {w.get('num_bits', '?')}-bit "
-                            "weights)")
+            _refuse(
+                gwhere, f"compressed-tensors format {fmt!r} ({w.get('type', '?')} {w.get('num_bits', '?')}-bit weights)"
+            )
         if group.get("input_activations") or group.get("output_activations"):
             _refuse(gwhere, "activation quantization (only weight-only W4A16 runs)")
         targets = group.get("targets")

@@ -44,8 +44,9 @@ class SelfAttention(HotPathModule):
         self.kv_heads = _divide(cfg.num_kv_heads, tp, "num_key_value_heads")
         self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = column_linear(cfg.quant, [prefix + n for n in QKV], cfg.hidden_size,
-                                      [q_size, kv_size, kv_size], bias=cfg.qkv_bias)
+        self.qkv_proj = column_linear(
+            cfg.quant, [prefix + n for n in QKV], cfg.hidden_size, [q_size, kv_size, kv_size], bias=cfg.qkv_bias
+        )
         self.o_proj = row_linear(cfg.quant, prefix + "o_proj", q_size, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -71,8 +72,10 @@ class SelfAttention(HotPathModule):
 
     def hf_weights(self, prefix: str) -> dict[str, tuple[torch.Tensor, int | None]]:
         """Hugging Face tensor names under `prefix` (".../self_attn.") -> (our tensor, shard)."""
-        out = {**linear_tensors(self.qkv_proj, [prefix + n for n in QKV]),
-               **linear_tensors(self.o_proj, [prefix + "o_proj"])}
+        out = {
+            **linear_tensors(self.qkv_proj, [prefix + n for n in QKV]),
+            **linear_tensors(self.o_proj, [prefix + "o_proj"]),
+        }
         if self.q_norm is not None:
             out[prefix + "q_norm.weight"] = (self.q_norm.weight, None)
             out[prefix + "k_norm.weight"] = (self.k_norm.weight, None)
@@ -92,15 +95,25 @@ class DecoderLayer(HotPathModule):
         if cfg.moe is not None and index not in cfg.moe.dense_layers:
             self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.quant, prefix + "mlp.")
         else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, quant=cfg.quant,
-                              prefix=prefix + "mlp.")
+            self.mlp = SwiGLU(
+                cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias, quant=cfg.quant, prefix=prefix + "mlp."
+            )
         # The products a CPU step may run in one native call (`_native_step`): a plain dense layer's, unsharded.
         attn, mlp = self.self_attn, self.mlp
-        plain = (isinstance(attn, SelfAttention) and attn.q_norm is None and attn.head_dim % 16 == 0
-                 and isinstance(mlp, SwiGLU) and tp_size() == 1)  # (the native rope takes 16-wide heads)
+        plain = (
+            isinstance(attn, SelfAttention)
+            and attn.q_norm is None
+            and attn.head_dim % 16 == 0
+            and isinstance(mlp, SwiGLU)
+            and tp_size() == 1
+        )  # (the native rope takes 16-wide heads)
         products = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj) if plain else ()
-        self.native_products = products if products and all(
-            type(m) in (ColumnParallelLinear, RowParallelLinear) and m.bias is None for m in products) else None
+        self.native_products = (
+            products
+            if products
+            and all(type(m) in (ColumnParallelLinear, RowParallelLinear) and m.bias is None for m in products)
+            else None
+        )
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """h: the previous sub-layer's output (the embeddings for layer 0), residual: the stream
@@ -120,9 +133,12 @@ class DecoderLayer(HotPathModule):
     def hf_weights(self, p: str) -> dict[str, tuple[torch.Tensor, int | None]]:
         """Hugging Face tensor names under `p` ("model.layers.N.") -> (our tensor, shard)."""
         block = self.mlp.m.hf_block if isinstance(self.mlp, MoE) else "mlp"
-        return {**self.self_attn.hf_weights(p + "self_attn."), **self.mlp.hf_weights(f"{p}{block}."),
-                p + "input_layernorm.weight": (self.input_layernorm.weight, None),
-                p + "post_attention_layernorm.weight": (self.post_attention_layernorm.weight, None)}
+        return {
+            **self.self_attn.hf_weights(p + "self_attn."),
+            **self.mlp.hf_weights(f"{p}{block}."),
+            p + "input_layernorm.weight": (self.input_layernorm.weight, None),
+            p + "post_attention_layernorm.weight": (self.post_attention_layernorm.weight, None),
+        }
 
     def _native_step(self, h: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext):
         """`forward` in one native call (`cpu_native` dense_layer) for a float32 CPU step of at most
@@ -139,11 +155,34 @@ class DecoderLayer(HotPathModule):
         a = self.self_attn
         cos, sin = ctx.rope_tables(a.rope, h.dtype)
         blocks = ctx.row_table() if ctx.block_table is not None else None
-        return tuple(native.dense_layer(
-            h, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight,
-            self.input_layernorm.eps, plans[0].panels, w[0].shape[0], plans[1].panels, w[1].shape[0],
-            plans[2].panels, w[2].shape[0], plans[3].panels, w[3].shape[0], a.heads, a.head_dim, cos, sin,
-            a.attn.k_cache, a.attn.v_cache, blocks, ctx.row_start, ctx.write_idx, ctx.kv_len, a.attn.scale))
+        return tuple(
+            native.dense_layer(
+                h,
+                residual,
+                self.input_layernorm.weight,
+                self.post_attention_layernorm.weight,
+                self.input_layernorm.eps,
+                plans[0].panels,
+                w[0].shape[0],
+                plans[1].panels,
+                w[1].shape[0],
+                plans[2].panels,
+                w[2].shape[0],
+                plans[3].panels,
+                w[3].shape[0],
+                a.heads,
+                a.head_dim,
+                cos,
+                sin,
+                a.attn.k_cache,
+                a.attn.v_cache,
+                blocks,
+                ctx.row_start,
+                ctx.write_idx,
+                ctx.kv_len,
+                a.attn.scale,
+            )
+        )
 
 
 class CausalLM(nn.Module):
@@ -154,16 +193,21 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, max_positions: int):
         super().__init__()
         if cfg.moe is not None and cfg.moe.num_experts % tp_size():
-            raise ConfigError(f"{cfg.architecture}: {cfg.moe.num_experts} routed experts do not shard evenly over "
-                              f"--tp {tp_size()} ranks")
+            raise ConfigError(
+                f"{cfg.architecture}: {cfg.moe.num_experts} routed experts do not shard evenly over "
+                f"--tp {tp_size()} ranks"
+            )
         self.cfg = cfg
         rope_dim = cfg.mla.qk_rope_head_dim if cfg.mla is not None else cfg.head_dim
         self.rope = RotaryEmbedding(rope_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, self.rope, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else column_linear(
-            cfg.quant, ["lm_head"], cfg.hidden_size, [cfg.vocab_size], gather_output=True)  # vocab split, logits gathered
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else column_linear(cfg.quant, ["lm_head"], cfg.hidden_size, [cfg.vocab_size], gather_output=True)
+        )  # vocab split, logits gathered
         self.aux_layers: tuple[int, ...] = ()
 
     @property
@@ -204,7 +248,9 @@ class CausalLM(nn.Module):
 
     def hf_weight_map(self) -> dict[str, tuple[nn.Parameter, int | None]]:
         """Hugging Face tensor name -> (our parameter, shard id within a stacked weight)."""
-        out: dict[str, tuple[nn.Parameter, int | None]] = {"model.embed_tokens.weight": (self.embed_tokens.weight, None)}
+        out: dict[str, tuple[nn.Parameter, int | None]] = {
+            "model.embed_tokens.weight": (self.embed_tokens.weight, None)
+        }
         out["model.norm.weight"] = (self.norm.weight, None)
         if self.lm_head is not None:
             out.update(linear_tensors(self.lm_head, ["lm_head"]))

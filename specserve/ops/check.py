@@ -75,8 +75,24 @@ LOGIT_COPIES = 3
 # Mirrors loader.DTYPES/resolve_dtype (tests assert they agree).
 DTYPE_BYTES = {"float32": 4, "fp32": 4, "float16": 2, "fp16": 2, "half": 2, "bfloat16": 2, "bf16": 2}
 # safetensors dtype tags -> bytes per element.
-ST_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
-            "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1}
+ST_BYTES = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "F8_E8M0": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+}
 FLOAT_TAGS = {"F64", "F32", "F16", "BF16"}  # what the loader can cast to the compute dtype
 DRAFT_INT_TENSORS = {"d2t", "t2d"}
 INT4_SUFFIXES = (".weight_packed", ".weight_zero_point", ".weight_shape")  # a target's int4 linears' integer tensors
@@ -112,8 +128,7 @@ def summary(findings: list[Finding]) -> str:
     n_err = sum(f.level == "error" for f in findings)
     n_warn = sum(f.level == "warning" for f in findings)
     word = "failed" if n_err else "passed"
-    return (f"check {word}: {n_err} error{'s' * (n_err != 1)}, "
-            f"{n_warn} warning{'s' * (n_warn != 1)}")
+    return f"check {word}: {n_err} error{'s' * (n_err != 1)}, {n_warn} warning{'s' * (n_warn != 1)}"
 
 
 def format_report(findings: list[Finding], show_ok: bool = True) -> str:
@@ -150,8 +165,10 @@ def read_safetensors_header(path: Path) -> dict[str, tuple[str, tuple[int, ...]]
         except (KeyError, TypeError, ValueError, IndexError):
             raise ConfigError(f"{path}: malformed safetensors header entry for {name!r}") from None
     if 8 + n + end > size:
-        raise ConfigError(f"{path} is truncated: its header describes {8 + n + end} bytes, the file has {size} "
-                          "(an interrupted download?)")
+        raise ConfigError(
+            f"{path} is truncated: its header describes {8 + n + end} bytes, the file has {size} "
+            "(an interrupted download?)"
+        )
     return out
 
 
@@ -175,8 +192,12 @@ def _read_weights(f: _Findings, code: str, model_dir: Path, allow_pickle: bool, 
         files = checkpoint_files(model_dir, allow_pickle)
         disk = sum(p.stat().st_size for p in files)
         if files[0].suffix != ".safetensors":
-            f.add("warning", code, f"{what} weights are pickle files ({len(files)}): contents unchecked until "
-                  "loaded; sizes taken from the files")
+            f.add(
+                "warning",
+                code,
+                f"{what} weights are pickle files ({len(files)}): contents unchecked until "
+                "loaded; sizes taken from the files",
+            )
             return _Weights(files, None, disk)
         tensors: dict[str, tuple[str, tuple[int, ...]]] = {}
         for p in files:
@@ -222,16 +243,24 @@ def _resolve_device(device: str, f: _Findings):
     has_gpu = q.available and bool(q.gpus) and visible not in ("", "-1")
     gpu_wanted = device == "auto" or device.startswith("cuda")
     if gpu_wanted and visible not in ("", "-1") and not q.available and nvml.driver_without_package():
-        f.add("warning", "device", "an NVIDIA driver is loaded but nvidia-ml-py is not installed, so the GPU "
-              "memory checks are skipped: pip install 'specserve[ops]'")
+        f.add(
+            "warning",
+            "device",
+            "an NVIDIA driver is loaded but nvidia-ml-py is not installed, so the GPU "
+            "memory checks are skipped: pip install 'specserve[ops]'",
+        )
         return "cuda", None
     if device == "auto":
         return ("cuda", q) if has_gpu else ("cpu", None)
     if device.startswith("cuda"):
         if not has_gpu:
             why = q.reason or "none visible"
-            f.add("warning", "device", f"--device {device}: NVML sees no NVIDIA GPU here ({why}); "
-                  "the engine will refuse to start unless CUDA is available")
+            f.add(
+                "warning",
+                "device",
+                f"--device {device}: NVML sees no NVIDIA GPU here ({why}); "
+                "the engine will refuse to start unless CUDA is available",
+            )
             return "cuda", None
         return "cuda", q
     f.add("error", "device", f"--device {device!r}: expected cpu, cuda, cuda:N or auto")
@@ -257,7 +286,7 @@ def _rank_gpus(q, device: str, tp: int, nnodes: int = 1):
         gpus = chosen
     first = int(device.split(":", 1)[1]) if ":" in device else 0
     local = max(1, tp // nnodes)
-    need = gpus[first:first + local]
+    need = gpus[first : first + local]
     if len(need) < local:
         where = (f" from cuda:{first}" if first else "") + (f" on each of the {nnodes} nodes" if nnodes > 1 else "")
         return f"--tp {tp} needs {local} GPUs{where}; {len(gpus)} visible"
@@ -265,13 +294,26 @@ def _rank_gpus(q, device: str, tp: int, nnodes: int = 1):
 
 
 # ----------------------------------------------------------------------- checks
-def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len: int | None = None,
-               max_num_seqs: int = 64, gpu_memory_utilization: float = 0.9, spec_steps: int | None = None,
-               allow_draft_position_extension: bool = False, aux_layer_convention: str = "sglang",
-               device: str = "auto", dtype: str = "auto", allow_pickle: bool = False,
-               cuda_graphs: bool = True, spec_topk: int = 1, spec_tokens: int | None = None,
-               spec_tree_max_batch: int = EngineConfig.spec_tree_max_batch, nnodes: int = 1,
-               spec_method: str = "eagle3") -> list[Finding]:
+def run_checks(
+    model: str,
+    draft: str | None = None,
+    tp: int = 1,
+    max_model_len: int | None = None,
+    max_num_seqs: int = 64,
+    gpu_memory_utilization: float = 0.9,
+    spec_steps: int | None = None,
+    allow_draft_position_extension: bool = False,
+    aux_layer_convention: str = "sglang",
+    device: str = "auto",
+    dtype: str = "auto",
+    allow_pickle: bool = False,
+    cuda_graphs: bool = True,
+    spec_topk: int = 1,
+    spec_tokens: int | None = None,
+    spec_tree_max_batch: int = EngineConfig.spec_tree_max_batch,
+    nnodes: int = 1,
+    spec_method: str = "eagle3",
+) -> list[Finding]:
     """Validate a target (and optional EAGLE-3 drafter) without loading weights (`nnodes`: the
     tp ranks are spread over that many machines, so this one needs tp / nnodes GPUs).
 
@@ -286,11 +328,21 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
     settings_ok, room, tree_rows = True, spec_steps, 0
     try:
         ecfg = EngineConfig.from_kwargs(
-            model=str(model), draft=draft, spec_steps=spec_steps, max_spec_steps=spec_steps,
-            max_num_seqs=max_num_seqs, max_model_len=max_model_len, tp=tp, device=device, dtype=dtype,
-            aux_layer_convention=aux_layer_convention, spec_topk=spec_topk if speculates else 1,
-            spec_tokens=spec_tokens if speculates else None, spec_tree_max_batch=spec_tree_max_batch,
-            spec_method=spec_method)
+            model=str(model),
+            draft=draft,
+            spec_steps=spec_steps,
+            max_spec_steps=spec_steps,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            tp=tp,
+            device=device,
+            dtype=dtype,
+            aux_layer_convention=aux_layer_convention,
+            spec_topk=spec_topk if speculates else 1,
+            spec_tokens=spec_tokens if speculates else None,
+            spec_tree_max_batch=spec_tree_max_batch,
+            spec_method=spec_method,
+        )
         room = ecfg.cache_room(spec_steps if speculates else 0)
         tree_batch = max((B for B in range(1, max_num_seqs + 1) if ecfg.drafts_tree(B)), default=0)
         if tree_batch and spec_steps:  # tree verify logits, for the batches that draft trees
@@ -305,8 +357,12 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
         f.add("error", "settings", f"unknown dtype {dtype!r}; choose from auto, float32, float16, bfloat16")
         settings_ok = False
     if tp > 1 and device.startswith("cuda:") and device != "cuda:0":  # as TPLLM refuses it
-        f.add("error", "settings", f"--device {device} with --tp {tp}: TP workers use cuda:0..cuda:{tp - 1}; "
-              "select GPUs with CUDA_VISIBLE_DEVICES instead")
+        f.add(
+            "error",
+            "settings",
+            f"--device {device} with --tp {tp}: TP workers use cuda:0..cuda:{tp - 1}; "
+            "select GPUs with CUDA_VISIBLE_DEVICES instead",
+        )
         settings_ok = False
     dev_type, gpu_query = _resolve_device(device, f)
 
@@ -319,9 +375,13 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
         f.add("error", "target_config", str(e))
     t_weights = None
     if tcfg is not None:
-        f.add("ok", "target_config", f"target {tcfg.architecture}: {tcfg.num_layers} layers, "
-              f"hidden {tcfg.hidden_size}, {_attention_words(tcfg)}, vocab {tcfg.vocab_size}, "
-              f"max_position_embeddings {tcfg.max_position_embeddings}, dtype {tcfg.dtype}")
+        f.add(
+            "ok",
+            "target_config",
+            f"target {tcfg.architecture}: {tcfg.num_layers} layers, "
+            f"hidden {tcfg.hidden_size}, {_attention_words(tcfg)}, vocab {tcfg.vocab_size}, "
+            f"max_position_embeddings {tcfg.max_position_embeddings}, dtype {tcfg.dtype}",
+        )
         t_weights = _read_weights(f, "target_weights", model_dir, allow_pickle, "target")
         if t_weights is not None and t_weights.tensors is not None:
             _check_mtp(f, tcfg, t_weights, spec_method)
@@ -335,8 +395,11 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
     if tcfg is not None:
         served = max_model_len or default_max_model_len(tcfg, dev_type)
         if served > tcfg.max_position_embeddings:
-            f.add("error", "max_model_len", f"--max-model-len {served} exceeds the target's max_position_embeddings "
-                  f"{tcfg.max_position_embeddings}")
+            f.add(
+                "error",
+                "max_model_len",
+                f"--max-model-len {served} exceeds the target's max_position_embeddings {tcfg.max_position_embeddings}",
+            )
         _check_tp(f, tcfg, tp)
 
     # ---- drafter
@@ -356,9 +419,26 @@ def run_checks(model: str, draft: str | None = None, tp: int = 1, max_model_len:
 
     # ---- memory
     if tcfg is not None and t_weights is not None and settings_ok and served is not None:
-        _check_memory(f, tcfg, draft_cfg, t_weights, d_weights, served, max_num_seqs, spec_steps if draft_cfg else 0,
-                      tp, dtype, dev_type, device, gpu_query, gpu_memory_utilization, cuda_graphs,
-                      room if draft_cfg else 0, tree_rows if draft_cfg else 0, nnodes)
+        _check_memory(
+            f,
+            tcfg,
+            draft_cfg,
+            t_weights,
+            d_weights,
+            served,
+            max_num_seqs,
+            spec_steps if draft_cfg else 0,
+            tp,
+            dtype,
+            dev_type,
+            device,
+            gpu_query,
+            gpu_memory_utilization,
+            cuda_graphs,
+            room if draft_cfg else 0,
+            tree_rows if draft_cfg else 0,
+            nnodes,
+        )
     return list(f)
 
 
@@ -370,34 +450,53 @@ def _check_mtp(f: _Findings, t: ModelConfig, w: _Weights, method: str) -> None:
     complete, for `--speculative-method mtp`."""
     if not t.mtp_layers:
         if method == "mtp":
-            f.add("error", "mtp", "--speculative-method mtp: the target has no multi-token-prediction layer "
-                  "(num_nextn_predict_layers is 0 or absent in config.json); use eagle3 (--draft), ngram or suffix")
+            f.add(
+                "error",
+                "mtp",
+                "--speculative-method mtp: the target has no multi-token-prediction layer "
+                "(num_nextn_predict_layers is 0 or absent in config.json); use eagle3 (--draft), ngram or suffix",
+            )
         elif t.architecture == "DeepseekV3ForCausalLM":
-            f.add("ok", "mtp", "target has no MTP layer (num_nextn_predict_layers 0): --speculative-method mtp unavailable")
+            f.add(
+                "ok",
+                "mtp",
+                "target has no MTP layer (num_nextn_predict_layers 0): --speculative-method mtp unavailable",
+            )
         return
     p = f"{t.tensor_prefix}model.layers.{t.num_layers}."
     missing = [p + n for n in MTP_TENSORS if p + n not in w.tensors]
     block = sum(1 for n in w.tensors if n.startswith((p + "self_attn.", p + "mlp.")))
     if missing or not block:
-        f.add("error" if method == "mtp" else "warning", "mtp",
-              f"config.json declares {t.mtp_layers} MTP layer(s) but the checkpoint lacks "
-              f"{', '.join(missing) or p + 'self_attn.* / mlp.*'}: --speculative-method mtp cannot load it")
+        f.add(
+            "error" if method == "mtp" else "warning",
+            "mtp",
+            f"config.json declares {t.mtp_layers} MTP layer(s) but the checkpoint lacks "
+            f"{', '.join(missing) or p + 'self_attn.* / mlp.*'}: --speculative-method mtp cannot load it",
+        )
         return
-    f.add("ok", "mtp", f"target has {t.mtp_layers} MTP layer(s) ({p[:-1]}: enorm, hnorm, eh_proj, a latent-attention "
-          f"+ MoE block of {block} tensors, shared_head): --speculative-method mtp drafts with it"
-          + ("" if method == "mtp" else " (not used by this run)"))
+    f.add(
+        "ok",
+        "mtp",
+        f"target has {t.mtp_layers} MTP layer(s) ({p[:-1]}: enorm, hnorm, eh_proj, a latent-attention "
+        f"+ MoE block of {block} tensors, shared_head): --speculative-method mtp drafts with it"
+        + ("" if method == "mtp" else " (not used by this run)"),
+    )
 
 
 def _attention_words(t: ModelConfig) -> str:
     words = f"{t.num_heads} heads / {t.num_kv_heads} KV heads"
     if t.mla is not None:
-        words = (f"{t.num_heads} heads of latent attention (kv_lora_rank {t.mla.kv_lora_rank}, "
-                 f"rope dims {t.mla.qk_rope_head_dim}, q_lora_rank {t.mla.q_lora_rank})")
+        words = (
+            f"{t.num_heads} heads of latent attention (kv_lora_rank {t.mla.kv_lora_rank}, "
+            f"rope dims {t.mla.qk_rope_head_dim}, q_lora_rank {t.mla.q_lora_rank})"
+        )
     if t.moe is not None:
         m = t.moe
-        words += (f", {m.num_experts} routed experts ({m.top_k} per token, {m.scoring} routing"
-                  f"{', shared experts' if m.shared_intermediate_size else ''}) in "
-                  f"{t.num_layers - len(m.dense_layers)} layers")
+        words += (
+            f", {m.num_experts} routed experts ({m.top_k} per token, {m.scoring} routing"
+            f"{', shared experts' if m.shared_intermediate_size else ''}) in "
+            f"{t.num_layers - len(m.dense_layers)} layers"
+        )
     return words
 
 
@@ -408,7 +507,7 @@ def _text_model_tensors(t: ModelConfig, w: _Weights) -> _Weights:
         return w
     kept = {}
     for name, v in w.tensors.items():
-        text = name[len(t.tensor_prefix):] if t.tensor_prefix and name.startswith(t.tensor_prefix) else name
+        text = name[len(t.tensor_prefix) :] if t.tensor_prefix and name.startswith(t.tensor_prefix) else name
         if not any(name.startswith(p) or text.startswith(p) for p in t.skip_prefixes):
             kept[text] = v
     return _Weights(w.files, kept, w.disk_bytes)
@@ -418,17 +517,28 @@ def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: 
     bad = _unsupported_dtypes(w, {n for n in w.tensors if n.endswith(INT4_SUFFIXES)} if t.quant else set())
     if bad:
         what = "; ".join(f"{tag} ({len(n)} tensors, e.g. {n[0]})" for tag, n in sorted(bad.items()))
-        f.add("error", "dtype", f"target weights in unsupported dtypes: {what}; supported: F32, F16, BF16 "
-              "(quantized: compressed-tensors pack-quantized int4, declared in quantization_config)")
+        f.add(
+            "error",
+            "dtype",
+            f"target weights in unsupported dtypes: {what}; supported: F32, F16, BF16 "
+            "(quantized: compressed-tensors pack-quantized int4, declared in quantization_config)",
+        )
     want = (t.vocab_size, t.hidden_size)
     names = ["model.embed_tokens.weight"] + ([] if t.tie_word_embeddings else ["lm_head.weight"])
     for name in names:
         if name not in w.tensors:
-            f.add("error", "target_weights", f"{model_dir}: checkpoint has no {name} (a different architecture or "
-                  "naming?)")
+            f.add(
+                "error",
+                "target_weights",
+                f"{model_dir}: checkpoint has no {name} (a different architecture or naming?)",
+            )
         elif w.tensors[name][1] != want:
-            f.add("error", "target_weights", f"{model_dir}: {name} is {_shape(w.tensors[name][1])} but config.json "
-                  f"says {_shape(want)} (vocab_size {t.vocab_size}, hidden_size {t.hidden_size})")
+            f.add(
+                "error",
+                "target_weights",
+                f"{model_dir}: {name} is {_shape(w.tensors[name][1])} but config.json "
+                f"says {_shape(want)} (vocab_size {t.vocab_size}, hidden_size {t.hidden_size})",
+            )
     skip = {"lm_head.weight"} if t.tie_word_embeddings else set()
     kind = "GGUF" if w.files[0].suffix == ".gguf" else "safetensors"
     packed = {n: s for n, (_, s) in w.tensors.items() if n.endswith(".weight_packed")}
@@ -436,18 +546,27 @@ def _check_target_tensors(f: _Findings, t: ModelConfig, w: _Weights, model_dir: 
     params = w.numel(skip) + sum(math.prod(s) * 8 for s in packed.values())  # eight int4 weights a word
     int4 = ""
     if packed:
-        scales = sum(math.prod(w.tensors[n[: -len("_packed")] + "_scale"][1]) for n in packed
-                     if n[: -len("_packed")] + "_scale" in w.tensors)
+        scales = sum(
+            math.prod(w.tensors[n[: -len("_packed")] + "_scale"][1])
+            for n in packed
+            if n[: -len("_packed")] + "_scale" in w.tensors
+        )
         expert_words = [math.prod(s) for n, s in packed.items() if ".experts." in n]
         in_experts = f", {len(expert_words)} of them in routed experts" if expert_words else ""
-        int4 = (f" ({len(packed)} int4 linears{in_experts}: {_count(8 * sum(math.prod(s) for s in packed.values()))} "
-                f"weights in {_gib(4 * sum(math.prod(s) for s in packed.values()))} of words, {_count(scales)} scales)")
+        int4 = (
+            f" ({len(packed)} int4 linears{in_experts}: {_count(8 * sum(math.prod(s) for s in packed.values()))} "
+            f"weights in {_gib(4 * sum(math.prod(s) for s in packed.values()))} of words, {_count(scales)} scales)"
+        )
     # Weights, not stored elements: an int4 expert's packed word holds eight, its scales and shapes none.
-    experts = sum(math.prod(shape) for name, (_, shape) in w.tensors.items() if ".experts." in name
-                  and name not in skip) + sum(math.prod(s) * 8 for n, s in packed.items() if ".experts." in n)
+    experts = sum(
+        math.prod(shape) for name, (_, shape) in w.tensors.items() if ".experts." in name and name not in skip
+    ) + sum(math.prod(s) * 8 for n, s in packed.items() if ".experts." in n)
     of_which = f" ({_count(experts)} of them in routed experts, all loaded)" if experts else ""
-    f.add("ok", "target_weights", f"target weights: {len(w.files)} {kind} file(s), "
-          f"{_count(params)} parameters{of_which}{int4}")
+    f.add(
+        "ok",
+        "target_weights",
+        f"target weights: {len(w.files)} {kind} file(s), {_count(params)} parameters{of_which}{int4}",
+    )
 
 
 def _tokenizer_file(model_dir: Path) -> Path:
@@ -485,8 +604,12 @@ def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None
     name = _tokenizer_file(model_dir).name if tok.kind == "GGUF" else tok.kind
     top = max(vocab.values(), default=-1)
     if t is not None and top >= t.vocab_size:
-        f.add("error", "target_tokenizer", f"{model_dir / name} has token ids up to {top} but the model's vocab_size "
-              f"is {t.vocab_size}: tokenizer and model do not belong together")
+        f.add(
+            "error",
+            "target_tokenizer",
+            f"{model_dir / name} has token ids up to {top} but the model's vocab_size "
+            f"is {t.vocab_size}: tokenizer and model do not belong together",
+        )
         return
     f.add("ok", "target_tokenizer", f"{name}: {len(vocab)} tokens")
     try:
@@ -499,16 +622,26 @@ def _check_target_tokenizer(f: _Findings, model_dir: Path, t: ModelConfig | None
         return
     stops = sorted({*tok.eos_token_ids, *([tok.end_of_turn_id] if tok.end_of_turn_id is not None else [])})
     family = resolve_parser("auto", features)
-    f.add("ok", "chat_template", f"chat template: {features.words()}; reasoning parser (auto): {family or 'none'}; "
-          f"replies stop at {', '.join(repr(tok.decode([i], skip_special_tokens=False)) for i in stops)}",
-          tools=features.tools, thinking_switch=features.thinking_switch, reasoning_parser=family,
-          tool_calls=features.tool_calls)
+    f.add(
+        "ok",
+        "chat_template",
+        f"chat template: {features.words()}; reasoning parser (auto): {family or 'none'}; "
+        f"replies stop at {', '.join(repr(tok.decode([i], skip_special_tokens=False)) for i in stops)}",
+        tools=features.tools,
+        thinking_switch=features.thinking_switch,
+        reasoning_parser=family,
+        tool_calls=features.tool_calls,
+    )
 
 
 def _tp_sizes(t: ModelConfig) -> dict[str, int]:
     """The sizes a TP degree must divide."""
-    sizes = {"num_attention_heads": t.num_heads, "num_key_value_heads": t.num_kv_heads, "vocab_size": t.vocab_size,
-             "intermediate_size": t.intermediate_size}
+    sizes = {
+        "num_attention_heads": t.num_heads,
+        "num_key_value_heads": t.num_kv_heads,
+        "vocab_size": t.vocab_size,
+        "intermediate_size": t.intermediate_size,
+    }
     if t.moe is not None:  # experts are sharded over the ranks, shared experts split like an MLP
         sizes |= {"routed experts": t.moe.num_experts, "moe_intermediate_size": t.moe.intermediate_size}
         if t.moe.shared_intermediate_size:
@@ -525,27 +658,45 @@ def _check_tp(f: _Findings, t: ModelConfig, tp: int) -> None:
     bad = [f"{k} {v}" for k, v in sizes.items() if v % tp]
     if bad:
         ok = [n for n in range(2, 9) if all(v % n == 0 for v in sizes.values())]
-        f.add("error", "tp", f"--tp {tp}: {', '.join(bad)} not divisible by {tp} "
-              f"(TP sizes up to 8 that divide all: {', '.join(map(str, ok)) or 'none'})", not_divisible=bad)
+        f.add(
+            "error",
+            "tp",
+            f"--tp {tp}: {', '.join(bad)} not divisible by {tp} "
+            f"(TP sizes up to 8 that divide all: {', '.join(map(str, ok)) or 'none'})",
+            not_divisible=bad,
+        )
     else:
         f.add("ok", "tp", f"--tp {tp}: {', '.join(sizes)} divide evenly")
 
 
-def _check_pair(f: _Findings, t: ModelConfig, d: DraftConfig, w: _Weights | None, draft_dir: Path,
-                convention: str) -> None:
+def _check_pair(
+    f: _Findings, t: ModelConfig, d: DraftConfig, w: _Weights | None, draft_dir: Path, convention: str
+) -> None:
     n_before = len(f)
     if d.vocab_size != t.vocab_size:
-        f.add("error", "vocab", f"drafter vocab_size {d.vocab_size} differs from the target's {t.vocab_size}: "
-              "the drafter was trained for another tokenizer")
+        f.add(
+            "error",
+            "vocab",
+            f"drafter vocab_size {d.vocab_size} differs from the target's {t.vocab_size}: "
+            "the drafter was trained for another tokenizer",
+        )
     if d.draft_vocab_size > d.vocab_size:
         f.add("error", "vocab", f"drafter draft_vocab_size {d.draft_vocab_size} exceeds its vocab_size {d.vocab_size}")
     if d.target_hidden_size != t.hidden_size:
-        f.add("error", "hidden_size", f"drafter fc expects 3 x {d.target_hidden_size} = {3 * d.target_hidden_size} "
-              f"input features (target_hidden_size {d.target_hidden_size}); the target's hidden size "
-              f"{t.hidden_size} gives {3 * t.hidden_size}: this drafter belongs to a different target")
+        f.add(
+            "error",
+            "hidden_size",
+            f"drafter fc expects 3 x {d.target_hidden_size} = {3 * d.target_hidden_size} "
+            f"input features (target_hidden_size {d.target_hidden_size}); the target's hidden size "
+            f"{t.hidden_size} gives {3 * t.hidden_size}: this drafter belongs to a different target",
+        )
     if d.aux_layer_ids is not None and len(d.aux_layer_ids) != 3:
-        f.add("error", "aux_layers", f"drafter eagle_aux_hidden_state_layer_ids {list(d.aux_layer_ids)} has "
-              f"{len(d.aux_layer_ids)} ids; EAGLE-3's fc takes exactly 3 hidden states (3 x hidden)")
+        f.add(
+            "error",
+            "aux_layers",
+            f"drafter eagle_aux_hidden_state_layer_ids {list(d.aux_layer_ids)} has "
+            f"{len(d.aux_layer_ids)} ids; EAGLE-3's fc takes exactly 3 hidden states (3 x hidden)",
+        )
     try:
         taps = resolve_aux_layers(d, t.num_layers, convention)
     except ConfigError as e:
@@ -559,17 +710,28 @@ def _check_pair(f: _Findings, t: ModelConfig, d: DraftConfig, w: _Weights | None
         f.add("error", "aux_layers", f"{e}{hint}")
     else:
         src = "from eagle_aux_hidden_state_layer_ids" if d.aux_layer_ids else "EAGLE-3 default"
-        f.add("ok", "aux_layers", f"aux layers: captures the inputs of target layers {list(taps)} of 0..{t.num_layers} "
-              f"({src}, {convention} convention)")
+        f.add(
+            "ok",
+            "aux_layers",
+            f"aux layers: captures the inputs of target layers {list(taps)} of 0..{t.num_layers} "
+            f"({src}, {convention} convention)",
+        )
     if d.dtype != t.dtype:
-        f.add("warning", "dtype", f"drafter dtype {d.dtype} differs from the target's {t.dtype}: the drafter is "
-              "cast to the engine's dtype")
+        f.add(
+            "warning",
+            "dtype",
+            f"drafter dtype {d.dtype} differs from the target's {t.dtype}: the drafter is cast to the engine's dtype",
+        )
     if w is not None and w.tensors is not None:
         _check_draft_tensors(f, t, d, w, draft_dir)
     if not any(x.level == "error" for x in f[n_before:]):
-        f.add("ok", "draft_config", f"drafter ({d.layout} layout): hidden {d.hidden_size}, "
-              f"fc {3 * d.target_hidden_size} -> {d.hidden_size}, draft vocab {d.draft_vocab_size} of {d.vocab_size}, "
-              f"max_position_embeddings {d.max_position_embeddings}")
+        f.add(
+            "ok",
+            "draft_config",
+            f"drafter ({d.layout} layout): hidden {d.hidden_size}, "
+            f"fc {3 * d.target_hidden_size} -> {d.hidden_size}, draft vocab {d.draft_vocab_size} of {d.vocab_size}, "
+            f"max_position_embeddings {d.max_position_embeddings}",
+        )
 
 
 def _check_draft_tensors(f: _Findings, t: ModelConfig, d: DraftConfig, w: _Weights, draft_dir: Path) -> None:
@@ -579,53 +741,93 @@ def _check_draft_tensors(f: _Findings, t: ModelConfig, d: DraftConfig, w: _Weigh
         what = "; ".join(f"{tag} ({', '.join(n[:3])})" for tag, n in sorted(bad.items()))
         f.add("error", "dtype", f"drafter weights in unsupported dtypes: {what}; supported: F32, F16, BF16")
     expect = {
-        "fc.weight": ((d.hidden_size, 3 * d.target_hidden_size),
-                      f"hidden_size {d.hidden_size}, 3 x target_hidden_size {d.target_hidden_size}"),
-        "lm_head.weight": ((d.draft_vocab_size, d.hidden_size),
-                           f"draft_vocab_size {d.draft_vocab_size}, hidden_size {d.hidden_size}"),
+        "fc.weight": (
+            (d.hidden_size, 3 * d.target_hidden_size),
+            f"hidden_size {d.hidden_size}, 3 x target_hidden_size {d.target_hidden_size}",
+        ),
+        "lm_head.weight": (
+            (d.draft_vocab_size, d.hidden_size),
+            f"draft_vocab_size {d.draft_vocab_size}, hidden_size {d.hidden_size}",
+        ),
     }
     if d.draft_vocab_size != d.vocab_size or "d2t" in tensors:
         expect["d2t"] = ((d.draft_vocab_size,), f"draft_vocab_size {d.draft_vocab_size}")
     if "embed_tokens.weight" in tensors:
-        expect["embed_tokens.weight"] = ((d.vocab_size, d.hidden_size),
-                                         f"vocab_size {d.vocab_size}, hidden_size {d.hidden_size}")
+        expect["embed_tokens.weight"] = (
+            (d.vocab_size, d.hidden_size),
+            f"vocab_size {d.vocab_size}, hidden_size {d.hidden_size}",
+        )
     elif d.hidden_size != t.hidden_size:
-        f.add("error", "hidden_size", f"drafter has no embed_tokens.weight, so it embeds with the target's "
-              f"({t.hidden_size} wide), but its hidden_size is {d.hidden_size}")
+        f.add(
+            "error",
+            "hidden_size",
+            f"drafter has no embed_tokens.weight, so it embeds with the target's "
+            f"({t.hidden_size} wide), but its hidden_size is {d.hidden_size}",
+        )
     for name, (shape, why) in expect.items():
         if name not in tensors:
             f.add("error", "draft_weights", f"{draft_dir}: drafter checkpoint has no {name}")
         elif tensors[name][1] != shape:
-            f.add("error", "draft_weights" if name != "fc.weight" else "hidden_size",
-                  f"{draft_dir}: {name} is {_shape(tensors[name][1])} in the checkpoint but config.json implies "
-                  f"{_shape(shape)} ({why})")
+            f.add(
+                "error",
+                "draft_weights" if name != "fc.weight" else "hidden_size",
+                f"{draft_dir}: {name} is {_shape(tensors[name][1])} in the checkpoint but config.json implies "
+                f"{_shape(shape)} ({why})",
+            )
 
 
-def _check_positions(f: _Findings, t: ModelConfig, d: DraftConfig, served: int, max_model_len: int | None,
-                     dev_type: str, allow_extension: bool) -> None:
+def _check_positions(
+    f: _Findings,
+    t: ModelConfig,
+    d: DraftConfig,
+    served: int,
+    max_model_len: int | None,
+    dev_type: str,
+    allow_extension: bool,
+) -> None:
     limit = d.max_position_embeddings
     if max_model_len:
         source = "--max-model-len"
     else:
-        source = (f"default: min(target max_position_embeddings {t.max_position_embeddings}, "
-                  f"{DEFAULT_MAX_MODEL_LEN[dev_type]} on {dev_type})")
+        source = (
+            f"default: min(target max_position_embeddings {t.max_position_embeddings}, "
+            f"{DEFAULT_MAX_MODEL_LEN[dev_type]} on {dev_type})"
+        )
     if served <= limit:
         beyond = ""
         if limit < t.max_position_embeddings:  # fine now; says what serving the target's full context takes
-            beyond = (f" (the target allows {t.max_position_embeddings}: past {limit}, serving needs "
-                      "--allow-draft-position-extension)")
-        f.add("ok", "draft_positions", f"context length {served} ({source}) within the drafter's "
-              f"max_position_embeddings {limit}{beyond}")
+            beyond = (
+                f" (the target allows {t.max_position_embeddings}: past {limit}, serving needs "
+                "--allow-draft-position-extension)"
+            )
+        f.add(
+            "ok",
+            "draft_positions",
+            f"context length {served} ({source}) within the drafter's max_position_embeddings {limit}{beyond}",
+        )
         return
     if allow_extension:
-        f.add("warning", "draft_positions", f"context length {served} exceeds the drafter's max_position_embeddings "
-              f"{limit}; drafting continues past {limit} (--allow-draft-position-extension), at positions it was "
-              "not trained on: acceptance may drop on long sequences", served=served, draft_max=limit)
+        f.add(
+            "warning",
+            "draft_positions",
+            f"context length {served} exceeds the drafter's max_position_embeddings "
+            f"{limit}; drafting continues past {limit} (--allow-draft-position-extension), at positions it was "
+            "not trained on: acceptance may drop on long sequences",
+            served=served,
+            draft_max=limit,
+        )
         return
-    f.add("error", "draft_positions", f"context length {served} ({source}) exceeds the drafter's "
-          f"max_position_embeddings {limit}: past {limit} tokens speculation would silently stop. Either cap "
-          f"--max-model-len {limit} (or less), or pass --allow-draft-position-extension to keep drafting past "
-          f"{limit}", served=served, draft_max=limit, target_max=t.max_position_embeddings)
+    f.add(
+        "error",
+        "draft_positions",
+        f"context length {served} ({source}) exceeds the drafter's "
+        f"max_position_embeddings {limit}: past {limit} tokens speculation would silently stop. Either cap "
+        f"--max-model-len {limit} (or less), or pass --allow-draft-position-extension to keep drafting past "
+        f"{limit}",
+        served=served,
+        draft_max=limit,
+        target_max=t.max_position_embeddings,
+    )
 
 
 def _check_draft_tokenizer(f: _Findings, model_dir: Path, draft_dir: Path, t: ModelConfig) -> None:
@@ -646,8 +848,13 @@ def _check_draft_tokenizer(f: _Findings, model_dir: Path, draft_dir: Path, t: Mo
         return
     diff.sort(key=lambda tok: min(x for x in (tv.get(tok), dv.get(tok)) if x is not None))
     shown = "; ".join(f"{tok!r}: target id {tv.get(tok)}, drafter id {dv.get(tok)}" for tok in diff[:3])
-    f.add("error", "tokenizer_match", f"drafter tokenizer.json differs from the target's: {len(diff)} tokens differ "
-          f"(target {len(tv)} tokens, drafter {len(dv)}), e.g. {shown}", differing=len(diff))
+    f.add(
+        "error",
+        "tokenizer_match",
+        f"drafter tokenizer.json differs from the target's: {len(diff)} tokens differ "
+        f"(target {len(tv)} tokens, drafter {len(dv)}), e.g. {shown}",
+        differing=len(diff),
+    )
 
 
 def _compute_dtype(dtype: str, config_dtype: str, dev_type: str) -> str:
@@ -664,15 +871,29 @@ def _weight_bytes(w: _Weights, elem: int, skip: set[str]) -> int:
     stored, int4 zero points unpacked to a byte each (eight per stored word)."""
     if w.tensors is None:
         return w.disk_bytes  # pickles: no header; take the file size
-    return sum(math.prod(s) * (elem if tag in FLOAT_TAGS else 8 if name.endswith(".weight_zero_point")
-                               else ST_BYTES.get(tag, 1))
-               for name, (tag, s) in w.tensors.items() if name not in skip)
+    return sum(
+        math.prod(s)
+        * (elem if tag in FLOAT_TAGS else 8 if name.endswith(".weight_zero_point") else ST_BYTES.get(tag, 1))
+        for name, (tag, s) in w.tensors.items()
+        if name not in skip
+    )
 
 
-def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, d_weights: _Weights | None,
-                    max_model_len: int, max_num_seqs: int, k: int, tp: int, elem: int,
-                    cuda_graphs: bool = True, room: int | None = None, tree_rows: int = 0,
-                    block_size: int = 16) -> dict[str, int]:
+def estimate_memory(
+    t: ModelConfig,
+    d: DraftConfig | None,
+    t_weights: _Weights,
+    d_weights: _Weights | None,
+    max_model_len: int,
+    max_num_seqs: int,
+    k: int,
+    tp: int,
+    elem: int,
+    cuda_graphs: bool = True,
+    room: int | None = None,
+    tree_rows: int = 0,
+    block_size: int = 16,
+) -> dict[str, int]:
     """Bytes per device: weights, KV cache, other (overhead allowance), total. `room`: KV slots past
     a sequence's end (EngineConfig.cache_room; default k), `tree_rows`: verify rows of tree batches."""
     room = k if room is None else room
@@ -697,21 +918,52 @@ def estimate_memory(t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, 
     other = fixed_other + logits + pending
     weights = target_w // tp + draft_w
     # Everything but weights and the fixed allowance grows linearly with max_num_seqs.
-    return {"weights": weights, "kv": kv, "other": other, "total": weights + kv + other, "cache_len": cache_len,
-            "kv_per_token": kv // pool,
-            "fixed": weights + fixed_other, "per_seq": (kv + logits + pending) // max_num_seqs}
+    return {
+        "weights": weights,
+        "kv": kv,
+        "other": other,
+        "total": weights + kv + other,
+        "cache_len": cache_len,
+        "kv_per_token": kv // pool,
+        "fixed": weights + fixed_other,
+        "per_seq": (kv + logits + pending) // max_num_seqs,
+    }
 
 
-def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights: _Weights, d_weights: _Weights | None,
-                  served: int, max_num_seqs: int, k: int, tp: int, dtype: str, dev_type: str, device: str, q,
-                  util: float, cuda_graphs: bool, room: int, tree_rows: int, nnodes: int) -> None:
+def _check_memory(
+    f: _Findings,
+    t: ModelConfig,
+    d: DraftConfig | None,
+    t_weights: _Weights,
+    d_weights: _Weights | None,
+    served: int,
+    max_num_seqs: int,
+    k: int,
+    tp: int,
+    dtype: str,
+    dev_type: str,
+    device: str,
+    q,
+    util: float,
+    cuda_graphs: bool,
+    room: int,
+    tree_rows: int,
+    nnodes: int,
+) -> None:
     cdtype = _compute_dtype(dtype, t.dtype, dev_type)
-    est = estimate_memory(t, d, t_weights, d_weights, served, max_num_seqs, k, tp, DTYPE_BYTES[cdtype], cuda_graphs,
-                          room, tree_rows)
-    parts = (f"weights {_gib(est['weights'])} + KV {_gib(est['kv'])} ({max_num_seqs} seqs x {served} tokens, "
-             f"{cdtype}) + overhead {_gib(est['other'])}")
-    f.add("info", "memory_estimate", f"memory estimate per device{f' (tp {tp})' if tp > 1 else ''}: {parts} = "
-          f"{_gib(est['total'])}", **est)
+    est = estimate_memory(
+        t, d, t_weights, d_weights, served, max_num_seqs, k, tp, DTYPE_BYTES[cdtype], cuda_graphs, room, tree_rows
+    )
+    parts = (
+        f"weights {_gib(est['weights'])} + KV {_gib(est['kv'])} ({max_num_seqs} seqs x {served} tokens, "
+        f"{cdtype}) + overhead {_gib(est['other'])}"
+    )
+    f.add(
+        "info",
+        "memory_estimate",
+        f"memory estimate per device{f' (tp {tp})' if tp > 1 else ''}: {parts} = {_gib(est['total'])}",
+        **est,
+    )
     if dev_type == "cpu" or q is None:
         f.add("info", "memory", "no GPU: memory check against device memory skipped")
         try:
@@ -723,14 +975,24 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
         per_token = est["kv_per_token"]
         if dev_type == "cpu" and per_token:
             tokens = int(avail * 0.5 // per_token)
-            f.add("info", "kv_capacity", f"device cpu: KV {per_token} bytes per token; half the available RAM holds "
-                  f"~{tokens} tokens = {tokens // est['cache_len']} sequences of {served} tokens (--kv-cache-tokens "
-                  f"sets the pool)", kv_tokens=tokens, sequences_fit=tokens // est["cache_len"],
-                  kv_bytes_per_token=per_token)
+            f.add(
+                "info",
+                "kv_capacity",
+                f"device cpu: KV {per_token} bytes per token; half the available RAM holds "
+                f"~{tokens} tokens = {tokens // est['cache_len']} sequences of {served} tokens (--kv-cache-tokens "
+                f"sets the pool)",
+                kv_tokens=tokens,
+                sequences_fit=tokens // est["cache_len"],
+                kv_bytes_per_token=per_token,
+            )
         if dev_type == "cpu" and est["kv"] > avail * 0.5:  # KVCache's CPU budget for the KV cache
-            f.add("warning", "memory", f"device cpu: KV cache {_gib(est['kv'])} exceeds half the available RAM "
-                  f"({_gib(avail * 0.5)}): the engine would refuse to start now (it caps the KV cache there); "
-                  "lower --max-num-seqs or --max-model-len")
+            f.add(
+                "warning",
+                "memory",
+                f"device cpu: KV cache {_gib(est['kv'])} exceeds half the available RAM "
+                f"({_gib(avail * 0.5)}): the engine would refuse to start now (it caps the KV cache there); "
+                "lower --max-num-seqs or --max-model-len",
+            )
         return
     gpus = _rank_gpus(q, device, tp, nnodes)
     if isinstance(gpus, str):
@@ -746,44 +1008,82 @@ def _check_memory(f: _Findings, t: ModelConfig, d: DraftConfig | None, t_weights
         fit = int(left // est["per_seq"]) if left > 0 else 0
         per_token = est["kv_per_token"]
         pool = int(max(left, 0) // per_token) if per_token else 0
-        f.add("info", "kv_capacity", f"GPU {g.index}: KV {per_token} bytes per token; a pool sized by "
-              f"--gpu-memory-utilization {util} holds ~{pool} tokens = {fit} sequences of {served} tokens at once "
-              f"(serve admits by free blocks: shorter sequences fit more)", gpu=g.index, kv_tokens=pool,
-              sequences_fit=fit, kv_bytes_per_token=per_token)
+        f.add(
+            "info",
+            "kv_capacity",
+            f"GPU {g.index}: KV {per_token} bytes per token; a pool sized by "
+            f"--gpu-memory-utilization {util} holds ~{pool} tokens = {fit} sequences of {served} tokens at once "
+            f"(serve admits by free blocks: shorter sequences fit more)",
+            gpu=g.index,
+            kv_tokens=pool,
+            sequences_fit=fit,
+            kv_bytes_per_token=per_token,
+        )
         if est["total"] <= usable:
             f.add("ok", "memory", f"{head}, {avail}", gpu=g.index, usable=int(usable))
             continue
         needed = None
         if fit >= 1:
-            way = (f"at most {fit} sequences of {served} tokens fit: lower --max-num-seqs to {min(fit, max_num_seqs)}"
-                   f" or --max-model-len, or raise --tp")
+            way = (
+                f"at most {fit} sequences of {served} tokens fit: lower --max-num-seqs to {min(fit, max_num_seqs)}"
+                f" or --max-model-len, or raise --tp"
+            )
         else:
             # The smallest TP degree whose share of the weights leaves room for one sequence here.
             elem = DTYPE_BYTES[cdtype]
-            needed = next((n for n in range(tp + 1, MAX_TP_SUGGESTED + 1)
-                           if all(v % n == 0 for v in _tp_sizes(t).values())
-                           and estimate_memory(t, d, t_weights, d_weights, served, 1, k, n, elem, cuda_graphs, room,
-                                               0)["total"] <= usable), None)
-            more = (f"it needs at least {needed} GPUs of this size (--tp {needed})" if needed else
-                    f"no --tp up to {MAX_TP_SUGGESTED} makes it fit on GPUs of this size")
+            needed = next(
+                (
+                    n
+                    for n in range(tp + 1, MAX_TP_SUGGESTED + 1)
+                    if all(v % n == 0 for v in _tp_sizes(t).values())
+                    and estimate_memory(t, d, t_weights, d_weights, served, 1, k, n, elem, cuda_graphs, room, 0)[
+                        "total"
+                    ]
+                    <= usable
+                ),
+                None,
+            )
+            more = (
+                f"it needs at least {needed} GPUs of this size (--tp {needed})"
+                if needed
+                else f"no --tp up to {MAX_TP_SUGGESTED} makes it fit on GPUs of this size"
+            )
             way = f"weights and overhead alone do not fit: {more}; or free the GPU, or use larger GPUs"
-        f.add("error", "memory", f"{head} ({parts}), more than {avail}; {way}", gpu=g.index, usable=int(usable),
-              max_num_seqs_fit=fit, gpus_needed=needed)
+        f.add(
+            "error",
+            "memory",
+            f"{head} ({parts}), more than {avail}; {way}",
+            gpu=g.index,
+            usable=int(usable),
+            max_num_seqs_fit=fit,
+            gpus_needed=needed,
+        )
 
 
 def check_engine_kwargs(kw: dict[str, Any], gpu_memory_utilization: float = 0.9) -> list[Finding]:
     """`run_checks` for the keyword arguments `engine_kwargs(args)` builds for LLM (what serve uses)."""
     return run_checks(
-        model=kw["model"], draft=kw.get("draft"), tp=kw.get("tp", 1), max_model_len=kw.get("max_model_len"),
-        max_num_seqs=kw.get("max_num_seqs", 64), gpu_memory_utilization=gpu_memory_utilization,
+        model=kw["model"],
+        draft=kw.get("draft"),
+        tp=kw.get("tp", 1),
+        max_model_len=kw.get("max_model_len"),
+        max_num_seqs=kw.get("max_num_seqs", 64),
+        gpu_memory_utilization=gpu_memory_utilization,
         spec_steps=max(kw.get("max_spec_steps") or 0, kw.get("spec_steps") or 0)
-        if kw.get("draft") or kw.get("spec_method", "eagle3") != "eagle3" else 0,
+        if kw.get("draft") or kw.get("spec_method", "eagle3") != "eagle3"
+        else 0,
         allow_draft_position_extension=kw.get("allow_draft_position_extension", False),
-        aux_layer_convention=kw.get("aux_layer_convention", "sglang"), device=kw.get("device", "auto"),
-        dtype=kw.get("dtype", "auto"), allow_pickle=kw.get("allow_pickle", False),
-        cuda_graphs=kw.get("cuda_graphs", True), spec_topk=kw.get("spec_topk", 1), spec_tokens=kw.get("spec_tokens"),
+        aux_layer_convention=kw.get("aux_layer_convention", "sglang"),
+        device=kw.get("device", "auto"),
+        dtype=kw.get("dtype", "auto"),
+        allow_pickle=kw.get("allow_pickle", False),
+        cuda_graphs=kw.get("cuda_graphs", True),
+        spec_topk=kw.get("spec_topk", 1),
+        spec_tokens=kw.get("spec_tokens"),
         spec_tree_max_batch=kw.get("spec_tree_max_batch", EngineConfig.spec_tree_max_batch),
-        nnodes=kw.get("nnodes", 1), spec_method=kw.get("spec_method", "eagle3"))
+        nnodes=kw.get("nnodes", 1),
+        spec_method=kw.get("spec_method", "eagle3"),
+    )
 
 
 # -------------------------------------------------------------------------- CLI
@@ -802,9 +1102,19 @@ def run(args: argparse.Namespace) -> int:
     findings = check_engine_kwargs(kw, args.gpu_memory_utilization or 0.9)
     if args.json:
         n_err = sum(x.level == "error" for x in findings)
-        print(json.dumps({"ok": n_err == 0, "errors": n_err, "warnings": sum(x.level == "warning" for x in findings),
-                          "model": kw["model"], "draft": kw.get("draft"),
-                          "findings": [x.to_dict() for x in findings]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "ok": n_err == 0,
+                    "errors": n_err,
+                    "warnings": sum(x.level == "warning" for x in findings),
+                    "model": kw["model"],
+                    "draft": kw.get("draft"),
+                    "findings": [x.to_dict() for x in findings],
+                },
+                indent=2,
+            )
+        )
     else:
         print(format_report(findings, show_ok=not args.quiet))
     sys.stdout.flush()

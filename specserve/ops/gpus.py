@@ -54,8 +54,7 @@ def collect(device_files: bool = True) -> nvml.GpuQuery:
             if dev in paths and pid not in listed:
                 visible, name, cmd = nvml.describe_pid(pid)
                 if visible:
-                    g.processes.append(nvml.GpuProcess(pid=pid, name=name, cmdline=cmd,
-                                                       kind="device-file"))
+                    g.processes.append(nvml.GpuProcess(pid=pid, name=name, cmdline=cmd, kind="device-file"))
     return q
 
 
@@ -93,8 +92,9 @@ def caller_pids() -> set[int]:
     return {me.pid, *(p.pid for p in me.parents())}
 
 
-def busy(q: nvml.GpuQuery, threshold_mib: float, devices: set[int] | None = None,
-         ignore: set[int] = frozenset()) -> list[str]:
+def busy(
+    q: nvml.GpuQuery, threshold_mib: float, devices: set[int] | None = None, ignore: set[int] = frozenset()
+) -> list[str]:
     """One line per selected GPU that is not free (empty list: all free). Processes in `ignore`
     neither count as holders nor count their memory."""
     out = []
@@ -112,20 +112,27 @@ def busy(q: nvml.GpuQuery, threshold_mib: float, devices: set[int] | None = None
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
-    parser.epilog = ("exit codes: 0 shown / all free (or no GPU), 1 --wait-free timed out, "
-                     "2 usage error")
+    parser.epilog = "exit codes: 0 shown / all free (or no GPU), 1 --wait-free timed out, 2 usage error"
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    parser.add_argument("--devices", metavar="LIST",
-                        help="comma-separated GPU indices to consider (default: all)")
-    parser.add_argument("--wait-free", action="store_true",
-                        help="wait until every selected GPU is free")
-    parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
-                        help="with --wait-free: give up after S seconds (default 300, 0 = never)")
-    parser.add_argument("--threshold-mib", type=float, default=1024.0, metavar="M",
-                        help="with --wait-free: a GPU using at most M MiB and running no compute "
-                             "process is free (default 1024)")
-    parser.add_argument("--interval", type=float, default=1.0, metavar="S",
-                        help="with --wait-free: seconds between polls (default 1)")
+    parser.add_argument("--devices", metavar="LIST", help="comma-separated GPU indices to consider (default: all)")
+    parser.add_argument("--wait-free", action="store_true", help="wait until every selected GPU is free")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=300.0,
+        metavar="S",
+        help="with --wait-free: give up after S seconds (default 300, 0 = never)",
+    )
+    parser.add_argument(
+        "--threshold-mib",
+        type=float,
+        default=1024.0,
+        metavar="M",
+        help="with --wait-free: a GPU using at most M MiB and running no compute process is free (default 1024)",
+    )
+    parser.add_argument(
+        "--interval", type=float, default=1.0, metavar="S", help="with --wait-free: seconds between polls (default 1)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -134,12 +141,10 @@ def run(args: argparse.Namespace) -> int:
         try:
             devices = {int(x) for x in args.devices.split(",") if x.strip()}
         except ValueError:
-            print(f"specserve gpus: error: --devices: not a list of integers: {args.devices!r}",
-                  file=sys.stderr)
+            print(f"specserve gpus: error: --devices: not a list of integers: {args.devices!r}", file=sys.stderr)
             return EXIT_USAGE
     if args.timeout < 0 or args.interval <= 0 or args.threshold_mib < 0:
-        print("specserve gpus: error: --timeout and --threshold-mib must be >= 0, --interval > 0",
-              file=sys.stderr)
+        print("specserve gpus: error: --timeout and --threshold-mib must be >= 0, --interval > 0", file=sys.stderr)
         return EXIT_USAGE
 
     def select(q: nvml.GpuQuery) -> nvml.GpuQuery:
@@ -171,8 +176,10 @@ def run(args: argparse.Namespace) -> int:
         waited = time.monotonic() - t0
         if not held:
             if not args.json:
-                print(f"all {len(q.gpus)} GPU(s) free (<= {args.threshold_mib:g} MiB, no compute "
-                      f"process) after {waited:.1f} s")
+                print(
+                    f"all {len(q.gpus)} GPU(s) free (<= {args.threshold_mib:g} MiB, no compute "
+                    f"process) after {waited:.1f} s"
+                )
             return report("free", EXIT_OK, [], waited)
         if args.timeout and waited >= args.timeout:
             if not args.json:

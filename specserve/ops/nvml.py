@@ -96,8 +96,9 @@ def _nvml():
             try:
                 import pynvml  # type: ignore[import-not-found]
             except Exception as exc:  # not installed, or broken
-                _state["reason"] = (f"{NO_NVML_MESSAGE} (pynvml not importable: {exc}; it comes with "
-                                    f"pip install 'specserve[ops]')")
+                _state["reason"] = (
+                    f"{NO_NVML_MESSAGE} (pynvml not importable: {exc}; it comes with pip install 'specserve[ops]')"
+                )
                 return None
             try:
                 pynvml.nvmlInit()
@@ -150,8 +151,10 @@ def describe_pid(pid: int) -> tuple[bool, str | None, str | None]:
 
 def _device_processes(mod, handle) -> list[GpuProcess]:
     procs: dict[int, GpuProcess] = {}
-    for kind, fn_name in (("compute", "nvmlDeviceGetComputeRunningProcesses"),
-                          ("graphics", "nvmlDeviceGetGraphicsRunningProcesses")):
+    for kind, fn_name in (
+        ("compute", "nvmlDeviceGetComputeRunningProcesses"),
+        ("graphics", "nvmlDeviceGetGraphicsRunningProcesses"),
+    ):
         fn = getattr(mod, fn_name, None)
         if fn is None:
             continue
@@ -168,8 +171,7 @@ def _device_processes(mod, handle) -> list[GpuProcess]:
                     procs[pid].used_mib = max(procs[pid].used_mib or 0.0, used_mib)
                 continue
             visible, name, cmd = describe_pid(pid)
-            procs[pid] = GpuProcess(pid=pid, used_mib=used_mib, name=name, cmdline=cmd,
-                                    visible=visible, kind=kind)
+            procs[pid] = GpuProcess(pid=pid, used_mib=used_mib, name=name, cmdline=cmd, visible=visible, kind=kind)
     return sorted(procs.values(), key=lambda p: p.pid)
 
 
@@ -192,9 +194,17 @@ def query(processes: bool = True) -> GpuQuery:
             h = mod.nvmlDeviceGetHandleByIndex(i)
             mem = mod.nvmlDeviceGetMemoryInfo(h)
         except Exception as exc:  # e.g. a GPU that fell off the bus
-            gpus.append(Gpu(index=i, name=f"<error: {exc}>", uuid=None, minor=None,
-                            memory_used_mib=float("nan"), memory_total_mib=float("nan"),
-                            utilization_pct=None))
+            gpus.append(
+                Gpu(
+                    index=i,
+                    name=f"<error: {exc}>",
+                    uuid=None,
+                    minor=None,
+                    memory_used_mib=float("nan"),
+                    memory_total_mib=float("nan"),
+                    utilization_pct=None,
+                )
+            )
             continue
 
         def opt(fn_name, *a):
@@ -207,16 +217,18 @@ def query(processes: bool = True) -> GpuQuery:
         uuid = opt("nvmlDeviceGetUUID", h)
         minor = opt("nvmlDeviceGetMinorNumber", h)
         util = opt("nvmlDeviceGetUtilizationRates", h)
-        gpus.append(Gpu(
-            index=i,
-            name=_str(name) if name is not None else "?",
-            uuid=_str(uuid) if uuid is not None else None,
-            minor=int(minor) if minor is not None else None,
-            memory_used_mib=float(mem.used) / MIB,
-            memory_total_mib=float(mem.total) / MIB,
-            utilization_pct=int(util.gpu) if util is not None else None,
-            processes=_device_processes(mod, h) if processes else [],
-        ))
+        gpus.append(
+            Gpu(
+                index=i,
+                name=_str(name) if name is not None else "?",
+                uuid=_str(uuid) if uuid is not None else None,
+                minor=int(minor) if minor is not None else None,
+                memory_used_mib=float(mem.used) / MIB,
+                memory_total_mib=float(mem.total) / MIB,
+                utilization_pct=int(util.gpu) if util is not None else None,
+                processes=_device_processes(mod, h) if processes else [],
+            )
+        )
     return GpuQuery(available=True, reason="", driver_version=driver, gpus=gpus)
 
 

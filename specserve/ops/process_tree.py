@@ -83,9 +83,16 @@ class SeenProcess:
 class ProcessTree:
     """The set of processes belonging to one launched command."""
 
-    def __init__(self, root: int | psutil.Process, *, marker: str | None = None,
-                 started_at: float | None = None, session_leader: bool = False,
-                 adopt_orphans: bool = False, full_scan_every: float = 2.0):
+    def __init__(
+        self,
+        root: int | psutil.Process,
+        *,
+        marker: str | None = None,
+        started_at: float | None = None,
+        session_leader: bool = False,
+        adopt_orphans: bool = False,
+        full_scan_every: float = 2.0,
+    ):
         """`root`: the launched process (it may already have exited).
 
         `session_leader`: the root was started with start_new_session=True, so its PID
@@ -96,8 +103,7 @@ class ProcessTree:
         """
         pid = root.pid if isinstance(root, psutil.Process) else int(root)
         try:
-            self.root: psutil.Process | None = (root if isinstance(root, psutil.Process)
-                                                else psutil.Process(pid))
+            self.root: psutil.Process | None = root if isinstance(root, psutil.Process) else psutil.Process(pid)
         except psutil.NoSuchProcess:
             self.root = None
         self.marker = marker
@@ -264,9 +270,9 @@ class ProcessTree:
             except (psutil.Error, ChildProcessError, OSError):
                 pass
 
-
-    def drain_zombies(self, keep: Iterable[int] = (), timeout: float = 1.0,
-                      on_tick: Callable[[], None] | None = None) -> None:
+    def drain_zombies(
+        self, keep: Iterable[int] = (), timeout: float = 1.0, on_tick: Callable[[], None] | None = None
+    ) -> None:
         """Reap the dead of the tree for up to `timeout` s.
 
         A killed worker's child becomes a zombie and is re-parented to us (the subreaper)
@@ -284,9 +290,11 @@ class ProcessTree:
                     continue
                 try:
                     p = psutil.Process(s.pid)
-                    if (abs(p.create_time() - s.create_time) < 0.01
-                            and p.status() == psutil.STATUS_ZOMBIE
-                            and (self.adopt_orphans or p.ppid() != self.me.pid)):
+                    if (
+                        abs(p.create_time() - s.create_time) < 0.01
+                        and p.status() == psutil.STATUS_ZOMBIE
+                        and (self.adopt_orphans or p.ppid() != self.me.pid)
+                    ):
                         pending = True
                         break
                 except psutil.Error:
@@ -317,11 +325,18 @@ def _send(p: psutil.Process, sig: int) -> bool:
         return False
 
 
-def stop_tree(tree: ProcessTree, *, grace: float = 10.0, kill_wait: float = 10.0,
-              first_signal: int = signal.SIGTERM, log: LogFn = print,
-              keep_unreaped: Iterable[int] = (), poll: float = 0.1,
-              on_tick: Callable[[], None] | None = None,
-              hurry: Callable[[], bool] | None = None) -> StopResult:
+def stop_tree(
+    tree: ProcessTree,
+    *,
+    grace: float = 10.0,
+    kill_wait: float = 10.0,
+    first_signal: int = signal.SIGTERM,
+    log: LogFn = print,
+    keep_unreaped: Iterable[int] = (),
+    poll: float = 0.1,
+    on_tick: Callable[[], None] | None = None,
+    hurry: Callable[[], bool] | None = None,
+) -> StopResult:
     """first_signal (SIGTERM) to every member, wait `grace`, SIGKILL what is left.
 
     Members appearing meanwhile (a process forking while shutting down) get the same
@@ -429,7 +444,7 @@ def device_holders(prefix: str = "/dev/nvidia", pids: Iterable[int] | None = Non
     me = os.getpid()
     if not os.path.isdir("/proc/self/fd"):
         return out
-    for pid in (pids if pids is not None else psutil.pids()):
+    for pid in pids if pids is not None else psutil.pids():
         if pid == me:
             continue
         base = f"/proc/{pid}/fd"

@@ -277,13 +277,13 @@ class OutputReader(threading.Thread):
                         break
                     i = min(cuts)
                     seg = buf[:i]
-                    if buf[i:i + 2] == b"\r\n":
-                        buf, progress = buf[i + 2:], False
-                    elif buf[i:i + 1] == b"\r":
-                        buf, progress = buf[i + 1:], True
+                    if buf[i : i + 2] == b"\r\n":
+                        buf, progress = buf[i + 2 :], False
+                    elif buf[i : i + 1] == b"\r":
+                        buf, progress = buf[i + 1 :], True
                         skip_lf = not buf
                     else:
-                        buf, progress = buf[i + 1:], False
+                        buf, progress = buf[i + 1 :], False
                     self._segment(seg.decode("utf-8", "replace"), progress)
                     cut = True
                 if len(buf) > self.MAX_LINE:
@@ -362,7 +362,7 @@ def infer_health_url(cmd: list[str]) -> tuple[str | None, str]:
             if tok == flag and i + 1 < len(cmd):
                 val = cmd[i + 1]
             elif tok.startswith(flag + "="):
-                val = tok[len(flag) + 1:]
+                val = tok[len(flag) + 1 :]
             if val is not None:
                 if flag == "--port":
                     port = val
@@ -405,8 +405,14 @@ def _is_python(p: psutil.Process) -> bool:
     return any(n.lower().startswith(("python", "pypy")) for n in names)
 
 
-def dump_diagnostics(tree: ProcessTree, log: Log, native: bool = False, per_process_timeout: float = 20.0,
-                     max_processes: int = 16, budget: float = 60.0) -> None:
+def dump_diagnostics(
+    tree: ProcessTree,
+    log: Log,
+    native: bool = False,
+    per_process_timeout: float = 20.0,
+    max_processes: int = 16,
+    budget: float = 60.0,
+) -> None:
     """What each process of the tree is doing, and its Python stacks when py-spy exists.
 
     py-spy gets `per_process_timeout` s per process and `budget` s in all, so a wedged
@@ -425,9 +431,11 @@ def dump_diagnostics(tree: ProcessTree, log: Log, native: bool = False, per_proc
         return
     pyspy = shutil.which("py-spy")
     if pyspy is None:
-        log.launch("py-spy is not installed: no Python stacks. Install it with `pip install py-spy`; "
-                   "it needs ptrace rights (root, or kernel.yama.ptrace_scope=0; in Docker "
-                   "--cap-add SYS_PTRACE)")
+        log.launch(
+            "py-spy is not installed: no Python stacks. Install it with `pip install py-spy`; "
+            "it needs ptrace rights (root, or kernel.yama.ptrace_scope=0; in Docker "
+            "--cap-add SYS_PTRACE)"
+        )
         return
     for k, p in enumerate(py[:max_processes]):
         left = t_end - time.monotonic()
@@ -437,8 +445,7 @@ def dump_diagnostics(tree: ProcessTree, log: Log, native: bool = False, per_proc
         cmd = [pyspy, "dump", "--pid", str(p.pid)] + (["--native"] if native else [])
         log.launch(f"py-spy dump of {describe(p, 100)}")
         try:
-            child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT)
+            child = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         except OSError as e:
             log.launch(f"  py-spy failed to start: {e}")
             return
@@ -487,8 +494,11 @@ class GpuChecker:
             time.sleep(1.0)
             after = nvml.memory_used() or {}
         waited = time.monotonic() - t0
-        self.log.launch(f"GPU memory, before launch -> now (tolerance {self.tolerance:g} MiB"
-                        + (f", waited {waited:.1f} s" if waited >= 1.0 else "") + "):")
+        self.log.launch(
+            f"GPU memory, before launch -> now (tolerance {self.tolerance:g} MiB"
+            + (f", waited {waited:.1f} s" if waited >= 1.0 else "")
+            + "):"
+        )
         for i in sorted(before):
             b, a = before[i], after.get(i, float("nan"))
             status = "released" if i not in bad else f"NOT RELEASED (+{a - b:.0f} MiB)"
@@ -506,11 +516,12 @@ class GpuChecker:
             for pid, paths in holders_by_pid.items():
                 if pid not in procs and dev in paths:
                     visible, name, cmd = nvml.describe_pid(pid)
-                    procs[pid] = nvml.GpuProcess(pid=pid, name=name, cmdline=cmd, visible=visible,
-                                                 kind="device-file")
+                    procs[pid] = nvml.GpuProcess(pid=pid, name=name, cmdline=cmd, visible=visible, kind="device-file")
             if not procs:
-                self.log.launch(f"  GPU {i}: no process is listed as holding memory (other PID "
-                                "namespace, or the driver is still tearing a context down)")
+                self.log.launch(
+                    f"  GPU {i}: no process is listed as holding memory (other PID "
+                    "namespace, or the driver is still tearing a context down)"
+                )
                 failed = True
             # Memory of visible processes outside the tree that NVML lists with a size:
             # the only evidence that the excess is somebody else's.
@@ -527,8 +538,11 @@ class GpuChecker:
                         newer = psutil.Process(p.pid).create_time() >= tree.launched_at
                     except psutil.Error:
                         newer = False
-                    verdict = ("not of this launch, started during it: not killed" if newer
-                               else "not of this launch, older: not killed")
+                    verdict = (
+                        "not of this launch, started during it: not killed"
+                        if newer
+                        else "not of this launch, older: not killed"
+                    )
                     if p.kind != "device-file" and p.used_mib is not None:
                         explained += p.used_mib
                 self.log.launch(f"  GPU {i} held by {p.describe()}  [{verdict}]")
@@ -584,24 +598,30 @@ class Supervisor:
         env.setdefault("PYTHONUNBUFFERED", "1")
         started_wall = time.time()
         try:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True, env=env,
-                                    bufsize=0)
+            proc = subprocess.Popen(
+                cmd,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                env=env,
+                bufsize=0,
+            )
         except OSError as e:
             self.log.launch(f"could not start {cmd[0]!r}: {e}")
             res.outcome = "start_failed"
             return res
         t0 = time.monotonic()
         self.log.launch(f"started pid {proc.pid} (own session and process group)")
-        tree = ProcessTree(proc.pid, marker=env[MARKER_ENV], started_at=started_wall,
-                           session_leader=True, adopt_orphans=self.subreaper)
+        tree = ProcessTree(
+            proc.pid, marker=env[MARKER_ENV], started_at=started_wall, session_leader=True, adopt_orphans=self.subreaper
+        )
         # A partial line must be able to count before a hang is declared.
         reader = OutputReader(proc.stdout, self.log, partial_grace=min(2.0, a.stall_timeout / 4))
         reader.start()
         health = None
         if self.health_url:
-            health = HealthPoller(self.health_url, a.health_interval,
-                                  timeout=min(5.0, max(0.5, a.stall_timeout / 4)))
+            health = HealthPoller(self.health_url, a.health_interval, timeout=min(5.0, max(0.5, a.stall_timeout / 4)))
             health.start()
 
         warned_quiet = False
@@ -621,9 +641,10 @@ class Supervisor:
                     res.returncode = rc
                     res.outcome = "exited" if rc == 0 else "crashed"
                     how = f"status {rc}" if rc >= 0 else f"signal {_signal_name(rc)}"
-                    self.log.launch(f"server (pid {proc.pid}) exited with {how} after {now - t0:.1f} s"
-                                    + (" (after READY)" if res.ready else " (before READY)"
-                                       if self.health_url else ""))
+                    self.log.launch(
+                        f"server (pid {proc.pid}) exited with {how} after {now - t0:.1f} s"
+                        + (" (after READY)" if res.ready else " (before READY)" if self.health_url else "")
+                    )
                     break
                 if self.stop_requests:
                     res.outcome = "stopped"
@@ -631,28 +652,30 @@ class Supervisor:
                 if health is not None:
                     if not warned_404 and health.last_error in ("HTTP 404", "HTTP 405"):
                         warned_404 = True
-                        self.log.launch(f"{self.health_url} answered {health.last_error}: the server is "
-                                        "listening but this is not its health path? (set --health)")
+                        self.log.launch(
+                            f"{self.health_url} answered {health.last_error}: the server is "
+                            "listening but this is not its health path? (set --health)"
+                        )
                     if not res.ready and health.first_ok is not None:
                         res.ready = True
-                        self.log.launch(f"READY after {health.first_ok - t0:.1f} s: {self.health_url} "
-                                        "answered 200")
+                        self.log.launch(f"READY after {health.first_ok - t0:.1f} s: {self.health_url} answered 200")
                     if res.ready:
                         if health_was_ok and not health.ok:
                             self.log.launch(f"health check failing ({health.last_error})")
                         elif not health_was_ok and health.ok and health.last_ok != health.first_ok:
                             self.log.launch("health check OK again")
                         health_was_ok = health.ok
-                last = max(reader.last_progress(now), t0,
-                           (health.last_ok or 0.0) if health is not None else 0.0)
+                last = max(reader.last_progress(now), t0, (health.last_ok or 0.0) if health is not None else 0.0)
                 quiet = now - last
                 if quiet >= a.stall_timeout:
                     res.outcome = "hung"
                     break
                 if quiet >= a.stall_timeout / 2 and not warned_quiet and a.stall_timeout >= 10:
                     warned_quiet = True
-                    self.log.launch(f"no output{' and no healthy /health' if health else ''} for "
-                                    f"{quiet:.0f} s; declaring a hang at {a.stall_timeout:g} s")
+                    self.log.launch(
+                        f"no output{' and no healthy /health' if health else ''} for "
+                        f"{quiet:.0f} s; declaring a hang at {a.stall_timeout:g} s"
+                    )
                 elif quiet < a.stall_timeout / 2:
                     warned_quiet = False
                 if a.ready_timeout and not res.ready and now - t0 >= a.ready_timeout:
@@ -665,19 +688,26 @@ class Supervisor:
                 what = "no output and no HTTP 200 from the health URL" if health else "no output"
                 if reader.access_lines:
                     what += f" (only {reader.access_lines} HTTP access-log lines, not counted as progress)"
-                since = (f"; last line at {_timestamp(reader.last_line_wall)}: {reader.last_line[:200]!r}"
-                         if reader.lines else "; it never printed anything")
+                since = (
+                    f"; last line at {_timestamp(reader.last_line_wall)}: {reader.last_line[:200]!r}"
+                    if reader.lines
+                    else "; it never printed anything"
+                )
                 self.log.launch(f"HUNG: {what} for {a.stall_timeout:g} s{since}")
                 if health is not None:
                     self.log.launch(f"health: {self.health_url}: {health.last_error}")
                 dump_diagnostics(tree, self.log, native=a.native_stacks)
             elif res.outcome == "ready_timeout":
-                self.log.launch(f"NOT READY within --ready-timeout {a.ready_timeout:g} s "
-                                f"({self.health_url}: {health.last_error if health else '-'})")
+                self.log.launch(
+                    f"NOT READY within --ready-timeout {a.ready_timeout:g} s "
+                    f"({self.health_url}: {health.last_error if health else '-'})"
+                )
                 dump_diagnostics(tree, self.log, native=a.native_stacks)
             elif res.outcome == "stopped":
-                self.log.launch("stop requested: SIGINT to the server's process group "
-                                f"(up to {a.grace:g} s to exit; Ctrl-C again to skip)")
+                self.log.launch(
+                    "stop requested: SIGINT to the server's process group "
+                    f"(up to {a.grace:g} s to exit; Ctrl-C again to skip)"
+                )
                 n = self.stop_requests
                 try:
                     os.killpg(proc.pid, signal.SIGINT)
@@ -695,8 +725,9 @@ class Supervisor:
                 health.stop.set()
             if not stopped:  # an internal error: still never leave the tree behind
                 try:
-                    stop_tree(tree, grace=min(a.grace, 2.0), log=self.log.launch,
-                              keep_unreaped=[proc.pid], on_tick=proc.poll)
+                    stop_tree(
+                        tree, grace=min(a.grace, 2.0), log=self.log.launch, keep_unreaped=[proc.pid], on_tick=proc.poll
+                    )
                 except Exception:
                     pass
             reader.join(timeout=2.0)
@@ -726,8 +757,10 @@ class Supervisor:
             try:
                 p = psutil.Process(pid)
                 if p.create_time() >= tree.launched_at:
-                    self.log.launch(f"warning: {describe(p)} holds /dev/nvidia* and started during this "
-                                    "launch, but is not part of its tree: not killed")
+                    self.log.launch(
+                        f"warning: {describe(p)} holds /dev/nvidia* and started during this "
+                        "launch, but is not part of its tree: not killed"
+                    )
             except psutil.Error:
                 continue
         if not members:
@@ -735,18 +768,26 @@ class Supervisor:
             return True
         n = self.stop_requests
         grace = 0.0 if n > 1 else a.grace
-        result = stop_tree(tree, grace=grace, kill_wait=a.kill_wait, log=self.log.launch,
-                           keep_unreaped=[proc.pid], on_tick=proc.poll,
-                           hurry=lambda: self.stop_requests > max(n, 1))
+        result = stop_tree(
+            tree,
+            grace=grace,
+            kill_wait=a.kill_wait,
+            log=self.log.launch,
+            keep_unreaped=[proc.pid],
+            on_tick=proc.poll,
+            hurry=lambda: self.stop_requests > max(n, 1),
+        )
         proc.poll()
         if result.survivors:
-            self.log.launch(f"{len(result.survivors)} process(es) survived SIGKILL "
-                            "(uninterruptible sleep in a driver?):")
+            self.log.launch(
+                f"{len(result.survivors)} process(es) survived SIGKILL (uninterruptible sleep in a driver?):"
+            )
             for s in result.survivors:
                 self.log.launch(f"  {s}")
             return False
-        self.log.launch(f"process tree stopped ({len(result.signalled)} signalled, "
-                        f"{len(result.sigkilled)} needed SIGKILL)")
+        self.log.launch(
+            f"process tree stopped ({len(result.signalled)} signalled, {len(result.sigkilled)} needed SIGKILL)"
+        )
         return True
 
     def run(self) -> int:
@@ -759,8 +800,10 @@ class Supervisor:
             self.log.launch(f"attempt {n}/{tries}: {shlex.join(cmd)}")
             res = self.attempt(cmd)
             if not res.cleanup_ok:
-                self.log.launch(f"exit {EXIT_CLEANUP_FAILED}: {EXIT_CODES[EXIT_CLEANUP_FAILED]} "
-                                f"(after: {res.outcome}); not restarting")
+                self.log.launch(
+                    f"exit {EXIT_CLEANUP_FAILED}: {EXIT_CODES[EXIT_CLEANUP_FAILED]} "
+                    f"(after: {res.outcome}); not restarting"
+                )
                 return EXIT_CLEANUP_FAILED
             if res.outcome == "stopped":
                 self.log.launch(f"exit {EXIT_OK}: stopped by the user")
@@ -771,12 +814,13 @@ class Supervisor:
             if res.outcome == "start_failed":
                 self.log.launch(f"exit {EXIT_START_FAILED}: {EXIT_CODES[EXIT_START_FAILED]}")
                 return EXIT_START_FAILED
-            code = {"crashed": EXIT_CRASHED, "hung": EXIT_HUNG,
-                    "ready_timeout": EXIT_READY_TIMEOUT}[res.outcome]
+            code = {"crashed": EXIT_CRASHED, "hung": EXIT_HUNG, "ready_timeout": EXIT_READY_TIMEOUT}[res.outcome]
             if n < tries and not self.stop_requests:
                 extra = f" with fallback args {shlex.join(fallback)}" if fallback else ""
-                self.log.launch(f"{res.outcome.replace('_', '-')}: restarting{extra} in "
-                                f"{a.restart_delay:g} s ({tries - n} restart(s) left)")
+                self.log.launch(
+                    f"{res.outcome.replace('_', '-')}: restarting{extra} in "
+                    f"{a.restart_delay:g} s ({tries - n} restart(s) left)"
+                )
                 self._sleep(a.restart_delay)
                 if not self.stop_requests:
                     continue
@@ -791,38 +835,80 @@ class Supervisor:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.epilog = "exit codes:\n" + "\n".join(f"  {k}  {v}" for k, v in EXIT_CODES.items())
-    parser.add_argument("--stall-timeout", type=float, default=600.0, metavar="S",
-                        help="declare a hang after S seconds with no output line and no healthy "
-                             "/health (default 600)")
-    parser.add_argument("--ready-timeout", type=float, default=0.0, metavar="S",
-                        help="give up when /health has not answered 200 after S seconds, even if "
-                             "the server keeps logging (default 0: no limit)")
-    parser.add_argument("--health", metavar="URL",
-                        help="health URL (default: http://HOST:PORT/health from --port/--host in "
-                             "the command); 'none' disables health polling")
-    parser.add_argument("--health-interval", type=float, default=1.0, metavar="S",
-                        help="seconds between health polls (default 1)")
-    parser.add_argument("--restarts", type=int, default=0, metavar="N",
-                        help="restart up to N times after a hang, crash or ready-timeout (default 0)")
-    parser.add_argument("--fallback-args", default="", metavar='"ARGS"',
-                        help="appended (shlex-split) to the command on every restart: for "
-                             "example --disable-cuda-graph for SGLang, --enforce-eager for vLLM")
-    parser.add_argument("--restart-delay", type=float, default=2.0, metavar="S",
-                        help="pause before a restart (default 2)")
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="declare a hang after S seconds with no output line and no healthy /health (default 600)",
+    )
+    parser.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="give up when /health has not answered 200 after S seconds, even if "
+        "the server keeps logging (default 0: no limit)",
+    )
+    parser.add_argument(
+        "--health",
+        metavar="URL",
+        help="health URL (default: http://HOST:PORT/health from --port/--host in "
+        "the command); 'none' disables health polling",
+    )
+    parser.add_argument(
+        "--health-interval", type=float, default=1.0, metavar="S", help="seconds between health polls (default 1)"
+    )
+    parser.add_argument(
+        "--restarts",
+        type=int,
+        default=0,
+        metavar="N",
+        help="restart up to N times after a hang, crash or ready-timeout (default 0)",
+    )
+    parser.add_argument(
+        "--fallback-args",
+        default="",
+        metavar='"ARGS"',
+        help="appended (shlex-split) to the command on every restart: for "
+        "example --disable-cuda-graph for SGLang, --enforce-eager for vLLM",
+    )
+    parser.add_argument(
+        "--restart-delay", type=float, default=2.0, metavar="S", help="pause before a restart (default 2)"
+    )
     parser.add_argument("--log", metavar="FILE", help="also append the timestamped log to FILE")
-    parser.add_argument("--grace", type=float, default=10.0, metavar="S",
-                        help="seconds between SIGTERM (or the forwarded SIGINT) and SIGKILL (default 10)")
-    parser.add_argument("--kill-wait", type=float, default=10.0, metavar="S",
-                        help="seconds to wait for SIGKILLed processes to vanish (default 10)")
-    parser.add_argument("--gpu-release-timeout", type=float, default=30.0, metavar="S",
-                        help="seconds to wait for GPU memory to return to its pre-launch level "
-                             "(default 30)")
-    parser.add_argument("--gpu-tolerance-mib", type=float, default=256.0, metavar="MIB",
-                        help="allowed excess over the pre-launch GPU memory (default 256)")
-    parser.add_argument("--native-stacks", action="store_true",
-                        help="py-spy dump --native (C/C++ frames too: CUDA, NCCL)")
-    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...",
-                        help="the server command")
+    parser.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds between SIGTERM (or the forwarded SIGINT) and SIGKILL (default 10)",
+    )
+    parser.add_argument(
+        "--kill-wait",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds to wait for SIGKILLed processes to vanish (default 10)",
+    )
+    parser.add_argument(
+        "--gpu-release-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="seconds to wait for GPU memory to return to its pre-launch level (default 30)",
+    )
+    parser.add_argument(
+        "--gpu-tolerance-mib",
+        type=float,
+        default=256.0,
+        metavar="MIB",
+        help="allowed excess over the pre-launch GPU memory (default 256)",
+    )
+    parser.add_argument(
+        "--native-stacks", action="store_true", help="py-spy dump --native (C/C++ frames too: CUDA, NCCL)"
+    )
+    parser.add_argument("cmd", nargs=argparse.REMAINDER, metavar="-- CMD ...", help="the server command")
     _accept_dash_values(parser, ("--fallback-args",))
 
 
@@ -832,10 +918,14 @@ def _accept_dash_values(parser: argparse.ArgumentParser, flags: tuple[str, ...])
     argparse takes a lone value that starts with '-' for an option and fails; this rewrites
     `FLAG VALUE` to `FLAG=VALUE` among our own options (never inside CMD) before parsing.
     """
-    takes_value = {o for act in parser._actions if act.option_strings and act.nargs is None
-                   and not isinstance(act, (argparse._StoreTrueAction, argparse._StoreFalseAction,
-                                            argparse._HelpAction))
-                   for o in act.option_strings}
+    takes_value = {
+        o
+        for act in parser._actions
+        if act.option_strings
+        and act.nargs is None
+        and not isinstance(act, (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse._HelpAction))
+        for o in act.option_strings
+    }
     original = parser.parse_known_args
 
     def parse_known_args(args=None, namespace=None):
@@ -903,18 +993,24 @@ def run(args: argparse.Namespace) -> int:
         if url:
             log.launch(f"health URL {url} ({how}; override with --health)")
         else:
-            log.launch(f"{how}: no health URL, readiness is not detected and hangs are judged from "
-                       "log silence only (pass --health URL)")
+            log.launch(
+                f"{how}: no health URL, readiness is not detected and hangs are judged from "
+                "log silence only (pass --health URL)"
+            )
     if args.ready_timeout and not sup.health_url:
         log.close()
         return _usage_error("--ready-timeout needs a health URL (--health, or --port in the command)")
-    log.launch(f"stall timeout {args.stall_timeout:g} s, ready timeout "
-               f"{f'{args.ready_timeout:g} s' if args.ready_timeout else 'none'}, "
-               f"restarts {args.restarts}, grace {args.grace:g} s")
+    log.launch(
+        f"stall timeout {args.stall_timeout:g} s, ready timeout "
+        f"{f'{args.ready_timeout:g} s' if args.ready_timeout else 'none'}, "
+        f"restarts {args.restarts}, grace {args.grace:g} s"
+    )
     sup.subreaper = set_child_subreaper()
     if not sup.subreaper:
-        log.launch("note: could not become a child subreaper; orphaned workers are found by "
-                   "session, process group and environment marker only")
+        log.launch(
+            "note: could not become a child subreaper; orphaned workers are found by "
+            "session, process group and environment marker only"
+        )
 
     old = {}
     if threading.current_thread() is threading.main_thread():

@@ -22,6 +22,7 @@ from specserve.server import protocol as P
 from specserve.server import tool_calls as TC
 from specserve.server.chat_request import chat_pieces, parse_template_kwargs, split_message
 from specserve.server.engine_loop import EngineLoop, Event, Job, QueueFull
+from specserve.server.errors import APIError, bad, error_body, show
 from specserve.server.metrics import Metrics
 from specserve.server.reasoning import ReasoningSplitter, resolve_parser
 from specserve.server.structured import parse_response_format
@@ -63,8 +64,9 @@ class AppState:
             return own
         if self._grammars is None:
             ends = {llm.tokenizer.end_of_turn_id} - {None}
-            self._grammars = Grammars(llm.tokenizer, llm.engine.runner.model_cfg.vocab_size,
-                                      set(llm.tokenizer.eos_token_ids) | ends)
+            self._grammars = Grammars(
+                llm.tokenizer, llm.engine.runner.model_cfg.vocab_size, set(llm.tokenizer.eos_token_ids) | ends
+            )
         return self._grammars
 
     def tool_format(self, llm) -> TC.Format:
@@ -95,7 +97,7 @@ def create_app(loop: EngineLoop, metrics: Metrics, cfg: ServerConfig, info: dict
     """`info` is static configuration shown by /server_info (engine config, flags)."""
     app = FastAPI(title="specserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.srv = AppState(loop, metrics, cfg, info or {})
-    app.add_exception_handler(P.APIError, _api_error)
+    app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(StarletteHTTPException, _http_error)
     app.add_exception_handler(Exception, _crash)
     app.include_router(v1)
@@ -108,19 +110,19 @@ def state(request: Request) -> AppState:
 
 
 # ---------------------------------------------------------------- errors
-async def _api_error(request: Request, e: P.APIError):
+async def _api_error(request: Request, e: APIError):
     state(request).metrics.end(e.outcome, e.reason)
     return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 async def _http_error(request: Request, e: StarletteHTTPException):
     state(request).metrics.end("rejected", f"http_{e.status_code}")
-    return JSONResponse(P.error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
+    return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code)
 
 
 async def _crash(request: Request, e: Exception):
     state(request).metrics.end("failed", "internal_error")
-    return JSONResponse(P.error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", "server_error"), status_code=500)
 
 
 # --------------------------------------------------------------- helpers
@@ -131,8 +133,12 @@ def auth(request: Request) -> None:
     given = request.headers.get("authorization", "")
     scheme, _, token = given.partition(" ")
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
-        raise P.APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                         code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        raise APIError(
+            401,
+            "invalid or missing API key: send 'Authorization: Bearer <key>'",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 def metrics_auth(request: Request) -> None:
@@ -143,19 +149,22 @@ def metrics_auth(request: Request) -> None:
 def ready_llm(st: AppState):
     loop = st.loop
     if st.draining:
-        raise P.APIError(503, "the server is shutting down; send this request to another instance",
-                         code="shutting_down")
+        raise APIError(503, "the server is shutting down; send this request to another instance", code="shutting_down")
     if loop.error:
-        raise P.APIError(503, f"engine unavailable: {loop.error}", code="engine_unavailable")
+        raise APIError(503, f"engine unavailable: {loop.error}", code="engine_unavailable")
     if not loop.ready.is_set():
-        raise P.APIError(503, "the model is still loading; retry shortly", code="model_loading",
-                         headers={"Retry-After": str(st.cfg.retry_after_s)})
+        raise APIError(
+            503,
+            "the model is still loading; retry shortly",
+            code="model_loading",
+            headers={"Retry-After": str(st.cfg.retry_after_s)},
+        )
     return loop.llm
 
 
 async def read_body(request: Request, cfg: ServerConfig) -> bytes:
     limit = cfg.max_body_bytes
-    too_big = P.APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
+    too_big = APIError(413, f"request body larger than {limit} bytes", code="request_too_large")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_big
@@ -171,16 +180,19 @@ async def read_body(request: Request, cfg: ServerConfig) -> bytes:
 def check_model(body: dict, cfg: ServerConfig) -> None:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise P.bad("model must be a string", "model")
+        raise bad("model must be a string", "model")
     if model is not None and model != cfg.served_model_name:
-        raise P.APIError(404, f"model {P.show(model)} does not exist; this server serves {cfg.served_model_name!r}",
-                         "model", "model_not_found")
+        raise APIError(
+            404,
+            f"model {show(model)} does not exist; this server serves {cfg.served_model_name!r}",
+            "model",
+            "model_not_found",
+        )
 
 
 def model_card(st: AppState) -> dict:
     llm = st.loop.llm
-    card = {"id": st.cfg.served_model_name, "object": "model", "created": int(st.loop.started),
-            "owned_by": "specserve"}
+    card = {"id": st.cfg.served_model_name, "object": "model", "created": int(st.loop.started), "owned_by": "specserve"}
     if llm is not None:
         card["max_model_len"] = llm.engine.max_model_len
     return card
@@ -199,7 +211,7 @@ async def models(request: Request):
 async def model(request: Request, model_id: str):
     st = state(request)
     if model_id != st.cfg.served_model_name:
-        raise P.APIError(404, f"model {model_id!r} does not exist", "model", "model_not_found")
+        raise APIError(404, f"model {model_id!r} does not exist", "model", "model_not_found")
     return model_card(st)
 
 
@@ -232,21 +244,40 @@ async def generate(request: Request, chat: bool):
             pass
 
     keep = bool(calls_format and calls_format.markers)  # the format's markers are special tokens
-    jobs = [Job(f"{rid}-{p * s.n + j}", p * s.n + j, ids, params, sink, keep_special=keep)
-            for p, (ids, choice_params) in enumerate(jobs_spec) for j, params in enumerate(choice_params)]
+    jobs = [
+        Job(f"{rid}-{p * s.n + j}", p * s.n + j, ids, params, sink, keep_special=keep)
+        for p, (ids, choice_params) in enumerate(jobs_spec)
+        for j, params in enumerate(choice_params)
+    ]
     if len(jobs) > loop.capacity:  # could never be admitted: retrying would not help, so not a 429
-        raise P.bad(f"this request needs {len(jobs)} sequences (prompts x n) but the server holds at most "
-                    f"{loop.capacity} at a time", "n")
+        raise bad(
+            f"this request needs {len(jobs)} sequences (prompts x n) but the server holds at most "
+            f"{loop.capacity} at a time",
+            "n",
+        )
     try:
         loop.submit(jobs)
     except QueueFull as e:
-        raise P.APIError(429, f"server busy ({e}); retry later", code="queue_full",
-                         headers={"Retry-After": str(cfg.retry_after_s)}) from None
-    out = _Output(st, rid, chat, queue, {j.index: j.seq_id for j in jobs}, sum(len(ids) for ids, _ in jobs_spec),
-                  llm.tokenizer if s.logprobs is not None else None, s.reasoning, calls_format)
+        raise APIError(
+            429, f"server busy ({e}); retry later", code="queue_full", headers={"Retry-After": str(cfg.retry_after_s)}
+        ) from None
+    out = _Output(
+        st,
+        rid,
+        chat,
+        queue,
+        {j.index: j.seq_id for j in jobs},
+        sum(len(ids) for ids, _ in jobs_spec),
+        llm.tokenizer if s.logprobs is not None else None,
+        s.reasoning,
+        calls_format,
+    )
     if s.stream:
-        return StreamingResponse(stream(out, s.include_usage), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return StreamingResponse(
+            stream(out, s.include_usage),
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
     return await collect(request, out)
 
 
@@ -269,9 +300,10 @@ def prepare(st: AppState, llm, raw: bytes, chat: bool):
         _check_text_size(sum(len(m["content"]) for m in messages), llm, limits, field_name)
         try:
             text = llm.tokenizer.apply_chat_template(
-                messages, tools=tools.template_tools if tools.parses_calls else None, **kwargs)
+                messages, tools=tools.template_tools if tools.parses_calls else None, **kwargs
+            )
         except Exception as e:  # no template, or the template refused (raise_exception)
-            raise P.bad(f"cannot apply the chat template: {e}", "messages") from None
+            raise bad(f"cannot apply the chat template: {e}", "messages") from None
         family = resolve_parser(st.cfg.reasoning_parser, llm.tokenizer.template_features)
         s.reasoning = (family, text) if family else None
         _check_text_size(len(text), llm, limits, field_name)
@@ -290,7 +322,7 @@ def prepare(st: AppState, llm, raw: bytes, chat: bool):
         try:
             out.append((ids, [s.params_for(j, max_tokens) for j in range(s.n)]))
         except ValueError as e:  # protocol checks admit only packable values; this names any that slipped by
-            raise P.bad(f"invalid sampling parameters: {e}") from None
+            raise bad(f"invalid sampling parameters: {e}") from None
     return s, out, (fmt if tools.parses_calls else None)
 
 
@@ -300,15 +332,16 @@ def _grammar(st: AppState, llm, body: dict, tools: TC.ToolRequest, fmt: TC.Forma
     reply = parse_response_format(body)
     call = TC.call_grammar(tools, fmt)
     if reply is not None and call is not None:
-        raise P.bad("response_format and a required or named tool_choice both constrain the reply: send one",
-                    "response_format")
+        raise bad(
+            "response_format and a required or named tool_choice both constrain the reply: send one", "response_format"
+        )
     spec = reply or call
     if spec is not None:
         try:
             st.grammars(llm).compile(spec)
         except GrammarError as e:
             part = "response_format" if reply is not None else "tools"
-            raise P.bad(f"{part} cannot be enforced: {e}", part, "invalid_schema") from None
+            raise bad(f"{part} cannot be enforced: {e}", part, "invalid_schema") from None
     return spec
 
 
@@ -318,8 +351,11 @@ def _check_text_size(n: int, llm, limits: TextLimits, field_name: str) -> None:
     limit = llm.engine.max_model_len
     per_token = limits.max_token_chars or 0
     if per_token and n > limit * per_token:
-        raise P.bad(f"the prompt has {n} characters, more than this model's {limit}-token context can hold; "
-                    f"shorten it", field_name, "context_length_exceeded")
+        raise bad(
+            f"the prompt has {n} characters, more than this model's {limit}-token context can hold; shorten it",
+            field_name,
+            "context_length_exceeded",
+        )
 
 
 # ------------------------------------------------------------ responses
@@ -371,7 +407,7 @@ async def collect(request: Request, out: _Output):
             if ev is None:
                 continue
             if ev.kind == "error":
-                raise P.APIError(ev.status, ev.message, code=ev.reason, outcome="failed")
+                raise APIError(ev.status, ev.message, code=ev.reason, outcome="failed")
             texts[ev.index].append(ev.text)
             logprobs[ev.index].extend(ev.logprobs or ())
             if ev.kind == "finish":
@@ -392,17 +428,23 @@ async def collect(request: Request, out: _Output):
         calls = []
         if out.tool_format is not None:
             message["content"], calls = TC.parse_output(message["content"], out.tool_format)
-        c = P.chat_choice(i, message["content"], "tool_calls" if calls and reasons[i] == "stop" else reasons[i], lp,
-                          calls)
+        c = P.chat_choice(
+            i, message["content"], "tool_calls" if calls and reasons[i] == "stop" else reasons[i], lp, calls
+        )
         if "reasoning_content" in message:
             c["message"]["reasoning_content"] = message["reasoning_content"]
         return c
 
     splitters = out.splitters()
     choices = [choice(i) for i in sorted(out.ids_by_index)]
-    return {"id": out.rid, "object": "chat.completion" if out.chat else "text_completion", "created": P.now(),
-            "model": out.st.cfg.served_model_name, "choices": choices,
-            "usage": P.usage(out.prompt_tokens, completion_tokens)}
+    return {
+        "id": out.rid,
+        "object": "chat.completion" if out.chat else "text_completion",
+        "created": P.now(),
+        "model": out.st.cfg.served_model_name,
+        "choices": choices,
+        "usage": P.usage(out.prompt_tokens, completion_tokens),
+    }
 
 
 def _request_finish_reason(reasons) -> str:
@@ -422,8 +464,16 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
     pending_usage = {"usage": None} if include_usage else {}
 
     def chunk(choices: list, **extra) -> str:
-        return _sse({"id": out.rid, "object": obj, "created": created, "model": name, "choices": choices,
-                     **(extra or pending_usage)})
+        return _sse(
+            {
+                "id": out.rid,
+                "object": obj,
+                "created": created,
+                "model": name,
+                "choices": choices,
+                **(extra or pending_usage),
+            }
+        )
 
     writers = out.logprob_writers()
     splitters = out.splitters()
@@ -452,8 +502,10 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
             return []
         ds = ds or [{}]
         last = len(ds) - 1
-        return [chunk([P.chat_chunk_choice(ev.index, d, reason if k == last else None, lp if k == 0 else None)])
-                for k, d in enumerate(ds)]
+        return [
+            chunk([P.chat_chunk_choice(ev.index, d, reason if k == last else None, lp if k == 0 else None)])
+            for k, d in enumerate(ds)
+        ]
 
     reasons: dict[int, str] = {}
     completion_tokens = 0
@@ -466,8 +518,11 @@ async def stream(out: _Output, include_usage: bool) -> AsyncIterator[str]:
             ev = await out.queue.get()
             if ev.kind == "error":
                 outcome = ("failed", ev.reason)
-                yield _sse(P.error_body(ev.message, "server_error" if ev.status >= 500 else "invalid_request_error",
-                                        code=ev.reason))
+                yield _sse(
+                    error_body(
+                        ev.message, "server_error" if ev.status >= 500 else "invalid_request_error", code=ev.reason
+                    )
+                )
                 break
             if ev.kind == "delta":
                 for c in chunks(ev, deltas(ev, final=False) if chat else [], None):
@@ -517,7 +572,9 @@ async def health(request: Request):
 @ops.get("/metrics", dependencies=[Depends(metrics_auth)])
 async def prometheus(request: Request):
     st = state(request)
-    return PlainTextResponse(st.metrics.render(st.loop.snapshot()), media_type="text/plain; version=0.0.4; charset=utf-8")
+    return PlainTextResponse(
+        st.metrics.render(st.loop.snapshot()), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )
 
 
 @ops.get("/server_info", dependencies=[Depends(auth)])
@@ -527,12 +584,16 @@ async def server_info(request: Request):
     snap = loop.snapshot()
     llm = loop.llm
     engine = llm.engine if llm is not None else None
-    state_ = "error" if loop.error else ("shutting_down" if st.draining else
-                                         ("ready" if loop.ready.is_set() else "loading"))
+    state_ = (
+        "error" if loop.error else ("shutting_down" if st.draining else ("ready" if loop.ready.is_set() else "loading"))
+    )
     with metrics.lock:
-        served = {"success": dict(metrics.success), "aborted": metrics.aborted,
-                  "prompt_tokens": metrics.prompt_tokens,
-                  "generation_tokens": metrics.generation_tokens}
+        served = {
+            "success": dict(metrics.success),
+            "aborted": metrics.aborted,
+            "prompt_tokens": metrics.prompt_tokens,
+            "generation_tokens": metrics.generation_tokens,
+        }
     server = {k: v for k, v in dataclasses.asdict(cfg).items() if k != "api_key"}
     return {
         "state": state_,
@@ -542,19 +603,29 @@ async def server_info(request: Request):
         "load_seconds": loop.load_seconds,
         "graph_capture_seconds": getattr(engine, "graph_seconds", None),
         "max_model_len": getattr(engine, "max_model_len", None),
-        "config": _jsonable({**st.info, "server": server | {"api_key_set": cfg.api_key is not None,
-                                                            "queue_capacity": loop.capacity}}),
+        "config": _jsonable(
+            {**st.info, "server": server | {"api_key_set": cfg.api_key is not None, "queue_capacity": loop.capacity}}
+        ),
         "versions": _versions(),
         "kv": snap["kv"],
         "idle_integrity": snap["idle_integrity"],
-        "requests": {"running": snap["running"], "waiting": snap["waiting"], "in_flight": loop.in_flight,
-                     "ended": metrics.ended_by_outcome(), **served},
-        "speculation": {"drafter": bool(engine is not None and engine.policy is not None),
-                        "method": engine.cfg.spec.method if engine is not None and engine.policy is not None else None,
-                        "last_k": snap["last_k"], "k_choices": snap["k_choices"],
-                        "acceptance_estimate": snap["acceptance_estimate"],
-                        "acceptance_estimate_tree": snap["acceptance_estimate_tree"], "since_start": snap["spec"],
-                        "costs": snap["policy_costs"]},
+        "requests": {
+            "running": snap["running"],
+            "waiting": snap["waiting"],
+            "in_flight": loop.in_flight,
+            "ended": metrics.ended_by_outcome(),
+            **served,
+        },
+        "speculation": {
+            "drafter": bool(engine is not None and engine.policy is not None),
+            "method": engine.cfg.spec.method if engine is not None and engine.policy is not None else None,
+            "last_k": snap["last_k"],
+            "k_choices": snap["k_choices"],
+            "acceptance_estimate": snap["acceptance_estimate"],
+            "acceptance_estimate_tree": snap["acceptance_estimate_tree"],
+            "since_start": snap["spec"],
+            "costs": snap["policy_costs"],
+        },
         "tokens_generated": snap["tokens_generated"],
     }
 
@@ -564,20 +635,26 @@ def _check_prompt(ids: list[int], s: P.Sampling, llm, chat: bool, cfg: ServerCon
     engine = llm.engine
     limit, vocab = engine.max_model_len, engine.runner.model_cfg.vocab_size
     if not ids:
-        raise P.bad("the prompt is empty", "messages" if chat else "prompt")
+        raise bad("the prompt is empty", "messages" if chat else "prompt")
     if min(ids) < 0 or max(ids) >= vocab:
-        raise P.bad(f"prompt token ids must lie in 0..{vocab - 1}", "prompt")
+        raise bad(f"prompt token ids must lie in 0..{vocab - 1}", "prompt")
     if len(ids) >= limit:
-        raise P.bad(f"this model's maximum context length is {limit} tokens and the prompt has {len(ids)} tokens "
-                    f"(room is needed for at least one new token)", "messages" if chat else "prompt",
-                    "context_length_exceeded")
+        raise bad(
+            f"this model's maximum context length is {limit} tokens and the prompt has {len(ids)} tokens "
+            f"(room is needed for at least one new token)",
+            "messages" if chat else "prompt",
+            "context_length_exceeded",
+        )
     room = limit - len(ids)
     if s.max_tokens is None:
         return room if chat else min(cfg.completion_default_max_tokens, room)
     if s.max_tokens > room:
-        raise P.bad(f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} tokens and "
-                    f"{s.max_tokens_field} asks for {P.show(s.max_tokens)} more (at most {room})", s.max_tokens_field,
-                    "context_length_exceeded")
+        raise bad(
+            f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} tokens and "
+            f"{s.max_tokens_field} asks for {show(s.max_tokens)} more (at most {room})",
+            s.max_tokens_field,
+            "context_length_exceeded",
+        )
     return s.max_tokens
 
 

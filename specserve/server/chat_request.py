@@ -4,7 +4,7 @@ message fields and stream deltas, split into `reasoning_content` and `content` w
 
 from __future__ import annotations
 
-from specserve.server.protocol import bad, show
+from specserve.server.errors import bad, show
 from specserve.server.reasoning import ReasoningSplitter
 
 # Variables the server itself gives the template: a request may not set them through chat_template_kwargs.
@@ -16,16 +16,19 @@ def parse_template_kwargs(body: dict) -> dict:
     if kwargs is None:
         return {}
     if not isinstance(kwargs, dict):
-        raise bad(f"chat_template_kwargs must be an object of template variables, got {show(kwargs)}",
-                  "chat_template_kwargs")
+        raise bad(
+            f"chat_template_kwargs must be an object of template variables, got {show(kwargs)}", "chat_template_kwargs"
+        )
     taken = [k for k in kwargs if k in RESERVED_TEMPLATE_VARIABLES]
     if taken:
-        raise bad(f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do",
-                  "chat_template_kwargs")
+        raise bad(
+            f"chat_template_kwargs may not set {', '.join(taken)}: the request's own fields do", "chat_template_kwargs"
+        )
     for name in ("thinking", "enable_thinking"):
         if name in kwargs and not isinstance(kwargs[name], bool):
-            raise bad(f"chat_template_kwargs.{name} must be a boolean, got {show(kwargs[name])}",
-                      "chat_template_kwargs")
+            raise bad(
+                f"chat_template_kwargs.{name} must be a boolean, got {show(kwargs[name])}", "chat_template_kwargs"
+            )
     return kwargs
 
 

@@ -80,8 +80,9 @@ class _Track:
 
 
 class EngineLoop:
-    def __init__(self, build: Callable[[], Any], metrics: Metrics, capacity: int,
-                 on_error: Callable[[str], None] | None = None):
+    def __init__(
+        self, build: Callable[[], Any], metrics: Metrics, capacity: int, on_error: Callable[[str], None] | None = None
+    ):
         """`build()` runs in the engine thread and returns an object with
         `.engine` and `.tokenizer` (an LLM). `capacity` bounds sequences in
         flight (running rows + queue). `on_error(message)` is called when
@@ -124,8 +125,15 @@ class EngineLoop:
         with self._cv:
             if self.error:  # the engine thread is gone: nobody else would ever answer these jobs
                 for job in jobs:
-                    job.sink(Event(job.index, "error", message=f"engine unavailable: {self.error}", status=503,
-                                   reason="engine_unavailable"))
+                    job.sink(
+                        Event(
+                            job.index,
+                            "error",
+                            message=f"engine unavailable: {self.error}",
+                            status=503,
+                            reason="engine_unavailable",
+                        )
+                    )
                 return
             if self._in_flight + len(jobs) > self.capacity:
                 raise QueueFull(f"{self._in_flight} sequences in flight, limit {self.capacity}")
@@ -252,16 +260,23 @@ class EngineLoop:
             text = tr.decoder.text
             safe = len(text) - tr.holdback if job.params.stop else len(text)
             if safe > len(tr.sent) and text.startswith(tr.sent):
-                delta = text[len(tr.sent):safe]
+                delta = text[len(tr.sent) : safe]
                 tr.sent += delta
-                job.sink(Event(job.index, "delta", text=delta, completion_tokens=len(seq.output_ids),
-                               logprobs=self._new_logprobs(tr, seq)))
+                job.sink(
+                    Event(
+                        job.index,
+                        "delta",
+                        text=delta,
+                        completion_tokens=len(seq.output_ids),
+                        logprobs=self._new_logprobs(tr, seq),
+                    )
+                )
             return
         # Finished: the full text, cut at a stop string, exactly as LLM.generate returns it.
         text = self._final_text(seq, job)
         if job.params.stop:
             text = cut_at_stop(text, job.params.stop)[0]
-        delta = text[len(tr.sent):] if text.startswith(tr.sent) else ""
+        delta = text[len(tr.sent) :] if text.startswith(tr.sent) else ""
         del self._tracks[seq.seq_id]
         self._done(seq.seq_id)
         n = len(seq.output_ids)
@@ -272,15 +287,26 @@ class EngineLoop:
             m.e2e.observe(now - job.received)
             if n > 1 and seq.first_token_time is not None:
                 m.tpot.observe((seq.finish_time - seq.first_token_time) / (n - 1))
-        job.sink(Event(job.index, "finish", text=delta, finish_reason=seq.finish_reason, completion_tokens=n,
-                       logprobs=self._new_logprobs(tr, seq)))
+        job.sink(
+            Event(
+                job.index,
+                "finish",
+                text=delta,
+                finish_reason=seq.finish_reason,
+                completion_tokens=n,
+                logprobs=self._new_logprobs(tr, seq),
+            )
+        )
 
     def _final_text(self, seq, job: Job) -> str:
         if not job.keep_special:
             return self.llm.tokenizer.decode(seq.output_ids)
         ids = seq.output_ids
-        if seq.finish_reason == "stop" and ids and (ids[-1] in self.llm.tokenizer.eos_token_ids
-                                                    or ids[-1] in job.params.stop_token_ids):
+        if (
+            seq.finish_reason == "stop"
+            and ids
+            and (ids[-1] in self.llm.tokenizer.eos_token_ids or ids[-1] in job.params.stop_token_ids)
+        ):
             ids = ids[:-1]
         return self.llm.tokenizer.decode(ids, skip_special_tokens=False)
 
@@ -290,7 +316,7 @@ class EngineLoop:
         events of a sequence carry each token's once, whatever text was held back."""
         if seq.logprobs is None:
             return None
-        new = seq.logprobs[tr.logprobs_sent:]
+        new = seq.logprobs[tr.logprobs_sent :]
         tr.logprobs_sent = len(seq.logprobs)
         return new
 
@@ -330,24 +356,29 @@ class EngineLoop:
             "running": running,
             "waiting": max(self._in_flight - running, 0),
             "kv": kv,
-            "spec": {"cycles": engine.totals.cycles, "drafted": engine.totals.drafted,
-                     "accepted": engine.totals.accepted,
-                     "accepted_per_pos": _padded(engine.totals.accepted_per_pos, k_max),
-                     "drafted_per_pos": _padded(engine.totals.drafted_per_pos, k_max),
-                     "accept_length_mean": engine.totals.accept_length,
-                     "accept_per_position": engine.totals.accept_per_position},
+            "spec": {
+                "cycles": engine.totals.cycles,
+                "drafted": engine.totals.drafted,
+                "accepted": engine.totals.accepted,
+                "accepted_per_pos": _padded(engine.totals.accepted_per_pos, k_max),
+                "drafted_per_pos": _padded(engine.totals.drafted_per_pos, k_max),
+                "accept_length_mean": engine.totals.accept_length,
+                "accept_per_position": engine.totals.accept_per_position,
+            },
             "last_k": engine.last_k,
             "k_choices": {K: 0 for K in range(k_max + 1)} | (engine.policy.choices if engine.policy else {}),
             "acceptance_estimate": engine.policy.acceptance() if engine.policy else [],
-            "acceptance_estimate_tree": engine.policy.acceptance(True) if engine.policy and engine.cfg.spec_topk > 1
+            "acceptance_estimate_tree": engine.policy.acceptance(True)
+            if engine.policy and engine.cfg.spec_topk > 1
             else None,
             "tokens_generated": engine.tokens_generated,
             "idle": not engine.has_work(),
             "idle_integrity": None,
         }
         # The adaptive policy's costs per batch and context bucket, taken while idle (a TP engine asks rank 0).
-        snap["policy_costs"] = (engine.policy.snapshot() if engine.policy is not None and snap["idle"]
-                                else self._snap["policy_costs"])
+        snap["policy_costs"] = (
+            engine.policy.snapshot() if engine.policy is not None and snap["idle"] else self._snap["policy_costs"]
+        )
         if snap["idle"] and not self._tracks:
             try:
                 engine.check_idle_integrity()
@@ -364,13 +395,40 @@ def _padded(counts: list[int], n: int) -> list[int]:
 
 
 def _empty_snapshot() -> dict:
-    return {"running": 0, "waiting": 0, "kv": {"rows_total": 0, "rows_used": 0, "usage": 0.0, "tokens_cached": 0,
-                                          "preemptions": 0, "blocks_total": 0, "blocks_used": 0, "blocks_free": 0,
-                                          "blocks_cached": 0, "block_size": 0, "prefix_cache": False,
-                                          "prefix_hit_tokens": 0, "prefix_queried_tokens": 0, "prefix_evictions": 0},
-            "spec": {"cycles": 0, "drafted": 0, "accepted": 0, "accepted_per_pos": [], "drafted_per_pos": [],
-                     "accept_length_mean": None, "accept_per_position": []},
-            "last_k": 0, "k_choices": {}, "acceptance_estimate": [], "acceptance_estimate_tree": None,
-            "tokens_generated": 0, "idle": True,
-            "idle_integrity": None, "policy_costs": None}
-
+    return {
+        "running": 0,
+        "waiting": 0,
+        "kv": {
+            "rows_total": 0,
+            "rows_used": 0,
+            "usage": 0.0,
+            "tokens_cached": 0,
+            "preemptions": 0,
+            "blocks_total": 0,
+            "blocks_used": 0,
+            "blocks_free": 0,
+            "blocks_cached": 0,
+            "block_size": 0,
+            "prefix_cache": False,
+            "prefix_hit_tokens": 0,
+            "prefix_queried_tokens": 0,
+            "prefix_evictions": 0,
+        },
+        "spec": {
+            "cycles": 0,
+            "drafted": 0,
+            "accepted": 0,
+            "accepted_per_pos": [],
+            "drafted_per_pos": [],
+            "accept_length_mean": None,
+            "accept_per_position": [],
+        },
+        "last_k": 0,
+        "k_choices": {},
+        "acceptance_estimate": [],
+        "acceptance_estimate_tree": None,
+        "tokens_generated": 0,
+        "idle": True,
+        "idle_integrity": None,
+        "policy_costs": None,
+    }

@@ -26,6 +26,7 @@ from typing import Any
 from specserve.constrain.grammar import GrammarSpec
 from specserve.engine.logprobs import TokenLogprob
 from specserve.engine.sampling import MAX_TOP_LOGPROBS, SamplingParams
+from specserve.server.errors import bad, show  # (handlers read them as bad, ...)
 
 MAX_STOP = 4  # as OpenAI
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch
@@ -39,35 +40,6 @@ MIN_TEMPERATURE, MAX_TEMPERATURE = 1e-6, 100.0
 MIN_TOP_P = 1e-6
 # "developer" is OpenAI's newer name for "system"; templates know only the older one.
 CHAT_ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-
-
-class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 headers: dict[str, str] | None = None, outcome: str = "rejected"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code = status, message, param, code
-        self.headers = headers or {}
-        self.outcome = outcome  # for the metrics: "rejected" before a request runs, "failed" after
-
-    @property
-    def reason(self) -> str:
-        return self.code or f"http_{self.status}"
-
-    def body(self) -> dict:
-        return error_body(self.message, _ERROR_TYPES.get(self.status, "invalid_request_error"), self.param, self.code)
-
-
-_ERROR_TYPES = {401: "authentication_error", 404: "invalid_request_error", 429: "rate_limit_exceeded",
-                500: "server_error", 503: "server_error"}
-
-
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
-
-
-def bad(message: str, param: str | None = None, code: str | None = None) -> APIError:
-    return APIError(400, message, param, code)
 
 
 # ------------------------------------------------------------------ bodies
@@ -93,18 +65,20 @@ def _check_tree(body: dict) -> None:
     while stack:
         value, depth, path = stack.pop()
         if depth > MAX_JSON_DEPTH:
-            raise bad(f"{_path(path)} nests too deeply (at most {MAX_JSON_DEPTH} levels)", _param(path),
-                      "invalid_json")
+            raise bad(f"{_path(path)} nests too deeply (at most {MAX_JSON_DEPTH} levels)", _param(path), "invalid_json")
         items = value.items() if isinstance(value, dict) else enumerate(value)
         for key, v in items:
-            for text in ((key, v) if isinstance(key, str) else (v,)):
+            for text in (key, v) if isinstance(key, str) else (v,):
                 if isinstance(text, str):
                     try:
                         text.encode("utf-8")
                     except UnicodeEncodeError:
                         where = _path((*path, key))
-                        raise bad(f"{where} contains a lone UTF-16 surrogate (e.g. \\ud800): send valid Unicode "
-                                  f"text", _param((*path, key)), "invalid_text") from None
+                        raise bad(
+                            f"{where} contains a lone UTF-16 surrogate (e.g. \\ud800): send valid Unicode text",
+                            _param((*path, key)),
+                            "invalid_text",
+                        ) from None
             if isinstance(v, (dict, list)):
                 stack.append((v, depth + 1, (*path, key)))
 
@@ -120,12 +94,6 @@ def _param(path: tuple) -> str | None:
     return path[0] if path and isinstance(path[0], str) else None
 
 
-def show(v: Any) -> str:
-    """A short repr for error messages: the offending value may be a megabyte long."""
-    r = repr(v)
-    return r if len(r) <= 60 else r[:57] + "..."
-
-
 # ------------------------------------------------------------------ fields
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
@@ -137,8 +105,11 @@ def _is_num(v: Any) -> bool:
 
 def _refuse_unsupported(body: dict, chat: bool) -> None:
     if body.get("echo"):
-        raise bad("echo is not supported by this server (prompt tokens get no log-probabilities): leave it unset",
-                  "echo", "unsupported_parameter")
+        raise bad(
+            "echo is not supported by this server (prompt tokens get no log-probabilities): leave it unset",
+            "echo",
+            "unsupported_parameter",
+        )
     if body.get("suffix"):
         raise bad("suffix is not supported by this server", "suffix", "unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -182,27 +153,41 @@ class Sampling:
     def params_for(self, choice: int, max_tokens: int) -> SamplingParams:
         # Distinct seeds make n > 1 choices differ when sampling; greedy ignores them.
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-                              top_k=self.top_k, seed=seed, stop=list(self.stop),
-                              stop_token_ids=list(self.stop_token_ids), ignore_eos=self.ignore_eos,
-                              logprobs=self.logprobs, tenant=self.tenant, grammar=self.grammar)
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            stop=list(self.stop),
+            stop_token_ids=list(self.stop_token_ids),
+            ignore_eos=self.ignore_eos,
+            logprobs=self.logprobs,
+            tenant=self.tenant,
+            grammar=self.grammar,
+        )
 
 
 def parse_logprobs(body: dict, chat: bool) -> int | None:
     """How many alternatives per token to report with log-probabilities; None: no log-probabilities."""
     if not chat:
         if body.get("top_logprobs") is not None:
-            raise bad("top_logprobs belongs to chat completions; /v1/completions takes logprobs: <0..5>",
-                      "top_logprobs")
+            raise bad(
+                "top_logprobs belongs to chat completions; /v1/completions takes logprobs: <0..5>", "top_logprobs"
+            )
         k = body.get("logprobs")
         if k is not None and (not _is_int(k) or not 0 <= k <= MAX_COMPLETION_LOGPROBS):
-            raise bad(f"logprobs must be an integer in 0..{MAX_COMPLETION_LOGPROBS} (alternatives per token), "
-                      f"got {show(k)}", "logprobs")
+            raise bad(
+                f"logprobs must be an integer in 0..{MAX_COMPLETION_LOGPROBS} (alternatives per token), got {show(k)}",
+                "logprobs",
+            )
         return k
     on = body.get("logprobs")
     if on is not None and not isinstance(on, bool):
-        raise bad(f"logprobs must be a boolean for chat completions (top_logprobs sets the alternatives), "
-                  f"got {show(on)}", "logprobs")
+        raise bad(
+            f"logprobs must be a boolean for chat completions (top_logprobs sets the alternatives), got {show(on)}",
+            "logprobs",
+        )
     k = body.get("top_logprobs")
     if k is None:
         return 0 if on else None
@@ -245,8 +230,11 @@ def parse_sampling(body: dict, chat: bool, max_n: int, vocab_size: int) -> Sampl
         raise bad(f"{name} must be a positive integer, got {show(max_tokens)}", name)
     temperature = get("temperature", 1.0)
     if not _is_num(temperature) or not (temperature == 0 or MIN_TEMPERATURE <= temperature <= MAX_TEMPERATURE):
-        raise bad(f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
-                  f"got {show(temperature)}", "temperature")
+        raise bad(
+            f"temperature must be 0 (greedy) or a number in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}], "
+            f"got {show(temperature)}",
+            "temperature",
+        )
     top_p = get("top_p", 1.0)
     if not _is_num(top_p) or not MIN_TOP_P <= top_p <= 1:
         raise bad(f"top_p must be a number in [{MIN_TOP_P}, 1], got {show(top_p)}", "top_p")
@@ -263,20 +251,37 @@ def parse_sampling(body: dict, chat: bool, max_n: int, vocab_size: int) -> Sampl
     if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
         raise bad(f"stop must be a non-empty string or a list of at most {MAX_STOP} non-empty strings", "stop")
     stop_ids = get("stop_token_ids", [])  # extension
-    if (not isinstance(stop_ids, list) or len(stop_ids) > MAX_STOP_TOKEN_IDS
-            or not all(_is_int(t) and 0 <= t < vocab_size for t in stop_ids)):
-        raise bad(f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in 0..{vocab_size - 1}",
-                  "stop_token_ids")
+    if (
+        not isinstance(stop_ids, list)
+        or len(stop_ids) > MAX_STOP_TOKEN_IDS
+        or not all(_is_int(t) and 0 <= t < vocab_size for t in stop_ids)
+    ):
+        raise bad(
+            f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS} token ids in 0..{vocab_size - 1}",
+            "stop_token_ids",
+        )
     ignore_eos = get("ignore_eos", False)  # extension
     if not isinstance(ignore_eos, bool):
         raise bad(f"ignore_eos must be a boolean, got {show(ignore_eos)}", "ignore_eos")
     user = body.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARS):
         raise bad(f"user must be a string of at most {MAX_USER_CHARS} characters, got {show(user)}", "user")
-    return Sampling(n=n, stream=stream, include_usage=include_usage, max_tokens=max_tokens, max_tokens_field=name,
-                    temperature=float(temperature), top_p=float(top_p), top_k=max(top_k, 0), seed=seed,
-                    stop=stop, stop_token_ids=stop_ids, ignore_eos=ignore_eos, logprobs=parse_logprobs(body, chat),
-                    tenant=user or None)
+    return Sampling(
+        n=n,
+        stream=stream,
+        include_usage=include_usage,
+        max_tokens=max_tokens,
+        max_tokens_field=name,
+        temperature=float(temperature),
+        top_p=float(top_p),
+        top_k=max(top_k, 0),
+        seed=seed,
+        stop=stop,
+        stop_token_ids=stop_ids,
+        ignore_eos=ignore_eos,
+        logprobs=parse_logprobs(body, chat),
+        tenant=user or None,
+    )
 
 
 def parse_prompts(body: dict) -> list[str | list[int]]:
@@ -292,8 +297,9 @@ def parse_prompts(body: dict) -> list[str | list[int]]:
     elif isinstance(p, list) and p and all(isinstance(x, list) and all(_is_int(t) for t in x) for x in p):
         prompts = list(p)
     else:
-        raise bad("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists",
-                  "prompt")
+        raise bad(
+            "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", "prompt"
+        )
     if len(prompts) > MAX_PROMPTS:
         raise bad(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
     return prompts
@@ -310,8 +316,9 @@ def parse_messages(body: dict) -> list[dict]:
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
         role = CHAT_ROLES.get(m["role"])
         if role is None:
-            raise bad(f"messages[{i}].role {show(m['role'])} is not supported: use one of "
-                      f"{', '.join(CHAT_ROLES)}", "messages")
+            raise bad(
+                f"messages[{i}].role {show(m['role'])} is not supported: use one of {', '.join(CHAT_ROLES)}", "messages"
+            )
         content = m.get("content")
         if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
             parts = []
@@ -347,17 +354,25 @@ def check_tool_calls(calls, i: int) -> list[dict]:
         where = f"messages[{i}].tool_calls[{j}]"
         fn = c.get("function") if isinstance(c, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
-            raise bad(f'{where} must be {{"id": ..., "type": "function", "function": {{"name": str, '
-                      f'"arguments": str}}}}', "messages")
+            raise bad(
+                f'{where} must be {{"id": ..., "type": "function", "function": {{"name": str, "arguments": str}}}}',
+                "messages",
+            )
         try:
             args = json.loads(fn["arguments"])
         except ValueError:
             args = None
         if not isinstance(args, dict):
-            raise bad(f"{where}.function.arguments must be a JSON object as text, got {show(fn['arguments'])}",
-                      "messages")
-        out.append({"id": str(c.get("id") or f"call_{j}"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})
+            raise bad(
+                f"{where}.function.arguments must be a JSON object as text, got {show(fn['arguments'])}", "messages"
+            )
+        out.append(
+            {
+                "id": str(c.get("id") or f"call_{j}"),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": fn["arguments"]},
+            }
+        )
     return out
 
 
@@ -371,16 +386,24 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def completion_choice(index: int, text: str, finish_reason: str | None, logprobs: dict | None = None) -> dict:
     return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_choice(index: int, text: str | None, finish_reason: str | None, logprobs: dict | None = None,
-                tool_calls: list[dict] | None = None) -> dict:
+def chat_choice(
+    index: int,
+    text: str | None,
+    finish_reason: str | None,
+    logprobs: dict | None = None,
+    tool_calls: list[dict] | None = None,
+) -> dict:
     message = {"role": "assistant", "content": text}
     if tool_calls:
         message["tool_calls"] = tool_calls
@@ -430,6 +453,9 @@ class LogprobWriter:
             top = {self._token(t)[0]: lp for t, lp in e.top}
             top.setdefault(text, e.logprob)
             tops.append(top)
-        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries], "top_logprobs": tops,
-                "text_offset": offsets}
-
+        return {
+            "tokens": tokens,
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": tops,
+            "text_offset": offsets,
+        }

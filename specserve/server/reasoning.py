@@ -41,7 +41,7 @@ class ReasoningSplitter:
         if self.mode == "opening":
             lead = buf.lstrip()
             if lead.startswith(self.start):
-                buf, self.mode, self.entered = lead[len(self.start):], "reasoning", True
+                buf, self.mode, self.entered = lead[len(self.start) :], "reasoning", True
             elif self.start.startswith(lead):  # a start marker may still be coming
                 self.held = buf
                 return "", ""
@@ -51,7 +51,7 @@ class ReasoningSplitter:
             before, found, after = buf.partition(self.end)
             if not found:
                 keep = _marker_prefix_len(buf, self.end)
-                self.held = buf[len(buf) - keep:] if keep else ""
+                self.held = buf[len(buf) - keep :] if keep else ""
                 return buf[: len(buf) - keep], ""
             reasoning, buf, self.mode = before, after, "content"
         return reasoning, buf

@@ -35,32 +35,61 @@ log = logging.getLogger("specserve.server")
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p, adaptive_flag=False)
-    p.add_argument("--no-adaptive", action="store_true",
-                   help="always draft --spec-steps tokens (default with a drafter: adaptive K in 0..--spec-steps)")
+    p.add_argument(
+        "--no-adaptive",
+        action="store_true",
+        help="always draft --spec-steps tokens (default with a drafter: adaptive K in 0..--spec-steps)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=port_number, default=8000, help="TCP port (0 = any free port; the log says which)")
-    p.add_argument("--api-key", default=envs.API_KEY.get(),
-                   help="require 'Authorization: Bearer KEY' on every /v1 route, /metrics and /server_info "
-                        "(default: $SPECSERVE_API_KEY)")
-    p.add_argument("--metrics-no-auth", action="store_true",
-                   help="with --api-key, let /metrics answer without the key (for scrapers); default: key required")
-    p.add_argument("--shutdown-timeout", type=float, default=30.0,
-                   help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are ended "
-                        "with an error (default 30)")
+    p.add_argument(
+        "--api-key",
+        default=envs.API_KEY.get(),
+        help="require 'Authorization: Bearer KEY' on every /v1 route, /metrics and /server_info "
+        "(default: $SPECSERVE_API_KEY)",
+    )
+    p.add_argument(
+        "--metrics-no-auth",
+        action="store_true",
+        help="with --api-key, let /metrics answer without the key (for scrapers); default: key required",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests may take to finish before they are ended "
+        "with an error (default 30)",
+    )
     p.add_argument("--served-model-name", help="model id clients must use (default: the model directory's name)")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="sequences that may wait for a KV row beyond --max-num-seqs; more get 429 (default 4x)")
-    p.add_argument("--tool-call-parser", choices=sorted(FORMATS), default=None,
-                   help="how the model writes tool calls (default: read from its chat template, else hermes)")
+    p.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="sequences that may wait for a KV row beyond --max-num-seqs; more get 429 (default 4x)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        choices=sorted(FORMATS),
+        default=None,
+        help="how the model writes tool calls (default: read from its chat template, else hermes)",
+    )
     p.add_argument("--max-n", type=int, default=8, help="largest n (choices per prompt) accepted (default 8)")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger request bodies get 413 (default 1 MiB)")
     p.add_argument("--skip-check", action="store_true", help="skip the preflight checks of `specserve check`")
-    p.add_argument("--reasoning-parser", default="auto", choices=PARSER_CHOICES,
-                   help="split chat replies into reasoning_content and content at these markers: think (<think> "
-                        "... </think>: DeepSeek-R1, Qwen3, Kimi-K2/K2.5), kimi_vl (Kimi's ◁think▷ ... ◁/think▷), "
-                        "none; auto (default): the chat template's own")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                   help="server and access log verbosity")
+    p.add_argument(
+        "--reasoning-parser",
+        default="auto",
+        choices=PARSER_CHOICES,
+        help="split chat replies into reasoning_content and content at these markers: think (<think> "
+        "... </think>: DeepSeek-R1, Qwen3, Kimi-K2/K2.5), kimi_vl (Kimi's ◁think▷ ... ◁/think▷), "
+        "none; auto (default): the chat template's own",
+    )
+    p.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="server and access log verbosity",
+    )
 
 
 def serve_engine_kwargs(args: argparse.Namespace) -> dict:
@@ -168,14 +197,16 @@ def draining_server_class():
             if self.deadline is not None and not self.should_exit:
                 loop = self.st.loop
                 if counter % 10 == 0 and loop.in_flight:
-                    log.info("shutting down: %d sequences still running (%.0f s left)", loop.in_flight,
-                             max(self.deadline - time.monotonic(), 0))
+                    log.info(
+                        "shutting down: %d sequences still running (%.0f s left)",
+                        loop.in_flight,
+                        max(self.deadline - time.monotonic(), 0),
+                    )
                 if not loop.in_flight:
                     self.should_exit = True
                 elif time.monotonic() >= self.deadline and not self.ended_rest:
                     self.ended_rest = True
-                    loop.end_all(f"the server is shutting down: the request did not finish within "
-                                 f"{self.grace:g} s")
+                    loop.end_all(f"the server is shutting down: the request did not finish within {self.grace:g} s")
             return await super().on_tick(counter)
 
     return DrainingServer
@@ -190,8 +221,9 @@ def run(args: argparse.Namespace) -> int:
 
     limit_malloc_arenas()
     DrainingServer = draining_server_class()
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        stream=sys.stderr)
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
     try:
         kw = serve_engine_kwargs(args)
         require_model(str(kw["model"]))
@@ -203,7 +235,11 @@ def run(args: argparse.Namespace) -> int:
         cls = llm_class(args.tp)
         if args.shutdown_timeout < 0:
             raise ConfigError(f"--shutdown-timeout must be >= 0 seconds, got {args.shutdown_timeout}")
-        for name, v in (("--max-queue", args.max_queue), ("--max-n", args.max_n), ("--max-body-bytes", args.max_body_bytes)):
+        for name, v in (
+            ("--max-queue", args.max_queue),
+            ("--max-n", args.max_n),
+            ("--max-body-bytes", args.max_body_bytes),
+        ):
             if v is not None and v < (0 if name == "--max-queue" else 1):
                 raise ConfigError(f"{name} must be positive, got {v}")
         if not args.skip_check and not preflight(kw):
@@ -215,24 +251,36 @@ def run(args: argparse.Namespace) -> int:
         return 1
     host, port = sock.getsockname()[:2]
     max_queue = args.max_queue if args.max_queue is not None else 4 * engine_cfg.max_num_seqs
-    cfg = ServerConfig(served_model_name=args.served_model_name or Path(kw["model"]).resolve().name,
-                       api_key=args.api_key, max_n=args.max_n, max_body_bytes=args.max_body_bytes,
-                       metrics_no_auth=args.metrics_no_auth, reasoning_parser=args.reasoning_parser,
-                       tool_call_parser=args.tool_call_parser)
+    cfg = ServerConfig(
+        served_model_name=args.served_model_name or Path(kw["model"]).resolve().name,
+        api_key=args.api_key,
+        max_n=args.max_n,
+        max_body_bytes=args.max_body_bytes,
+        metrics_no_auth=args.metrics_no_auth,
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+    )
     server: DrainingServer | None = None
 
     def build():
         t0 = time.perf_counter()
-        log.info("loading %s%s (health: 503 until ready)", kw["model"], f" + drafter {kw['draft']}" if kw["draft"] else "")
+        log.info(
+            "loading %s%s (health: 503 until ready)", kw["model"], f" + drafter {kw['draft']}" if kw["draft"] else ""
+        )
         extra = {}
         if "on_graph_progress" in inspect.signature(cls.__init__).parameters:
-            extra["on_graph_progress"] = lambda n, total, key, B: log.info("captured graph %d/%d %s batch %d",
-                                                                         n, total, key, B)
+            extra["on_graph_progress"] = lambda n, total, key, B: log.info(
+                "captured graph %d/%d %s batch %d", n, total, key, B
+            )
         if "on_group_lost" in inspect.signature(cls.__init__).parameters:
             extra["on_group_lost"] = group_lost
         llm = cls(**kw, **extra)
-        log.info("ready in %.1f s (graph capture %.1f s); serving %r", time.perf_counter() - t0,
-                 llm.engine.graph_seconds, cfg.served_model_name)
+        log.info(
+            "ready in %.1f s (graph capture %.1f s); serving %r",
+            time.perf_counter() - t0,
+            llm.engine.graph_seconds,
+            cfg.served_model_name,
+        )
         return llm
 
     def fatal(message: str) -> None:
@@ -247,11 +295,17 @@ def run(args: argparse.Namespace) -> int:
     loop = EngineLoop(build, metrics, capacity=engine_cfg.max_num_seqs + max_queue, on_error=fatal)
     info = {"engine": engine_cfg.flat(), "tp": args.tp}
     app = create_app(loop, metrics, cfg, info)
-    server = DrainingServer(uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5,
-                                           timeout_keep_alive=30), app.state.srv, args.shutdown_timeout)
+    server = DrainingServer(
+        uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=5, timeout_keep_alive=30),
+        app.state.srv,
+        args.shutdown_timeout,
+    )
     shown = f"[{host}]" if ":" in host else host
-    print(f"specserve: listening on http://{shown}:{port} (model id {cfg.served_model_name!r}"
-          f"{', API key required' if cfg.api_key else ''})", flush=True)
+    print(
+        f"specserve: listening on http://{shown}:{port} (model id {cfg.served_model_name!r}"
+        f"{', API key required' if cfg.api_key else ''})",
+        flush=True,
+    )
     if host not in ("127.0.0.1", "::1", "localhost") and not cfg.api_key:
         log.warning("listening on %s without --api-key: anyone who can reach this port can use the model", host)
     loop.start()

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 from specserve.constrain.grammar import GrammarSpec, engine_message
-from specserve.server.protocol import bad, show
+from specserve.server.errors import bad, show
 
 MAX_SCHEMA_VALUES = 10_000
 
@@ -22,12 +22,14 @@ def parse_response_format(body: dict) -> GrammarSpec | None:
     if kind == "json_object":
         return GrammarSpec("json_object")
     if kind != "json_schema":
-        raise bad(f'response_format.type must be "text", "json_object" or "json_schema", got {show(kind)}',
-                  "response_format")
+        raise bad(
+            f'response_format.type must be "text", "json_object" or "json_schema", got {show(kind)}', "response_format"
+        )
     spec = fmt.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
-        raise bad('response_format.json_schema must be {"name": ..., "schema": {...}, "strict": bool}',
-                  "response_format")
+        raise bad(
+            'response_format.json_schema must be {"name": ..., "schema": {...}, "strict": bool}', "response_format"
+        )
     name, strict = spec.get("name"), spec.get("strict", False)
     if name is not None and not isinstance(name, str):
         raise bad("response_format.json_schema.name must be a string", "response_format")
@@ -43,8 +45,12 @@ def check_schema(schema: dict, where: str, param: str, strict: bool = True) -> N
     would hold the server for minutes (many alternatives of many optional properties), naming
     where it sits."""
     if json_values(schema) > MAX_SCHEMA_VALUES:
-        raise bad(f"{where} is too large: at most {MAX_SCHEMA_VALUES} JSON values (keywords, properties, enum "
-                  f"entries) in all", param, "invalid_schema")
+        raise bad(
+            f"{where} is too large: at most {MAX_SCHEMA_VALUES} JSON values (keywords, properties, enum "
+            f"entries) in all",
+            param,
+            "invalid_schema",
+        )
     error = _schema_error(schema, strict)
     if error is not None:
         path = where + "".join(_locate(schema, strict, error))

@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 
 from specserve.constrain.grammar import GrammarSpec
-from specserve.server.protocol import bad, show
+from specserve.server.errors import bad, show
 from specserve.server.structured import MAX_SCHEMA_VALUES, check_schema, json_values
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
@@ -152,12 +152,16 @@ class KimiK2(Format):
     end = "<|tool_calls_section_end|>"
     begin, argument, call_end = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
     markers = (start, end, begin, argument, call_end)
-    _header = re.compile(r"<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_-]{1,64}):(\d+)\s*"
-                         r"<\|tool_call_argument_begin\|>")
+    _header = re.compile(
+        r"<\|tool_call_begin\|>\s*(?:functions\.)?([A-Za-z0-9_-]{1,64}):(\d+)\s*"
+        r"<\|tool_call_argument_begin\|>"
+    )
 
     def write(self, calls: list[Call]) -> str:
-        body = "".join(f"{self.begin}functions.{c.name}:{i}{self.argument}{c.arguments}{self.call_end}"
-                       for i, c in enumerate(calls))
+        body = "".join(
+            f"{self.begin}functions.{c.name}:{i}{self.argument}{c.arguments}{self.call_end}"
+            for i, c in enumerate(calls)
+        )
         return f"{self.start}{body}{self.end}"
 
     def call_affixes(self, name: str) -> tuple[str, str]:
@@ -219,8 +223,11 @@ def parse_tools(body: dict) -> ToolRequest:
     """`tools` and `tool_choice` checked, each refusal naming the offending part."""
     for legacy in ("functions", "function_call"):
         if body.get(legacy) is not None:
-            raise bad(f"{legacy} is the deprecated form of tools: send tools and tool_choice instead", legacy,
-                      "unsupported_parameter")
+            raise bad(
+                f"{legacy} is the deprecated form of tools: send tools and tool_choice instead",
+                legacy,
+                "unsupported_parameter",
+            )
     raw = body.get("tools")
     if raw is None:
         raw = []
@@ -254,14 +261,17 @@ def parse_tools(body: dict) -> ToolRequest:
     elif isinstance(choice, dict):
         fn = choice.get("function")
         if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise bad('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
-                      '{"name": ...}}', "tool_choice")
+            raise bad(
+                'tool_choice must be "none", "auto", "required" or {"type": "function", "function": {"name": ...}}',
+                "tool_choice",
+            )
         named, choice = fn["name"], "named"
         if named not in seen:
             raise bad(f"tool_choice names {show(named)}, which is not among tools", "tool_choice")
     elif choice not in ("none", "auto", "required"):
-        raise bad(f'tool_choice must be "none", "auto", "required" or a named function, got {show(choice)}',
-                  "tool_choice")
+        raise bad(
+            f'tool_choice must be "none", "auto", "required" or a named function, got {show(choice)}', "tool_choice"
+        )
     if choice in ("required", "named", "auto") and not tools and body.get("tool_choice") is not None:
         raise bad(f"tool_choice {show(body.get('tool_choice'))} needs tools", "tool_choice")
     return ToolRequest(tools, choice, named, raw or None)
@@ -298,20 +308,37 @@ def conversation(messages: list[dict], fmt: Format, template: str | None) -> lis
         calls = m.get("tool_calls")
         if calls and not renders_calls:
             m = {k: v for k, v in m.items() if k != "tool_calls"}
-            m["content"] = m["content"] + fmt.write([Call(c["function"]["name"], c["function"]["arguments"])
-                                                     for c in calls])
+            m["content"] = m["content"] + fmt.write(
+                [Call(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+            )
         elif calls:
-            m = {**m, "tool_calls": [{**c, "function": {"name": c["function"]["name"],
-                                                        "arguments": json.loads(c["function"]["arguments"])}}
-                                     for c in calls]}
+            m = {
+                **m,
+                "tool_calls": [
+                    {
+                        **c,
+                        "function": {
+                            "name": c["function"]["name"],
+                            "arguments": json.loads(c["function"]["arguments"]),
+                        },
+                    }
+                    for c in calls
+                ],
+            }
         out.append(m)
     return out
 
 
 # ------------------------------------------------------------------ responses
 def openai_calls(calls: list[Call]) -> list[dict]:
-    return [{"id": c.id or f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-             "function": {"name": c.name, "arguments": c.arguments}} for c in calls]
+    return [
+        {
+            "id": c.id or f"call_{uuid.uuid4().hex[:24]}",
+            "type": "function",
+            "function": {"name": c.name, "arguments": c.arguments},
+        }
+        for c in calls
+    ]
 
 
 def parse_output(text: str, fmt: Format) -> tuple[str | None, list[dict]]:
@@ -354,11 +381,11 @@ class CallStream:
         end = self._held_from()
         if end <= self.sent:
             return []
-        piece, self.sent = self.text[self.sent:end], end
+        piece, self.sent = self.text[self.sent : end], end
         return [{"content": piece}]
 
     def finish(self) -> list[dict]:
-        rest = self.text[self.sent:]
+        rest = self.text[self.sent :]
         if not rest:
             return []
         parsed = self.fmt.parse(rest)

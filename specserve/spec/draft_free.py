@@ -53,9 +53,14 @@ class TextFirst:
 
     def observe(self, used_text: bool, accepted: list[int], emitted: list[list[int]]) -> None:
         """A cycle's accepted counts and emitted tokens per row (`used_text`: it verified the text's drafts)."""
-        text = accepted if used_text else [
-            next((i for i, (d, e) in enumerate(zip(drafts, row[: a + 1])) if d != e), min(len(drafts), a + 1))
-            for drafts, row, a in zip(self.drafts, emitted, accepted)]
+        text = (
+            accepted
+            if used_text
+            else [
+                next((i for i, (d, e) in enumerate(zip(drafts, row[: a + 1])) if d != e), min(len(drafts), a + 1))
+                for drafts, row, a in zip(self.drafts, emitted, accepted)
+            ]
+        )
         self.cycles["text" if used_text else "drafter"] += 1
         self._update("text", sum(text) / len(text))
         if not used_text:

@@ -34,12 +34,12 @@ class NgramProposer:
         # Index the n-grams ending (exclusive) at upto+1 .. L-1: all but the text's current ending.
         for end in range(max(idx.upto, 1), L):
             for n in range(self.n_min, min(self.n_max, end) + 1):
-                idx.ends[tuple(toks[end - n:end])] = end
+                idx.ends[tuple(toks[end - n : end])] = end
         idx.upto = max(idx.upto, L)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            end = idx.ends.get(tuple(toks[L - n:]))
+            end = idx.ends.get(tuple(toks[L - n :]))
             if end is not None:
-                return toks[end:end + K]
+                return toks[end : end + K]
         return []
 
     def forget(self, seq) -> None:

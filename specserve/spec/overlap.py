@@ -45,6 +45,7 @@ def host_lists(device: torch.device, *tensors: torch.Tensor, waits: DeviceWaits 
         if waits is not None:
             waits.seconds += time.perf_counter() - t0
         return [h.tolist() for h in hosts]
+
     return read
 
 
@@ -100,8 +101,19 @@ class Overlap:
         limit = self.max_model_len
         return all(len(s.output_ids) + 1 < s.params.max_tokens and s.total_len + 2 < limit for s in seqs)
 
-    def queue_draft(self, seqs, K: int, n_acc: torch.Tensor, pos0: torch.Tensor, sampling, batch_fixed: bool,
-                    policy, proposer, profile: bool, remaining: list[int] | None = None) -> int:
+    def queue_draft(
+        self,
+        seqs,
+        K: int,
+        n_acc: torch.Tensor,
+        pos0: torch.Tensor,
+        sampling,
+        batch_fixed: bool,
+        policy,
+        proposer,
+        profile: bool,
+        remaining: list[int] | None = None,
+    ) -> int:
         """Choose the next step's K now and, where the batch should stay as it is, queue that cycle's
         draft behind this cycle's verify: the GPU then drafts while the host reads and books this
         cycle's tokens, instead of idling through the cycle's host work. Its inputs are known on the
@@ -113,8 +125,9 @@ class Overlap:
         tokens). Returns how many pending entries each row keeps (K + 1: all)."""
         if not self.enabled or not batch_fixed:
             return K + 1
-        if not all(len(s.output_ids) + K + 1 < s.params.max_tokens and s.total_len + K + 1 < self.max_model_len
-                   for s in seqs):
+        if not all(
+            len(s.output_ids) + K + 1 < s.params.max_tokens and s.total_len + K + 1 < self.max_model_len for s in seqs
+        ):
             return K + 1
         from specserve.spec.policy import batch_context  # (policy imports the engine's protocol, which imports this)
 

@@ -172,8 +172,9 @@ def _interpolate(x: int, known: dict[int, float]) -> float:
     return known[x0] + (known[x1] - known[x0]) * (x - x0) / (x1 - x0)
 
 
-def interpolate_costs(timed: dict[tuple[int, int], float], buckets: list[int], ks: list[int],
-                      drafts_tree=lambda B: False) -> dict[tuple[int, int], float]:
+def interpolate_costs(
+    timed: dict[tuple[int, int], float], buckets: list[int], ks: list[int], drafts_tree=lambda B: False
+) -> dict[tuple[int, int], float]:
     """Seconds for every (bucket, K) from those timed: linear in K at each timed bucket, then
     linear in the batch size at each K. Tree and chain buckets are interpolated apart (K = 0
     across all), since a tree cycle's cost does not lie on the chains' line."""
@@ -189,13 +190,15 @@ def interpolate_costs(timed: dict[tuple[int, int], float], buckets: list[int], k
     return out
 
 
-def interpolate_contexts(by_context: dict[int, dict[tuple[int, int], float]],
-                         contexts: list[int]) -> dict[int, dict[tuple[int, int], float]]:
+def interpolate_contexts(
+    by_context: dict[int, dict[tuple[int, int], float]], contexts: list[int]
+) -> dict[int, dict[tuple[int, int], float]]:
     """{context: {(bucket, K): seconds}} for every context in `contexts` from those timed: linear in the
     context between timed ones (a step's cache reads grow linearly with it), the nearest timed past the ends."""
     keys = set().union(*by_context.values())
-    return {c: {key: _interpolate(c, {t: costs[key] for t, costs in by_context.items()}) for key in keys}
-            for c in contexts}
+    return {
+        c: {key: _interpolate(c, {t: costs[key] for t, costs in by_context.items()}) for key in keys} for c in contexts
+    }
 
 
 class SpecPolicy(SpeculationPolicy):
@@ -251,8 +254,10 @@ class SpecPolicy(SpeculationPolicy):
                 mean += run
                 second += (2 * i - 1) * run
             tokens, n = self.own_tokens.get((tree, K), (0.0, 0))
-            model = self._token_model[(tree, K)] = ((tokens + OWN_PRIOR * total) / (n + OWN_PRIOR),
-                                                   max(second - mean * mean, 0.0))
+            model = self._token_model[(tree, K)] = (
+                (tokens + OWN_PRIOR * total) / (n + OWN_PRIOR),
+                max(second - mean * mean, 0.0),
+            )
         return model
 
     def fresh(self, k_max: int | None = None) -> "SpecPolicy":
@@ -320,8 +325,11 @@ class SpecPolicy(SpeculationPolicy):
                     self.explored.pop(shape, None)  # speculation is best: explored at the base rate once it is not
                 if n % EXPLORE_EVERY == 0:
                     hope = {k: self.expected_tokens(k, tree) / self.optimistic_cost(shape, k) for k in rate}
-                    near = [k for k in hope
-                            if k != K and hope[k] >= EXPLORE_WITHIN * rate[K] and (not k or self._due(shape, n))]
+                    near = [
+                        k
+                        for k in hope
+                        if k != K and hope[k] >= EXPLORE_WITHIN * rate[K] and (not k or self._due(shape, n))
+                    ]
                     if near:
                         K = min(near, key=lambda k: self.last_seen.get((*shape, k), -1))
                         if K:
@@ -353,8 +361,15 @@ class SpecPolicy(SpeculationPolicy):
         (the drafter's catch-up on the plain steps before it), which no K's cycle is charged."""
         self.switch_cost[(_bucket(B), context_bucket(context))] = seconds
 
-    def _rates(self, shape: tuple[int, int], tree: bool, remaining: list[int] | None = None, B: int = 0,
-               costs: dict[int, float | None] | None = None, switch: float = 0.0) -> dict[int, float]:
+    def _rates(
+        self,
+        shape: tuple[int, int],
+        tree: bool,
+        remaining: list[int] | None = None,
+        B: int = 0,
+        costs: dict[int, float | None] | None = None,
+        switch: float = 0.0,
+    ) -> dict[int, float]:
         """Expected tokens a second for each K whose cost at `shape` is known (or given in `costs`):
         of every row, or for a batch job (`remaining`; this step's B rows first) of the row expected to
         end last, every K > 0 charged `switch` seconds once."""
@@ -415,11 +430,16 @@ class SpecPolicy(SpeculationPolicy):
         else start-up plus the learned offset) and how often K was timed}}} (bench details, /server_info)."""
         out: dict = {}
         for key in sorted(set(self.seeded) | set(self.cost)):
-            row = {"seeded_ms": self.seeded.get(key), "live_ms": self.cost.get(key),
-                   "predicted_ms": self._predicted(key[:2], key[2]), "timed": self.tries.get(key, 0)}
+            row = {
+                "seeded_ms": self.seeded.get(key),
+                "live_ms": self.cost.get(key),
+                "predicted_ms": self._predicted(key[:2], key[2]),
+                "timed": self.tries.get(key, 0),
+            }
             b, c, k = map(str, key)
-            out.setdefault(b, {}).setdefault(c, {})[k] = {n: (round(v * 1e3, 3) if isinstance(v, float) else v)
-                                                          for n, v in row.items()}
+            out.setdefault(b, {}).setdefault(c, {})[k] = {
+                n: (round(v * 1e3, 3) if isinstance(v, float) else v) for n, v in row.items()
+            }
         return out
 
     def observe_acceptance(self, K: int, accepted: list[int], B: int) -> None:

@@ -152,8 +152,13 @@ class Proposer:
                 if take and not left[i]:
                     done.append(i)
             ends = [bool(c) and not left[i] for i, c in enumerate(chunks)]
-            _, feats = self.runner.prefill(0, chunks, starts, self.runner.prefill_history(seqs, chunks, starts),
-                                           self.after(seqs, chunks, starts, ends))
+            _, feats = self.runner.prefill(
+                0,
+                chunks,
+                starts,
+                self.runner.prefill_history(seqs, chunks, starts),
+                self.after(seqs, chunks, starts, ends),
+            )
             self.prefilled(seqs, done, [seqs[i].token_at(starts[i] + len(chunks[i])) for i in done], feats)
         for seq in seqs:
             if seq.stale:

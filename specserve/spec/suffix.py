@@ -43,7 +43,7 @@ class SuffixTrie:
         """Add (sign 1) or take back (sign -1, a text added before) every suffix's first `depth` tokens."""
         for start in range(len(tokens)):
             node = self.root
-            for tok in tokens[start:start + self.depth]:
+            for tok in tokens[start : start + self.depth]:
                 child = node.children.get(tok)
                 if child is None:
                     child = node.children[tok] = _Node(tok)
@@ -58,7 +58,7 @@ class SuffixTrie:
         and that ending's length; (None, 0) where none has."""
         for n in range(min(max_pattern, len(text), self.depth - 1), 0, -1):
             node = self.root
-            for tok in text[len(text) - n:]:
+            for tok in text[len(text) - n :]:
                 node = node.children.get(tok)
                 if node is None:
                     break
@@ -77,7 +77,7 @@ class _Growing:
 
     def extend(self, tokens: list[int]) -> None:
         t = self.trie
-        for tok in tokens[self.upto:]:
+        for tok in tokens[self.upto :]:
             self.open.append(t.root)
             if len(self.open) > t.depth:
                 self.open.popleft()
@@ -156,7 +156,7 @@ class SuffixProposer:
         name = seq.params.tenant
         if name is None:
             return
-        text = (seq.prompt_ids + seq.output_ids)[-self.tenant_tokens:]
+        text = (seq.prompt_ids + seq.output_ids)[-self.tenant_tokens :]
         if name not in self.tenants:
             self.tenants[name] = (SuffixTrie(), deque(), [0])
             if len(self.tenants) > self.max_tenants:

@@ -21,16 +21,18 @@ from specserve.engine.sampling import BatchSampling, sample_tokens
 from specserve.spec.proposer import DraftResult, TreeDraft
 
 
-def accept_drafts(logits: torch.Tensor, draft: DraftResult, s: BatchSampling, pos0: torch.Tensor,
-                  enabled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def accept_drafts(
+    logits: torch.Tensor, draft: DraftResult, s: BatchSampling, pos0: torch.Tensor, enabled: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, K+1, V] from the verify forward over [last, d1..dK] at
     positions pos0..pos0+K. Returns (accepted count [B], next token [B]).
     Rows with `enabled` False accept nothing: their next token is the target's at pos0 + 1."""
     B, W, _ = logits.shape
     K = W - 1
     expand = lambda t: t.unsqueeze(1).expand(B, W)  # noqa: E731
-    per_pos = BatchSampling(expand(s.temperature), expand(s.top_p), expand(s.top_k), expand(s.seed),
-                            s.all_greedy, s.filtered)
+    per_pos = BatchSampling(
+        expand(s.temperature), expand(s.top_p), expand(s.top_k), expand(s.seed), s.all_greedy, s.filtered
+    )
     pred = sample_tokens(logits, per_pos, expand(pos0) + torch.arange(1, W + 1, device=pos0.device))  # [B, K+1]
     ok = (pred[:, :K] == draft.tokens) & enabled.unsqueeze(1)
     n_acc = ok.long().cumprod(1).sum(1)
@@ -67,8 +69,17 @@ def accept_tree(pred: torch.Tensor, tree: TreeDraft, K: int, enabled: torch.Tens
     return n_acc, next_tok, path_rows
 
 
-def move_branch_kv(caches, table: torch.Tensor, block_size: int, pos0: torch.Tensor, pad: torch.Tensor,
-                   n_acc: torch.Tensor, path: torch.Tensor, K: int, scratch: int) -> None:
+def move_branch_kv(
+    caches,
+    table: torch.Tensor,
+    block_size: int,
+    pos0: torch.Tensor,
+    pad: torch.Tensor,
+    n_acc: torch.Tensor,
+    path: torch.Tensor,
+    K: int,
+    scratch: int,
+) -> None:
     """Move the accepted branch's KV in every target layer: depth d from index pos0 + path[d-1]
     to pos0 + d (reads before writes). `caches`: the [layer, block, kv_head, offset, dim] K and V
     pools, `table` the batch's block-table rows; pos0 [B, 1]; padding rows (`pad`, pos0 at the
@@ -84,8 +95,9 @@ def move_branch_kv(caches, table: torch.Tensor, block_size: int, pos0: torch.Ten
         cache[:, dst_block, :, dst_off] = cache[:, src_block, :, src_off]
 
 
-def branch_inputs(tree: TreeDraft, feats: torch.Tensor, n_acc: torch.Tensor, next_tok: torch.Tensor,
-                  path: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def branch_inputs(
+    tree: TreeDraft, feats: torch.Tensor, n_acc: torch.Tensor, next_tok: torch.Tensor, path: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The drafter's next inputs along the accepted branch: (feature_j, token_j+1) for j = 0..a.
     Returns (tokens [B, K+1]: the branch then the next token, features [B, K+1, 3H]; None without
     features: a draft-free method's)."""

@@ -22,8 +22,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # Plain-text files read when --data is a folder (besides .jsonl and .npy).
-TEXT_SUFFIXES = {".txt", ".md", ".rst", ".py", ".pyi", ".c", ".h", ".cc", ".cpp", ".hpp", ".rs", ".go",
-                 ".js", ".ts", ".java", ".sh", ".json", ".toml", ".yaml", ".yml", ".html", ".css"}
+TEXT_SUFFIXES = {
+    ".txt",
+    ".md",
+    ".rst",
+    ".py",
+    ".pyi",
+    ".c",
+    ".h",
+    ".cc",
+    ".cpp",
+    ".hpp",
+    ".rs",
+    ".go",
+    ".js",
+    ".ts",
+    ".java",
+    ".sh",
+    ".json",
+    ".toml",
+    ".yaml",
+    ".yml",
+    ".html",
+    ".css",
+}
 
 
 class DataError(ValueError):
@@ -40,10 +62,10 @@ class Record:
 
 def check_messages(msgs, where: str) -> list[dict]:
     if not isinstance(msgs, list) or not msgs:
-        raise DataError(f"{where}: \"messages\" must be a non-empty list of {{\"role\", \"content\"}} objects")
+        raise DataError(f'{where}: "messages" must be a non-empty list of {{"role", "content"}} objects')
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise DataError(f"{where}: messages[{i}] must be an object with string \"role\" and \"content\"")
+            raise DataError(f'{where}: messages[{i}] must be an object with string "role" and "content"')
     return msgs
 
 
@@ -60,16 +82,16 @@ def read_jsonl(path: Path) -> list[Record]:
             except json.JSONDecodeError as e:
                 raise DataError(f"{where}: not valid JSON ({e.msg})") from None
             if not isinstance(obj, dict):
-                raise DataError(f"{where}: each line must be a JSON object with \"text\" or \"messages\"")
+                raise DataError(f'{where}: each line must be a JSON object with "text" or "messages"')
             if "messages" in obj:
                 out.append(Record(messages=check_messages(obj["messages"], where), source=where))
             elif "text" in obj:
                 if not isinstance(obj["text"], str):
-                    raise DataError(f"{where}: \"text\" must be a string")
+                    raise DataError(f'{where}: "text" must be a string')
                 if obj["text"]:
                     out.append(Record(text=obj["text"], source=where))
             else:
-                raise DataError(f"{where}: record has neither \"text\" nor \"messages\" (keys: {sorted(obj)})")
+                raise DataError(f'{where}: record has neither "text" nor "messages" (keys: {sorted(obj)})')
     return out
 
 
@@ -86,7 +108,7 @@ def read_token_stream(path: Path, eos_id: int | None) -> list[Record]:
     out, start = [], 0
     for e in [*ends.tolist(), len(arr) - 1]:
         if e >= start:
-            out.append(Record(ids=arr[start:e + 1].astype(np.int64).tolist(), source=f"{path}@{start}"))
+            out.append(Record(ids=arr[start : e + 1].astype(np.int64).tolist(), source=f"{path}@{start}"))
         start = e + 1
     return out
 
@@ -105,8 +127,13 @@ def read_records(path: str | Path, eos_id: int | None = None) -> list[Record]:
     if not path.exists():
         raise DataError(f"--data {path}: no such file or folder")
     if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-                       and (p.suffix in TEXT_SUFFIXES or p.suffix in (".jsonl", ".npy") or p.name.endswith(".jsonl.gz")))
+        files = sorted(
+            p
+            for p in path.rglob("*")
+            if p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            and (p.suffix in TEXT_SUFFIXES or p.suffix in (".jsonl", ".npy") or p.name.endswith(".jsonl.gz"))
+        )
         if not files:
             raise DataError(f"--data {path}: folder has no .jsonl, .jsonl.gz, .npy or text files")
         records = []
@@ -161,8 +188,9 @@ def chat_prompt(record: Record, tokenizer) -> list[int] | None:
     return tokenizer.encode(tokenizer.apply_chat_template(msgs[:cut], add_generation_prompt=True))
 
 
-def split_long(docs: list[list[int]], max_len: int, starts: list[int] | None = None,
-               min_len: int = 8) -> tuple[list[list[int]], list[int]]:
+def split_long(
+    docs: list[list[int]], max_len: int, starts: list[int] | None = None, min_len: int = 8
+) -> tuple[list[list[int]], list[int]]:
     """Cut documents into pieces of at most max_len tokens (each piece starts at position 0
     when trained, like a fresh request). starts[i]: the first of document i's tokens that the
     loss scores (a regenerated sample's response; the prompt before it is context only; default 0).
@@ -171,7 +199,7 @@ def split_long(docs: list[list[int]], max_len: int, starts: list[int] | None = N
     for n, d in enumerate(docs):
         s = starts[n] if starts is not None else 0
         for i in range(0, len(d), max_len):
-            piece = d[i:i + max_len]
+            piece = d[i : i + max_len]
             if len(piece) >= min_len and s - i < len(piece):
                 out.append(piece)
                 out_starts.append(max(0, s - i))

@@ -95,9 +95,15 @@ from specserve.config import (
 )
 from specserve.train.shapes import OUT_DTYPE_NAMES, READ_MODES, Shape
 
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "tokenizer.model", "vocab.json", "merges.txt")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+)
 OUT_DTYPES = {name: getattr(torch, name) for name in OUT_DTYPE_NAMES}
 
 
@@ -164,8 +170,7 @@ class HeadMap:
         return HeadMap(**moved)
 
 
-def head_map(heads: int, kv_heads: int, d: int, new_heads: int, new_kv: int, new_d: int,
-             read: str = "one") -> HeadMap:
+def head_map(heads: int, kv_heads: int, d: int, new_heads: int, new_kv: int, new_d: int, read: str = "one") -> HeadMap:
     a, b, s = new_heads // heads, new_kv // kv_heads, new_d // d
     half = torch.arange(d // 2)
     pos = torch.cat([s * half, s * half + new_d // 2])  # where old dim c lands inside a new head
@@ -189,13 +194,18 @@ def place_rows(w: torch.Tensor, new: torch.Tensor, old: torch.Tensor, n_rows: in
 
 
 # ------------------------------------------------------------------ validation and layer placement
-def check_shape(what: str, heads: int, kv_heads: int, d: int, hidden: int, inter: int, shape: Shape,
-                new_inter: int | None = None) -> None:
+def check_shape(
+    what: str, heads: int, kv_heads: int, d: int, hidden: int, inter: int, shape: Shape, new_inter: int | None = None
+) -> None:
     """new_inter: the grown MLP's width (default shape.intermediate)."""
     new_inter = shape.intermediate if new_inter is None else new_inter
     problems = []
-    for name, old, new in (("hidden size", hidden, shape.hidden), ("attention heads", heads, shape.heads),
-                           ("KV heads", kv_heads, shape.kv_heads), ("head_dim", d, shape.head_dim)):
+    for name, old, new in (
+        ("hidden size", hidden, shape.hidden),
+        ("attention heads", heads, shape.heads),
+        ("KV heads", kv_heads, shape.kv_heads),
+        ("head_dim", d, shape.head_dim),
+    ):
         if new < old or new % old:
             problems.append(f"{name} {new} is not a multiple of the source's {old}")
     if inter > new_inter:
@@ -315,8 +325,13 @@ def as_experts(layer: dict[str, torch.Tensor], shape: Shape, rand, identity: boo
     layer[p + "gate.weight"] = rand(shape.experts, shape.hidden) / math.sqrt(shape.hidden)
     for e in range(shape.experts):  # fresh tensors: shards may not alias
         w1, w3 = (rand(*gate.shape) * 0.02, rand(*up.shape) * 0.02) if identity else (gate.clone(), up.clone())
-        layer.update({f"{p}experts.{e}.w1.weight": w1, f"{p}experts.{e}.w3.weight": w3,
-                      f"{p}experts.{e}.w2.weight": down.clone()})
+        layer.update(
+            {
+                f"{p}experts.{e}.w1.weight": w1,
+                f"{p}experts.{e}.w3.weight": w3,
+                f"{p}experts.{e}.w2.weight": down.clone(),
+            }
+        )
     return layer
 
 
@@ -343,8 +358,9 @@ class PadPlan:
 
 
 @torch.no_grad()
-def _pad_plan(model_dir: Path, cfg: ModelConfig, r: int, last_is_old: bool, device: torch.device,
-              seed: int, read: str) -> PadPlan:
+def _pad_plan(
+    model_dir: Path, cfg: ModelConfig, r: int, last_is_old: bool, device: torch.device, seed: int, read: str
+) -> PadPlan:
     """Size the sign units from the small model's activations on random tokens."""
     from specserve.model.layers import ForwardContext
     from specserve.model.loader import load_target
@@ -374,14 +390,23 @@ def _pad_plan(model_dir: Path, cfg: ModelConfig, r: int, last_is_old: bool, devi
     gamma = m.norm.weight.float()
     j = int(gamma.abs().argmax())
     beta = rms / (SIGN_UNITS / 2)  # E[z^2 sigmoid(z)] = 1/2 for z ~ N(0,1): beta*s ~ rms
-    return PadPlan(a=j * r + r - 2, b=j * r + r - 1, rho=1 / in_norm, beta=beta,
-                   m=PAD_LOGIT / float(gamma[j]))
+    return PadPlan(a=j * r + r - 2, b=j * r + r - 1, rho=1 / in_norm, beta=beta, m=PAD_LOGIT / float(gamma[j]))
 
 
 @torch.no_grad()
-def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None], dtype: torch.dtype,
-                device: torch.device, seed: int, shard_bytes: int, extra_config: dict,
-                pad_vocab: int | None = None, read: str = "one") -> dict:
+def grow_target(
+    model_dir: Path,
+    out: Path,
+    shape: Shape,
+    order: list[int | None],
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    shard_bytes: int,
+    extra_config: dict,
+    pad_vocab: int | None = None,
+    read: str = "one",
+) -> dict:
     cfg_json = read_json(model_dir / "config.json")
     cfg = ModelConfig.from_hf_dict(cfg_json, model_dir / "config.json")
     src = load_state(model_dir)
@@ -389,8 +414,9 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
     get = lambda name: src[name].to(device, f32)  # noqa: E731
     r = shape.hidden // cfg.hidden_size
     H = DimMap.from_counts([r] * cfg.hidden_size, read).to(device)
-    hm = head_map(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, shape.heads, shape.kv_heads,
-                  shape.head_dim, read).to(device)
+    hm = head_map(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, shape.heads, shape.kv_heads, shape.head_dim, read).to(
+        device
+    )
     gen = torch.Generator(device=device).manual_seed(seed)
     rand = lambda *s: torch.randn(*s, generator=gen, device=device, dtype=f32)  # noqa: E731
     V = cfg.vocab_size
@@ -398,8 +424,10 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
     plan = _pad_plan(model_dir, cfg, r, order[-1] is not None, device, seed, read) if pad else None
     width = shape.target_intermediate
     if plan and width - SIGN_UNITS < cfg.intermediate_size:
-        raise ConfigError(f"padding the vocabulary needs {SIGN_UNITS} spare MLP units in the last layer: "
-                          f"intermediate {width} - {SIGN_UNITS} < {cfg.intermediate_size}")
+        raise ConfigError(
+            f"padding the vocabulary needs {SIGN_UNITS} spare MLP units in the last layer: "
+            f"intermediate {width} - {SIGN_UNITS} < {cfg.intermediate_size}"
+        )
 
     w = ShardWriter(out, dtype, shard_bytes)
     embed = get("model.embed_tokens.weight")
@@ -416,14 +444,17 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
         M = mlp_maps[inter]
         if old_i is None:  # identity layer: real data to read, nothing written to the stream
             q_size, kv_size = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
-            layer = {"self_attn.q_proj.weight": rand(q_size, shape.hidden) * 0.02,
-                     "self_attn.k_proj.weight": rand(kv_size, shape.hidden) * 0.02,
-                     "self_attn.v_proj.weight": rand(kv_size, shape.hidden) * 0.02,
-                     "self_attn.o_proj.weight": torch.zeros(shape.hidden, q_size, device=device),
-                     "mlp.gate_proj.weight": rand(inter, shape.hidden) * 0.02,
-                     "mlp.up_proj.weight": rand(inter, shape.hidden) * 0.02,
-                     "mlp.down_proj.weight": torch.zeros(shape.hidden, inter, device=device),
-                     "input_layernorm.weight": ones(), "post_attention_layernorm.weight": ones()}
+            layer = {
+                "self_attn.q_proj.weight": rand(q_size, shape.hidden) * 0.02,
+                "self_attn.k_proj.weight": rand(kv_size, shape.hidden) * 0.02,
+                "self_attn.v_proj.weight": rand(kv_size, shape.hidden) * 0.02,
+                "self_attn.o_proj.weight": torch.zeros(shape.hidden, q_size, device=device),
+                "mlp.gate_proj.weight": rand(inter, shape.hidden) * 0.02,
+                "mlp.up_proj.weight": rand(inter, shape.hidden) * 0.02,
+                "mlp.down_proj.weight": torch.zeros(shape.hidden, inter, device=device),
+                "input_layernorm.weight": ones(),
+                "post_attention_layernorm.weight": ones(),
+            }
         else:
             o = f"model.layers.{old_i}."
             q = place_rows(get(o + "self_attn.q_proj.weight"), hm.q_new, hm.q_old, hm.q_rows, hm.q_scale)
@@ -432,13 +463,17 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
             o_old = get(o + "self_attn.o_proj.weight")
             o_new = o_old.new_zeros(cfg.hidden_size, hm.q_rows)
             o_new[:, hm.q_new] = o_old[:, hm.q_old] * hm.o_coef.to(f32)
-            layer = {"self_attn.q_proj.weight": as_reader(q, H), "self_attn.k_proj.weight": as_reader(k, H),
-                     "self_attn.v_proj.weight": as_reader(v, H), "self_attn.o_proj.weight": as_writer(o_new, H),
-                     "mlp.gate_proj.weight": as_reader(as_writer(get(o + "mlp.gate_proj.weight"), M), H),
-                     "mlp.up_proj.weight": as_reader(as_writer(get(o + "mlp.up_proj.weight"), M), H),
-                     "mlp.down_proj.weight": as_writer(as_reader(get(o + "mlp.down_proj.weight"), M), H),
-                     "input_layernorm.weight": as_writer(get(o + "input_layernorm.weight"), H),
-                     "post_attention_layernorm.weight": as_writer(get(o + "post_attention_layernorm.weight"), H)}
+            layer = {
+                "self_attn.q_proj.weight": as_reader(q, H),
+                "self_attn.k_proj.weight": as_reader(k, H),
+                "self_attn.v_proj.weight": as_reader(v, H),
+                "self_attn.o_proj.weight": as_writer(o_new, H),
+                "mlp.gate_proj.weight": as_reader(as_writer(get(o + "mlp.gate_proj.weight"), M), H),
+                "mlp.up_proj.weight": as_reader(as_writer(get(o + "mlp.up_proj.weight"), M), H),
+                "mlp.down_proj.weight": as_writer(as_reader(get(o + "mlp.down_proj.weight"), M), H),
+                "input_layernorm.weight": as_writer(get(o + "input_layernorm.weight"), H),
+                "post_attention_layernorm.weight": as_writer(get(o + "post_attention_layernorm.weight"), H),
+            }
         if signs:  # gate = up rows, down column along u (see PadPlan)
             rows = rand(signs, shape.hidden) * plan.rho
             cols = torch.zeros(shape.hidden, signs, device=device)
@@ -458,15 +493,29 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
     files = w.finish()
 
     new_cfg = dict(cfg_json)
-    new_cfg.update(hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
-                   num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=V + pad,
-                   intermediate_size=width, tie_word_embeddings=False, **extra_config)
+    new_cfg.update(
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        vocab_size=V + pad,
+        intermediate_size=width,
+        tie_word_embeddings=False,
+        **extra_config,
+    )
     if shape.experts:
         for key in ("mlp_bias", "pretraining_tp"):  # Llama's, not Mixtral's
             new_cfg.pop(key, None)
-        new_cfg.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=shape.experts,
-                       num_experts_per_tok=shape.top_k, sliding_window=None, router_jitter_noise=0.0,
-                       output_router_logits=False)
+        new_cfg.update(
+            architectures=["MixtralForCausalLM"],
+            model_type="mixtral",
+            num_local_experts=shape.experts,
+            num_experts_per_tok=shape.top_k,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+            output_router_logits=False,
+        )
     if plan:
         new_cfg["grow_padded_vocab"] = {"real_vocab_size": V, **asdict(plan)}
     _set_dtype_key(new_cfg, dtype)
@@ -479,14 +528,25 @@ def grow_target(model_dir: Path, out: Path, shape: Shape, order: list[int | None
 
 # ------------------------------------------------------------------ the drafter
 @torch.no_grad()
-def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, aux_ids: list[int] | None,
-                 dtype: torch.dtype, device: torch.device, extra_config: dict, vocab: int | None = None,
-                 read: str = "one") -> dict:
+def grow_drafter(
+    draft_dir: Path,
+    out: Path,
+    shape: Shape,
+    target_hidden: int,
+    aux_ids: list[int] | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    extra_config: dict,
+    vocab: int | None = None,
+    read: str = "one",
+) -> dict:
     cfg_json = read_json(draft_dir / "config.json")
     dc = DraftConfig.from_hf_dict(cfg_json, draft_dir / "config.json")
     if dc.hidden_size != target_hidden or dc.target_hidden_size != target_hidden:
-        raise ConfigError(f"{draft_dir}: drafter hidden size {dc.hidden_size} (target_hidden_size "
-                          f"{dc.target_hidden_size}) differs from the target's {target_hidden}")
+        raise ConfigError(
+            f"{draft_dir}: drafter hidden size {dc.hidden_size} (target_hidden_size "
+            f"{dc.target_hidden_size}) differs from the target's {target_hidden}"
+        )
     if dc.fc_bias:
         raise ConfigError(f"{draft_dir}: drafters with an fc bias are not supported by grow")
     check_shape("drafter", dc.num_heads, dc.num_kv_heads, dc.head_dim, dc.hidden_size, dc.intermediate_size, shape)
@@ -495,8 +555,9 @@ def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, a
     get = lambda name: src[name].to(device, f32)  # noqa: E731
     H = DimMap.from_counts([shape.hidden // dc.hidden_size] * dc.hidden_size, read).to(device)
     M = DimMap.from_counts(mlp_counts(dc.intermediate_size, shape.intermediate), read).to(device)
-    hm = head_map(dc.num_heads, dc.num_kv_heads, dc.head_dim, shape.heads, shape.kv_heads,
-                  shape.head_dim, read).to(device)
+    hm = head_map(dc.num_heads, dc.num_kv_heads, dc.head_dim, shape.heads, shape.kv_heads, shape.head_dim, read).to(
+        device
+    )
 
     def read_cat(wt: torch.Tensor, parts: int) -> torch.Tensor:  # input = `parts` grown streams side by side
         return torch.cat([as_reader(c, H) for c in wt.chunk(parts, dim=-1)], dim=-1)
@@ -508,17 +569,21 @@ def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, a
     o_old = get(m + "self_attn.o_proj.weight")
     o_new = o_old.new_zeros(dc.hidden_size, hm.q_rows)
     o_new[:, hm.q_new] = o_old[:, hm.q_old] * hm.o_coef.to(f32)
-    t = {"fc.weight": as_writer(read_cat(get("fc.weight"), 3), H),
-         m + "input_layernorm.weight": as_writer(get(m + "input_layernorm.weight"), H),
-         m + "hidden_norm.weight": as_writer(get(m + "hidden_norm.weight"), H),
-         m + "post_attention_layernorm.weight": as_writer(get(m + "post_attention_layernorm.weight"), H),
-         m + "self_attn.q_proj.weight": read_cat(q, 2), m + "self_attn.k_proj.weight": read_cat(k, 2),
-         m + "self_attn.v_proj.weight": read_cat(v, 2), m + "self_attn.o_proj.weight": as_writer(o_new, H),
-         m + "mlp.gate_proj.weight": as_reader(as_writer(get(m + "mlp.gate_proj.weight"), M), H),
-         m + "mlp.up_proj.weight": as_reader(as_writer(get(m + "mlp.up_proj.weight"), M), H),
-         m + "mlp.down_proj.weight": as_writer(as_reader(get(m + "mlp.down_proj.weight"), M), H),
-         "norm.weight": as_writer(get("norm.weight"), H),
-         "lm_head.weight": as_reader(get("lm_head.weight"), H)}
+    t = {
+        "fc.weight": as_writer(read_cat(get("fc.weight"), 3), H),
+        m + "input_layernorm.weight": as_writer(get(m + "input_layernorm.weight"), H),
+        m + "hidden_norm.weight": as_writer(get(m + "hidden_norm.weight"), H),
+        m + "post_attention_layernorm.weight": as_writer(get(m + "post_attention_layernorm.weight"), H),
+        m + "self_attn.q_proj.weight": read_cat(q, 2),
+        m + "self_attn.k_proj.weight": read_cat(k, 2),
+        m + "self_attn.v_proj.weight": read_cat(v, 2),
+        m + "self_attn.o_proj.weight": as_writer(o_new, H),
+        m + "mlp.gate_proj.weight": as_reader(as_writer(get(m + "mlp.gate_proj.weight"), M), H),
+        m + "mlp.up_proj.weight": as_reader(as_writer(get(m + "mlp.up_proj.weight"), M), H),
+        m + "mlp.down_proj.weight": as_writer(as_reader(get(m + "mlp.down_proj.weight"), M), H),
+        "norm.weight": as_writer(get("norm.weight"), H),
+        "lm_head.weight": as_reader(get("lm_head.weight"), H),
+    }
     pad = (vocab or dc.vocab_size) - dc.vocab_size
     if "embed_tokens.weight" in src:
         emb = as_writer(get("embed_tokens.weight").T, H).T
@@ -535,9 +600,16 @@ def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, a
     w.finish()
 
     new_cfg = dict(cfg_json)
-    new_cfg.update(architectures=["LlamaForCausalLMEagle3"], hidden_size=shape.hidden,
-                   num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim,
-                   intermediate_size=shape.intermediate, vocab_size=dc.vocab_size + pad, **extra_config)
+    new_cfg.update(
+        architectures=["LlamaForCausalLMEagle3"],
+        hidden_size=shape.hidden,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        head_dim=shape.head_dim,
+        intermediate_size=shape.intermediate,
+        vocab_size=dc.vocab_size + pad,
+        **extra_config,
+    )
     if "target_hidden_size" in new_cfg:
         new_cfg["target_hidden_size"] = shape.hidden
     if aux_ids is not None:
@@ -548,9 +620,20 @@ def grow_drafter(draft_dir: Path, out: Path, shape: Shape, target_hidden: int, a
 
 
 # ------------------------------------------------------------------ the whole pair
-def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | Path | None = None,
-         dtype: str = "bfloat16", device: str = "auto", seed: int = 0, shard_gb: float = 5.0,
-         preset: str | None = None, force: bool = False, pad_vocab: int | None = None, read: str = "one") -> dict:
+def grow(
+    model_dir: str | Path,
+    out: str | Path,
+    shape: Shape,
+    draft_dir: str | Path | None = None,
+    dtype: str = "bfloat16",
+    device: str = "auto",
+    seed: int = 0,
+    shard_gb: float = 5.0,
+    preset: str | None = None,
+    force: bool = False,
+    pad_vocab: int | None = None,
+    read: str = "one",
+) -> dict:
     """Grow the target at `model_dir` (and the drafter at `draft_dir`) into
     `out` (drafter in `out/draft`). Returns a summary dict."""
     from specserve.model.loader import resolve_device
@@ -571,18 +654,29 @@ def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | 
     if shape.experts and not 1 <= shape.top_k <= shape.experts:
         raise ConfigError(f"--moe-top-k {shape.top_k} must be in 1..{shape.experts} (--moe, the experts per layer)")
     if shape.experts < 0 or (shape.top_k and not shape.experts):
-        raise ConfigError(f"--moe {shape.experts} --moe-top-k {shape.top_k}: give --moe a positive expert count "
-                          "with --moe-top-k")
-    check_shape("target", cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size, cfg.intermediate_size, shape,
-                shape.target_intermediate)
+        raise ConfigError(
+            f"--moe {shape.experts} --moe-top-k {shape.top_k}: give --moe a positive expert count with --moe-top-k"
+        )
+    check_shape(
+        "target",
+        cfg.num_heads,
+        cfg.num_kv_heads,
+        cfg.head_dim,
+        cfg.hidden_size,
+        cfg.intermediate_size,
+        shape,
+        shape.target_intermediate,
+    )
     if shape.layers < cfg.num_layers:
         raise ConfigError(f"cannot grow {cfg.num_layers} layers to fewer ({shape.layers})")
     if pad_vocab is not None and pad_vocab < cfg.vocab_size:
         raise ConfigError(f"--pad-vocab {pad_vocab} is smaller than the source vocabulary ({cfg.vocab_size})")
     r = shape.hidden // cfg.hidden_size
     if pad_vocab and pad_vocab > cfg.vocab_size and (r < 2 or split_coefs(r, read)[-2] != split_coefs(r, read)[-1]):
-        raise ConfigError(f"--pad-vocab needs two equally read copies of a hidden unit; the hidden size grows only "
-                          f"{r}x (at least {2 if read == 'all' else 3}x needed with --read {read})")
+        raise ConfigError(
+            f"--pad-vocab needs two equally read copies of a hidden unit; the hidden size grows only "
+            f"{r}x (at least {2 if read == 'all' else 3}x needed with --read {read})"
+        )
 
     # Layer placement: keep the drafter's taps on the same residual streams.
     dc = DraftConfig.from_dir(draft_dir) if draft_dir else None
@@ -602,18 +696,32 @@ def grow(model_dir: str | Path, out: str | Path, shape: Shape, draft_dir: str | 
         if out.resolve() == Path(src_dir).resolve() or out.resolve() in Path(src_dir).resolve().parents:
             raise ConfigError(f"--out {out} would overwrite the source {src_dir}; choose another directory")
     _prepare_out(out, force)
-    extra = {"grown_from": str(model_dir), "grow_preset": preset or "custom", "grow_read": read,
-             "grow_layer_map": [-1 if o is None else o for o in order]}
-    summary = {"preset": preset or "custom", "read": read, "shape": asdict(shape), "out": str(out), "dtype": dtype,
-               "device": str(dev), "layer_map": extra["grow_layer_map"], "aux_taps": list(taps)}
-    summary["target"] = grow_target(model_dir, out, shape, order, OUT_DTYPES[dtype], dev, seed,
-                                    int(shard_gb * 2**30), extra, pad_vocab, read)
+    extra = {
+        "grown_from": str(model_dir),
+        "grow_preset": preset or "custom",
+        "grow_read": read,
+        "grow_layer_map": [-1 if o is None else o for o in order],
+    }
+    summary = {
+        "preset": preset or "custom",
+        "read": read,
+        "shape": asdict(shape),
+        "out": str(out),
+        "dtype": dtype,
+        "device": str(dev),
+        "layer_map": extra["grow_layer_map"],
+        "aux_taps": list(taps),
+    }
+    summary["target"] = grow_target(
+        model_dir, out, shape, order, OUT_DTYPES[dtype], dev, seed, int(shard_gb * 2**30), extra, pad_vocab, read
+    )
     if dc is not None:
         draft_out = out / "draft"
         draft_out.mkdir()
         dextra = {"grown_from": str(draft_dir), "grow_preset": preset or "custom"}
-        summary["draft"] = grow_drafter(Path(draft_dir), draft_out, shape, cfg.hidden_size, aux_ids,
-                                        OUT_DTYPES[dtype], dev, dextra, pad_vocab, read)
+        summary["draft"] = grow_drafter(
+            Path(draft_dir), draft_out, shape, cfg.hidden_size, aux_ids, OUT_DTYPES[dtype], dev, dextra, pad_vocab, read
+        )
         summary["draft"]["out"] = str(draft_out)
         summary["draft"]["aux_layer_ids"] = aux_ids
     summary["seconds"] = round(time.perf_counter() - t0, 2)

@@ -28,11 +28,21 @@ PRESETS = {
     "llama3-8b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336),
     # Qwen3-30B-A3B's hidden size, layers, heads, experts and their width, as a Mixtral model (Llama attention:
     # Qwen3's q/k RMSNorm would change the demo's attention); its dense 6144 is the drafter's MLP.
-    "qwen3-moe-30b-a3b": Shape(hidden=2048, layers=48, heads=32, kv_heads=4, head_dim=128, intermediate=6144,
-                               experts=128, top_k=8, expert_intermediate=768),
+    "qwen3-moe-30b-a3b": Shape(
+        hidden=2048,
+        layers=48,
+        heads=32,
+        kv_heads=4,
+        head_dim=128,
+        intermediate=6144,
+        experts=128,
+        top_k=8,
+        expert_intermediate=768,
+    ),
     # Mixtral-8x7B (47B parameters: ~94 GB in bf16).
-    "mixtral-8x7b": Shape(hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336,
-                          experts=8, top_k=2),
+    "mixtral-8x7b": Shape(
+        hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, intermediate=14336, experts=8, top_k=2
+    ),
     # A mid-size grow of the demo pair that a CPU can run (checks of the construction on the real demo).
     "demo-mid": Shape(hidden=512, layers=32, heads=16, kv_heads=4, head_dim=128, intermediate=1792),
 }

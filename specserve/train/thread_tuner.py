@@ -40,9 +40,12 @@ class ThreadTuner:
         """Call after each step with its duration; returns a message when the choice changed."""
         msg = None
         if self.trying is None:
-            self.recent = (self.recent + [step_seconds])[-self.trial:]
-            if len(self.choices) > 1 and len(self.recent) >= self.trial \
-                    and time.perf_counter() - self.last_explore >= self.every_s:
+            self.recent = (self.recent + [step_seconds])[-self.trial :]
+            if (
+                len(self.choices) > 1
+                and len(self.recent) >= self.trial
+                and time.perf_counter() - self.last_explore >= self.every_s
+            ):
                 others = [c for c in self.choices if c != self.current]
                 self.trying = others[len(self.switches) % len(others)] if len(others) > 1 else others[0]
                 self.trial_times = []

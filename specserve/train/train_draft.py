@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from specserve.config import ConfigError, DraftConfig, EngineConfig, ModelConfig, default_aux_layers, resolve_aux_layers
-from specserve.train.data import DataError, check_messages, chat_prompt, read_records, split_long, tokenize_records
+from specserve.train.data import DataError, chat_prompt, check_messages, read_records, split_long, tokenize_records
 
 STEP_WEIGHT = 0.8  # loss weight of unroll step k is STEP_WEIGHT**k
 CHECKPOINT = "checkpoint"
@@ -60,11 +60,13 @@ def log(msg: str) -> None:
 # Target features
 # ---------------------------------------------------------------------------------------------
 
+
 class FrozenTarget:
     """specserve's own CausalLM (the engine's numerics) returning aux features and logits."""
 
-    def __init__(self, target_dir: str, device: torch.device, dtype: torch.dtype, max_len: int,
-                 aux_layers: tuple[int, ...]):
+    def __init__(
+        self, target_dir: str, device: torch.device, dtype: torch.dtype, max_len: int, aux_layers: tuple[int, ...]
+    ):
         from specserve.model.loader import load_target
 
         self.cfg = ModelConfig.from_dir(target_dir)
@@ -136,8 +138,14 @@ class FeatureCache:
 # Drafter: config, init, save
 # ---------------------------------------------------------------------------------------------
 
-def drafter_config(tcfg: ModelConfig, draft_ids: torch.Tensor, captured: tuple[int, ...],
-                   save_dtype: str = "bfloat16", intermediate: int | None = None) -> dict:
+
+def drafter_config(
+    tcfg: ModelConfig,
+    draft_ids: torch.Tensor,
+    captured: tuple[int, ...],
+    save_dtype: str = "bfloat16",
+    intermediate: int | None = None,
+) -> dict:
     """A SpecForge/SGLang-layout config. Aux ids are written in the SGLang convention
     (layer outputs = captured input index - 1), which specserve reads by default. The MLP is the
     target's width unless `intermediate` says otherwise (a wider drafter MLP costs little next
@@ -250,6 +258,7 @@ def select_draft_vocab(docs: list[list[int]], vocab_size: int, n: int, always: s
 # Training-time test forward and loss
 # ---------------------------------------------------------------------------------------------
 
+
 def _shift(x: torch.Tensor, d: int, dim: int) -> torch.Tensor:
     """y[t] = x[t - d] along dim (zeros for t < d)."""
     if d == 0:
@@ -276,7 +285,7 @@ def ttt_forward(drafter, feats: torch.Tensor, next_ids: torch.Tensor, steps: int
     pos = torch.arange(T, device=feats.device).expand(B, T)
     emb = m.input_layernorm(drafter.embed(next_ids).to(feats.dtype))
     hidden = drafter.fc(feats)
-    scale = D ** -0.5
+    scale = D**-0.5
     t_idx = torch.arange(T, device=feats.device)
     base_k = base_v = None
     chain_k: list[torch.Tensor] = []
@@ -310,7 +319,7 @@ def ttt_forward(drafter, feats: torch.Tensor, next_ids: torch.Tensor, steps: int
         w = torch.softmax(scores.float() * scale, dim=-1).to(q.dtype)
         o = torch.matmul(w[..., :T], base_v.unsqueeze(2))
         for j, vj in enumerate(shifted_v):
-            o = o + w[..., T + j:T + j + 1] * vj.unsqueeze(2)
+            o = o + w[..., T + j : T + j + 1] * vj.unsqueeze(2)
         o = o.reshape(B, Hq, T, D).transpose(1, 2).reshape(B, T, Hq * D)
         h = hidden + a.o_proj(o)
         out = h + m.mlp(m.post_attention_layernorm(h))
@@ -319,8 +328,9 @@ def ttt_forward(drafter, feats: torch.Tensor, next_ids: torch.Tensor, steps: int
     return outs
 
 
-def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor,
-                     first: torch.Tensor) -> tuple[tuple[list[int], int], tuple[list[int], int]]:
+def chain_acceptance(
+    hits: list[torch.Tensor], real: torch.Tensor, first: torch.Tensor
+) -> tuple[tuple[list[int], int], tuple[list[int], int]]:
     """What greedy verification accepts of the chain drafted at every base position, and at the
     bases a run of cycles visits from each row's first base `first` [B] (the prompt's last entry).
 
@@ -337,7 +347,7 @@ def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor,
     the engine's acceptance on the same sequences, which is lower. Returns ((accepted drafts per
     chain position, bases counted) at every base, (the same, cycles counted) along the cycles)."""
     K = len(hits)
-    bases = real & F.pad(real[:, K - 1:], (0, K - 1), value=False)
+    bases = real & F.pad(real[:, K - 1 :], (0, K - 1), value=False)
     ok = bases
     every, runs = [], torch.zeros_like(real, dtype=torch.long)
     for k, h in enumerate(hits):
@@ -355,8 +365,18 @@ def chain_acceptance(hits: list[torch.Tensor], real: torch.Tensor,
     return (every, int(bases.sum())), (accepted, cycles)
 
 
-def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Tensor, starts: torch.Tensor,
-             feats: torch.Tensor, hidden: torch.Tensor, steps: int, draft_ids: torch.Tensor, autocast_dtype=None):
+def ttt_loss(
+    drafter,
+    target: FrozenTarget,
+    ids: torch.Tensor,
+    lengths: torch.Tensor,
+    starts: torch.Tensor,
+    feats: torch.Tensor,
+    hidden: torch.Tensor,
+    steps: int,
+    draft_ids: torch.Tensor,
+    autocast_dtype=None,
+):
     """Loss, per-step accuracy (and its counts) and `chain_acceptance` (at every base, and at
     the bases a run of cycles visits from each row's first) of one padded batch:
     ids [B, L], lengths [B], starts [B] (the first scored token of each row), the target's
@@ -387,9 +407,10 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
         n = int(mask.sum())
         with amp():
             logits_d = drafter.logits(out)  # float32 out; the head matmul runs in bf16 under autocast
-        ce = F.cross_entropy(logits_d.view(-1, logits_d.shape[-1]), tgt_p.view(-1, tgt_p.shape[-1]),
-                             reduction="none").view(B, T)
-        w = STEP_WEIGHT ** k
+        ce = F.cross_entropy(
+            logits_d.view(-1, logits_d.shape[-1]), tgt_p.view(-1, tgt_p.shape[-1]), reduction="none"
+        ).view(B, T)
+        w = STEP_WEIGHT**k
         total = total + w * (ce * mask).sum() / max(n, 1)
         norm += w
         with torch.no_grad():
@@ -404,14 +425,16 @@ def ttt_loss(drafter, target: FrozenTarget, ids: torch.Tensor, lengths: torch.Te
 # Regeneration
 # ---------------------------------------------------------------------------------------------
 
+
 def line_start_table(tokenizer) -> torch.Tensor:
     """bool per token id: its text contains a newline (the next token starts a line)."""
     V = tokenizer.vocab_size
     return torch.tensor(["\n" in tokenizer.decode([i], skip_special_tokens=False) for i in range(V)])
 
 
-def cut_prompts(docs: list[list[int]], n: int, lo: int, hi: int, nl: torch.Tensor, rng: random.Random,
-                eos: set[int]) -> list[list[int]]:
+def cut_prompts(
+    docs: list[list[int]], n: int, lo: int, hi: int, nl: torch.Tensor, rng: random.Random, eos: set[int]
+) -> list[list[int]]:
     """n prompt prefixes of lo..hi tokens, each starting at a line start of a document."""
     usable = [d for d in docs if len(d) > lo + 1]
     if not usable:
@@ -423,10 +446,10 @@ def cut_prompts(docs: list[list[int]], n: int, lo: int, hi: int, nl: torch.Tenso
         i = rng.choices(range(len(usable)), weights)[0]
         d = usable[i]
         if i not in starts_of:
-            t = torch.tensor(d[:-lo - 1])
+            t = torch.tensor(d[: -lo - 1])
             starts_of[i] = [0] + (torch.nonzero(nl[t]).view(-1) + 1).tolist()
         s = rng.choice(starts_of[i])
-        p = d[s:s + rng.randint(lo, hi)]
+        p = d[s : s + rng.randint(lo, hi)]
         while p and p[-1] in eos:
             p = p[:-1]
         if len(p) >= 2:
@@ -437,9 +460,19 @@ def cut_prompts(docs: list[list[int]], n: int, lo: int, hi: int, nl: torch.Tenso
 REGEN_PREFILL_TOKENS = 1 << 17  # padded prompt tokens per regeneration prefill call
 
 
-def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, temperature: float, seed: int,
-                       device: str, batch: int, deadline: float | None, eos: set[int], save_to: Path | None = None,
-                       threads: int | None = None) -> tuple[list[list[int]], list[int]]:
+def regenerate_samples(
+    target_dir: str,
+    prompts: list[list[int]],
+    max_new: int,
+    temperature: float,
+    seed: int,
+    device: str,
+    batch: int,
+    deadline: float | None,
+    eos: set[int],
+    save_to: Path | None = None,
+    threads: int | None = None,
+) -> tuple[list[list[int]], list[int]]:
     """prompt + the target's own continuation (up to and including its first EOS) for each prompt,
     and each sample's prompt length (where its response, the part the loss scores, starts).
 
@@ -471,20 +504,30 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
     if not todo or (deadline is not None and time.time() >= deadline):
         return result()
     B = min(batch, len(todo))
-    batches = [todo[i:i + B] for i in range(0, len(todo), B)]
+    batches = [todo[i : i + B] for i in range(0, len(todo), B)]
     random.Random(seed).shuffle(batches)
-    max_len = min(ModelConfig.from_dir(target_dir).max_position_embeddings,
-                  max(len(prompts[i]) for i in todo) + max_new + 1)
-    runner = ModelRunner(EngineConfig(model=target_dir, device=device, max_num_seqs=B, max_model_len=max_len,
-                                      graph_batch_sizes=(B,), seed=seed))
+    max_len = min(
+        ModelConfig.from_dir(target_dir).max_position_embeddings, max(len(prompts[i]) for i in todo) + max_new + 1
+    )
+    runner = ModelRunner(
+        EngineConfig(
+            model=target_dir, device=device, max_num_seqs=B, max_model_len=max_len, graph_batch_sizes=(B,), seed=seed
+        )
+    )
     runner.reserve_every_row()
     runner.capture_graphs([])
     dev = runner.device
     gen = torch.Generator(device=dev).manual_seed(seed)
     eos_ids = torch.tensor(sorted(eos) or [-1], device=dev)
     tuner = _thread_tuner(threads, dev)
-    bar = tqdm(total=len(prompts), initial=len(done), desc="regenerate", unit="prompt", dynamic_ncols=True,
-               mininterval=2.0 if sys.stderr.isatty() else 30.0)
+    bar = tqdm(
+        total=len(prompts),
+        initial=len(done),
+        desc="regenerate",
+        unit="prompt",
+        dynamic_ncols=True,
+        mininterval=2.0 if sys.stderr.isatty() else 30.0,
+    )
     sink = open(save_to, "a") if save_to is not None else contextlib.nullcontext()  # noqa: SIM115
 
     def pick(logits: torch.Tensor) -> torch.Tensor:
@@ -500,8 +543,12 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
             # Prefill pads every row to the batch's longest prompt; a group of rows per call keeps
             # the activations (tokens x MLP width) within the kernels' int32 indexing.
             group = max(1, REGEN_PREFILL_TOKENS // max(len(c) for c in chunk))
-            logits = torch.cat([runner.prefill(r, chunk[r:r + group], [0] * len(chunk[r:r + group]))[0]
-                                for r in range(0, n, group)])
+            logits = torch.cat(
+                [
+                    runner.prefill(r, chunk[r : r + group], [0] * len(chunk[r : r + group]))[0]
+                    for r in range(0, n, group)
+                ]
+            )
             pos = torch.tensor([len(c) for c in chunk], device=dev)
             out = torch.empty(n, max_new, dtype=torch.long, device=dev)
             ended = torch.zeros(n, dtype=torch.bool, device=dev)
@@ -531,8 +578,10 @@ def regenerate_samples(target_dir: str, prompts: list[list[int]], max_new: int, 
                     f.write(json.dumps({"i": i, "ids": done[i], "prompt": len(prompts[i])}) + "\n")
             bar.update(kept)
             if cut or (deadline is not None and time.time() > deadline):
-                bar.write(f"[train-draft] regeneration time is up: {len(done)} of {len(prompts)} prompts"
-                          + (f" (the last {kept} cut short)" if cut else ""))
+                bar.write(
+                    f"[train-draft] regeneration time is up: {len(done)} of {len(prompts)} prompts"
+                    + (f" (the last {kept} cut short)" if cut else "")
+                )
                 break
     bar.close()
     return result()
@@ -548,9 +597,27 @@ def _load_samples(path: Path) -> tuple[list[list[int]], list[int]]:
     return recs, [0] * len(recs)
 
 
-def _prepare_samples(data, tok, eos, eos_id, rng, target_dir, regenerate, regen_prompts, regen_max_tokens,
-                     regen_temperature, regen_prompt_len, regen_batch, max_len, seed, device, ck_dir: Path,
-                     resume: bool, regen_budget: tuple[float, float] | None, threads=None):
+def _prepare_samples(
+    data,
+    tok,
+    eos,
+    eos_id,
+    rng,
+    target_dir,
+    regenerate,
+    regen_prompts,
+    regen_max_tokens,
+    regen_temperature,
+    regen_prompt_len,
+    regen_batch,
+    max_len,
+    seed,
+    device,
+    ck_dir: Path,
+    resume: bool,
+    regen_budget: tuple[float, float] | None,
+    threads=None,
+):
     """Training samples (token-id lists), where each one's scored tokens start, the file they
     are kept in for --resume, and how many were regenerated. `regen_budget` is (seconds, run deadline):
     regeneration may answer for that many seconds from when it starts, after the data is read and
@@ -585,11 +652,24 @@ def _prepare_samples(data, tok, eos, eos_id, rng, target_dir, regenerate, regen_
     regen_file = ck_dir / "regenerated.jsonl"
     if not resume:
         regen_file.write_text("")
-    log(f"data: {len(records)} records from {data}; regenerating {len(prompts)} prompts x up to "
-        f"{regen_max_tokens} new tokens (temperature {regen_temperature}, batch {regen_batch})")
+    log(
+        f"data: {len(records)} records from {data}; regenerating {len(prompts)} prompts x up to "
+        f"{regen_max_tokens} new tokens (temperature {regen_temperature}, batch {regen_batch})"
+    )
     regen_deadline = min(time.time() + regen_budget[0], regen_budget[1]) if regen_budget else None
-    samples, starts = regenerate_samples(target_dir, prompts, regen_max_tokens, regen_temperature, seed, device, regen_batch,
-                                 regen_deadline, eos, regen_file, threads)
+    samples, starts = regenerate_samples(
+        target_dir,
+        prompts,
+        regen_max_tokens,
+        regen_temperature,
+        seed,
+        device,
+        regen_batch,
+        regen_deadline,
+        eos,
+        regen_file,
+        threads,
+    )
     if not samples:
         raise DataError("regeneration produced no samples (time budget too small?)")
     return samples, starts, str(regen_file), len(samples)
@@ -599,13 +679,14 @@ def _prepare_samples(data, tok, eos, eos_id, rng, target_dir, regenerate, regen_
 # Batching
 # ---------------------------------------------------------------------------------------------
 
+
 def make_batches(samples: list[list[int]], batch_tokens: int, gen: torch.Generator) -> list[list[int]]:
     """Index batches of similar lengths, at most batch_tokens padded tokens each, in random order."""
     order = torch.randperm(len(samples), generator=gen).tolist()
     batches = []
     window = 64  # sort within windows of shuffled samples: little padding, still random
     for w in range(0, len(order), window * 8):
-        group = sorted(order[w:w + window * 8], key=lambda i: len(samples[i]))
+        group = sorted(order[w : w + window * 8], key=lambda i: len(samples[i]))
         cur: list[int] = []
         for i in group:
             longest = max([len(samples[j]) for j in cur] + [len(samples[i])])
@@ -624,14 +705,18 @@ def collate(samples: list[list[int]], starts: list[int], idx: list[int], device)
     L = max(len(samples[i]) for i in idx)
     ids = torch.zeros(len(idx), L, dtype=torch.long)
     for r, i in enumerate(idx):
-        ids[r, :len(samples[i])] = torch.tensor(samples[i])
-    return (ids.to(device), torch.tensor([len(samples[i]) for i in idx], device=device),
-            torch.tensor([starts[i] for i in idx], device=device))
+        ids[r, : len(samples[i])] = torch.tensor(samples[i])
+    return (
+        ids.to(device),
+        torch.tensor([len(samples[i]) for i in idx], device=device),
+        torch.tensor([starts[i] for i in idx], device=device),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
 # Evaluation with the engine
 # ---------------------------------------------------------------------------------------------
+
 
 def read_prompts(path: str | Path) -> list[str | list[dict]]:
     """Prompts from a .jsonl or a text file (one per line). A .jsonl line holds a "prompt" (or
@@ -654,7 +739,7 @@ def read_prompts(path: str | Path) -> list[str | list[dict]]:
                 continue
             text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
             if not isinstance(text, str):
-                raise DataError(f"{path}:{n}: needs a string \"prompt\" (or \"text\") or a chat \"messages\" list")
+                raise DataError(f'{path}:{n}: needs a string "prompt" (or "text") or a chat "messages" list')
             out.append(text)
         else:
             out.append(line)
@@ -663,8 +748,9 @@ def read_prompts(path: str | Path) -> list[str | list[dict]]:
     return out
 
 
-def measure_acceptance(target_dir: str, draft_dir: str, prompts, spec_steps: int = 4, max_tokens: int = 128,
-                       device: str = "auto") -> dict:
+def measure_acceptance(
+    target_dir: str, draft_dir: str, prompts, spec_steps: int = 4, max_tokens: int = 128, device: str = "auto"
+) -> dict:
     """Greedy acceptance length over all speculative cycles of all prompts (one batch). Chat
     prompts (message lists) go through the target's chat template and stop at its end of turn,
     as `specserve generate` and the server answer them."""
@@ -681,28 +767,40 @@ def measure_acceptance(target_dir: str, draft_dir: str, prompts, spec_steps: int
             try:
                 p = tok.encode(tok.apply_chat_template(p))
             except ConfigError as e:
-                raise DataError(f"--eval-prompts has chat \"messages\" but {e}") from None
+                raise DataError(f'--eval-prompts has chat "messages" but {e}') from None
         reqs.append(p)
         params.append(SamplingParams(max_tokens=max_tokens, temperature=0.0, stop_token_ids=stop if chat else []))
     t0 = time.perf_counter()
     outs = llm.generate(reqs, params)
     secs = time.perf_counter() - t0
     tot = llm.engine.totals
-    return {"spec_steps": spec_steps, "prompts": n, "max_tokens": max_tokens,
-            "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs), "tokens": sum(len(o.token_ids) for o in outs), "cycles": tot.cycles,
-            "accept_length_mean": tot.accept_length, "accept_per_position": tot.accept_per_position,
-            "seconds": round(secs, 2)}
+    return {
+        "spec_steps": spec_steps,
+        "prompts": n,
+        "max_tokens": max_tokens,
+        "prompt_tokens": sum(len(o.prompt_token_ids) for o in outs),
+        "tokens": sum(len(o.token_ids) for o in outs),
+        "cycles": tot.cycles,
+        "accept_length_mean": tot.accept_length,
+        "accept_per_position": tot.accept_per_position,
+        "seconds": round(secs, 2),
+    }
 
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints
 # ---------------------------------------------------------------------------------------------
 
+
 def save_checkpoint(path: Path, drafter, opt, state: dict) -> None:
     path.mkdir(parents=True, exist_ok=True)
     own = {k: v for k, v in drafter.state_dict().items() if not k.startswith("target_embed.")}  # not the target's table
-    blob = {"drafter": {k: v.detach().cpu() for k, v in own.items()},
-            "optimizer": opt.state_dict(), "torch_rng": torch.get_rng_state(), **state}
+    blob = {
+        "drafter": {k: v.detach().cpu() for k, v in own.items()},
+        "optimizer": opt.state_dict(),
+        "torch_rng": torch.get_rng_state(),
+        **state,
+    }
     tmp = path / "state.pt.tmp"
     torch.save(blob, tmp)
     tmp.replace(path / "state.pt")
@@ -714,8 +812,10 @@ def load_checkpoint(path: Path) -> dict:
         raise ConfigError(f"--resume: no checkpoint at {f}")
     state = torch.load(f, map_location="cpu", weights_only=True)
     if "drafter_config" not in state:
-        raise ConfigError(f"--resume: {f} does not record the drafter it trains (an older train-draft wrote it); "
-                          "start the run again without --resume")
+        raise ConfigError(
+            f"--resume: {f} does not record the drafter it trains (an older train-draft wrote it); "
+            "start the run again without --resume"
+        )
     return state
 
 
@@ -723,19 +823,28 @@ def check_resume(config: TrainConfig, state: dict, ck_dir: Path) -> None:
     """Refuse flags of a --resume call that contradict the run its checkpoint holds: the resumed
     drafter and optimizer are rebuilt from the checkpoint, so a differing flag would be ignored."""
     if config.from_dir and state["from_dir"] is None:
-        raise ConfigError(f"--from {config.from_dir}: the checkpoint's run trains a fresh drafter; resume it without "
-                          f"--from, or fine-tune in another --out than {ck_dir.parent}")
+        raise ConfigError(
+            f"--from {config.from_dir}: the checkpoint's run trains a fresh drafter; resume it without "
+            f"--from, or fine-tune in another --out than {ck_dir.parent}"
+        )
     if config.from_dir and str(Path(config.from_dir).resolve()) != state["from_dir"]:
-        raise ConfigError(f"--from {config.from_dir} differs from the checkpoint's --from {state['from_dir']}: a "
-                          "resumed run goes on fine-tuning its own drafter; pass that --from or none")
+        raise ConfigError(
+            f"--from {config.from_dir} differs from the checkpoint's --from {state['from_dir']}: a "
+            "resumed run goes on fine-tuning its own drafter; pass that --from or none"
+        )
     cfg = state["drafter_config"]
     for flag, given, recorded, why in (
-            ("--val-samples", config.val_samples, state["val_samples"], "a resumed run holds out the same samples"),
-            ("--max-len", config.max_len, state["max_len"], "its batches index the samples cut at that length"),
-            ("--draft-vocab", config.draft_vocab, cfg["draft_vocab_size"], "a resumed run keeps its drafter's shape"),
-            ("--draft-intermediate", config.draft_intermediate, cfg["intermediate_size"],
-             "a resumed run keeps its drafter's shape"),
-            ("--lr", config.lr, state["lr"], "a resumed run goes on with its lr schedule")):
+        ("--val-samples", config.val_samples, state["val_samples"], "a resumed run holds out the same samples"),
+        ("--max-len", config.max_len, state["max_len"], "its batches index the samples cut at that length"),
+        ("--draft-vocab", config.draft_vocab, cfg["draft_vocab_size"], "a resumed run keeps its drafter's shape"),
+        (
+            "--draft-intermediate",
+            config.draft_intermediate,
+            cfg["intermediate_size"],
+            "a resumed run keeps its drafter's shape",
+        ),
+        ("--lr", config.lr, state["lr"], "a resumed run goes on with its lr schedule"),
+    ):
         if given is not None and given != recorded:
             raise ConfigError(f"{flag} {given} differs from the checkpoint's {recorded}: {why}")
 
@@ -743,6 +852,7 @@ def check_resume(config: TrainConfig, state: dict, ck_dir: Path) -> None:
 # ---------------------------------------------------------------------------------------------
 # The trainer
 # ---------------------------------------------------------------------------------------------
+
 
 def feature_cache_bytes(dev: torch.device, gb: float | None) -> int:
     """RAM for cached target features: --feature-cache-gb, else on CPU a quarter of the
@@ -865,30 +975,71 @@ class TrainConfig:
     def from_args(cls, args: argparse.Namespace) -> TrainConfig:
         """The `train-draft` flags (see `train_draft_cmd.add_arguments`) as a TrainConfig: the one place they map."""
         return cls(
-            target_dir=args.model, out_dir=args.out, data=args.data, val_data=args.val_data, val_samples=args.val_samples,
-            minutes=args.max_minutes, seed=args.seed, draft_vocab=args.draft_vocab,
-            draft_intermediate=args.draft_intermediate, ttt_steps=args.ttt_steps, epochs=args.epochs, lr=args.lr,
-            from_dir=args.from_dir, regenerate=args.regenerate, regen_prompts=args.regen_prompts,
-            regen_max_tokens=args.regen_max_tokens, regen_temperature=args.regen_temperature,
-            regen_prompt_len=args.regen_prompt_len, regen_share=args.regen_share, regen_batch=args.regen_batch,
-            batch_tokens=args.batch_tokens, max_len=args.max_len, warmup=args.warmup, max_steps=args.max_steps,
-            checkpoint_every=args.checkpoint_every, resume=args.resume, keep_checkpoint=args.keep_checkpoint,
+            target_dir=args.model,
+            out_dir=args.out,
+            data=args.data,
+            val_data=args.val_data,
+            val_samples=args.val_samples,
+            minutes=args.max_minutes,
+            seed=args.seed,
+            draft_vocab=args.draft_vocab,
+            draft_intermediate=args.draft_intermediate,
+            ttt_steps=args.ttt_steps,
+            epochs=args.epochs,
+            lr=args.lr,
+            from_dir=args.from_dir,
+            regenerate=args.regenerate,
+            regen_prompts=args.regen_prompts,
+            regen_max_tokens=args.regen_max_tokens,
+            regen_temperature=args.regen_temperature,
+            regen_prompt_len=args.regen_prompt_len,
+            regen_share=args.regen_share,
+            regen_batch=args.regen_batch,
+            batch_tokens=args.batch_tokens,
+            max_len=args.max_len,
+            warmup=args.warmup,
+            max_steps=args.max_steps,
+            checkpoint_every=args.checkpoint_every,
+            resume=args.resume,
+            keep_checkpoint=args.keep_checkpoint,
             lr_minutes=args.lr_minutes,
-            device=args.device, threads=args.threads, feature_cache_gb=args.feature_cache_gb, bf16=args.bf16,
-            eval_prompts=args.eval_prompts, eval_spec_steps=args.eval_spec_steps,
-            eval_max_tokens=args.eval_max_tokens, aux_layer_ids=args.aux_layer_ids)
+            device=args.device,
+            threads=args.threads,
+            feature_cache_gb=args.feature_cache_gb,
+            bf16=args.bf16,
+            eval_prompts=args.eval_prompts,
+            eval_spec_steps=args.eval_spec_steps,
+            eval_max_tokens=args.eval_max_tokens,
+            aux_layer_ids=args.aux_layer_ids,
+        )
 
     @classmethod
-    def demo(cls, target_dir: str, out_dir: str, train_tokens: str, val_tokens: str, minutes: float,
-             seed: int = 0) -> TrainConfig:
+    def demo(
+        cls, target_dir: str, out_dir: str, train_tokens: str, val_tokens: str, minutes: float, seed: int = 0
+    ) -> TrainConfig:
         """The bundled demo drafter's recipe: train on the target's own regenerated text, for as
         many epochs as `minutes` allows (the time budget ends the run, not the epoch count), and
         measure acceptance on the target's held-out prompts where scripts/build_demo.py wrote them."""
         heldout = Path(target_dir) / "heldout_prompts.jsonl"
-        return cls(target_dir=target_dir, out_dir=out_dir, data=train_tokens, val_data=val_tokens, minutes=minutes,
-                   seed=seed, regenerate=True, draft_vocab=2048, ttt_steps=5, lr=4e-3, regen_share=0.35,
-                   epochs=1000.0, regen_max_tokens=256, regen_prompt_len=(32, 192), batch_tokens=4096, max_len=512,
-                   eval_prompts=str(heldout) if heldout.exists() else None)
+        return cls(
+            target_dir=target_dir,
+            out_dir=out_dir,
+            data=train_tokens,
+            val_data=val_tokens,
+            minutes=minutes,
+            seed=seed,
+            regenerate=True,
+            draft_vocab=2048,
+            ttt_steps=5,
+            lr=4e-3,
+            regen_share=0.35,
+            epochs=1000.0,
+            regen_max_tokens=256,
+            regen_prompt_len=(32, 192),
+            batch_tokens=4096,
+            max_len=512,
+            eval_prompts=str(heldout) if heldout.exists() else None,
+        )
 
 
 def train_draft(config: TrainConfig) -> TrainResult:
@@ -911,12 +1062,15 @@ def train_draft(config: TrainConfig) -> TrainResult:
     state = _resume_state(config, ck_dir)
     data = _training_data(config, state, tok, eos, eos_id, max_len, ck_dir, t_start, deadline)
     captured = _aux_taps(config, state, tcfg)
-    target = FrozenTarget(config.target_dir, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16, max_len,
-                          captured)
+    target = FrozenTarget(
+        config.target_dir, dev, torch.float32 if dev.type == "cpu" else torch.bfloat16, max_len, captured
+    )
     drafter, cfg, draft_ids = _drafter(config, state, target, tcfg, data.scored, eos, captured)
     coverage = _vocab_coverage(data.scored, draft_ids, tcfg.vocab_size)
-    log(f"draft vocabulary {draft_ids.numel()} of {tcfg.vocab_size} ids, covering {coverage:.1%} of scored tokens; "
-        f"aux layers (captured inputs) {list(captured)}")
+    log(
+        f"draft vocabulary {draft_ids.numel()} of {tcfg.vocab_size} ids, covering {coverage:.1%} of scored tokens; "
+        f"aux layers (captured inputs) {list(captured)}"
+    )
     loop = _TrainLoop(config, state, drafter, cfg, target, data, draft_ids, captured, dev, ck_dir, deadline)
     loop.run()
     res = _save_and_evaluate(config, loop, tok, eos_id, max_len, coverage, data)
@@ -925,8 +1079,10 @@ def train_draft(config: TrainConfig) -> TrainResult:
     (out / "training_summary.json").write_text(json.dumps(asdict(res), indent=2) + "\n")
     if not config.keep_checkpoint and ck_dir.exists():
         shutil.rmtree(ck_dir)
-    log(f"wrote {out / 'model.safetensors'} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB) after "
-        f"{res.steps} steps in {(time.time() - t_start) / 60:.1f} min")
+    log(
+        f"wrote {out / 'model.safetensors'} ({(out / 'model.safetensors').stat().st_size / 1e6:.2f} MB) after "
+        f"{res.steps} steps in {(time.time() - t_start) / 60:.1f} min"
+    )
     return res
 
 
@@ -950,8 +1106,10 @@ def _check_flags(config: TrainConfig) -> None:
 def _check_aux_layer_ids(config: TrainConfig, tcfg: ModelConfig) -> None:
     aux = config.aux_layer_ids
     if aux is not None and (len(aux) != 3 or not all(0 <= i < tcfg.num_layers for i in aux)):
-        raise ConfigError(f"--aux-layer-ids needs 3 layer ids in 0..{tcfg.num_layers - 1} (the target has "
-                          f"{tcfg.num_layers} layers), got {list(config.aux_layer_ids)}")
+        raise ConfigError(
+            f"--aux-layer-ids needs 3 layer ids in 0..{tcfg.num_layers - 1} (the target has "
+            f"{tcfg.num_layers} layers), got {list(config.aux_layer_ids)}"
+        )
 
 
 def _tokenizer(target_dir: str, tcfg: ModelConfig):
@@ -1002,32 +1160,61 @@ class _Data:
         return [s[b:] for s, b in zip(self.samples, self.starts)]
 
 
-def _training_data(config: TrainConfig, state: dict | None, tok, eos: set[int], eos_id: int | None, max_len: int,
-                   ck_dir: Path, t_start: float, deadline: float | None) -> _Data:
+def _training_data(
+    config: TrainConfig,
+    state: dict | None,
+    tok,
+    eos: set[int],
+    eos_id: int | None,
+    max_len: int,
+    ck_dir: Path,
+    t_start: float,
+    deadline: float | None,
+) -> _Data:
     t0 = time.time()
     if state is not None:
         samples, starts = _load_samples(Path(state["data_file"]))
         data_file, n_regen = state["data_file"], state.get("regenerated", 0)
     else:
         samples, starts, data_file, n_regen = _prepare_samples(
-            config.data, tok, eos, eos_id, random.Random(config.seed), config.target_dir, config.regenerate,
-            config.regen_prompts, config.regen_max_tokens, config.regen_temperature, config.regen_prompt_len,
-            config.regen_batch, max_len, config.seed, config.device, ck_dir, config.resume,
-            (config.regen_share * (deadline - t_start), deadline) if deadline else None, config.threads)
+            config.data,
+            tok,
+            eos,
+            eos_id,
+            random.Random(config.seed),
+            config.target_dir,
+            config.regenerate,
+            config.regen_prompts,
+            config.regen_max_tokens,
+            config.regen_temperature,
+            config.regen_prompt_len,
+            config.regen_batch,
+            max_len,
+            config.seed,
+            config.device,
+            ck_dir,
+            config.resume,
+            (config.regen_share * (deadline - t_start), deadline) if deadline else None,
+            config.threads,
+        )
     held_out = None
     if config.val_samples:
         if config.val_samples >= len(samples):
-            raise ConfigError(f"--val-samples {config.val_samples} leaves nothing to train on "
-                              f"({len(samples)} samples): hold out fewer")
+            raise ConfigError(
+                f"--val-samples {config.val_samples} leaves nothing to train on "
+                f"({len(samples)} samples): hold out fewer"
+            )
         # the last ones: regenerated prompts are shuffled before they are answered
-        held_out = split_long(samples[-config.val_samples:], max_len, starts[-config.val_samples:])
-        samples, starts = samples[:-config.val_samples], starts[:-config.val_samples]
+        held_out = split_long(samples[-config.val_samples :], max_len, starts[-config.val_samples :])
+        samples, starts = samples[: -config.val_samples], starts[: -config.val_samples]
     samples, starts = split_long(samples, max_len, starts)
     if not samples:
         raise DataError("no training samples of at least 8 tokens")
     data = _Data(samples, starts, held_out, data_file, n_regen, (time.time() - t0) / 60)
-    log(f"training samples: {len(samples)} ({sum(map(len, samples)):,} tokens, "
-        f"{sum(map(len, data.scored)):,} scored), {n_regen} regenerated in {data.minutes_regenerate:.1f} min")
+    log(
+        f"training samples: {len(samples)} ({sum(map(len, samples)):,} tokens, "
+        f"{sum(map(len, data.scored)):,} scored), {n_regen} regenerated in {data.minutes_regenerate:.1f} min"
+    )
     return data
 
 
@@ -1042,17 +1229,26 @@ def _aux_taps(config: TrainConfig, state: dict | None, tcfg: ModelConfig) -> tup
         kept = ("the --from drafter's", resolve_aux_layers(DraftConfig.from_dir(config.from_dir), tcfg.num_layers))
     if kept is not None:
         if config.aux_layer_ids is not None and tuple(i + 1 for i in config.aux_layer_ids) != kept[1]:
-            raise ConfigError(f"--aux-layer-ids {list(config.aux_layer_ids)} differ from {kept[0]} "
-                              f"{[i - 1 for i in kept[1]]}: "
-                              "a fine-tune or a resumed run keeps its drafter's taps")
+            raise ConfigError(
+                f"--aux-layer-ids {list(config.aux_layer_ids)} differ from {kept[0]} "
+                f"{[i - 1 for i in kept[1]]}: "
+                "a fine-tune or a resumed run keeps its drafter's taps"
+            )
         return kept[1]
     if config.aux_layer_ids is not None:
         return tuple(i + 1 for i in config.aux_layer_ids)
     return default_aux_layers(tcfg.num_layers)
 
 
-def _drafter(config: TrainConfig, state: dict | None, target: FrozenTarget, tcfg: ModelConfig,
-             scored: list[list[int]], eos: set[int], captured: tuple[int, ...]):
+def _drafter(
+    config: TrainConfig,
+    state: dict | None,
+    target: FrozenTarget,
+    tcfg: ModelConfig,
+    scored: list[list[int]],
+    eos: set[int],
+    captured: tuple[int, ...],
+):
     """(drafter in training mode, its config.json dict, its draft vocabulary): resumed, loaded from
     --from for a fine-tune, or new."""
     if state is not None:  # flags that would shape it differently were refused by check_resume
@@ -1063,12 +1259,16 @@ def _drafter(config: TrainConfig, state: dict | None, target: FrozenTarget, tcfg
         drafter = load_drafter(config.from_dir, target.model, target.device, torch.float32, target.max_len)
         draft_ids = draft_vocab_ids(drafter).cpu()
         if config.draft_vocab and config.draft_vocab != draft_ids.numel():
-            raise ConfigError(f"--draft-vocab {config.draft_vocab} differs from the --from drafter's {draft_ids.numel()}")
+            raise ConfigError(
+                f"--draft-vocab {config.draft_vocab} differs from the --from drafter's {draft_ids.numel()}"
+            )
         cfg = json.loads((Path(config.from_dir) / "config.json").read_text())
         cfg["torch_dtype"] = "bfloat16"
         if config.draft_intermediate and config.draft_intermediate != cfg["intermediate_size"]:
-            raise ConfigError(f"--draft-intermediate {config.draft_intermediate} differs from the --from drafter's "
-                              f"{cfg['intermediate_size']} (fine-tuning keeps the drafter's shape)")
+            raise ConfigError(
+                f"--draft-intermediate {config.draft_intermediate} differs from the --from drafter's "
+                f"{cfg['intermediate_size']} (fine-tuning keeps the drafter's shape)"
+            )
     else:
         draft_ids = select_draft_vocab(scored, tcfg.vocab_size, config.draft_vocab or min(32000, tcfg.vocab_size), eos)
         cfg = drafter_config(tcfg, draft_ids, captured, intermediate=config.draft_intermediate)
@@ -1091,9 +1291,20 @@ class _TrainLoop:
     """The optimisation: AdamW over the drafter's trainable weights, a warm-up and cosine learning
     rate over steps or training time, training-time-test losses, checkpoints to resume from."""
 
-    def __init__(self, config: TrainConfig, state: dict | None, drafter, cfg: dict, target: FrozenTarget,
-                 data: _Data, draft_ids: torch.Tensor, captured: tuple[int, ...], dev: torch.device, ck_dir: Path,
-                 deadline: float | None):
+    def __init__(
+        self,
+        config: TrainConfig,
+        state: dict | None,
+        drafter,
+        cfg: dict,
+        target: FrozenTarget,
+        data: _Data,
+        draft_ids: torch.Tensor,
+        captured: tuple[int, ...],
+        dev: torch.device,
+        ck_dir: Path,
+        deadline: float | None,
+    ):
         self.config, self.drafter, self.cfg, self.target, self.data = config, drafter, cfg, target, data
         self.draft_ids, self.captured, self.ck_dir = draft_ids, captured, ck_dir
         self.draft_ids_dev = draft_ids.to(dev)
@@ -1112,15 +1323,17 @@ class _TrainLoop:
             self._restore(state)
             train_seconds = state.get("train_seconds", 0.0)
         self.batches = make_batches(data.samples, config.batch_tokens, self.gen) if state is None else state["batches"]
-        self.planned = (config.max_steps if config.max_steps is not None
-                        else max(1, math.ceil(config.epochs * len(self.batches))))
+        self.planned = (
+            config.max_steps if config.max_steps is not None else max(1, math.ceil(config.epochs * len(self.batches)))
+        )
         self.autocast = torch.bfloat16 if _use_bf16(config.bf16, dev) else None
         self.deadline = deadline - 20 if deadline else None  # leave time to save
         self.budget = (self.deadline - time.time()) if self.deadline else None
         # Training seconds the cosine spans, counted over every resumed call of the run: --lr-minutes,
         # else up to the end of this call's budget.
-        self.schedule_s = (config.lr_minutes * 60 if config.lr_minutes
-                           else train_seconds + self.budget if self.budget else None)
+        self.schedule_s = (
+            config.lr_minutes * 60 if config.lr_minutes else train_seconds + self.budget if self.budget else None
+        )
         self.t_loop = time.time() - train_seconds
         self.tuner = _thread_tuner(config.threads, dev)
         self.ema_loss = self.ema_tau = self.ema_tau_all = None
@@ -1129,9 +1342,11 @@ class _TrainLoop:
 
     def _restore(self, state: dict) -> None:
         if [n for n, _ in self.named] != state["trainable"]:  # the optimizer's moments are matched by position
-            raise ConfigError(f"--resume: the checkpoint trains {len(state['trainable'])} weights, this "
-                              f"train-draft's rebuilt drafter {len(self.named)}: the checkpoint is from another "
-                              "version; start the run again without --resume")
+            raise ConfigError(
+                f"--resume: the checkpoint trains {len(state['trainable'])} weights, this "
+                f"train-draft's rebuilt drafter {len(self.named)}: the checkpoint is from another "
+                "version; start the run again without --resume"
+            )
         self.opt.load_state_dict(state["optimizer"])
         torch.set_rng_state(state["torch_rng"])
         self.gen.set_state(state["gen"])
@@ -1142,24 +1357,49 @@ class _TrainLoop:
         return self.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0))))
 
     def checkpoint(self) -> None:
-        save_checkpoint(self.ck_dir, self.drafter, self.opt, {
-            "step": self.step, "epoch": self.epoch, "pos": self.pos_in_epoch, "gen": self.gen.get_state(),
-            "batches": self.batches, "draft_ids": self.draft_ids, "data_file": self.data.data_file,
-            "regenerated": self.data.regenerated, "aux_layers": list(self.captured),
-            "val_samples": self.config.val_samples, "max_len": self.config.max_len, "lr": self.lr,
-            "from_dir": self.from_dir, "drafter_config": self.cfg, "trainable": [n for n, _ in self.named],
-            "train_seconds": time.time() - self.t_loop})
+        save_checkpoint(
+            self.ck_dir,
+            self.drafter,
+            self.opt,
+            {
+                "step": self.step,
+                "epoch": self.epoch,
+                "pos": self.pos_in_epoch,
+                "gen": self.gen.get_state(),
+                "batches": self.batches,
+                "draft_ids": self.draft_ids,
+                "data_file": self.data.data_file,
+                "regenerated": self.data.regenerated,
+                "aux_layers": list(self.captured),
+                "val_samples": self.config.val_samples,
+                "max_len": self.config.max_len,
+                "lr": self.lr,
+                "from_dir": self.from_dir,
+                "drafter_config": self.cfg,
+                "trainable": [n for n, _ in self.named],
+                "train_seconds": time.time() - self.t_loop,
+            },
+        )
 
     def run(self) -> None:
         from tqdm import tqdm
 
         config = self.config
-        log(f"training: {self.planned} steps planned ({len(self.batches)} batches/epoch of <= {config.batch_tokens} "
+        log(
+            f"training: {self.planned} steps planned ({len(self.batches)} batches/epoch of <= {config.batch_tokens} "
             f"tokens), TTT {config.ttt_steps} steps, lr {self.lr:g}, "
             f"{'bf16 autocast' if self.autocast else 'float32'}"
-            + (f", time budget {self.budget / 60:.1f} min" if self.budget else ""))
-        bar = tqdm(total=self.planned, initial=self.step, desc="train-draft", unit="step", dynamic_ncols=True,
-                   disable=not config.progress, mininterval=2.0 if sys.stderr.isatty() else 30.0)
+            + (f", time budget {self.budget / 60:.1f} min" if self.budget else "")
+        )
+        bar = tqdm(
+            total=self.planned,
+            initial=self.step,
+            desc="train-draft",
+            unit="step",
+            dynamic_ncols=True,
+            disable=not config.progress,
+            mininterval=2.0 if sys.stderr.isatty() else 30.0,
+        )
         last_ck = start_step = self.step
         while self.step < self.planned:
             if self.deadline and time.time() > self.deadline:
@@ -1170,9 +1410,12 @@ class _TrainLoop:
                 rate = self.step / max(time.time() - self.t_loop, 1e-9)
                 bar.total = min(self.planned, max(self.step + 1, int(self.step + rate * (self.deadline - time.time()))))
             bar.update(1)
-            bar.set_postfix_str(f"loss {self.ema_loss:.3f} acc " + "/".join(f"{a:.2f}" for a in self.ema_acc)
-                                + f" tau {self.ema_tau:.2f} (all bases {self.ema_tau_all:.2f}) lr {lr:.1e}",
-                                refresh=False)
+            bar.set_postfix_str(
+                f"loss {self.ema_loss:.3f} acc "
+                + "/".join(f"{a:.2f}" for a in self.ema_acc)
+                + f" tau {self.ema_tau:.2f} (all bases {self.ema_tau_all:.2f}) lr {lr:.1e}",
+                refresh=False,
+            )
             if config.checkpoint_every and self.step - last_ck >= config.checkpoint_every and self.step < self.planned:
                 self.checkpoint()
                 last_ck = self.step
@@ -1200,9 +1443,18 @@ class _TrainLoop:
             g["lr"] = lr
         t_step = time.perf_counter()
         ids, lengths, starts_b, feats, hidden = self.cache.batch(idx)
-        loss, accs, _, every_base, (acc_k, bases) = ttt_loss(self.drafter, self.target, ids, lengths, starts_b, feats,
-                                                             hidden, self.config.ttt_steps, self.draft_ids_dev,
-                                                             self.autocast)
+        loss, accs, _, every_base, (acc_k, bases) = ttt_loss(
+            self.drafter,
+            self.target,
+            ids,
+            lengths,
+            starts_b,
+            feats,
+            hidden,
+            self.config.ttt_steps,
+            self.draft_ids_dev,
+            self.autocast,
+        )
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         if check_gradients:  # a forward-only op in the graph would silently freeze what lies before it
@@ -1212,8 +1464,11 @@ class _TrainLoop:
         torch.nn.utils.clip_grad_norm_(self.params, 0.5)
         self.opt.step()
         self.step += 1
-        msg = (self.tuner.record((time.perf_counter() - t_step) / max(int(lengths.sum()), 1) * 4096)
-               if self.tuner else None)
+        msg = (
+            self.tuner.record((time.perf_counter() - t_step) / max(int(lengths.sum()), 1) * 4096)
+            if self.tuner
+            else None
+        )
         if msg:
             bar.write(f"[train-draft] {msg}")
         self._track(loss.item(), accs, accept_length(acc_k, bases), accept_length(*every_base))
@@ -1222,13 +1477,17 @@ class _TrainLoop:
     def _track(self, loss: float, accs: list[float], tau: float, tau_all: float) -> None:
         """Moving averages of the training figures the bar shows and the result reports."""
         ema = lambda old, new: new if old is None else 0.95 * old + 0.05 * new  # noqa: E731
-        self.ema_loss, self.ema_tau, self.ema_tau_all = ema(self.ema_loss, loss), ema(self.ema_tau, tau), \
-            ema(self.ema_tau_all, tau_all)
+        self.ema_loss, self.ema_tau, self.ema_tau_all = (
+            ema(self.ema_loss, loss),
+            ema(self.ema_tau, tau),
+            ema(self.ema_tau_all, tau_all),
+        )
         self.ema_acc = accs if self.ema_acc is None else [ema(e, a) for e, a in zip(self.ema_acc, accs)]
 
 
-def _save_and_evaluate(config: TrainConfig, loop: _TrainLoop, tok, eos_id: int | None, max_len: int,
-                       coverage: float, data: _Data) -> TrainResult:
+def _save_and_evaluate(
+    config: TrainConfig, loop: _TrainLoop, tok, eos_id: int | None, max_len: int, coverage: float, data: _Data
+) -> TrainResult:
     """Write the drafter, score the held-out samples (or --val-data), and sum the run up."""
     drafter = loop.drafter
     drafter.eval()
@@ -1239,19 +1498,38 @@ def _save_and_evaluate(config: TrainConfig, loop: _TrainLoop, tok, eos_id: int |
         held_out = split_long(tokenize_records(read_records(config.val_data, eos_id), tok, eos_id), max_len)
     if held_out:
         # all of --val-samples (the run's own kind of sample); 8 batches of --val-data, which on CPU cost as much as steps
-        val_acc, val_tau = validate(drafter, loop.target, *held_out, config.ttt_steps, loop.draft_ids_dev,
-                                    config.batch_tokens, None if config.val_samples else 8)
-        log("validation top-1 agreement per step: " + " ".join(f"{a:.3f}" for a in val_acc)
-            + f"; greedy acceptance length {val_tau:.3f}")
+        val_acc, val_tau = validate(
+            drafter,
+            loop.target,
+            *held_out,
+            config.ttt_steps,
+            loop.draft_ids_dev,
+            config.batch_tokens,
+            None if config.val_samples else 8,
+        )
+        log(
+            "validation top-1 agreement per step: "
+            + " ".join(f"{a:.3f}" for a in val_acc)
+            + f"; greedy acceptance length {val_tau:.3f}"
+        )
     r = lambda x: round(x, 4) if x is not None else None  # noqa: E731
-    return TrainResult(out_dir=str(Path(config.out_dir)), steps=loop.step, samples=len(data.samples),
-                       tokens=sum(map(len, data.samples)), regenerated=data.regenerated,
-                       draft_vocab=int(loop.draft_ids.numel()), draft_vocab_coverage=round(coverage, 4),
-                       minutes_regenerate=round(data.minutes_regenerate, 2), minutes_train=round(loop.minutes, 2),
-                       final_loss=round(loop.ema_loss or float("nan"), 4),
-                       final_acc=[round(a, 4) for a in (loop.ema_acc or [])],
-                       final_accept_length=r(loop.ema_tau), final_accept_length_all_bases=r(loop.ema_tau_all),
-                       val_acc=val_acc, val_accept_length=val_tau)
+    return TrainResult(
+        out_dir=str(Path(config.out_dir)),
+        steps=loop.step,
+        samples=len(data.samples),
+        tokens=sum(map(len, data.samples)),
+        regenerated=data.regenerated,
+        draft_vocab=int(loop.draft_ids.numel()),
+        draft_vocab_coverage=round(coverage, 4),
+        minutes_regenerate=round(data.minutes_regenerate, 2),
+        minutes_train=round(loop.minutes, 2),
+        final_loss=round(loop.ema_loss or float("nan"), 4),
+        final_acc=[round(a, 4) for a in (loop.ema_acc or [])],
+        final_accept_length=r(loop.ema_tau),
+        final_accept_length_all_bases=r(loop.ema_tau_all),
+        val_acc=val_acc,
+        val_accept_length=val_tau,
+    )
 
 
 def _measure_acceptance(config: TrainConfig, res: TrainResult) -> None:
@@ -1260,15 +1538,27 @@ def _measure_acceptance(config: TrainConfig, res: TrainResult) -> None:
         return
     prompts = read_prompts(config.eval_prompts)
     for K in config.eval_spec_steps:
-        r = measure_acceptance(config.target_dir, str(Path(config.out_dir)), prompts, K, config.eval_max_tokens, config.device)
+        r = measure_acceptance(
+            config.target_dir, str(Path(config.out_dir)), prompts, K, config.eval_max_tokens, config.device
+        )
         res.eval.append(r)
-        log(f"held-out acceptance length at K={K}: {r['accept_length_mean']:.3f} "
-            f"({r['cycles']} cycles, {len(prompts)} prompts x {config.eval_max_tokens} tokens)")
+        log(
+            f"held-out acceptance length at K={K}: {r['accept_length_mean']:.3f} "
+            f"({r['cycles']} cycles, {len(prompts)} prompts x {config.eval_max_tokens} tokens)"
+        )
 
 
 @torch.no_grad()
-def validate(drafter, target, docs: list[list[int]], starts: list[int], steps: int, draft_ids, batch_tokens: int,
-             max_batches: int | None):
+def validate(
+    drafter,
+    target,
+    docs: list[list[int]],
+    starts: list[int],
+    steps: int,
+    draft_ids,
+    batch_tokens: int,
+    max_batches: int | None,
+):
     """Per-step top-1 agreement and the greedy acceptance length it implies (`chain_acceptance`
     over the bases a run of cycles visits) on held-out data: (agreement per step, acceptance
     length). The length is the engine's only where the held-out text is the target's own greedy
@@ -1281,8 +1571,9 @@ def validate(drafter, target, docs: list[list[int]], starts: list[int], steps: i
     for idx in make_batches(docs, batch_tokens, gen)[:max_batches]:
         ids, lengths, starts_b = collate(docs, starts, idx, target.device)
         feats, hidden = target(ids)
-        _, accs, counts, _, (acc_k, b) = ttt_loss(drafter, target, ids, lengths, starts_b, feats.float(),
-                                                  hidden.float(), steps, draft_ids)
+        _, accs, counts, _, (acc_k, b) = ttt_loss(
+            drafter, target, ids, lengths, starts_b, feats.float(), hidden.float(), steps, draft_ids
+        )
         for k in range(steps):
             hits[k] += accs[k] * counts[k]
             n[k] += counts[k]
@@ -1299,6 +1590,7 @@ def accept_length(accepted: list[int], bases: int) -> float:
 # ---------------------------------------------------------------------------------------------
 # CLI
 # ---------------------------------------------------------------------------------------------
+
 
 def run(args: argparse.Namespace) -> int:
     try:

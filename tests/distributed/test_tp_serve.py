@@ -29,13 +29,35 @@ pytestmark = pytest.mark.slow
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n\n"]
 MAX_TOKENS = 24
 DIST_TIMEOUT = 20  # seconds a TP worker may stay silent in one step
-SERVE = ["-m", "specserve", "serve", "--tp", "2", "--max-model-len", "1024", "--max-num-seqs", "4",
-         "--served-model-name", "demo", "--dist-timeout", str(DIST_TIMEOUT)]
+SERVE = [
+    "-m",
+    "specserve",
+    "serve",
+    "--tp",
+    "2",
+    "--max-model-len",
+    "1024",
+    "--max-num-seqs",
+    "4",
+    "--served-model-name",
+    "demo",
+    "--dist-timeout",
+    str(DIST_TIMEOUT),
+]
 MODES = {
     "plain": ["--spec-steps", "0"],
     "fixed": ["--spec-steps", "3", "--no-adaptive"],
-    "tree": ["--spec-steps", "3", "--spec-topk", "2", "--spec-tokens", "6", "--spec-tree-max-batch", "4",
-             "--no-adaptive"],
+    "tree": [
+        "--spec-steps",
+        "3",
+        "--spec-topk",
+        "2",
+        "--spec-tokens",
+        "6",
+        "--spec-tree-max-batch",
+        "4",
+        "--no-adaptive",
+    ],
 }
 
 
@@ -59,17 +81,20 @@ def exercise(url: str, reference: list[str], speculating: bool, k_max: int) -> N
         assert done.choices[0].text == want and done.choices[0].finish_reason == "length"
         streamed = client.completions.create(prompt=prompt, stream=True, **greedy)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == want
-    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Write a haiku."}], model="demo",
-                                          max_tokens=16)
+    chat = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Write a haiku."}], model="demo", max_tokens=16
+    )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
-    pieces = client.chat.completions.create(messages=[{"role": "user", "content": "Count to five."}], model="demo",
-                                            max_tokens=16, stream=True)
+    pieces = client.chat.completions.create(
+        messages=[{"role": "user", "content": "Count to five."}], model="demo", max_tokens=16, stream=True
+    )
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices)
     text = httpx.get(url + "/metrics", timeout=60).text
     drafted = metric(text, "spec_decode_num_draft_tokens_total")
     accepted = metric(text, "spec_decode_num_accepted_tokens_total")
-    positions = re.findall(r'^specserve:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}', text,
-                           re.MULTILINE)
+    positions = re.findall(
+        r'^specserve:spec_decode_num_accepted_tokens_per_pos_total\{position="(\d+)"\}', text, re.MULTILINE
+    )
     assert len(positions) == k_max  # every draft position has its series from the start
     if speculating:
         assert drafted > 0 and 0 < accepted <= drafted
@@ -119,8 +144,16 @@ def _requests_in_flight(url: str, results: dict) -> tuple[list[threading.Thread]
             results["raw"] = sse_events(lines)
 
     def openai_stream():
-        pieces = iter(client.completions.create(model="demo", prompt="class Stack:", max_tokens=900, temperature=0,
-                                                stream=True, extra_body={"ignore_eos": True}))
+        pieces = iter(
+            client.completions.create(
+                model="demo",
+                prompt="class Stack:",
+                max_tokens=900,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
+        )
         next(pieces)
         started.wait(120)
         try:
@@ -169,7 +202,7 @@ def _assert_failed(results: dict, why: str) -> None:
     # 200 until the loss is noticed, then 503 or nothing listening; never 200 again. (The 503 window
     # before the exit is short; test_engine_death shows /health's 503 in process.)
     health = results["health"]
-    after = health[next((i for i, h in enumerate(health) if h != 200), len(health)):]
+    after = health[next((i for i, h in enumerate(health) if h != 200), len(health)) :]
     assert set(after) <= {503, None}, health
     assert results["status"] != 0
 
@@ -177,8 +210,27 @@ def _assert_failed(results: dict, why: str) -> None:
 def test_tp2_adaptive_serves_then_survives_a_killed_worker_under_launch(plain_reference, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    launch = Served(["-m", "specserve", "launch", "--stall-timeout", "600", "--restarts", "1", "--restart-delay",
-                     "0.5", "--grace", "5", "--", PY, *SERVE, "--port", str(port)], tmp_path / "launch.log")
+    launch = Served(
+        [
+            "-m",
+            "specserve",
+            "launch",
+            "--stall-timeout",
+            "600",
+            "--restarts",
+            "1",
+            "--restart-delay",
+            "0.5",
+            "--grace",
+            "5",
+            "--",
+            PY,
+            *SERVE,
+            "--port",
+            str(port),
+        ],
+        tmp_path / "launch.log",
+    )
     try:
         launch.wait_for(r"READY after")
         launch.url = url
@@ -189,22 +241,23 @@ def test_tp2_adaptive_serves_then_survives_a_killed_worker_under_launch(plain_re
         killed = _fault_mid_stream(launch, url, signal.SIGKILL, rank=1)
         _assert_failed(killed, f"TP worker 1 (pid {killed['victim']}) exited unexpectedly (killed by signal 9)")
         assert killed["seconds"] < DIST_TIMEOUT
-        log = launch.log_path.read_text()[killed["mark"]:]
+        log = launch.log_path.read_text()[killed["mark"] :]
         assert "still running after the server exited" not in log  # the server left no process behind
         assert alive(killed["tree"]) == []
 
         launch.wait_for(r"attempt 2/2", start=killed["mark"])
         launch.wait_for(r"READY after", start=killed["mark"])
         again = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=300)
-        out = again.completions.create(model="demo", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0,
-                                       extra_body={"ignore_eos": True})
+        out = again.completions.create(
+            model="demo", prompt=PROMPTS[0], max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}
+        )
         assert out.choices[0].text == plain_reference[0]
 
         # A worker frozen mid-stream (alive, silent: as one stuck in a collective): after --dist-timeout.
         frozen = _fault_mid_stream(launch, url, signal.SIGSTOP, rank=0)
         _assert_failed(frozen, f"did not answer within {DIST_TIMEOUT} s during step")
         assert DIST_TIMEOUT <= frozen["seconds"] < DIST_TIMEOUT + 60
-        log = launch.log_path.read_text()[frozen["mark"]:]
+        log = launch.log_path.read_text()[frozen["mark"] :]
         assert "still running after the server exited" not in log
         assert launch.proc.wait(120) == 4, launch.log()  # restarts exhausted: launch reports the crash
         assert alive(killed["tree"] + frozen["tree"]) == []

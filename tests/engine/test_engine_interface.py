@@ -27,12 +27,32 @@ def test_checker_finds_missing_nested_and_stub_members():
         def snapshot(self):
             return {}
 
-    engine = SimpleNamespace(**{n: None for n in ("cfg", "device", "max_model_len", "graph_seconds", "totals",
-                                                 "tokens_generated", "last_k", "n_running", "free_rows",
-                                                 "waiting", "profile", "add_request", "step", "abort", "has_work",
-                                                 "kv_usage", "check_idle_integrity")},
-                             runner=SimpleNamespace(model_cfg=1, dtype=1, rows=1, load_seconds=0.0, drafter=None),
-                             policy=OldPolicyView())
+    engine = SimpleNamespace(
+        **{
+            n: None
+            for n in (
+                "cfg",
+                "device",
+                "max_model_len",
+                "graph_seconds",
+                "totals",
+                "tokens_generated",
+                "last_k",
+                "n_running",
+                "free_rows",
+                "waiting",
+                "profile",
+                "add_request",
+                "step",
+                "abort",
+                "has_work",
+                "kv_usage",
+                "check_idle_integrity",
+            )
+        },
+        runner=SimpleNamespace(model_cfg=1, dtype=1, rows=1, load_seconds=0.0, drafter=None),
+        policy=OldPolicyView(),
+    )
     assert missing_members(engine, ServingEngine) == ["policy.k_max"]
     engine.policy = None  # no drafter: nothing to follow
     assert missing_members(engine, ServingEngine) == []
@@ -47,8 +67,15 @@ def test_checker_finds_missing_nested_and_stub_members():
 @pytest.fixture(scope="module")
 def stepped(demo_pair):
     """An LLM with the demo drafter mid-way through more requests than it has rows."""
-    llm = LLM(model=demo_pair[0], draft=demo_pair[1], spec_steps=3, spec_topk=2, device="cpu", max_num_seqs=2,
-              max_model_len=128)
+    llm = LLM(
+        model=demo_pair[0],
+        draft=demo_pair[1],
+        spec_steps=3,
+        spec_topk=2,
+        device="cpu",
+        max_num_seqs=2,
+        max_model_len=128,
+    )
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for ids in llm.encode_prompts(["def add(a, b):", "import os\n", "class A:", "for i in x:"]):
         llm.engine.add_request(ids, params)
@@ -61,9 +88,18 @@ def _view_of(llm: LLM) -> TPEngineView:
     """The driver's view over one rank, fed with what that rank's worker sends (`engine_facts` when
     ready, `light_stats` with every reply): the messages without the processes."""
     e = llm.engine
-    driver = SimpleNamespace(config=llm.config, info=engine_facts(e), device=e.device, model_cfg=e.runner.model_cfg,
-                             _stats=WorkerLLM.light_stats(llm), _seqs=dict(e.by_id), add_request=e.add_request,
-                             step=e.step, abort=e.abort, has_work=e.has_work)
+    driver = SimpleNamespace(
+        config=llm.config,
+        info=engine_facts(e),
+        device=e.device,
+        model_cfg=e.runner.model_cfg,
+        _stats=WorkerLLM.light_stats(llm),
+        _seqs=dict(e.by_id),
+        add_request=e.add_request,
+        step=e.step,
+        abort=e.abort,
+        has_work=e.has_work,
+    )
     return TPEngineView(driver)
 
 

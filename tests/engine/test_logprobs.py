@@ -56,7 +56,7 @@ def _reference(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:
     ids = torch.tensor([prompt + output])
     with torch.no_grad():
         logits = hf_model(ids).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(output)], -1)
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(output)], -1)
 
 
 def _check_against_reference(hf_model, seq, k: int) -> None:

@@ -13,8 +13,7 @@ from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 
 VOCAB = 12
-MODES = {"plain": {}, "chain": dict(spec_steps=3),
-         "tree": dict(spec_steps=3, spec_topk=3, spec_tree_max_batch=8)}
+MODES = {"plain": {}, "chain": dict(spec_steps=3), "tree": dict(spec_steps=3, spec_topk=3, spec_tree_max_batch=8)}
 
 
 def _engine(small_pair, mode, **kw):
@@ -28,7 +27,7 @@ def _drain(engine, prompts, params, waves=1):
     """Submit the prompts in `waves` groups, each run to completion before the next."""
     seqs, n = [], -(-len(prompts) // waves)
     for w in range(waves):
-        seqs += [engine.add_request(p, sp) for p, sp in zip(prompts[w * n:(w + 1) * n], params[w * n:(w + 1) * n])]
+        seqs += [engine.add_request(p, sp) for p, sp in zip(prompts[w * n : (w + 1) * n], params[w * n : (w + 1) * n])]
         while engine.has_work():
             engine.step()
     engine.check_idle_integrity()
@@ -42,9 +41,11 @@ def _prompts(n, seed, lo=1, hi=60):
 
 def _params(n, max_tokens=30):
     """Greedy and seeded sampled requests side by side."""
-    kinds = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
-             SamplingParams(temperature=0.9, max_tokens=max_tokens, seed=5, ignore_eos=True),
-             SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, seed=17, ignore_eos=True)]
+    kinds = [
+        SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True),
+        SamplingParams(temperature=0.9, max_tokens=max_tokens, seed=5, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, max_tokens=max_tokens, seed=17, ignore_eos=True),
+    ]
     return [kinds[i % 3] for i in range(n)]
 
 
@@ -115,8 +116,9 @@ def test_preemption_recomputes_and_continues_exactly(small_pair, mode):
     prompts = _prompts(4, seed=13, lo=5, hi=15)
     params = _params(4, max_tokens=45)
     roomy = _drain(_engine(small_pair, mode, max_num_seqs=4, kv_block_size=8, max_model_len=64), prompts, params)
-    engine = _engine(small_pair, mode, max_num_seqs=4, kv_block_size=8, max_model_len=64, kv_cache_tokens=96,
-                     prefix_cache=True)
+    engine = _engine(
+        small_pair, mode, max_num_seqs=4, kv_block_size=8, max_model_len=64, kv_cache_tokens=96, prefix_cache=True
+    )
     assert _drain(engine, prompts, params) == roomy
     assert engine.kv_usage()["preemptions"] > 0
 
@@ -126,8 +128,9 @@ def test_random_workload_leaves_the_pool_whole(small_pair):
     idle no block is referenced and every block is free or cached exactly once (checked by
     check_idle_integrity), and the table points nowhere."""
     g = random.Random(21)
-    engine = _engine(small_pair, "chain", max_num_seqs=3, kv_block_size=4, max_model_len=64, kv_cache_tokens=160,
-                     prefix_cache=True)
+    engine = _engine(
+        small_pair, "chain", max_num_seqs=3, kv_block_size=4, max_model_len=64, kv_cache_tokens=160, prefix_cache=True
+    )
     base = _prompts(3, seed=22, lo=8, hi=20)
     live = []
     for step in range(120):
@@ -202,6 +205,7 @@ def _count_prefill_chunks(engine) -> list[int]:
     def counted():
         n[0] += 1
         return real()
+
     engine._prefill_chunk = counted
     return n
 
@@ -212,8 +216,12 @@ def test_admit_wait_prefills_freed_rows_together_and_changes_no_output(small_pai
     are refilled in fewer prefill chunks, and every request emits the same tokens (greedy and seeded)."""
     prompts = _prompts(12, seed=21, lo=3, hi=12)
     kinds = _params(12)
-    params = [SamplingParams(temperature=k.temperature, top_p=k.top_p, seed=k.seed, max_tokens=4 + 3 * (i % 5),
-                             ignore_eos=True) for i, k in enumerate(kinds)]
+    params = [
+        SamplingParams(
+            temperature=k.temperature, top_p=k.top_p, seed=k.seed, max_tokens=4 + 3 * (i % 5), ignore_eos=True
+        )
+        for i, k in enumerate(kinds)
+    ]
     at_once = _engine(small_pair, mode, max_num_seqs=4)
     chunks_at_once = _count_prefill_chunks(at_once)
     want = _drain(at_once, prompts, params)

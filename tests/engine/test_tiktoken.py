@@ -8,12 +8,13 @@ import json
 
 import pytest
 import tiktoken
-from kimi_repo import KIMI_SPECIALS, RESERVED, write_tokenizer
 
 from specserve.config import ConfigError
 from specserve.engine.tiktoken_vocab import KIMI_PATTERN, read_ranks
 from specserve.engine.tokenizer import IncrementalDecoder, Tokenizer
 from specserve.server.reasoning import ReasoningSplitter, resolve_parser
+
+from kimi_repo import KIMI_SPECIALS, RESERVED, write_tokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog; it's what they'd've DONE, HeLLo WORLDs.",
@@ -38,8 +39,11 @@ def reference(d):
     """The tiktoken package's own encoding with the repository's ranks, Kimi's pattern and its special tokens."""
     ranks = read_ranks(d / "tiktoken.model")
     specials = {v: len(ranks) + k for k, v in KIMI_SPECIALS.items()}
-    specials |= {f"<|reserved_token_{i}|>": i for i in range(len(ranks), len(ranks) + RESERVED)
-                 if i - len(ranks) not in KIMI_SPECIALS}
+    specials |= {
+        f"<|reserved_token_{i}|>": i
+        for i in range(len(ranks), len(ranks) + RESERVED)
+        if i - len(ranks) not in KIMI_SPECIALS
+    }
     return tiktoken.Encoding("reference", pat_str=KIMI_PATTERN, mergeable_ranks=ranks, special_tokens=specials)
 
 
@@ -51,7 +55,8 @@ def test_encoding_equals_tiktoken_token_for_token(kimi_tok):
         assert tok.encode(text) == ref.encode(text, allowed_special="all"), text
     assert tok.encode("[BOS]") == [tok.token_to_id("[BOS]")] == [ref.n_vocab - RESERVED]
     assert tok.token_to_id("<|im_end|>") == ref.n_vocab - RESERVED + 2 and tok.end_of_turn_id == tok.token_to_id(
-        "<|im_end|>")
+        "<|im_end|>"
+    )
     assert tok.eos_token_ids == {tok.token_to_id("[EOS]")}
 
 
@@ -59,8 +64,9 @@ def test_every_declared_end_of_turn_stops(tmp_path):
     """tokenizer_config's eos, generation_config's and the wrapper config's text_config's eos_token_id."""
     write_tokenizer(tmp_path)
     base = len(read_ranks(tmp_path / "tiktoken.model"))
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "kimi_k25", "eos_token_id": base + 1,
-                                                      "text_config": {"eos_token_id": base + 2}}))
+    (tmp_path / "config.json").write_text(
+        json.dumps({"model_type": "kimi_k25", "eos_token_id": base + 1, "text_config": {"eos_token_id": base + 2}})
+    )
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [base + 9]}))
     tok = Tokenizer(tmp_path)
     assert tok.eos_token_ids == {tok.token_to_id(t) for t in ("[EOS]", "<|im_end|>", "[EOT]")}
@@ -85,7 +91,7 @@ def test_decoding_round_trips_byte_for_byte_whole_and_streamed(kimi_tok):
         assert b"".join(tok.token_bytes(i) for i in ids) == text.encode()
         for step in (1, 2, 3):  # characters split across tokens arrive whole, never as U+FFFD
             dec = IncrementalDecoder(tok)
-            deltas = [dec.push(ids[i:i + step]) for i in range(0, len(ids), step)]
+            deltas = [dec.push(ids[i : i + step]) for i in range(0, len(ids), step)]
             assert "\ufffd" not in "".join(deltas)
             assert "".join(deltas) == tok.decode(ids)
     ids = tok.encode("🐙")
@@ -112,8 +118,12 @@ def test_pattern_as_data_and_unknown_family(tmp_path):
     cfg_path.write_text(json.dumps(cfg))
     tok = Tokenizer(tmp_path)
     ranks = read_ranks(tmp_path / "tiktoken.model")
-    ref = tiktoken.Encoding("r", pat_str=r"\S+|\s+", mergeable_ranks=ranks,
-                            special_tokens={v: len(ranks) + k for k, v in KIMI_SPECIALS.items()})
+    ref = tiktoken.Encoding(
+        "r",
+        pat_str=r"\S+|\s+",
+        mergeable_ranks=ranks,
+        special_tokens={v: len(ranks) + k for k, v in KIMI_SPECIALS.items()},
+    )
     assert tok.encode(CORPUS[0]) == ref.encode(CORPUS[0])
     (tmp_path / "tiktoken.model").write_text("not-base64!! 0\n")
     with pytest.raises(ConfigError, match="line 1 is not '<base64 token> <rank>'"):
@@ -129,11 +139,15 @@ def test_sentencepiece_without_its_packages_says_what_to_install(tmp_path, monke
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("sentencepiece", "google")
-                        else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name in ("sentencepiece", "google") else real(name, *a)
+    )
     (tmp_path / "tokenizer.model").write_bytes(b"\x0a\x00")
-    with pytest.raises(ConfigError, match=r"tokenizer.model is a SentencePiece model.*pip install sentencepiece "
-                                          r"protobuf.*save_pretrained"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tokenizer.model is a SentencePiece model.*pip install sentencepiece "
+        r"protobuf.*save_pretrained",
+    ):
         Tokenizer(tmp_path)
 
 
@@ -148,30 +162,48 @@ def test_chat_template_tools_and_thinking_switch(kimi_tok):
         assert tok.apply_chat_template(msgs, **kwargs).endswith("<|im_middle|><think></think>")
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     text = tok.apply_chat_template(msgs, tools=tools)
-    assert text.startswith('<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":'
-                           '"get_weather","parameters":{"type":"object"}}}]<|im_end|>')
-    history = [*msgs, {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "functions.get_weather:0", "type": "function",
-         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"}]
+    assert text.startswith(
+        '<|im_system|>tool_declare<|im_middle|>[{"type":"function","function":{"name":'
+        '"get_weather","parameters":{"type":"object"}}}]<|im_end|>'
+    )
+    history = [
+        *msgs,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "functions.get_weather:0",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "functions.get_weather:0", "content": "sunny"},
+    ]
     text = tok.apply_chat_template(history, tools=tools)
-    assert ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
-            '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>') in text
+    assert (
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+        '{"city": "Paris"}<|tool_call_end|><|tool_calls_section_end|><|im_end|>'
+    ) in text
     assert "<|im_system|>tool<|im_middle|>## Return of functions.get_weather:0\nsunny<|im_end|>" in text
 
 
-@pytest.mark.parametrize("prompt_end, reply, want", [
-    ("<think>", "plan</think>answer", ("plan", "answer")),  # Kimi-K2.5, thinking on
-    ("<think></think>", "answer </think> x", (None, "answer </think> x")),  # thinking off: all content
-    ("assistant\n", "<think>\nplan\n</think>\n\nanswer", ("\nplan\n", "\n\nanswer")),  # Qwen3: the reply opens it
-    ("assistant\n", "answer", (None, "answer")),
-    ("<think>", "still thinking", ("still thinking", "")),  # cut by max_tokens inside the reasoning
-])
+@pytest.mark.parametrize(
+    "prompt_end, reply, want",
+    [
+        ("<think>", "plan</think>answer", ("plan", "answer")),  # Kimi-K2.5, thinking on
+        ("<think></think>", "answer </think> x", (None, "answer </think> x")),  # thinking off: all content
+        ("assistant\n", "<think>\nplan\n</think>\n\nanswer", ("\nplan\n", "\n\nanswer")),  # Qwen3: the reply opens it
+        ("assistant\n", "answer", (None, "answer")),
+        ("<think>", "still thinking", ("still thinking", "")),  # cut by max_tokens inside the reasoning
+    ],
+)
 def test_reasoning_split_whole_and_streamed(prompt_end, reply, want):
     assert ReasoningSplitter("think", "p" + prompt_end).split(reply) == want
     for step in (1, 2, 5):
         s = ReasoningSplitter("think", "p" + prompt_end)
-        parts = [s.push(reply[i:i + step]) for i in range(0, len(reply), step)] + [s.finish()]
+        parts = [s.push(reply[i : i + step]) for i in range(0, len(reply), step)] + [s.finish()]
         reasoning, content = "".join(r for r, _ in parts), "".join(c for _, c in parts)
         assert (reasoning if s.entered else None, content) == want
 
@@ -186,10 +218,12 @@ def test_reasoning_parser_choice(kimi_tok):
 
 def test_built_in_kimi_pattern_is_the_published_one():
     """tokenization_kimi.py's pat_str as published, on one line."""
-    published = (r"""[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}"""
-                 r"""\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}"""
-                 r"""\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
-                 r"""\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+    published = (
+        r"""[\p{Han}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*[\p{Ll}\p{Lm}\p{Lo}"""
+        r"""\p{M}&&[^\p{Han}]]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}"""
+        r"""\p{M}&&[^\p{Han}]]+[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|"""
+        r"""\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+    )
     assert KIMI_PATTERN == published
 
 
@@ -199,11 +233,16 @@ def test_template_renders_as_transformers_does(kimi_tok):
 
     _, tok = kimi_tok
     tools = [{"type": "function", "function": {"name": "f", "description": "é ü", "parameters": {"type": "object"}}}]
-    history = [{"role": "system", "content": "sys"}, {"role": "user", "content": "q <b>&"},
-               {"role": "assistant", "content": "a", "reasoning_content": "r"}, {"role": "user", "content": "again"}]
+    history = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "q <b>&"},
+        {"role": "assistant", "content": "a", "reasoning_content": "r"},
+        {"role": "user", "content": "again"},
+    ]
     for kwargs in ({}, {"thinking": False}, {"thinking": True}):
         for msgs, tls in ((history, tools), (history[1:2], None)):
             ours = tok.apply_chat_template(msgs, tools=tls, **kwargs)
-            (theirs,), _ = render_jinja_template([msgs], tools=tls, chat_template=tok.chat_template,
-                                                 add_generation_prompt=True, **kwargs)
+            (theirs,), _ = render_jinja_template(
+                [msgs], tools=tls, chat_template=tok.chat_template, add_generation_prompt=True, **kwargs
+            )
             assert ours == theirs, kwargs

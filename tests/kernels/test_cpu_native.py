@@ -25,6 +25,7 @@ def ops():
 @pytest.fixture
 def no_native(monkeypatch):
     """A machine where the build fails: `ops()` must report it and every caller keep torch's path."""
+
     def fail():
         raise RuntimeError("Error building extension 'specserve_cpu_kernels'")
 
@@ -67,8 +68,15 @@ def test_tuned_linear_takes_each_kernel_and_equals_f_linear(ops, monkeypatch):
     monkeypatch.setattr(cpu_linear, "_cpu_us", lambda fn, reps=20: next(times))
     cpu_linear.tune_linear_cpu([w])
     plan = w.cpu_plan
-    assert [plan.by_rows[r] for r in (1, 2, 3, 4, 8, 9, 64)] == ["native", "native", "onednn", "onednn", "onednn",
-                                                                  "mkl", "mkl"]
+    assert [plan.by_rows[r] for r in (1, 2, 3, 4, 8, 9, 64)] == [
+        "native",
+        "native",
+        "onednn",
+        "onednn",
+        "onednn",
+        "mkl",
+        "mkl",
+    ]
     assert plan.panels is not None and plan.packed is not None
     b = torch.randn(70, generator=g)
     for rows in (1, 2, 3, 5, 9, 64):
@@ -123,12 +131,15 @@ def test_forward_packed_matches_the_torch_path(ops, paged, monkeypatch):
             monkeypatch.setattr(cpu_native, "_state", {"ops": None})
         attn = KVCacheAttention(H, Hkv, D)
         attn.k_cache, attn.v_cache = caches[0].clone(), caches[1].clone()
-        ctx = (ForwardContext(0, positions, write_idx, 12, block_table=table, block_size=bs) if paged
-               else ForwardContext(1, positions, write_idx, 12))
+        ctx = (
+            ForwardContext(0, positions, write_idx, 12, block_table=table, block_size=bs)
+            if paged
+            else ForwardContext(1, positions, write_idx, 12)
+        )
         x = heads.clone()
         with torch.inference_mode():
             out = attn.forward_packed(x, ctx, rope)
-        results.append((out[:, :2], out[1], attn.k_cache, attn.v_cache, x[:, :, H + Hkv:]))
+        results.append((out[:, :2], out[1], attn.k_cache, attn.v_cache, x[:, :, H + Hkv :]))
     for got, want in zip(*results):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
@@ -170,8 +181,17 @@ def test_cache_attention_matches_sdpa(ops, paged):
     attn.k_cache, attn.v_cache = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
     heads = torch.randn(2, T, H + 2 * Hkv, D, generator=g)
     want = attn._attend(heads[:, :, :H], ctx)
-    got = ops.cache_attention(heads, H, attn.k_cache, attn.v_cache, ctx.read_blocks() if paged else None,
-                              ctx.row_start, write_idx, ctx.kv_len, attn.scale)
+    got = ops.cache_attention(
+        heads,
+        H,
+        attn.k_cache,
+        attn.v_cache,
+        ctx.read_blocks() if paged else None,
+        ctx.row_start,
+        write_idx,
+        ctx.kv_len,
+        attn.scale,
+    )
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
@@ -189,16 +209,18 @@ def test_native_layer_step_equals_the_layer_op_by_op(ops, spec_steps, monkeypatc
     llm = LLM(spec_steps=spec_steps, device="cpu", max_num_seqs=3)
     step = transformer.DecoderLayer._native_step
     ran = []
-    monkeypatch.setattr(transformer.DecoderLayer, "_native_step",
-                        lambda self, *a: ran.append(step(self, *a)) or ran[-1])
+    monkeypatch.setattr(
+        transformer.DecoderLayer, "_native_step", lambda self, *a: ran.append(step(self, *a)) or ran[-1]
+    )
     native = llm.generate(prompts, params)
-    assert ran and all(r is not None for r in ran[-len(llm.engine.runner.target.layers):])
+    assert ran and all(r is not None for r in ran[-len(llm.engine.runner.target.layers) :])
     monkeypatch.setattr(transformer.DecoderLayer, "_native_step", lambda self, *a: None)
     op_by_op = llm.generate(prompts, params)
     for a, b in zip(native, op_by_op):
         assert a.token_ids == b.token_ids
-        torch.testing.assert_close([t.logprob for t in a.logprobs], [t.logprob for t in b.logprobs],
-                                   rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            [t.logprob for t in a.logprobs], [t.logprob for t in b.logprobs], rtol=1e-4, atol=1e-4
+        )
 
 
 def test_a_build_lock_left_by_a_killed_build_is_removed_not_waited_for(tmp_path, caplog):

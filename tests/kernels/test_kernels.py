@@ -14,8 +14,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-triton = pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these "
-                                              "kernels in its interpreter on CPU)")
+triton = pytest.importorskip(
+    "triton",
+    reason="Triton is not installed (pip install -e '.[kernels]' runs these kernels in its interpreter on CPU)",
+)
 from specserve.kernels import argmax as argmax_k  # noqa: E402
 from specserve.kernels import attention, common, cpu_linear, cpu_native, gemv, norm, tree  # noqa: E402
 from specserve.kernels import linear as linear_k  # noqa: E402
@@ -35,11 +37,13 @@ def _check(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype, reduction:
             assert (got != want).float().mean() < 0.01 and diff.max() < 1e-2
         else:
             bad = got != want
-            assert not bad.any(), (f"{int(bad.sum())}/{bad.numel()} differ, max "
-                                   f"{(got.float() - want.float()).abs().max().item():.3g}; first at "
-                                   f"{bad.nonzero()[0].tolist()}: {got[bad][:4].tolist()} vs {want[bad][:4].tolist()}")
+            assert not bad.any(), (
+                f"{int(bad.sum())}/{bad.numel()} differ, max "
+                f"{(got.float() - want.float()).abs().max().item():.3g}; first at "
+                f"{bad.nonzero()[0].tolist()}: {got[bad][:4].tolist()} vs {want[bad][:4].tolist()}"
+            )
     else:  # bf16 in the interpreter: its casts truncate
-        torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -6, atol=2 ** -6)
+        torch.testing.assert_close(got.float(), want.float(), rtol=2**-6, atol=2**-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -92,10 +96,20 @@ def test_rope_store_kv(dtype, B, T):
     q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
     q, k, v = q.view(B, T, H, D), k.view(B, T, Hkv, D), v.view(B, T, Hkv, D)
     assert all(norm._tokens_strided(t) for t in (q, k, v))
-    rope = RotaryEmbedding(D, 128, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 64}).to(DEV)
+    rope = RotaryEmbedding(
+        D,
+        128,
+        500000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ).to(DEV)
     # positions == write_idx, a column slice of a wider buffer (as the runner passes them)
-    buf = torch.stack([torch.randperm(length, generator=g)[:T + 3] for _ in range(B)]).to(DEV)
+    buf = torch.stack([torch.randperm(length, generator=g)[: T + 3] for _ in range(B)]).to(DEV)
     pos = widx = buf[:, :T]
     caches = [torch.randn(rows, Hkv, length, D, generator=g).to(DEV, dtype) for _ in range(2)]
     ref_caches = [c.clone() for c in caches]
@@ -119,7 +133,9 @@ def test_dispatch_uses_kernels_on_cuda(monkeypatch):
     rope = RotaryEmbedding(64, 128, 10000.0, None).to("cuda")
     caches = [torch.zeros(3, 2, 128, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
     pos = torch.tensor([[5], [9], [0]], device="cuda")
-    norm.rope_store_kv(q.view(3, 1, 8, 64), k.view(3, 1, 2, 64), v.view(3, 1, 2, 64), rope.cos, rope.sin, pos, *caches, 0, pos)
+    norm.rope_store_kv(
+        q.view(3, 1, 8, 64), k.view(3, 1, 2, 64), v.view(3, 1, 2, 64), rope.cos, rope.sin, pos, *caches, 0, pos
+    )
     assert calls == [] and common.FUSED
 
 
@@ -146,8 +162,8 @@ def _sdpa_reference(q, kc, vc, row_start, widx, scale):
     """Plain masked attention in float32: query (b, t) sees keys 0..widx[b, t]."""
     B, T, H, D = q.shape
     G = H // kc.shape[1]
-    k = kc[row_start:row_start + B].float().repeat_interleave(G, dim=1)  # [B, H, L, D]
-    v = vc[row_start:row_start + B].float().repeat_interleave(G, dim=1)
+    k = kc[row_start : row_start + B].float().repeat_interleave(G, dim=1)  # [B, H, L, D]
+    v = vc[row_start : row_start + B].float().repeat_interleave(G, dim=1)
     s = torch.einsum("bthd,bhld->bhtl", q.float(), k) * scale
     keys = torch.arange(kc.shape[2], device=q.device)
     s = s.masked_fill(~(keys.view(1, 1, 1, -1) <= widx.view(B, 1, T, 1)), float("-inf"))
@@ -162,6 +178,7 @@ def _nan_scratch(monkeypatch):
     def nan_empty(*a, **kw):
         t = empty(*a, **kw)
         return t.fill_(float("nan")) if t.dtype == torch.float32 else t
+
     monkeypatch.setattr(torch, "empty", nan_empty)
 
 
@@ -181,8 +198,8 @@ def test_cache_attention(B, T, length, monkeypatch):
     if B > 1:
         widx[-1, -1] = scratch  # a padding token: its output is unused, it must not break the row
     widx = torch.cat([widx, torch.zeros(B, 2, dtype=widx.dtype)], 1).to(DEV)[:, :T]  # a column slice
-    got = attention.cache_attention_triton(q, kc, vc, 1, widx, scratch, D ** -0.5, sm_count=4)
-    want = _sdpa_reference(q, kc, vc, 1, widx, D ** -0.5)
+    got = attention.cache_attention_triton(q, kc, vc, 1, widx, scratch, D**-0.5, sm_count=4)
+    want = _sdpa_reference(q, kc, vc, 1, widx, D**-0.5)
     real = (widx != scratch).view(B, T, 1, 1).expand_as(want)
     torch.testing.assert_close(got.float()[real], want[real], rtol=2e-2, atol=2e-3)
     if B > 1:
@@ -225,10 +242,11 @@ def test_cache_attention_tree_mask(monkeypatch):
     ref = torch.zeros(B, T, length).masked_fill(~vis, float("-inf"))
     k = kc.float().repeat_interleave(H // Hkv, dim=1)
     v = vc.float().repeat_interleave(H // Hkv, dim=1)
-    s = torch.einsum("bthd,bhld->bhtl", q.float(), k) * D ** -0.5 + ref.to(DEV).unsqueeze(1)
+    s = torch.einsum("bthd,bhld->bhtl", q.float(), k) * D**-0.5 + ref.to(DEV).unsqueeze(1)
     want = torch.einsum("bhtl,bhld->bthd", s.softmax(-1), v)
-    got = attention.cache_attention_triton(q, kc, vc, 0, widx.to(DEV), length - 1, D ** -0.5, sm_count=4,
-                                   tree_base=base.to(DEV), tree_anc=anc.to(DEV))
+    got = attention.cache_attention_triton(
+        q, kc, vc, 0, widx.to(DEV), length - 1, D**-0.5, sm_count=4, tree_base=base.to(DEV), tree_anc=anc.to(DEV)
+    )
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-3)
     ctx = ForwardContext(0, widx, widx, length, tree_base=base, tree_anc=anc)
     bias = ctx.attn_bias(1, torch.float32).view(B, T, length)
@@ -246,8 +264,9 @@ def test_runner_compiles_eager_attention_blocks_reading_nothing(monkeypatch):
     from specserve.engine.runner import ModelRunner
 
     target, draft = demo_paths()
-    runner = ModelRunner(EngineConfig(model=target, draft=draft, device="cpu", spec_steps=3, dtype="float16",
-                                      max_num_seqs=8))
+    runner = ModelRunner(
+        EngineConfig(model=target, draft=draft, device="cpu", spec_steps=3, dtype="float16", max_num_seqs=8)
+    )
     monkeypatch.setattr(common, "sm_count", lambda device: 8)
     caches = [m.k_cache.clone() for m in runner.target.attention_modules()]
     calls = []
@@ -258,6 +277,7 @@ def test_runner_compiles_eager_attention_blocks_reading_nothing(monkeypatch):
         calls.append((q.shape[0], max(16, triton.next_power_of_2(q.shape[1] * q.shape[2] // k_cache.shape[1]))))
         assert bool((write_idx == scratch).all()) and not out.any()
         return out
+
     monkeypatch.setattr(attention, "cache_attention_ok", lambda *a: True)
     monkeypatch.setattr(attention, "cache_attention_triton", recording)
     runner._compile_eager_attention()
@@ -290,8 +310,10 @@ def test_cuda_gemv_equals_a_float32_reference_in_every_launch_shape():
     sweep tries: N not a multiple of a block's rows, K of 1, 9 and 28 steps of 256 (not a multiple of the
     steps a batch loads, nor of the warps sharing a row). Its float32 sums round once to bf16, so it is
     within one bf16 rounding."""
-    if not gemv.gemv_cuda_fits(torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16),
-                               torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16)):
+    if not gemv.gemv_cuda_fits(
+        torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16),
+        torch.zeros(1, 256, device="cuda", dtype=torch.bfloat16),
+    ):
         pytest.skip("the CUDA GEMV needs a Hopper or later GPU and torch.cuda._compile_kernel")
     g = torch.Generator(device="cuda").manual_seed(6)
     for N, K in ((100, 256), (333, 2304), (4096, 7168)):
@@ -362,7 +384,9 @@ def test_cpu_linear_tuning(monkeypatch):
         for rows in (1, 2, 3, 5, 9, 64):
             x = torch.randn(2, rows, w.shape[1], generator=g)
             torch.testing.assert_close(linear_k.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(linear_k.linear(x[..., :64], ws[0], b), F.linear(x[..., :64], ws[0], b), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        linear_k.linear(x[..., :64], ws[0], b), F.linear(x[..., :64], ws[0], b), rtol=1e-5, atol=1e-5
+    )
     monkeypatch.setattr(common, "FUSED", False)  # SPECSERVE_FUSED_KERNELS=0: plain F.linear everywhere
     cpu_linear.tune_linear_cpu(ws)
     assert all(w.cpu_plan is None for w in ws)
@@ -388,8 +412,11 @@ def test_tree_level(k, V):
     idx = torch.randint(0, 100, (B, k), generator=g).to(DEV)
     outs = []
     for fn in (tree.tree_level_ref, tree.tree_level_triton):
-        lists = (torch.zeros(B, M, device=DEV), torch.zeros(B, M, dtype=torch.long, device=DEV),
-                 torch.zeros(B, M, dtype=torch.long, device=DEV))
+        lists = (
+            torch.zeros(B, M, device=DEV),
+            torch.zeros(B, M, dtype=torch.long, device=DEV),
+            torch.zeros(B, M, dtype=torch.long, device=DEV),
+        )
         outs.append((fn(logits, front, bits, idx, *lists, off, d2t), lists))
     (want, want_lists), (got, got_lists) = outs
     torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-5)  # scores
@@ -397,7 +424,7 @@ def test_tree_level(k, V):
         assert torch.equal(a, b)
     torch.testing.assert_close(got_lists[0], want_lists[0], rtol=1e-5, atol=1e-5)
     assert torch.equal(got_lists[1], want_lists[1]) and torch.equal(got_lists[2], want_lists[2])
-    child = got_lists[0][:, off: off + k * k].view(B, k, k)
+    child = got_lists[0][:, off : off + k * k].view(B, k, k)
     assert torch.all(child < front.unsqueeze(-1))
 
 

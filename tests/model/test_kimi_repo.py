@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kimi_repo import build
-from serving import HAVE_HTTP, NAME, Live
-from tiny import assert_decode_matches
 
 from specserve.engine.llm import LLM, SamplingParams
 from specserve.server.reasoning import ReasoningSplitter
+
+from kimi_repo import build
+from serving import HAVE_HTTP, NAME, Live
+from tiny import assert_decode_matches
 
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]  # the tiny model closes its reasoning
 MAX_TOKENS = 16
@@ -33,8 +34,12 @@ def test_check_passes_and_names_the_drafters_context_limit(kimi):
     by = {f.code: f for f in found}
     assert by["target_tokenizer"].message.startswith("tiktoken.model: 712 tokens")
     tmpl = by["chat_template"]
-    assert tmpl.data == {"tools": True, "thinking_switch": "thinking", "reasoning_parser": "think",
-                         "tool_calls": "kimi_k2"}
+    assert tmpl.data == {
+        "tools": True,
+        "thinking_switch": "thinking",
+        "reasoning_parser": "think",
+        "tool_calls": "kimi_k2",
+    }
     assert "'<|im_end|>'" in tmpl.message and "'[EOS]'" in tmpl.message
     assert "4 layers" in by["target_config"].message and "int4" in by["target_weights"].message
     too_long = check.run_checks(str(target), str(draft), device="cpu", max_num_seqs=1, max_model_len=256)
@@ -75,8 +80,9 @@ def test_served_with_its_drafter_chats_streams_and_splits_reasoning(served):
         want = plain.generate([prompt], greedy)[0]  # plain decoding: the speculative server must equal it
         reasoning, content = ReasoningSplitter("think", prompt).split(want.text)
         extra = {"chat_template_kwargs": {"thinking": thinking}}
-        reply = client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0,
-                                               extra_body=extra)
+        reply = client.chat.completions.create(
+            model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0, extra_body=extra
+        )
         msg = reply.choices[0].message
         assert (getattr(msg, "reasoning_content", None), msg.content) == (reasoning, content)
         assert reply.usage.completion_tokens == len(want.token_ids)
@@ -84,8 +90,11 @@ def test_served_with_its_drafter_chats_streams_and_splits_reasoning(served):
             assert reasoning and content and "</think>" not in reasoning  # both parts, split at the first marker
         else:
             assert reasoning is None and content == want.text
-        chunks = list(client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS,
-                                                     temperature=0, stream=True, extra_body=extra))
+        chunks = list(
+            client.chat.completions.create(
+                model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0, stream=True, extra_body=extra
+            )
+        )
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         streamed_reasoning = [getattr(d, "reasoning_content", None) for d in deltas]
         assert all(not (r and d.content) for r, d in zip(streamed_reasoning, deltas))  # each part its own deltas
@@ -100,11 +109,15 @@ def test_bad_chat_template_kwargs_are_named(served):
 
     srv, _ = served
     client = srv.client()
-    for kwargs, words in (({"thinking": "yes"}, "chat_template_kwargs.thinking must be a boolean"),
-                          ({"messages": []}, "may not set messages"), ([1], "must be an object")):
+    for kwargs, words in (
+        ({"thinking": "yes"}, "chat_template_kwargs.thinking must be a boolean"),
+        ({"messages": []}, "may not set messages"),
+        ([1], "must be an object"),
+    ):
         with pytest.raises(openai.BadRequestError, match=words):
-            client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=2,
-                                           extra_body={"chat_template_kwargs": kwargs})
+            client.chat.completions.create(
+                model=NAME, messages=QUESTION, max_tokens=2, extra_body={"chat_template_kwargs": kwargs}
+            )
 
 
 @pytest.mark.slow
@@ -121,8 +134,12 @@ def test_served_tp2_with_its_drafter_equals_tp1_plain(kimi, served):
     srv = Live(lambda: TPLLM(**engine, tp=2, draft=str(draft), spec_steps=3), max_num_seqs=2, max_queue=8)
     try:
         srv.wait_ready()
-        msg = srv.client().chat.completions.create(model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS,
-                                                   temperature=0).choices[0].message
+        msg = (
+            srv.client()
+            .chat.completions.create(model=NAME, messages=QUESTION, max_tokens=MAX_TOKENS, temperature=0)
+            .choices[0]
+            .message
+        )
         assert (msg.reasoning_content, msg.content) == ReasoningSplitter("think", prompt).split(want.text)
     finally:
         srv.close()
@@ -138,8 +155,29 @@ def test_generate_chat_with_template_kwargs(kimi, served, capsys):
     _, plain = served
     prompt = plain.tokenizer.apply_chat_template(QUESTION, thinking=False)
     want = plain.generate([prompt], SamplingParams(temperature=0, max_tokens=MAX_TOKENS))[0]
-    assert main(["generate", "--model", str(target), "--draft", str(draft), "--device", "cpu", "--max-model-len", "128",
-                 "--chat", "--prompt", QUESTION[0]["content"], "--max-tokens", str(MAX_TOKENS),
-                 "--chat-template-kwargs", '{"thinking": false}', "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(target),
+                "--draft",
+                str(draft),
+                "--device",
+                "cpu",
+                "--max-model-len",
+                "128",
+                "--chat",
+                "--prompt",
+                QUESTION[0]["content"],
+                "--max-tokens",
+                str(MAX_TOKENS),
+                "--chat-template-kwargs",
+                '{"thinking": false}',
+                "--json",
+            ]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["text"] == want.text

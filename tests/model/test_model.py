@@ -11,17 +11,24 @@ from specserve.config import DEMO_DIR, ConfigError, EngineConfig, ModelConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 from specserve.model.loader import load_target
+
 from tiny import assert_decode_matches, make_target
 
-LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64}
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
 ARCHS = {
     "llama": dict(arch="llama", rope_scaling=dict(LLAMA3_ROPE)),  # a copy: transformers edits it in place
     "llama-tied": dict(arch="llama", tie_word_embeddings=True),
     "qwen2": dict(arch="qwen2"),
     "qwen3": dict(arch="qwen3"),
-    "qwen3-yarn": dict(arch="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0,
-                                                   "original_max_position_embeddings": 16}),
+    "qwen3-yarn": dict(
+        arch="qwen3", rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    ),
 }
 
 
@@ -58,14 +65,21 @@ def test_batched_greedy_equals_transformers_per_prompt(checkpoint):
     engine.check_idle_integrity()
     for p, seq in zip(prompts, seqs):
         # No EOS for transformers either (ignore_eos above): compare 20 raw greedy tokens.
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(p):].tolist()
+        ref = hf.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)[
+            0, len(p) :
+        ].tolist()
         assert seq.output_ids == ref
 
 
 def test_rope_config_spellings_agree():
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 16,
-            "num_hidden_layers": 1, "num_attention_heads": 2}
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 10,
+        "hidden_size": 8,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
     v4 = ModelConfig.from_hf_dict({**base, "rope_theta": 500000.0, "rope_scaling": dict(LLAMA3_ROPE)})
     v5 = ModelConfig.from_hf_dict({**base, "rope_parameters": {**LLAMA3_ROPE, "rope_theta": 500000.0}})
     assert (v4.rope_theta, v4.rope_scaling) == (v5.rope_theta, v5.rope_scaling) == (500000.0, {**LLAMA3_ROPE})

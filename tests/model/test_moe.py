@@ -12,6 +12,7 @@ from specserve.config import ConfigError, EngineConfig, ModelConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
 from specserve.model.loader import load_target
+
 from tiny import assert_decode_matches, engine_with_prefill_graphs, kimi_k25_config, make_drafter, make_moe_target
 
 VARIANTS = {
@@ -100,8 +101,9 @@ def test_batched_greedy_equals_transformers_per_prompt(checkpoint):
         engine.step()
     engine.check_idle_integrity()
     for p, seq in zip(prompts, seqs):
-        ref = hf.generate(torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None,
-                          pad_token_id=0)[0, len(p):].tolist()
+        ref = hf.generate(
+            torch.tensor([p]), max_new_tokens=GREEDY.max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, len(p) :].tolist()
         assert seq.output_ids == ref
 
 
@@ -116,8 +118,9 @@ def moe_pair(tmp_path_factory):
 
 def _generate(target, draft, prompts, **kw):
     kw.setdefault("device", "cpu")
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft) if draft else None, max_num_seqs=len(prompts),
-                                 **kw))
+    engine = Engine(
+        EngineConfig(model=str(target), draft=str(draft) if draft else None, max_num_seqs=len(prompts), **kw)
+    )
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_work():
         engine.step()
@@ -138,36 +141,80 @@ def test_speculative_greedy_equals_plain_on_an_moe_target(moe_pair, spec):
 
 
 KIMI_TEXT = {
-    "model_type": "kimi_k2", "vocab_size": 163840, "hidden_size": 7168, "intermediate_size": 18432,
-    "moe_intermediate_size": 2048, "num_hidden_layers": 61, "num_attention_heads": 64, "num_key_value_heads": 64,
-    "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128, "v_head_dim": 128,
-    "n_routed_experts": 384, "num_experts_per_tok": 8, "n_shared_experts": 1, "first_k_dense_replace": 1,
-    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 2.827, "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc", "norm_topk_prob": True, "max_position_embeddings": 262144, "rope_theta": 50000.0,
-    "rope_scaling": {"type": "yarn", "factor": 64.0, "original_max_position_embeddings": 4096, "beta_fast": 32.0,
-                     "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
-    "rms_norm_eps": 1e-5, "eos_token_id": 163586, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+    "model_type": "kimi_k2",
+    "vocab_size": 163840,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 64,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "n_routed_experts": 384,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "max_position_embeddings": 262144,
+    "rope_theta": 50000.0,
+    "rope_scaling": {
+        "type": "yarn",
+        "factor": 64.0,
+        "original_max_position_embeddings": 4096,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+    "rms_norm_eps": 1e-5,
+    "eos_token_id": 163586,
+    "torch_dtype": "bfloat16",
+    "tie_word_embeddings": False,
 }
-INT4 = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int",
-                                                                        "symmetric": True, "strategy": "group",
-                                                                        "group_size": 32}}},
-        "ignore": ["lm_head"]}
+INT4 = {
+    "quant_method": "compressed-tensors",
+    "format": "pack-quantized",
+    "config_groups": {
+        "group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32},
+        }
+    },
+    "ignore": ["lm_head"],
+}
 
 
 def test_kimi_k25_nested_config_is_parsed(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(kimi_k25_config(KIMI_TEXT)))
     cfg = ModelConfig.from_dir(tmp_path)
-    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.max_position_embeddings) == \
-        ("DeepseekV3ForCausalLM", 61, 7168, 262144)
+    assert (cfg.architecture, cfg.num_layers, cfg.hidden_size, cfg.max_position_embeddings) == (
+        "DeepseekV3ForCausalLM",
+        61,
+        7168,
+        262144,
+    )
     assert cfg.tensor_prefix == "language_model." and "vision_tower." in cfg.skip_prefixes
     assert cfg.kv_cache_dims() == (1, 576, 0)
     assert cfg.rope_scaling["rope_type"] == "yarn" and cfg.rope_theta == 50000.0
     mscale = 0.1 * torch.log(torch.tensor(64.0)).item() + 1.0
-    assert cfg.mla.softmax_scale == pytest.approx(192 ** -0.5 * mscale ** 2)
+    assert cfg.mla.softmax_scale == pytest.approx(192**-0.5 * mscale**2)
     m = cfg.moe
-    assert (m.num_experts, m.top_k, m.scoring, m.shared_intermediate_size, m.dense_layers) == \
-        (384, 8, "sigmoid", 2048, (0,))
+    assert (m.num_experts, m.top_k, m.scoring, m.shared_intermediate_size, m.dense_layers) == (
+        384,
+        8,
+        "sigmoid",
+        2048,
+        (0,),
+    )
     assert m.routed_scaling_factor == 2.827
     (tmp_path / "config.json").write_text(json.dumps({**KIMI_TEXT, "architectures": ["DeepseekV3ForCausalLM"]}))
     assert ModelConfig.from_dir(tmp_path).moe == m  # Kimi-K2: the text config alone
@@ -214,13 +261,19 @@ def test_quantized_latent_attention_is_refused_wherever_the_config_sits(tmp_path
     cfg = kimi_k25_config(text)
     (cfg if where == "top" else text)["quantization_config"] = INT4
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ConfigError, match="q_a_proj is int4 group 32, symmetric in quantization_config; latent-attention"):
+    with pytest.raises(
+        ConfigError, match="q_a_proj is int4 group 32, symmetric in quantization_config; latent-attention"
+    ):
         ModelConfig.from_dir(tmp_path)
 
 
 def test_unsupported_routing_is_named():
-    cfg = {**KIMI_TEXT, "architectures": ["DeepseekV3ForCausalLM"], "topk_method": "group_limited_greedy",
-           "scoring_func": "softmax"}
+    cfg = {
+        **KIMI_TEXT,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "topk_method": "group_limited_greedy",
+        "scoring_func": "softmax",
+    }
     with pytest.raises(ConfigError, match="scoring_func 'softmax' with topk_method 'group_limited_greedy' is not"):
         ModelConfig.from_hf_dict(cfg)
 
@@ -281,8 +334,11 @@ def test_check_estimate_matches_what_the_engine_allocates(moe_pair):
     est = next(f for f in found if f.code == "memory_estimate").data
     assert est["kv"] == runner.kv.nbytes()
     target_bytes = sum(p.numel() * p.element_size() for p in runner.target.parameters())
-    drafter_bytes = sum(p.numel() * p.element_size() for n, p in runner.drafter.named_parameters(remove_duplicate=False)
-                        if not n.startswith("target_embed."))
+    drafter_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in runner.drafter.named_parameters(remove_duplicate=False)
+        if not n.startswith("target_embed.")
+    )
     drafter_bytes += sum(b.numel() * b.element_size() for n, b in runner.drafter.named_buffers() if n in ("d2t", "t2d"))
     assert est["weights"] == target_bytes + drafter_bytes
 
@@ -353,13 +409,29 @@ def test_prefix_cache_hits_take_the_prefill_graphs_on_an_moe_target(moe_pair, de
     prompts = [shared + torch.randint(0, 11, (n,), generator=g).tolist() for n in (3, 9, 1)]
     base, _ = _generate(target, None, prompts, device=device, dtype="float32")
     for d in (None, draft):
-        config = dict(model=str(target), draft=str(d) if d else None, device=device, dtype="float32", max_num_seqs=3,
-                      prefix_cache=True, kv_block_size=8, **({"spec_steps": 3} if d else {}))
-        engine = engine_with_prefill_graphs((16, 64, 128), **config) if device == "cpu" else Engine(EngineConfig(**config))
+        config = dict(
+            model=str(target),
+            draft=str(d) if d else None,
+            device=device,
+            dtype="float32",
+            max_num_seqs=3,
+            prefix_cache=True,
+            kv_block_size=8,
+            **({"spec_steps": 3} if d else {}),
+        )
+        engine = (
+            engine_with_prefill_graphs((16, 64, 128), **config) if device == "cpu" else Engine(EngineConfig(**config))
+        )
         histories = []
         real = engine.runner.prefill
-        monkeypatch.setattr(engine.runner, "prefill", lambda row, chunks, starts, history=None, after=None: (
-            histories.append(history is not None), real(row, chunks, starts, history, after))[1])
+        monkeypatch.setattr(
+            engine.runner,
+            "prefill",
+            lambda row, chunks, starts, history=None, after=None: (
+                histories.append(history is not None),
+                real(row, chunks, starts, history, after),
+            )[1],
+        )
         for _ in range(2):  # the second time round, the shared blocks are cached
             seqs = [engine.add_request(p, GREEDY) for p in prompts]
             while engine.has_work():

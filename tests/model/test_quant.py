@@ -77,8 +77,9 @@ def test_dequantize_matches_compressed_tensors(group, symmetric):
     state = {"weight_packed": pack_int4(q), "weight_scale": scale, "weight_shape": torch.tensor(w.shape)}
     if zero is not None:
         state["weight_zero_point"] = pack_int4(zero, dim=-2)
-    args = QuantizationArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group" if group else "channel",
-                            group_size=group)
+    args = QuantizationArgs(
+        num_bits=4, type="int", symmetric=symmetric, strategy="group" if group else "channel", group_size=group
+    )
     theirs = PackedQuantizationCompressor.decompress(state, QuantizationScheme(targets=["Linear"], weights=args))
     ours = dequantize_int4(state["weight_packed"], scale, zero)  # in the scales' dtype, as theirs
     assert torch.equal(ours, theirs["weight"])
@@ -89,21 +90,33 @@ def test_dequantize_matches_compressed_tensors(group, symmetric):
 KERNEL_CASES = [  # (rows, N, K, group, symmetric, bias, config): in the default launch shape, one row, the dot
     # path, per channel, ragged blocks; then SmolLM2's K of 576 and 1536 cut into slices of whole
     # BLOCK_K steps, the last one short: one row, the tensor cores, fixed 16-row tiles
-    (1, 24, 96, 32, True, False, None), (1, 40, 320, 32, False, True, None), (5, 72, 64, None, False, True, None),
-    (17, 20, 272, 16, True, False, None), (64, 8, 32, None, True, True, None),
-    (1, 24, 384, 128, False, False, None), (9, 40, 256, 128, False, True, None), (3, 16, 160, 32, False, False, None),
+    (1, 24, 96, 32, True, False, None),
+    (1, 40, 320, 32, False, True, None),
+    (5, 72, 64, None, False, True, None),
+    (17, 20, 272, 16, True, False, None),
+    (64, 8, 32, None, True, True, None),
+    (1, 24, 384, 128, False, False, None),
+    (9, 40, 256, 128, False, True, None),
+    (3, 16, 160, 32, False, False, None),
     (1, 16, 96, None, False, False, None),
-    (1, 24, 576, 32, True, True, (16, 256, 4, 2)), (1, 40, 1536, 128, False, False, (16, 256, 4, 4)),
-    (1, 20, 576, None, False, True, (32, 128, 4, 3)), (2, 24, 1536, 32, False, True, (32, 128, 4, 5)),
-    (16, 40, 576, 128, True, False, (64, 128, 4, 4)), (64, 24, 1536, None, True, True, (32, 128, 4, 8)),
-    (20, 72, 576, 32, True, False, (32, 128, 4, 3, 16)), (1, 16, 1536, 32, False, True, (64, 256, 4, 6, 16)),
+    (1, 24, 576, 32, True, True, (16, 256, 4, 2)),
+    (1, 40, 1536, 128, False, False, (16, 256, 4, 4)),
+    (1, 20, 576, None, False, True, (32, 128, 4, 3)),
+    (2, 24, 1536, 32, False, True, (32, 128, 4, 5)),
+    (16, 40, 576, 128, True, False, (64, 128, 4, 4)),
+    (64, 24, 1536, None, True, True, (32, 128, 4, 8)),
+    (20, 72, 576, 32, True, False, (32, 128, 4, 3, 16)),
+    (1, 16, 1536, 32, False, True, (64, 256, 4, 6, 16)),
 ]
 BF16_ON_GPU = pytest.param(torch.bfloat16, marks=pytest.mark.gpu)  # (the interpreter stores bf16 as uint16)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_ON_GPU])
-@pytest.mark.parametrize("case", KERNEL_CASES, ids=lambda c: "x".join(map(str, c[:3])) + f"-g{c[3]}-{'sym' if c[4] else 'asym'}"
-                         + (f"-{c[6]}" if c[6] else ""))
+@pytest.mark.parametrize(
+    "case",
+    KERNEL_CASES,
+    ids=lambda c: "x".join(map(str, c[:3])) + f"-g{c[3]}-{'sym' if c[4] else 'asym'}" + (f"-{c[6]}" if c[6] else ""),
+)
 def test_int4_gemv_kernel_equals_the_reference(case, dtype):
     """The Triton W4A16 kernel (on CPU: Triton's interpreter) against `int4_linear`; where K is
     cut into slices, a second kernel adds up their float32 partials (and biases)."""
@@ -122,13 +135,14 @@ def test_int4_gemv_kernel_equals_the_reference(case, dtype):
     got, want = int4_gemv_triton(x, packed, scale, zero, b, cfg), int4_linear(x, packed, scale, zero, b)
     assert got.shape == want.shape and got.dtype == dtype
     # Only the order of the float32 sum differs (then, in float16, one rounding step at most).
-    tol = {torch.float32: 1e-5, torch.float16: 2 ** -9, torch.bfloat16: 2 ** -7}[dtype]
+    tol = {torch.float32: 1e-5, torch.float16: 2**-9, torch.bfloat16: 2**-7}[dtype]
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol * want.float().abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, BF16_ON_GPU])
-@pytest.mark.parametrize("group, symmetric, K", [(32, False, 320), (128, False, 384), (128, True, 256),
-                                                 (None, False, 96)])
+@pytest.mark.parametrize(
+    "group, symmetric, K", [(32, False, 320), (128, False, 384), (128, True, 256), (None, False, 96)]
+)
 @pytest.mark.parametrize("rows", [1, 64])
 @pytest.mark.parametrize("cfg", [None, (16, 32, 4, 3)], ids=["default", "split"])
 def test_int4_gemv_kernel_multiplies_the_reference_weight(cfg, rows, group, symmetric, K, dtype):
@@ -150,16 +164,21 @@ def test_int4_gemv_kernel_multiplies_the_reference_weight(cfg, rows, group, symm
     picks = [[0], [K // 2 + 1], [K - 1]] if rows == 1 else [list(range(K - 64, K))]
     for cols in picks:
         x = torch.eye(K, dtype=dtype, device=dev)[cols]
-        torch.testing.assert_close(int4_gemv_triton(x, packed, scale, zero, None, cfg), want[:, cols].T, rtol=0,
-                                   atol=0)
+        torch.testing.assert_close(int4_gemv_triton(x, packed, scale, zero, None, cfg), want[:, cols].T, rtol=0, atol=0)
 
 
 def test_int4_k_slices_cover_k_once():
     """Slices of whole steps tile 0..K: none empty, the last one reaching K."""
     from specserve.kernels.int4 import k_slices
 
-    for K, block_k, splits in ((576, 256, 2), (576, 128, 8), (1536, 128, 5), (7168, 256, 32), (96, 32, 7),
-                               (64, 256, 4)):
+    for K, block_k, splits in (
+        (576, 256, 2),
+        (576, 128, 8),
+        (1536, 128, 5),
+        (7168, 256, 32),
+        (96, 32, 7),
+        (64, 256, 4),
+    ):
         span, n = k_slices(K, block_k, splits)
         assert span % block_k == 0 and n <= splits and (n - 1) * span < K <= n * span, (K, block_k, splits)
 
@@ -192,8 +211,17 @@ def test_int4_default_config_fills_the_gpu(monkeypatch):
     import specserve.kernels.int4 as k
 
     monkeypatch.setattr(k.common, "sm_count", lambda device: 132)
-    shapes = [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (1536, 7168), (576, 7168), (7168, 8192),
-              (4096, 7168), (7168, 2048)]
+    shapes = [
+        (6144, 4096),
+        (4096, 4096),
+        (28672, 4096),
+        (4096, 14336),
+        (1536, 7168),
+        (576, 7168),
+        (7168, 8192),
+        (4096, 7168),
+        (7168, 2048),
+    ]
     for N, K in shapes:
         for rows in (1, 2, 16, 64):
             block_n, block_k, _, splits = k.default_config(N, K, rows, None)
@@ -291,7 +319,10 @@ def test_int4_linear_runs_the_kernel_for_decode_rows_only(monkeypatch):
 @torch.inference_mode()
 def test_int4_checkpoint_loads_packed_and_equals_its_twin(int4_pair):
     q, twin, scheme = int4_pair
-    ours, ref = with_cache(load_target(q, CPU, torch.float32, 64)), with_cache(load_target(twin, CPU, torch.float32, 64))
+    ours, ref = (
+        with_cache(load_target(q, CPU, torch.float32, 64)),
+        with_cache(load_target(twin, CPU, torch.float32, 64)),
+    )
     layer = ours.layers[0]
     assert isinstance(layer.self_attn.qkv_proj, Int4Linear) and isinstance(layer.mlp.down_proj, Int4Linear)
     assert isinstance(ours.lm_head, ColumnParallelLinear)  # ignored: stays float
@@ -302,8 +333,6 @@ def test_int4_checkpoint_loads_packed_and_equals_its_twin(int4_pair):
     assert gate_up.weight_packed.dtype == torch.int32 and gate_up.weight_packed.shape == (256, 8)
     assert not any(p.dim() == 2 and p.shape == (256, 64) for p in ours.parameters())
     assert_logits_match(ours, ref, 11)
-
-
 
 
 @pytest.mark.slow
@@ -331,8 +360,15 @@ def test_int4_shards_add_up_to_the_whole_product(monkeypatch):
     ckpt = []
     for n in sizes:
         q, scale, zero = quantize_int4(torch.randn(n, K, generator=g), 32, symmetric=False)
-        ckpt.append({"weight_packed": pack_int4(q), "weight_scale": scale, "weight_zero_point": pack_int4(zero, dim=-2),
-                     "weight_shape": torch.tensor([n, K]), "bias": torch.randn(n, generator=g)})
+        ckpt.append(
+            {
+                "weight_packed": pack_int4(q),
+                "weight_scale": scale,
+                "weight_zero_point": pack_int4(zero, dim=-2),
+                "weight_shape": torch.tensor([n, K]),
+                "bias": torch.randn(n, generator=g),
+            }
+        )
 
     def build(split, tp, rank):
         monkeypatch.setattr(mod, "tp_size", lambda: tp)
@@ -352,7 +388,7 @@ def test_int4_shards_add_up_to_the_whole_product(monkeypatch):
     torch.testing.assert_close(torch.cat(halves, -1), whole)
     whole = build("row", 1, 0)(x)
     rows = [build("row", 2, r) for r in (0, 1)]
-    partial = sum(m(x[:, r * 64:(r + 1) * 64]) - m.bias for r, m in enumerate(rows))
+    partial = sum(m(x[:, r * 64 : (r + 1) * 64]) - m.bias for r, m in enumerate(rows))
     torch.testing.assert_close(partial + rows[0].bias, whole, rtol=1e-5, atol=1e-5)
 
 
@@ -400,45 +436,69 @@ def test_transformers_reads_our_checkpoint_as_we_do(tmp_path):
     src = make_target(tmp_path / "src", vocab=12, hidden=64, layers=1)
     q, _ = make_int4_pair(src, tmp_path / "int4", tmp_path / "twin", 32, False)
     hf = transformers.AutoModelForCausalLM.from_pretrained(
-        q, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False))
+        q, dtype=torch.float32, quantization_config=transformers.CompressedTensorsConfig(run_compressed=False)
+    )
     ours = load_target(q, CPU, torch.bfloat16, 64)  # bf16: the dequantization rounds as theirs does
     mlp, hf_mlp = ours.layers[0].mlp, hf.model.layers[0].mlp
-    w = dequantize_int4(mlp.gate_up_proj.weight_packed, mlp.gate_up_proj.weight_scale, mlp.gate_up_proj.weight_zero_point)
+    w = dequantize_int4(
+        mlp.gate_up_proj.weight_packed, mlp.gate_up_proj.weight_scale, mlp.gate_up_proj.weight_zero_point
+    )
     torch.testing.assert_close(w.float(), torch.cat([hf_mlp.gate_proj.weight, hf_mlp.up_proj.weight]), rtol=0, atol=0)
     d = mlp.down_proj
-    torch.testing.assert_close(dequantize_int4(d.weight_packed, d.weight_scale, d.weight_zero_point).float(),
-                               hf_mlp.down_proj.weight, rtol=0, atol=0)
+    torch.testing.assert_close(
+        dequantize_int4(d.weight_packed, d.weight_scale, d.weight_zero_point).float(),
+        hf_mlp.down_proj.weight,
+        rtol=0,
+        atol=0,
+    )
 
 
 # ------------------------------------------------------------------- refusals
-BASE = {"architectures": ["LlamaForCausalLM"], "vocab_size": 16, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 1, "num_attention_heads": 4}
+BASE = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 16,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+}
 INT4 = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
 
 
 def _ct(weights=INT4, fmt="pack-quantized", **group):
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, **group}}, "ignore": ["lm_head"]}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, **group}},
+        "ignore": ["lm_head"],
+    }
 
 
-@pytest.mark.parametrize("quant,named", [
-    ({"quant_method": "fp8", "fmt": "e4m3"}, "quant_method 'fp8', format 'e4m3'"),
-    ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "quant_method 'awq', bits 4, format 'gemm'"),
-    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq', bits 4"),
-    ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
-    (_ct({**INT4, "type": "float", "num_bits": 8}, fmt="float-quantized"), "format 'float-quantized' (float 8-bit"),
-    (_ct({**INT4, "num_bits": 8}, fmt="naive-quantized"), "format 'naive-quantized' (int 8-bit"),
-    (_ct(fmt="marlin-24"), "format 'marlin-24'"),
-    (_ct({**INT4, "num_bits": 8}), "int 8-bit weights"),
-    (_ct(input_activations={"num_bits": 8, "type": "int"}), "activation quantization"),
-    (_ct({**INT4, "strategy": "block"}), "strategy 'block'"),
-    (_ct({**INT4, "group_size": 20}), "group size 20"),
-    (_ct({**INT4, "actorder": "group"}), "actorder 'group'"),
-    (_ct({**INT4, "actorder": "dynamic"}), "actorder 'dynamic'"),
-    (_ct(targets=None), "targets None"),
-    ({**_ct(), "sparsity_config": {"format": "sparse-24-bitmask"}}, "sparse compression (sparsity_config 'sparse-24-bitmask')"),
-    ({**_ct(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "quantized KV cache"),
-])
+@pytest.mark.parametrize(
+    "quant,named",
+    [
+        ({"quant_method": "fp8", "fmt": "e4m3"}, "quant_method 'fp8', format 'e4m3'"),
+        ({"quant_method": "awq", "bits": 4, "version": "gemm"}, "quant_method 'awq', bits 4, format 'gemm'"),
+        ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq', bits 4"),
+        ({"quant_method": "bitsandbytes"}, "quant_method 'bitsandbytes'"),
+        (_ct({**INT4, "type": "float", "num_bits": 8}, fmt="float-quantized"), "format 'float-quantized' (float 8-bit"),
+        (_ct({**INT4, "num_bits": 8}, fmt="naive-quantized"), "format 'naive-quantized' (int 8-bit"),
+        (_ct(fmt="marlin-24"), "format 'marlin-24'"),
+        (_ct({**INT4, "num_bits": 8}), "int 8-bit weights"),
+        (_ct(input_activations={"num_bits": 8, "type": "int"}), "activation quantization"),
+        (_ct({**INT4, "strategy": "block"}), "strategy 'block'"),
+        (_ct({**INT4, "group_size": 20}), "group size 20"),
+        (_ct({**INT4, "actorder": "group"}), "actorder 'group'"),
+        (_ct({**INT4, "actorder": "dynamic"}), "actorder 'dynamic'"),
+        (_ct(targets=None), "targets None"),
+        (
+            {**_ct(), "sparsity_config": {"format": "sparse-24-bitmask"}},
+            "sparse compression (sparsity_config 'sparse-24-bitmask')",
+        ),
+        ({**_ct(), "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "quantized KV cache"),
+    ],
+)
 def test_unsupported_schemes_are_named(quant, named):
     with pytest.raises(ConfigError, match="is not supported") as e:
         ModelConfig.from_hf_dict({**BASE, "quantization_config": quant})
@@ -455,9 +515,15 @@ def test_targets_and_ignore_match_as_compressed_tensors_does():
     match = pytest.importorskip("compressed_tensors.utils.match")
     ignore = ["lm_head", "re:.*self_attn.*", "re:model\\.layers\\.1\\..*", "model.layers.2.mlp.up_proj"]
     cfg = parse_quantization_config({**_ct(), "ignore": ignore}, "config.json")
-    names = ["lm_head", "model.layers.0.self_attn.q_proj", "model.layers.0.mlp.down_proj",
-             "model.layers.1.mlp.up_proj", "model.layers.2.mlp.up_proj", "model.layers.2.mlp.gate_proj",
-             "model.layers.12.mlp.up_proj"]
+    names = [
+        "lm_head",
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.mlp.down_proj",
+        "model.layers.1.mlp.up_proj",
+        "model.layers.2.mlp.up_proj",
+        "model.layers.2.mlp.gate_proj",
+        "model.layers.12.mlp.up_proj",
+    ]
     for n in names:
         ignored = any(match.match_name(n, p) for p in ignore)
         assert (cfg.linear(n) is None) == ignored, n
@@ -481,7 +547,10 @@ def test_bad_int4_tensors_are_named(tmp_path):
     cases = [
         ({f"{name}.weight_shape": torch.tensor([64, 64])}, r"weight_shape' does not fit: weight_shape is \[64, 64\]"),
         ({f"{name}.weight_packed": good[f"{name}.weight_packed"].to(torch.int64)}, "packed int4 tensors are int32"),
-        ({f"{name}.weight_scale": good[f"{name}.weight_scale"][:, :2].contiguous()}, r"weight_scale' does not fit: expected shape"),
+        (
+            {f"{name}.weight_scale": good[f"{name}.weight_scale"][:, :2].contiguous()},
+            r"weight_scale' does not fit: expected shape",
+        ),
         ({f"{name}.weight_scale": None}, rf"missing tensor\(s\): {name}.weight_scale"),
     ]
     for change, message in cases:
@@ -499,13 +568,18 @@ def test_check_counts_int4_bytes_and_scales(tmp_path, capsys):
     q, twin = make_int4_pair(src, tmp_path / "int4", tmp_path / "twin")
     found = {x.code: x for x in run_checks(model=str(q), device="cpu")}
     assert not [x for x in found.values() if x.level == "error" and x.code != "target_tokenizer"], found
-    est, est_twin = (found["memory_estimate"].data["weights"],
-                     {x.code: x for x in run_checks(model=str(twin), device="cpu")}["memory_estimate"].data["weights"])
+    est, est_twin = (
+        found["memory_estimate"].data["weights"],
+        {x.code: x for x in run_checks(model=str(twin), device="cpu")}["memory_estimate"].data["weights"],
+    )
     tensors = load_file(q / "model.safetensors")
     packed = sum(t.numel() * 4 for n, t in tensors.items() if n.endswith("weight_packed"))
     scales = sum(t.numel() * 4 for n, t in tensors.items() if n.endswith("weight_scale"))  # float32 on the CPU
-    floats = sum(t.numel() * 4 for n, t in tensors.items() if n.endswith(("norm.weight", "embed_tokens.weight",
-                                                                          "lm_head.weight")))
+    floats = sum(
+        t.numel() * 4
+        for n, t in tensors.items()
+        if n.endswith(("norm.weight", "embed_tokens.weight", "lm_head.weight"))
+    )
     shapes = sum(t.numel() * 8 for n, t in tensors.items() if n.endswith("weight_shape"))
     assert est == packed + scales + floats + shapes
     assert est < est_twin

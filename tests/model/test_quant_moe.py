@@ -50,7 +50,10 @@ def moe_int4_pair(request, tmp_path_factory):
 @torch.inference_mode()
 def test_int4_moe_loads_packed_experts_and_equals_its_twin(moe_int4_pair):
     q, twin, scheme = moe_int4_pair
-    ours, ref = with_cache(load_target(q, CPU, torch.float32, 64)), with_cache(load_target(twin, CPU, torch.float32, 64))
+    ours, ref = (
+        with_cache(load_target(q, CPU, torch.float32, 64)),
+        with_cache(load_target(twin, CPU, torch.float32, 64)),
+    )
     moe, ref_moe = ours.layers[1].mlp, ref.layers[1].mlp
     assert isinstance(moe, MoE) and isinstance(moe.w13, Int4Experts) and isinstance(moe.w2, Int4Experts)
     # 8 experts of gate/up [2 x 32, 64] and down [64, 32]: words of eight along the input columns.
@@ -173,16 +176,22 @@ def _cfg(path, arch, ignore):
     src = make_moe_target(path, arch=arch, vocab=12, layers=2)
     cfg = json.loads((src / "config.json").read_text())
     weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}
-    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                  "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
-                                  "ignore": list(ignore)}
+    cfg["quantization_config"] = {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+        "ignore": list(ignore),
+    }
     return cfg
 
 
 def test_quantized_latent_attention_is_refused_by_name(tmp_path):
     cfg = _cfg(tmp_path, "deepseek_v3", ["lm_head"])
-    with pytest.raises(ConfigError, match=r"model.layers.0.self_attn.q_a_proj is int4 group 32, symmetric in "
-                                          r"quantization_config; latent-attention projections load as float only"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.layers.0.self_attn.q_a_proj is int4 group 32, symmetric in "
+        r"quantization_config; latent-attention projections load as float only",
+    ):
         ModelConfig.from_hf_dict(cfg)
     cfg["quantization_config"]["ignore"] = list(KIMI_IGNORE)
     assert ModelConfig.from_hf_dict(cfg).quant is not None
@@ -190,9 +199,12 @@ def test_quantized_latent_attention_is_refused_by_name(tmp_path):
 
 def test_experts_of_a_layer_must_be_quantized_alike(tmp_path):
     cfg = _cfg(tmp_path, "deepseek_v3", list(KIMI_IGNORE) + ["re:.*experts\\.3\\.down_proj"])
-    with pytest.raises(ConfigError, match=r"model.layers.1.mlp.experts: model.layers.1.mlp.experts.0.gate_proj is "
-                                          r"int4 group 32, symmetric but model.layers.1.mlp.experts.3.down_proj is "
-                                          r"float in quantization_config"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model.layers.1.mlp.experts: model.layers.1.mlp.experts.0.gate_proj is "
+        r"int4 group 32, symmetric but model.layers.1.mlp.experts.3.down_proj is "
+        r"float in quantization_config",
+    ):
         ModelConfig.from_hf_dict(cfg)
 
 
@@ -208,8 +220,11 @@ def test_bad_int4_expert_tensors_are_named(tmp_path):
     good = load_file(path)
     name = "model.layers.1.mlp.experts.6.down_proj"
     cases = [
-        ({f"{name}.weight_shape": torch.tensor([64, 64])}, r"weight_shape' does not fit: weight_shape is \[64, 64\], "
-                                                           r"the config implies \[64, 32\]"),
+        (
+            {f"{name}.weight_shape": torch.tensor([64, 64])},
+            r"weight_shape' does not fit: weight_shape is \[64, 64\], "
+            r"the config implies \[64, 32\]",
+        ),
         ({f"{name}.weight_packed": good[f"{name}.weight_packed"].to(torch.int64)}, "packed int4 tensors are int32"),
         ({f"{name}.weight_scale": good[f"{name}.weight_scale"][:32].contiguous()}, r"expected shape \(64, 1\)"),
         ({f"{name}.weight_packed": None}, rf"missing tensor\(s\): {name}.weight_packed"),
@@ -241,11 +256,12 @@ def test_check_counts_int4_experts_and_how_many_gpus(moe_int4_pair, fake_gpus, m
 
     monkeypatch.setattr(check, "OVERHEAD_BYTES", 0)  # else the fixed allowance dominates these tiny models
     run = dict(device="auto", max_num_seqs=1, max_model_len=64)
-    total = {d: next(f for f in check.run_checks(str(d), **run) if f.code == "memory_estimate").data["total"]
-             for d in (q, twin)}
+    total = {
+        d: next(f for f in check.run_checks(str(d), **run) if f.code == "memory_estimate").data["total"]
+        for d in (q, twin)
+    }
     assert total[q] < total[twin]
     fake_gpus((0, (total[q] + total[twin]) / 2 / 0.9 / 2**20))  # room for the int4 target, not the twin
     (ok,) = [f for f in check.run_checks(str(q), **run) if f.code == "memory"]
     (err,) = [f for f in check.run_checks(str(twin), **run) if f.code == "memory"]
     assert ok.level == "ok" and err.data["gpus_needed"] == 2, (ok.message, err.message)
-

@@ -37,8 +37,11 @@ VOCAB = {f"t{i}": i for i in range(96)}
 @pytest.fixture(scope="module")
 def base(make_pair) -> Path:
     """The folder holding target/ and draft/ (each test edits a copy: `pair`)."""
-    target, _ = make_pair(layers=LAYERS, tokenizer=_word_tokenizer,  # vocab 96, hidden 64, 4 heads / 2 KV heads
-                          draft={"layout": "sglang", "draft_vocab": 48, "aux_ids": (1, 3, 4)})
+    target, _ = make_pair(
+        layers=LAYERS,
+        tokenizer=_word_tokenizer,  # vocab 96, hidden 64, 4 heads / 2 KV heads
+        draft={"layout": "sglang", "draft_vocab": 48, "aux_ids": (1, 3, 4)},
+    )
     return target.parent
 
 
@@ -302,7 +305,9 @@ def test_a_driver_without_nvidia_ml_py_is_judged_as_a_gpu(check_pair, monkeypatc
     assert warn.level == "warning" and "pip install 'specserve[ops]'" in warn.message
     assert not [f for f in found if f.code == "kv_capacity"]  # the CPU's RAM was not consulted
     monkeypatch.setattr(nvml, "driver_without_package", lambda: False)  # no driver: the CPU, as before
-    assert not [f for f in check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto") if f.code == "device"]
+    assert not [
+        f for f in check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto") if f.code == "device"
+    ]
 
 
 def test_memory_fits(check_pair, fake_gpus):
@@ -315,14 +320,18 @@ def test_memory_fits(check_pair, fake_gpus):
 
 def test_memory_too_small_suggests_what_fits(check_pair, fake_gpus):
     fake_gpus((0, 4096))  # 4 GiB GPU: usable 0.9 * 4 GiB = 3.6 GiB
-    found = check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto", max_num_seqs=4000, max_model_len=512)
+    found = check.run_checks(
+        str(check_pair[0]), str(check_pair[1]), device="auto", max_num_seqs=4000, max_model_len=512
+    )
     (err,) = [f for f in found if f.code == "memory"]
     assert err.level == "error" and "GPU 0 (FakeGPU)" in err.message
     fit = err.data["max_num_seqs_fit"]
     assert 1 <= fit < 4000 and f"lower --max-num-seqs to {fit}" in err.message
     ok = check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto", max_num_seqs=fit, max_model_len=512)
     assert not check.has_errors(ok), check.format_report(ok)
-    bad = check.run_checks(str(check_pair[0]), str(check_pair[1]), device="auto", max_num_seqs=fit + 1, max_model_len=512)
+    bad = check.run_checks(
+        str(check_pair[0]), str(check_pair[1]), device="auto", max_num_seqs=fit + 1, max_model_len=512
+    )
     assert check.has_errors(bad)
 
 
@@ -330,8 +339,14 @@ def test_memory_names_how_many_gpus_the_model_needs(check_pair, fake_gpus, monke
     monkeypatch.setattr(check, "OVERHEAD_BYTES", 0)  # else the fixed allowance, the same on every GPU, dominates
     fake_gpus((0, 81920))
     run = dict(device="auto", max_num_seqs=1, max_model_len=512)
-    total = {tp: next(f for f in check.run_checks(str(check_pair[0]), str(check_pair[1]), tp=tp, **run)
-                      if f.code == "memory_estimate").data["total"] for tp in (1, 2)}
+    total = {
+        tp: next(
+            f
+            for f in check.run_checks(str(check_pair[0]), str(check_pair[1]), tp=tp, **run)
+            if f.code == "memory_estimate"
+        ).data["total"]
+        for tp in (1, 2)
+    }
     assert total[2] < total[1]
     fake_gpus((0, (total[1] + total[2]) / 2 / 0.9 / 2**20))  # room for TP 2's share, not for the whole model
     (err,) = [f for f in check.run_checks(str(check_pair[0]), str(check_pair[1]), **run) if f.code == "memory"]
@@ -370,7 +385,9 @@ def test_tp_needs_enough_gpus(capsys, check_pair, fake_gpus):
 
 def test_memory_cli_error_line(capsys, check_pair, fake_gpus):
     fake_gpus((81000, 81920))
-    rc, out = cli(capsys, "--model", str(check_pair[0]), "--draft", str(check_pair[1]), "--gpu-memory-utilization", "0.95")
+    rc, out = cli(
+        capsys, "--model", str(check_pair[0]), "--draft", str(check_pair[1]), "--gpu-memory-utilization", "0.95"
+    )
     assert rc == 1
     (err,) = [ln for ln in lines(out, "ERROR")]
     assert err.startswith("ERROR: GPU 0 (FakeGPU): needs ~") and "--gpu-memory-utilization 0.95" in err
@@ -388,8 +405,9 @@ def test_pickle_only_weights(capsys, check_pair):
     (target / "model.safetensors").rename(target / "pytorch_model.bin")
     rc, out = run_pair(capsys, check_pair)
     assert rc == 1
-    assert any("only pickle checkpoints (pytorch_model.bin)" in ln and "--allow-pickle" in ln
-               for ln in lines(out, "ERROR"))
+    assert any(
+        "only pickle checkpoints (pytorch_model.bin)" in ln and "--allow-pickle" in ln for ln in lines(out, "ERROR")
+    )
     rc, out = run_pair(capsys, check_pair, "--allow-pickle")
     assert rc == 0, out
     assert any("pickle" in ln for ln in lines(out, "WARNING"))
@@ -446,18 +464,37 @@ def test_estimate_matches_what_the_engine_allocates(check_pair, tree):
     from specserve.engine.runner import ModelRunner
 
     target, draft = check_pair
-    cfg = EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3, max_num_seqs=3,
-                       max_model_len=100, cuda_graphs=False, **tree)
+    cfg = EngineConfig(
+        model=str(target),
+        draft=str(draft),
+        device="cpu",
+        spec_steps=3,
+        max_num_seqs=3,
+        max_model_len=100,
+        cuda_graphs=False,
+        **tree,
+    )
     runner = ModelRunner(cfg)
-    found = check.run_checks(str(target), str(draft), device="cpu", spec_steps=3, max_num_seqs=3, max_model_len=100,
-                             cuda_graphs=False, **tree)
+    found = check.run_checks(
+        str(target),
+        str(draft),
+        device="cpu",
+        spec_steps=3,
+        max_num_seqs=3,
+        max_model_len=100,
+        cuda_graphs=False,
+        **tree,
+    )
     est = next(f for f in found if f.code == "memory_estimate").data
     assert est["kv"] == runner.kv.nbytes()
     assert est["cache_len"] == runner.cache_len
     target_bytes = sum(p.numel() * p.element_size() for p in runner.target.parameters())
     # The drafter borrows the target's embedding (a submodule it does not own) and holds d2t/t2d as buffers.
-    drafter_bytes = sum(p.numel() * p.element_size() for n, p in runner.drafter.named_parameters(remove_duplicate=False)
-                        if not n.startswith("target_embed."))
+    drafter_bytes = sum(
+        p.numel() * p.element_size()
+        for n, p in runner.drafter.named_parameters(remove_duplicate=False)
+        if not n.startswith("target_embed.")
+    )
     drafter_bytes += sum(b.numel() * b.element_size() for n, b in runner.drafter.named_buffers() if n in ("d2t", "t2d"))
     assert est["weights"] == target_bytes + drafter_bytes
 
@@ -493,7 +530,9 @@ def test_estimate_bounds_real_gpu_memory(tmp_path):
     torch.cuda.synchronize()
     free1, _ = torch.cuda.mem_get_info()
     used = free0 - free1
-    print(f"measured {used / 2**20:.0f} MiB (without the CUDA context), estimated {est['total'] / 2**20:.0f} MiB "
-          f"(weights {est['weights'] / 2**20:.0f}, KV {est['kv'] / 2**20:.0f}, other {est['other'] / 2**20:.0f})")
+    print(
+        f"measured {used / 2**20:.0f} MiB (without the CUDA context), estimated {est['total'] / 2**20:.0f} MiB "
+        f"(weights {est['weights'] / 2**20:.0f}, KV {est['kv'] / 2**20:.0f}, other {est['other'] / 2**20:.0f})"
+    )
     assert used > est["weights"] + est["kv"]  # the measurement sees the real allocations
     assert est["total"] >= used

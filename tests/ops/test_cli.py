@@ -16,8 +16,9 @@ TIMEOUT = 600
 
 
 def specserve(*args, cwd=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "specserve", *args], capture_output=True, text=True,
-                          timeout=TIMEOUT, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "specserve", *args], capture_output=True, text=True, timeout=TIMEOUT, cwd=cwd
+    )
 
 
 def command_parser(name: str) -> argparse.ArgumentParser:
@@ -27,9 +28,11 @@ def command_parser(name: str) -> argparse.ArgumentParser:
 
 
 def test_help_of_every_command_does_not_import_torch():
-    code = ("import sys\nfrom specserve.cli import main\n"
-            "try:\n    main([sys.argv[1], '--help'])\nexcept SystemExit:\n    pass\n"
-            "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)")
+    code = (
+        "import sys\nfrom specserve.cli import main\n"
+        "try:\n    main([sys.argv[1], '--help'])\nexcept SystemExit:\n    pass\n"
+        "print('TORCH' if 'torch' in sys.modules else 'NO-TORCH', file=sys.stderr)"
+    )
     for name in COMMANDS:
         r = subprocess.run([sys.executable, "-c", code, name], capture_output=True, text=True, timeout=TIMEOUT)
         assert f"specserve {name}" in r.stdout, (name, r.stdout, r.stderr)
@@ -134,8 +137,10 @@ def test_a_prompt_longer_than_max_model_len_is_one_line():
 def test_user_errors_print_one_line(tmp_path):
     _one_line_error(specserve("generate", "--prompt", "x", "--model", str(tmp_path / "nope")), "neither a Hugging Face")
     _one_line_error(specserve("bench", "--prompts", str(tmp_path / "nope.jsonl")), "not found")
-    _one_line_error(specserve("train-draft", "--model", str(tmp_path / "nope"), "--data", "d", "--out",
-                              str(tmp_path / "o")), "config.json")
+    _one_line_error(
+        specserve("train-draft", "--model", str(tmp_path / "nope"), "--data", "d", "--out", str(tmp_path / "o")),
+        "config.json",
+    )
 
 
 def test_config_errors_raised_by_a_command_are_one_line(monkeypatch, capsys):
@@ -150,8 +155,9 @@ def test_config_errors_raised_by_a_command_are_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err == "error: --devices 9: no such GPU\n"
 
 
-@pytest.mark.parametrize("flags, module", [(["--plot", "r.png"], "matplotlib"),
-                                           (["--url", "http://127.0.0.1:9"], "httpx")])
+@pytest.mark.parametrize(
+    "flags, module", [(["--plot", "r.png"], "matplotlib"), (["--url", "http://127.0.0.1:9"], "httpx")]
+)
 def test_a_missing_extra_is_named_before_the_bench_runs(flags, module, monkeypatch, capsys):
     """--plot and --url need the `bench` extra's packages: without one, bench says which extra
     installs it before loading a model (not after a run whose results would then be lost)."""
@@ -184,8 +190,19 @@ def test_internal_errors_keep_their_traceback(monkeypatch):
 
 
 def test_several_prompts_are_labelled_and_a_length_stop_is_explained():
-    r = specserve("generate", "--prompt", "def add(a, b):", "--prompt", "import os", "--max-tokens", "200",
-                  "--max-model-len", "32", "--device", "cpu")
+    r = specserve(
+        "generate",
+        "--prompt",
+        "def add(a, b):",
+        "--prompt",
+        "import os",
+        "--max-tokens",
+        "200",
+        "--max-model-len",
+        "32",
+        "--device",
+        "cpu",
+    )
     assert r.returncode == 0, r.stderr
     assert "[1/2] 'def add(a, b):'" in r.stdout and "[2/2] 'import os'" in r.stdout
     assert r.stdout.index("[1/2]") < r.stdout.index("[2/2]")
@@ -194,8 +211,25 @@ def test_several_prompts_are_labelled_and_a_length_stop_is_explained():
 
 
 def test_nccl_tune_writes_nothing_unasked(tmp_path):
-    r = specserve("nccl-tune", "--tp", "2", "--hidden", "64", "--tokens", "1", "--iters", "2", "--runs", "1",
-                  "--device", "cpu", "--profiles", "default", "--json", cwd=tmp_path)
+    r = specserve(
+        "nccl-tune",
+        "--tp",
+        "2",
+        "--hidden",
+        "64",
+        "--tokens",
+        "1",
+        "--iters",
+        "2",
+        "--runs",
+        "1",
+        "--device",
+        "cpu",
+        "--profiles",
+        "default",
+        "--json",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert list(tmp_path.iterdir()) == []
     assert "not written (--out FILE" in r.stdout

@@ -29,8 +29,11 @@ def test_every_specserve_variable_in_the_package_is_registered():
 def test_variables_are_read_only_through_the_registry():
     """Outside envs.py no module reads a SPECSERVE_* variable from os.environ itself."""
     direct = re.compile(r"""(environ(\.get)?\s*[\[(]|getenv\()\s*["']SPECSERVE_""")
-    offenders = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
-                 if p.name != "envs.py" and direct.search(p.read_text())]
+    offenders = [
+        str(p.relative_to(PACKAGE))
+        for p in PACKAGE.rglob("*.py")
+        if p.name != "envs.py" and direct.search(p.read_text())
+    ]
     assert offenders == []
 
 
@@ -38,8 +41,13 @@ def test_registry_entries_are_documented_and_marked():
     for var in envs.REGISTRY.values():
         assert var.name.startswith("SPECSERVE_") and var.doc and var.type in (bool, int, str)
     internal = {v.name for v in envs.REGISTRY.values() if v.internal}
-    assert {"SPECSERVE_TP_RANK", "SPECSERVE_TP_SIZE", "SPECSERVE_TP_FD", "SPECSERVE_TP_PARENT_PID",
-            "SPECSERVE_LAUNCH_ID"} == internal
+    assert {
+        "SPECSERVE_TP_RANK",
+        "SPECSERVE_TP_SIZE",
+        "SPECSERVE_TP_FD",
+        "SPECSERVE_TP_PARENT_PID",
+        "SPECSERVE_LAUNCH_ID",
+    } == internal
 
 
 def test_parsing(monkeypatch):

@@ -59,9 +59,12 @@ def args(**kw) -> argparse.Namespace:
 def two_gpus(tmp_path, holder_pid=None, mib=70000):
     pidfile = tmp_path / "pids"
     pidfile.write_text(f"{holder_pid}\n" if holder_pid else "")
-    return {"gpus": [{"name": "Fake H200", "total_mib": 143771, "base_mib": 500, "util": 7},
-                     {"name": "Fake H200", "total_mib": 143771, "base_mib": 500,
-                      "pidfile": str(pidfile), "pidfile_mib": mib}]}
+    return {
+        "gpus": [
+            {"name": "Fake H200", "total_mib": 143771, "base_mib": 500, "util": 7},
+            {"name": "Fake H200", "total_mib": 143771, "base_mib": 500, "pidfile": str(pidfile), "pidfile_mib": mib},
+        ]
+    }
 
 
 def test_no_nvml(fake_pynvml, capsys):
@@ -134,8 +137,7 @@ def test_threshold(fake_pynvml, tmp_path, sleeper):
 
 
 def test_invisible_pid(fake_pynvml, tmp_path):
-    s = {"gpus": [{"name": "x", "total_mib": 1000, "base_mib": 10,
-                   "holders": [{"pid": 4194000, "mib": 500}]}]}
+    s = {"gpus": [{"name": "x", "total_mib": 1000, "base_mib": 10, "holders": [{"pid": 4194000, "mib": 500}]}]}
     fake_pynvml(s)
     p = nvml.query().gpus[0].processes[0]
     assert p.pid == 4194000 and not p.visible and "not visible" in p.describe()
@@ -151,8 +153,13 @@ def test_cli_without_gpu(tmp_path):
     env.pop("FAKE_NVML_STATE", None)
     r = subprocess.run([PY, "-m", "specserve", "gpus"], capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "no NVIDIA GPU/NVML" in r.stdout
-    r = subprocess.run([PY, "-m", "specserve", "gpus", "--json", "--wait-free", "--timeout", "1"],
-                       capture_output=True, text=True, env=env, timeout=300)
+    r = subprocess.run(
+        [PY, "-m", "specserve", "gpus", "--json", "--wait-free", "--timeout", "1"],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert r.returncode == 0 and json.loads(r.stdout)["state"] == "no-nvml"
 
 
@@ -161,8 +168,12 @@ def test_real_gpu_holders_and_wait_free(tmp_path):
     """Real NVML: the processes of a GPU job are listed, and --wait-free sees them go."""
     fake_servers = Path(__file__).parent / "fake_servers"
     pidfile = tmp_path / "pids"
-    job = subprocess.Popen([PY, str(fake_servers / "gpu_hang.py"), "--gib", "3", "--pidfile", str(pidfile)],
-                           stdout=subprocess.PIPE, text=True, start_new_session=True)
+    job = subprocess.Popen(
+        [PY, str(fake_servers / "gpu_hang.py"), "--gib", "3", "--pidfile", str(pidfile)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     try:
         for line in job.stdout:  # progress lines, then "... hold N GiB each"
             if "hold" in line:
@@ -175,13 +186,21 @@ def test_real_gpu_holders_and_wait_free(tmp_path):
         print(r.stdout)
         # Inside a container NVML may report host PIDs; the /dev/nvidia* scan still finds ours.
         assert set(pids) <= set(listed)
-        r = subprocess.run([PY, "-m", "specserve", "gpus", "--wait-free", "--timeout", "2", "--devices", "0"],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            [PY, "-m", "specserve", "gpus", "--wait-free", "--timeout", "2", "--devices", "0"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert r.returncode == gpus.EXIT_TIMEOUT and "still busy" in r.stdout
     finally:
         os.killpg(job.pid, 9)
         job.wait()
-    r = subprocess.run([PY, "-m", "specserve", "gpus", "--wait-free", "--timeout", "60", "--devices", "0"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [PY, "-m", "specserve", "gpus", "--wait-free", "--timeout", "60", "--devices", "0"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     print(r.stdout)
     assert r.returncode == 0

@@ -13,8 +13,9 @@ from pathlib import Path
 
 import psutil
 
-from served import free_port
 from specserve.ops import supervisor as sup
+
+from served import free_port
 
 FAKE = Path(__file__).parent / "fake_servers"
 ACCESS = b'INFO:     127.0.0.1:1 - "GET /health HTTP/1.1" 503 Service Unavailable'
@@ -76,10 +77,33 @@ def test_print_access_log_server_answering_503_is_declared_hung(tmp_path):
     stall = 4.0
     port = free_port()
     pidfile = tmp_path / "pids"
-    r = subprocess.run([sys.executable, "-m", "specserve", "launch", "--stall-timeout", str(stall), "--health-interval",
-                        "0.3", "--ready-timeout", "40", "--grace", "1", "--", sys.executable,
-                        str(FAKE / "stuck_loading.py"), "--print-log", "--port", str(port), "--pidfile", str(pidfile)],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specserve",
+            "launch",
+            "--stall-timeout",
+            str(stall),
+            "--health-interval",
+            "0.3",
+            "--ready-timeout",
+            "40",
+            "--grace",
+            "1",
+            "--",
+            sys.executable,
+            str(FAKE / "stuck_loading.py"),
+            "--print-log",
+            "--port",
+            str(port),
+            "--pidfile",
+            str(pidfile),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     out = r.stdout + r.stderr
     assert r.returncode == sup.EXIT_HUNG, out
     rows = [(sup_time(line), line) for line in out.splitlines() if line[:4].isdigit()]
@@ -95,4 +119,3 @@ def test_print_access_log_server_answering_503_is_declared_hung(tmp_path):
 
 def sup_time(line: str) -> float:
     return datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S.%f").timestamp()
-

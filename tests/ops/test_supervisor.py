@@ -126,15 +126,18 @@ class Scenario:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                pytest.fail(f"scenario {self.name}: supervisor still running after {self.timeout} s:\n"
-                            + self.out_path.read_text())
+                pytest.fail(
+                    f"scenario {self.name}: supervisor still running after {self.timeout} s:\n"
+                    + self.out_path.read_text()
+                )
             self.elapsed = time.monotonic() - self.t0
             self.out = self.out_path.read_text()
         return self
 
 
-def start(name: str, tmp: Path, launch_args: list[str], cmd: list[str], state: dict | None = None,
-          timeout: float = 300.0) -> Scenario:
+def start(
+    name: str, tmp: Path, launch_args: list[str], cmd: list[str], state: dict | None = None, timeout: float = 300.0
+) -> Scenario:
     d = tmp / name
     d.mkdir(parents=True, exist_ok=True)
     out_path = d / "out.txt"
@@ -142,9 +145,13 @@ def start(name: str, tmp: Path, launch_args: list[str], cmd: list[str], state: d
     cmd = [c.replace("{pidfile}", str(d / "pids")).replace("{dir}", str(d)) for c in cmd]
     if state is not None:
         state = json.loads(json.dumps(state).replace("{pidfile}", str(d / "pids")).replace("{dir}", str(d)))
-    proc = subprocess.Popen([PY, "-m", "specserve", "launch", *launch_args, "--", *cmd],
-                            stdout=f, stderr=subprocess.STDOUT, env=fake_env(d, state),
-                            stdin=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [PY, "-m", "specserve", "launch", *launch_args, "--", *cmd],
+        stdout=f,
+        stderr=subprocess.STDOUT,
+        env=fake_env(d, state),
+        stdin=subprocess.DEVNULL,
+    )
     f.close()
     return Scenario(name, proc, out_path, d / "pids", time.monotonic(), timeout)
 
@@ -154,44 +161,142 @@ def _scenarios(tmp: Path, bystander: int) -> dict:
     quick = ["--grace", "1", "--kill-wait", "5", "--gpu-release-timeout", "3"]
     slow_port, freeze_port, never_port, stuck_port = free_port(), free_port(), free_port(), free_port()
     return {
-        "silent": (["--stall-timeout", str(STALL), "--log", str(tmp / "silent" / "launch.log"), *quick],
-                   [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}"], None),
-        "stubborn": (["--stall-timeout", str(STALL), *quick],
-                     [PY, str(FAKE / "stubborn_tree.py"), "--pidfile", "{pidfile}"],
-                     {"gpus": [{"name": "Fake H200", "total_mib": 143771, "base_mib": 500,
-                                "pidfile": "{pidfile}", "pidfile_mib": 9000}]}),
-        "crash": (["--stall-timeout", "30", *quick],
-                  [PY, str(FAKE / "stubborn_tree.py"), "--pidfile", "{pidfile}", "--exit-code", "3"], None),
-        "slow": (["--stall-timeout", "3", *quick],
-                 [PY, str(FAKE / "slow_server.py"), "--port", str(slow_port), "--load-seconds", "7",
-                  "--line-every", "0.3", "--cr", "--serve-seconds", "4.5", "--pidfile", "{pidfile}"], None),
-        "stuck_loading": (["--stall-timeout", str(STALL), "--health-interval", "0.3", *quick],
-                          [PY, str(FAKE / "stuck_loading.py"), "--port", str(stuck_port),
-                           "--pidfile", "{pidfile}"], None),
-        "ready_timeout": (["--stall-timeout", "30", "--ready-timeout", "3", *quick],
-                          [PY, str(FAKE / "slow_server.py"), "--port", str(never_port),
-                           "--load-seconds", "60", "--pidfile", "{pidfile}"], None),
-        "freeze": (["--stall-timeout", str(STALL), "--health-interval", "0.3", *quick],
-                   [PY, str(FAKE / "slow_server.py"), "--port", str(freeze_port), "--load-seconds", "0.5",
-                    "--freeze-after", "2", "--pidfile", "{pidfile}"], None),
-        "fallback": (["--stall-timeout", str(STALL), "--restarts", "2", "--restart-delay", "0.2",
-                      "--fallback-args", "--disable-cuda-graph", *quick],
-                     [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}",
-                      "--works-with", "disable-cuda-graph"], None),
-        "exhausted": (["--stall-timeout", "30", "--restarts", "2", "--restart-delay", "0.1", *quick],
-                      [PY, "-c", "import sys; print('boom', flush=True); sys.exit(3)"], None),
-        "gpu_leak": (["--stall-timeout", str(STALL), "--restarts", "1", *quick],
-                     [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}", "--touch", "{dir}/flag"],
-                     {"gpus": [{"name": "Fake H200", "total_mib": 143771, "base_mib": 500,
-                                "pidfile": "{pidfile}", "pidfile_mib": 30000},
-                               {"name": "Fake H200", "total_mib": 143771, "base_mib": 500,
-                                "holders": [{"pid": 4194000, "mib": 70000, "when_file": "{dir}/flag"}]}]}),
+        "silent": (
+            ["--stall-timeout", str(STALL), "--log", str(tmp / "silent" / "launch.log"), *quick],
+            [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}"],
+            None,
+        ),
+        "stubborn": (
+            ["--stall-timeout", str(STALL), *quick],
+            [PY, str(FAKE / "stubborn_tree.py"), "--pidfile", "{pidfile}"],
+            {
+                "gpus": [
+                    {
+                        "name": "Fake H200",
+                        "total_mib": 143771,
+                        "base_mib": 500,
+                        "pidfile": "{pidfile}",
+                        "pidfile_mib": 9000,
+                    }
+                ]
+            },
+        ),
+        "crash": (
+            ["--stall-timeout", "30", *quick],
+            [PY, str(FAKE / "stubborn_tree.py"), "--pidfile", "{pidfile}", "--exit-code", "3"],
+            None,
+        ),
+        "slow": (
+            ["--stall-timeout", "3", *quick],
+            [
+                PY,
+                str(FAKE / "slow_server.py"),
+                "--port",
+                str(slow_port),
+                "--load-seconds",
+                "7",
+                "--line-every",
+                "0.3",
+                "--cr",
+                "--serve-seconds",
+                "4.5",
+                "--pidfile",
+                "{pidfile}",
+            ],
+            None,
+        ),
+        "stuck_loading": (
+            ["--stall-timeout", str(STALL), "--health-interval", "0.3", *quick],
+            [PY, str(FAKE / "stuck_loading.py"), "--port", str(stuck_port), "--pidfile", "{pidfile}"],
+            None,
+        ),
+        "ready_timeout": (
+            ["--stall-timeout", "30", "--ready-timeout", "3", *quick],
+            [
+                PY,
+                str(FAKE / "slow_server.py"),
+                "--port",
+                str(never_port),
+                "--load-seconds",
+                "60",
+                "--pidfile",
+                "{pidfile}",
+            ],
+            None,
+        ),
+        "freeze": (
+            ["--stall-timeout", str(STALL), "--health-interval", "0.3", *quick],
+            [
+                PY,
+                str(FAKE / "slow_server.py"),
+                "--port",
+                str(freeze_port),
+                "--load-seconds",
+                "0.5",
+                "--freeze-after",
+                "2",
+                "--pidfile",
+                "{pidfile}",
+            ],
+            None,
+        ),
+        "fallback": (
+            [
+                "--stall-timeout",
+                str(STALL),
+                "--restarts",
+                "2",
+                "--restart-delay",
+                "0.2",
+                "--fallback-args",
+                "--disable-cuda-graph",
+                *quick,
+            ],
+            [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}", "--works-with", "disable-cuda-graph"],
+            None,
+        ),
+        "exhausted": (
+            ["--stall-timeout", "30", "--restarts", "2", "--restart-delay", "0.1", *quick],
+            [PY, "-c", "import sys; print('boom', flush=True); sys.exit(3)"],
+            None,
+        ),
+        "gpu_leak": (
+            ["--stall-timeout", str(STALL), "--restarts", "1", *quick],
+            [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}", "--touch", "{dir}/flag"],
+            {
+                "gpus": [
+                    {
+                        "name": "Fake H200",
+                        "total_mib": 143771,
+                        "base_mib": 500,
+                        "pidfile": "{pidfile}",
+                        "pidfile_mib": 30000,
+                    },
+                    {
+                        "name": "Fake H200",
+                        "total_mib": 143771,
+                        "base_mib": 500,
+                        "holders": [{"pid": 4194000, "mib": 70000, "when_file": "{dir}/flag"}],
+                    },
+                ]
+            },
+        ),
         # The extra memory belongs to a visible process outside the tree: named, not killed,
         # and not a cleanup failure.
-        "gpu_other": (["--stall-timeout", str(STALL), *quick],
-                      [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}", "--touch", "{dir}/flag"],
-                      {"gpus": [{"name": "Fake H200", "total_mib": 143771, "base_mib": 500,
-                                 "holders": [{"pid": bystander, "mib": 20000, "when_file": "{dir}/flag"}]}]}),
+        "gpu_other": (
+            ["--stall-timeout", str(STALL), *quick],
+            [PY, str(FAKE / "silent_hang.py"), "--pidfile", "{pidfile}", "--touch", "{dir}/flag"],
+            {
+                "gpus": [
+                    {
+                        "name": "Fake H200",
+                        "total_mib": 143771,
+                        "base_mib": 500,
+                        "holders": [{"pid": bystander, "mib": 20000, "when_file": "{dir}/flag"}],
+                    }
+                ]
+            },
+        ),
     }
 
 
@@ -215,8 +320,7 @@ def scenarios(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("launch")
     wanted = {SCENARIO_OF_TEST[i.name] for i in request.session.items if i.name in SCENARIO_OF_TEST}
     bystander = subprocess.Popen([PY, "-c", "import time; time.sleep(120)"])
-    started = {name: start(name, tmp, *spec) for name, spec in _scenarios(tmp, bystander.pid).items()
-               if name in wanted}
+    started = {name: start(name, tmp, *spec) for name, spec in _scenarios(tmp, bystander.pid).items() if name in wanted}
     started["bystander"] = bystander
     yield started
     bystander.kill()
@@ -319,12 +423,17 @@ def test_stuck_loading_behind_a_live_http_loop(scenarios):
 
 
 def test_access_log_lines_are_recognised():
-    for line in ['INFO:     127.0.0.1:53422 - "GET /health HTTP/1.1" 503 Service Unavailable',
-                 '\x1b[32mINFO\x1b[0m:     127.0.0.1:1 - "POST /v1/completions HTTP/1.1" \x1b[32m200 OK\x1b[0m',
-                 '127.0.0.1 - - [01/Dec/2026 10:00:00] "GET /health HTTP/1.0" 200 -']:
+    for line in [
+        'INFO:     127.0.0.1:53422 - "GET /health HTTP/1.1" 503 Service Unavailable',
+        '\x1b[32mINFO\x1b[0m:     127.0.0.1:1 - "POST /v1/completions HTTP/1.1" \x1b[32m200 OK\x1b[0m',
+        '127.0.0.1 - - [01/Dec/2026 10:00:00] "GET /health HTTP/1.0" 200 -',
+    ]:
         assert sup.is_access_log(line), line
-    for line in ["2026-12-01 10:00:00 INFO specserve.server: captured graph 3/40 decode batch 8",
-                 "loading weights: file 1/2", 'error: bad "GET" in the config']:
+    for line in [
+        "2026-12-01 10:00:00 INFO specserve.server: captured graph 3/40 decode batch 8",
+        "loading weights: file 1/2",
+        'error: bad "GET" in the config',
+    ]:
         assert not sup.is_access_log(line), line
 
 
@@ -408,18 +517,41 @@ def test_gpu_memory_of_another_process(scenarios):
 
 # ---------------------------------------------------------------------------- quick ones
 def run_launch(args, tmp_path, timeout=300):
-    return subprocess.run([PY, "-m", "specserve", "launch", *args], capture_output=True, text=True,
-                          env=fake_env(tmp_path), timeout=timeout)
+    return subprocess.run(
+        [PY, "-m", "specserve", "launch", *args],
+        capture_output=True,
+        text=True,
+        env=fake_env(tmp_path),
+        timeout=timeout,
+    )
 
 
 def test_ctrl_c_stops_the_whole_tree(tmp_path):
     pidfile = tmp_path / "pids"
     # Ctrl-C's default action in launch, also when pytest itself runs with SIGINT ignored (`cmd &` in a
     # script, `nohup`): launch keeps an inherited SIG_IGN by design, and would then ignore this SIGINT.
-    p = subprocess.Popen([PY, "-m", "specserve", "launch", "--stall-timeout", "30", "--grace", "1", "--",
-                          PY, str(FAKE / "stubborn_tree.py"), "--pidfile", str(pidfile)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=fake_env(tmp_path),
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    p = subprocess.Popen(
+        [
+            PY,
+            "-m",
+            "specserve",
+            "launch",
+            "--stall-timeout",
+            "30",
+            "--grace",
+            "1",
+            "--",
+            PY,
+            str(FAKE / "stubborn_tree.py"),
+            "--pidfile",
+            str(pidfile),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=fake_env(tmp_path),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     out = []
     try:
         deadline = time.monotonic() + 300
@@ -458,27 +590,34 @@ def test_usage_errors(tmp_path):
 
 
 def test_clean_exit_and_no_torch(tmp_path):
-    r = run_launch(["--stall-timeout", "5", "--", PY, "-c",
-                    "import sys; print('modules', 'torch' in sys.modules)"], tmp_path)
+    r = run_launch(
+        ["--stall-timeout", "5", "--", PY, "-c", "import sys; print('modules', 'torch' in sys.modules)"], tmp_path
+    )
     assert r.returncode == sup.EXIT_OK, r.stdout
-    r = subprocess.run([PY, "-c", "import sys, specserve.ops.supervisor, specserve.ops.gpus; "
-                        "sys.exit(int('torch' in sys.modules))"], capture_output=True, text=True)
+    r = subprocess.run(
+        [PY, "-c", "import sys, specserve.ops.supervisor, specserve.ops.gpus; sys.exit(int('torch' in sys.modules))"],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, "the supervisor must not import torch"
 
 
 # ---------------------------------------------------------------------------- units
-@pytest.mark.parametrize("cmd, url", [
-    (["specserve", "serve", "--port", "8123"], "http://127.0.0.1:8123/health"),
-    (["x", "--host", "0.0.0.0", "--port=9000"], "http://127.0.0.1:9000/health"),
-    (["x", "--host", "10.1.2.3", "--port", "9000"], "http://10.1.2.3:9000/health"),
-    (["x", "--host", "::", "--port", "9000"], "http://[::1]:9000/health"),
-    (["vllm", "serve", "meta-llama/Llama-3.1-8B"], "http://127.0.0.1:8000/health"),
-    (["python", "-m", "sglang.launch_server", "--model-path", "m"], "http://127.0.0.1:30000/health"),
-    (["python", "-m", "sglang.launch_server", "--port", "31000"], "http://127.0.0.1:31000/health"),
-    (["python", "my_server.py"], None),
-    (["specserve", "serve", "--nnodes", "2", "--node-rank", "1", "--port", "8000"], None),  # headless: no HTTP
-    (["specserve", "serve", "--node-rank=0", "--port", "9000"], "http://127.0.0.1:9000/health"),
-])
+@pytest.mark.parametrize(
+    "cmd, url",
+    [
+        (["specserve", "serve", "--port", "8123"], "http://127.0.0.1:8123/health"),
+        (["x", "--host", "0.0.0.0", "--port=9000"], "http://127.0.0.1:9000/health"),
+        (["x", "--host", "10.1.2.3", "--port", "9000"], "http://10.1.2.3:9000/health"),
+        (["x", "--host", "::", "--port", "9000"], "http://[::1]:9000/health"),
+        (["vllm", "serve", "meta-llama/Llama-3.1-8B"], "http://127.0.0.1:8000/health"),
+        (["python", "-m", "sglang.launch_server", "--model-path", "m"], "http://127.0.0.1:30000/health"),
+        (["python", "-m", "sglang.launch_server", "--port", "31000"], "http://127.0.0.1:31000/health"),
+        (["python", "my_server.py"], None),
+        (["specserve", "serve", "--nnodes", "2", "--node-rank", "1", "--port", "8000"], None),  # headless: no HTTP
+        (["specserve", "serve", "--node-rank=0", "--port", "9000"], "http://127.0.0.1:9000/health"),
+    ],
+)
 def test_infer_health_url(cmd, url):
     assert sup.infer_health_url(cmd)[0] == url
 
@@ -488,8 +627,20 @@ def test_fallback_args_may_start_with_dashes():
 
     p = argparse.ArgumentParser()
     sup.add_arguments(p)
-    a = p.parse_args(["--fallback-args", "--disable-cuda-graph", "--restarts", "1", "--log", "f",
-                      "--", "python", "--fallback-args", "x"])
+    a = p.parse_args(
+        [
+            "--fallback-args",
+            "--disable-cuda-graph",
+            "--restarts",
+            "1",
+            "--log",
+            "f",
+            "--",
+            "python",
+            "--fallback-args",
+            "x",
+        ]
+    )
     assert a.fallback_args == "--disable-cuda-graph" and a.restarts == 1 and a.log == "f"
     assert a.cmd == ["--", "python", "--fallback-args", "x"]  # CMD is left alone (run() drops "--")
     a = p.parse_args(["--fallback-args", "--disable-cuda-graph --cuda-graph-max-bs 8", "vllm", "serve"])
@@ -523,8 +674,12 @@ def test_output_reader_lines_and_progress():
 
 def test_process_tree_stops_stubborn_tree_in_process(tmp_path):
     pidfile = tmp_path / "pids"
-    root = subprocess.Popen([PY, str(FAKE / "stubborn_tree.py"), "--pidfile", str(pidfile)],
-                            stdout=subprocess.PIPE, text=True, start_new_session=True)
+    root = subprocess.Popen(
+        [PY, str(FAKE / "stubborn_tree.py"), "--pidfile", str(pidfile)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     # An unrelated process started after the root: never part of the tree.
     bystander = subprocess.Popen([PY, "-c", "import time; time.sleep(60)"])
     try:
@@ -534,7 +689,7 @@ def test_process_tree_stops_stubborn_tree_in_process(tmp_path):
         pids = read_pids(pidfile)
         assert bystander.pid not in members
         assert root.pid in members and len(members) >= 5  # the setsid'd daemon escaped here:
-        logs = []                                        # no subreaper, no env marker
+        logs = []  # no subreaper, no env marker
         res = stop_tree(tree, grace=0.5, kill_wait=5, log=logs.append, on_tick=root.poll)
         assert res.clean and res.sigkilled
         assert root.wait(5) == -signal.SIGKILL
@@ -552,8 +707,11 @@ def test_process_tree_stops_stubborn_tree_in_process(tmp_path):
 def test_device_holders(tmp_path):
     dev = tmp_path / "nvidia-like-device"
     dev.write_text("")
-    holder = subprocess.Popen([PY, "-c", f"f = open({str(dev)!r}); print('open', flush=True); "
-                               "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    holder = subprocess.Popen(
+        [PY, "-c", f"f = open({str(dev)!r}); print('open', flush=True); import time; time.sleep(60)"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert holder.stdout.readline().strip() == "open"
         found = device_holders(prefix=str(dev))
@@ -576,17 +734,19 @@ def test_marker_and_session_find_non_descendants(tmp_path):
     env = dict(os.environ, SPECSERVE_LAUNCH_ID="test-marker-123")
     # The root double-forks an orphan that stays in its session but leaves its process
     # group and drops the marker: only the session id ties it to the tree.
-    code = ("import os, sys, time\n"
-            "if os.fork() == 0:\n"
-            "    pid = os.fork()\n"
-            "    if pid == 0:\n"
-            "        os.setpgid(0, 0)\n"
-            "        env = {k: v for k, v in os.environ.items() if k != 'SPECSERVE_LAUNCH_ID'}\n"
-            "        os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)'], env)\n"
-            "    print(pid, flush=True)\n"
-            "    os._exit(0)\n"
-            "os.wait()\n"
-            "time.sleep(60)\n")
+    code = (
+        "import os, sys, time\n"
+        "if os.fork() == 0:\n"
+        "    pid = os.fork()\n"
+        "    if pid == 0:\n"
+        "        os.setpgid(0, 0)\n"
+        "        env = {k: v for k, v in os.environ.items() if k != 'SPECSERVE_LAUNCH_ID'}\n"
+        "        os.execve(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)'], env)\n"
+        "    print(pid, flush=True)\n"
+        "    os._exit(0)\n"
+        "os.wait()\n"
+        "time.sleep(60)\n"
+    )
     root = subprocess.Popen([PY, "-c", code], start_new_session=True, env=env, stdout=subprocess.PIPE, text=True)
     marked = subprocess.Popen(sleep, start_new_session=True, env=env)  # own session, marker
     bystander = subprocess.Popen(sleep, start_new_session=True)  # own session, no marker
@@ -625,9 +785,30 @@ def _is_sleeper(pid: int) -> bool:
 def test_gpu_hang_is_killed_and_memory_released(tmp_path):
     """Real GPU, real NVML: a main process and a SIGTERM-ignoring worker hold 4 GiB each."""
     pidfile = tmp_path / "pids"
-    r = subprocess.run([PY, "-m", "specserve", "launch", "--stall-timeout", "5", "--grace", "2",
-                        "--gpu-release-timeout", "60", "--", PY, str(FAKE / "gpu_hang.py"), "--gib", "4",
-                        "--pidfile", str(pidfile)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [
+            PY,
+            "-m",
+            "specserve",
+            "launch",
+            "--stall-timeout",
+            "5",
+            "--grace",
+            "2",
+            "--gpu-release-timeout",
+            "60",
+            "--",
+            PY,
+            str(FAKE / "gpu_hang.py"),
+            "--gib",
+            "4",
+            "--pidfile",
+            str(pidfile),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     print(r.stdout, r.stderr)
     pids = read_pids(pidfile)
     try:

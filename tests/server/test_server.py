@@ -47,7 +47,6 @@ if HAVE_HTTP:
     import openai
 
 
-
 @pytest.fixture(scope="module")
 def engine_kw(pair) -> dict:
     return serve_kwargs(pair, "--max-num-seqs", "16")
@@ -81,8 +80,9 @@ def test_openai_client_completions_chat_streaming(live, offline):
     assert out.usage.prompt_tokens == len(want.prompt_token_ids)
     assert out.usage.completion_tokens == len(want.token_ids)
 
-    stream = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True,
-                                       stream_options={"include_usage": True})
+    stream = client.completions.create(
+        model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stream=True, stream_options={"include_usage": True}
+    )
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == want.text
     assert chunks[-1].usage.completion_tokens == len(want.token_ids)
@@ -105,20 +105,21 @@ def test_openai_client_completions_chat_streaming(live, offline):
     assert [c.text for c in a.choices] == [want.text] * 3
     assert a.usage.completion_tokens == 3 * len(want.token_ids)
     assert a.usage.prompt_tokens == len(want.prompt_token_ids)
-    multi = list(client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, n=2,
-                                           stream=True))
+    multi = list(
+        client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, n=2, stream=True)
+    )
     for i in (0, 1):
         assert "".join(c.choices[0].text for c in multi if c.choices and c.choices[0].index == i) == want.text
-    sampled = client.completions.create(model=NAME, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=6, temperature=1.0,
-                                        n=2, seed=7)
+    sampled = client.completions.create(
+        model=NAME, prompt=[PROMPTS[1], PROMPTS[2]], max_tokens=6, temperature=1.0, n=2, seed=7
+    )
     assert [c.index for c in sampled.choices] == [0, 1, 2, 3]
     assert all(c.finish_reason in ("stop", "length") for c in sampled.choices)
 
     # Stop strings: the text is cut exactly as LLM.generate cuts it, in streams too.
     stop = [want.text[3:5]] if len(want.text) >= 5 else ["\n"]
     cut = offline.generate([PROMPTS[0]], SamplingParams(temperature=0, max_tokens=12, stop=stop))[0]
-    s = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=stop,
-                                  stream=True)
+    s = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=12, temperature=0, stop=stop, stream=True)
     assert "".join(c.choices[0].text for c in s) == cut.text
 
     # Errors come back as the client's typed exceptions.
@@ -146,15 +147,17 @@ def test_200_concurrent_streams_match_offline_and_free_all_kv(live, offline):
     async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, str | None]:
         p = i % len(PROMPTS)
         if i % 4 == 3:
-            s = await client.chat.completions.create(model=NAME, messages=chat_messages(p), max_tokens=max_tokens,
-                                                     temperature=0, stream=True)
+            s = await client.chat.completions.create(
+                model=NAME, messages=chat_messages(p), max_tokens=max_tokens, temperature=0, stream=True
+            )
             got, reason = "", None
             async for c in s:
                 got += c.choices[0].delta.content or ""
                 reason = c.choices[0].finish_reason or reason
             return got, want_chat[p], reason
-        s = await client.completions.create(model=NAME, prompt=texts[p], max_tokens=max_tokens, temperature=0,
-                                            stream=True)
+        s = await client.completions.create(
+            model=NAME, prompt=texts[p], max_tokens=max_tokens, temperature=0, stream=True
+        )
         got, reason = "", None
         async for c in s:
             got += c.choices[0].text
@@ -177,8 +180,11 @@ def test_200_concurrent_streams_match_offline_and_free_all_kv(live, offline):
     after = live.get("/metrics").text
     done = metric(after, "specserve:request_success_total") - metric(before, "specserve:request_success_total")
     assert done == n
-    assert metric(after, "specserve:time_to_first_token_seconds_count") - \
-        metric(before, "specserve:time_to_first_token_seconds_count") == n
+    assert (
+        metric(after, "specserve:time_to_first_token_seconds_count")
+        - metric(before, "specserve:time_to_first_token_seconds_count")
+        == n
+    )
     # Adaptive speculation ran and its choices are visible in /metrics (which K it picks depends on
     # timings measured on this machine, so no particular K is asserted).
     assert metric(after, "specserve:spec_decode_num_drafts_total") > 0
@@ -191,9 +197,12 @@ def _bad_requests(live) -> list[tuple[str, dict, int, str | None]]:
     """(description, httpx kwargs, expected status, expected error param)."""
     comp = lambda **kw: {"json": {"model": NAME, "prompt": "def f(x):", "max_tokens": 4, **kw}}  # noqa: E731
     return [
-        ("invalid JSON", {"content": b'{"model": "x", "prompt": ', "headers": {**live.headers,
-                                                                           "Content-Type": "application/json"}},
-         400, None),
+        (
+            "invalid JSON",
+            {"content": b'{"model": "x", "prompt": ', "headers": {**live.headers, "Content-Type": "application/json"}},
+            400,
+            None,
+        ),
         ("not an object", {"json": [1, 2]}, 400, None),
         ("unknown model", comp(model="gpt-4"), 404, "model"),
         ("prompt longer than max-model-len", comp(prompt="x = 1\n" * MAX_LEN), 400, "prompt"),
@@ -219,15 +228,24 @@ def _bad_requests(live) -> list[tuple[str, dict, int, str | None]]:
 
 def test_bad_inputs_answered_while_a_stream_continues(live, offline):
     n_tokens = 160
-    body = {"model": NAME, "prompt": PROMPTS[3], "max_tokens": n_tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+    body = {
+        "model": NAME,
+        "prompt": PROMPTS[3],
+        "max_tokens": n_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     want = offline.generate([PROMPTS[3]], SamplingParams(temperature=0, max_tokens=n_tokens, ignore_eos=True))[0]
     events: list[tuple[float, dict]] = []
     started = threading.Event()
 
     def reader():
-        with httpx.Client(timeout=120) as c, c.stream("POST", live.url + "/v1/completions", json=body,
-                                                      headers=live.headers) as r:
+        with (
+            httpx.Client(timeout=120) as c,
+            c.stream("POST", live.url + "/v1/completions", json=body, headers=live.headers) as r,
+        ):
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: {"):
@@ -320,8 +338,7 @@ def test_client_disconnect_frees_its_row(live):
     # A non-streaming client that times out is noticed too.
     with slowed(live):  # 300 tokens take > 6 s here; the client gives up after 1 s
         with pytest.raises(httpx.ReadTimeout):
-            httpx.post(live.url + "/v1/completions", headers=live.headers, timeout=1.0,
-                       json={**body, "stream": False})
+            httpx.post(live.url + "/v1/completions", headers=live.headers, timeout=1.0, json={**body, "stream": False})
         info = live.wait_idle()
     assert info["requests"]["aborted"] == before["aborted"] + 2
 
@@ -336,8 +353,9 @@ def test_admit_wait_serves_the_same_tokens_and_leaves_nothing_behind(http, pair,
         srv.wait_ready()
         texts = [PROMPTS[i % len(PROMPTS)] for i in range(24)]
         lengths = [4 + 3 * (i % 5) for i in range(24)]  # rows end at different steps
-        want = [offline.generate([t], SamplingParams(temperature=0, max_tokens=n))[0].text
-                for t, n in zip(texts, lengths)]
+        want = [
+            offline.generate([t], SamplingParams(temperature=0, max_tokens=n))[0].text for t, n in zip(texts, lengths)
+        ]
 
         async def one(client, i):
             r = await client.completions.create(model=NAME, prompt=texts[i], max_tokens=lengths[i], temperature=0)
@@ -346,6 +364,7 @@ def test_admit_wait_serves_the_same_tokens_and_leaves_nothing_behind(http, pair,
         async def all_of_them():
             client = openai.AsyncOpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=120)
             return await asyncio.gather(*(one(client, i) for i in range(24)))
+
         assert asyncio.run(all_of_them()) == want
         info = srv.wait_idle()
         assert info["kv"]["rows_used"] == 0 and info["requests"]["success"]
@@ -366,8 +385,10 @@ def small(http, pair):
 def test_queue_full_gets_429_with_retry_after(small):
     body = {"model": NAME, "prompt": "import os", "max_tokens": 300, "ignore_eos": True, "stream": True}
     with slowed(small), httpx.Client(timeout=60) as c:
-        with c.stream("POST", small.url + "/v1/completions", json=body, headers=small.headers) as r1, \
-                c.stream("POST", small.url + "/v1/completions", json=body, headers=small.headers) as r2:
+        with (
+            c.stream("POST", small.url + "/v1/completions", json=body, headers=small.headers) as r1,
+            c.stream("POST", small.url + "/v1/completions", json=body, headers=small.headers) as r2,
+        ):
             assert r1.status_code == r2.status_code == 200
             full = small.post("/v1/completions", json={**body, "stream": False})
             assert full.status_code == 429
@@ -459,12 +480,22 @@ def test_metrics_exposition_names_and_format(live):
     sample = re.compile(r'^specserve:[a-z0-9_:]+(\{[a-z_]+="[^"]*"(,[a-z_]+="[^"]*")*\})? -?[0-9.e+-]+(inf)?$')
     for line in text.splitlines():
         assert line.startswith("# HELP ") or line.startswith("# TYPE ") or sample.match(line), line
-    for name in ("num_requests_running", "num_requests_waiting", "request_success_total", "prompt_tokens_total",
-                 "generation_tokens_total", "time_to_first_token_seconds_bucket",
-                 "time_per_output_token_seconds_count", "spec_decode_num_drafts_total",
-                 "spec_decode_num_draft_tokens_total", "spec_decode_num_accepted_tokens_total",
-                 'spec_decode_num_accepted_tokens_per_pos_total{position="0"}', "spec_decode_steps",
-                 "spec_decode_steps_chosen_total", "kv_cache_usage_perc"):
+    for name in (
+        "num_requests_running",
+        "num_requests_waiting",
+        "request_success_total",
+        "prompt_tokens_total",
+        "generation_tokens_total",
+        "time_to_first_token_seconds_bucket",
+        "time_per_output_token_seconds_count",
+        "spec_decode_num_drafts_total",
+        "spec_decode_num_draft_tokens_total",
+        "spec_decode_num_accepted_tokens_total",
+        'spec_decode_num_accepted_tokens_per_pos_total{position="0"}',
+        "spec_decode_steps",
+        "spec_decode_steps_chosen_total",
+        "kv_cache_usage_perc",
+    ):
         assert f"specserve:{name}" in text, name
     assert 'specserve:time_to_first_token_seconds_bucket{le="+Inf"}' in text
     info = live.info()
@@ -478,13 +509,16 @@ def test_prefix_cache_through_the_server(live):
     client = live.client()
     prompt = "def fibonacci(n):\n    " + "a, b = b, a + b  # step\n    " * 12
     before = live.get("/metrics").text
-    outs = [client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
-            for _ in range(2)]
+    outs = [
+        client.completions.create(model=NAME, prompt=prompt, max_tokens=8, temperature=0).choices[0].text
+        for _ in range(2)
+    ]
     after = live.get("/metrics").text
     assert outs[0] == outs[1]
     hits = metric(after, "specserve:prefix_cache_hits_total") - metric(before, "specserve:prefix_cache_hits_total")
-    queried = (metric(after, "specserve:prefix_cache_queries_total")
-               - metric(before, "specserve:prefix_cache_queries_total"))
+    queried = metric(after, "specserve:prefix_cache_queries_total") - metric(
+        before, "specserve:prefix_cache_queries_total"
+    )
     assert hits >= 64 and queried > hits
     for name in ("kv_blocks_used", "kv_blocks_free", "kv_blocks_cached", "num_preemptions_total"):
         assert f"specserve:{name} " in after, name
@@ -499,8 +533,24 @@ def test_prefix_cache_through_the_server(live):
 @pytest.mark.slow
 def test_cli_serve_subprocess_ready_then_clean_exit(http, pair, tmp_path):
     env = {**os.environ, "SPECSERVE_API_KEY": "cli-key"}
-    cmd = [sys.executable, "-m", "specserve", "serve", "--model", pair[0], "--draft", pair[1], "--port", "0",
-           "--max-num-seqs", "2", "--max-model-len", str(MAX_LEN), "--served-model-name", "m"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specserve",
+        "serve",
+        "--model",
+        pair[0],
+        "--draft",
+        pair[1],
+        "--port",
+        "0",
+        "--max-num-seqs",
+        "2",
+        "--max-model-len",
+        str(MAX_LEN),
+        "--served-model-name",
+        "m",
+    ]
     # The server's output goes to a file: a pipe nobody reads while waiting could fill and stall the
     # server, and every failure below shows the log. Deadlines only bound a hang (a loaded machine is slow).
     log_path = tmp_path / "serve.log"
@@ -568,8 +618,9 @@ def test_gpu_engine_thread_with_cuda_graphs(pair):
 
         tok = loop.llm.tokenizer
         ids = [tok.encode(PROMPTS[i % len(PROMPTS)]) for i in range(n)]
-        long_job = Job("long", n, tok.encode("def main():"), SamplingParams(temperature=0, max_tokens=300,
-                                                                             ignore_eos=True), sink)
+        long_job = Job(
+            "long", n, tok.encode("def main():"), SamplingParams(temperature=0, max_tokens=300, ignore_eos=True), sink
+        )
         loop.submit([long_job])
         loop.submit([Job(f"r{i}", i, ids[i], greedy, sink) for i in range(n)])
         deadline = time.time() + 300
@@ -580,8 +631,11 @@ def test_gpu_engine_thread_with_cuda_graphs(pair):
         assert all_done.wait(300)
         # A second engine beside the server's, with a pool of its own size (the server's holds
         # --gpu-memory-utilization of the GPU).
-        offline = LLM(**serve_kwargs(pair, "--max-num-seqs", "32", "--device", "cuda", "--dtype", "float32",
-                                     "--kv-cache-tokens", "65536")).generate(PROMPTS, greedy)
+        offline = LLM(
+            **serve_kwargs(
+                pair, "--max-num-seqs", "32", "--device", "cuda", "--dtype", "float32", "--kv-cache-tokens", "65536"
+            )
+        ).generate(PROMPTS, greedy)
         for i in range(n):
             assert [e.kind for e in events[i]][-1] == "finish"
             assert "".join(e.text for e in events[i]) == offline[i % len(PROMPTS)].text, i

@@ -64,8 +64,12 @@ def small(http, pair):
 def raw_post(srv: Live, path: str, body, headers: dict | None = None, timeout: float = 60) -> httpx.Response:
     """POST `body` serialized by Python's json (NaN and Infinity included, as a hostile client may send them)."""
     data = body if isinstance(body, (bytes, str)) else json.dumps(body)
-    return httpx.post(srv.url + path, content=data, timeout=timeout,
-                      headers={**srv.headers, "Content-Type": "application/json", **(headers or {})})
+    return httpx.post(
+        srv.url + path,
+        content=data,
+        timeout=timeout,
+        headers={**srv.headers, "Content-Type": "application/json", **(headers or {})},
+    )
 
 
 def ended(srv: Live, outcome: str, reason: str) -> float:
@@ -77,8 +81,9 @@ class Streams:
 
     def __init__(self, srv: Live, n: int, max_tokens: int):
         self.srv, self.max_tokens = srv, max_tokens
-        self.results: list[dict] = [{"chunks": 0, "text": "", "finish": None, "done": False, "error": None}
-                                    for _ in range(n)]
+        self.results: list[dict] = [
+            {"chunks": 0, "text": "", "finish": None, "done": False, "error": None} for _ in range(n)
+        ]
         self.started = threading.Barrier(n + 1, timeout=120)
         self.threads = [threading.Thread(target=self._read, args=(i,)) for i in range(n)]
         for t in self.threads:
@@ -87,11 +92,19 @@ class Streams:
 
     def _read(self, i: int) -> None:
         r = self.results[i]
-        body = {"model": NAME, "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": self.max_tokens,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "model": NAME,
+            "prompt": PROMPTS[i % len(PROMPTS)],
+            "max_tokens": self.max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         signalled = False
-        with httpx.Client(timeout=120) as c, c.stream("POST", self.srv.url + "/v1/completions", json=body,
-                                                      headers=self.srv.headers) as resp:
+        with (
+            httpx.Client(timeout=120) as c,
+            c.stream("POST", self.srv.url + "/v1/completions", json=body, headers=self.srv.headers) as resp,
+        ):
             for line in resp.iter_lines():
                 if line == "data: [DONE]":
                     r["done"] = True
@@ -114,15 +127,72 @@ class Streams:
 
 
 # ------------------------------------------------------------------- fuzzing
-HOSTILE = ["x", "", 2**63, 2**64, -1, -(2**63) - 1, 0, 1e308, float("nan"), float("-inf"), [], {}, [[[1]]],
-           {"a": {"b": [1]}}, True, 0.5]
-COMPLETION_FIELDS = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "n", "best_of", "stream",
-                     "stream_options", "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs", "echo", "suffix",
-                     "presence_penalty", "frequency_penalty", "logit_bias", "user", "model", "response_format"]
-CHAT_FIELDS = ["messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "n", "stream",
-               "stream_options", "stop", "stop_token_ids", "seed", "ignore_eos", "logprobs", "top_logprobs",
-               "presence_penalty", "frequency_penalty", "logit_bias", "tools", "tool_choice", "response_format",
-               "model"]
+HOSTILE = [
+    "x",
+    "",
+    2**63,
+    2**64,
+    -1,
+    -(2**63) - 1,
+    0,
+    1e308,
+    float("nan"),
+    float("-inf"),
+    [],
+    {},
+    [[[1]]],
+    {"a": {"b": [1]}},
+    True,
+    0.5,
+]
+COMPLETION_FIELDS = [
+    "prompt",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "best_of",
+    "stream",
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "ignore_eos",
+    "logprobs",
+    "echo",
+    "suffix",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "user",
+    "model",
+    "response_format",
+]
+CHAT_FIELDS = [
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "stream",
+    "stream_options",
+    "stop",
+    "stop_token_ids",
+    "seed",
+    "ignore_eos",
+    "logprobs",
+    "top_logprobs",
+    "presence_penalty",
+    "frequency_penalty",
+    "logit_bias",
+    "tools",
+    "tool_choice",
+    "response_format",
+    "model",
+]
 
 
 @pytest.mark.slow
@@ -131,12 +201,26 @@ def test_fuzz_every_field_while_streams_run(live):
     run: each answer is a 200 or a 4xx naming the field, never a 5xx; the
     streams end normally and the server stays ready."""
     # The values that once broke the engine step for everyone go first, while the streams surely run.
-    killers = [("top_k", 2**63), ("top_k", 2**64), ("seed", 2**63), ("temperature", 1e-300), ("top_p", 1e-300),
-               ("stop_token_ids", [2**63]), ("temperature", 1e308)]
-    cases = [(path, fields, base) for path, fields, base in (
-        ("/v1/completions", COMPLETION_FIELDS, {"model": NAME, "prompt": "def f(x):", "max_tokens": 1}),
-        ("/v1/chat/completions", CHAT_FIELDS,
-         {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}))]
+    killers = [
+        ("top_k", 2**63),
+        ("top_k", 2**64),
+        ("seed", 2**63),
+        ("temperature", 1e-300),
+        ("top_p", 1e-300),
+        ("stop_token_ids", [2**63]),
+        ("temperature", 1e308),
+    ]
+    cases = [
+        (path, fields, base)
+        for path, fields, base in (
+            ("/v1/completions", COMPLETION_FIELDS, {"model": NAME, "prompt": "def f(x):", "max_tokens": 1}),
+            (
+                "/v1/chat/completions",
+                CHAT_FIELDS,
+                {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+            ),
+        )
+    ]
     with slowed(live, 0.01):
         streams = Streams(live, 4, max_tokens=200)
         for path, _, base in cases:
@@ -163,11 +247,14 @@ def test_fuzz_every_field_while_streams_run(live):
 
 
 def test_top_k_above_the_vocabulary_means_no_top_k(live):
-    plain = live.post("/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8,
-                                               "temperature": 0.8, "seed": 5})
+    plain = live.post(
+        "/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.8, "seed": 5}
+    )
     for top_k in (4096, 2**63 - 1):
-        r = live.post("/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8,
-                                               "temperature": 0.8, "seed": 5, "top_k": top_k})
+        r = live.post(
+            "/v1/completions",
+            json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0.8, "seed": 5, "top_k": top_k},
+        )
         assert r.status_code == 200, r.text
         assert r.json()["choices"][0]["text"] == plain.json()["choices"][0]["text"], top_k
     for top_k in (2**63, 10**30):  # beyond int64: no integer option can carry it
@@ -175,12 +262,17 @@ def test_top_k_above_the_vocabulary_means_no_top_k(live):
         assert r.status_code == 400 and r.json()["error"]["param"] == "top_k", r.text
 
 
-@pytest.mark.parametrize("name,value", [("min_p", 0.1), ("min_p", float("nan")), ("min_p", "x"),
-                                        ("repetition_penalty", 1.2), ("typical_p", 0.5)])
+@pytest.mark.parametrize(
+    "name,value",
+    [("min_p", 0.1), ("min_p", float("nan")), ("min_p", "x"), ("repetition_penalty", 1.2), ("typical_p", 0.5)],
+)
 def test_sampling_options_of_other_servers_are_refused_not_ignored(live, name, value):
     r = raw_post(live, "/v1/completions", {"model": NAME, "prompt": "x", "max_tokens": 1, name: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
-    assert live.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1, "min_p": 0}).status_code == 200
+    assert (
+        live.post("/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1, "min_p": 0}).status_code
+        == 200
+    )
 
 
 def test_a_failing_engine_step_fails_only_the_requests_in_it(small):
@@ -255,15 +347,24 @@ def test_deep_json_surrogates_and_unknown_roles_are_400(live):
     r = raw_post(live, "/v1/completions", {"model": NAME, "prompt": "def f\ud800():", "max_tokens": 2})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text[:300]
     assert "surrogate" in r.json()["error"]["message"]
-    r = raw_post(live, "/v1/chat/completions", {"model": NAME, "max_tokens": 2,
-                                                "messages": [{"role": "user", "content": "hi \udfff"}]})
+    r = raw_post(
+        live,
+        "/v1/chat/completions",
+        {"model": NAME, "max_tokens": 2, "messages": [{"role": "user", "content": "hi \udfff"}]},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text[:300]
-    r = live.post("/v1/chat/completions", json={"model": NAME, "max_tokens": 2,
-                                                "messages": [{"role": "wizard", "content": "hi"}]})
+    r = live.post(
+        "/v1/chat/completions", json={"model": NAME, "max_tokens": 2, "messages": [{"role": "wizard", "content": "hi"}]}
+    )
     assert r.status_code == 400 and "'wizard'" in r.json()["error"]["message"], r.text[:300]
-    r = live.post("/v1/chat/completions", json={"model": NAME, "max_tokens": 2,
-                                                "messages": [{"role": "developer", "content": "Be brief."},
-                                                             {"role": "user", "content": "hi"}]})
+    r = live.post(
+        "/v1/chat/completions",
+        json={
+            "model": NAME,
+            "max_tokens": 2,
+            "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+        },
+    )
     assert r.status_code == 200, r.text[:300]
     assert live.get("/health").status_code == 200
 
@@ -282,8 +383,11 @@ def test_tokenization_runs_off_the_event_loop(live):
 
     tok.encode = blocked
     out = {}
-    t = threading.Thread(target=lambda: out.update(r=live.post("/v1/completions", json={
-        "model": NAME, "prompt": "def f(x):", "max_tokens": 2})))
+    t = threading.Thread(
+        target=lambda: out.update(
+            r=live.post("/v1/completions", json={"model": NAME, "prompt": "def f(x):", "max_tokens": 2})
+        )
+    )
     try:
         t.start()
         assert entered.wait(30), "the request never reached the tokenizer"
@@ -354,8 +458,9 @@ def test_chat_stops_at_end_of_turn_and_every_eos(live):
     engine.add_request = lambda ids, params, seq_id=None: seen.append(params) or real(ids, params, seq_id=seq_id)
     try:
         for extra in ({}, {"ignore_eos": True, "max_tokens": 2}):
-            r = live.post("/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}],
-                                                        **extra})
+            r = live.post(
+                "/v1/chat/completions", json={"model": NAME, "messages": [{"role": "user", "content": "hi"}], **extra}
+            )
             assert r.status_code == 200, r.text
     finally:
         del engine.add_request
@@ -365,8 +470,13 @@ def test_chat_stops_at_end_of_turn_and_every_eos(live):
 
 
 def test_stream_chunks_carry_usage_null_until_the_last(live):
-    body = {"model": NAME, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": NAME,
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 6,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", live.url + "/v1/chat/completions", json=body, headers=live.headers, timeout=60) as r:
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert len(chunks) >= 3
@@ -377,8 +487,16 @@ def test_stream_chunks_carry_usage_null_until_the_last(live):
 # ------------------------------------------------------------------ metrics
 def test_every_ended_request_counted_once_by_outcome(small):
     engine = small.loop.llm.engine
-    before = {k: ended(small, *k) for k in (("failed", "engine_error"), ("finished", "length"),
-                                             ("rejected", "http_400"), ("rejected", "invalid_api_key"))}
+    before = {
+        k: ended(small, *k)
+        for k in (
+            ("failed", "engine_error"),
+            ("finished", "length"),
+            ("rejected", "http_400"),
+            ("rejected", "invalid_api_key"),
+        )
+    }
+
     def failing():
         raise RuntimeError("injected failure")
 
@@ -407,8 +525,27 @@ def test_every_ended_request_counted_once_by_outcome(small):
 
 # ----------------------------------------------------------------- shutdown
 def start_server(pair, *flags: str) -> tuple[subprocess.Popen, str]:
-    cmd = [sys.executable, "-m", "specserve", "serve", "--model", pair[0], "--spec-steps", "0", "--port", "0",
-           "--max-num-seqs", "4", "--max-model-len", "1024", "--api-key", KEY, "--served-model-name", NAME, *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specserve",
+        "serve",
+        "--model",
+        pair[0],
+        "--spec-steps",
+        "0",
+        "--port",
+        "0",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "1024",
+        "--api-key",
+        KEY,
+        "--served-model-name",
+        NAME,
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=dict(os.environ))
     log = []
     for line in proc.stdout:
@@ -426,10 +563,17 @@ def start_server(pair, *flags: str) -> tuple[subprocess.Popen, str]:
 
 
 def long_stream(url: str, first: threading.Event, lines: list[str]) -> None:
-    body = {"model": NAME, "prompt": "def main():", "max_tokens": 300, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600,
-                      headers={"Authorization": f"Bearer {KEY}"}) as r:
+    body = {
+        "model": NAME,
+        "prompt": "def main():",
+        "max_tokens": 300,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST", url + "/v1/completions", json=body, timeout=600, headers={"Authorization": f"Bearer {KEY}"}
+    ) as r:
         for line in r.iter_lines():
             if line:
                 lines.append(line)
@@ -452,8 +596,12 @@ def test_shutdown_drains_then_ends_the_rest_cleanly(http, pair, sig, grace):
         if grace != "0":
             h = httpx.get(url + "/health", timeout=30)
             assert h.status_code == 503 and h.json()["status"] == "shutting_down"
-            r = httpx.post(url + "/v1/completions", json={"model": NAME, "prompt": "x", "max_tokens": 1},
-                           headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
+            r = httpx.post(
+                url + "/v1/completions",
+                json={"model": NAME, "prompt": "x", "max_tokens": 1},
+                headers={"Authorization": f"Bearer {KEY}"},
+                timeout=30,
+            )
             assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
         t.join(600)
         assert proc.wait(120) == 0

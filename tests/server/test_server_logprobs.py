@@ -45,7 +45,7 @@ def hf_model(pair):
 def _reference(hf_model, prompt: list[int], output: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = hf_model(torch.tensor([prompt + output])).logits[0].float()
-    return torch.log_softmax(logits[len(prompt) - 1: len(prompt) - 1 + len(output)], -1)
+    return torch.log_softmax(logits[len(prompt) - 1 : len(prompt) - 1 + len(output)], -1)
 
 
 def _greedy_ids(offline: LLM, prompt, max_tokens: int, chat: bool = False) -> tuple[list[int], list[int]]:
@@ -119,8 +119,9 @@ def test_chat_logprobs_streaming_equals_non_streaming(live, offline, hf_model):
     assert [(p.token, p.bytes) for p in pieces] == [(e.token, e.bytes) for e in content]
     assert [p.logprob for p in pieces] == pytest.approx([e.logprob for e in content], abs=TOL)
     assert [[t.token for t in p.top_logprobs] for p in pieces] == [[t.token for t in e.top_logprobs] for e in content]
-    assert [[t.logprob for t in p.top_logprobs] for p in pieces] == \
-        [pytest.approx([t.logprob for t in e.top_logprobs], abs=TOL) for e in content]
+    assert [[t.logprob for t in p.top_logprobs] for p in pieces] == [
+        pytest.approx([t.logprob for t in e.top_logprobs], abs=TOL) for e in content
+    ]
 
 
 def test_completions_stream_carries_each_chunks_logprobs(live):
@@ -144,20 +145,25 @@ def test_completions_stream_carries_each_chunks_logprobs(live):
 def test_without_logprobs_the_field_stays_null(live):
     r = live.post("/v1/completions", json={"model": NAME, "prompt": PROMPTS[0], "max_tokens": 4})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
-    r = live.post("/v1/chat/completions", json={"model": NAME, "max_tokens": 4, "logprobs": False,
-                                                "messages": [{"role": "user", "content": "hi"}]})
+    r = live.post(
+        "/v1/chat/completions",
+        json={"model": NAME, "max_tokens": 4, "logprobs": False, "messages": [{"role": "user", "content": "hi"}]},
+    )
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
 
 
-@pytest.mark.parametrize("path,extra,param", [
-    ("/v1/completions", {"logprobs": 6}, "logprobs"),
-    ("/v1/completions", {"logprobs": True}, "logprobs"),
-    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/completions", {"logprobs": 1, "echo": True}, "echo"),
-    ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
-    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
-    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-])
+@pytest.mark.parametrize(
+    "path,extra,param",
+    [
+        ("/v1/completions", {"logprobs": 6}, "logprobs"),
+        ("/v1/completions", {"logprobs": True}, "logprobs"),
+        ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/completions", {"logprobs": 1, "echo": True}, "echo"),
+        ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
+        ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ],
+)
 def test_bad_logprobs_fields_are_400s_naming_the_field(live, path, extra, param):
     body = {"model": NAME, "max_tokens": 2, **extra}
     body.update({"prompt": "x"} if "chat" not in path else {"messages": [{"role": "user", "content": "x"}]})

@@ -124,8 +124,7 @@ def test_draft_free_adaptive_and_seeded_equal_plain(target):
     seeded = SamplingParams(temperature=0.8, seed=11, max_tokens=30, ignore_eos=True)
     for params in (GREEDY, seeded):
         base, _ = _run(target, prompts, params)
-        out, engine = _run(target, prompts, params, spec_method="ngram", spec_steps=0, max_spec_steps=3,
-                           adaptive=True)
+        out, engine = _run(target, prompts, params, spec_method="ngram", spec_steps=0, max_spec_steps=3, adaptive=True)
         assert out == base
         assert engine.policy.seeded
 
@@ -139,8 +138,13 @@ def test_method_settings_are_checked(target, tmp_path):
         EngineConfig(model=str(target), spec_method="ngram", spec_steps=2, ngram_min=4, ngram_max=2)
 
 
-@pytest.mark.parametrize("flags", [["--speculative-method", "ngram"],  # serve's default: adaptive K
-                                   ["--speculative-method", "suffix", "--no-adaptive", "--spec-topk", "2"]])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--speculative-method", "ngram"],  # serve's default: adaptive K
+        ["--speculative-method", "suffix", "--no-adaptive", "--spec-topk", "2"],
+    ],
+)
 def test_served_draft_free_equals_plain_and_keeps_tenants_apart(flags):
     """`serve --speculative-method ...` through the openai client: greedy completions equal plain decoding's,
     and the `user` field sorts finished requests into per-tenant histories (suffix)."""
@@ -156,8 +160,11 @@ def test_served_draft_free_equals_plain_and_keeps_tenants_apart(flags):
     def kwargs(*more):
         p = argparse.ArgumentParser()
         serve_cmd.add_arguments(p)
-        return serve_cmd.serve_engine_kwargs(p.parse_args(["--spec-steps", "3", "--max-model-len", "384",
-                                                           "--max-num-seqs", "2", "--device", "cpu", *more]))
+        return serve_cmd.serve_engine_kwargs(
+            p.parse_args(
+                ["--spec-steps", "3", "--max-model-len", "384", "--max-num-seqs", "2", "--device", "cpu", *more]
+            )
+        )
 
     kw = kwargs(*flags)
     assert kw["draft"] is None and kw["spec_method"] == flags[1]
@@ -193,8 +200,10 @@ def test_tp2_draft_free_equals_tp1_plain(make_pair):
     prompts = ["def add(a, b):\n    return a + b\n\ndef add(a, b):", "x = [1, 2, 3]\nx = [1, 2, 3]\nx = ["]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     want = [o.token_ids for o in LLM(model=str(target), **engine).generate(prompts, greedy)]
-    for spec in ({"spec_method": "ngram", "spec_steps": 0, "max_spec_steps": 3, "adaptive": True},
-                 {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2}):
+    for spec in (
+        {"spec_method": "ngram", "spec_steps": 0, "max_spec_steps": 3, "adaptive": True},
+        {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2},
+    ):
         with TPLLM(model=str(target), tp=2, **engine, **spec) as llm:
             out = llm.generate(prompts, greedy)
         assert [o.token_ids for o in out] == want, spec
@@ -207,7 +216,12 @@ def test_bench_configs_name_the_drafting_method():
     p = bench_cmd.parse_config
     assert p("ngram:steps=4,min=2,max=5").label == "ngram:max=5,min=2,steps=4"
     assert p("ngram:steps=4,min=2,max=5").engine_options() == {
-        "spec_method": "ngram", "spec_topk": 1, "spec_tokens": None, "ngram_min": 2, "ngram_max": 5}
+        "spec_method": "ngram",
+        "spec_topk": 1,
+        "spec_tokens": None,
+        "ngram_min": 2,
+        "ngram_max": 5,
+    }
     assert p("mtp:steps=3").engine_options()["spec_method"] == "mtp"
     assert p("suffix:adaptive,steps=6").spec_steps == 6
     with pytest.raises(ConfigError, match="ngram-min"):
@@ -223,10 +237,31 @@ def test_one_bench_run_compares_the_methods(monkeypatch, tmp_path):
     from benching import run_cli, validate
 
     out = tmp_path / "methods.json"
-    rc = run_cli(monkeypatch, ["bench", "--configs", "baseline", "eagle3:steps=3", "ngram:steps=3,min=1,max=4",
-                               "suffix:adaptive,steps=3", "--batch-sizes", "1", "--num-prompts", "1",
-                               "--max-tokens", "16", "--repeats", "1", "--warmup", "0", "--peers",
-                               "--no-progress", "--out", str(out)])
+    rc = run_cli(
+        monkeypatch,
+        [
+            "bench",
+            "--configs",
+            "baseline",
+            "eagle3:steps=3",
+            "ngram:steps=3,min=1,max=4",
+            "suffix:adaptive,steps=3",
+            "--batch-sizes",
+            "1",
+            "--num-prompts",
+            "1",
+            "--max-tokens",
+            "16",
+            "--repeats",
+            "1",
+            "--warmup",
+            "0",
+            "--peers",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
     validate(doc)
@@ -264,8 +299,10 @@ def test_draft_free_on_gpu_replays_the_verify_graphs(target):
     base = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_work():
         engine.step()
-    for spec in ({"spec_method": "ngram", "spec_steps": 3},
-                 {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2, "spec_tree_max_batch": 3}):
+    for spec in (
+        {"spec_method": "ngram", "spec_steps": 3},
+        {"spec_method": "suffix", "spec_steps": 3, "spec_topk": 2, "spec_tree_max_batch": 3},
+    ):
         engine = Engine(EngineConfig(model=str(target), max_num_seqs=3, **gpu, **spec))
         kinds = {k.kind for k in engine.runner.graphs}
         assert "verify" in kinds and "draft" not in kinds and "tree_draft" not in kinds

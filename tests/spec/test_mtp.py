@@ -14,6 +14,7 @@ from safetensors.torch import load_file, save_file
 from specserve.config import ConfigError, EngineConfig, ModelConfig
 from specserve.engine.engine import Engine
 from specserve.engine.sampling import SamplingParams
+
 from tiny import make_moe_target
 
 VOCAB = 24
@@ -34,7 +35,7 @@ def add_mtp_layer(model_dir: Path, seed: int = 1) -> Path:
     for name, t in list(w.items()):
         if name.startswith(src):
             noise = torch.randn(t.shape, generator=g) * 0.02 if t.is_floating_point() else 0
-            w[mtp + name[len(src):]] = (t + noise).contiguous() if t.is_floating_point() else t.clone()
+            w[mtp + name[len(src) :]] = (t + noise).contiguous() if t.is_floating_point() else t.clone()
     w[mtp + "enorm.weight"] = torch.ones(H)
     w[mtp + "hnorm.weight"] = torch.ones(H)
     w[mtp + "eh_proj.weight"] = torch.cat([torch.randn(H, H, generator=g) * 0.01, torch.eye(H)], 1)
@@ -64,8 +65,10 @@ def _run(target, prompts, params, **kw):
 
 def _prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB - 1, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, VOCAB - 1, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
@@ -96,8 +99,17 @@ def test_mtp_trees_adaptive_and_prefix_cache_equal_plain(mtp_target):
     base, _ = _run(mtp_target, prompts, GREEDY)
     out, _ = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=3, spec_topk=2)
     assert out == base
-    out, _ = _run(mtp_target, prompts, GREEDY, spec_method="mtp", spec_steps=0, max_spec_steps=3,
-                  adaptive=True, prefix_cache=True, kv_block_size=4)
+    out, _ = _run(
+        mtp_target,
+        prompts,
+        GREEDY,
+        spec_method="mtp",
+        spec_steps=0,
+        max_spec_steps=3,
+        adaptive=True,
+        prefix_cache=True,
+        kv_block_size=4,
+    )
     assert out == base
 
 
@@ -144,5 +156,7 @@ def test_mtp_layer_with_int4_experts_as_the_target(mtp_target, tmp_path):
     base, _ = _run(q, prompts, GREEDY)
     out, engine = _run(q, prompts, GREEDY, spec_method="mtp", spec_steps=3)
     assert out == base and engine.totals.cycles > 0
-    names = {n for n, _ in engine.runner.drafter.named_parameters()} | {n for n, _ in engine.runner.drafter.named_buffers()}
+    names = {n for n, _ in engine.runner.drafter.named_parameters()} | {
+        n for n, _ in engine.runner.drafter.named_buffers()
+    }
     assert any("packed" in n for n in names), sorted(names)[:12]  # the MTP layer's experts are int4

@@ -30,7 +30,14 @@ def _policy() -> SpecPolicy:
 
 def test_context_buckets():
     assert [context_bucket(n) for n in (0, 1, CONTEXT_MIN, CONTEXT_MIN + 1, 500, 512, 513)] == [
-        CONTEXT_MIN, CONTEXT_MIN, CONTEXT_MIN, 2 * CONTEXT_MIN, 512, 512, 1024]
+        CONTEXT_MIN,
+        CONTEXT_MIN,
+        CONTEXT_MIN,
+        2 * CONTEXT_MIN,
+        512,
+        512,
+        1024,
+    ]
     assert context_buckets(1000) == [64, 128, 256, 512, 1024]
     assert context_buckets(10) == [CONTEXT_MIN]
     rows = [SimpleNamespace(total_len=n) for n in (100, 300)]
@@ -96,8 +103,17 @@ def test_startup_times_each_context_the_pool_holds(small_pair):
     from specserve.engine.engine import Engine
 
     target, draft = small_pair
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=2, max_num_seqs=4,
-                                 max_model_len=256, kv_cache_tokens=512))
+    engine = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cpu",
+            spec_steps=2,
+            max_num_seqs=4,
+            max_model_len=256,
+            kv_cache_tokens=512,
+        )
+    )
     costs = engine.runner.measure_step_costs([1, 4], [1, 2], [32, 200], reps=1)
     assert set(costs) == {32, 200}
     assert set(costs[32]) == {(B, K) for B in (1, 4) for K in (0, 1, 2)}
@@ -113,8 +129,18 @@ def test_gpu_startup_seeds_every_context_bucket_from_several_timed_contexts(smal
     from specserve.engine.engine import Engine
 
     target, draft = small_pair
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", spec_steps=0, max_spec_steps=2,
-                                 adaptive=True, max_num_seqs=4, max_model_len=512))
+    engine = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cuda",
+            spec_steps=0,
+            max_spec_steps=2,
+            adaptive=True,
+            max_num_seqs=4,
+            max_model_len=512,
+        )
+    )
     seeded = engine.policy.seeded
     assert {c for _, c, _ in seeded} == set(context_buckets(512))
     assert len(startup_contexts(511, cheap=True)) == 3

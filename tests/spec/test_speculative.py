@@ -41,8 +41,10 @@ def _run(target, draft=None, prompts=(), params=None, **kw):
 
 def _prompts(n, seed=0):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB - 1, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, VOCAB - 1, (int(torch.randint(1, 30, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
@@ -68,13 +70,23 @@ def test_adaptive_speculation_is_token_identical(small_pair):
     prompts = _prompts(5, seed=7)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=5)
     t0 = time.perf_counter()
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=4,
-                                 adaptive=True, max_num_seqs=5))
+    engine = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cpu",
+            spec_steps=0,
+            max_spec_steps=4,
+            adaptive=True,
+            max_num_seqs=5,
+        )
+    )
     # The policy decides every step, but every third step runs plain and every third K=2 whatever it
     # chose, so both kinds run (and switch) however this machine's timings make it lean.
     choose, steps, picked = engine.policy.choose, itertools.count(), []
     engine.policy.choose = lambda B, remaining=None, stale=False, context=0: (
-        picked.append((choose(B, remaining, stale, context), 0, 2)[next(steps) % 3]) or picked[-1])
+        picked.append((choose(B, remaining, stale, context), 0, 2)[next(steps) % 3]) or picked[-1]
+    )
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     while engine.has_work():
         engine.step()
@@ -99,8 +111,17 @@ def test_tree_speculation_is_token_identical(small_pair, batch):
     prompts = _prompts(batch, seed=20 + batch)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=batch)
     for K, topk, tokens in [(1, 3, None), (3, 2, None), (4, 4, 10), (5, 3, 3), (6, 8, 40)]:
-        out, engine = _run(target, draft, prompts, GREEDY, spec_steps=K, spec_topk=topk, spec_tokens=tokens,
-                           max_num_seqs=batch, spec_tree_max_batch=8)
+        out, engine = _run(
+            target,
+            draft,
+            prompts,
+            GREEDY,
+            spec_steps=K,
+            spec_topk=topk,
+            spec_tokens=tokens,
+            max_num_seqs=batch,
+            spec_tree_max_batch=8,
+        )
         assert out == base, f"K={K} topk={topk} tokens={tokens} batch={batch}"
         if K == 4:
             _, chain = _run(target, draft, prompts, GREEDY, spec_steps=K, max_num_seqs=batch)
@@ -115,8 +136,19 @@ def test_tree_with_adaptive_steps_and_sampled_rows(small_pair):
     target, draft = small_pair
     prompts = _prompts(4, seed=31)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=4)
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=4,
-                                 adaptive=True, spec_topk=3, spec_tree_max_batch=4, max_num_seqs=4))
+    engine = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cpu",
+            spec_steps=0,
+            max_spec_steps=4,
+            adaptive=True,
+            spec_topk=3,
+            spec_tree_max_batch=4,
+            max_num_seqs=4,
+        )
+    )
     assert engine.policy.seeded  # tree cycles were timed at start-up
     for K in (3, None):  # fixed depth 3, then the adaptive policy's choice
         engine.set_spec_steps(K)
@@ -127,15 +159,26 @@ def test_tree_with_adaptive_steps_and_sampled_rows(small_pair):
     assert engine.totals.cycles > 0
     # Batches above --spec-tree-max-batch draft chains: two short requests end early, the batch
     # shrinks from 4 to 2 and the remaining two switch from chains to a tree.
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3, spec_topk=3,
-                                 spec_tree_max_batch=2, max_num_seqs=4))
+    engine = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cpu",
+            spec_steps=3,
+            spec_topk=3,
+            spec_tree_max_batch=2,
+            max_num_seqs=4,
+        )
+    )
     short = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     seqs = [engine.add_request(p, short if i % 2 else GREEDY) for i, p in enumerate(prompts)]
     calls = {"tree": 0, "chain": 0}
     for name, method in (("tree", "draft_tree"), ("chain", "draft")):
+
         def counted(*a, _f=getattr(engine.runner, method), _n=name):
             calls[_n] += 1
             return _f(*a)
+
         setattr(engine.runner, method, counted)
     while engine.has_work():
         engine.step()
@@ -143,18 +186,30 @@ def test_tree_with_adaptive_steps_and_sampled_rows(small_pair):
     assert calls["tree"] > 0 and calls["chain"] > 0
     # Sampled requests verify the tree against the target's own seeded draw at every node, keyed
     # by position as plain decoding keys it: the same tokens as plain sampling, whatever the batch.
-    for params in (SamplingParams(temperature=0.8, max_tokens=30, seed=5, ignore_eos=True),
-                   SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_tokens=30, seed=9, ignore_eos=True)):
+    for params in (
+        SamplingParams(temperature=0.8, max_tokens=30, seed=5, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_tokens=30, seed=9, ignore_eos=True),
+    ):
         plain, _ = _run(target, prompts=prompts, params=params, max_num_seqs=4)
-        tree, engine = _run(target, draft, prompts, params, spec_steps=3, spec_topk=4, spec_tree_max_batch=4,
-                            max_num_seqs=4)
+        tree, engine = _run(
+            target, draft, prompts, params, spec_steps=3, spec_topk=4, spec_tree_max_batch=4, max_num_seqs=4
+        )
         assert tree == plain and engine.totals.accepted > 0
         alone, _ = _run(target, draft, prompts[1:2], params, spec_steps=3, spec_topk=4, max_num_seqs=1)
         assert alone[0] == plain[1]
     # A batch mixing greedy and sampled requests: each emits its plain counterpart's tokens.
     mixed = [GREEDY if i % 2 else params for i in range(len(prompts))]
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=3, spec_topk=4,
-                                 spec_tree_max_batch=4, max_num_seqs=4))
+    engine = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cpu",
+            spec_steps=3,
+            spec_topk=4,
+            spec_tree_max_batch=4,
+            max_num_seqs=4,
+        )
+    )
     seqs = [engine.add_request(p, q) for p, q in zip(prompts, mixed)]
     while engine.has_work():
         engine.step()
@@ -230,8 +285,18 @@ def test_tree_on_gpu_with_cuda_graphs(small_pair, monkeypatch):
     tree, engine = _run(target, draft, prompts, sampled, **tree_kw)
     assert tree == plain and engine.totals.accepted > 0  # the sampled tree-verify graphs
 
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="bfloat16",
-                                 spec_steps=4, spec_topk=3, spec_tree_max_batch=5, max_num_seqs=5))
+    engine = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cuda",
+            dtype="bfloat16",
+            spec_steps=4,
+            spec_topk=3,
+            spec_tree_max_batch=5,
+            max_num_seqs=5,
+        )
+    )
     r, K, B = engine.runner, 4, 3
     r.reserve_every_row()  # (driven without the scheduler: every row gets blocks of its own)
     for b in range(B):  # some context to attend to
@@ -282,8 +347,9 @@ def test_rows_freed_and_reused_mid_batch(small_pair):
     base = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     while engine.has_work():
         engine.step()
-    spec = Engine(EngineConfig(model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_num_seqs=3,
-                               prefill_chunk=8))
+    spec = Engine(
+        EngineConfig(model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_num_seqs=3, prefill_chunk=8)
+    )
     seqs = [spec.add_request(p, sp) for p, sp in zip(prompts, params)]
     while spec.has_work():
         spec.step()
@@ -312,8 +378,14 @@ def test_drafter_position_limit_falls_back_to_plain_decoding(tmp_path, small_pai
 @pytest.mark.parametrize("layout", ["specforge", "sglang", "eagle"])
 def test_drafter_layouts_load_and_stay_lossless(tmp_path, small_pair, layout):
     target, _ = small_pair
-    d = make_drafter(tmp_path / layout, target, layout=layout, draft_vocab=8, with_embedding=layout == "eagle",
-                     aux_ids=[0, 1, 2] if layout == "sglang" else None)
+    d = make_drafter(
+        tmp_path / layout,
+        target,
+        layout=layout,
+        draft_vocab=8,
+        with_embedding=layout == "eagle",
+        aux_ids=[0, 1, 2] if layout == "sglang" else None,
+    )
     cfg = DraftConfig.from_dir(d)
     assert cfg.layout == layout
     prompts = _prompts(2, seed=5)
@@ -362,10 +434,12 @@ def test_seeded_sampling_equals_plain_decoding(small_pair, mode, batch):
     filtered sampling)."""
     target, draft = small_pair
     prompts = _prompts(batch, seed=41)
-    params = [SamplingParams(temperature=0.8, max_tokens=40, seed=7, ignore_eos=True),
-              SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_tokens=40, seed=11, ignore_eos=True),
-              GREEDY,
-              SamplingParams(temperature=1.0, max_tokens=25, seed=-3, ignore_eos=True)][:batch]
+    params = [
+        SamplingParams(temperature=0.8, max_tokens=40, seed=7, ignore_eos=True),
+        SamplingParams(temperature=1.0, top_p=0.9, top_k=6, max_tokens=40, seed=11, ignore_eos=True),
+        GREEDY,
+        SamplingParams(temperature=1.0, max_tokens=25, seed=-3, ignore_eos=True),
+    ][:batch]
     plain = [_run(target, prompts=[p], params=sp)[0][0] for p, sp in zip(prompts, params)]
     kw = dict(max_num_seqs=batch)
     if mode == "tree":
@@ -396,7 +470,11 @@ def test_batch_invariant_bf16_speculation_equals_plain_on_gpu(small_pair):
     prompts = _prompts(6, seed=47)
     gpu = dict(max_num_seqs=1, device="cuda", dtype="bfloat16", batch_invariant=True)
     base, _ = _run(target, prompts=prompts, params=GREEDY, **gpu)
-    for kw in (dict(spec_steps=4), dict(spec_steps=4, spec_topk=3), dict(spec_steps=0, max_spec_steps=5, adaptive=True)):
+    for kw in (
+        dict(spec_steps=4),
+        dict(spec_steps=4, spec_topk=3),
+        dict(spec_steps=0, max_spec_steps=5, adaptive=True),
+    ):
         out, engine = _run(target, draft, prompts, GREEDY, **kw, **gpu)
         assert out == base, kw
         assert engine.runner.graphs
@@ -425,12 +503,18 @@ def _speculative_first_tokens(p_logits, q_logits, n, K, vd_to_v, temperature=1.0
     drafter samples them (over the target's noise at each position); returns the first and (where
     the first draft was accepted) second emitted tokens, and the accepted counts."""
     V, Vd = p_logits.shape[-1], q_logits.shape[-1]
-    s = BatchSampling(temperature=torch.full((n,), temperature), top_p=torch.full((n,), top_p),
-                      top_k=torch.full((n,), top_k, dtype=torch.long), seed=torch.arange(n) * 7919 + 1,
-                      all_greedy=False, filtered=top_k > 0 or top_p < 1)
+    s = BatchSampling(
+        temperature=torch.full((n,), temperature),
+        top_p=torch.full((n,), top_p),
+        top_k=torch.full((n,), top_k, dtype=torch.long),
+        seed=torch.arange(n) * 7919 + 1,
+        all_greedy=False,
+        filtered=top_k > 0 or top_p < 1,
+    )
     expand = lambda t, w: t.unsqueeze(1).expand(n, w)  # noqa: E731
-    q = processed_probs(q_logits.expand(n, K, Vd), expand(s.temperature, K), expand(s.top_p, K),
-                        expand(s.top_k, K), s.filtered)
+    q = processed_probs(
+        q_logits.expand(n, K, Vd), expand(s.temperature, K), expand(s.top_p, K), expand(s.top_k, K), s.filtered
+    )
     pos0 = torch.full((n,), 5)
     draft_ids = torch.stack([sample_from(q[:, i], draft_noise(s.seed, pos0 + 1 + i, vd_to_v)) for i in range(K)], 1)
     draft = DraftResult(vd_to_v[draft_ids])
@@ -518,17 +602,21 @@ def test_end_to_end_sampling_distribution(small_pair):
     engine = Engine(EngineConfig(model=str(target), draft=str(draft), spec_steps=3, device="cpu", max_num_seqs=500))
     seconds = []
     for start in range(0, n, 500):
-        seqs = [engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=2, seed=start + i, ignore_eos=True))
-                for i in range(500)]
+        seqs = [
+            engine.add_request(prompt, SamplingParams(temperature=1.0, max_tokens=2, seed=start + i, ignore_eos=True))
+            for i in range(500)
+        ]
         while engine.has_work():
             engine.step()
         seconds += [s.output_ids[1] for s in seqs]
     model = engine.runner.target
     with torch.inference_mode():
+
         def probs(ids):
             pos = torch.arange(len(ids)).unsqueeze(0)
             h, _ = model(torch.tensor([ids]), ForwardContext(0, pos, pos, len(ids)))
             return model.logits(h)[0, -1].softmax(-1)
+
         p1 = probs(prompt)
         marginal = sum(p1[t] * probs(prompt + [t]) for t in range(VOCAB))
     assert _tv(torch.tensor(seconds), marginal) < 0.05  # n = 4000: exact sampler ~0.02
@@ -540,8 +628,9 @@ def test_one_engine_switches_between_plain_fixed_and_adaptive(small_pair):
     target, draft = small_pair
     prompts = _prompts(3, seed=21)
     base, _ = _run(target, prompts=prompts, params=GREEDY, max_num_seqs=3)
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
-                                 device="cpu", max_num_seqs=3))
+    engine = Engine(
+        EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3, device="cpu", max_num_seqs=3)
+    )
     for K in (0, 2, None, 3, 0):
         engine.set_spec_steps(K)
         cycles = engine.totals.cycles
@@ -563,8 +652,10 @@ def test_plain_steps_queued_ahead_change_nothing(small_pair, temperature):
     and rows move; then a new request joins the idle engine."""
     target, _ = small_pair
     prompts = _prompts(7, seed=11)
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, stop_token_ids=[3, 17])
-              for i, n in enumerate((30, 4, 30, 12, 30, 1, 30))]
+    params = [
+        SamplingParams(temperature=temperature, seed=i, max_tokens=n, stop_token_ids=[3, 17])
+        for i, n in enumerate((30, 4, 30, 12, 30, 1, 30))
+    ]
 
     def run(ahead: bool):
         engine = Engine(EngineConfig(model=str(target), device="cpu", max_num_seqs=3))
@@ -590,8 +681,12 @@ def test_sequence_ending_with_its_first_token(small_pair):
     out, _ = _run(target, prompts=prompts, params=SamplingParams(temperature=0, max_tokens=1), max_num_seqs=2)
     assert [len(o) for o in out] == [1, 1, 1]
     first = out[0][0]
-    out, _ = _run(target, prompts=prompts[:1] * 2,
-                  params=SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[first]), max_num_seqs=2)
+    out, _ = _run(
+        target,
+        prompts=prompts[:1] * 2,
+        params=SamplingParams(temperature=0, max_tokens=9, stop_token_ids=[first]),
+        max_num_seqs=2,
+    )
     assert out == [[first], [first]]
 
 
@@ -692,8 +787,11 @@ def test_policy_prices_the_long_tail_of_speculative_cycles():
     policy.acc_hits[False] = [1000.0 * u for u in uncond]
     policy.acc_seen[False] = [1000.0] + [1000.0 * u for u in uncond[:-1]]
     assert policy.expected_tokens(2) == pytest.approx(1.46)
-    timings = {0: [1.083e-3] * 9, 1: [1.56e-3] * 9,
-               2: [t * 1e-3 for t in (1.40, 1.45, 1.50, 1.52, 1.535, 1.60, 1.9, 2.2, 2.4)]}
+    timings = {
+        0: [1.083e-3] * 9,
+        1: [1.56e-3] * 9,
+        2: [t * 1e-3 for t in (1.40, 1.45, 1.50, 1.52, 1.535, 1.60, 1.9, 2.2, 2.4)],
+    }
     for K, ts in timings.items():
         for t in ts:
             policy.observe_cost(16, K, t)
@@ -769,15 +867,25 @@ def test_startup_times_a_bounded_grid_and_logs_progress(small_pair, caplog):
 
     target, draft = small_pair
     caplog.set_level(logging.INFO, logger="specserve.runner")
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", spec_steps=0, max_spec_steps=5,
-                                 adaptive=True, max_num_seqs=64))
+    engine = Engine(
+        EngineConfig(
+            model=str(target),
+            draft=str(draft),
+            device="cpu",
+            spec_steps=0,
+            max_spec_steps=5,
+            adaptive=True,
+            max_num_seqs=64,
+        )
+    )
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("timing step costs: ")]
     total = int(lines[0].split("/")[1].split()[0])
     assert [int(m.split()[3].split("/")[0]) for m in lines] == list(range(1, total + 1))
     assert total <= 12  # 3 buckets x (K = 0 and 3 K values); every pair would be 7 x 6
     contexts = context_buckets(engine.max_model_len)  # (one timed on a CPU, the same cost at every bucket)
-    assert set(engine.policy.seeded) == {(b, c, K) for b in (1, 2, 4, 8, 16, 32, 64) for c in contexts
-                                         for K in range(6)}
+    assert set(engine.policy.seeded) == {
+        (b, c, K) for b in (1, 2, 4, 8, 16, 32, 64) for c in contexts for K in range(6)
+    }
 
 
 def test_startup_grid_and_interpolation():
@@ -879,8 +987,11 @@ def test_plain_steps_queued_ahead_while_drafting(small_pair):
     pattern = [0] * 20 + [2, 0, 0, 3, 0, 0, 0, 1] * 20  # long plain runs force flushes of the pending inputs
 
     def run(ahead: bool):
-        engine = Engine(EngineConfig(model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3,
-                                     device="cpu", max_num_seqs=3))
+        engine = Engine(
+            EngineConfig(
+                model=str(target), draft=str(draft), adaptive=True, max_spec_steps=3, device="cpu", max_num_seqs=3
+            )
+        )
         engine.launch_ahead = ahead
         steps = iter(pattern * 10)
         engine.policy.choose = lambda B, remaining=None, stale=False, context=0: next(steps)
@@ -899,14 +1010,18 @@ def test_plain_steps_queued_ahead_while_drafting(small_pair):
 
 # Plain stretches longer than the drafter's pending buffer (48 entries), short ones, and
 # speculative cycles of each K between them.
-ALTERNATING = [3, 2] + [0] * 70 + [3, 2, 3, 3, 1, 3] + [0] * 5 + [3, 3, 1, 2, 3] + [0] * 30 + [2, 3] + [0] * 130 + [1, 3]
+ALTERNATING = (
+    [3, 2] + [0] * 70 + [3, 2, 3, 3, 1, 3] + [0] * 5 + [3, 3, 1, 2, 3] + [0] * 30 + [2, 3] + [0] * 130 + [1, 3]
+)
 
 
 def _greedy_and_sampled(lengths):
     """Greedy and seeded sampled requests by turns (sampled text does not settle into a loop
     the drafter never guesses, so drafts get accepted), of the given lengths."""
-    return [SamplingParams(temperature=0.9 if i % 2 else 0, seed=i, max_tokens=n, ignore_eos=True)
-            for i, n in enumerate(lengths)]
+    return [
+        SamplingParams(temperature=0.9 if i % 2 else 0, seed=i, max_tokens=n, ignore_eos=True)
+        for i, n in enumerate(lengths)
+    ]
 
 
 def _plain_alone(target, prompts, params, **kw):
@@ -950,12 +1065,14 @@ def _alternating(target, draft, prompts, params, ahead=False, prefill_graphs=(),
     def graph_prefill(*a, _f=engine.runner._graph_prefill):
         seen["graph_catch_ups"] += in_catch_up[0]
         return _f(*a)
+
     engine.runner._graph_prefill = graph_prefill
 
     def draft(*a, _f=engine.proposer.draft):
         out = _f(*a)
         seen["drafts"].append(out.tokens.tolist())
         return out
+
     engine._plain_step, engine.runner.drafter_extend = plain_step, drafter_extend
     engine.proposer.catch_up, engine.proposer.draft = catch_up, draft
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -1010,8 +1127,9 @@ def test_plain_stretches_with_preemption_and_prefix_cache(small_pair):
     kw = dict(max_num_seqs=4, kv_block_size=8, max_model_len=192)
     base = _plain_alone(target, prompts, params, max_model_len=192)
     for graphs in ((), (16, 64, 128, 256)):  # (prefill graphs played eagerly: hits and recomputes take them)
-        out, engine, seen = _alternating(target, draft, prompts, params, kv_cache_tokens=320, prefix_cache=True,
-                                         prefill_graphs=graphs, **kw)
+        out, engine, seen = _alternating(
+            target, draft, prompts, params, kv_cache_tokens=320, prefix_cache=True, prefill_graphs=graphs, **kw
+        )
         assert out == base, graphs
         kv = engine.kv_usage()
         assert kv["preemptions"] > 0 and kv["prefix_hit_tokens"] > 0 and seen["caught_up"]
@@ -1028,9 +1146,12 @@ def test_drafts_queued_ahead_change_nothing(small_pair, tmp_path, mode):
     target, draft = small_pair
     prompts = _prompts(5, seed=17)
     temperature = 0.8 if mode == "sampled" else 0.0
-    params = [SamplingParams(temperature=temperature, seed=i, max_tokens=n, stop_token_ids=[5] if i % 2 else [],
-                             ignore_eos=True)
-              for i, n in enumerate((50, 9, 33, 50, 20))]
+    params = [
+        SamplingParams(
+            temperature=temperature, seed=i, max_tokens=n, stop_token_ids=[5] if i % 2 else [], ignore_eos=True
+        )
+        for i, n in enumerate((50, 9, 33, 50, 20))
+    ]
     kw = dict(spec_steps=3)
     if mode == "tree":
         kw.update(spec_topk=3, spec_tree_max_batch=4)
@@ -1075,8 +1196,11 @@ def test_drafts_queued_ahead_on_gpu(small_pair):
         for kw in (dict(spec_steps=3), dict(spec_steps=4, spec_topk=3, spec_tree_max_batch=4)):
             outs = []
             for ahead in (False, True):
-                engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cuda", dtype="float32",
-                                             max_num_seqs=4, **kw))
+                engine = Engine(
+                    EngineConfig(
+                        model=str(target), draft=str(draft), device="cuda", dtype="float32", max_num_seqs=4, **kw
+                    )
+                )
                 engine.launch_ahead = ahead
                 seqs = [engine.add_request(p, params) for p in prompts]
                 while engine.has_work():
@@ -1096,8 +1220,9 @@ def test_prefill_through_the_staging_cache(small_pair, monkeypatch):
     prompts = [list(range(1, VOCAB - 1)) * 5] + _prompts(3, seed=21)  # lengths 50 (bucket 64) and 1-29
     for kw in (dict(spec_steps=3), dict(spec_steps=3, spec_topk=2, spec_tree_max_batch=4)):
         ref = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw))
-        engine = engine_with_prefill_graphs((16, 64), model=str(target), draft=str(draft), device="cpu",
-                                            max_num_seqs=3, **kw)
+        engine = engine_with_prefill_graphs(
+            (16, 64), model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, **kw
+        )
         r = engine.runner
         assert r.kv.stage_len == 80 and r.kv.k_stage.shape[1] == 1 and r.kv.table.shape[0] == 3
         staged = []  # (row, tokens) of each graph prefill
@@ -1129,8 +1254,9 @@ def test_prompts_arriving_together_share_one_prefill_graph(small_pair, monkeypat
     seeded = SamplingParams(temperature=0.8, max_tokens=16, seed=3)
     for kw in (dict(spec_steps=3), dict(spec_steps=3, spec_topk=2, spec_tree_max_batch=4)):
         ref = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", max_num_seqs=4, **kw))
-        engine = engine_with_prefill_graphs((16, 64), model=str(target), draft=str(draft), device="cpu",
-                                            max_num_seqs=4, **kw)
+        engine = engine_with_prefill_graphs(
+            (16, 64), model=str(target), draft=str(draft), device="cpu", max_num_seqs=4, **kw
+        )
         r = engine.runner
         packed = []
         real = r._graph_prefill
@@ -1200,15 +1326,27 @@ def test_prefix_cache_hits_take_the_prefill_graph_with_their_history(small_pair,
     prompts = [torch.randint(0, VOCAB - 1, (n,), generator=g).tolist() for n in (22, 35, 18)]
     outs = []
     for cache, graphs in ((False, False), (True, False), (True, True)):
-        config = dict(model=str(target), draft=str(draft), device="cpu", max_num_seqs=3, spec_steps=3,
-                      prefix_cache=cache, kv_block_size=16)
+        config = dict(
+            model=str(target),
+            draft=str(draft),
+            device="cpu",
+            max_num_seqs=3,
+            spec_steps=3,
+            prefix_cache=cache,
+            kv_block_size=16,
+        )
         e = engine_with_prefill_graphs((16, 64, 128), **config) if graphs else Engine(EngineConfig(**config))
         calls = []
         if graphs:
             real = e.runner.prefill
-            monkeypatch.setattr(e.runner, "prefill", lambda row, chunks, starts, history=None, after=None: (
-                calls.append((tuple(starts), history is not None, e.runner.graph_prefill_tokens())),
-                real(row, chunks, starts, history, after))[1])
+            monkeypatch.setattr(
+                e.runner,
+                "prefill",
+                lambda row, chunks, starts, history=None, after=None: (
+                    calls.append((tuple(starts), history is not None, e.runner.graph_prefill_tokens())),
+                    real(row, chunks, starts, history, after),
+                )[1],
+            )
         got = []
         for _ in range(2):  # the second time round, the prompts' full blocks are cached
             seqs = [e.add_request(p, GREEDY) for p in prompts]
@@ -1238,8 +1376,9 @@ def _graph_prefill_equals_eager(r, graphs, tol):
 
     def kv(row, start, n):
         block, offset = r.kv.slots(row, n, start)
-        return ([c[:, block, :, offset].clone() for c in (r.kv.k_all, r.kv.v_all)]
-                + [c[block, :, offset].clone() for c in (drafter_kv.k_cache, drafter_kv.v_cache)])
+        return [c[:, block, :, offset].clone() for c in (r.kv.k_all, r.kv.v_all)] + [
+            c[block, :, offset].clone() for c in (drafter_kv.k_cache, drafter_kv.v_cache)
+        ]
 
     def run(row, chunks, starts, history, after, use):
         r.graphs = graphs if use else {}
@@ -1249,8 +1388,13 @@ def _graph_prefill_equals_eager(r, graphs, tol):
             out += kv(row + i, s0, n)
         return out
 
-    cases = [(0, [rand(n) for n in (5, 40, 17)], None), (1, [rand(100)], None), (0, [rand(n) for n in (1, 2, 3, 50)], None),
-             (0, [rand(n) for n in (60, 56)], None), (0, [rand(n) for n in (30, 20, 1)], [rand(n) for n in (16, 9, 40)])]
+    cases = [
+        (0, [rand(n) for n in (5, 40, 17)], None),
+        (1, [rand(100)], None),
+        (0, [rand(n) for n in (1, 2, 3, 50)], None),
+        (0, [rand(n) for n in (60, 56)], None),
+        (0, [rand(n) for n in (30, 20, 1)], [rand(n) for n in (16, 9, 40)]),
+    ]
     for row, chunks, history in cases:
         starts = [len(h) for h in history] if history else [0] * len(chunks)
         after = [rand(1)[0] if i % 2 else -1 for i in range(len(chunks))]
@@ -1277,8 +1421,9 @@ def test_graph_prefill_writes_the_target_and_drafter_kv_of_the_eager_prefill(sma
     """The prefill graph (played eagerly on the CPU) writes what the eager prefill writes, the drafter's
     entries included (`_graph_prefill_equals_eager`)."""
     target, draft = small_pair
-    r = engine_with_prefill_graphs((16, 64, 128), model=str(target), draft=str(draft), device="cpu",
-                                   max_num_seqs=4).runner
+    r = engine_with_prefill_graphs(
+        (16, 64, 128), model=str(target), draft=str(draft), device="cpu", max_num_seqs=4
+    ).runner
     _graph_prefill_equals_eager(r, r.graphs, 1e-5)
 
 
@@ -1305,14 +1450,26 @@ def test_no_reference_fallbacks_on_gpu(small_pair, monkeypatch):
 
     target, draft = small_pair
     calls = []
-    for mod, name in ((norm, "rms_norm_ref"), (norm, "rope_store_kv_ref"), (norm, "silu_mul_ref"),
-                      (tree, "tree_level_ref")):
+    for mod, name in (
+        (norm, "rms_norm_ref"),
+        (norm, "rope_store_kv_ref"),
+        (norm, "silu_mul_ref"),
+        (tree, "tree_level_ref"),
+    ):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, _n=name, _f=real, **kw: calls.append(_n) or _f(*a, **kw))
     for kw in (dict(), dict(spec_steps=3), dict(spec_steps=4, spec_topk=3, spec_tree_max_batch=3)):
         for n in (1, 3):
-            _run(target, draft if kw else None, _prompts(n, seed=9), GREEDY, max_num_seqs=3, device="cuda",
-                 dtype="bfloat16", **kw)
+            _run(
+                target,
+                draft if kw else None,
+                _prompts(n, seed=9),
+                GREEDY,
+                max_num_seqs=3,
+                device="cuda",
+                dtype="bfloat16",
+                **kw,
+            )
             assert calls == [], (kw, n, sorted(set(calls)))
 
 
@@ -1344,8 +1501,9 @@ def test_step_costs_include_the_handling_of_their_own_tokens(small_pair):
     cycle's recorded cost includes its pause (a lower bound, whatever the machine's load; charged
     to the next step instead, it would land on a plain step)."""
     target, draft = small_pair
-    engine = Engine(EngineConfig(model=str(target), draft=str(draft), device="cpu", adaptive=True, spec_steps=2,
-                                 max_num_seqs=2))
+    engine = Engine(
+        EngineConfig(model=str(target), draft=str(draft), device="cpu", adaptive=True, spec_steps=2, max_num_seqs=2)
+    )
     policy = engine.policy
     picks, costs = iter([0, 2] * 100), []
     policy.choose = lambda B, remaining=None, stale=False, context=0: next(picks)

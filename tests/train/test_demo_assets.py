@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import specserve
+
 from scripts import build_demo
 
 DEMO = Path(specserve.__file__).parent / "assets" / "demo"
@@ -20,7 +21,7 @@ TRICKY = (
     "# -*- coding: utf-8 -*-\n"
     "def f(x):\r\n"
     "\tif x:   \n"
-    "        return {'ключ': \"värde\", 'emoji': '\U0001F40D'}  # snake\n"
+    "        return {'ключ': \"värde\", 'emoji': '\U0001f40d'}  # snake\n"
     "                    pass\n"
     "\n\n\n"
     "class   A :  ...\n"
@@ -93,8 +94,14 @@ def test_target_loads_and_is_trained(hf_tok, config):
     import torch
     from transformers import LlamaForCausalLM
 
-    assert (config["num_hidden_layers"], config["hidden_size"], config["num_attention_heads"],
-            config["num_key_value_heads"], config["head_dim"], config["intermediate_size"]) == (16, 128, 4, 2, 32, 384)
+    assert (
+        config["num_hidden_layers"],
+        config["hidden_size"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+        config["intermediate_size"],
+    ) == (16, 128, 4, 2, 32, 384)
     assert config["tie_word_embeddings"] is True
     from safetensors import safe_open
 
@@ -118,8 +125,15 @@ def test_target_loads_and_is_trained(hf_tok, config):
 def test_assets_fit_the_size_budget():
     files = [p for p in DEMO.rglob("*") if p.is_file()]
     names = {p.name for p in files}
-    for required in ("tokenizer.json", "tokenizer_config.json", "config.json", "model.safetensors",
-                     "generation_config.json", "heldout_prompts.jsonl", "README.md"):
+    for required in (
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "heldout_prompts.jsonl",
+        "README.md",
+    ):
         assert required in names
     assert sum(p.stat().st_size for p in files) <= MAX_ASSET_BYTES
 
@@ -168,8 +182,9 @@ def test_corpus_selection_excludes_tests_and_site_packages():
     docs = build_demo.collect_stdlib(max_files=40)
     names = [d.name for d in docs]
     assert names == sorted(names) and len(names) == 40
-    assert not any(part in build_demo.TEST_DIR_NAMES or part == "site-packages"
-                   for n in names for part in n.split("/")[:-1])
+    assert not any(
+        part in build_demo.TEST_DIR_NAMES or part == "site-packages" for n in names for part in n.split("/")[:-1]
+    )
     train, val = build_demo.split_train_val(docs)
     assert train and val and not {d.name for d in train} & {d.name for d in val}
     assert build_demo.split_train_val(docs) == (train, val)  # deterministic

@@ -30,8 +30,17 @@ from tiny import assert_decode_matches, make_drafter, make_moe_target, make_targ
 CPU = torch.device("cpu")
 # The MoE grow: SHAPE's attention with 6 experts of 160 units (the MLP's 128 copied once or twice), top-2;
 # the drafter's MLP keeps SHAPE's 300.
-MOE_SHAPE = G.Shape(hidden=128, layers=12, heads=8, kv_heads=4, head_dim=64, intermediate=300, experts=6, top_k=2,
-                    expert_intermediate=160)
+MOE_SHAPE = G.Shape(
+    hidden=128,
+    layers=12,
+    heads=8,
+    kv_heads=4,
+    head_dim=64,
+    intermediate=300,
+    experts=6,
+    top_k=2,
+    expert_intermediate=160,
+)
 # hidden x3 (non-power-of-two split), heads x2, KV heads x2, head_dim x4 (16 -> 64), layers x2,
 # MLP 128 -> 300 (units copied 2 or 3 times).
 SHAPE = G.Shape(hidden=192, layers=12, heads=8, kv_heads=4, head_dim=64, intermediate=300)
@@ -53,8 +62,15 @@ def useful_drafter(draft_dir, target_dir) -> None:
 @pytest.fixture(scope="module")
 def grown(make_pair, tmp_path_factory):
     # initializer_range 0.2: layers strong enough that greedy text does not just repeat the last token
-    small, draft = make_pair(hidden=64, layers=6, heads=4, kv_heads=2, tie_word_embeddings=True,
-                             initializer_range=0.2, drafter=_useful_drafter)
+    small, draft = make_pair(
+        hidden=64,
+        layers=6,
+        heads=4,
+        kv_heads=2,
+        tie_word_embeddings=True,
+        initializer_range=0.2,
+        drafter=_useful_drafter,
+    )
     big = tmp_path_factory.mktemp("grow") / "big"
     summary = G.grow(small, big, SHAPE, draft_dir=draft, dtype="float32", device="cpu", shard_gb=0.002)
     return small, big, summary
@@ -89,16 +105,23 @@ def run_target(path, ids: list[int], decode: int = 3, aux=()):
 def test_shape_and_config(grown):
     small, big, summary = grown
     cfg = ModelConfig.from_dir(big)
-    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == \
-        (192, 12, 8, 4, 64, 300)
+    assert (cfg.hidden_size, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.intermediate_size) == (
+        192,
+        12,
+        8,
+        4,
+        64,
+        300,
+    )
     assert not cfg.tie_word_embeddings
     raw = json.loads((big / "config.json").read_text())
     assert raw["grown_from"] == str(small) and raw["grow_preset"] == "custom"
     assert sorted(o for o in raw["grow_layer_map"] if o >= 0) == list(range(6))
     index = json.loads((big / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # sharded
-    assert summary["target"]["params"] == sum(t.numel() for f in summary["target"]["files"]
-                                              for t in load_file(str(big / f)).values())
+    assert summary["target"]["params"] == sum(
+        t.numel() for f in summary["target"]["files"] for t in load_file(str(big / f)).values()
+    )
 
 
 @pytest.mark.slow
@@ -156,8 +179,17 @@ def test_drafter_logits_match(grown):
 
 def engine_trace(model, draft, prompts, K: int, device: str = "cpu"):
     """Greedy outputs and, per sequence, the number of tokens each step produced."""
-    eng = Engine(EngineConfig(model=str(model), draft=str(draft) if draft else None, device=device, dtype="float32",
-                              spec_steps=K, max_model_len=128, max_num_seqs=len(prompts)))
+    eng = Engine(
+        EngineConfig(
+            model=str(model),
+            draft=str(draft) if draft else None,
+            device=device,
+            dtype="float32",
+            spec_steps=K,
+            max_model_len=128,
+            max_num_seqs=len(prompts),
+        )
+    )
     seqs = [eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)) for p in prompts]
     steps = {s.seq_id: [] for s in seqs}
     while eng.has_work():
@@ -222,8 +254,9 @@ def test_explicit_aux_ids_when_default_taps_cannot_line_up(tmp_path):
     # so the drafter gets explicit layer ids (SGLang convention) instead.
     small = make_target(tmp_path / "small", hidden=32, layers=4, heads=2, kv_heads=1)
     make_drafter(tmp_path / "small" / "draft", small)
-    summary = G.grow(small, tmp_path / "big", G.Shape(64, 8, 4, 2, 32, 64), draft_dir=small / "draft",
-                     dtype="float32", device="cpu")
+    summary = G.grow(
+        small, tmp_path / "big", G.Shape(64, 8, 4, 2, 32, 64), draft_dir=small / "draft", dtype="float32", device="cpu"
+    )
     ids = summary["draft"]["aux_layer_ids"]
     assert ids is not None
     dcfg = DraftConfig.from_dir(tmp_path / "big" / "draft")
@@ -273,8 +306,10 @@ def test_bf16_weights_are_exact(tmp_path, read):
     summed = torch.zeros(32, 64, dtype=torch.float64).index_add_(1, m.src, down)
     assert torch.equal(summed, src["model.layers.0.mlp.down_proj.weight"].double())
     lm = big["lm_head.weight"].double()
-    assert torch.equal(torch.zeros(lm.shape[0], 32, dtype=torch.float64).index_add_(1, h.src, lm),
-                       src["model.embed_tokens.weight"].double())
+    assert torch.equal(
+        torch.zeros(lm.shape[0], 32, dtype=torch.float64).index_add_(1, h.src, lm),
+        src["model.embed_tokens.weight"].double(),
+    )
     assert torch.equal(big["model.embed_tokens.weight"][:, ::3], src["model.embed_tokens.weight"])
 
 
@@ -306,9 +341,32 @@ def test_cli(tmp_path, grown, capsys):
     args = p.parse_args(["--model", str(small), "--no-draft", "--hidden", "128", "--out", str(tmp_path / "o")])
     assert grow_cmd.run(args) == 1
     assert "missing: --layers, --heads, --kv-heads, --head-dim, --intermediate" in capsys.readouterr().err
-    args = p.parse_args(["--model", str(small), "--draft", str(small / "draft"), "--out", str(tmp_path / "o"),
-                         "--hidden", "128", "--layers", "8", "--heads", "4", "--kv-heads", "2", "--head-dim", "16",
-                         "--intermediate", "128", "--dtype", "float32", "--device", "cpu"])
+    args = p.parse_args(
+        [
+            "--model",
+            str(small),
+            "--draft",
+            str(small / "draft"),
+            "--out",
+            str(tmp_path / "o"),
+            "--hidden",
+            "128",
+            "--layers",
+            "8",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--head-dim",
+            "16",
+            "--intermediate",
+            "128",
+            "--dtype",
+            "float32",
+            "--device",
+            "cpu",
+        ]
+    )
     assert grow_cmd.run(args) == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["shape"]["hidden"] == 128 and (tmp_path / "o" / "draft" / "config.json").exists()
@@ -324,8 +382,12 @@ def test_grow_on_cuda_matches_cpu(tmp_path, grown):
     G.grow(small, tmp_path / "gpu", shape, draft_dir=small / "draft", dtype="bfloat16", device="cuda")
     layer_map = json.loads((tmp_path / "cpu" / "config.json").read_text())["grow_layer_map"]
     # identity layers' q/k/v/gate/up are random data from a device-specific generator
-    random = {f"model.layers.{i}.{n}.weight" for i, o in enumerate(layer_map) if o < 0
-              for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    random = {
+        f"model.layers.{i}.{n}.weight"
+        for i, o in enumerate(layer_map)
+        if o < 0
+        for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    }
     for sub in ("", "draft"):
         a = load_file(str(tmp_path / "cpu" / sub / "model.safetensors"))
         b = load_file(str(tmp_path / "gpu" / sub / "model.safetensors"))
@@ -410,8 +472,16 @@ def test_moe_presets_and_flags(tmp_path, grown, capsys):
 
     demo = ModelConfig.from_dir(DEMO_DIR)
     shape = PRESETS["qwen3-moe-30b-a3b"]
-    G.check_shape("target", demo.num_heads, demo.num_kv_heads, demo.head_dim, demo.hidden_size,
-                  demo.intermediate_size, shape, shape.target_intermediate)  # the demo grows into it
+    G.check_shape(
+        "target",
+        demo.num_heads,
+        demo.num_kv_heads,
+        demo.head_dim,
+        demo.hidden_size,
+        demo.intermediate_size,
+        shape,
+        shape.target_intermediate,
+    )  # the demo grows into it
     assert (shape.experts, shape.top_k, shape.target_intermediate) == (128, 8, 768)
     p = argparse.ArgumentParser()
     grow_cmd.add_arguments(p)
@@ -421,17 +491,42 @@ def test_moe_presets_and_flags(tmp_path, grown, capsys):
     with pytest.raises(ConfigError, match="--moe-intermediate must be positive"):
         parse("--preset", "llama3-8b", "--moe", "8", "--moe-intermediate", "0")
     small = grown[0]
-    base = ["--model", str(small), "--no-draft", "--hidden", "128", "--layers", "8", "--heads", "4",
-            "--kv-heads", "2", "--head-dim", "16", "--intermediate", "128", "--dtype", "float32", "--device", "cpu"]
-    for extra, error in ((["--moe", "4", "--moe-top-k", "5"], "--moe-top-k 5 must be in 1..4"),
-                         (["--moe", "4"], "--moe-top-k 0 must be in 1..4"),
-                         (["--moe-top-k", "2"], "give --moe a positive expert count"),
-                         (["--moe", "4", "--moe-top-k", "2", "--moe-intermediate", "64"],
-                          "intermediate size 64 is smaller than the source's 128")):
+    base = [
+        "--model",
+        str(small),
+        "--no-draft",
+        "--hidden",
+        "128",
+        "--layers",
+        "8",
+        "--heads",
+        "4",
+        "--kv-heads",
+        "2",
+        "--head-dim",
+        "16",
+        "--intermediate",
+        "128",
+        "--dtype",
+        "float32",
+        "--device",
+        "cpu",
+    ]
+    for extra, error in (
+        (["--moe", "4", "--moe-top-k", "5"], "--moe-top-k 5 must be in 1..4"),
+        (["--moe", "4"], "--moe-top-k 0 must be in 1..4"),
+        (["--moe-top-k", "2"], "give --moe a positive expert count"),
+        (
+            ["--moe", "4", "--moe-top-k", "2", "--moe-intermediate", "64"],
+            "intermediate size 64 is smaller than the source's 128",
+        ),
+    ):
         assert grow_cmd.run(p.parse_args([*base, *extra, "--out", str(tmp_path / "o"), "--force"])) == 1
         assert error in capsys.readouterr().err
-    assert grow_cmd.run(p.parse_args([*base, "--moe", "4", "--moe-top-k", "2", "--out", str(tmp_path / "o"),
-                                      "--force"])) == 0
+    assert (
+        grow_cmd.run(p.parse_args([*base, "--moe", "4", "--moe-top-k", "2", "--out", str(tmp_path / "o"), "--force"]))
+        == 0
+    )
     assert json.loads(capsys.readouterr().out)["shape"]["experts"] == 4
     assert ModelConfig.from_dir(tmp_path / "o").moe.num_experts == 4
 

@@ -12,14 +12,15 @@ import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from tiny import make_drafter, make_target
 
 from specserve.config import ConfigError, DraftConfig, default_aux_layers, resolve_aux_layers
 from specserve.model.layers import ForwardContext
 from specserve.model.loader import load_drafter
-from scripts import build_demo
 from specserve.train import train_draft as td
 from specserve.train.data import DataError, Record, chat_prompt, read_records, split_long, tokenize_records
+
+from scripts import build_demo
+from tiny import make_drafter, make_target
 
 CPU = torch.device("cpu")
 
@@ -27,6 +28,7 @@ CPU = torch.device("cpu")
 # ---------------------------------------------------------------------------------------------
 # fixtures: a tiny target with a real (byte-level BPE) tokenizer
 # ---------------------------------------------------------------------------------------------
+
 
 def _stdlib_texts(n: int) -> list[str]:
     return [d.text for d in build_demo.collect_stdlib(max_files=n)]
@@ -63,10 +65,14 @@ def tiny_pair(tmp_path_factory, texts):
 # data
 # ---------------------------------------------------------------------------------------------
 
+
 def test_read_records_formats_and_errors(tmp_path):
-    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "def f(): pass"}) + "\n\n"
-                                      + json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                                                 {"role": "assistant", "content": "yo"}]}) + "\n")
+    (tmp_path / "a.jsonl").write_text(
+        json.dumps({"text": "def f(): pass"})
+        + "\n\n"
+        + json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]})
+        + "\n"
+    )
     (tmp_path / "b.txt").write_text("x = 1\n")
     sub = tmp_path / "sub"
     sub.mkdir()
@@ -121,8 +127,10 @@ def test_tokenize_chat_prompt_and_split(tiny_pair):
     assert chat_prompt(Record(messages=msgs[1:]), tok) is None  # nothing to answer
     [plain] = tokenize_records([Record(text="x = 1")], tok, 0)
     assert plain[-1] == 0  # documents end with EOS, like the pre-training stream
-    assert split_long([list(range(20))], 8, min_len=4) == ([list(range(8)), list(range(8, 16)), list(range(16, 20))],
-                                                           [0, 0, 0])
+    assert split_long([list(range(20))], 8, min_len=4) == (
+        [list(range(8)), list(range(8, 16)), list(range(16, 20))],
+        [0, 0, 0],
+    )
     # a sample's scored start follows it into its pieces; a piece of prompt alone is dropped
     assert split_long([list(range(20))], 8, [10], min_len=4) == ([list(range(8, 16)), list(range(16, 20))], [2, 0])
 
@@ -130,6 +138,7 @@ def test_tokenize_chat_prompt_and_split(tiny_pair):
 # ---------------------------------------------------------------------------------------------
 # the training forward matches the engine's drafting
 # ---------------------------------------------------------------------------------------------
+
 
 def test_ttt_forward_matches_cached_drafting(tmp_path):
     """Step k at position b+k of the unrolled training forward must equal the engine's k-th
@@ -152,11 +161,11 @@ def test_ttt_forward_matches_cached_drafting(tmp_path):
     with torch.inference_mode():
         for b in range(T - steps + 1):
             pos = torch.arange(b + 1).expand(2, b + 1)
-            g = dr(ids[:, 1:b + 2], feats[:, :b + 1], ForwardContext(0, pos, pos, b + 1))[:, -1:]
+            g = dr(ids[:, 1 : b + 2], feats[:, : b + 1], ForwardContext(0, pos, pos, b + 1))[:, -1:]
             torch.testing.assert_close(outs[0][:, b], g[:, 0], rtol=1e-4, atol=1e-4)
             for k in range(1, steps):
                 p = torch.full((2, 1), b + k)
-                g = dr(ids[:, b + k + 1:b + k + 2], g, ForwardContext(0, p, p, b + k + 1))
+                g = dr(ids[:, b + k + 1 : b + k + 2], g, ForwardContext(0, p, p, b + k + 1))
                 torch.testing.assert_close(outs[k][:, b + k], g[:, 0], rtol=1e-4, atol=1e-4)
 
 
@@ -228,8 +237,9 @@ def test_chain_acceptance_is_what_greedy_verification_accepts(tmp_path):
             ids = torch.cat([ids, tgt.logits(hidden[:, -1]).argmax(-1, keepdim=True)], 1)
         feats, hidden = tgt(ids)
         greedy = tgt.logits(hidden[0]).argmax(-1)  # greedy[p]: the target's token after position p
-        _, accs, _, (accepted, bases), walked = td.ttt_loss(dr, tgt, ids, torch.tensor([L]), torch.tensor([0]), feats,
-                                                            hidden, K, td.draft_vocab_ids(dr))
+        _, accs, _, (accepted, bases), walked = td.ttt_loss(
+            dr, tgt, ids, torch.tensor([L]), torch.tensor([0]), feats, hidden, K, td.draft_vocab_ids(dr)
+        )
     attn = dr.midlayer.self_attn.attn
     attn.k_cache = torch.zeros(1, attn.num_kv_heads, 64, attn.head_dim)
     attn.v_cache = torch.zeros_like(attn.k_cache)
@@ -238,7 +248,7 @@ def test_chain_acceptance_is_what_greedy_verification_accepts(tmp_path):
     with torch.inference_mode():
         for b in range(L - K):  # entries 0..L-2; a base counts when its K steps are entries too
             pos = torch.arange(b + 1).view(1, -1)
-            g = dr(ids[:, 1:b + 2], feats[:, :b + 1], ForwardContext(0, pos, pos, b + 1))[:, -1:]
+            g = dr(ids[:, 1 : b + 2], feats[:, : b + 1], ForwardContext(0, pos, pos, b + 1))[:, -1:]
             n += 1
             run.append(0)
             for k in range(K):
@@ -270,7 +280,9 @@ def test_ttt_loss_scores_only_the_response(tmp_path):
     positions changes nothing, what it predicts at the first drafted response token does."""
     target_dir = make_target(tmp_path / "t", vocab=96, hidden=64, layers=4)
     draft_dir = make_drafter(tmp_path / "d", target_dir, layout="sglang", draft_vocab=64)
-    tgt = td.FrozenTarget(str(target_dir), CPU, torch.float32, 64, resolve_aux_layers(DraftConfig.from_dir(draft_dir), 4))
+    tgt = td.FrozenTarget(
+        str(target_dir), CPU, torch.float32, 64, resolve_aux_layers(DraftConfig.from_dir(draft_dir), 4)
+    )
     dr = load_drafter(draft_dir, tgt.model, CPU, torch.float32, 64)
     torch.manual_seed(0)
     L, s, K = 24, 10, 3
@@ -323,8 +335,11 @@ def test_eval_prompts_chat_records(tiny_pair, tmp_path):
     with pytest.raises(DataError, match=r"p.jsonl:1: messages\[0\] must be an object with string"):
         td.read_prompts(f)
     d = root / "d-eval"
-    td.train_draft(td.TrainConfig(str(target), str(d), str(root / "data.txt"), max_steps=0, draft_vocab=200,
-                                  device="cpu", progress=False))
+    td.train_draft(
+        td.TrainConfig(
+            str(target), str(d), str(root / "data.txt"), max_steps=0, draft_vocab=200, device="cpu", progress=False
+        )
+    )
     tok = Tokenizer(target)
     r = td.measure_acceptance(str(target), str(d), [msgs, "def f(x):"], 3, 16, "cpu")
     assert r["prompt_tokens"] == len(tok.encode(tok.apply_chat_template(msgs))) + len(tok.encode("def f(x):"))
@@ -363,6 +378,7 @@ def test_draft_vocab_selection():
 # end to end
 # ---------------------------------------------------------------------------------------------
 
+
 @pytest.mark.slow
 def test_train_draft_raises_acceptance(tiny_pair):
     """The CI run: regenerate, pick the vocabulary, train with TTT, save, load in the
@@ -371,11 +387,37 @@ def test_train_draft_raises_acceptance(tiny_pair):
     root, target = tiny_pair
     prompts = td.read_prompts(root / "prompts.jsonl")
     t0 = time.time()
-    td.train_draft(td.TrainConfig(str(target), str(root / "d0"), str(root / "data.txt"), max_steps=0, draft_vocab=200,
-                          device="cpu", progress=False))
-    res = td.train_draft(td.TrainConfig(str(target), str(root / "d1"), str(root / "data.txt"), regenerate=True, regen_prompts=48,
-                         regen_max_tokens=48, regen_prompt_len=(8, 32), draft_vocab=200, ttt_steps=3, lr=2e-2,
-                         warmup=3, max_steps=32, batch_tokens=1536, max_len=128, device="cpu", progress=False))
+    td.train_draft(
+        td.TrainConfig(
+            str(target),
+            str(root / "d0"),
+            str(root / "data.txt"),
+            max_steps=0,
+            draft_vocab=200,
+            device="cpu",
+            progress=False,
+        )
+    )
+    res = td.train_draft(
+        td.TrainConfig(
+            str(target),
+            str(root / "d1"),
+            str(root / "data.txt"),
+            regenerate=True,
+            regen_prompts=48,
+            regen_max_tokens=48,
+            regen_prompt_len=(8, 32),
+            draft_vocab=200,
+            ttt_steps=3,
+            lr=2e-2,
+            warmup=3,
+            max_steps=32,
+            batch_tokens=1536,
+            max_len=128,
+            device="cpu",
+            progress=False,
+        )
+    )
     train_s = time.time() - t0
     assert res.regenerated == 48 and res.steps == 32 and res.draft_vocab == 200
     before = td.measure_acceptance(str(target), str(root / "d0"), prompts, 3, 32, "cpu")["accept_length_mean"]
@@ -404,8 +446,19 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_pair):
     """Stopping after a checkpoint and resuming gives the same weights as one run, with the
     run's own target taps even when --aux-layer-ids is not repeated (a different list is refused)."""
     root, target = tiny_pair
-    kw = {"draft_vocab": 100, "ttt_steps": 2, "lr": 3e-3, "warmup": 2, "max_steps": 4, "batch_tokens": 512,
-          "max_len": 64, "device": "cpu", "progress": False, "checkpoint_every": 2, "keep_checkpoint": True}
+    kw = {
+        "draft_vocab": 100,
+        "ttt_steps": 2,
+        "lr": 3e-3,
+        "warmup": 2,
+        "max_steps": 4,
+        "batch_tokens": 512,
+        "max_len": 64,
+        "device": "cpu",
+        "progress": False,
+        "checkpoint_every": 2,
+        "keep_checkpoint": True,
+    }
     data = str(root / "data.txt")
     td.train_draft(td.TrainConfig(str(target), str(root / "full"), data, aux_layer_ids=(0, 1, 0), **kw))
     # An interrupted run: the same job killed right after its step-2 checkpoint.
@@ -413,7 +466,9 @@ def test_resume_reproduces_an_uninterrupted_run(tiny_pair):
     assert state["step"] == 2 and state["aux_layers"] == [1, 2, 1]
     shutil.copytree(root / "full" / "checkpoint", root / "part" / "checkpoint")
     with pytest.raises(ConfigError, match="differ from the checkpoint's"):
-        td.train_draft(td.TrainConfig(str(target), str(root / "part"), None, resume=True, aux_layer_ids=(1, 1, 1), **kw))
+        td.train_draft(
+            td.TrainConfig(str(target), str(root / "part"), None, resume=True, aux_layer_ids=(1, 1, 1), **kw)
+        )
     td.train_draft(td.TrainConfig(str(target), str(root / "part"), None, resume=True, **kw))
     cfg = json.loads((root / "part" / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 0]
@@ -429,10 +484,20 @@ def test_resume_of_a_fine_tune_rebuilds_its_drafter(tiny_pair, tmp_path):
     resumes to the weights of one uninterrupted run, from the checkpoint alone (without --from) and
     with --from repeated; its default fine-tune lr goes on. A different --from or shape is refused."""
     root, target = tiny_pair
-    src = make_drafter(tmp_path / "src", target, layout="sglang", draft_vocab=150, aux_ids=[0, 1, 0],
-                       with_embedding=True)
-    kw = {"ttt_steps": 2, "warmup": 1, "max_steps": 4, "batch_tokens": 512, "max_len": 64, "device": "cpu",
-          "progress": False, "checkpoint_every": 2, "keep_checkpoint": True}
+    src = make_drafter(
+        tmp_path / "src", target, layout="sglang", draft_vocab=150, aux_ids=[0, 1, 0], with_embedding=True
+    )
+    kw = {
+        "ttt_steps": 2,
+        "warmup": 1,
+        "max_steps": 4,
+        "batch_tokens": 512,
+        "max_len": 64,
+        "device": "cpu",
+        "progress": False,
+        "checkpoint_every": 2,
+        "keep_checkpoint": True,
+    }
     data = str(root / "data.txt")
     td.train_draft(td.TrainConfig(str(target), str(tmp_path / "full"), data, from_dir=str(src), **kw))
     full = load_file(str(tmp_path / "full" / "model.safetensors"))
@@ -440,11 +505,13 @@ def test_resume_of_a_fine_tune_rebuilds_its_drafter(tiny_pair, tmp_path):
     assert torch.equal(full["embed_tokens.weight"], shipped)  # a shipped embedding is not trained
     for name, from_dir in (("bare", None), ("again", str(src))):
         shutil.copytree(tmp_path / "full" / "checkpoint", tmp_path / name / "checkpoint")
-        res = td.train_draft(td.TrainConfig(str(target), str(tmp_path / name), None, resume=True, from_dir=from_dir,
-                                            **kw))
+        res = td.train_draft(
+            td.TrainConfig(str(target), str(tmp_path / name), None, resume=True, from_dir=from_dir, **kw)
+        )
         assert res.steps == 4 and res.draft_vocab == 150
         assert json.loads((tmp_path / name / "config.json").read_text()) == json.loads(
-            (tmp_path / "full" / "config.json").read_text())
+            (tmp_path / "full" / "config.json").read_text()
+        )
         b = load_file(str(tmp_path / name / "model.safetensors"))
         assert full.keys() == b.keys()
         for k in full:
@@ -493,13 +560,26 @@ def test_a_run_cut_by_its_budget_resumes_on_one_lr_schedule(tiny_pair, tmp_path,
         return step(self, *a, **k)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", record)
-    kw = {"draft_vocab": 100, "ttt_steps": 2, "lr": None if fine_tune else peak, "warmup": 1, "epochs": 1000.0,
-          "batch_tokens": 512, "max_len": 64, "device": "cpu", "threads": 1, "progress": False, "keep_checkpoint": True,
-          "minutes": 1.0, "lr_minutes": 2.0}
+    kw = {
+        "draft_vocab": 100,
+        "ttt_steps": 2,
+        "lr": None if fine_tune else peak,
+        "warmup": 1,
+        "epochs": 1000.0,
+        "batch_tokens": 512,
+        "max_len": 64,
+        "device": "cpu",
+        "threads": 1,
+        "progress": False,
+        "keep_checkpoint": True,
+        "minutes": 1.0,
+        "lr_minutes": 2.0,
+    }
     out = str(tmp_path / "d")
     lrs.append([])
-    first = td.train_draft(td.TrainConfig(str(target), out, str(root / "data.txt"),
-                                          from_dir=str(src) if fine_tune else None, **kw))
+    first = td.train_draft(
+        td.TrainConfig(str(target), out, str(root / "data.txt"), from_dir=str(src) if fine_tune else None, **kw)
+    )
     state = torch.load(tmp_path / "d" / "checkpoint" / "state.pt", weights_only=True)
     assert 5 < first.steps == state["step"] == len(lrs[0])
     lrs.append([])
@@ -518,8 +598,15 @@ def test_val_samples_are_held_out_and_scored(tiny_pair, tmp_path):
     """--val-samples N: the run trains on all but the last N samples and reports agreement and
     acceptance length on those N (as --val-data does on a file of its own)."""
     root, target = tiny_pair
-    kw = {"draft_vocab": 100, "ttt_steps": 2, "max_steps": 2, "batch_tokens": 512, "max_len": 64, "device": "cpu",
-          "progress": False}
+    kw = {
+        "draft_vocab": 100,
+        "ttt_steps": 2,
+        "max_steps": 2,
+        "batch_tokens": 512,
+        "max_len": 64,
+        "device": "cpu",
+        "progress": False,
+    }
     data = str(root / "data.txt")
     every = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "a"), data, **kw))
     held = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "b"), data, val_samples=3, **kw))
@@ -536,9 +623,22 @@ def test_val_samples_are_held_out_and_scored(tiny_pair, tmp_path):
 def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
     root, target = tiny_pair
     src = make_drafter(tmp_path / "src", target, layout="sglang", draft_vocab=150, aux_ids=[0, 0, 0])
-    res = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "ft"), str(root / "data.txt"), from_dir=str(src), max_steps=2,
-                         lr=1e-3, batch_tokens=512, max_len=64, device="cpu", progress=False, checkpoint_every=1,
-                         keep_checkpoint=True))
+    res = td.train_draft(
+        td.TrainConfig(
+            str(target),
+            str(tmp_path / "ft"),
+            str(root / "data.txt"),
+            from_dir=str(src),
+            max_steps=2,
+            lr=1e-3,
+            batch_tokens=512,
+            max_len=64,
+            device="cpu",
+            progress=False,
+            checkpoint_every=1,
+            keep_checkpoint=True,
+        )
+    )
     assert res.draft_vocab == 150
     # the drafter reads the target's embedding and trains only its own weights (the checkpoint holds those)
     state = torch.load(tmp_path / "ft" / "checkpoint" / "state.pt", weights_only=True)
@@ -550,11 +650,31 @@ def test_fine_tune_from_existing_drafter(tiny_pair, tmp_path):
     assert torch.equal(before["d2t"], after["d2t"])
     assert not torch.equal(before["fc.weight"].to(torch.bfloat16), after["fc.weight"])
     with pytest.raises(ConfigError, match="--draft-vocab 99 differs"):
-        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "ft2"), str(root / "data.txt"), from_dir=str(src), draft_vocab=99,
-                       max_steps=1, device="cpu", progress=False))
+        td.train_draft(
+            td.TrainConfig(
+                str(target),
+                str(tmp_path / "ft2"),
+                str(root / "data.txt"),
+                from_dir=str(src),
+                draft_vocab=99,
+                max_steps=1,
+                device="cpu",
+                progress=False,
+            )
+        )
     with pytest.raises(ConfigError, match="--draft-intermediate 65 differs"):
-        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "ft2"), str(root / "data.txt"), from_dir=str(src),
-                       draft_intermediate=65, max_steps=1, device="cpu", progress=False))
+        td.train_draft(
+            td.TrainConfig(
+                str(target),
+                str(tmp_path / "ft2"),
+                str(root / "data.txt"),
+                from_dir=str(src),
+                draft_intermediate=65,
+                max_steps=1,
+                device="cpu",
+                progress=False,
+            )
+        )
 
 
 def test_wider_drafter_mlp(tiny_pair, tmp_path):
@@ -563,8 +683,21 @@ def test_wider_drafter_mlp(tiny_pair, tmp_path):
     from specserve.engine.llm import LLM, SamplingParams
 
     root, target = tiny_pair
-    td.train_draft(td.TrainConfig(str(target), str(tmp_path / "w"), str(root / "data.txt"), draft_intermediate=96, draft_vocab=200,
-                   aux_layer_ids=(1, 0, 1), max_steps=2, batch_tokens=512, max_len=64, device="cpu", progress=False))
+    td.train_draft(
+        td.TrainConfig(
+            str(target),
+            str(tmp_path / "w"),
+            str(root / "data.txt"),
+            draft_intermediate=96,
+            draft_vocab=200,
+            aux_layer_ids=(1, 0, 1),
+            max_steps=2,
+            batch_tokens=512,
+            max_len=64,
+            device="cpu",
+            progress=False,
+        )
+    )
     cfg = json.loads((tmp_path / "w" / "config.json").read_text())
     assert cfg["intermediate_size"] == 96 and cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 0, 1]
     assert load_file(str(tmp_path / "w" / "model.safetensors"))["midlayer.mlp.down_proj.weight"].shape[1] == 96
@@ -573,11 +706,29 @@ def test_wider_drafter_mlp(tiny_pair, tmp_path):
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     assert llm.generate(["def f("], params)[0].token_ids == plain.generate(["def f("], params)[0].token_ids
     with pytest.raises(ConfigError, match="--draft-intermediate must be positive"):
-        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "w0"), str(root / "data.txt"), draft_intermediate=0,
-                       max_steps=1, device="cpu", progress=False))
+        td.train_draft(
+            td.TrainConfig(
+                str(target),
+                str(tmp_path / "w0"),
+                str(root / "data.txt"),
+                draft_intermediate=0,
+                max_steps=1,
+                device="cpu",
+                progress=False,
+            )
+        )
     with pytest.raises(ConfigError, match=r"--aux-layer-ids needs 3 layer ids in 0\.\.1"):
-        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "w0"), str(root / "data.txt"), aux_layer_ids=(0, 2, 1),
-                       max_steps=1, device="cpu", progress=False))
+        td.train_draft(
+            td.TrainConfig(
+                str(target),
+                str(tmp_path / "w0"),
+                str(root / "data.txt"),
+                aux_layer_ids=(0, 2, 1),
+                max_steps=1,
+                device="cpu",
+                progress=False,
+            )
+        )
 
 
 def test_a_parameter_without_gradient_stops_training(tiny_pair, tmp_path, monkeypatch):
@@ -587,11 +738,27 @@ def test_a_parameter_without_gradient_stops_training(tiny_pair, tmp_path, monkey
 
     root, target = tiny_pair
     real = layers.rms_norm
-    monkeypatch.setattr(layers, "rms_norm", lambda x, w, eps, residual=None: (
-        real(x.detach(), w.detach(), eps, None if residual is None else residual.detach())))
+    monkeypatch.setattr(
+        layers,
+        "rms_norm",
+        lambda x, w, eps, residual=None: real(
+            x.detach(), w.detach(), eps, None if residual is None else residual.detach()
+        ),
+    )
     with pytest.raises(RuntimeError, match="no gradient reached .* drafter parameter"):
-        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "d"), str(root / "data.txt"), max_steps=2, draft_vocab=200,
-                       batch_tokens=512, max_len=64, device="cpu", progress=False))
+        td.train_draft(
+            td.TrainConfig(
+                str(target),
+                str(tmp_path / "d"),
+                str(root / "data.txt"),
+                max_steps=2,
+                draft_vocab=200,
+                batch_tokens=512,
+                max_len=64,
+                device="cpu",
+                progress=False,
+            )
+        )
 
 
 def test_regenerate_equals_engine_greedy(tiny_pair, texts, tmp_path, monkeypatch):
@@ -640,7 +807,7 @@ def test_regeneration_cut_by_its_deadline_keeps_prompts_of_every_length(tiny_pai
     tok = Tokenizer(target)
     prompts = [tok.encode(t[: 12 + 9 * i]) for i, t in enumerate(texts[2:10])]
     by_length = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    groups = [set(by_length[i:i + 2]) for i in range(0, len(prompts), 2)]
+    groups = [set(by_length[i : i + 2]) for i in range(0, len(prompts), 2)]
     now = [0.0]
     monkeypatch.setattr(td, "time", SimpleNamespace(time=lambda: now[0], perf_counter=time.perf_counter))
     prefill = ModelRunner.prefill
@@ -668,8 +835,9 @@ def test_regeneration_time_counts_from_when_it_starts(tiny_pair, tmp_path, monke
 
     root, target = tiny_pair
     now = [1e9]
-    monkeypatch.setattr(td, "time", SimpleNamespace(time=lambda: now[0], perf_counter=time.perf_counter,
-                                                    strftime=time.strftime))
+    monkeypatch.setattr(
+        td, "time", SimpleNamespace(time=lambda: now[0], perf_counter=time.perf_counter, strftime=time.strftime)
+    )
     read = td.read_records
 
     def slow_read(*args):
@@ -691,8 +859,11 @@ def test_regeneration_time_counts_from_when_it_starts(tiny_pair, tmp_path, monke
     assert got.value.args[0] - t_start == pytest.approx(30.0 + 60.0)  # 60 s from its start, not from the run's
     now[0] = t_start = 2e9
     with pytest.raises(Started) as got:  # never past the run's own deadline
-        td.train_draft(td.TrainConfig(str(target), str(tmp_path / "e"), str(root / "data.txt"), minutes=0.6,
-                                      **{**cfg, "regen_share": 0.9}))
+        td.train_draft(
+            td.TrainConfig(
+                str(target), str(tmp_path / "e"), str(root / "data.txt"), minutes=0.6, **{**cfg, "regen_share": 0.9}
+            )
+        )
     assert got.value.args[0] - t_start == pytest.approx(36.0)
 
 
@@ -701,13 +872,26 @@ def test_regenerate_chat_records(tiny_pair, tmp_path):
     from specserve.engine.tokenizer import Tokenizer
 
     _, target = tiny_pair
-    convs = [[{"role": "user", "content": f"write function {i}"}, {"role": "assistant", "content": "pass"}]
-             for i in range(5)] + [[{"role": "assistant", "content": "no user turn"}]]
+    convs = [
+        [{"role": "user", "content": f"write function {i}"}, {"role": "assistant", "content": "pass"}] for i in range(5)
+    ] + [[{"role": "assistant", "content": "no user turn"}]]
     data = tmp_path / "chat.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in convs))
-    res = td.train_draft(td.TrainConfig(str(target), str(tmp_path / "d"), str(data), regenerate=True, regen_max_tokens=12,
-                         max_steps=1, batch_tokens=512, max_len=64, device="cpu", progress=False,
-                         keep_checkpoint=True))
+    res = td.train_draft(
+        td.TrainConfig(
+            str(target),
+            str(tmp_path / "d"),
+            str(data),
+            regenerate=True,
+            regen_max_tokens=12,
+            max_steps=1,
+            batch_tokens=512,
+            max_len=64,
+            device="cpu",
+            progress=False,
+            keep_checkpoint=True,
+        )
+    )
     assert res.regenerated == 5
     tok = Tokenizer(target)
     samples, starts = td._load_samples(tmp_path / "d" / "checkpoint" / "regenerated.jsonl")
@@ -715,8 +899,10 @@ def test_regenerate_chat_records(tiny_pair, tmp_path):
     assert all(t.startswith("<|im_start|>user\nwrite function") and "<|im_start|>assistant\n" in t for t in texts)
     assert all(len(x) > len(tok.encode(tok.apply_chat_template(c[:1]))) for x, c in zip(samples, convs))
     # the loss starts at each reply: the prompt's rendering ends right before it
-    assert [tok.decode(x[:b], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
-            for x, b in zip(samples, starts)] == [True] * 5
+    assert [
+        tok.decode(x[:b], skip_special_tokens=False).endswith("<|im_start|>assistant\n")
+        for x, b in zip(samples, starts)
+    ] == [True] * 5
 
 
 def test_cli_errors(tiny_pair, capsys):
@@ -727,8 +913,19 @@ def test_cli_errors(tiny_pair, capsys):
     assert rc == 1 and "no such file" in capsys.readouterr().err
     rc = main(["train-draft", "--model", str(target), "--out", str(root / "x")])
     assert rc == 1 and "--data is required" in capsys.readouterr().err
-    rc = main(["train-draft", "--model", str(target), "--data", str(root / "data.txt"), "--out", str(root / "x"),
-               "--ttt-steps", "0"])
+    rc = main(
+        [
+            "train-draft",
+            "--model",
+            str(target),
+            "--data",
+            str(root / "data.txt"),
+            "--out",
+            str(root / "x"),
+            "--ttt-steps",
+            "0",
+        ]
+    )
     assert rc == 1 and "--ttt-steps must be at least 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train-draft", "--model", str(target), "--out", "x", "--regen-prompt-len", "9,3"])
@@ -738,9 +935,25 @@ def test_cli_errors(tiny_pair, capsys):
 def test_train_draft_on_gpu(tiny_pair):
     """A few steps on CUDA (bf16 target, autocast drafter); the result loads in the engine."""
     root, target = tiny_pair
-    res = td.train_draft(td.TrainConfig(str(target), str(root / "gpu"), str(root / "data.txt"), regenerate=True, regen_prompts=32,
-                         regen_max_tokens=32, draft_vocab=200, ttt_steps=3, lr=1e-2, warmup=2, max_steps=20,
-                         batch_tokens=2048, max_len=128, device="cuda", progress=False))
+    res = td.train_draft(
+        td.TrainConfig(
+            str(target),
+            str(root / "gpu"),
+            str(root / "data.txt"),
+            regenerate=True,
+            regen_prompts=32,
+            regen_max_tokens=32,
+            draft_vocab=200,
+            ttt_steps=3,
+            lr=1e-2,
+            warmup=2,
+            max_steps=20,
+            batch_tokens=2048,
+            max_len=128,
+            device="cuda",
+            progress=False,
+        )
+    )
     assert res.steps == 20 and res.final_acc[0] > 0
     r = td.measure_acceptance(str(target), str(root / "gpu"), td.read_prompts(root / "prompts.jsonl"), 3, 32, "cuda")
     assert r["accept_length_mean"] > 1.0
@@ -756,9 +969,41 @@ def test_cli_flags_map_onto_train_config():
     p = argparse.ArgumentParser()
     add_arguments(p)
     assert td.TrainConfig.from_args(p.parse_args(["--model", "T", "--out", "O"])) == td.TrainConfig("T", "O")
-    got = td.TrainConfig.from_args(p.parse_args([
-        "--model", "T", "--out", "O", "--data", "D", "--max-minutes", "3", "--regen-prompt-len", "8,16",
-        "--aux-layer-ids", "0,1,2", "--no-bf16", "--eval-spec-steps", "2,5", "--from", "F", "--lr-minutes", "12",
-        "--val-samples", "5"]))
-    assert (got.data, got.minutes, got.regen_prompt_len, got.aux_layer_ids, got.bf16, got.eval_spec_steps,
-            got.from_dir, got.lr_minutes, got.val_samples) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F", 12.0, 5)
+    got = td.TrainConfig.from_args(
+        p.parse_args(
+            [
+                "--model",
+                "T",
+                "--out",
+                "O",
+                "--data",
+                "D",
+                "--max-minutes",
+                "3",
+                "--regen-prompt-len",
+                "8,16",
+                "--aux-layer-ids",
+                "0,1,2",
+                "--no-bf16",
+                "--eval-spec-steps",
+                "2,5",
+                "--from",
+                "F",
+                "--lr-minutes",
+                "12",
+                "--val-samples",
+                "5",
+            ]
+        )
+    )
+    assert (
+        got.data,
+        got.minutes,
+        got.regen_prompt_len,
+        got.aux_layer_ids,
+        got.bf16,
+        got.eval_spec_steps,
+        got.from_dir,
+        got.lr_minutes,
+        got.val_samples,
+    ) == ("D", 3.0, (8, 16), (0, 1, 2), False, (2, 5), "F", 12.0, 5)

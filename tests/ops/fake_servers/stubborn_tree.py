@@ -60,8 +60,9 @@ def main():
             os.setsid()
             if os.fork() == 0:
                 env = {k: v for k, v in os.environ.items() if k != "SPECSERVE_LAUNCH_ID"}
-                os.execve(sys.executable, [sys.executable, __file__, "--role", "daemon",
-                                           "--pidfile", args.pidfile], env)
+                os.execve(
+                    sys.executable, [sys.executable, __file__, "--role", "daemon", "--pidfile", args.pidfile], env
+                )
             os._exit(0)
         os.wait()
         os._exit(0)
