@@ -7,7 +7,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PKGS="fastapi starlette pydantic pydantic-core annotated-types typing-inspection annotated-doc uvicorn gguf
       openai distro jiter sniffio httpx2 httpcore2 truststore anyio typing-extensions jsonschema referencing
-      rpds-py jsonschema-specifications compressed-tensors loguru opentelemetry-api"
+      rpds-py jsonschema-specifications compressed-tensors loguru opentelemetry-api xgrammar apache-tvm-ffi tiktoken
+      regex"
 mkdir -p .whl
 for p in $PKGS; do
   v=$(python -m pip show "$p" 2>/dev/null | awk '/^Version:/{print $2}' || true)  # (not installed here: the newest)
