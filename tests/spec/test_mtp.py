@@ -55,7 +55,8 @@ def mtp_target(tmp_path_factory):
 
 
 def _run(target, prompts, params, **kw):
-    engine = Engine(EngineConfig(model=str(target), device="cpu", max_num_seqs=len(prompts), **kw))
+    kw.setdefault("device", "cpu")
+    engine = Engine(EngineConfig(model=str(target), max_num_seqs=len(prompts), **kw))
     seqs = [engine.add_request(p, params) for p in prompts]
     while engine.has_work():
         engine.step()
