@@ -170,7 +170,7 @@ def test_a_node_that_never_joins_fails_within_the_timeout():
     port = free_port_pair()
     t0 = time.monotonic()
     ((c0, _, err0),) = finish(start_node("generate", 0, port, ["--prompt", "x"], timeout=4))
-    assert c0 == 1 and "start_node(s) [1] did not join within --dist-timeout 4 s" in err0
+    assert c0 == 1 and "node(s) [1] did not join within --dist-timeout 4 s" in err0
     ((c1, _, err1),) = finish(start_node("generate", 1, port, ["--prompt", "x"], timeout=4))
     assert c1 == 1 and f"cannot reach node 0 at 127.0.0.1:{port + 1}" in err1
     assert time.monotonic() - t0 < WAIT

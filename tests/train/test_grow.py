@@ -202,10 +202,10 @@ PROMPTS = [[5, 17, 3, 88, 40], [9, 60, 22, 71, 14, 2, 33, 8], [1, 2, 3, 4], [50,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("grown", ["pair", "moe_pair"])
-def test_speculative_run_identical(grown, request):
+@pytest.mark.parametrize("which", ["grown", "moe_pair"])
+def test_speculative_run_identical(which, request):
     """The grown pair (dense, or with routed experts) drafts and accepts exactly what the small pair does."""
-    small, big, _ = request.getfixturevalue(grown)
+    small, big, _ = request.getfixturevalue(which)
     tok_s, steps_s, spec_s = engine_trace(small, small / "draft", PROMPTS, K=3)
     tok_b, steps_b, spec_b = engine_trace(big, big / "draft", PROMPTS, K=3)
     plain_b, _, _ = engine_trace(big, None, PROMPTS, K=0)
