@@ -25,9 +25,9 @@ step() {  # name, seconds, command...
 nvidia-smi --query-gpu=name,memory.used,clocks.sm --format=csv,noheader
 for s in $STEPS; do
   case $s in
-    tests) step tests 360 python -m pytest -q -p no:cacheprovider -m gpu tests/test_quant.py tests/test_moe_kernels.py \
-             tests/test_quant_moe.py tests/test_moe.py tests/test_speculative.py ;;
-    mla) step mla 200 python -m pytest -q -p no:cacheprovider tests/test_mla_kernel.py -m "not slow" ;;
+    tests) step tests 360 python -m pytest -q -p no:cacheprovider -m gpu tests/model/test_quant.py tests/kernels/test_moe_kernels.py \
+             tests/model/test_quant_moe.py tests/model/test_moe.py tests/spec/test_speculative.py ;;
+    mla) step mla 200 python -m pytest -q -p no:cacheprovider tests/kernels/test_mla_kernel.py -m "not slow" ;;
     experts) step experts 240 python benchmarks/int4_moe_cuda.py --sweep --out "$OUT/int4_moe_cuda.json" ;;
     int4) step int4 100 python benchmarks/int4_linear_gpu.py --shapes kimi.kv_a kimi.q_a kimi.shared_gate_up kimi.o \
             llama8b.down llama8b.qkv --group 32 --rows 1 16 64 --out "$OUT/int4_linear.json" ;;

@@ -8,7 +8,7 @@ set -u
 W=/tmp/specserve-grown
 date -u
 [ -f $W/config.json ] || timeout 150 python3 -m specserve grow --preset llama3-8b --pad-vocab 128256 --out $W --device cuda 2>&1 | tail -1
-timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x -m gpu ${GPU_TESTS:-tests/test_paged.py tests/test_speculative.py tests/test_kernels.py} 2>&1 | tail -3
+timeout ${TEST_TIMEOUT:-150} python3 -m pytest -q -x -m gpu ${GPU_TESTS:-tests/engine/test_paged.py tests/spec/test_speculative.py tests/kernels/test_kernels.py} 2>&1 | tail -3
 timeout ${PREFIX_TIMEOUT:-170} python3 benchmarks/prefix_bench.py --model $W --draft $W/draft --gpu-memory-utilization 0.9 --max-model-len 2048 --prefix-tokens 1900 \
   --fit-lengths 32768 131072 --out $OUT/prefix.json 2>&1 | grep -v -i warn | tail -6
 for side in ${ORDER:-B A}; do

@@ -361,7 +361,7 @@ def test_batch_invariant_tuning_gives_every_row_count_the_fixed_config():
 def test_cpu_linear_tuning(monkeypatch):
     """The CPU products' tuning: `linear` equals F.linear at every row count, on both sides of
     each weight's switch-overs, with and without bias; a switch-over follows the timings."""
-    monkeypatch.setattr(cpu_native, "_state", {"ops": None})  # (the panel GEMV: tests/test_cpu_native.py)
+    monkeypatch.setattr(cpu_native, "_state", {"ops": None})  # (the panel GEMV: tests/kernels/test_cpu_native.py)
     g = torch.Generator().manual_seed(7)
     ws = [torch.randn(n, k, generator=g) for n, k in ((512, 64), (64, 64), (96, 192))]
     report = cpu_linear.tune_linear_cpu(ws)
