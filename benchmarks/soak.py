@@ -13,7 +13,8 @@ server's RSS:
    streams run; each must get a 4xx and every stream must still end with [DONE];
 2. `--rounds` rounds of `--requests` streams (completions and chat, greedy and seeded
    sampling, every 4th with logprobs, every 5th with a prompt of `--long-prompt-words`
-   words) at `--concurrency`; each must end with [DONE] and no error event;
+   words, chat requests with a JSON-schema `response_format` or with `tools` (auto and
+   required)) at `--concurrency`; each must end with [DONE] and no error event;
 3. `--disconnects` streams closed after their first chunk; the server must go back to
    no running sequences.
 
@@ -101,6 +102,22 @@ class Monitor(threading.Thread):
 LONG_PROMPT_WORDS = 0  # set from --long-prompt-words
 
 
+ROW_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string"}, "count": {"type": "integer"}},
+    "required": ["name", "count"],
+    "additionalProperties": False,
+}
+LOOKUP_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "lookup",
+        "description": "Look a word up.",
+        "parameters": {"type": "object", "properties": {"word": {"type": "string"}}, "required": ["word"]},
+    },
+}
+
+
 def good_body(i: int, max_tokens: int, stream: bool = True) -> tuple[str, dict]:
     sampling = {"temperature": 0.8, "seed": i} if i % 3 == 0 else {"temperature": 0}
     text = f"Write function number {i}."
@@ -108,6 +125,10 @@ def good_body(i: int, max_tokens: int, stream: bool = True) -> tuple[str, dict]:
         text = " ".join(f"value_{i}_{k} = {k} * x" for k in range(LONG_PROMPT_WORDS // 5)) + "\n" + text
     if i % 2:
         extra = {"logprobs": True, "top_logprobs": 2} if i % 4 == 3 else {}
+        if i % 6 == 1:  # a JSON-schema reply (enforced by the grammar; with speculation, verified under it)
+            extra["response_format"] = {"type": "json_schema", "json_schema": {"name": "row", "schema": ROW_SCHEMA}}
+        elif i % 6 == 5:  # tools, the model choosing (auto) or made to call one (required)
+            extra |= {"tools": [LOOKUP_TOOL], "tool_choice": "required" if i % 12 == 11 else "auto"}
         return "/v1/chat/completions", {
             "model": MODEL,
             "stream": stream,

@@ -15,183 +15,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
-from specserve.config import ConfigError, EngineConfig
+from specserve.bench.configs import PEERS, parse_configs
+from specserve.bench.datasets import load_prompts, select_prompts
+from specserve.config import ConfigError
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
 DEFAULT_CONFIGS = ["baseline", "eagle3:steps=2", "eagle3:steps=4", "eagle3:adaptive,steps=6"]
 DEFAULT_BATCH_SIZES = [1, 4]
-DEFAULT_STEPS = 4  # eagle3 without steps= (as `specserve generate`)
 # The default run fits 3 minutes on a slow 2-core CPU with the imports before it; a GPU measures every
 # prompt well within it.
 DEFAULT_MAX_SECONDS = 165.0
-PEERS = ("hf", "hf-assisted")
-
-# Each configuration scheme and its keys: key -> (type, default). Add schemes or keys here.
-SCHEMES: dict[str, dict[str, tuple[type, object]]] = {
-    "baseline": {},
-    "eagle3": {
-        "steps": (int, DEFAULT_STEPS),
-        "adaptive": (bool, False),
-        "topk": (int, None),
-        "tokens": (int, None),
-        "text": (str, None),
-    },
-    # The target's own MTP layer, and the draft-free methods (--speculative-method); text=ngram|suffix: --text-drafts
-    "mtp": {
-        "steps": (int, DEFAULT_STEPS),
-        "adaptive": (bool, False),
-        "topk": (int, None),
-        "tokens": (int, None),
-        "text": (str, None),
-    },
-    "ngram": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "min": (int, None), "max": (int, None)},
-    "suffix": {"steps": (int, DEFAULT_STEPS), "adaptive": (bool, False), "topk": (int, None), "tokens": (int, None)},
-}
-
-
-@dataclass(frozen=True)
-class BenchConfig:
-    """One engine configuration: `name:key=value,key=value` (a bare key means key=true)."""
-
-    name: str
-    params: tuple[tuple[str, object], ...]
-
-    @property
-    def label(self) -> str:
-        if not self.params:
-            return self.name
-        # Flags first (eagle3:adaptive,steps=6 reads as "adaptive, up to 6").
-        flags = [k for k, v in self.params if v is True]
-        kvs = [f"{k}={v}" for k, v in self.params if not isinstance(v, bool)]
-        return f"{self.name}:{','.join(flags + kvs)}"
-
-    def get(self, key: str):
-        return dict(self.params).get(key)
-
-    @property
-    def tree(self) -> tuple[int, int | None]:
-        """(top-k, nodes verified): (1, None) for chains and plain decoding."""
-        return int(self.get("topk") or 1), self.get("tokens")
-
-    def engine_options(self) -> dict:
-        """The engine options that set this config's drafting method: configs that differ in them need
-        engines of their own (others share one, switching K)."""
-        if self.name == "baseline":
-            return {}
-        out = {"spec_method": self.name, "spec_topk": self.tree[0], "spec_tokens": self.tree[1]}
-        if self.get("text"):
-            out["spec_text_drafts"] = self.get("text")
-        if self.name == "ngram" or self.get("text") == "ngram":
-            out.update(
-                ngram_min=self.get("min") or EngineConfig.ngram_min, ngram_max=self.get("max") or EngineConfig.ngram_max
-            )
-        return out
-
-    @property
-    def spec_steps(self) -> int:
-        """Fixed K, or the largest K for an adaptive config; 0 for plain decoding."""
-        return int(self.get("steps") or 0)
-
-
-def parse_config(text: str) -> BenchConfig:
-    name, _, rest = text.strip().partition(":")
-    if name not in SCHEMES:
-        hint = " (peers go in --peers)" if name in PEERS else ""
-        raise ConfigError(
-            f"unknown bench config {text!r}{hint}; known: {', '.join(SCHEMES)} "
-            f"(e.g. baseline, eagle3:steps=3, eagle3:adaptive,steps=6)"
-        )
-    keys = SCHEMES[name]
-    values = {k: default for k, (_, default) in keys.items()}
-    for item in filter(None, (s.strip() for s in rest.split(","))):
-        key, eq, raw = item.partition("=")
-        if key not in keys:
-            raise ConfigError(
-                f"bench config {text!r}: unknown key {key!r} for {name} (known: {', '.join(keys) or 'none'})"
-            )
-        typ = keys[key][0]
-        if typ is bool:
-            if eq and raw.lower() not in ("true", "false", "1", "0"):
-                raise ConfigError(f"bench config {text!r}: {key} takes true or false, got {raw!r}")
-            values[key] = (not eq) or raw.lower() in ("true", "1")
-        else:
-            try:
-                values[key] = typ(raw)
-            except ValueError:
-                raise ConfigError(f"bench config {text!r}: {key}={raw!r} is not a valid {typ.__name__}") from None
-    steps = values.get("steps")
-    if steps is not None and not 1 <= steps <= 16:
-        raise ConfigError(f"bench config {text!r}: steps must be in 1..16, got {steps}")
-    if name != "baseline":  # the engine's own checks, with the config named
-        try:
-            EngineConfig(
-                draft="-" if name == "eagle3" else None,
-                spec_steps=steps,
-                **BenchConfig(name, tuple(values.items())).engine_options(),
-            )
-        except ConfigError as e:
-            raise ConfigError(f"bench config {text!r}: {e}") from None
-    # Unset optional keys (None) stay out of the label.
-    return BenchConfig(name, tuple(sorted((k, v) for k, v in values.items() if v is not None)))
-
-
-def parse_configs(texts: list[str]) -> list[BenchConfig]:
-    """Parse and de-duplicate; baseline is always measured (speedups and output checks need it)."""
-    configs = [parse_config(t) for t in texts]
-    labels = [c.label for c in configs]
-    dupes = sorted({x for x in labels if labels.count(x) > 1})
-    if dupes:
-        raise ConfigError(f"--configs lists the same configuration twice: {', '.join(dupes)}")
-    if "baseline" not in labels:
-        configs.insert(0, parse_config("baseline"))
-    return configs
-
-
-def load_prompts(path: str | Path | None) -> list[dict]:
-    """Read a jsonl prompt file: {"prompt": str} or {"messages": [...]}, optional "category"."""
-    path = Path(path) if path else DEFAULT_PROMPTS
-    if not path.exists():
-        raise ConfigError(f"--prompts {path}: file not found")
-    prompts = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: not valid JSON ({e})") from None
-        if not isinstance(row, dict):
-            raise ConfigError(f"{path}:{n}: each line must be a JSON object")
-        has_prompt = isinstance(row.get("prompt"), str) and row["prompt"]
-        msgs = row.get("messages")
-        has_msgs = (
-            isinstance(msgs, list)
-            and msgs
-            and all(
-                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                for m in msgs
-            )
-        )
-        if not has_prompt and not has_msgs:
-            raise ConfigError(
-                f'{path}:{n}: needs a non-empty "prompt" string or a "messages" list of {{"role", "content"}} objects'
-            )
-        category = row.get("category", "default")
-        if not isinstance(category, str) or not category:
-            raise ConfigError(f'{path}:{n}: "category" must be a non-empty string')
-        prompts.append(
-            {
-                "prompt": row.get("prompt") if has_prompt else None,
-                "messages": msgs if has_msgs else None,
-                "category": category,
-            }
-        )
-    if not prompts:
-        raise ConfigError(f"--prompts {path}: no prompts in the file")
-    return prompts
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -381,18 +215,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--peers runs in the offline mode only (drop --url)")
     if args.peer_draft and "hf-assisted" not in args.peers:
         raise ConfigError("--peer-draft is used by the hf-assisted peer: add --peers hf-assisted")
-
-
-def select_prompts(prompts: list[dict], per_category: int | None) -> list[dict]:
-    if per_category is None:
-        return prompts
-    seen: dict[str, int] = {}
-    out = []
-    for p in prompts:
-        if seen.get(p["category"], 0) < per_category:
-            seen[p["category"]] = seen.get(p["category"], 0) + 1
-            out.append(p)
-    return out
 
 
 def run(args: argparse.Namespace) -> int:

@@ -135,11 +135,68 @@ def load_dataset(name: str, limit: int | None = None) -> list[dict]:
         rows = _READERS[name](dataset_file(DATASETS[name]), limit)
         category = name
     elif name.endswith(".jsonl"):
-        from specserve.bench.bench_cmd import load_prompts
-
         rows, category = load_prompts(name)[:limit], Path(name).stem
     else:
         raise ConfigError(f"--dataset {name!r}: not one of {', '.join(DATASETS)} or a .jsonl file")
     if not rows:
         raise ConfigError(f"--dataset {name}: no prompts read")
     return [{**r, "category": category} for r in rows]
+
+
+DEFAULT_PROMPTS = Path(__file__).resolve().parent / "prompts.jsonl"
+
+
+def load_prompts(path: str | Path | None) -> list[dict]:
+    """Read a jsonl prompt file: {"prompt": str} or {"messages": [...]}, optional "category"."""
+    path = Path(path) if path else DEFAULT_PROMPTS
+    if not path.exists():
+        raise ConfigError(f"--prompts {path}: file not found")
+    prompts = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n}: not valid JSON ({e})") from None
+        if not isinstance(row, dict):
+            raise ConfigError(f"{path}:{n}: each line must be a JSON object")
+        has_prompt = isinstance(row.get("prompt"), str) and row["prompt"]
+        msgs = row.get("messages")
+        has_msgs = (
+            isinstance(msgs, list)
+            and msgs
+            and all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                for m in msgs
+            )
+        )
+        if not has_prompt and not has_msgs:
+            raise ConfigError(
+                f'{path}:{n}: needs a non-empty "prompt" string or a "messages" list of {{"role", "content"}} objects'
+            )
+        category = row.get("category", "default")
+        if not isinstance(category, str) or not category:
+            raise ConfigError(f'{path}:{n}: "category" must be a non-empty string')
+        prompts.append(
+            {
+                "prompt": row.get("prompt") if has_prompt else None,
+                "messages": msgs if has_msgs else None,
+                "category": category,
+            }
+        )
+    if not prompts:
+        raise ConfigError(f"--prompts {path}: no prompts in the file")
+    return prompts
+
+
+def select_prompts(prompts: list[dict], per_category: int | None) -> list[dict]:
+    if per_category is None:
+        return prompts
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        if seen.get(p["category"], 0) < per_category:
+            seen[p["category"]] = seen.get(p["category"], 0) + 1
+            out.append(p)
+    return out

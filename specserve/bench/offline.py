@@ -16,12 +16,14 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from specserve.bench import cost_model, report
-from specserve.bench.bench_cmd import BenchConfig
+from specserve.bench.configs import BenchConfig
 from specserve.bench.context import extend_to_context
 from specserve.bench.datasets import own_answer_index
+from specserve.bench.peers import PeerProcess
+from specserve.bench.runs import RunOutput
 from specserve.config import SPEC_METHODS, ConfigError, ModelConfig
 
 
@@ -30,19 +32,6 @@ class Batch:
     index: int
     category: str
     slots: list[int]  # prompt indices, len == batch size
-
-
-@dataclass
-class RunOutput:
-    """One unit running one batch once."""
-
-    tokens: list[list[int]]
-    wall: float
-    ttft: list[float]
-    tpot: list[float | None]
-    spec: dict | None = None  # summed counters (engine) or {"cycles", "tokens"} (assisted peer)
-    profile: list[dict] = field(default_factory=list)
-    host: dict | None = None  # engine steps, host seconds inside them and of those waiting for the device
 
 
 @dataclass
@@ -341,8 +330,6 @@ def _run(args, configs: list[BenchConfig], prompts: list[dict], base_kw: dict, t
     dtype = resolve_dtype(base_kw["dtype"], ModelConfig.from_dir(model_dir).dtype, torch.device(device))
     peer_status: dict[str, str] = {}
     if args.peers:
-        from specserve.bench.peers import PeerProcess
-
         for name in args.peers:
             log(f"[bench] loading peer {name} ...")
             try:
@@ -549,7 +536,7 @@ def _calibrate(
     estimate fits what is left of --max-seconds since `t_begin`. Returns the figures, and the prompt
     indices to keep under "keep". A run with --num-prompts (scripted, often with a timeout of its own)
     is not lengthened by the calibration."""
-    from specserve.bench.bench_cmd import select_prompts
+    from specserve.bench.datasets import select_prompts
 
     sized = args.num_prompts is None and args.max_seconds > 0
     if not sized:

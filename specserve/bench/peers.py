@@ -21,7 +21,7 @@ import warnings
 
 import torch
 
-from specserve.bench.offline import RunOutput
+from specserve.bench.runs import RunOutput
 from specserve.distributed.worker import die_with_parent
 
 PROMPT_LOOKUP_TOKENS = 10  # candidate tokens per prompt-lookup step (the transformers docs' example value)

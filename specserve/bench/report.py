@@ -514,7 +514,7 @@ def plot(r: dict, path: str) -> None:
         for x in rows
         if x["config"] == "baseline" or (x["config"].startswith("eagle3:") and "adaptive" not in x["config"])
     ]
-    from specserve.bench.bench_cmd import parse_config
+    from specserve.bench.configs import parse_config
 
     parsed = {x["config"]: parse_config(x["config"]) for x in fixed}
     topks = sorted({c.tree[0] for c in parsed.values()})  # one line per batch size and tree width

@@ -22,12 +22,13 @@ from specserve.engine.block_pool import NULL_BLOCK
 from specserve.engine.logprobs import LogprobBatch, TokenLogprob
 from specserve.engine.profiling import Mark
 from specserve.engine.protocol import ServingEngine
+from specserve.engine.readback import DeviceWaits, host_lists
 from specserve.engine.runner import ModelRunner
 from specserve.engine.sampling import BatchSampling, SamplingParams, sample_tokens, to_device
 from specserve.engine.scheduler import Scheduler
 from specserve.engine.sequence import Sequence, SpecStats, Status
 from specserve.spec.draft_free import TextFirst, chain_drafts, text_proposer, tree_drafts
-from specserve.spec.overlap import DeviceWaits, Launched, Overlap, host_lists
+from specserve.spec.overlap import Launched, Overlap
 from specserve.spec.policy import (
     SpecPolicy,
     batch_context,

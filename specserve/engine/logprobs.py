@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specserve.engine.readback import host_lists
 from specserve.engine.sampling import to_device
-from specserve.spec.overlap import host_lists
 
 
 @dataclass(frozen=True)

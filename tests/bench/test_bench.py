@@ -17,7 +17,7 @@ from typing import ClassVar
 
 import pytest
 
-from specserve.bench import bench_cmd, cost_model, online
+from specserve.bench import configs, cost_model, datasets, online
 from specserve.config import ConfigError
 
 from benching import PROMPTS, jsonschema, needs_jsonschema, run_cli, validate, write_char_tokenizer
@@ -34,7 +34,7 @@ def test_adaptive_learns_apart_from_the_fixed_k_runs_of_a_shared_engine(bench_pa
 
     target, draft, _ = bench_pair
     base_kw = dict(model=str(target), draft=str(draft), device="cpu", max_num_seqs=1)
-    fixed, adaptive = bench_cmd.parse_config("eagle3:steps=3"), bench_cmd.parse_config("eagle3:adaptive,steps=2")
+    fixed, adaptive = configs.parse_config("eagle3:steps=3"), configs.parse_config("eagle3:adaptive,steps=2")
     llm = EngineUnit.shared_llm([fixed, adaptive], base_kw, False)
     eng = llm.engine
     shared = eng.policy
@@ -56,11 +56,11 @@ def test_adaptive_learns_apart_from_the_fixed_k_runs_of_a_shared_engine(bench_pa
 
 # ---------------------------------------------------------------- parsing
 def test_parse_config_labels_and_errors():
-    p = bench_cmd.parse_config
+    p = configs.parse_config
     assert p("baseline").label == "baseline"
     assert p("eagle3:steps=3").label == "eagle3:steps=3" and p("eagle3:steps=3").spec_steps == 3
     a = p("eagle3:adaptive")
-    assert a.get("adaptive") is True and a.spec_steps == bench_cmd.DEFAULT_STEPS
+    assert a.get("adaptive") is True and a.spec_steps == configs.DEFAULT_STEPS
     assert p("eagle3:steps=6,adaptive").label == "eagle3:adaptive,steps=6"
     assert p("eagle3:adaptive=false,steps=2").label == "eagle3:steps=2"
     with pytest.raises(ConfigError, match="unknown bench config"):
@@ -74,28 +74,28 @@ def test_parse_config_labels_and_errors():
     with pytest.raises(ConfigError, match="not a valid int"):
         p("eagle3:steps=two")
     with pytest.raises(ConfigError, match="twice"):
-        bench_cmd.parse_configs(["eagle3:steps=2", "eagle3:steps=2"])
+        configs.parse_configs(["eagle3:steps=2", "eagle3:steps=2"])
     # baseline is always measured: speedups and output checks are relative to it
-    assert [c.label for c in bench_cmd.parse_configs(["eagle3:steps=2"])] == ["baseline", "eagle3:steps=2"]
+    assert [c.label for c in configs.parse_configs(["eagle3:steps=2"])] == ["baseline", "eagle3:steps=2"]
 
 
 def test_bundled_prompts_have_categories():
-    prompts = bench_cmd.load_prompts(None)
+    prompts = datasets.load_prompts(None)
     cats = {p["category"] for p in prompts}
     assert {"code", "prose", "chat"} <= cats and len(prompts) >= 20
-    assert len(bench_cmd.select_prompts(prompts, 2)) == 2 * len(cats)
+    assert len(datasets.select_prompts(prompts, 2)) == 2 * len(cats)
 
 
 def test_bad_prompt_files(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text('{"category": "x"}\n')
     with pytest.raises(ConfigError, match=r":1: needs a non-empty \"prompt\""):
-        bench_cmd.load_prompts(f)
+        datasets.load_prompts(f)
     f.write_text("not json\n")
     with pytest.raises(ConfigError, match=":1: not valid JSON"):
-        bench_cmd.load_prompts(f)
+        datasets.load_prompts(f)
     with pytest.raises(ConfigError, match="not found"):
-        bench_cmd.load_prompts(tmp_path / "missing.jsonl")
+        datasets.load_prompts(tmp_path / "missing.jsonl")
 
 
 def test_cli_rejects_bad_options(monkeypatch, capsys, bench_pair, tmp_path):
@@ -481,7 +481,7 @@ def test_cost_model_with_one_measured_k_keeps_verify_cost():
     smaller K never looks cheaper than a plain step (it once came out proportional to K)."""
     from types import SimpleNamespace
 
-    from specserve.bench.offline import RunOutput
+    from specserve.bench.runs import RunOutput
 
     N, step, verify, draft = 33, 0.004, 0.0048, 0.0008  # seconds: plain step, K=4 verify, K=4 draft
     base = RunOutput([[1] * N], wall=0.01 + (N - 1) * step, ttft=[0.01], tpot=[step])
@@ -494,9 +494,9 @@ def test_cost_model_with_one_measured_k_keeps_verify_cost():
         profile=prof,
         spec={"cycles": 12, "accepted": 20, "accepted_per_pos": [8, 6, 4, 2], "drafted_per_pos": [12, 12, 12, 12]},
     )
-    cfg = bench_cmd.parse_config("eagle3:steps=4")
+    cfg = configs.parse_config("eagle3:steps=4")
     runs = {("baseline", 1): [SimpleNamespace(out=base)], (cfg.label, 1): [SimpleNamespace(out=spec)]}
-    fit = cost_model.from_runs(1, [bench_cmd.parse_config("baseline"), cfg], runs, [])
+    fit = cost_model.from_runs(1, [configs.parse_config("baseline"), cfg], runs, [])
     assert fit["verify_ms"]["base"] == pytest.approx(1000 * step)
     assert fit["verify_ms"]["per_token"] == pytest.approx(1000 * (verify - step) / 4)
     assert fit["draft_ms"] == pytest.approx({"base": 0.0, "per_step": 1000 * draft / 4})

@@ -211,9 +211,9 @@ def test_tp2_draft_free_equals_tp1_plain(make_pair):
 
 
 def test_bench_configs_name_the_drafting_method():
-    from specserve.bench import bench_cmd
+    from specserve.bench import configs
 
-    p = bench_cmd.parse_config
+    p = configs.parse_config
     assert p("ngram:steps=4,min=2,max=5").label == "ngram:max=5,min=2,steps=4"
     assert p("ngram:steps=4,min=2,max=5").engine_options() == {
         "spec_method": "ngram",
