@@ -284,15 +284,15 @@ def test_preemption_hysteresis_and_speculation_keep_plain_output(small_pair, mod
     assert 0 < sum(counts.values()) < sum(eager_counts.values()), (counts, eager_counts)
 
 
-def test_a_request_larger_than_the_free_pool_waits_and_finishes(pair):
+def test_a_request_larger_than_the_free_pool_waits_and_finishes(small_pair):
     """Two requests near --max-model-len in a pool that holds about one and a half: the second
     waits while the first runs (or is preempted), and both emit what they emit with room to spare.
     (A request larger than the whole pool cannot arrive: the pool holds at least one sequence of
     --max-model-len, test_pool_sizes_are_checked, and longer prompts are refused at admission.)"""
     prompts = _prompts(2, seed=21, lo=38, hi=42)
     params = _params(2, max_tokens=20)
-    roomy = _drain(_engine(pair, "chain", max_num_seqs=2, kv_block_size=8, max_model_len=64), prompts, params)
-    engine = _engine(pair, "chain", max_num_seqs=2, kv_block_size=8, max_model_len=64, kv_cache_tokens=96)
+    roomy = _drain(_engine(small_pair, "chain", max_num_seqs=2, kv_block_size=8, max_model_len=64), prompts, params)
+    engine = _engine(small_pair, "chain", max_num_seqs=2, kv_block_size=8, max_model_len=64, kv_cache_tokens=96)
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     waited = False
     while engine.has_work():
