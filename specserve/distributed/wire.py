@@ -36,6 +36,7 @@ CLASSES = {
     "SamplingParams": "specserve.engine.sampling:SamplingParams",
     "RequestOutput": "specserve.engine.llm:RequestOutput",
     "TokenLogprob": "specserve.engine.logprobs:TokenLogprob",
+    "GrammarSpec": "specserve.constrain.grammar:GrammarSpec",
 }
 
 
