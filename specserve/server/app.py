@@ -417,6 +417,7 @@ async def collect(request: Request, out: _Output):
         out.abort_unfinished(reasons)
     out.st.metrics.end("finished", _request_finish_reason(reasons.values()))
     writers = out.logprob_writers()
+    splitters = out.splitters()
 
     def choice(i: int) -> dict:
         text, lp = "".join(texts[i]), writers[i].piece(logprobs[i]) if writers else None
@@ -435,7 +436,6 @@ async def collect(request: Request, out: _Output):
             c["message"]["reasoning_content"] = message["reasoning_content"]
         return c
 
-    splitters = out.splitters()
     choices = [choice(i) for i in sorted(out.ids_by_index)]
     return {
         "id": out.rid,
